@@ -1,0 +1,46 @@
+# fleetpilot developer entry points. Every target sets itself up: a fresh clone needs only
+# python3 (3.11+) on PATH. Go is needed for the control-plane tests (e2e/controlplane).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+SRC := fleetpilot
+
+.PHONY: setup test lint typecheck imports unit demo crds clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[engine,dev]'
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+lint: setup
+	$(BIN)/ruff check $(SRC) tests
+	$(BIN)/ruff format --check $(SRC) tests
+
+typecheck: setup
+	$(BIN)/mypy $(SRC)
+
+imports: setup
+	$(BIN)/lint-imports
+
+unit: setup
+	$(BIN)/pytest
+
+test: lint typecheck imports unit
+
+crds: setup
+	$(BIN)/fleetpilot crds
+
+# Until the local fleet exists (issue "The local fleet"), the demo shows what a service
+# becomes: per tier and role, replicas, GPUs and the exact engine command line.
+demo: setup
+	@echo "== fleetpilot plan -f examples/two-tier.yaml -o summary"
+	@$(BIN)/fleetpilot plan -f examples/two-tier.yaml -o summary
+	@echo
+	@echo "== fleetpilot plan -f examples/disaggregated.yaml -o summary"
+	@$(BIN)/fleetpilot plan -f examples/disaggregated.yaml -o summary
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

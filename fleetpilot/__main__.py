@@ -1,0 +1,3 @@
+from fleetpilot.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,35 @@
+"""The InferenceService API: pydantic models that are the single source of truth of the CRD."""
+
+from fleetpilot.api.loading import FieldProblem, InvalidManifestError, load_services, parse_service
+from fleetpilot.api.service import API_VERSION, GROUP, KIND, VERSION, InferenceService, ObjectMeta
+from fleetpilot.api.spec import (
+    InferenceServiceSpec,
+    Parallelism,
+    ReplicaBounds,
+    RoleSpec,
+    Rule,
+    ServingMode,
+    Tier,
+)
+from fleetpilot.api.status import InferenceServiceStatus
+
+__all__ = [
+    "API_VERSION",
+    "GROUP",
+    "KIND",
+    "VERSION",
+    "FieldProblem",
+    "InferenceService",
+    "InferenceServiceSpec",
+    "InferenceServiceStatus",
+    "InvalidManifestError",
+    "ObjectMeta",
+    "Parallelism",
+    "ReplicaBounds",
+    "RoleSpec",
+    "Rule",
+    "ServingMode",
+    "Tier",
+    "load_services",
+    "parse_service",
+]

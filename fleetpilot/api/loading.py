@@ -1,0 +1,105 @@
+"""Reading InferenceService manifests from YAML with errors a person can act on."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from fleetpilot.api.service import InferenceService
+
+
+@dataclass(frozen=True)
+class FieldProblem:
+    """One reason a manifest was refused: where, and why."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.path else self.message
+
+
+class InvalidManifestError(ValueError):
+    """A manifest that cannot become an InferenceService; every problem names its field."""
+
+    def __init__(self, source: str, problems: list[FieldProblem]) -> None:
+        self.source = source
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"{source}: invalid InferenceService\n{lines}")
+
+
+def field_path(loc: Iterable[int | str]) -> str:
+    """``('spec', 'tiers', 1, 'serving')`` -> ``spec.tiers[1].serving``."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += f".{part}" if path else part
+    return path
+
+
+def _message(error: Any) -> str:
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return "unknown field"
+    if kind == "missing":
+        return "required field is missing"
+    text = str(error["msg"])
+    # pydantic prefixes validator messages with "Value error, "; the rule text stands alone.
+    return text.removeprefix("Value error, ")
+
+
+def problems_of(error: ValidationError) -> list[FieldProblem]:
+    """Translate pydantic's errors into field paths in manifest (camelCase) terms."""
+    problems = []
+    for item in error.errors(include_url=False):
+        # Union/tagged-type bookkeeping entries (e.g. 'function-after[...]') are not fields.
+        loc = [p for p in item["loc"] if isinstance(p, int) or "[" not in str(p)]
+        problems.append(FieldProblem(field_path(loc), _message(item)))
+    return problems
+
+
+def parse_service(obj: Any, source: str = "<object>") -> InferenceService:
+    """Validate one decoded manifest; raise :class:`InvalidManifestError` naming every bad field."""
+    if not isinstance(obj, dict):
+        raise InvalidManifestError(source, [FieldProblem("", "expected a mapping (a YAML object)")])
+    try:
+        return InferenceService.from_object(obj)
+    except ValidationError as exc:
+        raise InvalidManifestError(source, problems_of(exc)) from None
+
+
+def load_documents(text: str, source: str) -> list[Any]:
+    """Parse YAML documents; a syntax error names the line and column."""
+    try:
+        return [doc for doc in yaml.safe_load_all(text) if doc is not None]
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
+        raise InvalidManifestError(
+            source, [FieldProblem("", f"YAML syntax error at {where}: {exc.problem}")]
+        ) from None
+    except yaml.YAMLError as exc:
+        raise InvalidManifestError(source, [FieldProblem("", f"YAML error: {exc}")]) from None
+
+
+def load_services(path: Path) -> list[InferenceService]:
+    """Every InferenceService in a YAML file (other kinds are refused, not skipped)."""
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InvalidManifestError(
+            source, [FieldProblem("", f"cannot read file: {exc.strerror}")]
+        ) from None
+    documents = load_documents(text, source)
+    if not documents:
+        raise InvalidManifestError(source, [FieldProblem("", "no YAML document in file")])
+    return [parse_service(doc, f"{source} (document {i + 1})") for i, doc in enumerate(documents)]

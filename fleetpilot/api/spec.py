@@ -1,0 +1,684 @@
+"""The InferenceService spec: tiers of models, how each is served, routed and scaled.
+
+Every cross-field rule is written twice on purpose, from one message: as a CEL rule the API
+server enforces at ``kubectl apply``, and as a Python validator so ``fleetpilot plan`` and the
+local runtime refuse exactly the same objects with exactly the same words.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from enum import StrEnum
+from itertools import pairwise
+from typing import Annotated, Self
+
+from pydantic import Field, StringConstraints, model_validator
+
+from fleetpilot.api.base import ApiModel, cel_rules, nested
+from fleetpilot.api.units import Duration, Quantity
+
+# A DNS-1035 label: usable in Service names and as a label value.
+DNS_LABEL_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+DnsLabel = Annotated[str, StringConstraints(pattern=DNS_LABEL_PATTERN, max_length=63)]
+
+# The pinned engine release. Never `latest`: a rollout must be a spec change, not a pull.
+DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.33.0"
+MAX_TIERS = 8
+MAX_GPUS_PER_ENGINE = 64
+
+
+class Rule:
+    """Messages of the cross-field rules, shared by the CEL rules and the Python validators."""
+
+    REPLICAS_ORDER = "replicas.min must be less than or equal to replicas.max"
+    REPLICAS_INITIAL = "replicas.initial must lie within replicas.min..replicas.max"
+    GPUS_PER_ENGINE = (
+        "parallelism.tensor x parallelism.pipeline (GPUs per engine instance) must be within 1..64"
+    )
+    DISAGG_NEEDS_ROLES = "serving.mode disaggregated needs both serving.prefill and serving.decode"
+    UNIFIED_NO_ROLES = (
+        "serving.prefill and serving.decode are only allowed when serving.mode is disaggregated"
+    )
+    DISAGG_NO_REPLICAS = (
+        "serving.replicas applies to unified mode only; with serving.mode disaggregated set "
+        "serving.prefill.replicas and serving.decode.replicas"
+    )
+    KV_TRANSFER_DISAGG_ONLY = (
+        "serving.kvTransfer is only allowed when serving.mode is disaggregated"
+    )
+    SPEC_MODEL_REQUIRED = "speculative.model is required for methods eagle, eagle3 and draft_model"
+    SPEC_MODEL_FORBIDDEN = "speculative.model is only used by methods eagle, eagle3 and draft_model"
+    BATCHED_TOKENS = "engine.maxNumBatchedTokens must be at least engine.maxNumSeqs"
+    SOURCE_ONE_OF = "model.source takes at most one of pvc and huggingface"
+    TIER_NAMES_UNIQUE = "spec.tiers[].name must be unique"
+    COMPLEXITY_INCREASING = (
+        "spec.tiers[].complexity.upTo must increase strictly from tier to tier (cheapest first)"
+    )
+    SCALE_DOWN_WINDOW = (
+        "autoscaling.scaleDown.stabilization must be at least autoscaling.scaleUp.stabilization"
+    )
+    NAME_LABEL = (
+        "metadata.name must be a DNS-1035 label (lowercase letters, digits and '-', starting "
+        "with a letter) of at most 63 characters: it names the Services and labels of the fleet"
+    )
+
+
+class ReplicaBounds(ApiModel):
+    """How many engine replicas a role may run; the autoscaler moves within these bounds."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": cel_rules(
+            ("self.min <= self.max", Rule.REPLICAS_ORDER),
+            (
+                "!has(self.initial) || (self.initial >= self.min && self.initial <= self.max)",
+                Rule.REPLICAS_INITIAL,
+            ),
+        )
+    }
+
+    min: int = Field(1, ge=0, le=1000, description="Fewest replicas; 0 allows scale to zero.")
+    max: int = Field(1, ge=1, le=1000, description="Most replicas the autoscaler may run.")
+    initial: int | None = Field(
+        None,
+        ge=0,
+        le=1000,
+        description="Replicas when the Deployment is first created (default: max(min, 1)).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.min > self.max:
+            raise ValueError(Rule.REPLICAS_ORDER)
+        if self.initial is not None and not self.min <= self.initial <= self.max:
+            raise ValueError(Rule.REPLICAS_INITIAL)
+        return self
+
+    @property
+    def start(self) -> int:
+        """Replicas to create with: ``initial``, else at least one so the tier can serve."""
+        if self.initial is not None:
+            return self.initial
+        return min(max(self.min, 1), self.max)
+
+
+class SecretKeyRef(ApiModel):
+    """A key of a Secret in the service's namespace. Secrets never appear in specs or logs."""
+
+    name: DnsLabel = Field(description="Secret name.")
+    key: str = Field("token", min_length=1, max_length=253, description="Key within the Secret.")
+
+
+class HuggingFaceSource(ApiModel):
+    """Weights downloaded from the Hugging Face Hub by the engine at start."""
+
+    revision: str | None = Field(
+        None, max_length=128, description="Branch, tag or commit of the model repository."
+    )
+    token_secret_ref: SecretKeyRef | None = Field(
+        None, description="Secret key holding a Hub token, for gated or private models."
+    )
+
+
+class PvcSource(ApiModel):
+    """Weights already on a PersistentVolumeClaim (mounted read-only at /models)."""
+
+    claim_name: str = Field(min_length=1, max_length=253, description="PVC name.")
+    sub_path: str | None = Field(
+        None,
+        max_length=1024,
+        description="Directory of the model inside the volume (default: the model name).",
+    )
+
+
+class ModelSource(ApiModel):
+    """Where the engine reads weights from; the Hugging Face Hub when neither is set."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": cel_rules(
+            ("!(has(self.pvc) && has(self.huggingface))", Rule.SOURCE_ONE_OF)
+        )
+    }
+
+    pvc: PvcSource | None = Field(None, description="Read weights from a PVC.")
+    huggingface: HuggingFaceSource | None = Field(
+        None, description="Download weights from the Hugging Face Hub."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.pvc is not None and self.huggingface is not None:
+            raise ValueError(Rule.SOURCE_ONE_OF)
+        return self
+
+
+class Quantization(StrEnum):
+    AWQ = "awq"
+    AWQ_MARLIN = "awq_marlin"
+    GPTQ = "gptq"
+    GPTQ_MARLIN = "gptq_marlin"
+    FP8 = "fp8"
+    BITSANDBYTES = "bitsandbytes"
+    COMPRESSED_TENSORS = "compressed-tensors"
+    GGUF = "gguf"
+    MODELOPT = "modelopt"
+
+
+class ModelDtype(StrEnum):
+    AUTO = "auto"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+    FLOAT32 = "float32"
+
+
+class ModelSpec(ApiModel):
+    """The model a tier serves."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=256,
+        description="Model id on the Hub (e.g. Qwen/Qwen2.5-7B-Instruct) or directory name.",
+    )
+    served_name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$",
+        description="Name clients use in the `model` field (default: the model name).",
+    )
+    max_model_len: int | None = Field(
+        None, ge=16, le=4_194_304, description="Context length in tokens (default: the model's)."
+    )
+    quantization: Quantization | None = Field(
+        None, description="Weight quantization method of the checkpoint."
+    )
+    dtype: ModelDtype = Field(ModelDtype.AUTO, description="Activation/weight dtype.")
+    source: ModelSource = nested(ModelSource, "Where the weights come from.")
+
+    @property
+    def alias(self) -> str:
+        """The name clients request this model by."""
+        return self.served_name or self.name
+
+
+class KvCacheDtype(StrEnum):
+    AUTO = "auto"
+    FP8 = "fp8"
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E5M2 = "fp8_e5m2"
+
+
+class KvCache(ApiModel):
+    """Paged KV cache settings."""
+
+    block_size: int = Field(
+        16, description="Tokens per KV block.", json_schema_extra={"enum": [8, 16, 32, 64, 128]}
+    )
+    dtype: KvCacheDtype = Field(KvCacheDtype.AUTO, description="KV cache element type.")
+    prefix_caching: bool = Field(True, description="Share KV blocks of identical prompt prefixes.")
+
+    @model_validator(mode="after")
+    def _check_block(self) -> Self:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError("kvCache.blockSize must be one of 8, 16, 32, 64, 128")
+        return self
+
+
+class SpeculativeMethod(StrEnum):
+    NGRAM = "ngram"
+    EAGLE = "eagle"
+    EAGLE3 = "eagle3"
+    DRAFT_MODEL = "draft_model"
+    MTP = "mtp"
+    SUFFIX = "suffix"
+
+
+_METHODS_WITH_MODEL = ("eagle", "eagle3", "draft_model")
+
+
+class Speculative(ApiModel):
+    """Speculative decoding: a cheap proposer drafts tokens the target model verifies."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": cel_rules(
+            (
+                "!(self.method in ['eagle', 'eagle3', 'draft_model']) || has(self.model)",
+                Rule.SPEC_MODEL_REQUIRED,
+            ),
+            (
+                "self.method in ['eagle', 'eagle3', 'draft_model'] || !has(self.model)",
+                Rule.SPEC_MODEL_FORBIDDEN,
+            ),
+        )
+    }
+
+    method: SpeculativeMethod = Field(description="Proposer.")
+    model: str | None = Field(
+        None, min_length=1, max_length=256, description="Draft/EAGLE model id."
+    )
+    num_tokens: int = Field(5, ge=1, le=16, description="Tokens proposed per step.")
+    prompt_lookup_max: int | None = Field(
+        None, ge=1, le=16, description="ngram: longest n-gram matched against the prompt."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        needs_model = self.method.value in _METHODS_WITH_MODEL
+        if needs_model and self.model is None:
+            raise ValueError(Rule.SPEC_MODEL_REQUIRED)
+        if not needs_model and self.model is not None:
+            raise ValueError(Rule.SPEC_MODEL_FORBIDDEN)
+        return self
+
+
+class EnvVar(ApiModel):
+    """A plain environment variable for the engine container (no secrets: use a Secret ref)."""
+
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=128)
+    value: str = Field("", max_length=4096)
+
+
+class EngineSettings(ApiModel):
+    """How the engine (vLLM) runs the model."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": cel_rules(
+            (
+                "!has(self.maxNumBatchedTokens) || self.maxNumBatchedTokens >= self.maxNumSeqs",
+                Rule.BATCHED_TOKENS,
+            )
+        )
+    }
+
+    image: str = Field(
+        DEFAULT_VLLM_IMAGE,
+        min_length=1,
+        max_length=512,
+        pattern=r"^[^\s]+$",
+        description="Engine container image; pin a release, never `latest`.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0.0, le=0.99, description="Share of each GPU's memory vLLM may use."
+    )
+    max_num_seqs: int = Field(256, ge=1, le=4096, description="Most sequences in one batch.")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, le=1_048_576, description="Token budget of one scheduler step."
+    )
+    kv_cache: KvCache = nested(KvCache, "Paged KV cache.")
+    speculative: Speculative | None = Field(None, description="Speculative decoding.")
+    extra_args: list[Annotated[str, StringConstraints(max_length=512)]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Extra `vllm serve` arguments, appended last.",
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list, max_length=64, description="Extra environment variables."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if (
+            self.max_num_batched_tokens is not None
+            and self.max_num_batched_tokens < self.max_num_seqs
+        ):
+            raise ValueError(Rule.BATCHED_TOKENS)
+        return self
+
+
+class Parallelism(ApiModel):
+    """How one replica splits the model over GPUs."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": cel_rules(("self.tensor * self.pipeline <= 64", Rule.GPUS_PER_ENGINE))
+    }
+
+    tensor: int = Field(1, ge=1, le=64, description="Tensor-parallel degree.")
+    pipeline: int = Field(1, ge=1, le=64, description="Pipeline-parallel degree.")
+    data: int = Field(
+        1, ge=1, le=64, description="Data-parallel ranks served by one replica (one endpoint)."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.tensor * self.pipeline > MAX_GPUS_PER_ENGINE:
+            raise ValueError(Rule.GPUS_PER_ENGINE)
+        return self
+
+    @property
+    def gpus(self) -> int:
+        """GPUs one replica needs: every data-parallel rank holds a tensor x pipeline group."""
+        return self.tensor * self.pipeline * self.data
+
+
+class Resources(ApiModel):
+    """What an engine pod asks of its node, besides GPUs."""
+
+    gpu_product: str | None = Field(
+        None,
+        max_length=63,
+        pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
+        description="Value of the node label nvidia.com/gpu.product to schedule onto.",
+    )
+    gpu_resource: str = Field(
+        "nvidia.com/gpu",
+        max_length=253,
+        pattern=r"^[a-z0-9.-]+/[a-z0-9.-]+$",
+        description="Extended resource name of a GPU.",
+    )
+    gpus_per_node: int = Field(
+        8, ge=1, le=64, description="GPUs on one node: a replica must fit on one node."
+    )
+    cpu: Quantity = Field("8", description="CPU request per engine pod.")
+    memory: Quantity = Field("64Gi", description="Memory request and limit per engine pod.")
+    shared_memory: Quantity = Field(
+        "16Gi", description="Size of /dev/shm for multi-GPU replicas (NCCL needs it)."
+    )
+
+
+class ServingMode(StrEnum):
+    UNIFIED = "unified"
+    DISAGGREGATED = "disaggregated"
+
+
+class RoleSpec(ApiModel):
+    """One role (prefill or decode) of a disaggregated tier."""
+
+    replicas: ReplicaBounds = nested(ReplicaBounds, "Replica bounds of this role.")
+    parallelism: Parallelism | None = Field(
+        None, description="Overrides the tier's parallelism for this role."
+    )
+
+
+class KvConnector(StrEnum):
+    NIXL = "NixlConnector"
+    LMCACHE = "LMCacheConnectorV1"
+    P2P_NCCL = "P2pNcclConnector"
+
+
+class KvTransfer(ApiModel):
+    """How decode replicas pull the prompt's KV blocks from prefill replicas."""
+
+    connector: KvConnector = Field(KvConnector.NIXL, description="vLLM KV connector.")
+
+
+class Serving(ApiModel):
+    """Unified serving, or disaggregated prefill + decode roles."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": cel_rules(
+            (
+                "self.mode != 'disaggregated' || (has(self.prefill) && has(self.decode))",
+                Rule.DISAGG_NEEDS_ROLES,
+            ),
+            (
+                "self.mode != 'unified' || (!has(self.prefill) && !has(self.decode))",
+                Rule.UNIFIED_NO_ROLES,
+            ),
+            ("self.mode != 'disaggregated' || !has(self.replicas)", Rule.DISAGG_NO_REPLICAS),
+            ("self.mode == 'disaggregated' || !has(self.kvTransfer)", Rule.KV_TRANSFER_DISAGG_ONLY),
+        )
+    }
+
+    mode: ServingMode = Field(ServingMode.UNIFIED, description="unified or disaggregated.")
+    replicas: ReplicaBounds | None = Field(
+        None, description="Replica bounds in unified mode (default min 1, max 1)."
+    )
+    prefill: RoleSpec | None = Field(None, description="Prefill role (disaggregated mode).")
+    decode: RoleSpec | None = Field(None, description="Decode role (disaggregated mode).")
+    kv_transfer: KvTransfer | None = Field(
+        None, description="KV hand-off between roles (disaggregated; default NixlConnector)."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.mode is ServingMode.DISAGGREGATED:
+            if self.prefill is None or self.decode is None:
+                raise ValueError(Rule.DISAGG_NEEDS_ROLES)
+            if self.replicas is not None:
+                raise ValueError(Rule.DISAGG_NO_REPLICAS)
+        else:
+            if self.prefill is not None or self.decode is not None:
+                raise ValueError(Rule.UNIFIED_NO_ROLES)
+            if self.kv_transfer is not None:
+                raise ValueError(Rule.KV_TRANSFER_DISAGG_ONLY)
+        return self
+
+
+class Complexity(ApiModel):
+    """Which requests a tier takes, by the router's complexity score in [0, 1]."""
+
+    up_to: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="Requests scored at most this go to this tier; the last tier takes the rest.",
+    )
+
+
+class Slo(ApiModel):
+    """Latency objectives the autoscaler holds."""
+
+    ttft_p95: Duration | None = Field(
+        None, description="95th percentile time to first token (prefill/unified replicas)."
+    )
+    tpot_p95: Duration | None = Field(
+        None, description="95th percentile time per output token (decode/unified replicas)."
+    )
+
+
+class ScaleBehavior(ApiModel):
+    """How fast one direction of scaling may move."""
+
+    stabilization: Duration = Field(
+        timedelta(0), description="Window over which recommendations are smoothed."
+    )
+    max_rate: float = Field(
+        2.0, ge=1.0, le=100.0, description="Most a step may multiply (or divide) replicas by."
+    )
+
+
+def _scale_down_default() -> ScaleBehavior:
+    # Five minutes: long enough to ride out a lull between bursts without paying a cold start
+    # (engine pods take minutes to load weights), short enough to give GPUs back within the hour.
+    return ScaleBehavior(stabilization=timedelta(minutes=5))
+
+
+class AutoscalingMode(StrEnum):
+    AUTO = "auto"
+    RECOMMEND = "recommend"
+    DISABLED = "disabled"
+
+
+class Autoscaling(ApiModel):
+    """SLO-driven scaling of each role of the tier."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": cel_rules(
+            (
+                "duration(self.scaleDown.stabilization) >= duration(self.scaleUp.stabilization)",
+                Rule.SCALE_DOWN_WINDOW,
+            )
+        )
+    }
+
+    mode: AutoscalingMode = Field(
+        AutoscalingMode.AUTO,
+        description="auto scales; recommend only records decisions; disabled keeps spec replicas.",
+    )
+    interval: Duration = Field(
+        timedelta(seconds=15), description="How often to decide (at least one scrape interval)."
+    )
+    window: Duration = Field(
+        timedelta(minutes=1), description="PromQL rate window for latency percentiles."
+    )
+    slo: Slo = nested(Slo, "Latency objectives.")
+    kv_cache_usage_target: float = Field(
+        0.8, gt=0.0, le=1.0, description="Target KV-cache usage of decode/unified replicas."
+    )
+    queue_target: float = Field(
+        2.0, gt=0.0, le=1000.0, description="Target waiting requests per replica."
+    )
+    tolerance: float = Field(
+        0.1, ge=0.0, lt=1.0, description="No change while every ratio is within 1 +- tolerance."
+    )
+    scale_up: ScaleBehavior = nested(ScaleBehavior, "Scale-up behaviour.")
+    scale_down: ScaleBehavior = Field(
+        default_factory=_scale_down_default,
+        description="Scale-down behaviour (default stabilization 5m).",
+        json_schema_extra={"default": {"stabilization": "5m"}},
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.scale_down.stabilization < self.scale_up.stabilization:
+            raise ValueError(Rule.SCALE_DOWN_WINDOW)
+        return self
+
+
+class Tier(ApiModel):
+    """One model variant of the fleet. Tiers are listed cheapest first."""
+
+    name: DnsLabel = Field(description="Tier name, unique in the service (e.g. small, large).")
+    model: ModelSpec = Field(description="The model this tier serves.")
+    engine: EngineSettings = nested(EngineSettings, "Engine settings.")
+    parallelism: Parallelism = nested(Parallelism, "GPU parallelism of one replica.")
+    resources: Resources = nested(Resources, "Node resources of one engine pod.")
+    serving: Serving = nested(Serving, "Unified or disaggregated serving.")
+    complexity: Complexity = nested(Complexity, "Share of requests this tier takes.")
+    autoscaling: Autoscaling = nested(Autoscaling, "Scaling policy.")
+
+    def role_parallelism(self, role: RoleSpec | None) -> Parallelism:
+        """The parallelism a role runs with: its override, else the tier's."""
+        if role is not None and role.parallelism is not None:
+            return role.parallelism
+        return self.parallelism
+
+
+class Affinity(ApiModel):
+    """Prefix-cache affinity of the router."""
+
+    block_chars: int = Field(64, ge=16, le=4096, description="Characters per hashed prompt block.")
+    weight: float = Field(3.0, ge=0.0, le=100.0, description="Weight of the prefix-match score.")
+
+
+class Spillover(ApiModel):
+    """Capacity-aware spill-over to the next tier."""
+
+    enabled: bool = Field(True, description="Send to the next tier when the chosen one is full.")
+    queue_threshold: float = Field(
+        4.0, ge=0.0, le=10_000.0, description="Waiting requests per replica that mean saturated."
+    )
+
+
+class Routing(ApiModel):
+    """The router in front of the tiers."""
+
+    replicas: int = Field(2, ge=1, le=100, description="Router pods.")
+    affinity: Affinity = nested(Affinity, "Prefix-cache affinity.")
+    load_weight: float = Field(1.0, ge=0.0, le=100.0, description="Weight of the load score.")
+    retries: int = Field(2, ge=0, le=5, description="Retries on another replica before 1st byte.")
+    spillover: Spillover = nested(Spillover, "Spill-over between tiers.")
+    request_timeout: Duration = Field(
+        timedelta(minutes=10), description="Upper bound on one request."
+    )
+    max_body_bytes: int = Field(
+        10 * 1024 * 1024, ge=1024, le=1 << 30, description="Largest accepted request body."
+    )
+    cpu: Quantity = Field("1", description="CPU request per router pod.")
+    memory: Quantity = Field("1Gi", description="Memory request and limit per router pod.")
+
+
+class PodMonitorMode(StrEnum):
+    AUTO = "auto"
+    DISABLED = "disabled"
+
+
+class Monitoring(ApiModel):
+    """Where metrics are read from and how engines are scraped."""
+
+    prometheus_url: str | None = Field(
+        None,
+        max_length=2048,
+        pattern=r"^https?://",
+        description="Prometheus the autoscaler queries (default: the operator's setting).",
+    )
+    pod_monitor: PodMonitorMode = Field(
+        PodMonitorMode.AUTO,
+        description="auto creates a PodMonitor when the Prometheus Operator CRD exists.",
+    )
+    scrape_interval: Duration = Field(
+        timedelta(seconds=15), description="Scrape interval of engines and router."
+    )
+
+
+class TolerationOperator(StrEnum):
+    EXISTS = "Exists"
+    EQUAL = "Equal"
+
+
+class TaintEffect(StrEnum):
+    NO_SCHEDULE = "NoSchedule"
+    PREFER_NO_SCHEDULE = "PreferNoSchedule"
+    NO_EXECUTE = "NoExecute"
+
+
+class Toleration(ApiModel):
+    """A pod toleration, as in core/v1."""
+
+    key: str | None = Field(None, max_length=316)
+    operator: TolerationOperator = Field(TolerationOperator.EQUAL)
+    value: str | None = Field(None, max_length=63)
+    effect: TaintEffect | None = Field(None)
+    toleration_seconds: int | None = Field(None, ge=0)
+
+
+class Scheduling(ApiModel):
+    """Placement of engine pods, added to what GPU product selection implies."""
+
+    node_selector: dict[str, Annotated[str, StringConstraints(max_length=63)]] = Field(
+        default_factory=dict, description="Extra node labels engine pods require."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, max_length=32, description="Extra tolerations of engine pods."
+    )
+    priority_class_name: str | None = Field(
+        None, max_length=253, description="PriorityClass of engine pods."
+    )
+
+
+def _complexity_list() -> str:
+    return "self.tiers.map(t, t.complexity.upTo)"
+
+
+class InferenceServiceSpec(ApiModel):
+    """An autoscaled, complexity-routed fleet of model tiers."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": cel_rules(
+            (
+                "self.tiers.all(t, self.tiers.exists_one(u, u.name == t.name))",
+                Rule.TIER_NAMES_UNIQUE,
+            ),
+            (
+                f"{_complexity_list()}.isSorted() && {_complexity_list()}.all(x, "
+                f"{_complexity_list()}.indexOf(x) == {_complexity_list()}.lastIndexOf(x))",
+                Rule.COMPLEXITY_INCREASING,
+            ),
+        )
+    }
+
+    tiers: list[Tier] = Field(
+        min_length=1, max_length=MAX_TIERS, description="Model tiers, cheapest first."
+    )
+    routing: Routing = nested(Routing, "Router settings.")
+    monitoring: Monitoring = nested(Monitoring, "Metrics settings.")
+    scheduling: Scheduling = nested(Scheduling, "Engine pod placement.")
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        names = [t.name for t in self.tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(Rule.TIER_NAMES_UNIQUE)
+        bounds = [t.complexity.up_to for t in self.tiers]
+        if any(a >= b for a, b in pairwise(bounds)):
+            raise ValueError(Rule.COMPLEXITY_INCREASING)
+        return self

@@ -1,0 +1,81 @@
+"""The InferenceService status: what the operator and autoscaler observed and decided."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+
+from pydantic import Field
+
+from fleetpilot.api.base import ApiModel
+
+
+class ConditionStatus(StrEnum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class ConditionType(StrEnum):
+    READY = "Ready"
+    PROGRESSING = "Progressing"
+    DEGRADED = "Degraded"
+    SCALING_ACTIVE = "ScalingActive"
+
+
+class Condition(ApiModel):
+    """A status condition in the shape of metav1.Condition, so generic tools understand it."""
+
+    type: str = Field(max_length=316, description="Ready, Progressing, Degraded, ScalingActive.")
+    status: ConditionStatus = Field(description="True, False or Unknown.")
+    reason: str = Field(
+        max_length=1024,
+        pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
+        description="CamelCase reason code.",
+    )
+    message: str = Field("", max_length=32768, description="Human-readable details.")
+    last_transition_time: datetime = Field(description="When status last changed.")
+    observed_generation: int | None = Field(
+        None, ge=0, description="metadata.generation this condition was computed from."
+    )
+
+
+class ScaleRecord(ApiModel):
+    """The last scaling decision of a role, with its reason in words."""
+
+    time: datetime = Field(description="When the decision was made.")
+    from_replicas: int = Field(ge=0, description="Replicas before.")
+    to_replicas: int = Field(ge=0, description="Replicas after.")
+    reason: str = Field(max_length=1024, description="e.g. 'decode tpot p95 72ms > slo 60ms'.")
+
+
+class RoleStatus(ApiModel):
+    """Replicas of one role (unified, prefill or decode) of a tier."""
+
+    role: str = Field(description="unified, prefill or decode.")
+    replicas: int = Field(0, ge=0, description="Replicas the Deployment has.")
+    ready: int = Field(0, ge=0, description="Ready replicas.")
+    desired: int | None = Field(None, ge=0, description="The autoscaler's latest recommendation.")
+    last_scale: ScaleRecord | None = Field(None, description="The last scaling decision.")
+
+
+class TierStatus(ApiModel):
+    """Per-role replicas of one tier."""
+
+    name: str = Field(description="Tier name.")
+    roles: list[RoleStatus] = Field(default_factory=list, description="One entry per role.")
+
+
+class InferenceServiceStatus(ApiModel):
+    """Observed state, written through the status subresource."""
+
+    observed_generation: int | None = Field(
+        None, ge=0, description="metadata.generation the status reflects."
+    )
+    endpoint: str | None = Field(None, description="OpenAI-compatible base URL of the router.")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Ready, Progressing, Degraded, ScalingActive.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    tiers: list[TierStatus] = Field(default_factory=list, description="Per-tier replicas.")

@@ -1,0 +1,94 @@
+"""Kubernetes-style scalar types: durations (``800ms``, ``5m``) and resource quantities."""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, PlainSerializer, WithJsonSchema
+
+_UNIT_SECONDS = {
+    "ns": 1e-9,
+    "us": 1e-6,
+    "µs": 1e-6,
+    "ms": 1e-3,
+    "s": 1.0,
+    "m": 60.0,
+    "h": 3600.0,
+}
+# Go's time.ParseDuration grammar without the sign: what CEL's duration() and kubectl accept.
+DURATION_PATTERN = r"^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$"
+_DURATION_RE = re.compile(DURATION_PATTERN)
+_PART_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ns|us|µs|ms|s|m|h)")
+
+
+def parse_duration(value: Any) -> timedelta:
+    """Parse ``"1h30m"``, ``"800ms"``, ``"0s"`` into a timedelta; pass timedeltas through.
+
+    A bare number is refused: ``300`` could mean seconds or milliseconds, and guessing wrong
+    by a factor of 1000 on an SLO is worse than an error.
+    """
+    if isinstance(value, timedelta):
+        return value
+    if not isinstance(value, str) or not _DURATION_RE.match(value):
+        raise ValueError(
+            f"invalid duration {value!r}: use a number with a unit, e.g. 800ms, 15s, 5m, 1h30m"
+        )
+    seconds = sum(float(n) * _UNIT_SECONDS[unit] for n, unit in _PART_RE.findall(value))
+    return timedelta(seconds=seconds)
+
+
+def format_duration(value: timedelta) -> str:
+    """The shortest canonical string: 0.8s -> ``"800ms"``, 90s -> ``"90s"``, 300s -> ``"5m"``."""
+    micros = round(value.total_seconds() * 1_000_000)
+    if micros == 0:
+        return "0s"
+    if micros % 1_000_000:
+        if micros % 1000:
+            return f"{micros}us"
+        return f"{micros // 1000}ms"
+    seconds = micros // 1_000_000
+    if seconds % 3600 == 0:
+        return f"{seconds // 3600}h"
+    if seconds % 60 == 0:
+        return f"{seconds // 60}m"
+    return f"{seconds}s"
+
+
+Duration = Annotated[
+    timedelta,
+    BeforeValidator(parse_duration),
+    PlainSerializer(format_duration, return_type=str),
+    WithJsonSchema({"type": "string", "pattern": DURATION_PATTERN}),
+]
+
+# resource.Quantity's grammar, as the API server checks it.
+QUANTITY_PATTERN = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
+    r"([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+_QUANTITY_RE = re.compile(QUANTITY_PATTERN)
+
+
+def parse_quantity(value: Any) -> str:
+    """Accept ``8``, ``"500m"``, ``"64Gi"``; keep it as the string Kubernetes will see."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"invalid quantity {value!r}: use e.g. 8, 500m, 64Gi")
+    text = str(value)
+    if not _QUANTITY_RE.match(text):
+        raise ValueError(f"invalid quantity {value!r}: use e.g. 8, 500m, 64Gi")
+    return text
+
+
+Quantity = Annotated[
+    str,
+    BeforeValidator(parse_quantity),
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": QUANTITY_PATTERN,
+            "x-kubernetes-int-or-string": True,
+        }
+    ),
+]

@@ -1,0 +1,1 @@
+"""What runs in an engine pod: the vLLM launcher and, later, the CPU reference engine."""

@@ -1,0 +1,180 @@
+"""The ``vllm serve`` command line of one engine replica. Purely computational.
+
+The planner puts this command into engine pods, and the launcher (``fleetpilot engine
+--backend vllm``) will exec the same list, so what ``fleetpilot plan`` prints is exactly what
+runs. Flags follow vLLM's CLI (``vllm serve --help``); JSON-valued flags are compact with
+sorted keys so a re-plan produces byte-identical pod specs (no spurious rollouts).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from fleetpilot.api.spec import KvConnector, Tier
+
+ENGINE_PORT = 8000
+MODEL_MOUNT = "/models"
+
+
+@dataclass(frozen=True)
+class SpeculativeLaunch:
+    method: str
+    num_tokens: int
+    model: str | None = None
+    prompt_lookup_max: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineLaunch:
+    """Everything ``vllm serve`` needs for one replica of one role of a tier."""
+
+    model: str
+    served_name: str
+    role: str = "unified"
+    port: int = ENGINE_PORT
+    tensor: int = 1
+    pipeline: int = 1
+    data: int = 1
+    dtype: str = "auto"
+    revision: str | None = None
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    speculative: SpeculativeLaunch | None = None
+    kv_connector: str | None = None
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+
+def model_location(tier: Tier) -> str:
+    """What vLLM loads: a path on the mounted PVC, else the Hub id."""
+    source = tier.model.source
+    if source.pvc is not None:
+        return f"{MODEL_MOUNT}/{source.pvc.sub_path or tier.model.name}"
+    return tier.model.name
+
+
+def launch_for(tier: Tier, role: str) -> EngineLaunch:
+    """The launch settings of ``role`` (unified, prefill or decode) of ``tier``."""
+    serving = tier.serving
+    role_spec = {"prefill": serving.prefill, "decode": serving.decode}.get(role)
+    parallelism = tier.role_parallelism(role_spec)
+    engine = tier.engine
+    spec = engine.speculative
+    connector = None
+    if role != "unified":
+        kv = serving.kv_transfer
+        connector = (kv.connector if kv is not None else KvConnector.NIXL).value
+    hf = tier.model.source.huggingface
+    return EngineLaunch(
+        model=model_location(tier),
+        served_name=tier.model.alias,
+        role=role,
+        tensor=parallelism.tensor,
+        pipeline=parallelism.pipeline,
+        data=parallelism.data,
+        dtype=tier.model.dtype.value,
+        revision=hf.revision if hf is not None else None,
+        max_model_len=tier.model.max_model_len,
+        gpu_memory_utilization=engine.gpu_memory_utilization,
+        max_num_seqs=engine.max_num_seqs,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        block_size=engine.kv_cache.block_size,
+        prefix_caching=engine.kv_cache.prefix_caching,
+        kv_cache_dtype=engine.kv_cache.dtype.value,
+        quantization=tier.model.quantization.value if tier.model.quantization else None,
+        speculative=(
+            SpeculativeLaunch(
+                method=spec.method.value,
+                num_tokens=spec.num_tokens,
+                model=spec.model,
+                prompt_lookup_max=spec.prompt_lookup_max,
+            )
+            if spec is not None
+            else None
+        ),
+        kv_connector=connector,
+        extra_args=tuple(engine.extra_args),
+    )
+
+
+def _compact_json(value: dict[str, object]) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _kv_role(connector: str, role: str) -> str:
+    # NIXL moves blocks in both directions from one config; the NCCL and LMCache connectors
+    # are told which side of the hand-off they are.
+    if connector == KvConnector.NIXL.value:
+        return "kv_both"
+    return "kv_producer" if role == "prefill" else "kv_consumer"
+
+
+def vllm_serve_args(launch: EngineLaunch) -> list[str]:
+    """Arguments after ``vllm serve``: the model first, then flags in a fixed order."""
+    args = [
+        launch.model,
+        "--served-model-name",
+        launch.served_name,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(launch.port),
+        "--tensor-parallel-size",
+        str(launch.tensor),
+        "--pipeline-parallel-size",
+        str(launch.pipeline),
+    ]
+    if launch.data > 1:
+        # All ranks of a replica live in its pod: one endpoint, vLLM balances across ranks.
+        args += [
+            "--data-parallel-size",
+            str(launch.data),
+            "--data-parallel-size-local",
+            str(launch.data),
+        ]
+    args += ["--dtype", launch.dtype]
+    if launch.revision:
+        args += ["--revision", launch.revision]
+    if launch.max_model_len is not None:
+        args += ["--max-model-len", str(launch.max_model_len)]
+    args += [
+        "--gpu-memory-utilization",
+        f"{launch.gpu_memory_utilization:g}",
+        "--max-num-seqs",
+        str(launch.max_num_seqs),
+    ]
+    if launch.max_num_batched_tokens is not None:
+        args += ["--max-num-batched-tokens", str(launch.max_num_batched_tokens)]
+    args += [
+        "--block-size",
+        str(launch.block_size),
+        "--enable-prefix-caching" if launch.prefix_caching else "--no-enable-prefix-caching",
+        "--kv-cache-dtype",
+        launch.kv_cache_dtype,
+    ]
+    if launch.quantization:
+        args += ["--quantization", launch.quantization]
+    if launch.speculative is not None:
+        spec: dict[str, object] = {
+            "method": launch.speculative.method,
+            "num_speculative_tokens": launch.speculative.num_tokens,
+        }
+        if launch.speculative.model:
+            spec["model"] = launch.speculative.model
+        if launch.speculative.prompt_lookup_max is not None:
+            spec["prompt_lookup_max"] = launch.speculative.prompt_lookup_max
+        args += ["--speculative-config", _compact_json(spec)]
+    if launch.kv_connector is not None:
+        transfer: dict[str, object] = {
+            "kv_connector": launch.kv_connector,
+            "kv_role": _kv_role(launch.kv_connector, launch.role),
+        }
+        args += ["--kv-transfer-config", _compact_json(transfer)]
+    args += list(launch.extra_args)
+    return args

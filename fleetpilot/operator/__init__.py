@@ -1,0 +1,1 @@
+"""The operator: a pure planner and (later) the kopf handlers around it."""

@@ -1,0 +1,210 @@
+"""Engine Deployments, Services and PodDisruptionBudgets of one role. Purely computational."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fleetpilot.api import InferenceService
+from fleetpilot.engine.vllm_args import ENGINE_PORT, MODEL_MOUNT, launch_for, vllm_serve_args
+from fleetpilot.operator import names
+from fleetpilot.operator.plan_types import K8sObject, Role, object_meta
+
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+# GPU nodes are commonly tainted so only GPU pods land there; engine pods tolerate it.
+GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+# Weights download and load take minutes for large models: allow 30 minutes (180 x 10s)
+# before the startup probe gives up, then probe liveness as for any server.
+STARTUP_PERIOD_S = 10
+STARTUP_FAILURES = 180
+# vLLM finishes in-flight requests on SIGTERM; two minutes covers long generations.
+TERMINATION_GRACE_S = 120
+CACHE_MOUNT = "/cache"
+
+
+def engine_labels(service: InferenceService, role: Role) -> dict[str, str]:
+    return {
+        **names.service_labels(service.name),
+        **names.engine_selector(service.name, role.tier.name, role.name),
+        names.LABEL_COMPONENT: "engine",
+        names.LABEL_NAME: "fleetpilot-engine",
+    }
+
+
+def _env(service: InferenceService, role: Role) -> list[K8sObject]:
+    tier = role.tier
+    env: list[K8sObject] = [{"name": "HF_HOME", "value": f"{CACHE_MOUNT}/huggingface"}]
+    hf = tier.model.source.huggingface
+    if hf is not None and hf.token_secret_ref is not None:
+        ref = hf.token_secret_ref
+        env.append(
+            {
+                "name": "HF_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
+            }
+        )
+    if role.name != "unified":
+        # The KV connector advertises this address to its peers for the block hand-off.
+        env.append(
+            {
+                "name": "VLLM_NIXL_SIDE_CHANNEL_HOST",
+                "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
+            }
+        )
+    managed = {item["name"] for item in env}
+    env += [{"name": e.name, "value": e.value} for e in tier.engine.env if e.name not in managed]
+    return env
+
+
+def _probe(path: str, period_s: int, failures: int) -> K8sObject:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period_s,
+        "failureThreshold": failures,
+        "timeoutSeconds": 5,
+    }
+
+
+def _volumes(role: Role) -> tuple[list[K8sObject], list[K8sObject]]:
+    tier = role.tier
+    volumes: list[K8sObject] = [{"name": "cache", "emptyDir": {}}]
+    mounts: list[K8sObject] = [{"name": "cache", "mountPath": CACHE_MOUNT}]
+    if role.parallelism.gpus > 1:
+        # NCCL between the GPUs of one pod communicates through /dev/shm; the container
+        # runtime's 64 MiB default makes multi-GPU engines crash or crawl.
+        volumes.append(
+            {
+                "name": "dshm",
+                "emptyDir": {"medium": "Memory", "sizeLimit": tier.resources.shared_memory},
+            }
+        )
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    pvc = tier.model.source.pvc
+    if pvc is not None:
+        volumes.append(
+            {
+                "name": "models",
+                "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True},
+            }
+        )
+        mounts.append({"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True})
+    return volumes, mounts
+
+
+def _placement(service: InferenceService, role: Role) -> K8sObject:
+    scheduling = service.spec.scheduling
+    selector = dict(scheduling.node_selector)
+    if role.tier.resources.gpu_product:
+        selector[GPU_PRODUCT_LABEL] = role.tier.resources.gpu_product
+    tolerations: list[K8sObject] = [GPU_TOLERATION]
+    tolerations += [t.to_wire() for t in scheduling.tolerations]
+    placement: K8sObject = {"tolerations": tolerations}
+    if selector:
+        placement["nodeSelector"] = selector
+    if scheduling.priority_class_name:
+        placement["priorityClassName"] = scheduling.priority_class_name
+    return placement
+
+
+def engine_command(role: Role) -> list[str]:
+    """The full command line of the role's engine container."""
+    return ["vllm", "serve", *vllm_serve_args(launch_for(role.tier, role.name))]
+
+
+def engine_deployment(service: InferenceService, role: Role) -> K8sObject:
+    tier = role.tier
+    name = names.engine_name(service.name, tier.name, role.name)
+    labels = engine_labels(service, role)
+    gpus = role.parallelism.gpus
+    resources = tier.resources
+    volumes, mounts = _volumes(role)
+    command = engine_command(role)
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": tier.engine.image,
+        "command": command[:2],
+        "args": command[2:],
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "env": _env(service, role),
+        "resources": {
+            "requests": {
+                "cpu": resources.cpu,
+                "memory": resources.memory,
+                resources.gpu_resource: str(gpus),
+            },
+            "limits": {"memory": resources.memory, resources.gpu_resource: str(gpus)},
+        },
+        "startupProbe": _probe("/health", STARTUP_PERIOD_S, STARTUP_FAILURES),
+        "readinessProbe": _probe("/health", 5, 3),
+        "livenessProbe": _probe("/health", 15, 4),
+        "volumeMounts": mounts,
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            **object_meta(service, name, labels),
+            "annotations": {"fleetpilot.dev/gpus-per-replica": str(gpus)},
+        },
+        "spec": {
+            "replicas": role.replicas.start,
+            "selector": {"matchLabels": names.engine_selector(service.name, tier.name, role.name)},
+            # Surge one pod, never drop below the running count: capacity holds during a
+            # rollout when one spare replica's worth of GPUs exists.
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            # Pulling a multi-GB image and loading weights is slow; don't call it stuck early.
+            "progressDeadlineSeconds": STARTUP_PERIOD_S * STARTUP_FAILURES,
+            "template": {
+                "metadata": {
+                    "labels": labels,
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(ENGINE_PORT),
+                        "prometheus.io/path": "/metrics",
+                    },
+                },
+                "spec": {
+                    "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
+                    "enableServiceLinks": False,
+                    **_placement(service, role),
+                    "containers": [container],
+                    "volumes": volumes,
+                },
+            },
+        },
+    }
+
+
+def engine_service(service: InferenceService, role: Role) -> K8sObject:
+    """A headless Service: its EndpointSlices list the Ready pods the router may use."""
+    tier = role.tier
+    name = names.engine_name(service.name, tier.name, role.name)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": object_meta(service, name, engine_labels(service, role)),
+        "spec": {
+            "clusterIP": "None",
+            "selector": names.engine_selector(service.name, tier.name, role.name),
+            "ports": [
+                {"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}
+            ],
+        },
+    }
+
+
+def engine_pdb(service: InferenceService, role: Role) -> K8sObject:
+    """At most one engine pod of a role evicted at a time (node drains, upgrades)."""
+    tier = role.tier
+    name = names.engine_name(service.name, tier.name, role.name)
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": object_meta(service, name, engine_labels(service, role)),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": names.engine_selector(service.name, tier.name, role.name)},
+        },
+    }

@@ -1,0 +1,55 @@
+"""Names and labels of the objects a service owns. Purely computational.
+
+Kubernetes caps Service names and label values at 63 characters; a service and tier may each
+be up to 63 characters long, so derived names are truncated and made unique again by a short
+hash of the full name. The same inputs always give the same name, so plans are stable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+MAX_NAME = 63
+_HASH_LEN = 8
+
+LABEL_SERVICE = "fleetpilot.dev/service"
+LABEL_TIER = "fleetpilot.dev/tier"
+LABEL_ROLE = "fleetpilot.dev/role"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+MANAGER = "fleetpilot"
+
+
+def bounded_name(*parts: str, limit: int = MAX_NAME) -> str:
+    """Join parts with '-'; past the limit, truncate and append a hash of the full name."""
+    full = "-".join(p for p in parts if p)
+    if len(full) <= limit:
+        return full
+    digest = hashlib.sha256(full.encode()).hexdigest()[:_HASH_LEN]
+    head = full[: limit - _HASH_LEN - 1].rstrip("-")
+    return f"{head}-{digest}"
+
+
+def engine_name(service: str, tier: str, role: str) -> str:
+    """Deployment/Service name of one role of a tier: ``chat-small`` or ``chat-large-decode``."""
+    return bounded_name(service, tier, "" if role == "unified" else role)
+
+
+def router_name(service: str) -> str:
+    return bounded_name(service, "router")
+
+
+def service_labels(service: str) -> dict[str, str]:
+    """Labels every object of the service carries (selecting them finds all it owns)."""
+    return {LABEL_SERVICE: service, LABEL_MANAGED_BY: MANAGER, LABEL_INSTANCE: service}
+
+
+def engine_selector(service: str, tier: str, role: str) -> dict[str, str]:
+    """The labels that select the engine pods of one role of a tier (immutable once created)."""
+    return {LABEL_SERVICE: service, LABEL_TIER: tier, LABEL_ROLE: role}
+
+
+def router_selector(service: str) -> dict[str, str]:
+    return {LABEL_SERVICE: service, LABEL_COMPONENT: "router"}

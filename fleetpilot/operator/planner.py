@@ -1,0 +1,127 @@
+"""``plan(service) -> objects``: everything a service becomes in the cluster.
+
+Purely computational: no I/O, no clock, no randomness. The same service always yields the
+same objects in the same order (dependencies first), so the operator can apply them
+idempotently and ``fleetpilot plan`` shows a GitOps user exactly what will be applied.
+A service that cannot be realized raises :class:`PlanError` before any object is produced,
+so nothing is ever half-applied.
+"""
+
+from __future__ import annotations
+
+from fleetpilot.api import InferenceService
+from fleetpilot.api.spec import PodMonitorMode
+from fleetpilot.api.units import format_duration
+from fleetpilot.operator import names
+from fleetpilot.operator.engine_objects import engine_deployment, engine_pdb, engine_service
+from fleetpilot.operator.plan_types import (
+    K8sObject,
+    PlanError,
+    PlanOptions,
+    Role,
+    object_meta,
+    roles_of,
+)
+from fleetpilot.operator.router_objects import router_objects
+
+# Flags the planner derives from the spec; setting them again in extraArgs would make the
+# spec and the running engine disagree, so they are refused instead.
+MANAGED_FLAGS = frozenset(
+    {
+        "--host",
+        "--port",
+        "--served-model-name",
+        "--tensor-parallel-size",
+        "-tp",
+        "--pipeline-parallel-size",
+        "-pp",
+        "--data-parallel-size",
+        "-dp",
+        "--data-parallel-size-local",
+        "--max-model-len",
+        "--gpu-memory-utilization",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--block-size",
+        "--enable-prefix-caching",
+        "--no-enable-prefix-caching",
+        "--kv-cache-dtype",
+        "--quantization",
+        "-q",
+        "--speculative-config",
+        "--kv-transfer-config",
+        "--dtype",
+        "--revision",
+    }
+)
+
+
+def all_roles(service: InferenceService) -> list[Role]:
+    return [role for i, tier in enumerate(service.spec.tiers) for role in roles_of(tier, i)]
+
+
+def check(service: InferenceService) -> None:
+    """Refuse what the CRD schema allows but the planner cannot realize."""
+    seen: dict[str, str] = {names.router_name(service.name): "the router"}
+    for role in all_roles(service):
+        # Tier "a" in P/D mode and a unified tier "a-decode" would both name "svc-a-decode".
+        derived = names.engine_name(service.name, role.tier.name, role.name)
+        owner = f"tier {role.tier.name!r} role {role.name}"
+        if derived in seen:
+            raise PlanError(
+                f"spec.tiers[{role.tier_index}].name",
+                f"{owner} and {seen[derived]} would both be named {derived!r}; rename a tier",
+            )
+        seen[derived] = owner
+    for role in all_roles(service):
+        tier = role.tier
+        where = f"spec.tiers[{role.tier_index}]"
+        gpus = role.parallelism.gpus
+        per_node = tier.resources.gpus_per_node
+        if gpus > per_node:
+            raise PlanError(
+                f"{where}.parallelism",
+                f"tier {tier.name!r} role {role.name} needs {gpus} GPUs per replica "
+                f"(tensor x pipeline x data) but resources.gpusPerNode is {per_node}; "
+                "multi-node replicas are not supported yet",
+            )
+        for i, arg in enumerate(tier.engine.extra_args):
+            flag = arg.split("=", 1)[0]
+            if flag in MANAGED_FLAGS:
+                raise PlanError(
+                    f"{where}.engine.extraArgs[{i}]",
+                    f"{flag} is set by fleetpilot from the spec; change the matching "
+                    "spec field instead",
+                )
+
+
+def pod_monitor(service: InferenceService) -> K8sObject:
+    """One PodMonitor scraping every engine and router pod of the service."""
+    meta = object_meta(
+        service, names.bounded_name(service.name, "metrics"), names.service_labels(service.name)
+    )
+    interval = format_duration(service.spec.monitoring.scrape_interval)
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": meta,
+        "spec": {
+            "selector": {"matchLabels": {names.LABEL_SERVICE: service.name}},
+            "podMetricsEndpoints": [{"port": "http", "path": "/metrics", "interval": interval}],
+        },
+    }
+
+
+def plan(service: InferenceService, options: PlanOptions | None = None) -> list[K8sObject]:
+    """Every object the service owns, dependencies first."""
+    options = options or PlanOptions()
+    check(service)
+    roles = all_roles(service)
+    objects = router_objects(service, options)
+    objects += [engine_service(service, role) for role in roles]
+    objects += [engine_deployment(service, role) for role in roles]
+    objects += [engine_pdb(service, role) for role in roles]
+    wants_monitor = service.spec.monitoring.pod_monitor is PodMonitorMode.AUTO
+    if wants_monitor and options.pod_monitor_available:
+        objects.append(pod_monitor(service))
+    return objects

@@ -1,0 +1,191 @@
+"""The router of a service: config, identity, Deployment, Service. Purely computational."""
+
+from __future__ import annotations
+
+import yaml
+
+from fleetpilot.api import InferenceService
+from fleetpilot.api.router_config import (
+    ROUTER_CONFIG_FILE,
+    EndpointGroup,
+    RouterConfig,
+    RouterTier,
+)
+from fleetpilot.engine.vllm_args import ENGINE_PORT
+from fleetpilot.operator import names
+from fleetpilot.operator.plan_types import K8sObject, PlanOptions, object_meta, roles_of
+
+ROUTER_PORT = 8000
+CONFIG_DIR = "/etc/fleetpilot"
+
+
+def router_labels(service: InferenceService) -> dict[str, str]:
+    return {
+        **names.service_labels(service.name),
+        **names.router_selector(service.name),
+        names.LABEL_NAME: "fleetpilot-router",
+    }
+
+
+def endpoint_url(service: InferenceService) -> str:
+    """The OpenAI-compatible base URL clients inside the cluster use."""
+    host = f"{names.router_name(service.name)}.{service.namespace}.svc"
+    return f"http://{host}:{ROUTER_PORT}/v1"
+
+
+def router_config(service: InferenceService) -> RouterConfig:
+    """What the router needs to know: tiers, their thresholds and where their pods are."""
+    spec = service.spec
+    tiers = []
+    for index, tier in enumerate(spec.tiers):
+        groups = [
+            EndpointGroup(
+                role=role.name,
+                service=names.engine_name(service.name, tier.name, role.name),
+                selector=names.engine_selector(service.name, tier.name, role.name),
+                port=ENGINE_PORT,
+                max_num_seqs=tier.engine.max_num_seqs,
+            )
+            for role in roles_of(tier, index)
+        ]
+        tiers.append(
+            RouterTier(
+                name=tier.name,
+                model=tier.model.alias,
+                up_to=tier.complexity.up_to,
+                mode=tier.serving.mode,
+                endpoints=groups,
+            )
+        )
+    routing = spec.routing
+    return RouterConfig(
+        service=service.name,
+        namespace=service.namespace,
+        port=ROUTER_PORT,
+        tiers=tiers,
+        affinity=routing.affinity,
+        load_weight=routing.load_weight,
+        retries=routing.retries,
+        spillover=routing.spillover,
+        request_timeout=routing.request_timeout,
+        max_body_bytes=routing.max_body_bytes,
+    )
+
+
+def router_objects(service: InferenceService, options: PlanOptions) -> list[K8sObject]:
+    """ServiceAccount, Role, RoleBinding, ConfigMap, Deployment, Service and PDB."""
+    name = names.router_name(service.name)
+    labels = router_labels(service)
+    selector = names.router_selector(service.name)
+    meta = object_meta(service, name, labels)
+    routing = service.spec.routing
+    config_text = yaml.safe_dump(router_config(service).to_wire(), sort_keys=False)
+    security = {
+        "runAsNonRoot": True,
+        "readOnlyRootFilesystem": True,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5}
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": meta,
+            # Discovery only: the router watches the Ready endpoints of its engine Services.
+            "rules": [
+                {
+                    "apiGroups": ["discovery.k8s.io"],
+                    "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"],
+                }
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": meta,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": service.namespace}],
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": meta,
+            "data": {ROUTER_CONFIG_FILE: config_text},
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": meta,
+            "spec": {
+                "type": "ClusterIP",
+                "selector": selector,
+                "ports": [
+                    {"name": "http", "port": ROUTER_PORT, "targetPort": "http", "protocol": "TCP"}
+                ],
+            },
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": meta,
+            "spec": {
+                "replicas": routing.replicas,
+                "selector": {"matchLabels": selector},
+                "template": {
+                    "metadata": {
+                        "labels": labels,
+                        "annotations": {
+                            "prometheus.io/scrape": "true",
+                            "prometheus.io/port": str(ROUTER_PORT),
+                            "prometheus.io/path": "/metrics",
+                        },
+                    },
+                    "spec": {
+                        "serviceAccountName": name,
+                        "enableServiceLinks": False,
+                        "containers": [
+                            {
+                                "name": "router",
+                                "image": options.fleetpilot_image,
+                                "command": ["fleetpilot", "router"],
+                                "args": [
+                                    "--config",
+                                    f"{CONFIG_DIR}/{ROUTER_CONFIG_FILE}",
+                                    "--port",
+                                    str(ROUTER_PORT),
+                                ],
+                                "ports": [
+                                    {
+                                        "name": "http",
+                                        "containerPort": ROUTER_PORT,
+                                        "protocol": "TCP",
+                                    }
+                                ],
+                                "resources": {
+                                    "requests": {"cpu": routing.cpu, "memory": routing.memory},
+                                    "limits": {"memory": routing.memory},
+                                },
+                                "readinessProbe": probe,
+                                "livenessProbe": {**probe, "periodSeconds": 10},
+                                "securityContext": security,
+                                "volumeMounts": [
+                                    {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}
+                                ],
+                            }
+                        ],
+                        "volumes": [{"name": "config", "configMap": {"name": name}}],
+                    },
+                },
+            },
+        },
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": meta,
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector}},
+        },
+    ]

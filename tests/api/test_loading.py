@@ -1,0 +1,80 @@
+"""Manifests in, InferenceServices out - or errors that name the field and the line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fleetpilot.api import InvalidManifestError, load_services, parse_service
+from fleetpilot.api.spec import DEFAULT_VLLM_IMAGE, ServingMode
+from tests.factories import make_manifest, two_tier_manifest
+
+
+def _problems(manifest: object) -> list[str]:
+    with pytest.raises(InvalidManifestError) as info:
+        parse_service(manifest)
+    return [str(p) for p in info.value.problems]
+
+
+def test_defaults_fill_a_minimal_manifest() -> None:
+    service = parse_service(make_manifest(tiers=[{"name": "main", "model": {"name": "m/x"}}]))
+    tier = service.spec.tiers[0]
+    assert tier.engine.image == DEFAULT_VLLM_IMAGE
+    assert tier.serving.mode is ServingMode.UNIFIED
+    assert tier.autoscaling.scale_down.stabilization.total_seconds() == 300
+    assert tier.model.alias == "m/x"
+
+
+def test_unknown_field_is_refused_with_its_path() -> None:
+    manifest = two_tier_manifest()
+    manifest["spec"]["tiers"][1]["engine"] = {"gpuMemUtil": 0.5}
+    assert _problems(manifest) == ["spec.tiers[1].engine.gpuMemUtil: unknown field"]
+
+
+def test_missing_required_field_is_named() -> None:
+    manifest = make_manifest(tiers=[{"name": "main"}])
+    assert _problems(manifest) == ["spec.tiers[0].model: required field is missing"]
+
+
+def test_bounds_are_enforced_with_the_field_name() -> None:
+    manifest = make_manifest()
+    manifest["spec"]["tiers"][0]["engine"] = {"gpuMemoryUtilization": 1.5}
+    (problem,) = _problems(manifest)
+    assert problem.startswith("spec.tiers[0].engine.gpuMemoryUtilization:")
+
+
+def test_wire_form_round_trips() -> None:
+    """What the models write is what they read: no field lost, names camelCase."""
+    service = parse_service(two_tier_manifest())
+    wire = service.to_wire()
+    assert "maxNumSeqs" in wire["spec"]["tiers"][0]["engine"]
+    assert parse_service(wire) == service
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("apiVersion: fleetpilot.dev/v1alpha1\nspec:\n  tiers: [\n    - x\n")
+    with pytest.raises(InvalidManifestError) as info:
+        load_services(path)
+    assert "line " in str(info.value)
+    assert "YAML syntax error" in str(info.value)
+
+
+def test_every_document_of_a_file_is_loaded(tmp_path: Path) -> None:
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump_all([make_manifest("a"), make_manifest("b")]))
+    assert [s.name for s in load_services(path)] == ["a", "b"]
+
+
+def test_other_kinds_are_refused_not_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "cm.yaml"
+    path.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {}}))
+    with pytest.raises(InvalidManifestError) as info:
+        load_services(path)
+    assert "kind" in str(info.value)
+
+
+def test_non_mapping_is_refused() -> None:
+    assert _problems(["not", "a", "mapping"]) == ["expected a mapping (a YAML object)"]

@@ -1,0 +1,59 @@
+"""Kubernetes-style durations and quantities."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fleetpilot.api.units import format_duration, parse_duration, parse_quantity
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("800ms", 0.8),
+        ("0s", 0.0),
+        ("15s", 15.0),
+        ("5m", 300.0),
+        ("1h30m", 5400.0),
+        ("1.5s", 1.5),
+        ("250us", 0.00025),
+    ],
+)
+def test_parse_duration(text: str, seconds: float) -> None:
+    assert parse_duration(text).total_seconds() == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("bad", ["300", "5 m", "-1s", "1d", "", "ms", 300, None, "1h-5m"])
+def test_parse_duration_refuses_ambiguous_or_malformed(bad: object) -> None:
+    """A bare number is refused: an SLO off by 1000x must not be silently accepted."""
+    with pytest.raises(ValueError, match="invalid duration"):
+        parse_duration(bad)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(0.8, "800ms"), (0, "0s"), (90, "90s"), (300, "5m"), (7200, "2h"), (0.00025, "250us")],
+)
+def test_format_duration_is_canonical(seconds: float, text: str) -> None:
+    assert format_duration(timedelta(seconds=seconds)) == text
+
+
+@given(st.integers(min_value=0, max_value=10**12))
+def test_duration_round_trips_through_text(micros: int) -> None:
+    value = timedelta(microseconds=micros)
+    assert parse_duration(format_duration(value)) == value
+
+
+@pytest.mark.parametrize(("value", "text"), [(8, "8"), ("500m", "500m"), ("64Gi", "64Gi")])
+def test_quantity_accepts_ints_and_suffixes(value: object, text: str) -> None:
+    assert parse_quantity(value) == text
+
+
+@pytest.mark.parametrize("bad", ["64GB", "lots", True, 1.5, "8 Gi"])
+def test_quantity_refuses_what_kubernetes_refuses(bad: object) -> None:
+    with pytest.raises(ValueError, match="invalid quantity"):
+        parse_quantity(bad)

@@ -1,0 +1,108 @@
+"""The exact `vllm serve` command lines the planner puts into engine pods."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fleetpilot.api import load_services, parse_service
+from fleetpilot.engine.vllm_args import EngineLaunch, launch_for, vllm_serve_args
+from tests.factories import make_manifest, make_tier
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _args(name: str, tier: int = 0, role: str = "unified") -> list[str]:
+    (service,) = load_services(EXAMPLES / name)
+    return vllm_serve_args(launch_for(service.spec.tiers[tier], role))
+
+
+def test_two_tier_small_command_line() -> None:
+    assert _args("two-tier.yaml", 0) == [
+        "/models/qwen2.5-7b-instruct-awq",
+        "--served-model-name", "qwen-7b",
+        "--host", "0.0.0.0",
+        "--port", "8000",
+        "--tensor-parallel-size", "1",
+        "--pipeline-parallel-size", "1",
+        "--dtype", "auto",
+        "--max-model-len", "8192",
+        "--gpu-memory-utilization", "0.9",
+        "--max-num-seqs", "256",
+        "--max-num-batched-tokens", "8192",
+        "--block-size", "16",
+        "--enable-prefix-caching",
+        "--kv-cache-dtype", "auto",
+        "--quantization", "awq",
+        "--speculative-config",
+        '{"method":"ngram","num_speculative_tokens":5,"prompt_lookup_max":4}',
+    ]  # fmt: skip
+
+
+def test_single_tier_downloads_from_the_hub() -> None:
+    args = _args("single-tier.yaml")
+    assert args[0] == "meta-llama/Llama-3.1-8B-Instruct"
+    assert "--quantization" not in args
+    assert "--speculative-config" not in args
+
+
+def test_tp8_speculative_fp8_kv() -> None:
+    args = _args("tp8-speculative.yaml")
+    assert args[args.index("--tensor-parallel-size") + 1] == "8"
+    assert args[args.index("--kv-cache-dtype") + 1] == "fp8"
+    assert args[args.index("--dtype") + 1] == "bfloat16"
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    assert spec == {
+        "method": "eagle3",
+        "model": "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B",
+        "num_speculative_tokens": 4,
+    }
+
+
+@pytest.mark.parametrize(("role", "tensor"), [("prefill", "8"), ("decode", "4")])
+def test_disaggregated_roles_get_kv_transfer_and_their_own_parallelism(
+    role: str, tensor: str
+) -> None:
+    args = _args("disaggregated.yaml", role=role)
+    assert args[args.index("--tensor-parallel-size") + 1] == tensor
+    transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert transfer == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+
+
+def test_nccl_connector_is_told_its_side() -> None:
+    tier = make_tier("main", mode="disaggregated")
+    tier["serving"]["kvTransfer"] = {"connector": "P2pNcclConnector"}
+    service = parse_service(make_manifest(tiers=[tier]))
+    roles = {
+        role: json.loads(
+            (a := vllm_serve_args(launch_for(service.spec.tiers[0], role)))[
+                a.index("--kv-transfer-config") + 1
+            ]
+        )["kv_role"]
+        for role in ("prefill", "decode")
+    }
+    assert roles == {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+def test_unified_has_no_kv_transfer() -> None:
+    assert "--kv-transfer-config" not in _args("two-tier.yaml", 1)
+
+
+def test_data_parallel_ranks_stay_in_the_pod() -> None:
+    args = vllm_serve_args(EngineLaunch(model="m", served_name="m", data=4))
+    assert args[args.index("--data-parallel-size") + 1] == "4"
+    assert args[args.index("--data-parallel-size-local") + 1] == "4"
+
+
+def test_prefix_caching_off_is_explicit() -> None:
+    """vLLM turns prefix caching on by default; off must be said, not implied."""
+    args = vllm_serve_args(EngineLaunch(model="m", served_name="m", prefix_caching=False))
+    assert "--no-enable-prefix-caching" in args
+    assert "--enable-prefix-caching" not in args
+
+
+def test_extra_args_come_last() -> None:
+    launch = EngineLaunch(model="m", served_name="m", extra_args=("--enforce-eager",))
+    assert vllm_serve_args(launch)[-1] == "--enforce-eager"

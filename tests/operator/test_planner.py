@@ -1,0 +1,201 @@
+"""plan(service): the objects a service becomes, checked field by field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+
+from fleetpilot.api import parse_service
+from fleetpilot.api.router_config import ROUTER_CONFIG_FILE, RouterConfig
+from fleetpilot.operator.plan_types import K8sObject, PlanError, PlanOptions
+from fleetpilot.operator.planner import plan
+from tests.factories import make_service, make_tier, two_tier_manifest
+
+
+def _find(objects: list[K8sObject], kind: str, name: str) -> K8sObject:
+    matches = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(matches) == 1, f"{kind}/{name}: {len(matches)} found"
+    return matches[0]
+
+
+def _container(deployment: K8sObject) -> dict[str, Any]:
+    return deployment["spec"]["template"]["spec"]["containers"][0]  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def two_tier() -> list[K8sObject]:
+    return plan(parse_service(two_tier_manifest()))
+
+
+def test_one_deployment_service_and_pdb_per_role(two_tier: list[K8sObject]) -> None:
+    for name in ("chat-small", "chat-large"):
+        for kind in ("Deployment", "Service", "PodDisruptionBudget"):
+            _find(two_tier, kind, name)
+
+
+def test_disaggregated_tier_has_prefill_and_decode() -> None:
+    objects = plan(make_service(tiers=[make_tier("main", mode="disaggregated")]))
+    deployments = sorted(o["metadata"]["name"] for o in objects if o["kind"] == "Deployment")
+    assert deployments == ["chat-main-decode", "chat-main-prefill", "chat-router"]
+    decode = _find(objects, "Deployment", "chat-main-decode")
+    env = {e["name"] for e in _container(decode)["env"]}
+    assert "VLLM_NIXL_SIDE_CHANNEL_HOST" in env
+    assert decode["spec"]["template"]["metadata"]["labels"]["fleetpilot.dev/role"] == "decode"
+
+
+def test_gpu_request_is_tensor_times_pipeline(two_tier: list[K8sObject]) -> None:
+    large = _container(_find(two_tier, "Deployment", "chat-large"))
+    assert large["resources"]["requests"]["nvidia.com/gpu"] == "4"
+    assert large["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert large["args"][large["args"].index("--tensor-parallel-size") + 1] == "4"
+
+
+def test_shared_memory_only_for_multi_gpu_replicas(two_tier: list[K8sObject]) -> None:
+    def volumes(name: str) -> set[str]:
+        pod = _find(two_tier, "Deployment", name)["spec"]["template"]["spec"]
+        return {v["name"] for v in pod["volumes"]}
+
+    assert "dshm" in volumes("chat-large")
+    assert "dshm" not in volumes("chat-small")
+
+
+def test_gpu_product_selects_nodes_and_gpu_taint_is_tolerated() -> None:
+    tier = make_tier("main", resources={"gpuProduct": "NVIDIA-H100-80GB-HBM3"})
+    service = make_service(
+        tiers=[tier],
+        scheduling={"nodeSelector": {"pool": "inference"}, "priorityClassName": "high"},
+    )
+    pod = _find(plan(service), "Deployment", "chat-main")["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {
+        "pool": "inference",
+        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+    }
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
+    assert pod["priorityClassName"] == "high"
+
+
+def test_engine_pods_are_probed_labelled_and_scraped(two_tier: list[K8sObject]) -> None:
+    deployment = _find(two_tier, "Deployment", "chat-small")
+    template = deployment["spec"]["template"]
+    container = _container(deployment)
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert container["command"] == ["vllm", "serve"]
+    assert not container["image"].endswith(":latest")
+    labels = template["metadata"]["labels"]
+    assert labels["fleetpilot.dev/service"] == "chat"
+    assert labels["fleetpilot.dev/tier"] == "small"
+    assert labels["fleetpilot.dev/role"] == "unified"
+    assert template["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= labels.items()
+
+
+def test_initial_replicas_come_from_bounds() -> None:
+    tier = make_tier("main", serving={"replicas": {"min": 0, "max": 4}})
+    deployment = _find(plan(make_service(tiers=[tier])), "Deployment", "chat-main")
+    assert deployment["spec"]["replicas"] == 1
+    tier = make_tier("main", serving={"replicas": {"min": 2, "max": 6, "initial": 3}})
+    deployment = _find(plan(make_service(tiers=[tier])), "Deployment", "chat-main")
+    assert deployment["spec"]["replicas"] == 3
+
+
+def test_owner_references_only_with_a_uid() -> None:
+    without = plan(make_service())
+    assert all("ownerReferences" not in o["metadata"] for o in without)
+    owned = plan(make_service(uid="1234-abcd"))
+    for obj in owned:
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert ref == {
+            "apiVersion": "fleetpilot.dev/v1alpha1",
+            "kind": "InferenceService",
+            "name": "chat",
+            "uid": "1234-abcd",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+def test_every_object_is_in_the_service_namespace(two_tier: list[K8sObject]) -> None:
+    assert {o["metadata"]["namespace"] for o in two_tier} == {"ml"}
+
+
+def test_router_config_lists_tiers_and_their_endpoints(two_tier: list[K8sObject]) -> None:
+    config_map = _find(two_tier, "ConfigMap", "chat-router")
+    config = RouterConfig.model_validate(yaml.safe_load(config_map["data"][ROUTER_CONFIG_FILE]))
+    assert [(t.name, t.up_to) for t in config.tiers] == [("small", 0.4), ("large", 1.0)]
+    (group,) = config.tiers[0].endpoints
+    assert group.service == "chat-small"
+    assert group.selector == {
+        "fleetpilot.dev/service": "chat",
+        "fleetpilot.dev/tier": "small",
+        "fleetpilot.dev/role": "unified",
+    }
+    router = _find(two_tier, "Deployment", "chat-router")
+    assert router["spec"]["replicas"] == 2
+    assert _container(router)["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_router_may_only_read_endpoint_slices(two_tier: list[K8sObject]) -> None:
+    (rule,) = _find(two_tier, "Role", "chat-router")["rules"]
+    assert rule == {
+        "apiGroups": ["discovery.k8s.io"],
+        "resources": ["endpointslices"],
+        "verbs": ["get", "list", "watch"],
+    }
+
+
+def test_pod_monitor_only_when_the_crd_exists() -> None:
+    service = parse_service(two_tier_manifest())
+    assert not [o for o in plan(service) if o["kind"] == "PodMonitor"]
+    objects = plan(service, PlanOptions(pod_monitor_available=True))
+    monitor = _find(objects, "PodMonitor", "chat-metrics")
+    assert monitor["spec"]["podMetricsEndpoints"][0]["interval"] == "15s"
+
+
+def test_plan_is_deterministic() -> None:
+    """Re-planning an unchanged service must not change a byte (no spurious rollouts)."""
+    service = parse_service(two_tier_manifest())
+    assert yaml.safe_dump_all(plan(service)) == yaml.safe_dump_all(plan(service))
+
+
+def test_long_names_fit_kubernetes_limits() -> None:
+    service = make_service("s" * 63, tiers=[make_tier("t" * 63, mode="disaggregated")])
+    for obj in plan(service):
+        assert len(obj["metadata"]["name"]) <= 63
+
+
+def test_replica_larger_than_a_node_is_refused() -> None:
+    tier = make_tier("main", parallelism={"tensor": 8, "data": 2})
+    with pytest.raises(PlanError) as info:
+        plan(make_service(tiers=[tier]))
+    assert info.value.field == "spec.tiers[0].parallelism"
+    assert "16 GPUs per replica" in info.value.message
+
+
+def test_managed_flags_in_extra_args_are_refused() -> None:
+    tier = make_tier("main", engine={"extraArgs": ["--enforce-eager", "--max-model-len=4096"]})
+    with pytest.raises(PlanError) as info:
+        plan(make_service(tiers=[tier]))
+    assert info.value.field == "spec.tiers[0].engine.extraArgs[1]"
+
+
+def test_colliding_derived_names_are_refused() -> None:
+    tiers = [
+        make_tier("a", mode="disaggregated", up_to=0.3),
+        make_tier("a-decode", up_to=0.6),
+    ]
+    with pytest.raises(PlanError, match="would both be named 'chat-a-decode'"):
+        plan(make_service(tiers=tiers))
+
+
+def test_hub_token_comes_from_a_secret_reference() -> None:
+    tier = make_tier("main")
+    tier["model"]["source"] = {"huggingface": {"tokenSecretRef": {"name": "hf"}}}
+    env = _container(_find(plan(make_service(tiers=[tier])), "Deployment", "chat-main"))["env"]
+    token = next(e for e in env if e["name"] == "HF_TOKEN")
+    secret = {"secretKeyRef": {"name": "hf", "key": "token"}}
+    assert token == {"name": "HF_TOKEN", "valueFrom": secret}

@@ -1,0 +1,188 @@
+"""The table of cross-field rules: a valid base object, one mutation, the expected message.
+
+Shared by the unit tests (pydantic and cel-python) and the control-plane tests (a real API
+server), so all three enforcers are held to the same cases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fleetpilot.api import Rule
+from tests.factories import make_manifest, make_tier
+
+Manifest = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RuleCase:
+    id: str
+    mutate: Callable[[Manifest], None]
+    message: str
+    # Dotted path of the node the CEL rule sits on (where the server reports it).
+    path: str
+
+
+def base_manifest() -> Manifest:
+    """Valid, and touching every rule's node: two tiers, one disaggregated, speculation."""
+    return make_manifest(
+        tiers=[
+            make_tier(
+                "small",
+                up_to=0.4,
+                engine={
+                    "maxNumSeqs": 64,
+                    "maxNumBatchedTokens": 4096,
+                    "speculative": {"method": "ngram", "numTokens": 4},
+                },
+            ),
+            make_tier("large", mode="disaggregated", tensor=4),
+        ]
+    )
+
+
+def _tier(m: Manifest, i: int) -> Manifest:
+    return m["spec"]["tiers"][i]  # type: ignore[no-any-return]
+
+
+def _set(path: list[str | int], value: Any) -> Callable[[Manifest], None]:
+    def mutate(m: Manifest) -> None:
+        node: Any = m
+        for part in path[:-1]:
+            node = node.setdefault(part, {}) if isinstance(part, str) else node[part]
+        node[path[-1]] = value
+
+    return mutate
+
+
+def _delete(path: list[str | int]) -> Callable[[Manifest], None]:
+    def mutate(m: Manifest) -> None:
+        node: Any = m
+        for part in path[:-1]:
+            node = node[part]
+        del node[path[-1]]
+
+    return mutate
+
+
+T0 = ["spec", "tiers", 0]
+T1 = ["spec", "tiers", 1]
+
+RULE_CASES = [
+    RuleCase(
+        "replicas-min-above-max",
+        _set([*T0, "serving", "replicas"], {"min": 5, "max": 2}),
+        Rule.REPLICAS_ORDER,
+        "spec.tiers[0].serving.replicas",
+    ),
+    RuleCase(
+        "role-replicas-min-above-max",
+        _set([*T1, "serving", "decode", "replicas"], {"min": 9, "max": 8}),
+        Rule.REPLICAS_ORDER,
+        "spec.tiers[1].serving.decode.replicas",
+    ),
+    RuleCase(
+        "replicas-initial-outside-bounds",
+        _set([*T0, "serving", "replicas"], {"min": 1, "max": 2, "initial": 3}),
+        Rule.REPLICAS_INITIAL,
+        "spec.tiers[0].serving.replicas",
+    ),
+    RuleCase(
+        "gpus-per-engine-over-64",
+        _set([*T1, "parallelism"], {"tensor": 16, "pipeline": 8}),
+        Rule.GPUS_PER_ENGINE,
+        "spec.tiers[1].parallelism",
+    ),
+    RuleCase(
+        "role-gpus-per-engine-over-64",
+        _set([*T1, "serving", "prefill", "parallelism"], {"tensor": 64, "pipeline": 2}),
+        Rule.GPUS_PER_ENGINE,
+        "spec.tiers[1].serving.prefill.parallelism",
+    ),
+    RuleCase(
+        "disaggregated-without-decode",
+        _delete([*T1, "serving", "decode"]),
+        Rule.DISAGG_NEEDS_ROLES,
+        "spec.tiers[1].serving",
+    ),
+    RuleCase(
+        "unified-with-prefill",
+        _set([*T0, "serving", "prefill"], {"replicas": {"min": 1, "max": 2}}),
+        Rule.UNIFIED_NO_ROLES,
+        "spec.tiers[0].serving",
+    ),
+    RuleCase(
+        "disaggregated-with-unified-replicas",
+        _set([*T1, "serving", "replicas"], {"min": 1, "max": 2}),
+        Rule.DISAGG_NO_REPLICAS,
+        "spec.tiers[1].serving",
+    ),
+    RuleCase(
+        "kv-transfer-in-unified",
+        _set([*T0, "serving", "kvTransfer"], {"connector": "NixlConnector"}),
+        Rule.KV_TRANSFER_DISAGG_ONLY,
+        "spec.tiers[0].serving",
+    ),
+    RuleCase(
+        "eagle-without-model",
+        _set([*T0, "engine", "speculative"], {"method": "eagle3", "numTokens": 3}),
+        Rule.SPEC_MODEL_REQUIRED,
+        "spec.tiers[0].engine.speculative",
+    ),
+    RuleCase(
+        "ngram-with-model",
+        _set([*T0, "engine", "speculative", "model"], "org/draft"),
+        Rule.SPEC_MODEL_FORBIDDEN,
+        "spec.tiers[0].engine.speculative",
+    ),
+    RuleCase(
+        "batched-tokens-below-seqs",
+        _set([*T0, "engine", "maxNumBatchedTokens"], 32),
+        Rule.BATCHED_TOKENS,
+        "spec.tiers[0].engine",
+    ),
+    RuleCase(
+        "two-model-sources",
+        _set(
+            [*T0, "model", "source"],
+            {"pvc": {"claimName": "models"}, "huggingface": {"revision": "main"}},
+        ),
+        Rule.SOURCE_ONE_OF,
+        "spec.tiers[0].model.source",
+    ),
+    RuleCase(
+        "duplicate-tier-names",
+        _set([*T1, "name"], "small"),
+        Rule.TIER_NAMES_UNIQUE,
+        "spec",
+    ),
+    RuleCase(
+        "complexity-decreasing",
+        _set([*T1, "complexity"], {"upTo": 0.2}),
+        Rule.COMPLEXITY_INCREASING,
+        "spec",
+    ),
+    RuleCase(
+        "complexity-equal-by-default",
+        _delete([*T0, "complexity"]),
+        Rule.COMPLEXITY_INCREASING,
+        "spec",
+    ),
+    RuleCase(
+        "scale-down-window-shorter-than-up",
+        _set(
+            [*T0, "autoscaling"],
+            {"scaleUp": {"stabilization": "2m"}, "scaleDown": {"stabilization": "30s"}},
+        ),
+        Rule.SCALE_DOWN_WINDOW,
+        "spec.tiers[0].autoscaling",
+    ),
+    RuleCase(
+        "name-not-dns-label",
+        _set(["metadata", "name"], "9chat"),
+        Rule.NAME_LABEL,
+        "",
+    ),
+]
