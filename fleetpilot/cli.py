@@ -13,7 +13,7 @@ import yaml
 from fleetpilot import __version__
 from fleetpilot.api import InvalidManifestError, load_services
 from fleetpilot.api.crd import CRD_FILENAME, render_crd
-from fleetpilot.operator.plan_types import PlanError, PlanOptions
+from fleetpilot.operator.plan_types import DEFAULT_FLEETPILOT_IMAGE, PlanError, PlanOptions
 from fleetpilot.operator.planner import plan
 from fleetpilot.operator.summary import summarize
 
@@ -66,6 +66,40 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _operator(args: argparse.Namespace) -> int:
+    import os
+
+    if args.kubeconfig:
+        # Before the kubernetes client is imported: it reads KUBECONFIG once, at import.
+        os.environ["KUBECONFIG"] = args.kubeconfig
+    # Imported here: kopf and the kubernetes client are heavy and only this command needs them.
+    import kopf
+    from prometheus_client import start_http_server
+
+    from fleetpilot.operator.handlers import build_registry
+
+    if not args.namespace and not args.all_namespaces:
+        print("error: give --namespace NS (repeatable) or --all-namespaces", file=sys.stderr)
+        return EXIT_INVALID
+    log_format = kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.PLAIN
+    kopf.configure(verbose=args.verbose, log_format=log_format)
+    if args.metrics_port:
+        start_http_server(args.metrics_port, addr=args.bind)
+    registry = build_registry(fleetpilot_image=args.image, kubeconfig=args.kubeconfig)
+    liveness = f"http://{args.bind}:{args.liveness_port}/healthz" if args.liveness_port else None
+    kopf.run(
+        registry=registry,
+        # A named peering is mandatory in kopf: without its CRD the operator waits rather
+        # than risk two replicas acting at once. --standalone opts out for one replica.
+        standalone=True if args.standalone else None,
+        peering_name=None if args.standalone else args.peering,
+        namespaces=args.namespace or (),
+        clusterwide=args.all_namespaces,
+        liveness_endpoint=liveness,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fleetpilot", description="Kubernetes operator for LLM inference fleets."
@@ -91,6 +125,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan for a cluster that has the Prometheus Operator's PodMonitor CRD",
     )
     plan_cmd.set_defaults(func=_plan)
+
+    op = sub.add_parser("operator", help="run the operator (kopf) against a cluster")
+    scope = op.add_mutually_exclusive_group()
+    scope.add_argument(
+        "--namespace", action="append", default=[], help="namespace to serve (repeatable)"
+    )
+    scope.add_argument("--all-namespaces", action="store_true", help="serve every namespace")
+    op.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then KUBECONFIG)")
+    op.add_argument(
+        "--standalone", action="store_true", help="no leader election (one replica only)"
+    )
+    op.add_argument("--peering", default="fleetpilot", help="kopf peering object for leadership")
+    op.add_argument("--image", default=DEFAULT_FLEETPILOT_IMAGE, help="router image to deploy")
+    op.add_argument("--bind", default="0.0.0.0", help="address of the health/metrics servers")
+    op.add_argument("--liveness-port", type=int, default=8080, help="/healthz port (0: off)")
+    op.add_argument("--metrics-port", type=int, default=9090, help="/metrics port (0: off)")
+    op.add_argument("--log-format", choices=["plain", "json"], default="json")
+    op.add_argument("--verbose", action="store_true")
+    op.set_defaults(func=_operator)
     return parser
 
 

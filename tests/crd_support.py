@@ -141,6 +141,30 @@ class CrdValidator:
         walk(self.schema)
         return found
 
+    def default_violations(self) -> list[Violation]:
+        """Defaults the server would refuse when the CRD is applied.
+
+        The API server validates each ``default`` against its node's schema and CEL rules as
+        written, without applying the defaults nested inside it first.
+        """
+        found: list[Violation] = []
+
+        def walk(node: Any, path: str) -> None:
+            if not isinstance(node, dict):
+                return
+            if "default" in node:
+                schema = to_json_schema(node, strict=True)
+                for err in jsonschema.Draft202012Validator(schema).iter_errors(node["default"]):
+                    found.append(Violation(f"{path}.default", err.message))
+                self._check_rules(node, node["default"], f"{path}.default", found)
+            for name, sub in node.get("properties", {}).items():
+                walk(sub, f"{path}.{name}")
+            if isinstance(node.get("items"), dict):
+                walk(node["items"], f"{path}[]")
+
+        walk(self.schema, "")
+        return found
+
     def _program(self, rule: str) -> Any:
         if rule not in self._programs:
             self._programs[rule] = self.env.program(

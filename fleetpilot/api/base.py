@@ -39,10 +39,15 @@ def cel_rules(*rules: tuple[str, str]) -> dict[str, Any]:
     return {"x-kubernetes-validations": [{"rule": rule, "message": msg} for rule, msg in rules]}
 
 
-def nested(model: type[BaseModel], description: str) -> Any:
-    """A sub-object that is always present, defaulted to ``{}`` in the CRD.
+def nested(model: type[ApiModel], description: str) -> Any:
+    """A sub-object that is always present, defaulted in the CRD to the model's defaults.
 
-    The API server applies the nested defaults of an object it defaulted, so a user who omits
-    the whole block still gets every default, visible in ``kubectl get -o yaml``.
+    The CRD default is the whole defaulted object, not ``{}``: the API server checks a
+    default against the node's CEL rules as written, without applying the nested defaults
+    first, so ``{}`` would fail any rule that reads a defaulted field.
     """
-    return Field(default_factory=model, description=description, json_schema_extra={"default": {}})
+    return Field(
+        default_factory=model,
+        description=description,
+        json_schema_extra={"default": model().to_wire()},
+    )

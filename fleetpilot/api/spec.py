@@ -524,7 +524,7 @@ class Autoscaling(ApiModel):
     scale_down: ScaleBehavior = Field(
         default_factory=_scale_down_default,
         description="Scale-down behaviour (default stabilization 5m).",
-        json_schema_extra={"default": {"stabilization": "5m"}},
+        json_schema_extra={"default": _scale_down_default().to_wire()},
     )
 
     @model_validator(mode="after")

@@ -11,6 +11,7 @@ import yaml
 
 from fleetpilot.api.crd import CRD_FILENAME, crd, render_crd
 from fleetpilot.cli import main
+from tests.crd_support import CrdValidator
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -71,9 +72,14 @@ def test_every_spec_field_is_described(schema: dict[str, Any]) -> None:
 def test_defaults_are_written_as_manifests_write_them(schema: dict[str, Any]) -> None:
     tier = schema["properties"]["spec"]["properties"]["tiers"]["items"]
     autoscaling = tier["properties"]["autoscaling"]
-    assert autoscaling["default"] == {}
+    assert autoscaling["default"]["interval"] == "15s"
     assert autoscaling["properties"]["interval"]["default"] == "15s"
-    assert autoscaling["properties"]["scaleDown"]["default"] == {"stabilization": "5m"}
+    assert autoscaling["properties"]["scaleDown"]["default"]["stabilization"] == "5m"
+
+
+def test_defaults_pass_their_own_rules() -> None:
+    """The server refuses a CRD whose default fails the node's CEL rules (seen for real)."""
+    assert CrdValidator().default_violations() == []
 
 
 def test_open_api_exclusive_bounds(schema: dict[str, Any]) -> None:
