@@ -1,0 +1,142 @@
+"""kopf handlers: the thin shell that feeds cluster events to the reconciler.
+
+InferenceService create/update/resume runs a full reconcile. Changes of child Deployments
+and Pods (selected by label, so the operator never watches unrelated objects) refresh only the
+owning service's status. Errors the API server may get over (409, 429, 5xx) are retried by
+kopf with backoff; anything else is reported on the object and left until its next change.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import kopf
+from kubernetes import config as k8s_config
+
+from fleetpilot.api import GROUP, VERSION, parse_service
+from fleetpilot.api.loading import InvalidManifestError
+from fleetpilot.api.service import PLURAL
+from fleetpilot.operator import metrics, names
+from fleetpilot.operator.kube import Kube, KubeError
+from fleetpilot.operator.plan_types import DEFAULT_FLEETPILOT_IMAGE, PlanOptions
+from fleetpilot.operator.reconcile import Reconciler
+
+log = logging.getLogger(__name__)
+
+ANNOTATION_PREFIX = "operator.fleetpilot.dev"
+RETRY_DELAY_S = 5.0
+
+
+def _plain(body: Any) -> dict[str, Any]:
+    """kopf's Body is a read-only mapping view; the reconciler takes plain dicts."""
+    if isinstance(body, dict):
+        return body
+    return {key: _plain(value) if hasattr(value, "keys") else value for key, value in body.items()}
+
+
+def new_kube(kubeconfig: str | None = None) -> Kube:
+    """An API connection from in-cluster credentials, else the kubeconfig."""
+    try:
+        k8s_config.load_incluster_config()  # type: ignore[no-untyped-call]
+        from kubernetes import client
+
+        return Kube(client.ApiClient())
+    except k8s_config.ConfigException:
+        api = k8s_config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+        return Kube(api)
+
+
+def build_registry(
+    *, fleetpilot_image: str = DEFAULT_FLEETPILOT_IMAGE, kubeconfig: str | None = None
+) -> kopf.OperatorRegistry:
+    """A fresh registry (not kopf's global one), so tests can run operators side by side."""
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # kopf's own login handler lives in its global registry, which this one replaces.
+        return kopf.login_via_client(**kwargs)
+
+    @kopf.on.startup(registry=registry)
+    def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        # Explicit Events only (created/updated/pruned/refused); kopf would otherwise post
+        # one for every log line of a handler.
+        settings.posting.level = logging.WARNING
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+            prefix=ANNOTATION_PREFIX
+        )
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
+        )
+        kube = new_kube(kubeconfig)
+        # Optional CRDs are detected once at start: their absence never blocks a service.
+        pod_monitors = kube.serves("monitoring.coreos.com/v1", "podmonitors")
+        log.info("optional CRDs detected", extra={"podmonitor": pod_monitors})
+        options = PlanOptions(fleetpilot_image=fleetpilot_image, pod_monitor_available=pod_monitors)
+        memo["reconciler"] = Reconciler(kube, options)
+
+    @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
+    @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
+    @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry)
+    def reconcile_service(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        reconciler: Reconciler = memo["reconciler"]
+
+        def emit(kind: str, reason: str, message: str) -> None:
+            kopf.event(body, type=kind, reason=reason, message=message)
+
+        started = time.monotonic()
+        try:
+            result = reconciler.reconcile(_plain(body), emit)
+        except KubeError as exc:
+            metrics.RECONCILE_ERRORS.inc()
+            if exc.retryable:
+                raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
+            raise kopf.PermanentError(str(exc)) from exc
+        finally:
+            metrics.RECONCILE_DURATION.observe(time.monotonic() - started)
+        outcome = "refused" if result.plan_error else "applied" if result.applied else "unchanged"
+        metrics.RECONCILES.labels(result=outcome).inc()
+        log.info(
+            "reconciled",
+            extra={
+                "service": f"{body.metadata.namespace}/{body.metadata.name}",
+                "applied": len(result.applied),
+                "pruned": len(result.pruned),
+                "outcome": outcome,
+            },
+        )
+
+    def refresh_owner(namespace: str | None, labels: Any, memo: kopf.Memo) -> None:
+        service_name = labels.get(names.LABEL_SERVICE)
+        if not service_name or not namespace:
+            return
+        reconciler: Reconciler = memo["reconciler"]
+        body = reconciler.kube.get("InferenceService", namespace, service_name)
+        if body is None:
+            return
+        try:
+            service = parse_service(body)
+        except InvalidManifestError:
+            return  # the service handler reports it; a child event cannot fix it
+        try:
+            reconciler.write_status(service, body)
+        except KubeError as exc:
+            if not exc.conflict:  # a conflict means a newer write; the next event retries
+                raise
+
+    @kopf.on.event(
+        "apps", "v1", "deployments",
+        labels={names.LABEL_MANAGED_BY: names.MANAGER}, registry=registry,
+    )  # fmt: skip
+    def deployment_changed(
+        namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any
+    ) -> None:
+        refresh_owner(namespace, labels, memo)
+
+    @kopf.on.event("", "v1", "pods", labels={names.LABEL_SERVICE: kopf.PRESENT}, registry=registry)
+    def pod_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+        refresh_owner(namespace, labels, memo)
+
+    return registry

@@ -1,0 +1,230 @@
+"""One reconcile of one InferenceService: plan, apply what changed, prune, report status.
+
+The I/O shell around the pure planner and status computation. Never half-applies: a spec the
+planner refuses changes no child object and only reports Degraded. Idempotent: with nothing
+changed it performs no write at all (the tests count them).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from fleetpilot.api import InferenceService, InvalidManifestError, parse_service
+from fleetpilot.api.spec import AutoscalingMode
+from fleetpilot.api.status import InferenceServiceStatus
+from fleetpilot.operator import names
+from fleetpilot.operator.drift import (
+    OPERATOR_MANAGER,
+    needs_apply,
+    owns_field,
+    with_hash,
+)
+from fleetpilot.operator.kube import RESOURCES, Kube, KubeError, Obj
+from fleetpilot.operator.plan_types import PlanError, PlanOptions
+from fleetpilot.operator.planner import all_roles, plan
+from fleetpilot.operator.status import Observed, compute_status
+
+log = logging.getLogger(__name__)
+
+# What a service may own, in apply order; prune looks at each of these kinds.
+MANAGED_KINDS = (
+    "ServiceAccount",
+    "Role",
+    "RoleBinding",
+    "ConfigMap",
+    "Service",
+    "Deployment",
+    "PodDisruptionBudget",
+)
+OPTIONAL_KINDS = {"PodMonitor": ("monitoring.coreos.com/v1", "podmonitors")}
+
+STATUS_ATTEMPTS = 3
+
+EventSink = Callable[[str, str, str], None]  # (type Normal|Warning, reason, message)
+
+
+def _no_events(kind: str, reason: str, message: str) -> None:
+    del kind, reason, message
+
+
+@dataclass
+class ReconcileResult:
+    applied: list[str] = field(default_factory=list)
+    pruned: list[str] = field(default_factory=list)
+    plan_error: str | None = None
+    status_written: bool = False
+
+
+def _key(obj: Obj) -> tuple[str, str]:
+    return obj["kind"], obj["metadata"]["name"]
+
+
+def _autoscaled_deployments(service: InferenceService) -> set[str]:
+    return {
+        names.engine_name(service.name, role.tier.name, role.name)
+        for role in all_roles(service)
+        if role.tier.autoscaling.mode is not AutoscalingMode.DISABLED
+    }
+
+
+def settle_replicas(desired: Obj, live: Obj | None, autoscaled: bool) -> Obj:
+    """Decide whether this apply writes ``spec.replicas`` of an engine Deployment.
+
+    The autoscaler owns replicas through its own field manager. The operator writes them on
+    creation, and keeps writing the live value only while it is still their sole owner
+    (omitting a field one owns makes server-side apply delete it). Once the autoscaler has
+    scaled, the operator's applies leave replicas out, so a re-applied spec never resets them.
+    """
+    if live is None or not autoscaled:
+        return desired
+    spec = dict(desired["spec"])
+    if owns_field(live, OPERATOR_MANAGER, ("spec", "replicas")):
+        spec["replicas"] = live.get("spec", {}).get("replicas", spec["replicas"])
+    else:
+        spec.pop("replicas", None)
+    return {**desired, "spec": spec}
+
+
+def _owned_by(obj: Obj, uid: str | None) -> bool:
+    refs = obj.get("metadata", {}).get("ownerReferences", []) or []
+    return uid is not None and any(ref.get("uid") == uid for ref in refs)
+
+
+class Reconciler:
+    """Reconciles services through one :class:`Kube` connection."""
+
+    def __init__(self, kube: Kube, options: PlanOptions | None = None) -> None:
+        self.kube = kube
+        self.options = options or PlanOptions()
+
+    def managed_kinds(self) -> tuple[str, ...]:
+        if self.options.pod_monitor_available:
+            return (*MANAGED_KINDS, "PodMonitor")
+        return MANAGED_KINDS
+
+    def live_children(self, namespace: str, service: str) -> dict[tuple[str, str], Obj]:
+        selector = {names.LABEL_SERVICE: service, names.LABEL_MANAGED_BY: names.MANAGER}
+        live: dict[tuple[str, str], Obj] = {}
+        for kind in self.managed_kinds():
+            for obj in self.kube.list(kind, namespace, selector):
+                live[_key(obj)] = obj
+        return live
+
+    def reconcile(self, body: Obj, emit: EventSink = _no_events) -> ReconcileResult:
+        """Bring the children of ``body`` (an InferenceService object) in line with its spec."""
+        result = ReconcileResult()
+        meta = body.get("metadata", {})
+        namespace, name = meta.get("namespace", "default"), meta.get("name", "")
+        service: InferenceService | None = None
+        objects: list[Obj] = []
+        try:
+            service = parse_service(body, f"{namespace}/{name}")
+            objects = plan(service, self.options)
+        except InvalidManifestError as exc:
+            result.plan_error = "; ".join(str(p) for p in exc.problems)
+        except PlanError as exc:
+            result.plan_error = str(exc)
+        if result.plan_error is not None:
+            emit("Warning", "PlanRefused", result.plan_error)
+            log.warning(
+                "plan refused",
+                extra={"service": f"{namespace}/{name}", "reason": result.plan_error},
+            )
+            if service is not None:
+                result.status_written = self.write_status(service, body, result.plan_error)
+            return result
+
+        assert service is not None
+        live = self.live_children(namespace, name)
+        autoscaled = _autoscaled_deployments(service)
+        for planned in objects:
+            key = _key(planned)
+            current = live.get(key)
+            desired = planned
+            if planned["kind"] == "Deployment":
+                desired = settle_replicas(planned, current, key[1] in autoscaled)
+            desired = with_hash(desired)
+            if needs_apply(desired, current):
+                self.kube.apply(desired, OPERATOR_MANAGER)
+                verb = "Created" if current is None else "Updated"
+                result.applied.append(f"{key[0]}/{key[1]}")
+                emit("Normal", verb, f"{verb.lower()} {key[0]} {key[1]}")
+        wanted = {_key(o) for o in objects}
+        for key, obj in live.items():
+            stale = key not in wanted and _owned_by(obj, service.metadata.uid)
+            if stale and self.kube.delete(key[0], namespace, key[1]):
+                result.pruned.append(f"{key[0]}/{key[1]}")
+                emit("Normal", "Pruned", f"deleted {key[0]} {key[1]}: no longer planned")
+        result.status_written = self.write_status(service, body)
+        return result
+
+    def observe(self, service: InferenceService) -> Observed:
+        selector = {names.LABEL_SERVICE: service.name, names.LABEL_MANAGED_BY: names.MANAGER}
+        deployments = {
+            d["metadata"]["name"]: d
+            for d in self.kube.list("Deployment", service.namespace, selector)
+        }
+        pods = self.kube.list("Pod", service.namespace, {names.LABEL_SERVICE: service.name})
+        return Observed(deployments=deployments, pods=pods)
+
+    def write_status(
+        self, service: InferenceService, body: Obj, plan_error: str | None = None
+    ) -> bool:
+        """Patch the status subresource if (and only if) it changed.
+
+        Child events refresh status concurrently; a write that lost the race (409) is retried
+        on the fresh object, so the newest observation always lands.
+        """
+        for _ in range(STATUS_ATTEMPTS - 1):
+            try:
+                return self._write_status_once(service, body, plan_error)
+            except KubeError as exc:
+                if not exc.conflict:
+                    raise
+                fresh = self.kube.get("InferenceService", service.namespace, service.name)
+                if fresh is None:
+                    return False
+                body = fresh
+        return self._write_status_once(service, body, plan_error)
+
+    def _write_status_once(
+        self, service: InferenceService, body: Obj, plan_error: str | None
+    ) -> bool:
+        raw_previous = body.get("status") or None
+        previous = _parse_status(raw_previous)
+        now = datetime.now(UTC).replace(microsecond=0)
+        status = compute_status(service, self.observe(service), previous, now, plan_error)
+        wire = status.to_wire()
+        if previous is not None and previous.to_wire() == wire:
+            return False
+        # resourceVersion makes this an optimistic write: a concurrent autoscaler update of
+        # status.tiers yields 409 and a retry instead of being silently overwritten.
+        patch: dict[str, Any] = {"status": wire}
+        version = body.get("metadata", {}).get("resourceVersion")
+        if version:
+            patch["metadata"] = {"resourceVersion": version}
+        self.kube.request(
+            "PATCH",
+            RESOURCES["InferenceService"].path(service.namespace, service.name) + "/status",
+            query=[("fieldManager", OPERATOR_MANAGER)],
+            body=patch,
+            content_type="application/merge-patch+json",
+        )
+        return True
+
+
+def _parse_status(raw: Obj | None) -> InferenceServiceStatus | None:
+    if not raw:
+        return None
+    try:
+        return InferenceServiceStatus.model_validate(raw, by_alias=True)
+    except ValueError:
+        # A status written by an older operator (or by hand) is recomputed from scratch.
+        return None
+
+
+__all__ = ["KubeError", "ReconcileResult", "Reconciler", "settle_replicas"]

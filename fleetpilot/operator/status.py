@@ -1,0 +1,213 @@
+"""The status of a service, computed from what its children report. Purely computational.
+
+Ready means what a user means by it: every planned Deployment has seen the latest spec and
+has all its replicas ready, the router included - not "the objects were created". Degraded
+carries the reason a person would otherwise dig out of pods: crash loops, image pulls that
+fail, pods no node can take (with the scheduler's words), rollouts past their deadline, or a
+plan the operator refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from fleetpilot.api import InferenceService
+from fleetpilot.api.status import (
+    Condition,
+    ConditionStatus,
+    ConditionType,
+    InferenceServiceStatus,
+    RoleStatus,
+    TierStatus,
+)
+from fleetpilot.operator import names
+from fleetpilot.operator.planner import all_roles
+from fleetpilot.operator.router_objects import endpoint_url
+
+Obj = dict[str, Any]
+
+_WAITING_REASONS = {
+    "CrashLoopBackOff": "CrashLooping",
+    "ImagePullBackOff": "ImagePullFailing",
+    "ErrImagePull": "ImagePullFailing",
+    "InvalidImageName": "ImagePullFailing",
+    "CreateContainerConfigError": "ContainerConfigError",
+    "CreateContainerError": "ContainerConfigError",
+}
+MAX_PROBLEMS_IN_MESSAGE = 3
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the cluster reports about a service's children."""
+
+    deployments: dict[str, Obj]  # by name
+    pods: list[Obj]
+
+
+@dataclass(frozen=True)
+class Rollout:
+    name: str
+    label: str  # "tier small role decode" or "router"
+    wanted: int
+    ready: int
+    done: bool
+
+
+def _rollout(name: str, label: str, deployment: Obj | None) -> Rollout:
+    if deployment is None:
+        return Rollout(name, label, 0, 0, False)
+    spec_replicas = int(deployment.get("spec", {}).get("replicas", 1))
+    status = deployment.get("status", {})
+    generation = deployment.get("metadata", {}).get("generation", 0)
+    current = status.get("observedGeneration", 0) >= generation
+    ready = int(status.get("readyReplicas", 0))
+    updated = int(status.get("updatedReplicas", 0))
+    # Old pods still terminating or surplus surge pods mean the rollout has not settled.
+    total = int(status.get("replicas", 0))
+    done = (
+        current and ready >= spec_replicas and updated >= spec_replicas and total <= spec_replicas
+    )
+    return Rollout(name, label, spec_replicas, ready, done)
+
+
+def _pod_problems(pods: list[Obj]) -> list[tuple[str, str]]:
+    """(reason, message) for every pod in trouble, most telling first."""
+    problems = []
+    for pod in pods:
+        pod_name = pod.get("metadata", {}).get("name", "?")
+        status = pod.get("status", {})
+        for container in status.get("containerStatuses", []) or []:
+            waiting = (container.get("state") or {}).get("waiting") or {}
+            reason = _WAITING_REASONS.get(waiting.get("reason", ""))
+            if reason:
+                detail = waiting.get("message") or waiting.get("reason")
+                problems.append((reason, f"pod {pod_name}: {detail}"))
+        for condition in status.get("conditions", []) or []:
+            if (
+                condition.get("type") == "PodScheduled"
+                and condition.get("status") == "False"
+                and condition.get("reason") == "Unschedulable"
+            ):
+                problems.append(("Unschedulable", f"pod {pod_name}: {condition.get('message')}"))
+    return problems
+
+
+def _deployment_problems(
+    rollouts: list[Rollout], deployments: dict[str, Obj]
+) -> list[tuple[str, str]]:
+    problems = []
+    for rollout in rollouts:
+        for condition in deployments.get(rollout.name, {}).get("status", {}).get("conditions", []):
+            kind, state, reason = (
+                condition.get("type"),
+                condition.get("status"),
+                condition.get("reason"),
+            )
+            if kind == "Progressing" and state == "False" and reason == "ProgressDeadlineExceeded":
+                problems.append(("RolloutStuck", f"{rollout.label}: {condition.get('message')}"))
+            if kind == "ReplicaFailure" and state == "True":
+                problems.append(("ReplicaFailure", f"{rollout.label}: {condition.get('message')}"))
+    return problems
+
+
+def _condition(
+    kind: ConditionType,
+    status: bool,
+    reason: str,
+    message: str,
+    generation: int | None,
+    previous: dict[str, Condition],
+    now: datetime,
+) -> Condition:
+    value = ConditionStatus.TRUE if status else ConditionStatus.FALSE
+    before = previous.get(kind.value)
+    # lastTransitionTime moves only when the status flips, so "since when" stays truthful.
+    since = before.last_transition_time if before is not None and before.status == value else now
+    return Condition(
+        type=kind.value,
+        status=value,
+        reason=reason,
+        message=message,
+        last_transition_time=since,
+        observed_generation=generation,
+    )
+
+
+def compute_status(
+    service: InferenceService,
+    observed: Observed,
+    previous: InferenceServiceStatus | None,
+    now: datetime,
+    plan_error: str | None = None,
+) -> InferenceServiceStatus:
+    """The status to write; keeps what other writers own (ScalingActive, desired, lastScale)."""
+    generation = service.metadata.generation
+    old_conditions = {c.type: c for c in (previous.conditions if previous else [])}
+    old_roles = {(t.name, r.role): r for t in (previous.tiers if previous else []) for r in t.roles}
+
+    rollouts = []
+    tiers: dict[str, list[RoleStatus]] = {}
+    for role in all_roles(service):
+        name = names.engine_name(service.name, role.tier.name, role.name)
+        rollout = _rollout(
+            name, f"tier {role.tier.name} role {role.name}", observed.deployments.get(name)
+        )
+        rollouts.append(rollout)
+        old = old_roles.get((role.tier.name, role.name))
+        tiers.setdefault(role.tier.name, []).append(
+            RoleStatus(
+                role=role.name,
+                replicas=rollout.wanted,
+                ready=rollout.ready,
+                desired=old.desired if old else None,
+                last_scale=old.last_scale if old else None,
+            )
+        )
+    router = names.router_name(service.name)
+    rollouts.append(_rollout(router, "router", observed.deployments.get(router)))
+
+    problems = _pod_problems(observed.pods) + _deployment_problems(rollouts, observed.deployments)
+    if plan_error is not None:
+        problems.insert(0, ("PlanRefused", plan_error))
+    pending = [r for r in rollouts if not r.done]
+
+    def cond(kind: ConditionType, status: bool, reason: str, message: str) -> Condition:
+        return _condition(kind, status, reason, message, generation, old_conditions, now)
+
+    if plan_error is not None:
+        ready = cond(ConditionType.READY, False, "PlanRefused", plan_error)
+    elif pending:
+        waiting = "; ".join(f"{r.label}: {r.ready}/{r.wanted} ready" for r in pending)
+        ready = cond(ConditionType.READY, False, "ReplicasNotReady", waiting)
+    else:
+        ready = cond(
+            ConditionType.READY, True, "AllReplicasReady", "every role and the router are ready"
+        )
+    if pending and plan_error is None:
+        rolling = ", ".join(r.label for r in pending)
+        progressing = cond(ConditionType.PROGRESSING, True, "RollingOut", f"rolling out: {rolling}")
+    else:
+        progressing = cond(
+            ConditionType.PROGRESSING, False, "RolloutComplete", "no rollout under way"
+        )
+    if problems:
+        reason = problems[0][0]
+        message = "; ".join(m for _, m in problems[:MAX_PROBLEMS_IN_MESSAGE])
+        if len(problems) > MAX_PROBLEMS_IN_MESSAGE:
+            message += f" (and {len(problems) - MAX_PROBLEMS_IN_MESSAGE} more)"
+        degraded = cond(ConditionType.DEGRADED, True, reason, message)
+    else:
+        degraded = cond(ConditionType.DEGRADED, False, "Healthy", "no problem observed")
+
+    conditions = [ready, progressing, degraded]
+    if ConditionType.SCALING_ACTIVE.value in old_conditions:
+        conditions.append(old_conditions[ConditionType.SCALING_ACTIVE.value])
+    return InferenceServiceStatus(
+        observed_generation=generation,
+        endpoint=endpoint_url(service),
+        conditions=conditions,
+        tiers=[TierStatus(name=name, roles=roles) for name, roles in tiers.items()],
+    )

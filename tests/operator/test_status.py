@@ -1,0 +1,202 @@
+"""compute_status: Ready only when it is true, Degraded with the reason a person needs."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from fleetpilot.api import InferenceService
+from fleetpilot.api.status import Condition, InferenceServiceStatus, RoleStatus, TierStatus
+from fleetpilot.operator.status import Observed, compute_status
+from tests.factories import make_service
+
+NOW = datetime(2026, 11, 29, 10, 0, tzinfo=UTC)
+
+
+def _deployment(
+    name: str, replicas: int = 1, ready: int = 1, generation: int = 1, **st: Any
+) -> Any:
+    status = {
+        "observedGeneration": generation,
+        "replicas": replicas,
+        "updatedReplicas": replicas,
+        "readyReplicas": ready,
+        **st,
+    }
+    return {
+        "metadata": {"name": name, "generation": generation},
+        "spec": {"replicas": replicas},
+        "status": status,
+    }
+
+
+@pytest.fixture
+def service() -> InferenceService:
+    svc = make_service()
+    return svc.model_copy(update={"metadata": svc.metadata.model_copy(update={"generation": 4})})
+
+
+def _conditions(status: InferenceServiceStatus) -> dict[str, Condition]:
+    return {c.type: c for c in status.conditions}
+
+
+def _observed(*deployments: Any, pods: list[Any] | None = None) -> Observed:
+    return Observed({d["metadata"]["name"]: d for d in deployments}, pods or [])
+
+
+def test_ready_when_every_deployment_is_rolled_out(service: InferenceService) -> None:
+    observed = _observed(_deployment("chat-small"), _deployment("chat-router", 2, 2))
+    status = compute_status(service, observed, None, NOW)
+    conditions = _conditions(status)
+    assert conditions["Ready"].status == "True"
+    assert conditions["Progressing"].status == "False"
+    assert conditions["Degraded"].status == "False"
+    assert {c.observed_generation for c in status.conditions} == {4}
+    assert status.observed_generation == 4
+    assert status.tiers == [
+        TierStatus(name="small", roles=[RoleStatus(role="unified", replicas=1, ready=1)])
+    ]
+
+
+def test_not_ready_while_a_replica_is_not(service: InferenceService) -> None:
+    observed = _observed(_deployment("chat-small", 2, 1), _deployment("chat-router"))
+    conditions = _conditions(compute_status(service, observed, None, NOW))
+    assert conditions["Ready"].status == "False"
+    assert conditions["Ready"].message == "tier small role unified: 1/2 ready"
+    assert conditions["Progressing"].status == "True"
+
+
+def test_not_ready_before_the_controller_saw_the_new_generation(
+    service: InferenceService,
+) -> None:
+    """The classic too-early Ready: old pods ready, new spec not yet observed."""
+    stale = _deployment("chat-small", generation=2)
+    stale["metadata"]["generation"] = 3
+    conditions = _conditions(
+        compute_status(service, _observed(stale, _deployment("chat-router")), None, NOW)
+    )
+    assert conditions["Ready"].status == "False"
+
+
+def test_missing_deployment_is_not_ready(service: InferenceService) -> None:
+    conditions = _conditions(
+        compute_status(service, _observed(_deployment("chat-router")), None, NOW)
+    )
+    assert conditions["Ready"].status == "False"
+
+
+@pytest.mark.parametrize(
+    ("pod_status", "reason"),
+    [
+        (
+            {"containerStatuses": [{"state": {"waiting": {"reason": "CrashLoopBackOff"}}}]},
+            "CrashLooping",
+        ),
+        (
+            {"containerStatuses": [{"state": {"waiting": {"reason": "ErrImagePull"}}}]},
+            "ImagePullFailing",
+        ),
+        (
+            {
+                "conditions": [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
+                    }
+                ]
+            },
+            "Unschedulable",
+        ),
+    ],
+)
+def test_degraded_names_the_pod_problem(
+    service: InferenceService, pod_status: dict[str, Any], reason: str
+) -> None:
+    pod = {"metadata": {"name": "chat-small-abc"}, "status": pod_status}
+    observed = _observed(_deployment("chat-small", 1, 0), _deployment("chat-router"), pods=[pod])
+    degraded = _conditions(compute_status(service, observed, None, NOW))["Degraded"]
+    assert degraded.status == "True"
+    assert degraded.reason == reason
+    assert "chat-small-abc" in degraded.message
+
+
+def test_stuck_rollout_is_degraded(service: InferenceService) -> None:
+    stuck = _deployment(
+        "chat-small",
+        1,
+        0,
+        conditions=[
+            {
+                "type": "Progressing",
+                "status": "False",
+                "reason": "ProgressDeadlineExceeded",
+                "message": "ReplicaSet has timed out progressing.",
+            }
+        ],
+    )
+    degraded = _conditions(
+        compute_status(service, _observed(stuck, _deployment("chat-router")), None, NOW)
+    )["Degraded"]
+    assert degraded.reason == "RolloutStuck"
+
+
+def test_refused_plan_is_degraded_and_not_ready(service: InferenceService) -> None:
+    status = compute_status(service, _observed(), None, NOW, plan_error="spec.x: bad")
+    conditions = _conditions(status)
+    assert conditions["Degraded"].reason == "PlanRefused"
+    assert conditions["Degraded"].message == "spec.x: bad"
+    assert conditions["Ready"].reason == "PlanRefused"
+
+
+def test_transition_time_moves_only_when_status_flips(service: InferenceService) -> None:
+    ready = _observed(_deployment("chat-small"), _deployment("chat-router"))
+    first = compute_status(service, ready, None, NOW)
+    later = NOW + timedelta(minutes=5)
+    again = compute_status(service, ready, first, later)
+    assert _conditions(again)["Ready"].last_transition_time == NOW
+    flipped = compute_status(service, _observed(_deployment("chat-router")), again, later)
+    assert _conditions(flipped)["Ready"].last_transition_time == later
+
+
+def test_autoscaler_fields_are_kept(service: InferenceService) -> None:
+    """Status refreshes must not erase what the autoscaler recorded."""
+    previous = InferenceServiceStatus.model_validate(
+        {
+            "conditions": [
+                {
+                    "type": "ScalingActive",
+                    "status": "True",
+                    "reason": "FreshMetrics",
+                    "lastTransitionTime": "2026-11-29T09:00:00Z",
+                }
+            ],
+            "tiers": [
+                {
+                    "name": "small",
+                    "roles": [
+                        {
+                            "role": "unified",
+                            "desired": 3,
+                            "lastScale": {
+                                "time": "2026-11-29T09:00:00Z",
+                                "fromReplicas": 1,
+                                "toReplicas": 3,
+                                "reason": "ttft p95 1.2s > slo 800ms: 1 -> 3",
+                            },
+                        }
+                    ],
+                }
+            ],
+        }
+    )
+    observed = _observed(_deployment("chat-small"), _deployment("chat-router"))
+    status = compute_status(service, observed, previous, NOW)
+    assert "ScalingActive" in _conditions(status)
+    role = status.tiers[0].roles[0]
+    assert role.desired == 3
+    assert role.last_scale is not None
+    assert role.last_scale.to_replicas == 3
