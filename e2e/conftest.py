@@ -1,0 +1,66 @@
+"""Fixtures for tests that need a real Kubernetes control plane.
+
+By default the session starts its own control plane (etcd, kube-apiserver,
+kube-controller-manager, kube-scheduler built by e2e/controlplane/build.sh) on loopback and
+stops it at the end. With FLEETPILOT_E2E_CLUSTER=1 and KUBECONFIG set, the same tests run against
+that cluster instead (kind, a real GPU cluster); tests that need fake GPU nodes then skip.
+
+The first build of the binaries takes 10-25 minutes on 2 cores; run pytest with -s to watch it,
+or run e2e/controlplane/build.sh beforehand.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from kubernetes import client as k8s
+
+from fleetpilot.testing.controlplane import Cluster, ControlPlane, ExistingCluster
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Also registered in pyproject; repeated here so `pytest e2e/` works from any rootdir.
+    config.addinivalue_line(
+        "markers", "cluster: needs the real Kubernetes control plane built from e2e/controlplane"
+    )
+
+
+def use_existing_cluster() -> bool:
+    """Whether the suite targets KUBECONFIG's cluster rather than starting its own."""
+    return os.environ.get("FLEETPILOT_E2E_CLUSTER") == "1"
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """The cluster under test, shared by the whole session (starting one takes seconds)."""
+    if use_existing_cluster():
+        yield ExistingCluster.from_env()
+        return
+    plane = ControlPlane(tmp_path_factory.mktemp("controlplane"))
+    plane.start()
+    try:
+        yield plane
+    finally:
+        plane.stop()
+        # stop() raises if a process survives; this double-checks the process groups.
+        assert plane.leftover_processes() == []
+
+
+@pytest.fixture
+def k8s_api(control_plane: Cluster) -> Iterator[k8s.ApiClient]:
+    """An admin API client, closed after the test."""
+    with control_plane.api_client() as api:
+        yield api
+
+
+@pytest.fixture
+def namespace(k8s_api: k8s.ApiClient) -> Iterator[str]:
+    """A fresh namespace per test, deleted afterwards, so tests never see each other's objects."""
+    name = f"e2e-{uuid.uuid4().hex[:8]}"
+    core = k8s.CoreV1Api(k8s_api)
+    core.create_namespace(k8s.V1Namespace(metadata=k8s.V1ObjectMeta(name=name)))
+    yield name
+    core.delete_namespace(name)

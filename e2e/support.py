@@ -1,0 +1,76 @@
+"""Helpers for tests against a real API server: polling, and playing the kubelet's part."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import TypeVar
+
+from fleetpilot.operator.kube import Kube, Obj
+
+T = TypeVar("T")
+
+
+def eventually(what: str, probe: Callable[[], T | None], timeout: float = 60.0) -> T:
+    """Poll ``probe`` until it returns something other than None (controllers are async)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value is not None:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.25)
+
+
+def mark_pods_ready(kube: Kube, namespace: str, selector: dict[str, str]) -> int:
+    """Do what a kubelet would: report every scheduled pod Running and Ready.
+
+    Unscheduled pods are left alone, as no kubelet would ever see them. Returns how many pods
+    were marked.
+    """
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    marked = 0
+    for pod in kube.list("Pod", namespace, selector):
+        if not pod["spec"].get("nodeName") or pod.get("metadata", {}).get("deletionTimestamp"):
+            continue
+        ready = [
+            {"type": kind, "status": "True", "lastTransitionTime": now}
+            for kind in ("PodScheduled", "Initialized", "ContainersReady", "Ready")
+        ]
+        containers = [
+            {
+                "name": c["name"],
+                "image": c["image"],
+                "imageID": "",
+                "ready": True,
+                "started": True,
+                "restartCount": 0,
+                "state": {"running": {"startedAt": now}},
+            }
+            for c in pod["spec"]["containers"]
+        ]
+        status = {
+            "phase": "Running",
+            "conditions": ready,
+            "containerStatuses": containers,
+            "podIP": "10.0.0.1",
+            "startTime": now,
+        }
+        path = f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}/status"
+        kube.request(
+            "PATCH", path, body={"status": status}, content_type="application/merge-patch+json"
+        )
+        marked += 1
+    return marked
+
+
+def condition(obj: Obj | None, kind: str) -> Obj | None:
+    """The status condition ``kind`` of an object, if present."""
+    if obj is None:
+        return None
+    for item in obj.get("status", {}).get("conditions", []) or []:
+        if item.get("type") == kind:
+            return item  # type: ignore[no-any-return]
+    return None

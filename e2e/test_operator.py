@@ -1,0 +1,295 @@
+"""The real kopf operator against the real control plane.
+
+Each test applies InferenceServices the way a user or GitOps tool would and checks what the
+operator does to the cluster: objects created, pruned and garbage-collected; replicas owned
+by the autoscaler surviving a re-applied spec; status that turns Ready only when the pods
+(reported Ready by the test, in the kubelet's place) are; refusals reported, never half-applied.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e.support import condition, eventually, mark_pods_ready
+from fleetpilot.api.crd import crd
+from fleetpilot.operator.drift import AUTOSCALER_MANAGER
+from fleetpilot.operator.kube import Kube, Obj
+from fleetpilot.operator.reconcile import Reconciler
+from fleetpilot.testing.controlplane import Cluster, free_ports
+from tests.factories import make_manifest, make_tier
+
+pytestmark = pytest.mark.cluster
+
+H100 = "NVIDIA-H100-80GB-HBM3"
+MANAGER = "e2e-test"
+
+
+@pytest.fixture(scope="module")
+def kube(control_plane: Cluster) -> Iterator[Kube]:
+    with control_plane.api_client() as api:
+        yield Kube(api)
+
+
+@pytest.fixture(scope="module")
+def crd_installed(kube: Kube) -> None:
+    """The generated CRD, applied as `kubectl apply --server-side` would, and Established."""
+    definition = crd()
+    kube.request(
+        "PATCH",
+        f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{definition['metadata']['name']}",
+        query=[("fieldManager", MANAGER), ("force", "true")],
+        body=definition,
+        content_type="application/apply-patch+yaml",
+    )
+
+    def established() -> bool | None:
+        current = kube.request(
+            "GET",
+            f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{definition['metadata']['name']}",
+        )
+        state = condition(current, "Established")
+        return True if state and state["status"] == "True" else None
+
+    eventually("CRD Established", established)
+
+
+@pytest.fixture(scope="module")
+def gpu_node(control_plane: Cluster) -> None:
+    if not control_plane.fake_nodes:
+        pytest.skip("needs fake GPU nodes, only added to a cluster the tests started")
+    control_plane.add_gpu_node("op-h100-0", H100, gpus=8)
+
+
+@pytest.fixture
+def operator(
+    control_plane: Cluster, namespace: str, crd_installed: None, tmp_path: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`fleetpilot operator` as a process, serving the test's namespace."""
+    (port,) = free_ports(1)
+    log_path = tmp_path / "operator.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [
+                sys.executable, "-m", "fleetpilot", "operator",
+                "--kubeconfig", str(control_plane.kubeconfig),
+                "--namespace", namespace, "--standalone",
+                "--bind", "127.0.0.1", "--liveness-port", str(port), "--metrics-port", "0",
+                "--log-format", "plain",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        )  # fmt: skip
+
+        def healthy() -> bool | None:
+            if process.poll() is not None:
+                raise AssertionError(f"operator exited:\n{log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1):
+                    return True
+            except OSError:
+                return None
+
+        eventually("operator liveness", healthy, timeout=30)
+        try:
+            yield process
+        finally:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        print(log_path.read_text()[-5000:])
+
+
+def small_service(namespace: str, **spec: Any) -> Obj:
+    tier = make_tier(
+        "small",
+        resources={"gpuProduct": H100, "cpu": "1", "memory": "1Gi"},
+        serving={"replicas": {"min": 1, "max": 4}},
+    )
+    manifest = make_manifest("chat", namespace=namespace, tiers=[tier], routing={"replicas": 1})
+    manifest["spec"].update(spec)
+    return manifest
+
+
+def apply_service(kube: Kube, manifest: Obj) -> Obj:
+    return kube.apply(manifest, MANAGER)
+
+
+def get(kube: Kube, kind: str, namespace: str, name: str) -> Obj | None:
+    return kube.get(kind, namespace, name)
+
+
+def test_service_becomes_ready_only_when_pods_are(
+    kube: Kube, namespace: str, operator: Any, gpu_node: None
+) -> None:
+    """Create -> children applied, status Ready=False until the kubelet's part reports Ready."""
+    service = apply_service(kube, small_service(namespace))
+    eventually("engine Deployment", lambda: get(kube, "Deployment", namespace, "chat-small"))
+    eventually("router Deployment", lambda: get(kube, "Deployment", namespace, "chat-router"))
+
+    def status() -> Obj | None:
+        current = get(kube, "InferenceService", namespace, "chat")
+        return current if current and current.get("status", {}).get("conditions") else None
+
+    current = eventually("status", status)
+    ready = condition(current, "Ready")
+    assert ready is not None
+    assert ready["status"] == "False"
+    assert current["status"]["observedGeneration"] == service["metadata"]["generation"]
+    assert current["status"]["endpoint"] == f"http://chat-router.{namespace}.svc:8000/v1"
+
+    selector = {"fleetpilot.dev/service": "chat"}
+    eventually("pods scheduled", lambda: mark_pods_ready(kube, namespace, selector) >= 2 or None)
+
+    def is_ready() -> Obj | None:
+        mark_pods_ready(kube, namespace, selector)
+        current = get(kube, "InferenceService", namespace, "chat")
+        state = condition(current, "Ready")
+        return current if state and state["status"] == "True" else None
+
+    current = eventually("Ready=True", is_ready, timeout=90)
+    (tier,) = current["status"]["tiers"]
+    assert tier["roles"] == [{"role": "unified", "replicas": 1, "ready": 1}]
+    for item in current["status"]["conditions"]:
+        assert item["observedGeneration"] == current["metadata"]["generation"]
+
+
+def test_autoscaled_replicas_survive_a_reapplied_spec(
+    kube: Kube, namespace: str, operator: Any, gpu_node: None
+) -> None:
+    """The autoscaler's field manager owns replicas; a spec change must not reset them."""
+    manifest = small_service(namespace)
+    apply_service(kube, manifest)
+    eventually("engine Deployment", lambda: get(kube, "Deployment", namespace, "chat-small"))
+    kube.request(
+        "PATCH",
+        f"/apis/apps/v1/namespaces/{namespace}/deployments/chat-small/scale",
+        query=[("fieldManager", AUTOSCALER_MANAGER)],
+        body={"spec": {"replicas": 3}},
+        content_type="application/merge-patch+json",
+    )
+    changed = copy.deepcopy(manifest)
+    changed["spec"]["tiers"][0]["engine"] = {"env": [{"name": "EXTRA", "value": "1"}]}
+    apply_service(kube, changed)
+
+    def rolled() -> Obj | None:
+        deployment = get(kube, "Deployment", namespace, "chat-small")
+        env = deployment["spec"]["template"]["spec"]["containers"][0]["env"] if deployment else []
+        return deployment if any(e["name"] == "EXTRA" for e in env) else None
+
+    deployment = eventually("spec change applied", rolled)
+    assert deployment["spec"]["replicas"] == 3
+
+
+def test_removed_tier_is_pruned_and_added_tier_created(
+    kube: Kube, namespace: str, operator: Any, gpu_node: None
+) -> None:
+    manifest = small_service(namespace)
+    manifest["spec"]["tiers"][0]["complexity"] = {"upTo": 0.5}
+    manifest["spec"]["tiers"].append(
+        make_tier("large", resources={"gpuProduct": H100, "cpu": "1", "memory": "1Gi"}, tensor=2)
+    )
+    apply_service(kube, manifest)
+    eventually("large tier", lambda: get(kube, "Deployment", namespace, "chat-large"))
+    manifest["spec"]["tiers"].pop()
+    del manifest["spec"]["tiers"][0]["complexity"]
+    apply_service(kube, manifest)
+    eventually(
+        "large tier pruned",
+        lambda: True if get(kube, "Deployment", namespace, "chat-large") is None else None,
+    )
+    for kind in ("Service", "PodDisruptionBudget"):
+        assert get(kube, kind, namespace, "chat-large") is None
+    assert get(kube, "Deployment", namespace, "chat-small") is not None
+
+
+def test_refused_plan_sets_degraded_and_applies_nothing(
+    kube: Kube, namespace: str, operator: Any
+) -> None:
+    """A spec the CRD accepts but the planner refuses: Degraded with the field, no objects."""
+    manifest = small_service(namespace)
+    manifest["spec"]["tiers"][0]["engine"] = {"extraArgs": ["--port=9000"]}
+    apply_service(kube, manifest)
+
+    def degraded() -> Obj | None:
+        state = condition(get(kube, "InferenceService", namespace, "chat"), "Degraded")
+        return state if state and state["status"] == "True" else None
+
+    state = eventually("Degraded", degraded)
+    assert state["reason"] == "PlanRefused"
+    assert "spec.tiers[0].engine.extraArgs[0]" in state["message"]
+    assert kube.list("Deployment", namespace, {"fleetpilot.dev/service": "chat"}) == []
+    events = kube.list("Event", namespace, {})
+    assert any(e.get("reason") == "PlanRefused" for e in events)
+
+
+def test_deleting_the_service_garbage_collects_everything(
+    kube: Kube, namespace: str, operator: Any, gpu_node: None
+) -> None:
+    apply_service(kube, small_service(namespace))
+    eventually("router", lambda: get(kube, "Deployment", namespace, "chat-router"))
+    kube.delete("InferenceService", namespace, "chat")
+    selector = {"fleetpilot.dev/service": "chat"}
+
+    def gone() -> bool | None:
+        left = [kind for kind in ("Deployment", "Service", "ConfigMap", "ServiceAccount")
+                if kube.list(kind, namespace, selector)]  # fmt: skip
+        return True if not left else None
+
+    eventually("children garbage-collected", gone, timeout=90)
+
+
+def test_unschedulable_pods_are_reported(kube: Kube, namespace: str, operator: Any) -> None:
+    manifest = small_service(namespace)
+    manifest["spec"]["tiers"][0]["resources"]["gpuProduct"] = "NVIDIA-B300"
+    apply_service(kube, manifest)
+
+    def degraded() -> Obj | None:
+        state = condition(get(kube, "InferenceService", namespace, "chat"), "Degraded")
+        return state if state and state["reason"] == "Unschedulable" else None
+
+    state = eventually("Degraded Unschedulable", degraded, timeout=90)
+    assert "node" in state["message"]
+
+
+def test_reconcile_of_an_unchanged_service_writes_nothing(
+    kube: Kube, namespace: str, crd_installed: None, control_plane: Cluster
+) -> None:
+    """Idempotency, counted: once the cluster has settled, a reconcile performs zero writes."""
+    apply_service(kube, small_service(namespace))
+    with control_plane.api_client() as api:
+        counted = Kube(api)
+        reconciler = Reconciler(counted)
+
+        def fresh() -> Obj:
+            body = counted.get("InferenceService", namespace, "chat")
+            assert body is not None
+            return body
+
+        assert reconciler.reconcile(fresh()).applied
+        # Controllers keep reporting (ReplicaSets, pods, scheduling) for a moment; each report
+        # is a real change of status. Wait until a reconcile finds nothing new to record.
+        eventually(
+            "status settled",
+            lambda: None if reconciler.reconcile(fresh()).status_written else True,
+        )
+        before = counted.writes
+        result = reconciler.reconcile(fresh())
+        assert result.applied == []
+        assert result.pruned == []
+        assert not result.status_written
+        assert counted.writes == before
