@@ -1,0 +1,615 @@
+"""The step-driven engine: ``add_request`` / ``step`` / ``RequestOutput``.
+
+One ``step()`` = schedule (scheduler.py), copy-on-write and KV imports, draft proposals when
+speculating, one target forward pass over every scheduled token (model.py), then sampling or
+speculative verification, stop checks, prefix-cache publication and outputs. The HTTP server
+drives it from one thread: the engine is not thread-safe, and it never blocks or does I/O.
+
+P/D hooks: a request added with ``pin_kv=True`` keeps its prompt's KV blocks pinned after it
+finishes (``pinned_kv``/``export_kv`` read them, ``release_kv`` or the TTL frees them); a
+request added with ``kv_import`` starts from those blocks instead of prefilling.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from fleetpilot.engine.reference.blocks import (
+    DEFAULT_BLOCK_SIZE,
+    BlockManager,
+    KVPool,
+    extend_block_hashes,
+)
+from fleetpilot.engine.reference.model import (
+    AttentionMetadata,
+    LlamaModel,
+    ModelConfig,
+    SeqSlice,
+    build_attention_metadata,
+    make_kv_pool,
+)
+from fleetpilot.engine.reference.request import (
+    FinishReason,
+    KVBlocks,
+    Request,
+    RequestMetrics,
+    RequestOutput,
+    RequestStatus,
+)
+from fleetpilot.engine.reference.sampling import (
+    SamplingParams,
+    probs_from_logits,
+    sample,
+    sample_from_probs,
+)
+from fleetpilot.engine.reference.scheduler import (
+    ScheduledRequest,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+from fleetpilot.engine.reference.speculative import (
+    SpeculativeConfig,
+    rejection_sample,
+    verify_greedy,
+)
+from fleetpilot.engine.reference.tokenizer import ByteTokenizer
+
+# 64 MiB holds 32k tokens of the default model (4 layers x 2 KV heads x 32 dims x fp32 x K,V =
+# 2 KiB a token): room for 64 sequences of 512 tokens, the default max_num_seqs.
+DEFAULT_KV_CACHE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings, named after the vLLM flags they mirror."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory_bytes when set
+    kv_cache_dtype: Literal["auto", "int8"] = "auto"
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    speculative: SpeculativeConfig | None = None
+    seed: int = 0  # for requests without their own seed
+    # How long a P/D prefill's pinned KV waits for the decoder to pull it.
+    kv_pin_ttl_s: float = 60.0
+    # "contiguous" reserves max_model_len per request up front: the pre-PagedAttention
+    # baseline, for benchmarks only.
+    kv_reservation: Literal["paged", "contiguous"] = "paged"
+    # torch intra-op threads, process-wide. One: the matrices are small, several engines share
+    # a machine in the local fleet, and OpenMP threads spinning on a busy core were measured
+    # 10-30x slower than one thread. None leaves torch's setting alone.
+    num_threads: int | None = 1
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be at least max_model_len ({self.max_model_len}) so any prompt fits a step"
+            )
+
+
+class RequestRejectedError(ValueError):
+    """A request the engine can never serve; the message says why (an HTTP 400)."""
+
+
+@dataclass
+class EngineStats:
+    """Counters and gauges, named after the vLLM metrics they feed (``vllm:<name>``)."""
+
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    num_preemptions_total: int = 0
+    request_success_total: dict[str, int] = field(default_factory=dict)  # by finish reason
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
+    kv_exported_blocks_total: int = 0
+    kv_imported_tokens_total: int = 0
+    kv_import_fallbacks_total: int = 0  # imports that could not be used: prefilled locally
+    kv_pins_evicted_total: int = 0  # pins dropped early because the pool was full
+    steps_total: int = 0
+    forward_passes_total: int = 0  # target passes (drafts not included)
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    kv_cache_usage_perc: float = 0.0  # 0..1
+    num_kv_blocks: int = 0
+    block_size: int = 0
+
+
+@dataclass(frozen=True)
+class PinnedKV:
+    """A finished P/D prefill's prompt blocks, held for a decoder to pull."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    expires_at: float
+
+
+class LLMEngine:
+    """A paged-KV LLM engine on torch. See the module docstring for the step structure."""
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        model: LlamaModel | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.model = model or LlamaModel(ModelConfig())
+        mc = self.model.config
+        if config.max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({config.max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({mc.max_position_embeddings})"
+            )
+        spec = config.speculative
+        if spec is not None and spec.draft_num_layers >= mc.num_hidden_layers:
+            raise ValueError(
+                f"the draft ({spec.draft_num_layers} layers) must be shallower than the target "
+                f"({mc.num_hidden_layers} layers)"
+            )
+        self.tokenizer = ByteTokenizer()
+        self.clock = clock
+        self.kv: KVPool = make_kv_pool(
+            mc,
+            block_size=config.block_size,
+            num_blocks=config.num_kv_blocks,
+            memory_bytes=config.kv_cache_memory_bytes,
+            quantized=config.kv_cache_dtype == "int8",
+        )
+        if config.kv_reservation == "contiguous" and (
+            math.ceil(config.max_model_len / config.block_size) > self.kv.num_blocks
+        ):
+            raise ValueError("contiguous reservation needs a pool of at least max_model_len")
+        self.blocks = BlockManager(
+            self.kv.num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            reserve_tokens=config.max_model_len if config.kv_reservation == "contiguous" else None,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            ),
+            self.blocks,
+        )
+        self._stats = EngineStats(num_kv_blocks=self.kv.num_blocks, block_size=config.block_size)
+        self._generator = torch.Generator().manual_seed(config.seed)
+        self._requests: dict[str, Request] = {}
+        self._aborted: list[Request] = []
+        self.pins: OrderedDict[str, PinnedKV] = OrderedDict()
+        # Draft distributions of the current step's sampled (non-greedy) speculative requests.
+        self._draft_probs: dict[str, torch.Tensor] = {}
+        self._generate_calls = 0
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        arrival_time: float | None = None,
+        pin_kv: bool = False,
+        kv_import: KVBlocks | None = None,
+    ) -> None:
+        """Queue a request; raises ``RequestRejectedError`` for one that can never be served.
+
+        ``prompt``: text (encoded with BOS) or token ids. ``pin_kv``: keep the prompt's KV after
+        finishing, for a remote decoder (P/D prefill side). ``kv_import``: KV of a prefix of
+        the prompt computed elsewhere (P/D decode side); unusable imports fall back to prefill.
+        """
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise RequestRejectedError(f"request id {request_id!r} is already in use")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        vocab = self.model.config.vocab_size
+        if not ids:
+            raise RequestRejectedError("the prompt is empty")
+        if any(not 0 <= t < vocab for t in ids):
+            raise RequestRejectedError(f"prompt token ids must be in [0, {vocab})")
+        max_len = self.config.max_model_len
+        if len(ids) >= max_len:
+            raise RequestRejectedError(
+                f"the prompt has {len(ids)} tokens; this model's maximum context length is "
+                f"{max_len} tokens, which must also leave room for at least one output token"
+            )
+        room = max_len - len(ids)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise RequestRejectedError(
+                f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"the maximum context length of {max_len} tokens"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        total = len(ids) + max_tokens
+        need_blocks = math.ceil(total / self.config.block_size)
+        if need_blocks > self.kv.num_blocks:
+            raise RequestRejectedError(
+                f"the request needs up to {total} tokens of KV cache ({need_blocks} blocks of "
+                f"{self.config.block_size}) but the whole KV pool holds {self.kv.num_blocks} blocks"
+            )
+        if kv_import is not None and not self._import_usable(kv_import, ids):
+            self._stats.kv_import_fallbacks_total += 1
+            kv_import = None
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(params.seed)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            params=params,
+            arrival_time=arrival_time if arrival_time is not None else self.clock(),
+            max_tokens=max_tokens,
+            eos_token_id=None if params.ignore_eos else self.tokenizer.eos_token_id,
+            generator=generator,
+            kv_import=kv_import,
+            pin_kv=pin_kv,
+        )
+        self._requests[request_id] = request
+        self.scheduler.add(request)
+
+    def _import_usable(self, kv: KVBlocks, prompt: list[int]) -> bool:
+        pool = self.kv.data
+        expected = (*pool.shape[:2], -(-kv.num_tokens // kv.block_size), kv.block_size)
+        return (
+            0 < kv.num_tokens <= len(prompt)
+            and list(kv.token_ids) == prompt[: kv.num_tokens]
+            and kv.block_size == self.config.block_size
+            and tuple(kv.data.shape[:4]) == expected
+            and tuple(kv.data.shape[4:]) == tuple(pool.shape[3:])
+            and kv.data.dtype == pool.dtype
+            and (kv.scales is not None) == (self.kv.scales is not None)
+        )
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request; its final output (finish_reason "abort") comes with the next step."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        self.scheduler.remove(request)
+        self._finish(request, "abort")
+        self._aborted.append(request)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    def generate(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Run ``prompts`` to completion together (continuous batching); outputs in order."""
+        self._generate_calls += 1
+        ids = [f"generate-{self._generate_calls}-{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts, strict=True):
+            self.add_request(rid, prompt, params)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; outputs of requests that progressed or finished."""
+        now = self.clock()
+        self._expire_pins(now)
+        outputs = [self._output(r, 0) for r in self._aborted]
+        self._aborted.clear()
+        plan = self.scheduler.schedule()
+        while plan.starved and self.pins:
+            self._release_pin(next(iter(self.pins)))
+            self._stats.kv_pins_evicted_total += 1
+            plan = self.scheduler.schedule()
+        self._stats.steps_total += 1
+        if plan.scheduled:
+            outputs += self._run(plan, now)
+        self._stats.num_preemptions_total = self.scheduler.num_preemptions
+        return outputs
+
+    def _run(self, plan: SchedulerOutput, now: float) -> list[RequestOutput]:
+        self.kv.copy_blocks(plan.block_copies)
+        for request, block_ids in plan.imports:
+            assert request.kv_import is not None
+            n = len(block_ids)
+            scales = request.kv_import.scales
+            self.kv.import_blocks(
+                block_ids,
+                request.kv_import.data[:, :, :n],
+                scales[:, :, :n] if scales is not None else None,
+            )
+            self._stats.kv_imported_tokens_total += request.num_computed_tokens
+            request.kv_import = None  # used once; a recompute after preemption prefills
+        for s in plan.scheduled:
+            if s.request.first_scheduled_time is None:
+                s.request.first_scheduled_time = now
+        drafts = self._propose(plan.scheduled)
+
+        input_ids: list[int] = []
+        seqs: list[SeqSlice] = []
+        logits_rows: list[int] = []
+        samplers: list[tuple[ScheduledRequest, int, int]] = []  # (s, first logits row, n rows)
+        for s in plan.scheduled:
+            r = s.request
+            start = r.num_computed_tokens
+            tokens = r.token_ids[start : start + s.num_new_tokens] + drafts.get(r.request_id, [])
+            seqs.append(
+                SeqSlice(len(input_ids), len(tokens), start, self.blocks.table(r.request_id))
+            )
+            input_ids += tokens
+            if start + s.num_new_tokens == r.num_tokens:  # the chunk reaches the end: sample
+                n_rows = 1 + len(drafts.get(r.request_id, []))
+                samplers.append((s, len(logits_rows), n_rows))
+                last = len(input_ids)
+                logits_rows += range(last - n_rows, last)
+        meta = build_attention_metadata(seqs, self.config.block_size)
+        logits = self.model.forward(
+            torch.tensor(input_ids, dtype=torch.long),
+            meta,
+            self.kv,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.long),
+        )
+        self._stats.forward_passes_total += 1
+        done = self.clock()
+
+        outputs: list[RequestOutput] = []
+        sampling = {id(s): (row, n) for s, row, n in samplers}
+        greedy_rows = [row for s, row, n in samplers if n == 1 and s.request.params.greedy]
+        argmax = dict(zip(greedy_rows, logits[greedy_rows].argmax(-1).tolist(), strict=True))
+        for s in plan.scheduled:
+            r = s.request
+            if id(s) not in sampling:
+                r.num_computed_tokens += s.num_new_tokens  # a prefill chunk: nothing to sample
+                self._publish(r)
+                continue
+            row, n = sampling[id(s)]
+            draft = drafts.get(r.request_id)
+            if draft is not None:
+                new = self._verify(r, draft, logits[row : row + n])
+                r.num_computed_tokens += s.num_new_tokens + len(new) - 1
+            else:
+                new = (
+                    [argmax[row]]
+                    if row in argmax
+                    else sample(logits[row : row + 1], r.params, r.generator or self._generator)
+                )
+                r.num_computed_tokens += s.num_new_tokens
+            if r.first_token_time is None:
+                r.first_token_time = done
+                self._stats.prompt_tokens_total += r.num_prompt_tokens
+            appended = self._append(r, new, done)
+            self._stats.generation_tokens_total += appended
+            self._publish(r)
+            if r.finish_reason is not None:
+                if r.pin_kv:
+                    self._pin(r)
+                else:
+                    self.scheduler.remove(r)
+                self._finish(r, r.finish_reason)
+            outputs.append(self._output(r, appended))
+        return outputs
+
+    def _publish(self, r: Request) -> None:
+        if self.config.enable_prefix_caching:
+            bs = self.config.block_size
+            extend_block_hashes(r.block_hashes, r.token_ids[: r.num_computed_tokens], bs)
+            self.blocks.cache_full_blocks(r.request_id, r.block_hashes, r.num_computed_tokens)
+
+    # ---- speculative decoding --------------------------------------------------------------
+
+    def _propose(self, scheduled: Sequence[ScheduledRequest]) -> dict[str, list[int]]:
+        """Draft tokens for every request scheduled with speculative lookahead.
+
+        The draft is the target's first layers: it runs on the same positions and writes the
+        same K/V for those layers into the same slots, which the target's verification pass
+        then overwrites with identical values; so it needs no KV cache of its own.
+        """
+        self._draft_probs = {}
+        spec = self.config.speculative
+        active = [s for s in scheduled if s.num_spec_tokens > 0]
+        if spec is None or not active:
+            return {}
+        drafts: dict[str, list[int]] = {s.request.request_id: [] for s in active}
+        probs: dict[str, list[torch.Tensor]] = {s.request.request_id: [] for s in active}
+        for j in range(max(s.num_spec_tokens for s in active)):
+            step = [s for s in active if s.num_spec_tokens > j]
+            seqs: list[SeqSlice] = []
+            ids: list[int] = []
+            for i, s in enumerate(step):
+                r = s.request
+                pos = r.num_computed_tokens + j
+                ids.append(r.token_ids[pos] if j == 0 else drafts[r.request_id][-1])
+                seqs.append(SeqSlice(i, 1, pos, self.blocks.table(r.request_id)))
+            meta: AttentionMetadata = build_attention_metadata(seqs, self.config.block_size)
+            logits = self.model.forward(
+                torch.tensor(ids, dtype=torch.long),
+                meta,
+                self.kv,
+                num_layers=spec.draft_num_layers,
+            )
+            for i, s in enumerate(step):
+                r = s.request
+                if r.params.greedy:
+                    drafts[r.request_id].append(int(logits[i].argmax()))
+                    continue
+                q = probs_from_logits(logits[i : i + 1], r.params)
+                drafts[r.request_id] += sample_from_probs(q, r.generator or self._generator)
+                probs[r.request_id].append(q[0])
+        self._draft_probs = {k: torch.stack(v) for k, v in probs.items() if v}
+        return drafts
+
+    def _verify(self, r: Request, draft: list[int], logits: torch.Tensor) -> list[int]:
+        self._stats.spec_decode_num_drafts_total += 1
+        self._stats.spec_decode_num_draft_tokens_total += len(draft)
+        if r.params.greedy:
+            new = verify_greedy(draft, logits.argmax(-1).tolist())
+        else:
+            target = probs_from_logits(logits, r.params)
+            new = rejection_sample(
+                draft, self._draft_probs[r.request_id], target, r.generator or self._generator
+            )
+        self._stats.spec_decode_num_accepted_tokens_total += len(new) - 1
+        return new
+
+    # ---- stopping ------------------------------------------------------------------------
+
+    def _append(self, r: Request, tokens: Sequence[int], now: float) -> int:
+        """Append sampled tokens until one finishes the request; returns how many were kept."""
+        kept = 0
+        for token in tokens:
+            r.token_ids.append(token)
+            r.token_times.append(now)
+            kept += 1
+            if self._check_stop(r, token):
+                break
+        return kept
+
+    def _check_stop(self, r: Request, token: int) -> bool:
+        p = r.params
+        if r.eos_token_id is not None and token == r.eos_token_id:
+            r.finish_reason = "stop"
+            return True
+        if token in p.stop_token_ids:
+            r.finish_reason, r.stop_reason = "stop", token
+            return True
+        if p.stop:
+            text = self.tokenizer.decode(r.output_token_ids)
+            longest = max(len(s) for s in p.stop)
+            start = max(0, r.stop_search_from - longest + 1)
+            hits = [(i, s) for s in p.stop if (i := text.find(s, start)) >= 0]
+            r.stop_search_from = len(text)
+            if hits:
+                at, stop = min(hits)
+                r.finish_reason, r.stop_reason = "stop", stop
+                r.stop_text = text[: at + len(stop)] if p.include_stop_str_in_output else text[:at]
+                return True
+        if r.num_output_tokens >= r.max_tokens or r.num_tokens >= self.config.max_model_len:
+            r.finish_reason = "length"
+            return True
+        return False
+
+    def _finish(self, r: Request, reason: FinishReason) -> None:
+        """Mark ``r`` finished; the caller has already released (or pinned) its blocks."""
+        r.status = RequestStatus.FINISHED
+        r.finish_reason = reason
+        r.finished_time = self.clock()
+        self._requests.pop(r.request_id, None)
+        self._stats.request_success_total[reason] = (
+            self._stats.request_success_total.get(reason, 0) + 1
+        )
+
+    def _output(self, r: Request, num_new: int) -> RequestOutput:
+        finished = r.finished
+        if r.stop_text is not None:
+            text = r.stop_text
+        else:
+            text = self.tokenizer.decode(r.output_token_ids, hold_incomplete=not finished)
+        return RequestOutput(
+            request_id=r.request_id,
+            prompt_token_ids=tuple(r.prompt_token_ids),
+            token_ids=tuple(r.output_token_ids),
+            text=text,
+            num_new_tokens=num_new,
+            finished=finished,
+            finish_reason=r.finish_reason if finished else None,
+            stop_reason=r.stop_reason,
+            num_cached_tokens=r.num_cached_tokens or 0,
+            metrics=RequestMetrics(
+                arrival_time=r.arrival_time,
+                first_scheduled_time=r.first_scheduled_time,
+                first_token_time=r.first_token_time,
+                finished_time=r.finished_time,
+                token_times=tuple(r.token_times),
+                num_preemptions=r.num_preemptions,
+            ),
+        )
+
+    # ---- P/D: pinned prompt KV -----------------------------------------------------------
+
+    def _pin(self, r: Request) -> None:
+        """Finish ``r`` but keep the blocks holding its prompt's KV for export."""
+        num_tokens = min(r.num_computed_tokens, r.num_prompt_tokens)
+        if r in self.scheduler.running:
+            self.scheduler.running.remove(r)
+        keep = -(-num_tokens // self.config.block_size)
+        block_ids = self.blocks.free_seq(r.request_id, keep_blocks=keep)
+        if not block_ids:
+            return
+        self.pins[r.request_id] = PinnedKV(
+            request_id=r.request_id,
+            token_ids=tuple(r.prompt_token_ids[:num_tokens]),
+            block_ids=tuple(block_ids),
+            expires_at=self.clock() + self.config.kv_pin_ttl_s,
+        )
+
+    def pinned_kv(self, request_id: str) -> PinnedKV | None:
+        """The pinned prompt KV of a finished ``pin_kv`` request, if not released or expired."""
+        return self.pins.get(request_id)
+
+    def export_kv(self, request_id: str) -> KVBlocks:
+        """Copy out a pinned prompt's KV blocks; KeyError if unknown, released or expired."""
+        pin = self.pins[request_id]
+        data, scales = self.kv.export_blocks(pin.block_ids)
+        self._stats.kv_exported_blocks_total += len(pin.block_ids)
+        return KVBlocks(
+            token_ids=pin.token_ids,
+            block_size=self.config.block_size,
+            block_ids=pin.block_ids,
+            data=data,
+            scales=scales,
+        )
+
+    def release_kv(self, request_id: str) -> bool:
+        """Unpin a prompt's KV (the decoder has it); False if it was not pinned."""
+        if request_id not in self.pins:
+            return False
+        self._release_pin(request_id)
+        return True
+
+    def _release_pin(self, request_id: str) -> None:
+        pin = self.pins.pop(request_id)
+        self.blocks.unref_blocks(pin.block_ids)
+
+    def _expire_pins(self, now: float) -> None:
+        for rid in [rid for rid, pin in self.pins.items() if pin.expires_at <= now]:
+            self._release_pin(rid)
+
+    # ---- metrics -------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the counters, with the gauges filled in."""
+        s = self._stats
+        s.prefix_cache_queries_total = self.blocks.stats.queries
+        s.prefix_cache_hits_total = self.blocks.stats.hits
+        s.num_preemptions_total = self.scheduler.num_preemptions
+        s.num_requests_running = len(self.scheduler.running)
+        s.num_requests_waiting = len(self.scheduler.waiting)
+        s.kv_cache_usage_perc = self.blocks.usage
+        return EngineStats(**{**s.__dict__, "request_success_total": dict(s.request_success_total)})
