@@ -15,9 +15,12 @@ import os
 import uuid
 from collections.abc import Iterator
 
+import helm_python as helm
 import pytest
 from kubernetes import client as k8s
 
+from e2e.chart_support import CHART, install_crds
+from fleetpilot.operator.kube import Kube
 from fleetpilot.testing.controlplane import Cluster, ControlPlane, ExistingCluster
 
 
@@ -64,3 +67,22 @@ def namespace(k8s_api: k8s.ApiClient) -> Iterator[str]:
     core.create_namespace(k8s.V1Namespace(metadata=k8s.V1ObjectMeta(name=name)))
     yield name
     core.delete_namespace(name)
+
+
+@pytest.fixture(scope="session")
+def kube(control_plane: Cluster) -> Iterator[Kube]:
+    """An admin REST client shared by the session (fleetpilot's own client, as the operator's)."""
+    with control_plane.api_client() as api:
+        yield Kube(api)
+
+
+@pytest.fixture(scope="session")
+def chart() -> Iterator[helm.Chart]:
+    with helm.Chart.load(CHART) as loaded:
+        yield loaded
+
+
+@pytest.fixture(scope="session")
+def chart_crds(kube: Kube, chart: helm.Chart) -> None:
+    """The chart's CRDs (InferenceService and kopf peering) installed and Established."""
+    install_crds(kube, chart)

@@ -14,14 +14,16 @@ import signal
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import helm_python as helm
 import pytest
 
+from e2e.chart_support import CRD_PATH, can, install_identity, release_name, render
 from e2e.support import condition, eventually, mark_pods_ready
-from fleetpilot.api.crd import crd
 from fleetpilot.operator.drift import AUTOSCALER_MANAGER
 from fleetpilot.operator.kube import Kube, Obj
 from fleetpilot.operator.reconcile import Reconciler
@@ -35,62 +37,85 @@ MANAGER = "e2e-test"
 
 
 @pytest.fixture(scope="module")
-def kube(control_plane: Cluster) -> Iterator[Kube]:
-    with control_plane.api_client() as api:
-        yield Kube(api)
-
-
-@pytest.fixture(scope="module")
-def crd_installed(kube: Kube) -> None:
-    """The generated CRD, applied as `kubectl apply --server-side` would, and Established."""
-    definition = crd()
-    kube.request(
-        "PATCH",
-        f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{definition['metadata']['name']}",
-        query=[("fieldManager", MANAGER), ("force", "true")],
-        body=definition,
-        content_type="application/apply-patch+yaml",
-    )
-
-    def established() -> bool | None:
-        current = kube.request(
-            "GET",
-            f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{definition['metadata']['name']}",
-        )
-        state = condition(current, "Established")
-        return True if state and state["status"] == "True" else None
-
-    eventually("CRD Established", established)
-
-
-@pytest.fixture(scope="module")
 def gpu_node(control_plane: Cluster) -> None:
     if not control_plane.fake_nodes:
         pytest.skip("needs fake GPU nodes, only added to a cluster the tests started")
     control_plane.add_gpu_node("op-h100-0", H100, gpus=8)
 
 
+@dataclass(frozen=True)
+class OperatorIdentity:
+    """The chart's ServiceAccount and RBAC, installed for the test's namespace."""
+
+    kubeconfig: Path
+    peering: str
+
+
 @pytest.fixture
-def operator(
-    control_plane: Cluster, namespace: str, crd_installed: None, tmp_path: Path
-) -> Iterator[subprocess.Popen[bytes]]:
-    """`fleetpilot operator` as a process, serving the test's namespace."""
-    (port,) = free_ports(1)
-    log_path = tmp_path / "operator.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [
-                sys.executable, "-m", "fleetpilot", "operator",
-                "--kubeconfig", str(control_plane.kubeconfig),
-                "--namespace", namespace, "--standalone",
-                "--bind", "127.0.0.1", "--liveness-port", str(port), "--metrics-port", "0",
-                "--log-format", "plain",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, "PYTHONWARNINGS": "ignore"},
-        )  # fmt: skip
+def identity(
+    control_plane: Cluster,
+    kube: Kube,
+    chart: helm.Chart,
+    chart_crds: None,
+    namespace: str,
+    tmp_path: Path,
+) -> Iterator[OperatorIdentity]:
+    """Credentials of the chart's ServiceAccount: the operator runs with exactly the rights
+    the chart grants (watching the test's namespace), so a call it lacks fails the test."""
+    objects = render(chart, {"watchNamespaces": [namespace]}, release_name(), namespace)
+    cluster_scoped = install_identity(kube, objects)
+    try:
+        account = next(o for o in objects if o["kind"] == "ServiceAccount")["metadata"]["name"]
+        peering = next(o for o in objects if o["kind"] == "KopfPeering")["metadata"]["name"]
+        kubeconfig = control_plane.service_account_kubeconfig(
+            namespace, account, tmp_path / "operator.kubeconfig"
+        )
+        with Cluster(kubeconfig).api_client() as api:
+            as_operator = Kube(api)
+            # The authorizer reads RBAC through an informer: wait for the new bindings.
+            eventually(
+                "RBAC for the operator",
+                lambda: (
+                    can(as_operator, "watch", "fleetpilot.dev", "inferenceservices", namespace)
+                    or None
+                ),
+            )
+        yield OperatorIdentity(kubeconfig, peering)
+    finally:
+        for path in cluster_scoped:
+            kube.request("DELETE", path)
+
+
+OperatorFactory = Callable[[], "subprocess.Popen[bytes]"]
+
+
+@pytest.fixture
+def start_operator(
+    identity: OperatorIdentity, namespace: str, tmp_path: Path
+) -> Iterator[OperatorFactory]:
+    """Starts `fleetpilot operator` processes (with peering, under the chart's RBAC); stops
+    every one it started at the end of the test."""
+    started: list[subprocess.Popen[bytes]] = []
+    logs: list[Path] = []
+
+    def start() -> subprocess.Popen[bytes]:
+        (port,) = free_ports(1)
+        log_path = tmp_path / f"operator-{len(started)}.log"
+        logs.append(log_path)
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                [
+                    sys.executable, "-m", "fleetpilot", "operator",
+                    "--kubeconfig", str(identity.kubeconfig),
+                    "--namespace", namespace, "--peering", identity.peering,
+                    "--bind", "127.0.0.1", "--liveness-port", str(port), "--metrics-port", "0",
+                    "--log-format", "plain",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        started.append(process)
 
         def healthy() -> bool | None:
             if process.poll() is not None:
@@ -102,16 +127,33 @@ def operator(
                 return None
 
         eventually("operator liveness", healthy, timeout=30)
-        try:
-            yield process
-        finally:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-        print(log_path.read_text()[-5000:])
+        return process
+
+    try:
+        yield start
+    finally:
+        for process in started:
+            stop(process)
+        for path in logs:
+            print(path.read_text()[-5000:])
+            # A call the chart's RBAC refuses shows up as a 403 in the operator's log.
+            assert " 403 " not in path.read_text(), f"forbidden API call in {path.name}"
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+@pytest.fixture
+def operator(start_operator: OperatorFactory) -> subprocess.Popen[bytes]:
+    return start_operator()
 
 
 def small_service(namespace: str, **spec: Any) -> Obj:
@@ -267,7 +309,7 @@ def test_unschedulable_pods_are_reported(kube: Kube, namespace: str, operator: A
 
 
 def test_reconcile_of_an_unchanged_service_writes_nothing(
-    kube: Kube, namespace: str, crd_installed: None, control_plane: Cluster
+    kube: Kube, namespace: str, chart_crds: None, control_plane: Cluster
 ) -> None:
     """Idempotency, counted: once the cluster has settled, a reconcile performs zero writes."""
     apply_service(kube, small_service(namespace))
@@ -293,3 +335,100 @@ def test_reconcile_of_an_unchanged_service_writes_nothing(
         assert result.pruned == []
         assert not result.status_written
         assert counted.writes == before
+
+
+def test_operator_restart_mid_rollout_resumes_cleanly(
+    kube: Kube, namespace: str, start_operator: OperatorFactory, gpu_node: None
+) -> None:
+    """A spec changed while the operator is down is picked up when it comes back."""
+    first = start_operator()
+    manifest = small_service(namespace)
+    apply_service(kube, manifest)
+    eventually("engine Deployment", lambda: get(kube, "Deployment", namespace, "chat-small"))
+    stop(first)
+    manifest["spec"]["tiers"][0]["engine"] = {"maxNumSeqs": 64}
+    changed = apply_service(kube, manifest)
+    start_operator()
+
+    def resumed() -> Obj | None:
+        deployment = get(kube, "Deployment", namespace, "chat-small")
+        args = deployment["spec"]["template"]["spec"]["containers"][0]["args"] if deployment else []
+        return deployment if args[args.index("--max-num-seqs") + 1] == "64" else None
+
+    eventually("change applied after restart", resumed)
+
+    def status_current() -> Obj | None:
+        current = get(kube, "InferenceService", namespace, "chat")
+        generation = changed["metadata"]["generation"]
+        observed = (current or {}).get("status", {}).get("observedGeneration")
+        return current if observed == generation else None
+
+    eventually("status of the new generation", status_current)
+
+
+PODMONITOR_CRD: Obj = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "podmonitors.monitoring.coreos.com"},
+    "spec": {
+        "group": "monitoring.coreos.com",
+        "scope": "Namespaced",
+        "names": {"kind": "PodMonitor", "plural": "podmonitors", "singular": "podmonitor"},
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "x-kubernetes-preserve-unknown-fields": True,
+                    }
+                },
+            }
+        ],
+    },
+}
+
+
+@pytest.fixture
+def podmonitor_crd(kube: Kube) -> Iterator[None]:
+    """The Prometheus Operator's PodMonitor kind, served for one test and removed after."""
+    path = f"{CRD_PATH}/podmonitors.monitoring.coreos.com"
+    kube.request(
+        "PATCH",
+        path,
+        query=[("fieldManager", "e2e"), ("force", "true")],
+        body=PODMONITOR_CRD,
+        content_type="application/apply-patch+yaml",
+    )
+    eventually(
+        "PodMonitor served",
+        lambda: True if kube.serves("monitoring.coreos.com/v1", "podmonitors") else None,
+    )
+    try:
+        yield
+    finally:
+        kube.request("DELETE", path)
+        eventually(
+            "PodMonitor gone",
+            lambda: None if kube.serves("monitoring.coreos.com/v1", "podmonitors") else True,
+        )
+
+
+def test_pod_monitor_is_created_when_its_crd_exists(
+    kube: Kube, namespace: str, podmonitor_crd: None, start_operator: OperatorFactory
+) -> None:
+    start_operator()
+    apply_service(kube, small_service(namespace))
+    monitor = eventually(
+        "PodMonitor", lambda: get(kube, "PodMonitor", namespace, "chat-metrics"), timeout=60
+    )
+    assert monitor["spec"]["selector"]["matchLabels"] == {"fleetpilot.dev/service": "chat"}
+
+
+def test_no_pod_monitor_without_its_crd(kube: Kube, namespace: str, operator: Any) -> None:
+    """The optional CRD's absence never blocks a service: everything else is applied."""
+    apply_service(kube, small_service(namespace))
+    eventually("router", lambda: get(kube, "Deployment", namespace, "chat-router"))
+    assert not kube.serves("monitoring.coreos.com/v1", "podmonitors")

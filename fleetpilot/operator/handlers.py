@@ -26,7 +26,14 @@ from fleetpilot.operator.reconcile import Reconciler
 log = logging.getLogger(__name__)
 
 ANNOTATION_PREFIX = "operator.fleetpilot.dev"
-RETRY_DELAY_S = 5.0
+# Exponential backoff for retryable API errors: 1s, 2s, 4s ... capped at a minute.
+RETRY_BASE_S = 1.0
+RETRY_MAX_S = 60.0
+
+
+def retry_delay(retry: int) -> float:
+    """Seconds before retry number ``retry`` (0-based) of a failed reconcile."""
+    return float(min(RETRY_MAX_S, RETRY_BASE_S * 2**retry))
 
 
 def _plain(body: Any) -> dict[str, Any]:
@@ -80,7 +87,7 @@ def build_registry(
     @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry)
-    def reconcile_service(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    def reconcile_service(body: kopf.Body, memo: kopf.Memo, retry: int, **_: Any) -> None:
         reconciler: Reconciler = memo["reconciler"]
 
         def emit(kind: str, reason: str, message: str) -> None:
@@ -92,7 +99,7 @@ def build_registry(
         except KubeError as exc:
             metrics.RECONCILE_ERRORS.inc()
             if exc.retryable:
-                raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_S) from exc
+                raise kopf.TemporaryError(str(exc), delay=retry_delay(retry)) from exc
             raise kopf.PermanentError(str(exc)) from exc
         finally:
             metrics.RECONCILE_DURATION.observe(time.monotonic() - started)
