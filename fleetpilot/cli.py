@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Sequence
@@ -100,6 +101,27 @@ def _operator(args: argparse.Namespace) -> int:
     return 0
 
 
+ENGINE_BACKENDS = {
+    "vllm": "fleetpilot.engine.launcher",
+    "reference": "fleetpilot.engine.reference.server",
+}
+
+
+def _engine(argv: Sequence[str]) -> int:
+    """``fleetpilot engine --backend B ...``: each backend parses its own flags."""
+    chooser = argparse.ArgumentParser(prog="fleetpilot engine", add_help=False)
+    chooser.add_argument("--backend", choices=sorted(ENGINE_BACKENDS), default="vllm")
+    known, rest = chooser.parse_known_args(argv)
+    parser = argparse.ArgumentParser(
+        prog=f"fleetpilot engine --backend {known.backend}",
+        description="Run an inference engine: vLLM (GPU) or the CPU reference engine.",
+    )
+    # Imported on demand: the reference backend pulls in torch, the vLLM one must not.
+    backend = importlib.import_module(ENGINE_BACKENDS[known.backend])
+    backend.add_arguments(parser)
+    return int(backend.run(parser.parse_args(rest)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fleetpilot", description="Kubernetes operator for LLM inference fleets."
@@ -144,10 +166,20 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument("--log-format", choices=["plain", "json"], default="json")
     op.add_argument("--verbose", action="store_true")
     op.set_defaults(func=_operator)
+
+    # Listed for --help; `main` hands `engine` to the chosen backend's own parser.
+    sub.add_parser(
+        "engine",
+        help="run an engine: --backend vllm (exec vllm serve) or --backend reference (CPU)",
+        add_help=False,
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["engine"]:
+        return _engine(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 

@@ -546,6 +546,13 @@ class Tier(ApiModel):
     complexity: Complexity = nested(Complexity, "Share of requests this tier takes.")
     autoscaling: Autoscaling = nested(Autoscaling, "Scaling policy.")
 
+    @property
+    def role_names(self) -> list[str]:
+        """The engine roles this tier runs: one unified role, or prefill and decode."""
+        if self.serving.mode is ServingMode.DISAGGREGATED:
+            return ["prefill", "decode"]
+        return ["unified"]
+
     def role_parallelism(self, role: RoleSpec | None) -> Parallelism:
         """The parallelism a role runs with: its override, else the tier's."""
         if role is not None and role.parallelism is not None:

@@ -1,0 +1,148 @@
+"""``fleetpilot engine --backend vllm``: check the planned settings, then exec ``vllm serve``.
+
+The settings come from the same place as the planner's: an InferenceService file (``-f``,
+``--tier``, ``--role``) or the JSON of an :class:`EngineLaunch`. The command is built by the
+same function the planner uses, so a pod running the stock vLLM image with the planned command
+and a pod running this launcher start the same engine. What the launcher adds is a look at the
+machine before a multi-minute model load: too few visible GPUs or a missing model directory
+fail at once with a message, instead of deep inside vLLM's start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import sys
+from collections.abc import Mapping
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any, NoReturn
+
+from fleetpilot.api import InvalidManifestError, load_services
+from fleetpilot.engine.vllm_args import EngineLaunch, SpeculativeLaunch, launch_for, vllm_serve_args
+
+
+class LaunchError(ValueError):
+    """Settings that cannot start an engine on this machine."""
+
+
+def launch_from_json(text: str) -> EngineLaunch:
+    """An :class:`EngineLaunch` from its JSON form (unknown keys refused)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise LaunchError(f"--launch-json is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise LaunchError("--launch-json must be a JSON object")
+    known = {f.name for f in fields(EngineLaunch)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise LaunchError(f"--launch-json has unknown keys: {', '.join(unknown)}")
+    if isinstance(data.get("speculative"), dict):
+        data["speculative"] = SpeculativeLaunch(**data["speculative"])
+    if "extra_args" in data:
+        data["extra_args"] = tuple(data["extra_args"])
+    try:
+        return EngineLaunch(**data)
+    except TypeError as exc:
+        raise LaunchError(f"--launch-json: {exc}") from None
+
+
+def launch_to_json(launch: EngineLaunch) -> str:
+    return json.dumps(asdict(launch), sort_keys=True)
+
+
+def launch_from_file(path: Path, tier_name: str, role: str) -> EngineLaunch:
+    """The launch of one role of one tier of the (single) service in ``path``."""
+    services = load_services(path)
+    if len(services) != 1:
+        raise LaunchError(f"{path} holds {len(services)} services; give a file with one")
+    tiers = {t.name: (i, t) for i, t in enumerate(services[0].spec.tiers)}
+    if tier_name not in tiers:
+        raise LaunchError(f"no tier {tier_name!r} in {path} (tiers: {', '.join(tiers)})")
+    _, tier = tiers[tier_name]
+    roles = tier.role_names
+    if role not in roles:
+        raise LaunchError(f"tier {tier_name!r} has no role {role!r} (roles: {', '.join(roles)})")
+    return launch_for(tier, role)
+
+
+def visible_gpus(environ: Mapping[str, str]) -> int | None:
+    """GPUs this process may use, from the device plugin's CUDA_VISIBLE_DEVICES or nvidia-smi.
+
+    None when it cannot be told (no variable and no nvidia-smi), so the check is skipped
+    rather than guessed.
+    """
+    devices = environ.get("CUDA_VISIBLE_DEVICES")
+    if devices is not None:
+        return len([d for d in devices.split(",") if d.strip() and d.strip() != "-1"])
+    return None
+
+
+def check_launch(
+    launch: EngineLaunch, *, gpus: int | None, path_exists: Any = os.path.exists
+) -> None:
+    """Refuse settings that would fail only after vLLM spent minutes loading. Pure."""
+    needed = launch.tensor * launch.pipeline * launch.data
+    if gpus is not None and needed > gpus:
+        raise LaunchError(
+            f"needs {needed} GPUs (tensor {launch.tensor} x pipeline {launch.pipeline} x "
+            f"data {launch.data}) but {gpus} are visible"
+        )
+    if launch.model.startswith("/") and not path_exists(launch.model):
+        raise LaunchError(f"model directory {launch.model} does not exist (is the volume mounted?)")
+    if not 1 <= launch.port <= 65535:
+        raise LaunchError(f"port {launch.port} is out of range")
+    if launch.role not in ("unified", "prefill", "decode"):
+        raise LaunchError(f"role {launch.role!r} is not one of unified, prefill, decode")
+    if (launch.role == "unified") != (launch.kv_connector is None):
+        raise LaunchError(
+            "a KV connector is used by the prefill and decode roles, and only by them"
+        )
+    if launch.speculative is not None and launch.speculative.num_tokens < 1:
+        raise LaunchError("speculative num_tokens must be at least 1")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("-f", "--file", type=Path, help="InferenceService YAML file")
+    source.add_argument("--launch-json", help="engine settings as JSON (what the planner computed)")
+    parser.add_argument("--tier", help="tier to launch (with -f)")
+    parser.add_argument("--role", default="unified", help="unified, prefill or decode (with -f)")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the vllm command instead of running it"
+    )
+
+
+def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
+    environ = os.environ if environ is None else environ
+    try:
+        if args.file is not None:
+            if not args.tier:
+                raise LaunchError("--tier is required with -f")
+            launch = launch_from_file(args.file, args.tier, args.role)
+        else:
+            launch = launch_from_json(args.launch_json)
+        if not args.dry_run:
+            check_launch(launch, gpus=visible_gpus(environ))
+    except (LaunchError, InvalidManifestError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    command = ["vllm", "serve", *vllm_serve_args(launch)]
+    if args.dry_run:
+        print(shlex.join(command))
+        return 0
+    executable = shutil.which("vllm")
+    if executable is None:
+        print("error: vllm is not installed in this image (pip install vllm)", file=sys.stderr)
+        return 2
+    return _exec(executable, command)
+
+
+def _exec(executable: str, command: list[str]) -> NoReturn:
+    sys.stdout.flush()
+    # Replaces this process, so vLLM receives the pod's signals directly (graceful drain).
+    os.execv(executable, command)

@@ -1,0 +1,193 @@
+"""`fleetpilot engine --backend vllm`: the exact command for every example, checks before launch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from fleetpilot.api import load_services
+from fleetpilot.cli import main
+from fleetpilot.engine.launcher import (
+    LaunchError,
+    check_launch,
+    launch_from_file,
+    launch_from_json,
+    launch_to_json,
+    run,
+    visible_gpus,
+)
+from fleetpilot.engine.vllm_args import EngineLaunch
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+COMMON = "--host 0.0.0.0 --port 8000"
+
+# The command each example's engines run, written out in full: a change to any flag must be a
+# deliberate edit here, checked against `vllm serve --help`.
+GOLDEN = {
+    ("single-tier.yaml", "main", "unified"): (
+        f"vllm serve meta-llama/Llama-3.1-8B-Instruct --served-model-name llama-8b {COMMON} "
+        "--tensor-parallel-size 1 --pipeline-parallel-size 1 --dtype auto --max-model-len 8192 "
+        "--gpu-memory-utilization 0.9 --max-num-seqs 256 --block-size 16 "
+        "--enable-prefix-caching --kv-cache-dtype auto"
+    ),
+    ("two-tier.yaml", "small", "unified"): (
+        f"vllm serve /models/qwen2.5-7b-instruct-awq --served-model-name qwen-7b {COMMON} "
+        "--tensor-parallel-size 1 --pipeline-parallel-size 1 --dtype auto --max-model-len 8192 "
+        "--gpu-memory-utilization 0.9 --max-num-seqs 256 --max-num-batched-tokens 8192 "
+        "--block-size 16 --enable-prefix-caching --kv-cache-dtype auto --quantization awq "
+        """--speculative-config '{"method":"ngram","num_speculative_tokens":5,"""
+        """"prompt_lookup_max":4}'"""
+    ),
+    ("two-tier.yaml", "large", "unified"): (
+        f"vllm serve /models/qwen2.5-72b-instruct --served-model-name qwen-72b {COMMON} "
+        "--tensor-parallel-size 4 --pipeline-parallel-size 1 --dtype auto "
+        "--max-model-len 32768 --gpu-memory-utilization 0.9 --max-num-seqs 256 "
+        "--block-size 16 --enable-prefix-caching --kv-cache-dtype auto"
+    ),
+    ("disaggregated.yaml", "main", "prefill"): (
+        f"vllm serve /models/llama-3.1-70b-instruct --served-model-name llama-70b {COMMON} "
+        "--tensor-parallel-size 8 --pipeline-parallel-size 1 --dtype auto "
+        "--max-model-len 65536 --gpu-memory-utilization 0.9 --max-num-seqs 128 "
+        "--max-num-batched-tokens 16384 --block-size 16 --enable-prefix-caching "
+        "--kv-cache-dtype auto "
+        """--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'"""
+    ),
+    ("disaggregated.yaml", "main", "decode"): (
+        f"vllm serve /models/llama-3.1-70b-instruct --served-model-name llama-70b {COMMON} "
+        "--tensor-parallel-size 4 --pipeline-parallel-size 1 --dtype auto "
+        "--max-model-len 65536 --gpu-memory-utilization 0.9 --max-num-seqs 128 "
+        "--max-num-batched-tokens 16384 --block-size 16 --enable-prefix-caching "
+        "--kv-cache-dtype auto "
+        """--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'"""
+    ),
+    ("tp8-speculative.yaml", "main", "unified"): (
+        "vllm serve meta-llama/Llama-3.3-70B-Instruct --served-model-name llama-70b-spec "
+        f"{COMMON} --tensor-parallel-size 8 --pipeline-parallel-size 1 --dtype bfloat16 "
+        "--max-model-len 32768 --gpu-memory-utilization 0.92 --max-num-seqs 128 "
+        "--block-size 16 --enable-prefix-caching --kv-cache-dtype fp8 "
+        """--speculative-config '{"method":"eagle3","model":"""
+        """"yuhuili/EAGLE3-LLaMA3.3-Instruct-70B","num_speculative_tokens":4}'"""
+    ),
+}
+
+
+def test_every_example_role_has_a_golden_command() -> None:
+    roles = set()
+    for path in EXAMPLES.glob("*.yaml"):
+        for service in load_services(path):
+            for tier in service.spec.tiers:
+                roles |= {(path.name, tier.name, role) for role in tier.role_names}
+    assert roles == set(GOLDEN)
+
+
+@pytest.mark.parametrize(("example", "tier", "role"), sorted(GOLDEN))
+def test_dry_run_prints_the_exact_command(
+    example: str, tier: str, role: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["engine", "--backend", "vllm", "-f", str(EXAMPLES / example), "--tier", tier]
+    assert main([*argv, "--role", role, "--dry-run"]) == 0
+    assert capsys.readouterr().out.strip() == GOLDEN[(example, tier, role)]
+
+
+def test_launch_json_round_trips() -> None:
+    launch = launch_from_file(EXAMPLES / "two-tier.yaml", "small", "unified")
+    assert launch_from_json(launch_to_json(launch)) == launch
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{", "not JSON"),
+        ("[]", "must be a JSON object"),
+        ('{"model": "m", "served_name": "m", "gpus": 4}', "unknown keys: gpus"),
+        ('{"model": "m"}', "served_name"),
+    ],
+)
+def test_bad_launch_json_is_refused(text: str, message: str) -> None:
+    with pytest.raises(LaunchError, match=message):
+        launch_from_json(text)
+
+
+@pytest.mark.parametrize(
+    ("tier", "role", "message"),
+    [("huge", "unified", "no tier 'huge'"), ("main", "unified", "has no role 'unified'")],
+)
+def test_unknown_tier_or_role_is_refused(tier: str, role: str, message: str) -> None:
+    with pytest.raises(LaunchError, match=message):
+        launch_from_file(EXAMPLES / "disaggregated.yaml", tier, role)
+
+
+def test_too_few_gpus_is_refused_before_loading() -> None:
+    launch = EngineLaunch(model="m", served_name="m", tensor=4, data=2)
+    with pytest.raises(LaunchError, match=r"needs 8 GPUs .* but 4 are visible"):
+        check_launch(launch, gpus=4)
+    check_launch(launch, gpus=8)
+    check_launch(launch, gpus=None)  # unknown: not guessed
+
+
+def test_missing_model_directory_is_refused() -> None:
+    launch = EngineLaunch(model="/models/absent", served_name="m")
+    with pytest.raises(LaunchError, match="does not exist"):
+        check_launch(launch, gpus=1, path_exists=lambda _: False)
+
+
+def test_connector_only_for_disaggregated_roles() -> None:
+    with pytest.raises(LaunchError, match="KV connector"):
+        check_launch(EngineLaunch(model="m", served_name="m", kv_connector="NixlConnector"), gpus=1)
+    with pytest.raises(LaunchError, match="KV connector"):
+        check_launch(EngineLaunch(model="m", served_name="m", role="decode"), gpus=1)
+
+
+@pytest.mark.parametrize(
+    ("value", "count"), [("0,1,2,3", 4), ("", 0), ("-1", 0), ("GPU-a1b2,GPU-c3d4", 2)]
+)
+def test_visible_gpus_from_the_device_plugin(value: str, count: int) -> None:
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": value}) == count
+    assert visible_gpus({}) is None
+
+
+def test_exec_hands_vllm_the_exact_arguments(tmp_path: Path) -> None:
+    """The launcher replaces itself with `vllm serve`: with a `vllm` on PATH that records its
+    argv, the JSON flags arrive unquoted and intact, and the launcher's pid is vLLM's."""
+    record = tmp_path / "argv.json"
+    fake = tmp_path / "bin" / "vllm"
+    fake.parent.mkdir()
+    fake.write_text(
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        f"json.dump({{'argv': sys.argv[1:], 'pid': os.getpid()}}, open({str(record)!r}, 'w'))\n"
+    )
+    fake.chmod(0o755)
+    weights = tmp_path / "qwen2.5-7b-instruct-awq"
+    weights.mkdir()
+    launch = replace(
+        launch_from_file(EXAMPLES / "two-tier.yaml", "small", "unified"), model=str(weights)
+    )
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": "0"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fleetpilot", "engine", "--backend", "vllm",
+         "--launch-json", launch_to_json(launch)],
+        env=env,
+    )  # fmt: skip
+    assert process.wait(timeout=60) == 0
+    recorded = json.loads(record.read_text())
+    expected = GOLDEN[("two-tier.yaml", "small", "unified")].replace(
+        "/models/qwen2.5-7b-instruct-awq", str(weights)
+    )
+    assert ["vllm", *recorded["argv"]] == shlex.split(expected)
+    assert recorded["pid"] == process.pid
+
+
+def test_refusal_exits_before_exec(capsys: pytest.CaptureFixture[str]) -> None:
+    """Four GPUs wanted, one visible: an error and exit 2, no vLLM start."""
+    launch = launch_from_file(EXAMPLES / "two-tier.yaml", "large", "unified")
+    args = argparse.Namespace(file=None, launch_json=launch_to_json(launch), dry_run=False)
+    assert run(args, environ={"CUDA_VISIBLE_DEVICES": "0"}) == 2
+    assert "needs 4 GPUs" in capsys.readouterr().err
