@@ -8,7 +8,7 @@ SRC := fleetpilot
 
 CLUSTER_DIR := .cache/cluster
 
-.PHONY: setup test lint typecheck imports unit controlplane cluster-up cluster-down demo crds clean
+.PHONY: setup test lint typecheck imports unit controlplane prometheus cluster-up cluster-down demo crds clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,7 +32,15 @@ imports: setup
 controlplane:
 	e2e/controlplane/build.sh
 
-unit: setup controlplane
+# A real Prometheus server for the autoscaler tests: Debian's package, installed when missing
+# (CI and developer machines run as root; elsewhere install it yourself).
+prometheus:
+	@command -v prometheus >/dev/null || { \
+		echo "installing Debian's prometheus package for the autoscaler tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
+	@prometheus --version 2>&1 | head -1
+
+unit: setup controlplane prometheus
 	$(BIN)/pytest
 
 cluster-up: setup controlplane

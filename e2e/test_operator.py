@@ -204,6 +204,7 @@ def test_service_becomes_ready_only_when_pods_are(
         return current if state and state["status"] == "True" else None
 
     current = eventually("Ready=True", is_ready, timeout=90)
+    assert current["status"]["tiersReady"] == "1/1"
     (tier,) = current["status"]["tiers"]
     assert tier["roles"] == [{"role": "unified", "replicas": 1, "ready": 1}]
     for item in current["status"]["conditions"]:

@@ -171,7 +171,7 @@ def crd() -> dict[str, Any]:
                             "type": "string",
                             "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
                         },
-                        {"name": "Tiers", "type": "string", "jsonPath": ".spec.tiers[*].name"},
+                        {"name": "Tiers", "type": "string", "jsonPath": ".status.tiersReady"},
                         {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint"},
                         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                     ],

@@ -73,6 +73,11 @@ class InferenceServiceStatus(ApiModel):
         None, ge=0, description="metadata.generation the status reflects."
     )
     endpoint: str | None = Field(None, description="OpenAI-compatible base URL of the router.")
+    tiers_ready: str | None = Field(
+        None,
+        pattern=r"^[0-9]+/[0-9]+$",
+        description="Tiers whose every role is rolled out and ready, of all tiers (e.g. 1/2).",
+    )
     conditions: list[Condition] = Field(
         default_factory=list,
         description="Ready, Progressing, Degraded, ScalingActive.",

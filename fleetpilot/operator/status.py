@@ -49,6 +49,7 @@ class Observed:
 
 @dataclass(frozen=True)
 class Rollout:
+    tier: str | None  # None for the router
     name: str
     label: str  # "tier small role decode" or "router"
     wanted: int
@@ -56,9 +57,9 @@ class Rollout:
     done: bool
 
 
-def _rollout(name: str, label: str, deployment: Obj | None) -> Rollout:
+def _rollout(tier: str | None, name: str, label: str, deployment: Obj | None) -> Rollout:
     if deployment is None:
-        return Rollout(name, label, 0, 0, False)
+        return Rollout(tier, name, label, 0, 0, False)
     spec_replicas = int(deployment.get("spec", {}).get("replicas", 1))
     status = deployment.get("status", {})
     generation = deployment.get("metadata", {}).get("generation", 0)
@@ -70,7 +71,7 @@ def _rollout(name: str, label: str, deployment: Obj | None) -> Rollout:
     done = (
         current and ready >= spec_replicas and updated >= spec_replicas and total <= spec_replicas
     )
-    return Rollout(name, label, spec_replicas, ready, done)
+    return Rollout(tier, name, label, spec_replicas, ready, done)
 
 
 def _pod_problems(pods: list[Obj]) -> list[tuple[str, str]]:
@@ -153,7 +154,10 @@ def compute_status(
     for role in all_roles(service):
         name = names.engine_name(service.name, role.tier.name, role.name)
         rollout = _rollout(
-            name, f"tier {role.tier.name} role {role.name}", observed.deployments.get(name)
+            role.tier.name,
+            name,
+            f"tier {role.tier.name} role {role.name}",
+            observed.deployments.get(name),
         )
         rollouts.append(rollout)
         old = old_roles.get((role.tier.name, role.name))
@@ -167,7 +171,7 @@ def compute_status(
             )
         )
     router = names.router_name(service.name)
-    rollouts.append(_rollout(router, "router", observed.deployments.get(router)))
+    rollouts.append(_rollout(None, router, "router", observed.deployments.get(router)))
 
     problems = _pod_problems(observed.pods) + _deployment_problems(rollouts, observed.deployments)
     if plan_error is not None:
@@ -205,9 +209,12 @@ def compute_status(
     conditions = [ready, progressing, degraded]
     if ConditionType.SCALING_ACTIVE.value in old_conditions:
         conditions.append(old_conditions[ConditionType.SCALING_ACTIVE.value])
+    unready_tiers = {r.tier for r in pending if r.tier is not None}
+    ready_tiers = sum(1 for name in tiers if name not in unready_tiers)
     return InferenceServiceStatus(
         observed_generation=generation,
         endpoint=endpoint_url(service),
+        tiers_ready=f"{ready_tiers}/{len(tiers)}",
         conditions=conditions,
         tiers=[TierStatus(name=name, roles=roles) for name, roles in tiers.items()],
     )

@@ -55,6 +55,7 @@ def test_ready_when_every_deployment_is_rolled_out(service: InferenceService) ->
     assert conditions["Degraded"].status == "False"
     assert {c.observed_generation for c in status.conditions} == {4}
     assert status.observed_generation == 4
+    assert status.tiers_ready == "1/1"
     assert status.tiers == [
         TierStatus(name="small", roles=[RoleStatus(role="unified", replicas=1, ready=1)])
     ]
@@ -65,6 +66,7 @@ def test_not_ready_while_a_replica_is_not(service: InferenceService) -> None:
     conditions = _conditions(compute_status(service, observed, None, NOW))
     assert conditions["Ready"].status == "False"
     assert conditions["Ready"].message == "tier small role unified: 1/2 ready"
+    assert compute_status(service, observed, None, NOW).tiers_ready == "0/1"
     assert conditions["Progressing"].status == "True"
 
 
@@ -200,3 +202,19 @@ def test_autoscaler_fields_are_kept(service: InferenceService) -> None:
     assert role.desired == 3
     assert role.last_scale is not None
     assert role.last_scale.to_replicas == 3
+
+
+def test_tiers_ready_counts_tiers_not_roles() -> None:
+    """A disaggregated tier is ready only when both its roles are; the router is no tier."""
+    from tests.factories import make_tier
+
+    two = make_service(
+        tiers=[make_tier("small", up_to=0.3), make_tier("large", mode="disaggregated")]
+    )
+    observed = _observed(
+        _deployment("chat-small"),
+        _deployment("chat-large-prefill"),
+        _deployment("chat-large-decode", 2, 1),
+        _deployment("chat-router", 1, 0),
+    )
+    assert compute_status(two, observed, None, NOW).tiers_ready == "1/2"
