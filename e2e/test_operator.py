@@ -273,6 +273,11 @@ def test_refused_plan_sets_degraded_and_applies_nothing(
         return state if state and state["status"] == "True" else None
 
     state = eventually("Degraded", degraded)
+    # A refused service never stops the operator serving the others.
+    other = small_service(namespace)
+    other["metadata"]["name"] = "other"
+    apply_service(kube, other)
+    eventually("other service served", lambda: get(kube, "Deployment", namespace, "other-small"))
     assert state["reason"] == "PlanRefused"
     assert "spec.tiers[0].engine.extraArgs[0]" in state["message"]
     assert kube.list("Deployment", namespace, {"fleetpilot.dev/service": "chat"}) == []
