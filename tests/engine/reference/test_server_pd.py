@@ -1,0 +1,281 @@
+"""P/D disaggregation over HTTP: vLLM's NIXL proxy protocol between two reference servers.
+
+Three servers on the same seeded tiny model: a unified one (the reference output), a prefill one
+and a decode one. The test plays the router (vLLM's toy proxy): prefill with max_tokens 1 and
+``do_remote_decode``, then the original request to the decoder with the returned params.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fleetpilot.engine.reference.server import BackgroundServer
+
+MODEL = "pd-model"
+PROMPT = "Disaggregated serving moves the prompt's KV cache from prefill to decode."
+REQUEST: dict[str, Any] = {
+    "model": MODEL,
+    "prompt": PROMPT,
+    "max_tokens": 12,
+    "temperature": 0,
+    "ignore_eos": True,
+    "return_token_ids": True,
+}
+# What vLLM's toy proxy sends to the prefill server.
+PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+NIXL = '{"kv_connector": "NixlConnector", "kv_role": "%s"%s}'
+COMMON = [
+    "--host", "127.0.0.1", "--port", "0", "--model-config", "tiny", "--max-model-len", "256",
+    "--served-model-name", MODEL,
+]  # fmt: skip
+
+
+def start(*extra: str) -> BackgroundServer:
+    return BackgroundServer.from_argv([*COMMON, *extra]).start()
+
+
+@pytest.fixture(scope="module")
+def unified() -> Iterator[BackgroundServer]:
+    srv = start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def prefill() -> Iterator[BackgroundServer]:
+    srv = start("--kv-transfer-config", NIXL % ("kv_producer", ', "engine_id": "prefill-0"'))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def decode() -> Iterator[BackgroundServer]:
+    extra = ', "kv_connector_extra_config": {"allowed_remote_hosts": ["127.0.0.1"]}'
+    srv = start("--kv-transfer-config", NIXL % ("kv_consumer", extra))
+    yield srv
+    srv.stop()
+
+
+def metrics(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(url: str, name: str, **labels: str) -> float:
+    want = {("model_name", MODEL), ("engine", "0"), *labels.items()}
+    hits = [v for (n, got), v in metrics(url).items() if n == name and want <= got]
+    assert len(hits) == 1, (name, labels)
+    return hits[0]
+
+
+def fallbacks(url: str, reason: str) -> float:
+    return value(url, "fleetpilot:kv_transfer_fallbacks_total", reason=reason)
+
+
+def post(srv: BackgroundServer, body: dict[str, Any], path: str = "/v1/completions") -> Any:
+    resp = httpx.post(srv.url + path, json=body, timeout=30)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def do_prefill(prefill: BackgroundServer, body: dict[str, Any] = REQUEST) -> dict[str, Any]:
+    first = post(prefill, {**body, "max_tokens": 1, "kv_transfer_params": PREFILL_PARAMS})
+    params = first["kv_transfer_params"]
+    assert params is not None
+    return dict(params)
+
+
+def test_two_hops_equal_one_unified_server_and_skip_the_prefill(
+    unified: BackgroundServer, prefill: BackgroundServer, decode: BackgroundServer
+) -> None:
+    reference = post(unified, REQUEST)["choices"][0]
+    assert reference["finish_reason"] == "length"
+    prompt_len = len(reference["prompt_token_ids"])
+
+    first = post(prefill, {**REQUEST, "max_tokens": 1, "kv_transfer_params": PREFILL_PARAMS})
+    assert first["choices"][0]["token_ids"] == reference["token_ids"][:1]
+    params = first["kv_transfer_params"]
+    # vLLM's NixlConnector fields, plus our expiry.
+    assert params["do_remote_prefill"] is True
+    assert params["do_remote_decode"] is False
+    assert params["remote_engine_id"] == "prefill-0"
+    assert params["remote_request_id"] == first["id"]
+    assert params["remote_host"] == "127.0.0.1"
+    assert params["remote_port"] == httpx.URL(prefill.url).port
+    assert len(params["remote_block_ids"]) == math.ceil(prompt_len / 16)
+    assert params["remote_num_tokens"] == prompt_len
+    assert time.time() < params["expires_at"] <= time.time() + 60.0  # the default TTL
+    exported_before = value(prefill.url, "fleetpilot:kv_transfer_exported_blocks_total")
+
+    # The router's second hop, through the official client as a router would forward it.
+    with openai.OpenAI(base_url=decode.url + "/v1", api_key="x", max_retries=0) as client:
+        out = client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True, "kv_transfer_params": params},
+        )
+    choice = out.choices[0]
+    assert choice.text == reference["text"]
+    assert choice.model_extra is not None
+    assert choice.model_extra["token_ids"] == reference["token_ids"]
+    assert out.usage is not None
+    assert out.usage.prompt_tokens_details is not None
+    # All but the last prompt token came over the wire: the decoder did not prefill.
+    assert out.usage.prompt_tokens_details.cached_tokens == prompt_len - 1
+    assert value(decode.url, "fleetpilot:kv_transfer_imported_tokens_total") == prompt_len - 1
+    assert value(decode.url, "fleetpilot:kv_transfer_pulls_total") == 1
+    assert value(decode.url, "vllm:prefix_cache_queries_total") == 0  # no local prefill lookup
+    for reason in ("not_found", "pull_failed", "refused", "unusable"):
+        assert fallbacks(decode.url, reason) == 0
+    assert value(
+        prefill.url, "fleetpilot:kv_transfer_exported_blocks_total"
+    ) - exported_before == len(params["remote_block_ids"])
+
+    # The pull released the pin: replaying the same params finds nothing, prefills locally and
+    # still answers the same.
+    again = post(decode, {**REQUEST, "kv_transfer_params": params})
+    assert again["choices"][0]["token_ids"] == reference["token_ids"]
+    assert fallbacks(decode.url, "not_found") == 1
+    assert value(decode.url, "fleetpilot:kv_transfer_imported_tokens_total") == prompt_len - 1
+
+
+def test_chat_two_hops(
+    unified: BackgroundServer, prefill: BackgroundServer, decode: BackgroundServer
+) -> None:
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_completion_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    reference = post(unified, chat, "/v1/chat/completions")
+    first = post(
+        prefill,
+        {**chat, "max_completion_tokens": 1, "kv_transfer_params": PREFILL_PARAMS},
+        "/v1/chat/completions",
+    )
+    params = first["kv_transfer_params"]
+    # Newer vLLM nests block ids per KV-cache group; one group is accepted as well.
+    params["remote_block_ids"] = [params["remote_block_ids"]]
+    out = post(decode, {**chat, "kv_transfer_params": params}, "/v1/chat/completions")
+    assert out["choices"][0]["message"] == reference["choices"][0]["message"]
+    prompt_len = out["usage"]["prompt_tokens"]
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt_len - 1
+
+
+def test_unknown_and_expired_pins_fall_back_to_local_prefill(
+    unified: BackgroundServer, prefill: BackgroundServer, decode: BackgroundServer
+) -> None:
+    reference = post(unified, REQUEST)["choices"][0]["token_ids"]
+    before = fallbacks(decode.url, "not_found")
+
+    unknown = {**do_prefill(prefill), "remote_request_id": "cmpl-does-not-exist"}
+    out = post(decode, {**REQUEST, "kv_transfer_params": unknown})
+    assert out["choices"][0]["token_ids"] == reference
+    assert fallbacks(decode.url, "not_found") == before + 1
+
+    stale_blocks = {**do_prefill(prefill)}
+    stale_blocks["remote_block_ids"] = [b + 1 for b in stale_blocks["remote_block_ids"]]
+    out = post(decode, {**REQUEST, "kv_transfer_params": stale_blocks})
+    assert out["choices"][0]["token_ids"] == reference
+    assert fallbacks(decode.url, "not_found") == before + 2
+
+    short = start("--kv-transfer-config", NIXL % ("kv_producer", ""), "--kv-pin-ttl-seconds", "0.3")
+    try:
+        expired = do_prefill(short)
+        time.sleep(0.4)
+        out = post(decode, {**REQUEST, "kv_transfer_params": expired})
+        assert out["choices"][0]["token_ids"] == reference
+        assert fallbacks(decode.url, "not_found") == before + 3
+        # Past its TTL the prefill server dropped the pin (and its blocks) on its own.
+        resp = httpx.post(f"{short.url}/internal/kv/{expired['remote_request_id']}", json={})
+        assert resp.status_code == 404
+        # ... at its next idle tick, without any request to trigger a step.
+        deadline = time.monotonic() + 3.0
+        while value(short.url, "vllm:kv_cache_usage_perc") > 0:
+            assert time.monotonic() < deadline, "the expired pin still holds blocks"
+            time.sleep(0.05)
+    finally:
+        short.stop()
+
+
+def test_failed_and_refused_pulls_fall_back(
+    unified: BackgroundServer, prefill: BackgroundServer, decode: BackgroundServer
+) -> None:
+    reference = post(unified, REQUEST)["choices"][0]["token_ids"]
+    params = do_prefill(prefill)
+
+    # Nothing listens there: a port that was free a moment ago.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        free_port = sock.getsockname()[1]
+    dead = {**params, "remote_port": free_port}
+    failed_before = fallbacks(decode.url, "pull_failed")
+    out = post(decode, {**REQUEST, "kv_transfer_params": dead})
+    assert out["choices"][0]["token_ids"] == reference
+    assert fallbacks(decode.url, "pull_failed") == failed_before + 1
+
+    # Not in the decoder's allowed_remote_hosts: it does not even connect.
+    refused_before = fallbacks(decode.url, "refused")
+    elsewhere = {**params, "remote_host": "localhost"}
+    out = post(decode, {**REQUEST, "kv_transfer_params": elsewhere})
+    assert out["choices"][0]["token_ids"] == reference
+    assert fallbacks(decode.url, "refused") == refused_before + 1
+
+    # A payload for another prompt is pulled but unusable: the engine prefills instead.
+    unusable_before = fallbacks(decode.url, "unusable")
+    other = do_prefill(prefill, {**REQUEST, "prompt": PROMPT.upper()})
+    out = post(decode, {**REQUEST, "kv_transfer_params": other})
+    assert out["choices"][0]["token_ids"] == reference
+    assert fallbacks(decode.url, "unusable") == unusable_before + 1
+
+
+def test_prefill_side_endpoints_and_role_checks(
+    unified: BackgroundServer, prefill: BackgroundServer, decode: BackgroundServer
+) -> None:
+    params = do_prefill(prefill)
+    kv_url = f"{prefill.url}/internal/kv/{params['remote_request_id']}"
+    wrong_engine = httpx.post(kv_url, json={"engine_id": "someone-else"})
+    assert wrong_engine.status_code == 404
+    assert wrong_engine.json()["error"]["code"] == 404
+    assert httpx.delete(kv_url).json() == {"released": True}
+    assert httpx.delete(kv_url).status_code == 404
+
+    # Pinning needs a non-streaming response to carry the params.
+    resp = httpx.post(
+        prefill.url + "/v1/completions",
+        json={**REQUEST, "stream": True, "kv_transfer_params": PREFILL_PARAMS},
+    )
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "kv_transfer_params"
+
+    # Servers without the producer role ignore do_remote_decode, as vLLM without a connector.
+    for srv in (unified, decode):
+        plain = post(srv, {**REQUEST, "max_tokens": 1, "kv_transfer_params": PREFILL_PARAMS})
+        assert plain["kv_transfer_params"] is None
+    # And a unified server ignores do_remote_prefill: no pull, no fallback counted.
+    post(unified, {**REQUEST, "kv_transfer_params": do_prefill(prefill)})
+    assert fallbacks(unified.url, "not_found") == 0
+    assert value(unified.url, "fleetpilot:kv_transfer_pulls_total") == 0
