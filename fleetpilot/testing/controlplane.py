@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
-import ctypes
 import datetime as dt
 import json
 import logging
@@ -49,6 +48,12 @@ from typing import Any, Self
 import yaml
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
+
+from fleetpilot.runtime.processes import die_with_parent, running
+from fleetpilot.runtime.processes import group_members as group_members
+
+# Kept under its old name while fleetpilot/testing/prometheus.py still imports it from here.
+_die_with_parent = die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -317,59 +322,6 @@ class _Pki:
 
 # --------------------------------------------------------------------------- processes
 
-_PR_SET_PDEATHSIG = 1
-_libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
-
-
-def _die_with_parent(parent: int) -> Callable[[], None]:
-    """preexec_fn: the child gets SIGKILL when the process that started it dies.
-
-    So a test run killed with SIGKILL (or an OOM) leaves no control plane behind. The signal is
-    tied to the starting thread: start() must run on a thread that outlives the cluster.
-    """
-
-    def preexec() -> None:
-        if _libc is not None:
-            _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return preexec
-
-
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state, process group) of `pid`, or None when there is no such process."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = raw[raw.rindex(")") + 2 :].split()
-    return fields[0], int(fields[2])
-
-
-def _running(pid: int, exe: str) -> bool:
-    """Whether `pid` is alive and still runs `exe` (a reused pid is not ours to signal)."""
-    stat = _proc_stat(pid)
-    if stat is None or stat[0] in ("Z", "X"):
-        return False
-    try:
-        link = os.readlink(f"/proc/{pid}/exe")
-    except OSError:
-        return True  # exists, but we may not read its exe: assume it is ours
-    return link.removesuffix(" (deleted)") == exe
-
-
-def group_members(pgids: set[int]) -> list[int]:
-    """Live (non-zombie) pids whose process group is in `pgids`."""
-    found: list[int] = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        stat = _proc_stat(int(entry.name))
-        if stat is not None and stat[0] not in ("Z", "X") and stat[1] in pgids:
-            found.append(int(entry.name))
-    return found
-
 
 @dataclass
 class _Process:
@@ -382,7 +334,7 @@ class _Process:
     def alive(self) -> bool:
         if self.popen is not None:
             return self.popen.poll() is None
-        return _running(self.pid, self.exe)
+        return running(self.pid, self.exe)
 
     def signal_group(self, sig: signal.Signals) -> None:
         # Each component leads its own session, so its pid is its process group id.
@@ -768,7 +720,7 @@ class ControlPlane(Cluster):
                 stderr=subprocess.STDOUT,
                 cwd=self.workdir,
                 start_new_session=True,  # own process group: stop() signals exactly this tree
-                preexec_fn=_die_with_parent(os.getpid()) if self._die_with_parent else None,
+                preexec_fn=die_with_parent(os.getpid()) if self._die_with_parent else None,
             )
         proc = _Process(name, popen.pid, exe, log_path, popen)
         self._procs.append(proc)

@@ -1,0 +1,1 @@
+"""Where a plan is realized outside Kubernetes: local processes (``fleetpilot up``)."""
