@@ -1,0 +1,439 @@
+"""Applying and recording scaling decisions.
+
+An :class:`Actuator` reads a role's replicas, scales it, and records decisions where people
+look: the InferenceService status (``desired``, ``lastScale``, the ``ScalingActive``
+condition), an Event per change, and two metrics. :class:`KubernetesActuator` does it on a
+cluster through the operator's REST client; :class:`MemoryActuator` keeps everything in memory
+(tests, dry runs; the local runtime brings its own).
+
+The pure parts (the condition, merging it and the role records into a status) are functions
+here, so the writer only reads, calls and writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Protocol
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+
+from fleetpilot.api import API_VERSION, KIND, InferenceService
+from fleetpilot.api.status import Condition, ConditionStatus, ConditionType, ScaleRecord
+from fleetpilot.autoscaler.policy import DataProblem, Decision
+from fleetpilot.operator import names
+from fleetpilot.operator.drift import AUTOSCALER_MANAGER
+from fleetpilot.operator.kube import MERGE_CONTENT_TYPE, RESOURCES, Kube, KubeError, Obj
+
+log = logging.getLogger(__name__)
+
+COMPONENT = "fleetpilot-autoscaler"
+# Conflicts come from the operator writing the same status; a handful of re-reads settles them.
+MAX_STATUS_ATTEMPTS = 5
+
+# Condition reasons of ScalingActive.
+REASON_FRESH = "FreshMetrics"
+REASON_UNREACHABLE = "PrometheusUnreachable"
+REASON_MISSING = "MetricsMissing"
+REASON_STALE = "StaleMetrics"
+_PROBLEM_REASONS = (
+    (DataProblem.UNREACHABLE, REASON_UNREACHABLE),
+    (DataProblem.QUERY_ERROR, REASON_MISSING),
+    (DataProblem.MISSING, REASON_MISSING),
+    (DataProblem.STALE, REASON_STALE),
+)
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """A role's Deployment as the cluster reports it."""
+
+    current: int  # spec.replicas
+    ready: int  # status.readyReplicas
+
+
+class Actuator(Protocol):
+    """Reads and moves one role's replicas; records a service's decisions of one tick."""
+
+    def current(self, service: InferenceService, tier: str, role: str) -> Replicas | None:
+        """The role's replicas, or None when its Deployment does not exist (yet)."""
+
+    def scale(self, service: InferenceService, tier: str, role: str, replicas: int) -> None:
+        """Set the role's replicas."""
+
+    def record(
+        self,
+        service: InferenceService,
+        decisions: Sequence[Decision],
+        condition: Condition,
+        now: datetime,
+    ) -> None:
+        """Record decisions (status, Events, metrics) and the ScalingActive condition."""
+
+
+# ------------------------------------------------------------------------------ metrics
+
+
+class AutoscalerMetrics:
+    """``fleetpilot_autoscaler_desired_replicas`` and ``..._decisions_total``."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        labels = ["namespace", "service", "tier", "role"]
+        self.desired = Gauge(
+            "fleetpilot_autoscaler_desired_replicas",
+            "Replicas the autoscaler last decided for a role (recommended, in mode recommend).",
+            labels,
+            registry=registry,
+        )
+        self.decisions = Counter(
+            "fleetpilot_autoscaler_decisions",
+            "Scaling decisions by direction (up, down, none) and what drove them.",
+            [*labels, "direction", "reason_kind"],
+            registry=registry,
+        )
+
+    def observe(self, service: InferenceService, decision: Decision) -> None:
+        key = (service.namespace, service.name, decision.tier, decision.role)
+        self.desired.labels(*key).set(decision.replicas)
+        self.decisions.labels(*key, decision.direction.value, decision.reason_kind.value).inc()
+
+
+_default_metrics: AutoscalerMetrics | None = None
+_default_metrics_lock = threading.Lock()
+
+
+def default_metrics() -> AutoscalerMetrics:
+    """The metrics on the default registry, created once (registering twice is an error)."""
+    global _default_metrics
+    with _default_metrics_lock:
+        if _default_metrics is None:
+            _default_metrics = AutoscalerMetrics()
+        return _default_metrics
+
+
+# ------------------------------------------------------------------------------ pure parts
+
+
+def scaling_active_condition(
+    decisions: Sequence[Decision], generation: int | None, now: datetime
+) -> Condition:
+    """ScalingActive for one tick. Purely computational.
+
+    True while every role decided on fresh data; False with the gravest problem otherwise
+    (Prometheus unreachable, then metrics missing or refused, then stale). The message names
+    the roles and says why; it stays the same from tick to tick while nothing changes, so a
+    steady state writes no status.
+    """
+    for problem, reason in _PROBLEM_REASONS:
+        hit = [d for d in decisions if d.data_problem is problem]
+        if hit:
+            message = "; ".join(f"tier {d.tier}: {d.reason}" for d in hit)
+            return Condition(
+                type=ConditionType.SCALING_ACTIVE.value,
+                status=ConditionStatus.FALSE,
+                reason=reason,
+                message=message[:4000],
+                last_transition_time=now,
+                observed_generation=generation,
+            )
+    roles = ", ".join(f"{d.tier}/{d.role}" for d in decisions)
+    return Condition(
+        type=ConditionType.SCALING_ACTIVE.value,
+        status=ConditionStatus.TRUE,
+        reason=REASON_FRESH,
+        message=f"deciding on fresh metrics: {roles}",
+        last_transition_time=now,
+        observed_generation=generation,
+    )
+
+
+def merge_condition(conditions: Sequence[Obj], condition: Condition) -> list[Obj]:
+    """Replace the condition of the same type, keeping every other one untouched.
+
+    ``lastTransitionTime`` stays as it was while the status does not flip, so it keeps saying
+    since when the condition holds.
+    """
+    wire = condition.to_wire()
+    merged: list[Obj] = []
+    replaced = False
+    for item in conditions:
+        if item.get("type") == condition.type:
+            if item.get("status") == wire["status"] and item.get("lastTransitionTime"):
+                wire["lastTransitionTime"] = item["lastTransitionTime"]
+            merged.append(wire)
+            replaced = True
+        else:
+            merged.append(item)
+    if not replaced:
+        merged.append(wire)
+    return merged
+
+
+def _record_of(decision: Decision, now: datetime) -> ScaleRecord:
+    reason = decision.reason
+    if decision.dry_run:
+        reason = f"recommended (autoscaling.mode recommend): {reason}"
+    return ScaleRecord(
+        time=now,
+        from_replicas=decision.current_replicas,
+        to_replicas=decision.replicas,
+        reason=reason[:1024],
+    )
+
+
+def worth_an_event(decision: Decision, previous_desired: int | None) -> bool:
+    """A change was made, or (mode recommend) a new change is recommended. Holds are not."""
+    if not decision.changed:
+        return False
+    return not decision.dry_run or previous_desired != decision.replicas
+
+
+def merge_roles(
+    tiers: Sequence[Obj], decisions: Sequence[Decision], now: datetime
+) -> tuple[list[Obj], list[Decision]]:
+    """``status.tiers`` with each decided role's ``desired`` (and ``lastScale`` when it is
+    worth an Event); returns the new list and the decisions worth an Event. Purely
+    computational: other tiers, roles and fields are kept as they are."""
+    merged = [dict(t, roles=[dict(r) for r in t.get("roles", []) or []]) for t in tiers]
+    eventful: list[Decision] = []
+    for decision in decisions:
+        tier = next((t for t in merged if t.get("name") == decision.tier), None)
+        if tier is None:
+            tier = {"name": decision.tier, "roles": []}
+            merged.append(tier)
+        role = next((r for r in tier["roles"] if r.get("role") == decision.role), None)
+        if role is None:
+            role = {"role": decision.role}
+            tier["roles"].append(role)
+        previous = role.get("desired")
+        if worth_an_event(decision, previous if isinstance(previous, int) else None):
+            role["lastScale"] = _record_of(decision, now).to_wire()
+            eventful.append(decision)
+        role["desired"] = decision.replicas
+    return merged, eventful
+
+
+def event_reason(decision: Decision) -> str:
+    if decision.dry_run:
+        return "ScaleRecommended"
+    return "ScaledUp" if decision.replicas > decision.current_replicas else "ScaledDown"
+
+
+# ------------------------------------------------------------------------------ Kubernetes
+
+
+def _timestamp(now: datetime) -> str:
+    return now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class KubernetesActuator:
+    """:class:`Actuator` on a cluster, through :class:`Kube` (run it in a thread, not a loop).
+
+    Scaling goes through the Deployment's scale subresource under the autoscaler's own field
+    manager, so the operator's server-side applies see ``spec.replicas`` owned by someone else
+    and leave it alone.
+    """
+
+    def __init__(
+        self,
+        kube: Kube,
+        *,
+        manager: str = AUTOSCALER_MANAGER,
+        metrics: AutoscalerMetrics | None = None,
+    ) -> None:
+        self.kube = kube
+        self.manager = manager
+        self.metrics = metrics or default_metrics()
+
+    def current(self, service: InferenceService, tier: str, role: str) -> Replicas | None:
+        name = names.engine_name(service.name, tier, role)
+        deployment = self.kube.get("Deployment", service.namespace, name)
+        if deployment is None:
+            return None
+        spec_replicas = deployment.get("spec", {}).get("replicas")
+        ready = deployment.get("status", {}).get("readyReplicas") or 0
+        # spec.replicas is defaulted to 1 by the API server; absent only in odd test objects.
+        current = 1 if spec_replicas is None else int(spec_replicas)
+        return Replicas(current=current, ready=int(ready))
+
+    def scale(self, service: InferenceService, tier: str, role: str, replicas: int) -> None:
+        name = names.engine_name(service.name, tier, role)
+        path = RESOURCES["Deployment"].path(service.namespace, name) + "/scale"
+        self.kube.request(
+            "PATCH",
+            path,
+            query=[("fieldManager", self.manager)],
+            body={"spec": {"replicas": replicas}},
+            content_type=MERGE_CONTENT_TYPE,
+        )
+
+    def record(
+        self,
+        service: InferenceService,
+        decisions: Sequence[Decision],
+        condition: Condition,
+        now: datetime,
+    ) -> None:
+        for decision in decisions:
+            self.metrics.observe(service, decision)
+        eventful, flipped = self._write_status(service, decisions, condition, now)
+        for decision in eventful:
+            self._event(
+                service,
+                event_reason(decision),
+                f"tier {decision.tier}: {decision.reason}",
+                "Normal",
+                now,
+            )
+        if flipped and condition.status is ConditionStatus.FALSE:
+            self._event(service, condition.reason, condition.message, "Warning", now)
+
+    def _write_status(
+        self,
+        service: InferenceService,
+        decisions: Sequence[Decision],
+        condition: Condition,
+        now: datetime,
+    ) -> tuple[list[Decision], bool]:
+        """Merge-patch the status with a resourceVersion precondition, re-reading on 409.
+
+        A merge patch replaces lists whole, so the lists are rebuilt from a fresh read and the
+        precondition makes sure no one else's write in between is lost.
+        """
+        for attempt in range(1, MAX_STATUS_ATTEMPTS + 1):
+            live = self.kube.get(KIND, service.namespace, service.name)
+            if live is None:
+                return [], False  # deleted meanwhile: nothing left to record on
+            status: Obj = live.get("status") or {}
+            old_tiers = status.get("tiers") or []
+            old_conditions = status.get("conditions") or []
+            generation = live.get("metadata", {}).get("generation")
+            stamped = condition.model_copy(update={"observed_generation": generation})
+            tiers, eventful = merge_roles(old_tiers, decisions, now)
+            conditions = merge_condition(old_conditions, stamped)
+            before = next((c for c in old_conditions if c.get("type") == condition.type), None)
+            flipped = before is None or before.get("status") != condition.status.value
+            if tiers == old_tiers and conditions == old_conditions:
+                return eventful, flipped  # nothing new: skip the write
+            body: Obj = {
+                "metadata": {"resourceVersion": live["metadata"]["resourceVersion"]},
+                "status": {"tiers": tiers, "conditions": conditions},
+            }
+            try:
+                self.kube.request(
+                    "PATCH",
+                    RESOURCES[KIND].path(service.namespace, service.name) + "/status",
+                    query=[("fieldManager", self.manager)],
+                    body=body,
+                    content_type=MERGE_CONTENT_TYPE,
+                )
+            except KubeError as exc:
+                if exc.conflict and attempt < MAX_STATUS_ATTEMPTS:
+                    log.debug("status of %s changed meanwhile, re-reading", service.name)
+                    continue
+                raise
+            return eventful, flipped
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    def _event(
+        self, service: InferenceService, reason: str, message: str, kind: str, now: datetime
+    ) -> None:
+        stamp = _timestamp(now)
+        involved: Obj = {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": service.name,
+            "namespace": service.namespace,
+        }
+        if service.metadata.uid:
+            involved["uid"] = service.metadata.uid
+        body: Obj = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{service.name}.", "namespace": service.namespace},
+            "involvedObject": involved,
+            "reason": reason,
+            "message": message[:1024],
+            "type": kind,
+            "source": {"component": COMPONENT},
+            "firstTimestamp": stamp,
+            "lastTimestamp": stamp,
+            "count": 1,
+        }
+        try:
+            self.kube.request("POST", RESOURCES["Event"].path(service.namespace), body=body)
+        except KubeError as exc:
+            # An Event is a courtesy: the decision is already in status and metrics.
+            log.warning("could not post Event %s on %s: %s", reason, service.name, exc)
+
+
+def kubernetes_actuator(
+    kube: Kube, *, metrics: AutoscalerMetrics | None = None
+) -> KubernetesActuator:
+    """The actuator the operator's timer and ``fleetpilot autoscaler`` use on a cluster."""
+    return KubernetesActuator(kube, metrics=metrics)
+
+
+# ------------------------------------------------------------------------------ in memory
+
+
+@dataclass
+class MemoryActuator:
+    """:class:`Actuator` over a dict of replicas: tests, simulations, dry runs.
+
+    ``replicas`` maps ``(tier, role)`` to :class:`Replicas`; ``ready_on_scale`` makes scaled
+    replicas ready at once (a kubelet that never lags).
+    """
+
+    replicas: dict[tuple[str, str], Replicas] = field(default_factory=dict)
+    ready_on_scale: bool = True
+    scaled: list[tuple[str, str, int]] = field(default_factory=list)
+    recorded: list[Decision] = field(default_factory=list)
+    conditions: list[Condition] = field(default_factory=list)
+    status_tiers: list[Obj] = field(default_factory=list)
+    events: list[tuple[str, str]] = field(default_factory=list)  # (reason, message)
+
+    def current(self, service: InferenceService, tier: str, role: str) -> Replicas | None:
+        return self.replicas.get((tier, role))
+
+    def scale(self, service: InferenceService, tier: str, role: str, replicas: int) -> None:
+        before = self.replicas.get((tier, role), Replicas(0, 0))
+        ready = replicas if self.ready_on_scale else min(before.ready, replicas)
+        self.replicas[(tier, role)] = Replicas(replicas, ready)
+        self.scaled.append((tier, role, replicas))
+
+    def record(
+        self,
+        service: InferenceService,
+        decisions: Sequence[Decision],
+        condition: Condition,
+        now: datetime,
+    ) -> None:
+        self.recorded.extend(decisions)
+        self.status_tiers, eventful = merge_roles(self.status_tiers, decisions, now)
+        self.events.extend((event_reason(d), f"tier {d.tier}: {d.reason}") for d in eventful)
+        self.conditions.append(condition)
+
+
+__all__ = [
+    "COMPONENT",
+    "REASON_FRESH",
+    "REASON_MISSING",
+    "REASON_STALE",
+    "REASON_UNREACHABLE",
+    "Actuator",
+    "AutoscalerMetrics",
+    "KubernetesActuator",
+    "MemoryActuator",
+    "Replicas",
+    "default_metrics",
+    "event_reason",
+    "kubernetes_actuator",
+    "merge_condition",
+    "merge_roles",
+    "scaling_active_condition",
+    "worth_an_event",
+]

@@ -1,0 +1,344 @@
+"""A real Prometheus server on loopback, for the autoscaler's tests and demos.
+
+Runs the ``prometheus`` binary (Debian's package ``prometheus``: ``apt-get install prometheus``,
+or ``make prometheus``) as a child process with a generated config, its TSDB in a folder of the
+caller's, on a free loopback port, scraping static targets every second. Nothing depends on a
+system service the package may have set up: this module never talks to one, and stops only the
+process group it started, by pid.
+
+Each target stands for one engine pod. Its pod labels (``fleetpilot.dev/service`` ...) reach
+Prometheus exactly as Kubernetes service discovery hands them over, as
+``__meta_kubernetes_pod_label_fleetpilot_dev_service`` and ``__meta_kubernetes_namespace``, and the
+same relabel rules a cluster's scrape config uses turn them into ``fleetpilot_dev_service`` and
+``namespace``; so the reader is tested against the labels it will meet in a cluster.
+
+Use it from Python::
+
+    target = ScrapeTarget("127.0.0.1:8001", engine_pod_labels("chat", "small", "unified"), "ml")
+    with PrometheusServer(tmp_path, [target]) as prom:
+        prom.wait_scraped()
+        print(prom.url)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import yaml
+
+from fleetpilot.runtime.processes import die_with_parent, group_members
+from fleetpilot.testing.controlplane import free_ports
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BINARY = "/usr/bin/prometheus"
+# Readiness is reached in about a second on a laptop; a loaded CI machine may take ten.
+STARTUP_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+POD_LABEL_PREFIX = "__meta_kubernetes_pod_label_"
+NAMESPACE_META = "__meta_kubernetes_namespace"
+
+
+class PrometheusError(RuntimeError):
+    """The Prometheus server could not be found, started or stopped as asked."""
+
+
+def sanitize_label_name(name: str) -> str:
+    """What Kubernetes service discovery makes of a pod label name: ``fleetpilot.dev/tier`` ->
+    ``fleetpilot_dev_tier`` (every character outside ``[a-zA-Z0-9_]`` becomes ``_``)."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+
+def engine_pod_labels(service: str, tier: str, role: str) -> dict[str, str]:
+    """The pod labels the planner puts on an engine pod of one role."""
+    return {
+        "fleetpilot.dev/service": service,
+        "fleetpilot.dev/tier": tier,
+        "fleetpilot.dev/role": role,
+    }
+
+
+@dataclass(frozen=True)
+class ScrapeTarget:
+    """One scraped endpoint (an engine pod), with the pod labels and namespace it would have."""
+
+    address: str  # host:port
+    pod_labels: Mapping[str, str] = field(default_factory=dict)
+    namespace: str | None = None
+    metrics_path: str = "/metrics"
+
+
+def find_binary(binary: str | os.PathLike[str] | None = None) -> Path:
+    """The prometheus binary: as given, else $FLEETPILOT_PROMETHEUS_BIN, else on PATH."""
+    candidates = [
+        str(binary) if binary else None,
+        os.environ.get("FLEETPILOT_PROMETHEUS_BIN"),
+        shutil.which("prometheus"),
+        DEFAULT_BINARY,
+    ]
+    for candidate in candidates:
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return Path(candidate)
+    raise PrometheusError(
+        "no prometheus binary: install Debian's package (apt-get install -y prometheus, or "
+        "make prometheus), or set FLEETPILOT_PROMETHEUS_BIN"
+    )
+
+
+def render_config(targets: Sequence[ScrapeTarget], scrape_interval_s: float) -> dict[str, Any]:
+    """The prometheus.yml for ``targets``. Purely computational.
+
+    One static config per target carries its pod labels as service discovery would; the
+    relabel rules are the ones documented for clusters in ``fleetpilot.autoscaler.prometheus``.
+    """
+    interval = _duration(scrape_interval_s)
+    by_path: dict[str, list[ScrapeTarget]] = {}
+    for target in targets:
+        by_path.setdefault(target.metrics_path, []).append(target)
+    jobs = []
+    for index, (path, group) in enumerate(sorted(by_path.items())):
+        static = []
+        for target in group:
+            labels = {
+                POD_LABEL_PREFIX + sanitize_label_name(k): v for k, v in target.pod_labels.items()
+            }
+            if target.namespace is not None:
+                labels[NAMESPACE_META] = target.namespace
+            static.append({"targets": [target.address], "labels": labels})
+        jobs.append(
+            {
+                "job_name": f"engines-{index}",
+                "metrics_path": path,
+                "scrape_interval": interval,
+                "scrape_timeout": interval,
+                "static_configs": static,
+                "relabel_configs": [
+                    {"action": "labelmap", "regex": f"{POD_LABEL_PREFIX}(.+)"},
+                    {"source_labels": [NAMESPACE_META], "target_label": "namespace"},
+                ],
+            }
+        )
+    return {
+        "global": {"scrape_interval": interval, "evaluation_interval": interval},
+        "scrape_configs": jobs,
+    }
+
+
+def _duration(seconds: float) -> str:
+    millis = max(1, round(seconds * 1000))
+    return f"{millis // 1000}s" if millis % 1000 == 0 else f"{millis}ms"
+
+
+def _opener() -> urllib.request.OpenerDirector:
+    # Loopback requests must never go through an HTTP(S)_PROXY from the environment.
+    return urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class PrometheusServer:
+    """One Prometheus process; ``start()``/``stop()`` or a ``with`` block."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        targets: Sequence[ScrapeTarget] = (),
+        *,
+        scrape_interval_s: float = 1.0,
+        binary: str | os.PathLike[str] | None = None,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
+    ) -> None:
+        self.workdir = Path(workdir)
+        self.targets = list(targets)
+        self.scrape_interval_s = scrape_interval_s
+        self.binary = find_binary(binary)
+        self.startup_timeout_s = startup_timeout_s
+        self.port: int | None = None
+        self._popen: subprocess.Popen[bytes] | None = None
+        self._http = _opener()
+
+    # -- paths and addresses ----------------------------------------------------------------
+    @property
+    def config_path(self) -> Path:
+        return self.workdir / "prometheus.yml"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "prometheus.log"
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise PrometheusError("prometheus is not started")
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._popen.pid if self._popen is not None else None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> Self:
+        if self._popen is not None:
+            raise PrometheusError("prometheus is already started")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._write_config()
+        # Another process may take the free port before prometheus binds it: try a new one.
+        for attempt in range(3):
+            self.port = free_ports(1)[0]
+            self._spawn()
+            try:
+                self._wait_ready()
+                log.info("prometheus ready at %s (pid %s)", self.url, self.pid)
+                return self
+            except PrometheusError:
+                exited = self._popen is not None and self._popen.poll() is not None
+                self.stop()
+                if not (exited and "address already in use" in self._log_tail()) or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _spawn(self) -> None:
+        tsdb = self.workdir / "data"
+        tsdb.mkdir(exist_ok=True)
+        args = [
+            str(self.binary),
+            f"--config.file={self.config_path}",
+            f"--storage.tsdb.path={tsdb}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--storage.tsdb.retention.time=1h",
+            "--log.level=info",
+        ]
+        with self.log_path.open("ab") as log_file:
+            self._popen = subprocess.Popen(
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                cwd=self.workdir,
+                start_new_session=True,  # own process group: stop() signals exactly this tree
+                # A test run killed with SIGKILL leaves no Prometheus behind.
+                preexec_fn=die_with_parent(os.getpid()),
+            )
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            if self._popen is not None and self._popen.poll() is not None:
+                raise PrometheusError(
+                    f"prometheus exited with {self._popen.returncode}:\n{self._log_tail()}"
+                )
+            with (
+                contextlib.suppress(OSError),
+                self._http.open(f"{self.url}/-/ready", timeout=2) as response,
+            ):
+                if response.status == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise PrometheusError(
+                    f"prometheus not ready after {self.startup_timeout_s:.0f}s:\n{self._log_tail()}"
+                )
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        """SIGTERM the process group, SIGKILL it if it lingers; idempotent."""
+        popen, self._popen = self._popen, None
+        if popen is None:
+            return
+        if popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(popen.pid, signal.SIGTERM)
+            try:
+                popen.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(popen.pid, signal.SIGKILL)
+                popen.wait(timeout=STOP_TIMEOUT_S)
+        leftover = group_members({popen.pid})
+        if leftover:
+            raise PrometheusError(f"processes left in prometheus' group: {leftover}")
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- targets ---------------------------------------------------------------------------
+    def set_targets(self, targets: Sequence[ScrapeTarget]) -> None:
+        """Replace the scraped targets; a running server reloads its config (SIGHUP)."""
+        self.targets = list(targets)
+        self._write_config()
+        if self._popen is not None and self._popen.poll() is None:
+            os.kill(self._popen.pid, signal.SIGHUP)
+
+    def _write_config(self) -> None:
+        config = render_config(self.targets, self.scrape_interval_s)
+        self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+    # -- queries ---------------------------------------------------------------------------
+    def query(self, promql: str) -> list[dict[str, Any]]:
+        """An instant query's result vector (for tests' own checks; the autoscaler has its
+        own reader)."""
+        url = f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
+        with self._http.open(url, timeout=5) as response:
+            body = json.loads(response.read())
+        result: list[dict[str, Any]] = body["data"]["result"]
+        return result
+
+    def wait_scraped(self, timeout_s: float = 15.0) -> None:
+        """Wait until every target has been scraped successfully at least once."""
+        want = {t.address for t in self.targets}
+        deadline = time.monotonic() + timeout_s
+        up: set[str] = set()
+        while True:
+            with contextlib.suppress(OSError, KeyError, ValueError):
+                up = {
+                    str(s["metric"].get("instance"))
+                    for s in self.query("up == 1")
+                    if s["metric"].get("instance") in want
+                }
+                if up == want:
+                    return
+            if time.monotonic() > deadline:
+                raise PrometheusError(
+                    f"targets not scraped after {timeout_s:.0f}s: {sorted(want - up)}"
+                )
+            time.sleep(0.1)
+
+    def _log_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+
+__all__ = [
+    "DEFAULT_BINARY",
+    "PrometheusError",
+    "PrometheusServer",
+    "ScrapeTarget",
+    "engine_pod_labels",
+    "find_binary",
+    "render_config",
+    "sanitize_label_name",
+]

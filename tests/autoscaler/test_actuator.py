@@ -1,0 +1,478 @@
+"""The actuator: scale subresource, status records, the ScalingActive condition, Events.
+
+KubernetesActuator runs against an in-memory API that keeps real objects (an InferenceService
+from the factories, its status as the operator writes it, a Deployment) and applies JSON merge
+patches (RFC 7386) with the API server's resourceVersion precondition; e2e/ repeats the main
+path on a real API server.
+"""
+
+from __future__ import annotations
+
+import copy
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from fleetpilot.api import InferenceService, parse_service
+from fleetpilot.api.status import (
+    Condition,
+    ConditionStatus,
+    InferenceServiceStatus,
+    RoleStatus,
+    TierStatus,
+)
+from fleetpilot.autoscaler.actuator import (
+    AutoscalerMetrics,
+    KubernetesActuator,
+    MemoryActuator,
+    Replicas,
+    merge_condition,
+    merge_roles,
+    scaling_active_condition,
+)
+from fleetpilot.autoscaler.policy import DataProblem, Decision, History, ReasonKind
+from fleetpilot.operator.kube import Kube, KubeError, Obj
+from tests.factories import make_manifest, make_tier
+
+NOW = datetime(2026, 11, 29, 10, 0, tzinfo=UTC)
+SERVICE_PATH = "/apis/fleetpilot.dev/v1alpha1/namespaces/ml/inferenceservices/chat"
+DEPLOYMENT_PATH = "/apis/apps/v1/namespaces/ml/deployments/chat-large-decode"
+EVENTS_PATH = "/api/v1/namespaces/ml/events"
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386, as the API server applies application/merge-patch+json."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+class FakeApi(Kube):
+    """The few REST calls the actuator makes, on objects kept in memory."""
+
+    def __init__(self, objects: dict[str, Obj]) -> None:
+        super().__init__(api=None)  # type: ignore[arg-type]  # never used: request is ours
+        self.objects = objects
+        self.calls: list[tuple[str, str, list[tuple[str, str]], Obj | None, str]] = []
+        self.conflicts = 0  # 409s to answer status patches with, as if another writer won
+        self.events: list[Obj] = []
+        self.refuse_events = False
+        self._version = 100
+
+    def _bump(self, obj: Obj) -> None:
+        self._version += 1
+        obj["metadata"]["resourceVersion"] = str(self._version)
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: list[tuple[str, str]] | None = None,
+        body: Obj | None = None,
+        content_type: str = "application/json",
+    ) -> Obj:
+        self.calls.append((method, path, query or [], copy.deepcopy(body), content_type))
+        if method == "GET":
+            if path not in self.objects:
+                raise KubeError(404, method, path, '{"message": "not found"}')
+            return copy.deepcopy(self.objects[path])
+        if method == "POST" and path == EVENTS_PATH:
+            if self.refuse_events:
+                raise KubeError(403, method, path, '{"message": "forbidden"}')
+            assert body is not None
+            self.events.append(body)
+            return body
+        assert method == "PATCH"
+        assert content_type == "application/merge-patch+json"
+        assert body is not None
+        base, _, sub = path.rpartition("/")
+        obj = self.objects[base]
+        if sub == "scale":
+            obj["spec"]["replicas"] = body["spec"]["replicas"]
+            self._bump(obj)
+            return {"spec": {"replicas": obj["spec"]["replicas"]}}
+        assert sub == "status"
+        if self.conflicts:
+            self.conflicts -= 1
+            self._bump(obj)  # someone else wrote meanwhile
+        wanted = body.get("metadata", {}).get("resourceVersion")
+        if wanted is not None and wanted != obj["metadata"]["resourceVersion"]:
+            raise KubeError(409, method, path, '{"message": "the object has been modified"}')
+        obj["status"] = merge_patch(obj.get("status"), body["status"])
+        self._bump(obj)
+        return copy.deepcopy(obj)
+
+    def status_patches(self) -> list[Obj]:
+        return [c[3] for c in self.calls if c[0] == "PATCH" and c[1].endswith("/status") and c[3]]
+
+
+def service_manifest(**autoscaling: Any) -> Obj:
+    manifest = make_manifest(
+        "chat",
+        uid="uid-1",
+        tiers=[
+            make_tier("small", up_to=0.4),
+            make_tier("large", mode="disaggregated", autoscaling=autoscaling or {}),
+        ],
+    )
+    manifest["metadata"].update(generation=7, resourceVersion="100")
+    # The status as the operator writes it: conditions and replicas the autoscaler must keep.
+    status = InferenceServiceStatus(
+        observed_generation=7,
+        endpoint="http://chat-router.ml.svc:8000/v1",
+        conditions=[
+            Condition(
+                type="Ready",
+                status=ConditionStatus.TRUE,
+                reason="AllReplicasReady",
+                message="every role and the router are ready",
+                last_transition_time=NOW - timedelta(hours=1),
+                observed_generation=7,
+            )
+        ],
+        tiers=[
+            TierStatus(name="small", roles=[RoleStatus(role="unified", replicas=1, ready=1)]),
+            TierStatus(
+                name="large",
+                roles=[
+                    RoleStatus(role="prefill", replicas=1, ready=1),
+                    RoleStatus(role="decode", replicas=3, ready=3),
+                ],
+            ),
+        ],
+    )
+    manifest["status"] = status.to_wire()
+    return manifest
+
+
+@pytest.fixture
+def api() -> FakeApi:
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "chat-large-decode", "namespace": "ml", "resourceVersion": "5"},
+        "spec": {"replicas": 3},
+        "status": {"replicas": 3, "readyReplicas": 2},
+    }
+    return FakeApi({SERVICE_PATH: service_manifest(), DEPLOYMENT_PATH: deployment})
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def actuator(api: FakeApi, registry: CollectorRegistry) -> KubernetesActuator:
+    return KubernetesActuator(api, metrics=AutoscalerMetrics(registry))
+
+
+@pytest.fixture
+def service(api: FakeApi) -> InferenceService:
+    return parse_service(api.objects[SERVICE_PATH])
+
+
+def decision(
+    replicas: int = 5,
+    current: int = 3,
+    *,
+    role: str = "decode",
+    tier: str = "large",
+    dry_run: bool = False,
+    problem: DataProblem | None = None,
+    reason: str | None = None,
+    kind: ReasonKind = ReasonKind.TPOT,
+) -> Decision:
+    return Decision(
+        tier=tier,
+        role=role,
+        current_replicas=current,
+        replicas=replicas,
+        recommendation=replicas,
+        reason=reason or f"{role} tpot p95 100ms > slo 60ms: {current} -> {replicas}",
+        reason_kind=kind,
+        history=History(),
+        data_problem=problem,
+        dry_run=dry_run,
+    )
+
+
+def roles_of(obj: Obj) -> dict[tuple[str, str], Obj]:
+    return {(t["name"], r["role"]): r for t in obj["status"]["tiers"] for r in t["roles"]}
+
+
+def conditions_of(obj: Obj) -> dict[str, Obj]:
+    return {c["type"]: c for c in obj["status"]["conditions"]}
+
+
+def test_current_reads_spec_and_ready_replicas(
+    actuator: KubernetesActuator, service: InferenceService
+) -> None:
+    """Ready replicas come from status: pods still starting are not counted as capacity."""
+    assert actuator.current(service, "large", "decode") == Replicas(current=3, ready=2)
+    assert actuator.current(service, "large", "prefill") is None  # no Deployment yet
+
+
+def test_scale_patches_the_scale_subresource_as_the_autoscaler(
+    api: FakeApi, actuator: KubernetesActuator, service: InferenceService
+) -> None:
+    """A merge patch of /scale under fieldManager fleetpilot-autoscaler, nothing else."""
+    actuator.scale(service, "large", "decode", 5)
+    method, path, query, body, content_type = api.calls[-1]
+    assert (method, path) == ("PATCH", DEPLOYMENT_PATH + "/scale")
+    assert query == [("fieldManager", "fleetpilot-autoscaler")]
+    assert body == {"spec": {"replicas": 5}}
+    assert content_type == "application/merge-patch+json"
+    assert api.objects[DEPLOYMENT_PATH]["spec"]["replicas"] == 5
+
+
+def test_record_writes_desired_last_scale_condition_event_and_metrics(
+    api: FakeApi,
+    actuator: KubernetesActuator,
+    service: InferenceService,
+    registry: CollectorRegistry,
+) -> None:
+    """One tick's decisions reach status (desired, lastScale), ScalingActive, an Event and
+    the metrics; what the operator wrote (replicas, Ready, the other tier) stays."""
+    decisions = [decision(5, 3), decision(1, 1, role="prefill", kind=ReasonKind.WITHIN_TOLERANCE)]
+    condition = scaling_active_condition(decisions, 7, NOW)
+    actuator.record(service, decisions, condition, NOW)
+
+    live = api.objects[SERVICE_PATH]
+    roles = roles_of(live)
+    assert roles[("large", "decode")] == {
+        "role": "decode",
+        "replicas": 3,
+        "ready": 3,
+        "desired": 5,
+        "lastScale": {
+            "time": "2026-11-29T10:00:00Z",
+            "fromReplicas": 3,
+            "toReplicas": 5,
+            "reason": "decode tpot p95 100ms > slo 60ms: 3 -> 5",
+        },
+    }
+    assert roles[("large", "prefill")] == {
+        "role": "prefill",
+        "replicas": 1,
+        "ready": 1,
+        "desired": 1,
+    }
+    assert roles[("small", "unified")] == {"role": "unified", "replicas": 1, "ready": 1}
+    conditions = conditions_of(live)
+    assert conditions["Ready"] == service_manifest()["status"]["conditions"][0]
+    assert conditions["ScalingActive"] == {
+        "type": "ScalingActive",
+        "status": "True",
+        "reason": "FreshMetrics",
+        "message": "deciding on fresh metrics: large/decode, large/prefill",
+        "lastTransitionTime": "2026-11-29T10:00:00Z",
+        "observedGeneration": 7,
+    }
+    assert live["status"]["endpoint"] == "http://chat-router.ml.svc:8000/v1"
+    (patch,) = api.status_patches()
+    assert patch["metadata"] == {"resourceVersion": "100"}
+
+    (event,) = api.events
+    assert event["reason"] == "ScaledUp"
+    assert event["type"] == "Normal"
+    assert event["message"] == "tier large: decode tpot p95 100ms > slo 60ms: 3 -> 5"
+    assert event["involvedObject"] == {
+        "apiVersion": "fleetpilot.dev/v1alpha1",
+        "kind": "InferenceService",
+        "name": "chat",
+        "namespace": "ml",
+        "uid": "uid-1",
+    }
+    assert event["source"] == {"component": "fleetpilot-autoscaler"}
+
+    labels = {"namespace": "ml", "service": "chat", "tier": "large", "role": "decode"}
+    assert registry.get_sample_value("fleetpilot_autoscaler_desired_replicas", labels) == 5
+    counted = {**labels, "direction": "up", "reason_kind": "tpot"}
+    assert registry.get_sample_value("fleetpilot_autoscaler_decisions_total", counted) == 1
+    held = {**labels, "role": "prefill", "direction": "none", "reason_kind": "within_tolerance"}
+    assert registry.get_sample_value("fleetpilot_autoscaler_decisions_total", held) == 1
+
+
+def test_an_unchanged_tick_writes_nothing(
+    api: FakeApi, actuator: KubernetesActuator, service: InferenceService
+) -> None:
+    """Holding steady rewrites no status and posts no Event (only metrics move)."""
+    hold = decision(3, 3, kind=ReasonKind.WITHIN_TOLERANCE, reason="decode within: holding 3")
+    condition = scaling_active_condition([hold], 7, NOW)
+    actuator.record(service, [hold], condition, NOW)
+    writes = len(api.status_patches())
+    actuator.record(
+        service,
+        [hold],
+        scaling_active_condition([hold], 7, NOW + timedelta(minutes=1)),
+        NOW + timedelta(minutes=1),
+    )
+    assert len(api.status_patches()) == writes == 1
+    assert api.events == []
+
+
+def test_a_conflict_is_re_read_and_retried(
+    api: FakeApi, actuator: KubernetesActuator, service: InferenceService
+) -> None:
+    """Another writer between read and patch: 409, re-read, patched on the new version."""
+    api.conflicts = 1
+    decisions = [decision(5, 3)]
+    actuator.record(service, decisions, scaling_active_condition(decisions, 7, NOW), NOW)
+    first, second = api.status_patches()
+    assert first["metadata"]["resourceVersion"] == "100"
+    assert second["metadata"]["resourceVersion"] == "101"
+    assert roles_of(api.objects[SERVICE_PATH])[("large", "decode")]["desired"] == 5
+    assert len(api.events) == 1
+
+
+def test_persistent_conflicts_give_up_with_the_error(
+    api: FakeApi, actuator: KubernetesActuator, service: InferenceService
+) -> None:
+    api.conflicts = 100
+    decisions = [decision(5, 3)]
+    with pytest.raises(KubeError) as raised:
+        actuator.record(service, decisions, scaling_active_condition(decisions, 7, NOW), NOW)
+    assert raised.value.conflict
+    assert len(api.status_patches()) == 5
+
+
+def test_condition_keeps_its_transition_time_until_it_flips(
+    api: FakeApi, actuator: KubernetesActuator, service: InferenceService
+) -> None:
+    """lastTransitionTime says since when: unchanged while the status holds, moved when it
+    flips; a flip to False posts a Warning Event with the reason."""
+    fresh = [decision(3, 3, kind=ReasonKind.WITHIN_TOLERANCE)]
+    actuator.record(service, fresh, scaling_active_condition(fresh, 7, NOW), NOW)
+    later = NOW + timedelta(minutes=5)
+    actuator.record(service, fresh, scaling_active_condition(fresh, 7, later), later)
+    assert conditions_of(api.objects[SERVICE_PATH])["ScalingActive"]["lastTransitionTime"] == (
+        "2026-11-29T10:00:00Z"
+    )
+    down = [
+        decision(
+            3,
+            3,
+            problem=DataProblem.UNREACHABLE,
+            kind=ReasonKind.NO_DATA,
+            reason="decode has no data (cannot connect to prometheus): holding 3",
+        )
+    ]
+    actuator.record(service, down, scaling_active_condition(down, 8, later), later)
+    condition = conditions_of(api.objects[SERVICE_PATH])["ScalingActive"]
+    assert condition["status"] == "False"
+    assert condition["reason"] == "PrometheusUnreachable"
+    assert condition["lastTransitionTime"] == "2026-11-29T10:05:00Z"
+    assert condition["observedGeneration"] == 7  # metadata.generation of the live object
+    assert condition["message"] == (
+        "tier large: decode has no data (cannot connect to prometheus): holding 3"
+    )
+    (warning,) = api.events
+    assert (warning["type"], warning["reason"]) == ("Warning", "PrometheusUnreachable")
+
+
+def test_recommend_mode_records_once_and_never_scales(
+    api: FakeApi, actuator: KubernetesActuator, service: InferenceService
+) -> None:
+    """mode recommend: desired and lastScale say what would happen, one Event per new
+    recommendation, and the Deployment is never touched."""
+    dry = [decision(5, 3, dry_run=True)]
+    actuator.record(service, dry, scaling_active_condition(dry, 7, NOW), NOW)
+    later = NOW + timedelta(seconds=15)
+    actuator.record(service, dry, scaling_active_condition(dry, 7, later), later)
+    role = roles_of(api.objects[SERVICE_PATH])[("large", "decode")]
+    assert role["desired"] == 5
+    assert role["lastScale"]["time"] == "2026-11-29T10:00:00Z"
+    assert role["lastScale"]["reason"].startswith(
+        "recommended (autoscaling.mode recommend): decode tpot p95"
+    )
+    assert [e["reason"] for e in api.events] == ["ScaleRecommended"]
+    assert api.objects[DEPLOYMENT_PATH]["spec"]["replicas"] == 3
+    assert not [c for c in api.calls if c[1].endswith("/scale")]
+
+
+def test_a_refused_event_does_not_fail_the_record(
+    api: FakeApi, actuator: KubernetesActuator, service: InferenceService
+) -> None:
+    """Events are a courtesy: status and metrics already hold the decision."""
+    api.refuse_events = True
+    decisions = [decision(5, 3)]
+    actuator.record(service, decisions, scaling_active_condition(decisions, 7, NOW), NOW)
+    assert roles_of(api.objects[SERVICE_PATH])[("large", "decode")]["desired"] == 5
+
+
+def test_a_deleted_service_records_nothing(
+    api: FakeApi, actuator: KubernetesActuator, service: InferenceService
+) -> None:
+    del api.objects[SERVICE_PATH]
+    decisions = [decision(5, 3)]
+    actuator.record(service, decisions, scaling_active_condition(decisions, 7, NOW), NOW)
+    assert api.status_patches() == []
+    assert api.events == []
+
+
+@pytest.mark.parametrize(
+    ("problems", "status", "reason"),
+    [
+        ([None, None], "True", "FreshMetrics"),
+        ([DataProblem.STALE, None], "False", "StaleMetrics"),
+        ([DataProblem.MISSING, DataProblem.STALE], "False", "MetricsMissing"),
+        ([DataProblem.QUERY_ERROR, None], "False", "MetricsMissing"),
+        ([DataProblem.STALE, DataProblem.UNREACHABLE], "False", "PrometheusUnreachable"),
+    ],
+)
+def test_scaling_active_names_the_gravest_problem(
+    problems: list[DataProblem | None], status: str, reason: str
+) -> None:
+    """Unreachable before missing (or refused) before stale; True only when all is fresh."""
+    decisions = [
+        decision(3, 3, role=role, problem=p)
+        for role, p in zip(["prefill", "decode"], problems, strict=True)
+    ]
+    condition = scaling_active_condition(decisions, 4, NOW)
+    assert (condition.status.value, condition.reason) == (status, reason)
+    assert condition.observed_generation == 4
+
+
+def test_merge_condition_touches_only_its_type() -> None:
+    others = [{"type": "Ready", "status": "True", "reason": "X", "lastTransitionTime": "t0"}]
+    fresh = scaling_active_condition([decision(3, 3)], 1, NOW)
+    merged = merge_condition(others, fresh)
+    assert merged[0] == others[0]
+    assert merged[1]["type"] == "ScalingActive"
+    again = merge_condition(
+        merged, fresh.model_copy(update={"last_transition_time": NOW + timedelta(1)})
+    )
+    assert again == merged
+
+
+def test_merge_roles_adds_missing_tiers_and_roles() -> None:
+    """Before the operator's first status write, the autoscaler's records still land."""
+    tiers, eventful = merge_roles([], [decision(2, 1)], NOW)
+    ((tier, roles),) = [(t["name"], t["roles"]) for t in tiers]
+    assert tier == "large"
+    assert [(r["role"], r["desired"], r["lastScale"]["toReplicas"]) for r in roles] == [
+        ("decode", 2, 2)
+    ]
+    assert eventful == [decision(2, 1)]
+
+
+def test_memory_actuator_keeps_what_a_cluster_would() -> None:
+    """The in-memory actuator (tests, dry runs) scales, records and emits the same Events."""
+    actuator = MemoryActuator({("large", "decode"): Replicas(3, 3)})
+    service = parse_service(service_manifest())
+    actuator.scale(service, "large", "decode", 5)
+    assert actuator.current(service, "large", "decode") == Replicas(5, 5)
+    decisions = [decision(5, 3)]
+    actuator.record(service, decisions, scaling_active_condition(decisions, 7, NOW), NOW)
+    assert actuator.events == [("ScaledUp", "tier large: decode tpot p95 100ms > slo 60ms: 3 -> 5")]
+    assert actuator.status_tiers[0]["roles"][0]["desired"] == 5
