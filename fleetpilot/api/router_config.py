@@ -26,6 +26,13 @@ class EndpointGroup(ApiModel):
     selector: dict[str, str] = Field(description="Pod labels of this group.")
     port: int = Field(ge=1, le=65535)
     max_num_seqs: int = Field(ge=1, description="Engine batch limit: the saturation point.")
+    addresses: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Static 'host:port' endpoints of this group (the local runtime); empty: discover "
+            "the Ready endpoints of the Service's EndpointSlices."
+        ),
+    )
 
 
 class RouterTier(ApiModel):
@@ -34,6 +41,46 @@ class RouterTier(ApiModel):
     up_to: float = Field(ge=0.0, le=1.0)
     mode: ServingMode
     endpoints: list[EndpointGroup]
+
+
+class Ejection(ApiModel):
+    """When a replica stops getting traffic, and how it comes back."""
+
+    failures: int = Field(
+        3, ge=1, le=1000, description="Failures (connect errors, 5xx) within window that eject."
+    )
+    window: Duration = Field(timedelta(seconds=30), description="Failure counting window.")
+    probe_interval: Duration = Field(
+        timedelta(seconds=2), description="How often an ejected replica's /health is probed."
+    )
+
+
+class Scrape(ApiModel):
+    """Reading each replica's /metrics for queue length and KV-cache usage."""
+
+    interval: Duration = Field(timedelta(seconds=1), description="Scrape period.")
+    timeout: Duration = Field(timedelta(milliseconds=800), description="Per-scrape timeout.")
+    # Five missed scrapes: older data describes a queue that has long since changed.
+    stale_after: Duration = Field(
+        timedelta(seconds=5), description="Scraped values older than this are ignored."
+    )
+
+
+class Backpressure(ApiModel):
+    """When the router refuses work (429) instead of queueing it."""
+
+    max_waiting_per_replica: int = Field(
+        64,
+        ge=0,
+        description=(
+            "A replica is full when this many requests wait beyond its max_num_seqs; a request "
+            "for which every eligible replica is full gets 429."
+        ),
+    )
+    max_in_flight: int = Field(
+        8192, ge=1, description="Requests the router process holds at once; beyond: 429."
+    )
+    retry_after: Duration = Field(timedelta(seconds=1), description="Retry-After sent with a 429.")
 
 
 class RouterConfig(ApiModel):
@@ -51,3 +98,27 @@ class RouterConfig(ApiModel):
     spillover: Spillover = Field(default_factory=Spillover)
     request_timeout: Duration = Field(timedelta(minutes=10))
     max_body_bytes: int = Field(10 * 1024 * 1024, ge=1)
+    # The fields below are router tuning with defaults; the planner need not write them.
+    connect_timeout: Duration = Field(
+        timedelta(seconds=2),
+        description="TCP connect limit per upstream attempt: a dead replica costs at most this.",
+    )
+    load_cap: float = Field(
+        1.25,
+        ge=1.0,
+        le=100.0,
+        description=(
+            "Bounded-load factor c: no replica takes more than c times the mean in-flight load "
+            "of its group (consistent hashing with bounded loads)."
+        ),
+    )
+    # Per replica, as many prompt blocks as its KV cache holds: an 8B model (128 KiB of fp16
+    # KV per token) with ~60 GiB of KV on an 80 GB GPU holds ~490k tokens; at ~4 characters per
+    # token a 64-character block is ~16 tokens, so ~30k blocks; 32768 rounds it up. Remembering
+    # more than the cache holds would predict hits the engine has already evicted.
+    prefix_index_blocks: int = Field(
+        32768, ge=1, description="Per-replica LRU size of the prefix-block index."
+    )
+    ejection: Ejection = Field(default_factory=Ejection)
+    scrape: Scrape = Field(default_factory=Scrape)
+    backpressure: Backpressure = Field(default_factory=Backpressure)

@@ -1,0 +1,389 @@
+"""The router's HTTP server (aiohttp) and its ``fleetpilot router`` entry points.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (proxied), ``GET /v1/models``
+(the service name, which lets the router choose, and each tier's model alias), ``GET /health``,
+``GET /metrics``. Every error is OpenAI-shaped JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from fleetpilot.api.router_config import RouterConfig
+from fleetpilot.routing.config import ConfigError, ConfigWatcher, load_config
+from fleetpilot.routing.discovery import EndpointSource, KubeSliceClient, SliceClient, build_source
+from fleetpilot.routing.errors import (
+    InvalidRequestError,
+    RouterError,
+    UnknownModelError,
+    error_body,
+)
+from fleetpilot.routing.health import Prober
+from fleetpilot.routing.metrics import CONTENT_TYPE, RouterMetrics
+from fleetpilot.routing.proxy import Proxy, error_response
+from fleetpilot.routing.router import ReplicaState, Router
+from fleetpilot.routing.scrape import Scraper
+
+log = logging.getLogger("fleetpilot.routing")
+
+EXIT_INVALID = 2
+STARTED = int(time.time())
+
+
+class RouterApp:
+    """Everything one router process runs: the decisions, the proxy, and the background loops
+    (scraping, probing, config and endpoint reloads)."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        source: EndpointSource,
+        *,
+        config_path: Path | None = None,
+        reload_interval_s: float = 1.0,
+        seed: int | None = None,
+    ) -> None:
+        self.metrics = RouterMetrics()
+        self.source = source
+        self.router = Router(config, source, rng=random.Random(seed), on_eject=self._ejected)
+        self.config_path = config_path
+        self.reload_interval_s = reload_interval_s
+        self.session: aiohttp.ClientSession | None = None
+        self.proxy: Proxy | None = None
+        self.watcher: ConfigWatcher | None = None
+        self.scraper: Scraper | None = None
+        self.prober: Prober | None = None
+
+    def _ejected(self, replica: ReplicaState) -> None:
+        # Every ejection, whether a request or a /metrics scrape found the failure.
+        self.metrics.ejections.labels(replica.endpoint.tier, replica.id).inc()
+
+    def apply_config(self, config: RouterConfig) -> None:
+        self.router.apply_config(config)
+        self._retune_loops(config)
+
+    def _retune_loops(self, config: RouterConfig) -> None:
+        if self.scraper is not None:
+            self.scraper.interval_s = config.scrape.interval.total_seconds()
+            self.scraper.timeout_s = config.scrape.timeout.total_seconds()
+        if self.prober is not None:
+            self.prober.interval_s = config.ejection.probe_interval.total_seconds()
+            self.prober.timeout_s = config.connect_timeout.total_seconds()
+
+    async def start(self) -> None:
+        config = self.router.config
+        # The traffic pool: no connection limit (backpressure is the router's own, by queue
+        # length and in-flight count, where it can answer 429 rather than wait silently), and
+        # keep-alive so each request reuses a warm connection.
+        # No cookie jar: engines set no cookies, and filtering the jar costs per request.
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0),
+            skip_auto_headers=("User-Agent",),
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
+        self.proxy = Proxy(self.router, self.metrics, self.session)
+        await self.source.start()
+        self.router.sync()
+        self.scraper = Scraper(
+            self.router,
+            self.metrics,
+            interval_s=config.scrape.interval.total_seconds(),
+            timeout_s=config.scrape.timeout.total_seconds(),
+        )
+        await self.scraper.start()
+        self.prober = Prober(
+            self.router,
+            self.metrics,
+            interval_s=config.ejection.probe_interval.total_seconds(),
+            timeout_s=config.connect_timeout.total_seconds(),
+        )
+        await self.prober.start()
+        if self.config_path is not None:
+            self.watcher = ConfigWatcher(
+                self.config_path,
+                self.apply_config,
+                interval_s=self.reload_interval_s,
+                on_result=lambda r: self.metrics.config_reloads.labels(r).inc(),
+            )
+            await self.watcher.start()
+        log.info(
+            "router started",
+            extra={
+                "tiers": [t.name for t in config.tiers],
+                "endpoints": len(self.router.replicas()),
+            },
+        )
+
+    async def stop(self) -> None:
+        if self.watcher is not None:
+            await self.watcher.stop()
+        if self.prober is not None:
+            await self.prober.stop()
+        if self.scraper is not None:
+            await self.scraper.stop()
+        await self.source.stop()
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    # -- handlers ----------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        assert self.proxy is not None
+        return await self.proxy.handle(request, "completions")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        assert self.proxy is not None
+        return await self.proxy.handle(request, "chat")
+
+    async def models(self, request: web.Request) -> web.Response:
+        config = self.router.config
+        entries = [
+            {
+                "id": config.service,
+                "object": "model",
+                "created": STARTED,
+                "owned_by": "fleetpilot",
+                "root": config.service,
+                "parent": None,
+            }
+        ]
+        entries += [
+            {
+                "id": t.model,
+                "object": "model",
+                "created": STARTED,
+                "owned_by": "fleetpilot",
+                "root": t.model,
+                "parent": None,
+            }
+            for t in self.router.tiers
+        ]
+        return web.json_response({"object": "list", "data": entries})
+
+    async def health(self, request: web.Request) -> web.Response:
+        replicas = self.router.replicas()
+        ejected = set(self.router.health.ejected())
+        return web.json_response(
+            {"status": "ok", "endpoints": len(replicas), "ejected": len(ejected)}
+        )
+
+    async def metrics_view(self, request: web.Request) -> web.Response:
+        self._update_endpoint_gauges()
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    def _update_endpoint_gauges(self) -> None:
+        counts: dict[tuple[str, str, str], int] = {}
+        for tier in self.router.config.tiers:
+            for group in tier.endpoints:
+                for state in ("active", "ejected"):
+                    counts[(tier.name, group.role, state)] = 0
+        for r in self.router.replicas():
+            state = "ejected" if self.router.health.is_ejected(r.id) else "active"
+            key = (r.endpoint.tier, r.endpoint.role, state)
+            counts[key] = counts.get(key, 0) + 1
+        self.metrics.endpoints.clear()
+        for (tier_name, role, state), n in counts.items():
+            self.metrics.endpoints.labels(tier_name, role, state).set(n)
+
+
+ROUTER_APP: web.AppKey[RouterApp] = web.AppKey("router_app", RouterApp)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own 404/405/413 and anything unexpected, as OpenAI-shaped JSON."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        error: RouterError
+        if exc.status == 404:
+            error = UnknownModelError(
+                f"no route for {request.method} {request.path}", code="not_found"
+            )
+        else:
+            error = InvalidRequestError(exc.reason, code=exc.reason.lower().replace(" ", "_"))
+        error.status = exc.status
+        return error_response(error)
+    except RouterError as exc:
+        return error_response(exc)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("unexpected error", extra={"path": request.path})
+        return web.Response(
+            status=500,
+            body=json.dumps(error_body("internal router error", "internal_error")).encode(),
+            content_type="application/json",
+        )
+
+
+def build_app(
+    config: RouterConfig,
+    source: EndpointSource,
+    *,
+    config_path: Path | None = None,
+    reload_interval_s: float = 1.0,
+    seed: int | None = None,
+) -> web.Application:
+    """The aiohttp application; run it with ``handler_cancellation=True`` so a client that
+    disconnects cancels its upstream request."""
+    state = RouterApp(
+        config, source, config_path=config_path, reload_interval_s=reload_interval_s, seed=seed
+    )
+    # client_max_size: the proxy enforces the config's max_body_bytes itself (it can change on
+    # reload); aiohttp's own 1 MiB default must not refuse bodies first.
+    app = web.Application(middlewares=[openai_errors], client_max_size=1 << 62)
+    app[ROUTER_APP] = state
+    app.router.add_post("/v1/completions", state.completions)
+    app.router.add_post("/v1/chat/completions", state.chat)
+    app.router.add_get("/v1/models", state.models)
+    app.router.add_get("/health", state.health)
+    app.router.add_get("/metrics", state.metrics_view)
+
+    async def on_startup(_: web.Application) -> None:
+        await state.start()
+
+    async def on_cleanup(_: web.Application) -> None:
+        await state.stop()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+# -- CLI -------------------------------------------------------------------------------------
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message and the record's extras."""
+
+    _STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {
+        "message",
+        "asctime",
+        "taskName",
+    }
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in record.__dict__.items():
+            if key not in self._STANDARD:
+                entry[key] = value
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="RouterConfig YAML (the ConfigMap file)")
+    parser.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
+    parser.add_argument("--port", type=int, help="listen port (default: the config's port)")
+    parser.add_argument(
+        "--endpoints-file",
+        help="YAML/JSON file of endpoints {endpoints: [{tier, role, address}]}, re-read on "
+        "change (the local runtime); replaces Kubernetes discovery",
+    )
+    parser.add_argument(
+        "--discovery",
+        choices=["auto", "static"],
+        default="auto",
+        help="auto: Kubernetes EndpointSlices for groups without static addresses; static: "
+        "only the config's addresses (and --endpoints-file), never the API server",
+    )
+    parser.add_argument("--kubeconfig", help="kubeconfig (default: in-cluster credentials)")
+    parser.add_argument(
+        "--reload-interval", type=float, default=1.0, help="config/endpoints poll period, s"
+    )
+    parser.add_argument("--seed", type=int, help="tie-break random seed (reproducible runs)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    parser.add_argument("--log-format", choices=["json", "plain"], default="json")
+
+
+def _kube_client(kubeconfig: str | None) -> Callable[[], SliceClient]:
+    def make() -> SliceClient:
+        from kubernetes import client as k8s
+        from kubernetes import config as k8s_config
+
+        try:
+            k8s_config.load_incluster_config()  # type: ignore[no-untyped-call]
+            return KubeSliceClient(k8s.ApiClient())
+        except k8s_config.ConfigException:
+            api = k8s_config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+            return KubeSliceClient(api)
+
+    return make
+
+
+def configure_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level, args.log_format)
+    config_path = Path(args.config)
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    endpoints_file = Path(args.endpoints_file) if args.endpoints_file else None
+    kube = None if args.discovery == "static" else _kube_client(args.kubeconfig)
+    try:
+        source = build_source(config, endpoints_file=endpoints_file, kube_client=kube)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    app = build_app(
+        config,
+        source,
+        config_path=config_path,
+        reload_interval_s=args.reload_interval,
+        seed=args.seed,
+    )
+    web.run_app(
+        app,
+        host=args.host,
+        port=args.port or config.port,
+        handler_cancellation=True,
+        access_log=None,  # per-request logging would cost more than routing; metrics count
+        print=None,
+        shutdown_timeout=30.0,
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fleetpilot router", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,495 @@
+"""Endpoint discovery: which engine replicas exist, in which tier and role, and where.
+
+One interface, three sources:
+
+- ``StaticSource``: the ``addresses`` listed in the router config (the local runtime);
+- ``FileSource``: a YAML/JSON file of endpoints, re-read when it changes (a local fleet whose
+  engines come and go);
+- ``KubernetesSource``: each group's Service's EndpointSlices, watched by the
+  ``kubernetes.io/service-name`` label in a thread; only Ready, non-terminating endpoints.
+
+A source publishes a tuple of ``Endpoint`` and a ``version`` that grows on every change; the
+router re-reads the tuple when the version moves. The router only ever connects to addresses a
+source produced: request data never becomes a host or port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import yaml
+
+from fleetpilot.api.router_config import EndpointGroup, RouterConfig
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One engine replica (one pod, or one process of the local runtime)."""
+
+    tier: str
+    role: str
+    host: str
+    port: int
+    name: str = ""
+
+    @property
+    def id(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.id}"
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"10.0.0.7:8000"`` or ``"[fd00::7]:8000"`` -> host and port."""
+    text = address.strip()
+    if text.startswith("["):
+        end = text.find("]")
+        if end == -1 or text[end + 1 : end + 2] != ":":
+            raise ValueError(f"invalid address {address!r}: expected [ipv6]:port")
+        host, port_text = text[1:end], text[end + 2 :]
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep or not host or ":" in host:
+            raise ValueError(f"invalid address {address!r}: expected host:port")
+    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise ValueError(f"invalid address {address!r}: port must be 1..65535")
+    return host, int(port_text)
+
+
+class EndpointSource(Protocol):
+    """Where the router's replicas come from."""
+
+    @property
+    def version(self) -> int:
+        """Grows whenever ``endpoints()`` changes."""
+        ...
+
+    def endpoints(self) -> tuple[Endpoint, ...]: ...
+
+    def configure(self, config: RouterConfig) -> None:
+        """The router config changed: follow its groups."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def _groups(config: RouterConfig) -> Iterator[tuple[str, EndpointGroup]]:
+    for tier in config.tiers:
+        for group in tier.endpoints:
+            yield tier.name, group
+
+
+class StaticSource:
+    """The ``addresses`` of the config's endpoint groups."""
+
+    def __init__(self, config: RouterConfig | None = None) -> None:
+        self._endpoints: tuple[Endpoint, ...] = ()
+        self._version = 0
+        if config is not None:
+            self.configure(config)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        return self._endpoints
+
+    def configure(self, config: RouterConfig) -> None:
+        found = []
+        for tier, group in _groups(config):
+            for address in group.addresses:
+                host, port = parse_address(address)
+                found.append(Endpoint(tier, group.role, host, port, address))
+        new = tuple(found)
+        if new != self._endpoints:
+            self._endpoints = new
+            self._version += 1
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+
+def parse_endpoints_file(data: Any) -> tuple[Endpoint, ...]:
+    """``{"endpoints": [{"tier", "role", "address", "name"?}, ...]}`` -> endpoints."""
+    if not isinstance(data, dict) or not isinstance(data.get("endpoints"), list):
+        raise ValueError("an endpoints file is a mapping with an 'endpoints' list")
+    out = []
+    for i, item in enumerate(data["endpoints"]):
+        if not isinstance(item, dict):
+            raise ValueError(f"endpoints[{i}] must be a mapping")
+        tier, role, address = item.get("tier"), item.get("role", "unified"), item.get("address")
+        if not isinstance(tier, str) or not isinstance(address, str):
+            raise ValueError(f"endpoints[{i}] needs string 'tier' and 'address'")
+        if role not in ("unified", "prefill", "decode"):
+            raise ValueError(f"endpoints[{i}].role must be unified, prefill or decode")
+        host, port = parse_address(address)
+        name = item.get("name")
+        out.append(Endpoint(tier, role, host, port, name if isinstance(name, str) else address))
+    return tuple(out)
+
+
+class FileSource:
+    """Endpoints from a file the local runtime rewrites as engines start and stop.
+
+    Polled (a stat and a read per interval) rather than watched with inotify: it works the same
+    on every platform and for files replaced by rename, and one small read a second is free.
+    A file that does not parse keeps the previous endpoints.
+    """
+
+    def __init__(self, path: Path, interval_s: float = 1.0) -> None:
+        self.path = path
+        self.interval_s = interval_s
+        self._endpoints: tuple[Endpoint, ...] = ()
+        self._version = 0
+        self._digest = b""
+        self._task: asyncio.Task[None] | None = None
+        self.reload()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        return self._endpoints
+
+    def configure(self, config: RouterConfig) -> None:
+        return None
+
+    def reload(self) -> bool:
+        """Re-read the file; True if the endpoints changed."""
+        try:
+            raw = self.path.read_bytes()
+        except OSError as exc:
+            log.warning(
+                "endpoints file unreadable", extra={"path": str(self.path), "err": str(exc)}
+            )
+            return False
+        digest = hashlib.sha256(raw).digest()
+        if digest == self._digest:
+            return False
+        try:
+            new = parse_endpoints_file(yaml.safe_load(raw))
+        except (ValueError, yaml.YAMLError) as exc:
+            log.error("endpoints file invalid", extra={"path": str(self.path), "err": str(exc)})
+            return False
+        self._digest = digest
+        if new == self._endpoints:
+            return False
+        self._endpoints = new
+        self._version += 1
+        log.info("endpoints changed", extra={"source": "file", "count": len(new)})
+        return True
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            self.reload()
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._poll(), name="endpoints-file")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+
+class MergedSource:
+    """Several sources as one (static addresses plus Kubernetes discovery)."""
+
+    def __init__(self, sources: Sequence[EndpointSource]) -> None:
+        self.sources = list(sources)
+
+    @property
+    def version(self) -> int:
+        # Each part only grows, so the sum grows whenever any part changes.
+        return sum(s.version for s in self.sources)
+
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        return tuple(e for s in self.sources for e in s.endpoints())
+
+    def configure(self, config: RouterConfig) -> None:
+        for s in self.sources:
+            s.configure(config)
+
+    async def start(self) -> None:
+        for s in self.sources:
+            await s.start()
+
+    async def stop(self) -> None:
+        for s in self.sources:
+            await s.stop()
+
+
+# -- Kubernetes ------------------------------------------------------------------------------
+
+
+def endpoints_from_slices(
+    slices: Iterable[dict[str, Any]], tier: str, role: str, port: int
+) -> list[Endpoint]:
+    """The Ready endpoints of a Service's EndpointSlices (camelCase dicts, as the API returns
+    them). Purely computational.
+
+    Only ``conditions.ready == true`` counts: the API allows a missing condition to mean
+    ready, but the EndpointSlice controller always sets it, and sending to a pod that is not
+    known to be ready is the one thing the router must never do. Terminating endpoints are
+    skipped too. The port is the group's engine port: the planner gives every engine the
+    same one. Duplicates (a pod briefly in two slices) are listed once.
+    """
+    seen: set[str] = set()
+    out = []
+    for item in slices:
+        if item.get("addressType") not in ("IPv4", "IPv6"):
+            continue
+        for ep in item.get("endpoints") or []:
+            conditions = ep.get("conditions") or {}
+            if conditions.get("ready") is not True or conditions.get("terminating") is True:
+                continue
+            addresses = ep.get("addresses") or []
+            if not addresses or not isinstance(addresses[0], str):
+                continue
+            endpoint = Endpoint(tier, role, addresses[0], port, _pod_name(ep) or addresses[0])
+            if endpoint.id not in seen:
+                seen.add(endpoint.id)
+                out.append(endpoint)
+    return out
+
+
+def _pod_name(ep: dict[str, Any]) -> str | None:
+    ref = ep.get("targetRef") or {}
+    name = ref.get("name")
+    return name if ref.get("kind") == "Pod" and isinstance(name, str) else None
+
+
+class SliceClient(Protocol):
+    """List and watch the EndpointSlices of one Service (blocking; runs in a thread)."""
+
+    def list(self, namespace: str, service: str) -> tuple[list[dict[str, Any]], str]:
+        """The slices and the list's resourceVersion."""
+        ...
+
+    def watch(
+        self, namespace: str, service: str, resource_version: str, timeout_s: int
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
+        """``(type, object)`` events until the server ends the watch."""
+        ...
+
+
+class KubeSliceClient:
+    """``SliceClient`` over the official kubernetes client."""
+
+    def __init__(self, api_client: Any) -> None:
+        from kubernetes import client as k8s
+
+        self._api = k8s.DiscoveryV1Api(api_client)
+
+    def list(self, namespace: str, service: str) -> tuple[list[dict[str, Any]], str]:
+        # _preload_content=False: the raw JSON, camelCase, as endpoints_from_slices reads it.
+        response: Any = self._api.list_namespaced_endpoint_slice(
+            namespace,
+            label_selector=f"{SERVICE_NAME_LABEL}={service}",
+            _preload_content=False,
+            _request_timeout=30,
+        )
+        data = json.loads(response.data)
+        return list(data.get("items") or []), str(data["metadata"].get("resourceVersion", ""))
+
+    def watch(
+        self, namespace: str, service: str, resource_version: str, timeout_s: int
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
+        from kubernetes import watch
+
+        w = watch.Watch()  # type: ignore[no-untyped-call]
+        stream = w.stream(  # type: ignore[no-untyped-call]
+            self._api.list_namespaced_endpoint_slice,
+            namespace,
+            label_selector=f"{SERVICE_NAME_LABEL}={service}",
+            resource_version=resource_version,
+            timeout_seconds=timeout_s,
+            _request_timeout=timeout_s + 10,
+        )
+        try:
+            for event in stream:
+                yield str(event["type"]), dict(event.get("raw_object") or {})
+        finally:
+            w.stop()  # type: ignore[no-untyped-call]
+
+
+@dataclass(frozen=True)
+class _GroupKey:
+    tier: str
+    role: str
+    service: str
+    port: int
+
+
+class KubernetesSource:
+    """Watches each endpoint group's EndpointSlices in a daemon thread per group.
+
+    Threads, not the event loop: the kubernetes client is blocking. Each thread lists, then
+    watches from the list's resourceVersion; when a watch ends or fails it lists again (a
+    handful of slices per Service make a relist cheap, and it recovers from a 410 Gone the same
+    way). Results reach the loop through ``call_soon_threadsafe``, so the endpoint tuple is only
+    ever touched on the loop.
+    """
+
+    def __init__(
+        self,
+        namespace: str,
+        client: SliceClient,
+        *,
+        watch_timeout_s: int = 60,
+        retry_delay_s: float = 2.0,
+    ) -> None:
+        self.namespace = namespace
+        self.client = client
+        self.watch_timeout_s = watch_timeout_s
+        self.retry_delay_s = retry_delay_s
+        self._by_group: dict[_GroupKey, tuple[Endpoint, ...]] = {}
+        self._stops: dict[_GroupKey, threading.Event] = {}
+        self._wanted: set[_GroupKey] = set()
+        self._endpoints: tuple[Endpoint, ...] = ()
+        self._version = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        return self._endpoints
+
+    def configure(self, config: RouterConfig) -> None:
+        self.namespace = config.namespace
+        self._wanted = {
+            _GroupKey(tier, g.role, g.service, g.port)
+            for tier, g in _groups(config)
+            if not g.addresses
+        }
+        if self._loop is not None:
+            self._sync_threads()
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._sync_threads()
+
+    async def stop(self) -> None:
+        for stop in self._stops.values():
+            stop.set()
+        self._stops.clear()
+        self._loop = None
+
+    def _sync_threads(self) -> None:
+        for key in [k for k in self._stops if k not in self._wanted]:
+            self._stops.pop(key).set()
+            self._by_group.pop(key, None)
+        for key in self._wanted - set(self._stops):
+            stop = threading.Event()
+            self._stops[key] = stop
+            thread = threading.Thread(
+                target=self._run,
+                args=(key, stop),
+                name=f"endpointslices-{key.service}",
+                daemon=True,
+            )
+            thread.start()
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        new = tuple(e for key in sorted(self._by_group, key=repr) for e in self._by_group[key])
+        if new != self._endpoints:
+            self._endpoints = new
+            self._version += 1
+
+    def _publish(self, key: _GroupKey, stop: threading.Event, endpoints: list[Endpoint]) -> None:
+        if stop.is_set():
+            return  # a group removed by a config change: its last result is void
+        before = self._by_group.get(key)
+        self._by_group[key] = tuple(endpoints)
+        if before != self._by_group[key]:
+            log.info(
+                "endpoints changed",
+                extra={"source": "kubernetes", "service": key.service, "ready": len(endpoints)},
+            )
+        self._rebuild()
+
+    def _send(self, key: _GroupKey, stop: threading.Event, slices: dict[str, Any]) -> None:
+        endpoints = endpoints_from_slices(slices.values(), key.tier, key.role, key.port)
+        loop = self._loop
+        if loop is not None and not stop.is_set():
+            with contextlib.suppress(RuntimeError):  # loop closed while we were blocked
+                loop.call_soon_threadsafe(self._publish, key, stop, endpoints)
+
+    def _run(self, key: _GroupKey, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                items, version = self.client.list(self.namespace, key.service)
+                slices = {_slice_name(s): s for s in items}
+                self._send(key, stop, slices)
+                for kind, obj in self.client.watch(
+                    self.namespace, key.service, version, self.watch_timeout_s
+                ):
+                    if stop.is_set():
+                        return
+                    if kind == "ERROR":
+                        break  # e.g. 410 Gone: relist
+                    if kind in ("ADDED", "MODIFIED"):
+                        slices[_slice_name(obj)] = obj
+                    elif kind == "DELETED":
+                        slices.pop(_slice_name(obj), None)
+                    else:
+                        continue  # BOOKMARK
+                    self._send(key, stop, slices)
+            except Exception as exc:  # keep watching through API server restarts
+                log.warning(
+                    "endpointslice watch failed",
+                    extra={"service": key.service, "err": f"{type(exc).__name__}: {exc}"},
+                )
+                stop.wait(self.retry_delay_s)
+
+
+def _slice_name(obj: dict[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("name", ""))
+
+
+def build_source(
+    config: RouterConfig,
+    *,
+    endpoints_file: Path | None = None,
+    kube_client: Callable[[], SliceClient] | None = None,
+) -> EndpointSource:
+    """The source for a config: the endpoints file if given, else the config's static
+    addresses plus Kubernetes discovery for every group without addresses."""
+    if endpoints_file is not None:
+        return MergedSource([StaticSource(config), FileSource(endpoints_file)])
+    static = StaticSource(config)
+    if all(g.addresses for _, g in _groups(config)) or kube_client is None:
+        return static
+    kube = KubernetesSource(config.namespace, kube_client())
+    kube.configure(config)
+    return MergedSource([static, kube])

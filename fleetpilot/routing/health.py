@@ -1,0 +1,85 @@
+"""Probing ejected replicas back into rotation with ``GET /health``.
+
+Which replicas are ejected is decided by the pure ``policies.ejection.HealthTracker`` from the
+failures the proxy and scraper report; this module only does the probing I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import aiohttp
+
+from fleetpilot.routing.metrics import RouterMetrics
+from fleetpilot.routing.router import Router
+
+log = logging.getLogger(__name__)
+
+
+class Prober:
+    """Every ``interval_s``, probes each ejected replica; a 200 readmits it."""
+
+    def __init__(
+        self, router: Router, metrics: RouterMetrics, *, interval_s: float, timeout_s: float
+    ) -> None:
+        self.router = router
+        self.metrics = metrics
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def probe_once(self) -> list[str]:
+        """Probe every ejected replica; the ids readmitted."""
+        session = self._session
+        if session is None:
+            return []
+        ejected = [r for rid in self.router.health.ejected() if (r := self.router.replica(rid))]
+        if not ejected:
+            return []
+        results = await asyncio.gather(
+            *(self._healthy(session, r.endpoint.base_url) for r in ejected)
+        )
+        readmitted = []
+        for replica, ok in zip(ejected, results, strict=True):
+            if ok and self.router.readmit(replica.id):
+                self.metrics.readmissions.labels(replica.id).inc()
+                readmitted.append(replica.id)
+        return readmitted
+
+    async def _healthy(self, session: aiohttp.ClientSession, base_url: str) -> bool:
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+            async with session.get(base_url + "/health", timeout=timeout) as response:
+                return response.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.probe_once()
+            except Exception:
+                log.exception("probe round failed")
+
+    async def start(self) -> None:
+        if self._task is None:
+            # Probes open a fresh connection each time: a pooled one could outlive the process
+            # it reached and report a restarted replica as dead.
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(force_close=True, limit=0)
+            )
+            self._task = asyncio.create_task(self._run(), name="prober")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

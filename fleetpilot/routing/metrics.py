@@ -1,0 +1,163 @@
+"""The router's Prometheus metrics, in a registry per app (tests run several routers in one
+process, and a module-level registry would mix their counts)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# Decision time is tens of microseconds; buckets from 10 us to 50 ms.
+DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
+# vLLM's TTFT buckets, so router-observed and engine-observed TTFT line up in one dashboard.
+# fmt: off
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)
+# vLLM's e2e latency buckets.
+E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)
+# fmt: on
+MATCH_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class RouterMetrics:
+    """Every metric the router exports, registered in its own registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        p = "fleetpilot_router_"
+        self.requests = Counter(
+            p + "requests",
+            "Routed requests by tier, replica and final HTTP status.",
+            ["tier", "replica", "status"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            p + "rejected_requests",
+            "Requests answered by the router itself (bad input, overload, no replicas).",
+            ["status", "code"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            p + "decisions",
+            "Tier decisions by tier and reason (complexity, header, model, spillover).",
+            ["tier", "reason"],
+            registry=r,
+        )
+        self.decision_seconds = Histogram(
+            p + "decision_seconds",
+            "Time to choose the tier and replica(s).",
+            buckets=DECISION_BUCKETS,
+            registry=r,
+        )
+        self.ttft_seconds = Histogram(
+            p + "time_to_first_token_seconds",
+            "Router-observed time from request arrival to the first streamed chunk.",
+            ["tier"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.e2e_seconds = Histogram(
+            p + "e2e_request_latency_seconds",
+            "Router-observed time from request arrival to the end of the response.",
+            ["tier"],
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.prefix_match = Histogram(
+            p + "predicted_prefix_match_ratio",
+            "Predicted fraction of the prompt's blocks cached on the chosen replica.",
+            ["tier"],
+            buckets=MATCH_BUCKETS,
+            registry=r,
+        )
+        self.spillovers = Counter(
+            p + "spillovers",
+            "Requests sent to a higher tier because their own was saturated.",
+            ["from_tier", "to_tier"],
+            registry=r,
+        )
+        self.retries = Counter(
+            p + "retries",
+            "Attempts repeated on another replica after a connect error or 5xx.",
+            ["tier"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            p + "ejections",
+            "Replicas ejected after repeated failures.",
+            ["tier", "replica"],
+            registry=r,
+        )
+        self.readmissions = Counter(
+            p + "readmissions",
+            "Ejected replicas readmitted after a passing /health probe.",
+            ["replica"],
+            registry=r,
+        )
+        self.pd_fallbacks = Counter(
+            p + "pd_fallbacks",
+            "Disaggregated requests served unified on the decode replica (prefill hop failed).",
+            ["tier", "cause"],
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            p + "upstream_errors",
+            "Failed upstream attempts by cause (connect, disconnect, timeout, 5xx, stream).",
+            ["tier", "replica", "cause"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            p + "in_flight_requests", "Requests the router is handling now.", registry=r
+        )
+        self.endpoints = Gauge(
+            p + "endpoints",
+            "Discovered Ready endpoints by tier, role and state (active or ejected).",
+            ["tier", "role", "state"],
+            registry=r,
+        )
+        self.config_reloads = Counter(
+            p + "config_reloads", "Config file reloads by result.", ["result"], registry=r
+        )
+        self.scrape_errors = Counter(
+            p + "scrape_errors", "Failed /metrics scrapes of replicas.", ["replica"], registry=r
+        )
+        self._request_children: dict[tuple[str, str, str], Any] = {}
+        self._e2e_children: dict[str, Any] = {}
+        self._decision_children: dict[tuple[str, str], Any] = {}
+        self._match_children: dict[str, Any] = {}
+
+    # The hot path's label lookups, cached: prometheus_client's labels() costs a lock and a
+    # tuple build per call, several times per request.
+    def count_request(self, tier: str, replica: str, status: str, seconds: float) -> None:
+        key = (tier, replica, status)
+        child = self._request_children.get(key)
+        if child is None:
+            child = self._request_children[key] = self.requests.labels(tier, replica, status)
+        child.inc()
+        e2e = self._e2e_children.get(tier)
+        if e2e is None:
+            e2e = self._e2e_children[tier] = self.e2e_seconds.labels(tier)
+        e2e.observe(seconds)
+
+    def count_decision(self, tier: str, reason: str, prefix_match: float) -> None:
+        key = (tier, reason)
+        child = self._decision_children.get(key)
+        if child is None:
+            child = self._decision_children[key] = self.decisions.labels(tier, reason)
+        child.inc()
+        match = self._match_children.get(tier)
+        if match is None:
+            match = self._match_children[tier] = self.prefix_match.labels(tier)
+        match.observe(prefix_match)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,128 @@
+"""Replica choice as a pipeline: filters, then weighted scorers in [0, 1], then the maximum
+with a random tie-break. Purely computational: the caller passes the plugin instances and the
+random generator, so the same inputs and seed always give the same pick.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from fleetpilot.routing.policies.load import is_full
+from fleetpilot.routing.policies.types import Filter, PickRequest, ReplicaView, Scorer
+
+# Scores are sums of a few products of floats; anything closer than this is a tie, so float
+# noise never decides between two equally good replicas.
+TIE_EPSILON = 1e-9
+
+
+class HealthFilter:
+    """Drops ejected replicas; if every replica is ejected, keeps them all.
+
+    Panic mode, as Envoy's outlier detection does: with every replica ejected, a failure that
+    hit all of them at once (a network blip) is likelier than all being dead, and trying is
+    better than a certain 503. A dead replica refuses the connection at once, so it costs
+    little.
+    """
+
+    name = "health"
+
+    def filter(self, request: PickRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+        healthy = [v for v in replicas if not v.ejected]
+        return healthy if healthy else list(replicas)
+
+
+class CapacityFilter:
+    """Drops replicas whose queue is at the hard limit (see ``load.is_full``)."""
+
+    name = "capacity"
+
+    def __init__(self, max_waiting: int) -> None:
+        self.max_waiting = max_waiting
+
+    def filter(self, request: PickRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+        return [v for v in replicas if not is_full(v, self.max_waiting)]
+
+
+def bounded_load_ok(in_flight: int, total_in_flight: int, replicas: int, factor: float) -> bool:
+    """Consistent hashing with bounded loads: may a replica with ``in_flight`` take one more?
+
+    Each replica may hold at most ``ceil(factor * (total + 1) / replicas)`` requests counting
+    the new one. With ``factor >= 1`` the capacities sum to at least ``total + 1``, so some
+    replica always passes. (Mirrokni et al., 2016; KubeAI's ``chwblLoadOK``.)
+    """
+    if replicas <= 0:
+        return False
+    cap = math.ceil(factor * (total_in_flight + 1) / replicas)
+    return in_flight + 1 <= cap
+
+
+class BoundedLoadFilter:
+    """Drops replicas above the bounded-load cap, so one hot prefix cannot flatten a replica
+    while its peers idle; the prefix scorer then picks the best of the rest."""
+
+    name = "bounded-load"
+
+    def __init__(self, factor: float) -> None:
+        if factor < 1.0:
+            raise ValueError("the bounded-load factor must be at least 1")
+        self.factor = factor
+
+    def filter(self, request: PickRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+        total = sum(v.in_flight for v in replicas)
+        n = len(replicas)
+        kept = [v for v in replicas if bounded_load_ok(v.in_flight, total, n, self.factor)]
+        # Cannot be empty for factor >= 1 (see bounded_load_ok); guard anyway.
+        return kept if kept else list(replicas)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightedScorer:
+    scorer: Scorer
+    weight: float
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    """The chosen replica, its total score and each scorer's score for it."""
+
+    replica: ReplicaView
+    total: float
+    scores: dict[str, float] = field(default_factory=dict)
+    candidates: int = 0
+
+
+def pick(
+    request: PickRequest,
+    replicas: Sequence[ReplicaView],
+    filters: Sequence[Filter],
+    scorers: Sequence[WeightedScorer],
+    rng: random.Random,
+) -> Pick | None:
+    """Filter, score, take the maximum; ``None`` when the filters leave nothing."""
+    candidates: Sequence[ReplicaView] = replicas
+    for f in filters:
+        candidates = f.filter(request, candidates)
+        if not candidates:
+            return None
+    totals = dict.fromkeys((v.id for v in candidates), 0.0)
+    per_scorer: dict[str, dict[str, float]] = {}
+    for weighted in scorers:
+        if weighted.weight == 0.0:
+            continue
+        scores = weighted.scorer.score(request, candidates)
+        per_scorer[weighted.scorer.name] = scores
+        for rid, value in scores.items():
+            if rid in totals:
+                totals[rid] += weighted.weight * min(1.0, max(0.0, value))
+    best = max(totals.values())
+    ties = [v for v in candidates if totals[v.id] >= best - TIE_EPSILON]
+    chosen = ties[0] if len(ties) == 1 else rng.choice(ties)
+    return Pick(
+        replica=chosen,
+        total=totals[chosen.id],
+        scores={name: s.get(chosen.id, 0.0) for name, s in per_scorer.items()},
+        candidates=len(candidates),
+    )

@@ -1,0 +1,58 @@
+"""The plain data the routing policies exchange, and the plugin interfaces. Purely
+computational."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """One replica as the policies see it at one instant."""
+
+    id: str
+    max_num_seqs: int
+    in_flight: int = 0
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    ejected: bool = False
+
+    @property
+    def demand(self) -> float:
+        """Requests on the replica: our own in-flight, or the engine's count if it sees more."""
+        return max(float(self.in_flight), self.running + self.waiting)
+
+    @property
+    def queued(self) -> float:
+        """Requests waiting for a batch slot, by the engine's count or by ours."""
+        return max(self.waiting, float(self.in_flight - self.max_num_seqs))
+
+
+@dataclass(frozen=True, slots=True)
+class PickRequest:
+    """What the replica plugins know about the request being placed."""
+
+    hashes: Sequence[int] = field(default_factory=tuple)
+
+
+class Filter(Protocol):
+    """Drops replicas that must not take the request."""
+
+    name: str
+
+    def filter(self, request: PickRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+        """The replicas that pass, in their input order."""
+        ...
+
+
+class Scorer(Protocol):
+    """Scores each replica in [0, 1]; higher is better."""
+
+    name: str
+
+    def score(self, request: PickRequest, replicas: Sequence[ReplicaView]) -> dict[str, float]:
+        """A score in [0, 1] per replica id."""
+        ...

@@ -1,0 +1,374 @@
+"""The router's decisions: which tier, which replica. No I/O.
+
+``Router`` owns the mutable state the pure policies read - per-replica in-flight counts,
+scraped engine metrics, the prefix index and the ejection tracker - and runs the policies over
+it. The HTTP layer (``proxy``) calls ``decide`` and reports back successes and failures.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from yarl import URL
+
+from fleetpilot.api.router_config import RouterConfig, RouterTier
+from fleetpilot.routing.discovery import Endpoint, EndpointSource
+from fleetpilot.routing.errors import OverloadedError, UnavailableError
+from fleetpilot.routing.features import RequestFeatures
+from fleetpilot.routing.policies.complexity import (
+    DEFAULT_WEIGHTS,
+    ComplexityWeights,
+    TierSpec,
+    TierState,
+    choose_tier,
+    resolve_target,
+)
+from fleetpilot.routing.policies.ejection import HealthTracker
+from fleetpilot.routing.policies.load import (
+    EngineMetrics,
+    LoadScorer,
+    group_saturated,
+    make_view,
+)
+from fleetpilot.routing.policies.picker import (
+    BoundedLoadFilter,
+    CapacityFilter,
+    HealthFilter,
+    Pick,
+    WeightedScorer,
+    pick,
+)
+from fleetpilot.routing.policies.prefix import PrefixIndex, PrefixScorer, block_hashes
+from fleetpilot.routing.policies.types import Filter, PickRequest, ReplicaView
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class ReplicaState:
+    """What the router tracks about one replica between requests."""
+
+    endpoint: Endpoint
+    max_num_seqs: int
+    in_flight: int = 0
+    metrics: EngineMetrics | None = None
+    scraped_at: float | None = None
+    _urls: dict[str, URL] = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        return self.endpoint.id
+
+    def url(self, path: str) -> URL:
+        """The replica's URL for a path, parsed once (URL parsing is a visible share of the
+        per-request cost)."""
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = URL(self.endpoint.base_url + path)
+        return url
+
+
+@dataclass(frozen=True)
+class Route:
+    """A routing decision."""
+
+    tier: RouterTier
+    reason: str
+    replica: ReplicaState  # unified, or the decode replica of a disaggregated tier
+    prefill: ReplicaState | None = None
+    prefix_match: float = 0.0
+    score: float | None = None
+    spilled_from: str | None = None
+    hashes: list[int] = field(default_factory=list)
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.tier.mode == "disaggregated"
+
+    def header(self, replica: ReplicaState | None = None, prefill: str | None = None) -> str:
+        """The ``x-fleetpilot-route`` value: tier, replica, prefix-match, reason."""
+        target = replica or self.replica
+        parts = [
+            f"tier={self.tier.name}",
+            f"replica={target.id}",
+            f"prefix-match={self.prefix_match:.2f}",
+            f"reason={self.reason}",
+        ]
+        if self.spilled_from is not None:
+            parts.append(f"spilled-from={self.spilled_from}")
+        if self.disaggregated:
+            parts.append(f"prefill={prefill if prefill is not None else 'none'}")
+        if self.score is not None:
+            parts.append(f"score={self.score:.2f}")
+        return "; ".join(parts)
+
+
+def serving_role(tier: RouterTier) -> str:
+    """The role whose replicas answer the client: decode in a disaggregated tier."""
+    return "decode" if tier.mode == "disaggregated" else "unified"
+
+
+class Router:
+    """Tier and replica choice over the current endpoints and their state."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        source: EndpointSource,
+        *,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        weights: ComplexityWeights = DEFAULT_WEIGHTS,
+        on_eject: Callable[[ReplicaState], None] | None = None,
+    ) -> None:
+        self.source = source
+        self.rng = rng or random.Random()
+        self.clock = clock
+        self.weights = weights
+        self.on_eject = on_eject
+        self._replicas: dict[str, ReplicaState] = {}
+        self._groups: dict[tuple[str, str], list[ReplicaState]] = {}
+        self._seen_version = -1
+        self.apply_config(config)
+
+    # -- configuration and endpoints ---------------------------------------------------------
+    def apply_config(self, config: RouterConfig) -> None:
+        """Adopt a (re)loaded config; replica state of endpoints that remain is kept."""
+        old = getattr(self, "config", None)
+        self.config = config
+        self.tiers = sorted(config.tiers, key=lambda t: t.up_to)
+        self.tier_specs = [TierSpec(t.name, t.model, t.up_to) for t in self.tiers]
+        self.tier_index = {t.name: i for i, t in enumerate(self.tiers)}
+        if old is None or old.prefix_index_blocks != config.prefix_index_blocks:
+            self.prefix_index = PrefixIndex(config.prefix_index_blocks)
+        if (
+            old is None
+            or old.ejection.failures != config.ejection.failures
+            or old.ejection.window != config.ejection.window
+        ):
+            self.health = HealthTracker(
+                config.ejection.failures, config.ejection.window.total_seconds()
+            )
+        self._health_filter = HealthFilter()
+        self._capacity_filter = CapacityFilter(config.backpressure.max_waiting_per_replica)
+        self._filters: list[Filter] = [
+            self._health_filter,
+            self._capacity_filter,
+            BoundedLoadFilter(config.load_cap),
+        ]
+        load = LoadScorer(config.spillover.queue_threshold)
+        prefix = PrefixScorer(self.prefix_index)
+        self._affinity_scorers = [
+            WeightedScorer(prefix, config.affinity.weight),
+            WeightedScorer(load, config.load_weight),
+        ]
+        # Decode replicas hold no prompt blocks sent by us: the KV arrives from prefill.
+        self._load_scorers = [WeightedScorer(load, max(config.load_weight, 1e-6))]
+        self._max_seqs: dict[tuple[str, str], int] = {
+            (t.name, g.role): g.max_num_seqs for t in config.tiers for g in t.endpoints
+        }
+        self.source.configure(config)
+        self._seen_version = -1
+        self.sync()
+
+    def use_policies(
+        self,
+        *,
+        filters: Sequence[Filter] | None = None,
+        scorers: Sequence[WeightedScorer] | None = None,
+    ) -> None:
+        """Replace the plugins of unified and prefill replica picks with other instances
+        (benchmarks compare policies this way). A config reload restores the defaults."""
+        if filters is not None:
+            self._filters = list(filters)
+        if scorers is not None:
+            self._affinity_scorers = list(scorers)
+
+    def sync(self) -> None:
+        """Re-read the source's endpoints if they changed."""
+        version = self.source.version
+        if version == self._seen_version:
+            return
+        self._seen_version = version
+        replicas: dict[str, ReplicaState] = {}
+        groups: dict[tuple[str, str], list[ReplicaState]] = {}
+        for ep in self.source.endpoints():
+            max_seqs = self._max_seqs.get((ep.tier, ep.role))
+            if max_seqs is None or ep.id in replicas:
+                continue  # a group the config no longer has, or a duplicate address
+            state = self._replicas.get(ep.id)
+            if state is None or state.endpoint != ep:
+                state = ReplicaState(ep, max_seqs)
+            state.max_num_seqs = max_seqs
+            replicas[ep.id] = state
+            groups.setdefault((ep.tier, ep.role), []).append(state)
+        self._replicas = replicas
+        self._groups = groups
+        self.prefix_index.retain(replicas)
+        self.health.retain(set(replicas))
+
+    def replicas(self) -> list[ReplicaState]:
+        self.sync()
+        return list(self._replicas.values())
+
+    def replica(self, replica_id: str) -> ReplicaState | None:
+        return self._replicas.get(replica_id)
+
+    def group(self, tier: str, role: str) -> list[ReplicaState]:
+        return self._groups.get((tier, role), [])
+
+    # -- views -------------------------------------------------------------------------------
+    def views(self, tier: str, role: str, now: float) -> list[ReplicaView]:
+        stale = self.config.scrape.stale_after.total_seconds()
+        return [
+            make_view(
+                r.id,
+                r.max_num_seqs,
+                r.in_flight,
+                r.metrics,
+                r.scraped_at,
+                now,
+                stale,
+                self.health.is_ejected(r.id),
+            )
+            for r in self._groups.get((tier, role), ())
+        ]
+
+    def tier_state(self, tier: RouterTier, now: float) -> TierState:
+        views = self.views(tier.name, serving_role(tier), now)
+        if not views:
+            return TierState(has_replicas=False, available=False, saturated=True)
+        healthy = self._health_filter.filter(PickRequest(), views)
+        open_ = self._capacity_filter.filter(PickRequest(), healthy)
+        return TierState(
+            has_replicas=True,
+            available=bool(open_),
+            saturated=group_saturated(healthy, self.config.spillover.queue_threshold),
+        )
+
+    # -- decisions ---------------------------------------------------------------------------
+    def decide(self, features: RequestFeatures) -> Route:
+        """Tier, then replica(s).
+
+        Raises ``UnknownModelError``/``InvalidRequestError`` for a bad target,
+        ``OverloadedError`` (429) when every eligible replica is full, and
+        ``UnavailableError`` (503) when no eligible tier has a Ready replica.
+        """
+        self.sync()
+        target = resolve_target(features, self.tier_specs, self.config.service, self.weights)
+        now = self.clock()
+        choice = choose_tier(
+            target,
+            len(self.tiers),
+            lambda i: self.tier_state(self.tiers[i], now),
+            self.config.spillover.enabled,
+        )
+        if choice.index is None:
+            if choice.reason == "saturated":
+                retry = self.config.backpressure.retry_after.total_seconds()
+                raise OverloadedError(
+                    "every replica that could serve this request is at capacity; retry later",
+                    code="overloaded",
+                    headers={"Retry-After": str(max(1, round(retry)))},
+                )
+            raise UnavailableError(
+                "no ready replica can serve this request", code="no_ready_replicas"
+            )
+        tier = self.tiers[choice.index]
+        spilled = self.tiers[choice.spilled_from].name if choice.spilled_from is not None else None
+        hashes: list[int] = []
+        if self.config.affinity.weight > 0:
+            hashes = block_hashes(
+                features.prompt_text, tier.model, self.config.affinity.block_chars
+            )
+        request = PickRequest(hashes)
+        if tier.mode == "disaggregated":
+            decode = self._pick(tier, "decode", request, now, self._load_scorers)
+            if decode is None:  # tier_state said available; only a race could get here
+                raise UnavailableError("no decode replica available", code="no_ready_replicas")
+            prefill = self._pick(tier, "prefill", request, now, self._affinity_scorers)
+            prefill_state = None
+            match = 0.0
+            if prefill is not None:
+                prefill_state = self._replicas[prefill.replica.id]
+                match = prefill.scores.get("prefix", 0.0)
+                self.prefix_index.record(prefill_state.id, hashes)
+            return Route(
+                tier=tier,
+                reason=choice.reason,
+                replica=self._replicas[decode.replica.id],
+                prefill=prefill_state,
+                prefix_match=match,
+                score=target.score,
+                spilled_from=spilled,
+                hashes=hashes,
+            )
+        chosen = self._pick(tier, "unified", request, now, self._affinity_scorers)
+        if chosen is None:
+            raise UnavailableError("no replica available", code="no_ready_replicas")
+        state = self._replicas[chosen.replica.id]
+        self.prefix_index.record(state.id, hashes)
+        return Route(
+            tier=tier,
+            reason=choice.reason,
+            replica=state,
+            prefix_match=chosen.scores.get("prefix", 0.0),
+            score=target.score,
+            spilled_from=spilled,
+            hashes=hashes,
+        )
+
+    def _pick(
+        self,
+        tier: RouterTier,
+        role: str,
+        request: PickRequest,
+        now: float,
+        scorers: list[WeightedScorer],
+        exclude: frozenset[str] = frozenset(),
+    ) -> Pick | None:
+        views = self.views(tier.name, role, now)
+        if exclude:
+            views = [v for v in views if v.id not in exclude]
+        return pick(request, views, self._filters, scorers, self.rng)
+
+    def alternative(self, route: Route, exclude: set[str]) -> ReplicaState | None:
+        """Another replica of the route's serving group for a retry, or ``None``."""
+        self.sync()
+        role = serving_role(route.tier)
+        scorers = self._load_scorers if route.disaggregated else self._affinity_scorers
+        chosen = self._pick(
+            route.tier, role, PickRequest(route.hashes), self.clock(), scorers, frozenset(exclude)
+        )
+        if chosen is None:
+            return None
+        state = self._replicas[chosen.replica.id]
+        if not route.disaggregated:
+            self.prefix_index.record(state.id, route.hashes)
+        return state
+
+    # -- outcomes ----------------------------------------------------------------------------
+    def record_failure(self, replica: ReplicaState) -> bool:
+        """Count a failure; True (and ``on_eject`` called) when it ejects the replica."""
+        ejected = self.health.record_failure(replica.id, self.clock())
+        if ejected:
+            log.warning(
+                "replica ejected",
+                extra={"replica": replica.id, "tier": replica.endpoint.tier},
+            )
+            if self.on_eject is not None:
+                self.on_eject(replica)
+        return ejected
+
+    def record_success(self, replica: ReplicaState) -> None:
+        self.health.record_success(replica.id)
+
+    def readmit(self, replica_id: str) -> bool:
+        readmitted = self.health.readmit(replica_id)
+        if readmitted:
+            log.info("replica readmitted", extra={"replica": replica_id})
+        return readmitted

@@ -1,0 +1,109 @@
+"""Prefix affinity: chained block hashes, the per-replica LRU index, the match score."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fleetpilot.routing.policies.prefix import (
+    PrefixIndex,
+    PrefixScorer,
+    block_hashes,
+)
+from fleetpilot.routing.policies.types import PickRequest, ReplicaView
+
+
+def test_only_full_blocks_are_hashed() -> None:
+    """A partial tail block is not hashed (engines cache only full blocks)."""
+    assert len(block_hashes("x" * 63, "m", 64)) == 0
+    assert len(block_hashes("x" * 64, "m", 64)) == 1
+    assert len(block_hashes("x" * 200, "m", 64)) == 3
+
+
+def test_block_count_is_capped() -> None:
+    """A huge prompt costs a bounded amount of hashing."""
+    assert len(block_hashes("x" * 10_000, "m", 16, max_blocks=100)) == 100
+
+
+def test_hashes_are_chained_and_seeded_with_the_model() -> None:
+    """Equal blocks after different prefixes hash differently; so do equal prompts for two
+    models (two tiers never share KV)."""
+    a = block_hashes("A" * 64 + "B" * 64, "m", 64)
+    b = block_hashes("C" * 64 + "B" * 64, "m", 64)
+    assert a[1] != b[1]
+    assert block_hashes("A" * 64, "m1", 64) != block_hashes("A" * 64, "m2", 64)
+
+
+@given(st.text(min_size=0, max_size=600), st.text(max_size=300), st.integers(16, 64))
+def test_shared_prefix_shares_leading_hashes(prefix: str, tail: str, block: int) -> None:
+    """Two prompts sharing a prefix share exactly the hashes of the blocks inside it."""
+    a = block_hashes(prefix + tail, "m", block)
+    b = block_hashes(prefix, "m", block)
+    full = len(prefix) // block
+    assert a[:full] == b[:full]
+
+
+def view(rid: str) -> ReplicaView:
+    return ReplicaView(rid, max_num_seqs=8)
+
+
+def test_score_is_the_matched_leading_fraction() -> None:
+    """A replica that was sent the prompt's first half scores 0.5; an unrelated one 0."""
+    index = PrefixIndex(1000)
+    hashes = block_hashes("x" * 64 * 4 + "tail" * 100, "m", 64)[:4]
+    index.record("a", hashes[:2])
+    scores = PrefixScorer(index).score(PickRequest(hashes), [view("a"), view("b")])
+    assert scores == {"a": 0.5, "b": 0.0}
+
+
+def test_no_blocks_scores_zero_everywhere() -> None:
+    """A prompt shorter than a block has no affinity."""
+    index = PrefixIndex(10)
+    assert PrefixScorer(index).score(PickRequest(()), [view("a")]) == {"a": 0.0}
+
+
+def test_match_stops_at_first_missing_block() -> None:
+    """A hole in the chain ends the match (later blocks are useless to the engine)."""
+    index = PrefixIndex(10)
+    index.record("a", [1, 3])
+    assert index.matched_blocks("a", [1, 2, 3]) == 1
+
+
+def test_lru_evicts_tail_blocks_first_and_keeps_size() -> None:
+    """Over capacity, the least recently used blocks go, a prompt's tail before its head."""
+    index = PrefixIndex(4)
+    index.record("a", [1, 2, 3])
+    index.record("a", [10, 11, 12])
+    assert index.size("a") == 4
+    assert index.matched_blocks("a", [10, 11, 12]) == 3
+    assert index.matched_blocks("a", [1, 2, 3]) == 1  # head of the older prompt survives
+
+
+def test_recording_again_refreshes_recency() -> None:
+    """A prefix sent again is most recent again and survives newer traffic."""
+    index = PrefixIndex(4)
+    index.record("a", [1, 2])
+    index.record("a", [3, 4])
+    index.record("a", [1, 2])
+    index.record("a", [5])
+    assert index.matched_blocks("a", [1, 2]) == 2
+
+
+def test_forget_and_retain_drop_departed_replicas() -> None:
+    """A replica that left takes its predicted cache with it."""
+    index = PrefixIndex(10)
+    index.record("a", [1])
+    index.record("b", [1])
+    index.retain(["b"])
+    assert index.matched_blocks("a", [1]) == 0
+    index.forget("b")
+    assert index.matched_blocks("b", [1]) == 0
+
+
+@given(st.lists(st.lists(st.integers(0, 50), max_size=20), max_size=30), st.integers(1, 40))
+def test_index_never_exceeds_capacity(batches: list[list[int]], capacity: int) -> None:
+    """Whatever is recorded, the LRU holds at most its capacity."""
+    index = PrefixIndex(capacity)
+    for batch in batches:
+        index.record("a", batch)
+        assert index.size("a") <= capacity

@@ -1,0 +1,303 @@
+"""Real HTTP test doubles for the router: fake engines (aiohttp servers on loopback ports) that
+speak enough of vLLM's OpenAI API, /metrics and P/D protocol to observe what the router does,
+and builders for router configs and running routers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from fleetpilot.api.router_config import EndpointGroup, RouterConfig, RouterTier
+from fleetpilot.routing.app import ROUTER_APP, RouterApp, build_app
+from fleetpilot.routing.discovery import EndpointSource, StaticSource
+
+PREFILL_REQUEST_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+@dataclass
+class FakeEngine:
+    """An OpenAI-compatible engine double with knobs for every failure the router handles."""
+
+    name: str
+    role: str = "unified"
+    chunks: int = 5
+    chunk_delay_s: float = 0.0
+    delay_s: float = 0.0
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    fail_next: int = 0  # answer this many requests with fail_status
+    fail_status: int = 500
+    health_status: int = 200
+    gate: asyncio.Event | None = None  # non-None: block (after the first chunk if streaming)
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    cancelled: int = 0
+    completed: int = 0
+    last_chunk_sent_at: float = 0.0
+    port: int = 0
+    host: str = "127.0.0.1"
+    _runner: web.AppRunner | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._completions)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/health", self._health)
+        return app
+
+    async def start(self, port: int = 0) -> FakeEngine:
+        runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, port or self.port or 0)
+        await site.start()
+        self._runner = runner
+        self.port = runner.addresses[0][1]
+        return self
+
+    async def stop(self) -> None:
+        """Kill: the listening socket and every open connection close."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = (
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {self.waiting}\n'
+            f'vllm:num_requests_running{{engine="0",model_name="m"}} {self.running}\n'
+            f'vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} {self.kv_usage}\n'
+        )
+        return web.Response(text=text)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.health_status)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        self.headers.append({k.lower(): v for k, v in request.headers.items()})
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            return web.json_response(
+                {"error": {"message": f"{self.name} failed", "type": "server_error"}},
+                status=self.fail_status,
+            )
+        try:
+            if self.role == "prefill":
+                return await self._prefill(body)
+            if self.role == "decode":
+                params = body.get("kv_transfer_params")
+                if params is not None and not (
+                    params.get("do_remote_prefill") is True and params.get("remote_engine_id")
+                ):
+                    return web.json_response({"error": {"message": "bad kv params"}}, status=400)
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            if body.get("stream"):
+                return await self._stream(request, body)
+            if self.gate is not None:
+                await self.gate.wait()
+            self.completed += 1
+            return web.json_response(self._answer(request, body))
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+    def _answer(self, request: web.Request, body: dict[str, Any]) -> dict[str, Any]:
+        text = f"from {self.name}"
+        if request.path.endswith("/chat/completions"):
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": "stop",
+            }
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": "stop"}
+            obj = "text_completion"
+        return {
+            "id": "cmpl-1",
+            "object": obj,
+            "created": 0,
+            "model": body.get("model"),
+            "served_by": self.name,
+            "kv_transfer_params_seen": body.get("kv_transfer_params"),
+            "choices": [choice],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+
+    async def _prefill(self, body: dict[str, Any]) -> web.Response:
+        ok = (
+            body.get("kv_transfer_params") == PREFILL_REQUEST_PARAMS
+            and body.get("max_tokens") == 1
+            and body.get("stream") is False
+            and "stream_options" not in body
+        )
+        if not ok:
+            return web.json_response({"error": {"message": "not a prefill request"}}, status=400)
+        self.completed += 1
+        return web.json_response(
+            {
+                "id": "cmpl-p",
+                "object": "text_completion",
+                "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+                "kv_transfer_params": {
+                    "do_remote_prefill": True,
+                    "do_remote_decode": False,
+                    "remote_engine_id": self.name,
+                    "remote_block_ids": [1, 2, 3],
+                    "remote_host": "127.0.0.1",
+                    "remote_port": self.port,
+                },
+            }
+        )
+
+    async def _stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        chat = request.path.endswith("/chat/completions")
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for i in range(self.chunks):
+            if chat:
+                delta: dict[str, Any] = {"delta": {"content": f"{self.name}-{i} "}}
+                obj = "chat.completion.chunk"
+            else:
+                delta = {"text": f"{self.name}-{i} "}
+                obj = "text_completion"
+            chunk = {
+                "id": "cmpl-s",
+                "object": obj,
+                "created": 0,
+                "model": body.get("model"),
+                "choices": [{"index": 0, **delta, "finish_reason": None}],
+            }
+            await out.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if i == 0 and self.gate is not None:
+                await self.gate.wait()
+            if self.chunk_delay_s:
+                await asyncio.sleep(self.chunk_delay_s)
+        await out.write(b"data: [DONE]\n\n")
+        self.last_chunk_sent_at = time.monotonic()
+        self.completed += 1
+        await out.write_eof()
+        return out
+
+
+def group(
+    engines: list[FakeEngine], role: str = "unified", max_num_seqs: int = 8, service: str = "svc"
+) -> EndpointGroup:
+    return EndpointGroup(
+        role=role,
+        service=service,
+        selector={"app": service},
+        port=8000,
+        max_num_seqs=max_num_seqs,
+        addresses=[e.address for e in engines],
+    )
+
+
+def tier(
+    name: str,
+    up_to: float,
+    engines: list[FakeEngine] | None = None,
+    *,
+    groups: list[EndpointGroup] | None = None,
+    max_num_seqs: int = 8,
+    mode: str = "unified",
+) -> RouterTier:
+    return RouterTier(
+        name=name,
+        model=f"{name}-model",
+        up_to=up_to,
+        mode=mode,
+        endpoints=groups
+        if groups is not None
+        else [group(engines or [], max_num_seqs=max_num_seqs, service=f"chat-{name}")],
+    )
+
+
+def make_config(tiers: list[RouterTier], **overrides: Any) -> RouterConfig:
+    """A RouterConfig with test-speed loops: 50 ms scrapes and probes, short timeouts."""
+    data: dict[str, Any] = {
+        "service": "chat",
+        "namespace": "test",
+        "tiers": tiers,
+        "scrape": {"interval": "50ms", "timeout": "500ms", "staleAfter": "2s"},
+        "ejection": {"failures": 3, "window": "30s", "probeInterval": "50ms"},
+        "connectTimeout": "1s",
+        "requestTimeout": "20s",
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return RouterConfig.model_validate(data)
+
+
+@dataclass
+class RunningRouter:
+    url: str
+    app: web.Application
+    runner: web.AppRunner
+
+    @property
+    def state(self) -> RouterApp:
+        return self.app[ROUTER_APP]
+
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.state.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+
+@contextlib.asynccontextmanager
+async def running_router(
+    config: RouterConfig, source: EndpointSource | None = None, **kwargs: Any
+) -> AsyncIterator[RunningRouter]:
+    app = build_app(config, source or StaticSource(config), seed=0, **kwargs)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield RunningRouter(f"http://127.0.0.1:{port}", app, runner)
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def engines(*items: FakeEngine) -> AsyncIterator[list[FakeEngine]]:
+    started = [await e.start() for e in items]
+    try:
+        yield started
+    finally:
+        for e in started:
+            await e.stop()
+
+
+async def wait_for(predicate: Any, timeout_s: float = 5.0, interval_s: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(interval_s)

@@ -1,0 +1,93 @@
+"""Loading and reloading the router config the operator writes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fleetpilot.api import load_services
+from fleetpilot.api.router_config import ROUTER_CONFIG_FILE, RouterConfig
+from fleetpilot.operator.plan_types import PlanOptions
+from fleetpilot.operator.planner import plan
+from fleetpilot.routing.config import ConfigError, ConfigWatcher, load_config, parse_config
+from tests.routing.support import make_config, tier
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_the_planners_configmaps_load(example: Path) -> None:
+    """Every example's router ConfigMap, as the planner writes it, is a config the router
+    loads, with the new tuning fields at their defaults."""
+    for service in load_services(example):
+        (config_map,) = [
+            o
+            for o in plan(service, PlanOptions())
+            if o["kind"] == "ConfigMap" and ROUTER_CONFIG_FILE in o.get("data", {})
+        ]
+        config = parse_config(config_map["data"][ROUTER_CONFIG_FILE])
+        assert config.tiers
+        assert config.prefix_index_blocks == 32768
+
+
+def test_configs_written_before_the_tuning_fields_still_parse() -> None:
+    """An older ConfigMap without connectTimeout, ejection, scrape or backpressure parses."""
+    text = """
+apiVersion: fleetpilot.dev/v1alpha1
+kind: RouterConfig
+service: chat
+namespace: ml
+tiers:
+- name: small
+  model: small-m
+  upTo: 1.0
+  mode: unified
+  endpoints:
+  - {role: unified, service: chat-small, selector: {a: b}, port: 8000, maxNumSeqs: 256}
+"""
+    config = parse_config(text)
+    assert config.ejection.failures == 3
+    assert config.tiers[0].endpoints[0].addresses == []
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{", "not YAML"),
+        ("- a\n", "a RouterConfig is a mapping"),
+        ("service: x\n", "tiers"),
+        ("service: x\nnamespace: y\ntiers: []\nbogus: 1\n", "bogus"),
+    ],
+)
+def test_bad_configs_name_the_problem(text: str, message: str) -> None:
+    """A bad config file is an error naming the field, not a traceback."""
+    with pytest.raises(ConfigError, match=message):
+        parse_config(text, "router.yaml")
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="No such file"):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_watcher_applies_valid_changes_and_refuses_invalid_ones(tmp_path: Path) -> None:
+    """Same content: nothing; new valid content: applied; invalid: refused and counted, the
+    next valid one applied again."""
+    path = tmp_path / ROUTER_CONFIG_FILE
+    path.write_text(yaml.safe_dump(make_config([tier("a", 1.0)]).to_wire()))
+    applied: list[RouterConfig] = []
+    results: list[str] = []
+    watcher = ConfigWatcher(path, applied.append, on_result=results.append)
+    assert not watcher.check()
+    path.write_text(yaml.safe_dump(make_config([tier("b", 1.0)]).to_wire()))
+    assert watcher.check()
+    assert applied[-1].tiers[0].name == "b"
+    path.write_text("service: [")
+    assert not watcher.check()
+    path.unlink()
+    assert not watcher.check()  # mid-swap: try later
+    path.write_text(yaml.safe_dump(make_config([tier("c", 1.0)]).to_wire()))
+    assert watcher.check()
+    assert results == ["applied", "invalid", "applied"]
