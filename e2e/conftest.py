@@ -66,6 +66,10 @@ def namespace(k8s_api: k8s.ApiClient) -> Iterator[str]:
     core = k8s.CoreV1Api(k8s_api)
     core.create_namespace(k8s.V1Namespace(metadata=k8s.V1ObjectMeta(name=name)))
     yield name
+    # Without a kubelet, a bound pod's graceful deletion never completes, and the scheduler
+    # keeps counting its GPUs: the fake nodes would fill up test by test. Delete the
+    # namespace's pods at once, as a kubelet would after their containers stopped.
+    core.delete_collection_namespaced_pod(name, grace_period_seconds=0)
     core.delete_namespace(name)
 
 

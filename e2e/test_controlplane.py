@@ -21,12 +21,12 @@ import pytest
 from kubernetes import client as k8s
 
 from e2e.support import eventually
+from fleetpilot.runtime.processes import group_members
 from fleetpilot.testing.controlplane import (
     GPU_PRODUCT_LABEL,
     GPU_RESOURCE,
     STATE_FILE,
     Cluster,
-    group_members,
 )
 
 pytestmark = pytest.mark.cluster

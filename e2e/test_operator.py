@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from fleetpilot.operator.drift import AUTOSCALER_MANAGER
 from fleetpilot.operator.kube import Kube, Obj
 from fleetpilot.operator.reconcile import Reconciler
 from fleetpilot.testing.controlplane import Cluster, free_ports
+from fleetpilot.testing.prometheus import PrometheusServer
+from tests.autoscaler.support import Engine, EngineKey, Load
 from tests.factories import make_manifest, make_tier
 
 pytestmark = pytest.mark.cluster
@@ -86,7 +89,7 @@ def identity(
             kube.request("DELETE", path)
 
 
-OperatorFactory = Callable[[], "subprocess.Popen[bytes]"]
+OperatorFactory = Callable[..., "subprocess.Popen[bytes]"]
 
 
 @pytest.fixture
@@ -98,7 +101,7 @@ def start_operator(
     started: list[subprocess.Popen[bytes]] = []
     logs: list[Path] = []
 
-    def start() -> subprocess.Popen[bytes]:
+    def start(*extra_args: str) -> subprocess.Popen[bytes]:
         (port,) = free_ports(1)
         log_path = tmp_path / f"operator-{len(started)}.log"
         logs.append(log_path)
@@ -109,7 +112,7 @@ def start_operator(
                     "--kubeconfig", str(identity.kubeconfig),
                     "--namespace", namespace, "--peering", identity.peering,
                     "--bind", "127.0.0.1", "--liveness-port", str(port), "--metrics-port", "0",
-                    "--log-format", "plain",
+                    "--log-format", "plain", *extra_args,
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -438,3 +441,54 @@ def test_no_pod_monitor_without_its_crd(kube: Kube, namespace: str, operator: An
     apply_service(kube, small_service(namespace))
     eventually("router", lambda: get(kube, "Deployment", namespace, "chat-router"))
     assert not kube.serves("monitoring.coreos.com/v1", "podmonitors")
+
+
+def test_autoscaler_timer_scales_on_prometheus_metrics(
+    kube: Kube, namespace: str, start_operator: OperatorFactory, gpu_node: None, tmp_path: Path
+) -> None:
+    """The operator's autoscaler, end to end: engines report TTFT p95 above the SLO, a real
+    Prometheus scrapes them, the timer scales the role up through the autoscaler's own field
+    manager and records why in status, and ScalingActive turns True."""
+    engine = Engine(EngineKey(namespace, "chat", "small", "unified"))
+    engine.drive(Load(ttft_s=(1.5,) * 4, itl_s=(0.02,) * 8, successes=4))
+    stop = threading.Event()
+    driver = threading.Thread(
+        target=lambda: [engine.tick() for _ in iter(lambda: stop.wait(0.1), True)], daemon=True
+    )
+    driver.start()
+    try:
+        with PrometheusServer(tmp_path / "prometheus", [engine.target()]) as prometheus:
+            prometheus.wait_scraped()
+            manifest = small_service(namespace)
+            manifest["spec"]["tiers"][0]["autoscaling"] = {
+                "interval": "2s",
+                "window": "10s",
+                "slo": {"ttftP95": "800ms"},
+            }
+            apply_service(kube, manifest)
+            start_operator("--prometheus-url", prometheus.url)
+
+            def scaled() -> Obj | None:
+                # Ready pods are the capacity the autoscaler counts: play the kubelet.
+                mark_pods_ready(kube, namespace, {"fleetpilot.dev/service": "chat"})
+                deployment = get(kube, "Deployment", namespace, "chat-small")
+                return deployment if deployment and deployment["spec"]["replicas"] >= 2 else None
+
+            deployment = eventually("scale-up", scaled, timeout=90)
+    finally:
+        stop.set()
+        engine.close()
+    owners = [
+        entry["manager"]
+        for entry in deployment["metadata"]["managedFields"]
+        if "f:replicas" in entry.get("fieldsV1", {}).get("f:spec", {})
+    ]
+    assert owners == [AUTOSCALER_MANAGER]
+    current = get(kube, "InferenceService", namespace, "chat")
+    assert current is not None
+    (role,) = current["status"]["tiers"][0]["roles"]
+    assert role["lastScale"]["fromReplicas"] == 1
+    assert "ttft p95" in role["lastScale"]["reason"]
+    active = condition(current, "ScalingActive")
+    assert active is not None
+    assert active["status"] == "True"

@@ -86,7 +86,11 @@ def _operator(args: argparse.Namespace) -> int:
     kopf.configure(verbose=args.verbose, log_format=log_format)
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.bind)
-    registry = build_registry(fleetpilot_image=args.image, kubeconfig=args.kubeconfig)
+    registry = build_registry(
+        fleetpilot_image=args.image,
+        kubeconfig=args.kubeconfig,
+        prometheus_url=args.prometheus_url,
+    )
     liveness = f"http://{args.bind}:{args.liveness_port}/healthz" if args.liveness_port else None
     kopf.run(
         registry=registry,
@@ -160,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     op.add_argument("--peering", default="fleetpilot", help="kopf peering object for leadership")
     op.add_argument("--image", default=DEFAULT_FLEETPILOT_IMAGE, help="router image to deploy")
+    op.add_argument(
+        "--prometheus-url",
+        help="Prometheus the autoscaler reads (a service's spec.monitoring.prometheusUrl wins); "
+        "without either, services are not autoscaled",
+    )
     op.add_argument("--bind", default="0.0.0.0", help="address of the health/metrics servers")
     op.add_argument("--liveness-port", type=int, default=8080, help="/healthz port (0: off)")
     op.add_argument("--metrics-port", type=int, default=9090, help="/metrics port (0: off)")
@@ -167,19 +176,39 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument("--verbose", action="store_true")
     op.set_defaults(func=_operator)
 
-    # Listed for --help; `main` hands `engine` to the chosen backend's own parser.
+    # Listed for --help; `main` hands these to their own parsers.
     sub.add_parser(
         "engine",
         help="run an engine: --backend vllm (exec vllm serve) or --backend reference (CPU)",
         add_help=False,
     )
+    sub.add_parser(
+        "router",
+        help="run the router: complexity tiers, prefix affinity, load, P/D, retries",
+        add_help=False,
+    )
     return parser
+
+
+def _router(argv: Sequence[str]) -> int:
+    """``fleetpilot router ...``: the routing package parses its own flags."""
+    app = importlib.import_module("fleetpilot.routing.app")
+    parser = argparse.ArgumentParser(
+        prog="fleetpilot router",
+        description="Route OpenAI requests to tiers by complexity and to replicas by prefix.",
+    )
+    app.add_arguments(parser)
+    return int(app.run(parser.parse_args(argv)))
+
+
+# Commands whose modules are heavy (aiohttp, torch): imported only when run.
+LAZY_COMMANDS = {"engine": _engine, "router": _router}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["engine"]:
-        return _engine(argv[1:])
+    if argv[:1] and argv[0] in LAZY_COMMANDS:
+        return LAZY_COMMANDS[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 

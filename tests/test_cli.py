@@ -82,3 +82,25 @@ def test_yaml_error_names_the_line_without_traceback(tmp_path: Path) -> None:
 def test_missing_file_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "-f", "/nonexistent/service.yaml"]) == 2
     assert "cannot read file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage"),
+    [
+        (["router", "--help"], "usage: fleetpilot router"),
+        (["engine", "--backend", "reference", "--help"], "usage: fleetpilot engine --backend ref"),
+        (["engine", "--backend", "vllm", "--help"], "usage: fleetpilot engine --backend vllm"),
+    ],
+)
+def test_components_parse_their_own_flags(
+    argv: list[str], usage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 0
+    assert usage in capsys.readouterr().out
+
+
+def test_router_with_a_missing_config_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["router", "--config", "/nonexistent/router.yaml"]) != 0
+    assert "/nonexistent/router.yaml" in capsys.readouterr().err

@@ -18,6 +18,9 @@ from kubernetes import config as k8s_config
 from fleetpilot.api import GROUP, VERSION, parse_service
 from fleetpilot.api.loading import InvalidManifestError
 from fleetpilot.api.service import PLURAL
+from fleetpilot.autoscaler.actuator import kubernetes_actuator
+from fleetpilot.autoscaler.loop import tick
+from fleetpilot.autoscaler.prometheus import PrometheusSources
 from fleetpilot.operator import metrics, names
 from fleetpilot.operator.kube import Kube, KubeError
 from fleetpilot.operator.plan_types import DEFAULT_FLEETPILOT_IMAGE, PlanOptions
@@ -55,8 +58,16 @@ def new_kube(kubeconfig: str | None = None) -> Kube:
         return Kube(api)
 
 
+# The timer fires often; each service's roles are decided only when their own
+# autoscaling.interval has passed (loop.tick skips roles not yet due).
+AUTOSCALE_TICK_S = 5.0
+
+
 def build_registry(
-    *, fleetpilot_image: str = DEFAULT_FLEETPILOT_IMAGE, kubeconfig: str | None = None
+    *,
+    fleetpilot_image: str = DEFAULT_FLEETPILOT_IMAGE,
+    kubeconfig: str | None = None,
+    prometheus_url: str | None = None,
 ) -> kopf.OperatorRegistry:
     """A fresh registry (not kopf's global one), so tests can run operators side by side."""
     registry = kopf.OperatorRegistry()
@@ -83,6 +94,16 @@ def build_registry(
         log.info("optional CRDs detected", extra={"podmonitor": pod_monitors})
         options = PlanOptions(fleetpilot_image=fleetpilot_image, pod_monitor_available=pod_monitors)
         memo["reconciler"] = Reconciler(kube, options)
+        # Shared (not copied) by every service's handlers: kopf copies memo shallowly.
+        memo["prometheus"] = PrometheusSources(prometheus_url)
+        memo["actuator"] = kubernetes_actuator(kube)
+        memo["histories"] = {}
+
+    @kopf.on.cleanup(registry=registry)
+    def cleanup(memo: kopf.Memo, **_: Any) -> None:
+        sources: PrometheusSources | None = memo.get("prometheus")
+        if sources is not None:
+            sources.close()
 
     @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
@@ -114,6 +135,15 @@ def build_registry(
                 "outcome": outcome,
             },
         )
+
+    @kopf.timer(GROUP, VERSION, PLURAL, interval=AUTOSCALE_TICK_S, registry=registry)
+    def autoscale(body: kopf.Body, spec: kopf.Spec, memo: kopf.Memo, **_: Any) -> None:
+        """Decide and scale every due role of the service from its Prometheus metrics."""
+        monitoring = spec.get("monitoring", {}) or {}
+        source = memo["prometheus"].for_url(monitoring.get("prometheusUrl"))
+        if source is None:
+            return  # no Prometheus configured for the operator or the service: nothing to read
+        tick(_plain(body), source, memo["actuator"], memo["histories"])
 
     def refresh_owner(namespace: str | None, labels: Any, memo: kopf.Memo) -> None:
         service_name = labels.get(names.LABEL_SERVICE)

@@ -107,6 +107,9 @@ def pod_monitor(service: InferenceService) -> K8sObject:
         "metadata": meta,
         "spec": {
             "selector": {"matchLabels": {names.LABEL_SERVICE: service.name}},
+            # Copied onto every series (as fleetpilot_dev_service, ...): the autoscaler's
+            # PromQL selects a tier's role by them.
+            "podTargetLabels": [names.LABEL_SERVICE, names.LABEL_TIER, names.LABEL_ROLE],
             "podMetricsEndpoints": [{"port": "http", "path": "/metrics", "interval": interval}],
         },
     }

@@ -49,11 +49,7 @@ import yaml
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
-from fleetpilot.runtime.processes import die_with_parent, running
-from fleetpilot.runtime.processes import group_members as group_members
-
-# Kept under its old name while fleetpilot/testing/prometheus.py still imports it from here.
-_die_with_parent = die_with_parent
+from fleetpilot.runtime.processes import die_with_parent, group_members, running
 
 log = logging.getLogger(__name__)
 

@@ -154,6 +154,11 @@ def test_pod_monitor_only_when_the_crd_exists() -> None:
     objects = plan(service, PlanOptions(pod_monitor_available=True))
     monitor = _find(objects, "PodMonitor", "chat-metrics")
     assert monitor["spec"]["podMetricsEndpoints"][0]["interval"] == "15s"
+    assert monitor["spec"]["podTargetLabels"] == [
+        "fleetpilot.dev/service",
+        "fleetpilot.dev/tier",
+        "fleetpilot.dev/role",
+    ]
 
 
 def test_plan_is_deterministic() -> None:
