@@ -4,7 +4,6 @@ reloading it when the file changes."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 from collections.abc import Callable
@@ -15,6 +14,7 @@ from pydantic import ValidationError
 
 from fleetpilot.api.loading import field_path
 from fleetpilot.api.router_config import RouterConfig
+from fleetpilot.routing.tasks import cancel
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +118,5 @@ class ConfigWatcher:
             self._task = asyncio.create_task(self._poll(), name="config-watch")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel(self._task)
+        self._task = None

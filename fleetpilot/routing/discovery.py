@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import yaml
 
 from fleetpilot.api.router_config import EndpointGroup, RouterConfig
+from fleetpilot.routing.tasks import cancel
 
 log = logging.getLogger(__name__)
 
@@ -212,11 +213,8 @@ class FileSource:
             self._task = asyncio.create_task(self._poll(), name="endpoints-file")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel(self._task)
+        self._task = None
 
 
 class MergedSource:

@@ -7,13 +7,13 @@ failures the proxy and scraper report; this module only does the probing I/O.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import aiohttp
 
 from fleetpilot.routing.metrics import RouterMetrics
 from fleetpilot.routing.router import Router
+from fleetpilot.routing.tasks import cancel
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +75,8 @@ class Prober:
             self._task = asyncio.create_task(self._run(), name="prober")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel(self._task)
+        self._task = None
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -4,7 +4,6 @@ concurrently, once per interval."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
@@ -13,6 +12,7 @@ import aiohttp
 from fleetpilot.routing.metrics import RouterMetrics
 from fleetpilot.routing.policies.load import parse_engine_metrics
 from fleetpilot.routing.router import ReplicaState, Router
+from fleetpilot.routing.tasks import cancel
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +90,8 @@ class Scraper:
             self._task = asyncio.create_task(self._run(), name="scraper")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel(self._task)
+        self._task = None
         if self._session is not None:
             await self._session.close()
             self._session = None
