@@ -54,14 +54,13 @@ test: lint typecheck imports unit
 crds: setup
 	$(BIN)/fleetpilot crds
 
-# Until the local fleet exists (issue "The local fleet"), the demo shows what a service
-# becomes: per tier and role, replicas, GPUs and the exact engine command line.
+# The local fleet on this machine: a two-tier service on reference engines behind the router,
+# a few requests showing tier choice and prefix-cache hits, then everything stopped.
 demo: setup
-	@echo "== fleetpilot plan -f examples/two-tier.yaml -o summary"
+	@echo "== fleetpilot plan -f examples/two-tier.yaml -o summary   (what a GPU cluster gets)"
 	@$(BIN)/fleetpilot plan -f examples/two-tier.yaml -o summary
 	@echo
-	@echo "== fleetpilot plan -f examples/disaggregated.yaml -o summary"
-	@$(BIN)/fleetpilot plan -f examples/disaggregated.yaml -o summary
+	@$(BIN)/python -m fleetpilot.runtime.demo examples/local-two-tier.yaml
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -187,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the router: complexity tiers, prefix affinity, load, P/D, retries",
         add_help=False,
     )
+    sub.add_parser(
+        "up", help="run a service locally: reference engines and the router", add_help=False
+    )
     return parser
 
 
@@ -201,8 +204,18 @@ def _router(argv: Sequence[str]) -> int:
     return int(app.run(parser.parse_args(argv)))
 
 
+def _up(argv: Sequence[str]) -> int:
+    """``fleetpilot up -f FILE``: the service as local processes (reference engines, router)."""
+    up = importlib.import_module("fleetpilot.runtime.up")
+    parser = argparse.ArgumentParser(
+        prog="fleetpilot up", description="Run an InferenceService on this machine."
+    )
+    up.add_arguments(parser)
+    return int(up.run(parser.parse_args(argv)))
+
+
 # Commands whose modules are heavy (aiohttp, torch): imported only when run.
-LAZY_COMMANDS = {"engine": _engine, "router": _router}
+LAZY_COMMANDS = {"engine": _engine, "router": _router, "up": _up}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -52,6 +52,18 @@ GOLDEN = {
         "--max-model-len 32768 --gpu-memory-utilization 0.9 --max-num-seqs 256 "
         "--block-size 16 --enable-prefix-caching --kv-cache-dtype auto"
     ),
+    ("local-two-tier.yaml", "small", "unified"): (
+        f"vllm serve Qwen/Qwen2.5-0.5B-Instruct --served-model-name small-model {COMMON} "
+        "--tensor-parallel-size 1 --pipeline-parallel-size 1 --dtype auto --max-model-len 2048 "
+        "--gpu-memory-utilization 0.9 --max-num-seqs 16 --block-size 16 "
+        "--enable-prefix-caching --kv-cache-dtype auto"
+    ),
+    ("local-two-tier.yaml", "large", "unified"): (
+        f"vllm serve Qwen/Qwen2.5-1.5B-Instruct --served-model-name large-model {COMMON} "
+        "--tensor-parallel-size 1 --pipeline-parallel-size 1 --dtype auto --max-model-len 2048 "
+        "--gpu-memory-utilization 0.9 --max-num-seqs 16 --block-size 16 "
+        "--enable-prefix-caching --kv-cache-dtype auto"
+    ),
     ("disaggregated.yaml", "main", "prefill"): (
         f"vllm serve /models/llama-3.1-70b-instruct --served-model-name llama-70b {COMMON} "
         "--tensor-parallel-size 8 --pipeline-parallel-size 1 --dtype auto "

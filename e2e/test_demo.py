@@ -1,0 +1,26 @@
+"""`make demo` keeps working: the local fleet starts, routes by complexity, hits the prefix
+cache on a shared system prompt, and leaves no process behind."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+
+def test_demo_shows_tiers_cache_hits_and_cleans_up() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "fleetpilot.runtime.demo"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "tier=small" in out
+    assert "tier=large" in out
+    cached = [int(n) for n in re.findall(r"served from prefix cache (\d+)", out)]
+    assert len(cached) == 4
+    assert max(cached) > 0  # the repeated system prompt was served from the cache
+    assert "processes left behind: []" in out

@@ -1,0 +1,251 @@
+"""The local runtime: a two-tier service as processes, served through the router.
+
+Uses the official ``openai`` client against the fleet, kills an engine and checks it is
+replaced, refuses a taken port before starting anything, and runs ``fleetpilot up`` itself.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from fleetpilot.api import load_services
+from fleetpilot.runtime.local import LocalFleet
+from fleetpilot.runtime.processes import PortInUseError, free_port, port_in_use
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "local-two-tier.yaml"
+TIERS = {"small", "large"}
+
+
+def free_port_range(count: int) -> int:
+    """A base port such that ``count`` consecutive ports are free now."""
+    for _ in range(100):
+        base = free_port()
+        if base + count < 65535 and not any(port_in_use(base + i) for i in range(count)):
+            return base
+    raise RuntimeError("no free port range")
+
+
+def route_tier(header: str | None) -> str:
+    assert header, "the router sets x-fleetpilot-route"
+    fields = dict(part.split("=", 1) for part in header.split("; "))
+    return fields["tier"]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFleet]:
+    (service,) = load_services(EXAMPLE)
+    local = LocalFleet(service, tmp_path_factory.mktemp("fleet"), free_port_range(3))
+    local.start()
+    try:
+        yield local
+    finally:
+        local.stop()
+        assert local.leftovers() == []
+
+
+@pytest.fixture
+def client(fleet: LocalFleet) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=fleet.endpoint, api_key="unused", max_retries=0) as api:
+        yield api
+
+
+HARD = (
+    "Prove step by step that the loop below terminates and derive its complexity; explain why "
+    "the invariant holds, then analyze the integral of x^2 dx from 0 to n and compare.\n"
+    "```python\ndef f(n):\n    while n > 1:\n        n = n // 2 if n % 2 == 0 else 3 * n + 1\n"
+    "    return n\n```\n" * 3
+)
+
+
+def chat(client: openai.OpenAI, text: str, model: str = "local") -> str:
+    """One chat completion through the router; returns the tier that served it."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": text}], max_tokens=4
+    )
+    completion = raw.parse()
+    assert completion.choices[0].finish_reason in ("length", "stop")
+    assert completion.usage is not None
+    assert completion.usage.completion_tokens > 0
+    return route_tier(raw.headers.get("x-fleetpilot-route"))
+
+
+def test_fleet_runs_every_tier_and_writes_static_addresses(fleet: LocalFleet) -> None:
+    rows = fleet.status_rows()
+    assert {(r.tier, r.role) for r in rows} == {("small", "unified"), ("large", "unified")}
+    assert all(r.replicas == r.alive == r.healthy == 1 for r in rows)
+    config = fleet.router_config()
+    addresses = {t.name: t.endpoints[0].addresses for t in config.tiers}
+    assert addresses == {r.tier: [f"127.0.0.1:{p}" for p in r.ports] for r in rows}
+    assert fleet.config_path.is_file()
+    assert fleet.endpoint == f"http://127.0.0.1:{fleet.router_port}/v1"
+
+
+def test_complexity_and_model_names_choose_the_tier(client: openai.OpenAI) -> None:
+    assert chat(client, "hi") == "small"
+    assert chat(client, HARD) == "large"
+    assert chat(client, "hi", model="large-model") == "large"
+
+
+def test_openai_chat_and_stream_through_the_router(client: openai.OpenAI) -> None:
+    assert chat(client, "hi") in TIERS
+    with client.chat.completions.with_streaming_response.create(
+        model="local",
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=6,
+        stream=True,
+    ) as response:
+        assert route_tier(response.headers.get("x-fleetpilot-route")) in TIERS
+        chunks = list(response.parse())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    completion = client.completions.create(model="local", prompt="Once upon", max_tokens=4)
+    assert completion.choices[0].text
+
+
+def test_a_killed_engine_is_restarted_and_the_fleet_keeps_serving(
+    fleet: LocalFleet, client: openai.OpenAI
+) -> None:
+    victim = fleet.replicas[0].child
+    assert victim is not None
+    assert victim.popen is not None
+    old_pid = victim.pid
+    os.killpg(old_pid, signal.SIGKILL)
+    victim.popen.wait(timeout=10)
+    assert fleet.supervisor.crashed() == [victim]
+    reports = fleet.supervise_once()
+    assert len(reports) == 1
+    assert victim.name in reports[0]
+    assert "code -9" in reports[0]
+    assert victim.alive()
+    assert victim.pid != old_pid
+    assert victim.healthy()
+    assert fleet.supervise_once() == []
+    for i in range(6):
+        assert chat(client, f"request {i} after the restart") in TIERS
+    assert all(r.healthy == 1 for r in fleet.status_rows())
+
+
+def test_a_taken_port_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    (service,) = load_services(EXAMPLE)
+    base = free_port_range(3)
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", base + 1))
+        blocker.listen()
+        local = LocalFleet(service, tmp_path, base)
+        with pytest.raises(PortInUseError, match=rf"small/unified#0 port {base + 1}"):
+            local.start()
+    assert local.supervisor.children == []
+    assert not (tmp_path / "router.yaml").exists()
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Live pids whose command line contains ``text`` (the router names its workdir config)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if text in cmdline and int(entry.name) != os.getpid():
+                found.append(int(entry.name))
+    return found
+
+
+def up_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "fleetpilot.runtime.up", "-f", str(EXAMPLE), *args]
+
+
+def test_up_serves_for_its_duration_then_stops_everything(tmp_path: Path) -> None:
+    base = free_port_range(3)
+    started = time.monotonic()
+    result = subprocess.run(
+        up_argv("--duration", "8", "--port", str(base), "--workdir", str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"http://127.0.0.1:{base}/v1" in result.stdout
+    assert "small" in result.stdout
+    assert "large" in result.stdout
+    assert time.monotonic() - started >= 8
+    assert not any(port_in_use(base + i) for i in range(3))
+    assert processes_mentioning(str(tmp_path / "router.yaml")) == []
+    assert (tmp_path / "router.yaml").is_file()
+
+
+def test_up_stops_everything_on_sigterm(tmp_path: Path) -> None:
+    base = free_port_range(3)
+    process = subprocess.Popen(
+        up_argv("--port", str(base), "--workdir", str(tmp_path)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            if "endpoint" in line:
+                break
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, err
+    assert "stopped" in out
+    assert not any(port_in_use(base + i) for i in range(3))
+    assert processes_mentioning(str(tmp_path / "router.yaml")) == []
+
+
+def test_up_refuses_an_invalid_file_before_starting(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(EXAMPLE.read_text().replace("upTo: 0.4", "upTo: 7"))
+    result = subprocess.run(
+        [sys.executable, "-m", "fleetpilot.runtime.up", "-f", str(bad), "--workdir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert result.returncode == 2
+    assert "spec.tiers[0].complexity.upTo" in result.stderr
+    assert not (tmp_path / "logs").exists()
+
+
+def test_a_disaggregated_tier_serves_through_both_hops(tmp_path: Path) -> None:
+    (service,) = load_services(ROOT / "examples" / "disaggregated.yaml")
+    local = LocalFleet(service, tmp_path, free_port_range(3), max_replicas_per_role=1)
+    local.start()
+    try:
+        assert [(r.role, r.replicas) for r in local.status_rows()] == [
+            ("prefill", 1),
+            ("decode", 1),
+        ]
+        prefill, decode = local.replicas
+        with openai.OpenAI(base_url=local.endpoint, api_key="unused", max_retries=0) as api:
+            raw = api.chat.completions.with_raw_response.create(
+                model="llama-70b", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+        assert raw.parse().choices[0].message.content
+        route = raw.headers["x-fleetpilot-route"]
+        assert f"replica={decode.address}" in route
+        assert f"prefill={prefill.address}" in route
+    finally:
+        local.stop()
+        assert local.leftovers() == []

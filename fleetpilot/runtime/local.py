@@ -1,0 +1,284 @@
+"""A service realized as local processes on loopback: reference engines and the router.
+
+The same planner code decides what runs (tiers, roles, initial replicas, the router's config);
+only the realization differs from Kubernetes: each engine replica is a CPU reference-engine
+process with a tiny random model, and the router finds them through static addresses written
+into its config file. GPU, image and resource settings of the service are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from fleetpilot.api import InferenceService, Tier
+from fleetpilot.api.router_config import ROUTER_CONFIG_FILE, RouterConfig
+from fleetpilot.operator.plan_types import roles_of
+from fleetpilot.operator.router_objects import router_config
+from fleetpilot.runtime.processes import (
+    Child,
+    ChildFailedError,
+    Supervisor,
+    require_free_ports,
+)
+
+HOST = "127.0.0.1"
+# A CPU runs a handful of engines at most: more replicas than this per role are not started.
+DEFAULT_MAX_REPLICAS_PER_ROLE = 2
+# CPU-sized engine settings: the reference engine's tiny model, small batches, short contexts.
+CPU_MODEL_CONFIG = "tiny"
+CPU_MAX_NUM_SEQS = 16
+CPU_MAX_MODEL_LEN = 2048
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+@dataclass
+class Replica:
+    """One engine process of one role of one tier."""
+
+    tier: str
+    role: str
+    index: int
+    port: int
+    argv: list[str]
+    child: Child | None = None
+
+    @property
+    def name(self) -> str:
+        """``small/unified#0``: how ports, logs and reports name it."""
+        return f"{self.tier}/{self.role}#{self.index}"
+
+    @property
+    def address(self) -> str:
+        return f"{HOST}:{self.port}"
+
+
+@dataclass(frozen=True)
+class StatusRow:
+    """What ``fleetpilot up`` shows per tier and role."""
+
+    tier: str
+    role: str
+    replicas: int
+    alive: int
+    healthy: int
+    ports: list[int] = field(default_factory=list)
+
+
+def engine_argv(tier: Tier, role: str, port: int, python: str = sys.executable) -> list[str]:
+    """The reference-engine command line for one replica of ``tier``'s ``role`` on a CPU."""
+    max_len = min(tier.model.max_model_len or CPU_MAX_MODEL_LEN, CPU_MAX_MODEL_LEN)
+    argv = [
+        python,
+        "-m",
+        "fleetpilot",
+        "engine",
+        "--backend",
+        "reference",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--model-config",
+        CPU_MODEL_CONFIG,
+        "--served-model-name",
+        tier.model.alias,
+        "--max-num-seqs",
+        str(min(tier.engine.max_num_seqs, CPU_MAX_NUM_SEQS)),
+        "--max-model-len",
+        str(max_len),
+        "--drain-grace-seconds",
+        "2",
+    ]
+    if role in KV_ROLES:
+        config = {"kv_connector": "NixlConnector", "kv_role": KV_ROLES[role], "kv_ip": HOST}
+        argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+    return argv
+
+
+def _log_name(name: str) -> str:
+    return name.replace("/", "-").replace("#", "-")
+
+
+class LocalFleet:
+    """Engines per (tier, role) and the router, as supervised processes; ``stop()`` ends all."""
+
+    def __init__(
+        self,
+        service: InferenceService,
+        workdir: Path,
+        base_port: int = 8000,
+        *,
+        max_replicas_per_role: int = DEFAULT_MAX_REPLICAS_PER_ROLE,
+        health_timeout_s: float = 120.0,
+        python: str = sys.executable,
+    ) -> None:
+        if max_replicas_per_role < 1:
+            raise ValueError("max_replicas_per_role must be at least 1")
+        self.service = service
+        self.workdir = workdir
+        self.router_port = base_port
+        self.health_timeout_s = health_timeout_s
+        self.python = python
+        self.supervisor = Supervisor(workdir / "logs")
+        self.replicas: list[Replica] = []
+        port = base_port + 1
+        for index, tier in enumerate(service.spec.tiers):
+            for role in roles_of(tier, index):
+                count = min(role.replicas.start, max_replicas_per_role)
+                for i in range(count):
+                    argv = engine_argv(tier, role.name, port, python)
+                    self.replicas.append(Replica(tier.name, role.name, i, port, argv))
+                    port += 1
+        self.router: Child | None = None
+
+    @property
+    def endpoint(self) -> str:
+        """The OpenAI-compatible base URL clients use."""
+        return f"http://{HOST}:{self.router_port}/v1"
+
+    @property
+    def config_path(self) -> Path:
+        return self.workdir / ROUTER_CONFIG_FILE
+
+    def ports(self) -> dict[str, int]:
+        """Every port the fleet listens on, by what listens there."""
+        return {"router": self.router_port, **{r.name: r.port for r in self.replicas}}
+
+    def router_config(self) -> RouterConfig:
+        """The planner's router config with each group's static engine addresses."""
+        config = router_config(self.service)
+        tiers = []
+        for tier in config.tiers:
+            groups = [
+                group.model_copy(
+                    update={
+                        "addresses": [
+                            r.address
+                            for r in self.replicas
+                            if r.tier == tier.name and r.role == group.role
+                        ],
+                        # The engines run with the CPU batch limit: saturation comes sooner.
+                        "max_num_seqs": min(group.max_num_seqs, CPU_MAX_NUM_SEQS),
+                    }
+                )
+                for group in tier.endpoints
+            ]
+            tiers.append(tier.model_copy(update={"endpoints": groups}))
+        return config.model_copy(update={"port": self.router_port, "tiers": tiers})
+
+    def start(self) -> None:
+        """Start engines, wait for them, then the router; on any failure stop what started.
+
+        Raises PortInUseError (before anything starts) or ChildFailedError (with a log tail).
+        """
+        require_free_ports(self.ports(), HOST)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            for replica in self.replicas:
+                replica.child = self.supervisor.start(
+                    _log_name(replica.name),
+                    replica.argv,
+                    health_url=f"http://{replica.address}/health",
+                    env={"PYTHONUNBUFFERED": "1"},
+                )
+            for replica in self.replicas:
+                assert replica.child is not None
+                self.supervisor.wait_healthy(replica.child, self.health_timeout_s)
+            self.config_path.write_text(
+                yaml.safe_dump(self.router_config().to_wire(), sort_keys=False)
+            )
+            router_argv = [
+                *(self.python, "-m", "fleetpilot", "router"),
+                *("--config", str(self.config_path), "--host", HOST),
+                *("--port", str(self.router_port), "--discovery", "static"),
+                *("--log-format", "plain", "--log-level", "warning"),
+            ]
+            self.router = self.supervisor.start(
+                "router",
+                router_argv,
+                health_url=f"http://{HOST}:{self.router_port}/health",
+                env={"PYTHONUNBUFFERED": "1"},
+            )
+            self.supervisor.wait_healthy(self.router, self.health_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def supervise_once(self) -> list[str]:
+        """Restart every child that exited unasked; returns one report per crash (log tail).
+
+        Raises ChildFailedError when a restarted child does not become healthy again.
+        """
+        reports = []
+        for child in self.supervisor.crashed():
+            code = child.popen.returncode if child.popen is not None else "?"
+            reports.append(
+                f"{child.name} exited with code {code}; restarting. Last lines of "
+                f"{child.log_path}:\n{child.tail(10)}"
+            )
+            self.supervisor.restart(child)
+            self.supervisor.wait_healthy(child, self.health_timeout_s)
+        return reports
+
+    def status_rows(self) -> list[StatusRow]:
+        """Per tier and role: replicas planned, alive and answering /health, their ports."""
+        rows: list[StatusRow] = []
+        groups: dict[tuple[str, str], list[Replica]] = {}
+        for replica in self.replicas:
+            groups.setdefault((replica.tier, replica.role), []).append(replica)
+        for (tier, role), members in groups.items():
+            children = [r.child for r in members if r.child is not None]
+            rows.append(
+                StatusRow(
+                    tier=tier,
+                    role=role,
+                    replicas=len(members),
+                    alive=sum(c.alive() for c in children),
+                    healthy=sum(c.healthy(0.5) for c in children),
+                    ports=[r.port for r in members],
+                )
+            )
+        return rows
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop the router, then the engines; nothing of the fleet is left running."""
+        self.supervisor.stop_all(grace_s)
+
+    def leftovers(self) -> list[int]:
+        return self.supervisor.leftovers()
+
+    def __enter__(self) -> LocalFleet:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def format_status(rows: list[StatusRow]) -> str:
+    """A fixed-width table of status rows."""
+    header = f"{'TIER':<12} {'ROLE':<8} {'REPLICAS':>8} {'ALIVE':>5} {'HEALTHY':>7}  PORTS"
+    lines = [header]
+    for row in rows:
+        ports = ",".join(str(p) for p in row.ports)
+        lines.append(
+            f"{row.tier:<12} {row.role:<8} {row.replicas:>8} {row.alive:>5} {row.healthy:>7}  "
+            f"{ports}"
+        )
+    return "\n".join(lines)
+
+
+__all__ = [
+    "DEFAULT_MAX_REPLICAS_PER_ROLE",
+    "ChildFailedError",
+    "LocalFleet",
+    "Replica",
+    "StatusRow",
+    "engine_argv",
+    "format_status",
+]

@@ -1,0 +1,127 @@
+"""``fleetpilot up -f FILE``: run an InferenceService as local processes until Ctrl-C.
+
+Validates the file first (nothing starts for an invalid one), starts the fleet, prints its
+endpoint and a status table every few seconds, restarts crashed engines, and stops everything it
+started on Ctrl-C, SIGTERM or when ``--duration`` expires.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+
+from fleetpilot.api import InvalidManifestError, load_services
+from fleetpilot.runtime.local import DEFAULT_MAX_REPLICAS_PER_ROLE, LocalFleet, format_status
+from fleetpilot.runtime.processes import ChildFailedError, PortInUseError
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_INVALID = 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("-f", "--file", required=True, help="InferenceService YAML file (one service)")
+    a("--port", type=int, default=8000, help="router port; engines use the ports after it")
+    a("--workdir", help="directory for the router config and logs (default: a temporary one)")
+    a(
+        "--duration",
+        type=float,
+        default=None,
+        help="stop after this many seconds once the fleet is up (default: until Ctrl-C)",
+    )
+    a(
+        "--max-replicas-per-role",
+        type=int,
+        default=DEFAULT_MAX_REPLICAS_PER_ROLE,
+        help="most engine processes started per tier and role (a CPU's safety limit)",
+    )
+    a("--status-interval", type=float, default=5.0, help="seconds between status tables")
+
+
+class _Stop(KeyboardInterrupt):
+    """Raised by the SIGTERM handler: handled like Ctrl-C."""
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    # Once: a second SIGTERM must not interrupt the stopping it started.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise _Stop()
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    path = Path(args.file)
+    try:
+        services = load_services(path)
+    except InvalidManifestError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    if len(services) != 1:
+        found = len(services)
+        print(f"error: {path}: expected one InferenceService, found {found}", file=sys.stderr)
+        return EXIT_INVALID
+    if args.max_replicas_per_role < 1:
+        print("error: --max-replicas-per-role must be at least 1", file=sys.stderr)
+        return EXIT_INVALID
+    service = services[0]
+    with tempfile.TemporaryDirectory(prefix="fleetpilot-up-") as tmp:
+        workdir = Path(args.workdir) if args.workdir else Path(tmp)
+        fleet = LocalFleet(
+            service, workdir, args.port, max_replicas_per_role=args.max_replicas_per_role
+        )
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        try:
+            return _serve(fleet, args)
+        except PortInUseError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        except ChildFailedError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        finally:
+            fleet.stop()
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _serve(fleet: LocalFleet, args: argparse.Namespace) -> int:
+    try:
+        _say(f"starting {fleet.service.name}: {len(fleet.replicas)} engine(s) and the router")
+        fleet.start()
+        _say(f"fleet is up; OpenAI endpoint: {fleet.endpoint}")
+        _say(f"logs and router config in {fleet.workdir}")
+        deadline = None if args.duration is None else time.monotonic() + args.duration
+        next_status = 0.0
+        while deadline is None or time.monotonic() < deadline:
+            for report in fleet.supervise_once():
+                _say(report)
+            if time.monotonic() >= next_status:
+                _say(format_status(fleet.status_rows()))
+                next_status = time.monotonic() + args.status_interval
+            pause = 0.5 if deadline is None else min(0.5, max(0.0, deadline - time.monotonic()))
+            time.sleep(pause)
+        _say("duration reached; stopping")
+    except KeyboardInterrupt:
+        _say("stopping")
+    fleet.stop()
+    _say("stopped; nothing left running")
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fleetpilot up", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
