@@ -18,8 +18,8 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 lint: setup
-	$(BIN)/ruff check $(SRC) tests e2e
-	$(BIN)/ruff format --check $(SRC) tests e2e
+	$(BIN)/ruff check $(SRC) tests e2e bench
+	$(BIN)/ruff format --check $(SRC) tests e2e bench
 
 typecheck: setup
 	$(BIN)/mypy $(SRC)
