@@ -190,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "up", help="run a service locally: reference engines and the router", add_help=False
     )
+    sub.add_parser(
+        "bench",
+        help="load an OpenAI-compatible URL (Poisson, schedule or concurrency)",
+        add_help=False,
+    )
     return parser
 
 
@@ -214,8 +219,18 @@ def _up(argv: Sequence[str]) -> int:
     return int(up.run(parser.parse_args(argv)))
 
 
+def _bench(argv: Sequence[str]) -> int:
+    """``fleetpilot bench``: open- or closed-loop load against any OpenAI-compatible URL."""
+    loadgen = importlib.import_module("fleetpilot.loadgen.cli")
+    parser = argparse.ArgumentParser(
+        prog="fleetpilot bench", description="Load an OpenAI-compatible endpoint and report."
+    )
+    loadgen.add_arguments(parser)
+    return int(loadgen.run(parser.parse_args(argv)))
+
+
 # Commands whose modules are heavy (aiohttp, torch): imported only when run.
-LAZY_COMMANDS = {"engine": _engine, "router": _router, "up": _up}
+LAZY_COMMANDS = {"engine": _engine, "router": _router, "up": _up, "bench": _bench}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -90,6 +90,8 @@ def test_missing_file_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> No
         (["router", "--help"], "usage: fleetpilot router"),
         (["engine", "--backend", "reference", "--help"], "usage: fleetpilot engine --backend ref"),
         (["engine", "--backend", "vllm", "--help"], "usage: fleetpilot engine --backend vllm"),
+        (["up", "--help"], "usage: fleetpilot up"),
+        (["bench", "--help"], "usage: fleetpilot bench"),
     ],
 )
 def test_components_parse_their_own_flags(

@@ -1,0 +1,1 @@
+"""Load generation for OpenAI-compatible fleets (``fleetpilot bench``)."""

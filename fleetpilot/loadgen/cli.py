@@ -1,0 +1,187 @@
+"""``fleetpilot bench``: load against an OpenAI-compatible URL, a summary, JSON and a plot."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from fleetpilot.loadgen import report
+from fleetpilot.loadgen.runner import Progress, RunConfig, Runner, Schedule, parse_schedule
+from fleetpilot.loadgen.workloads import WORKLOADS, make_workload
+
+
+def _schedule(text: str) -> Schedule:
+    try:
+        return parse_schedule(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    def check(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be greater than 0")
+        return value
+
+    return check
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--url", default="http://127.0.0.1:8000/v1", help="OpenAI-compatible base URL (…/v1)")
+    a("--model", default="m", help="the 'model' sent in every request")
+    a("--api-key", default=None, help="sent as a Bearer token when given")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--rate", type=_positive(float), help="open loop: Poisson arrivals at this many req/s"
+    )
+    mode.add_argument(
+        "--schedule",
+        type=_schedule,
+        help="open loop with a rate schedule: 't:rate' steps, '~' for a ramp to that rate, "
+        "e.g. '0:2,30:8,60:2' or '0:1,60:~10'",
+    )
+    mode.add_argument(
+        "--concurrency", type=_positive(int), help="closed loop: this many clients (default 4)"
+    )
+    a("--duration", type=_positive(float), help="seconds to send for (open loop: required)")
+    a("--requests", type=_positive(int), help="stop after sending this many requests")
+    a("--workload", choices=sorted(WORKLOADS), default="shared-prefix", help="what to send")
+    a("--seed", type=int, default=0, help="seeds the workload and the arrivals")
+    a("--timeout", type=_positive(float), default=60.0, help="per-request limit in seconds")
+    a(
+        "--max-in-flight",
+        type=_positive(int),
+        default=256,
+        help="open loop: arrivals beyond this many in flight are dropped and counted",
+    )
+    a("--max-tokens", type=_positive(int), default=None, help="override the workload's max_tokens")
+    a(
+        "--context-chars",
+        type=_positive(int),
+        default=None,
+        help="long-context: document length in characters (default 6000; the reference "
+        "engine's byte tokenizer makes this its prompt length in tokens)",
+    )
+    a(
+        "--ignore-eos",
+        action="store_true",
+        help="vLLM extension: always decode max_tokens (for random-weight test models)",
+    )
+    a("--progress", action="store_true", help="show the progress line even when not a TTY")
+    a("--out", type=Path, default=None, help="write per-request records and the summary as JSON")
+    a("--plot", type=Path, default=None, help="write a PNG of latency and replicas over time")
+
+
+def _workload_options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    if args.context_chars is not None:
+        if args.workload != "long-context":
+            raise ValueError("--context-chars applies to --workload long-context only")
+        options["context_chars"] = args.context_chars
+    if args.max_tokens is not None:
+        if args.workload == "mixed":
+            options.update(easy_max_tokens=args.max_tokens, hard_max_tokens=args.max_tokens)
+        else:
+            options["max_tokens"] = args.max_tokens
+    return options
+
+
+def _progress_printer(stream: TextIO) -> Callable[[Progress, float], None]:
+    def show(p: Progress, elapsed: float) -> None:
+        rate = p.done / elapsed if elapsed > 0 else 0.0
+        stream.write(
+            f"\r{elapsed:6.1f} s  sent {p.sent}  done {p.done}  errors {p.errors}  "
+            f"in flight {p.in_flight}  {rate:.1f} req/s   "
+        )
+        stream.flush()
+
+    return show
+
+
+def run(args: argparse.Namespace) -> int:
+    schedule: Schedule | None = args.schedule
+    if args.rate is not None:
+        schedule = Schedule.constant(args.rate)
+    duration = args.duration
+    if duration is None and args.requests is None:
+        duration = 60.0  # every run ends by itself, even when no bound was given
+    try:
+        config = RunConfig(
+            base_url=args.url,
+            model=args.model,
+            schedule=schedule,
+            concurrency=args.concurrency or 4,
+            duration_s=duration,
+            max_requests=args.requests,
+            timeout_s=args.timeout,
+            max_in_flight=args.max_in_flight,
+            seed=args.seed,
+            api_key=args.api_key,
+            ignore_eos=args.ignore_eos,
+        )
+        workload = make_workload(args.workload, args.seed, **_workload_options(args))
+    except ValueError as e:
+        print(f"fleetpilot bench: {e}", file=sys.stderr)
+        return 2
+    show = args.progress or sys.stderr.isatty()
+    runner = Runner(config, workload, on_progress=_progress_printer(sys.stderr) if show else None)
+    try:
+        result = asyncio.run(runner.run())
+    except KeyboardInterrupt:
+        print("\nfleetpilot bench: interrupted", file=sys.stderr)
+        return 130
+    if show:
+        sys.stderr.write("\n")
+    summary = report.summarize(result.records, result.elapsed_s)
+    print(report.format_table(summary))
+    for kind, detail in report.first_errors(result.records).items():
+        print(f"first {kind}: {detail}", file=sys.stderr)  # why, not just how many
+    if args.out is not None:
+        meta = {
+            "url": args.url,
+            "model": args.model,
+            "workload": args.workload,
+            "seed": args.seed,
+            "mode": "closed" if schedule is None else "open",
+            "rate": args.rate,
+            "schedule": [vars(s) for s in schedule.steps] if schedule else None,
+            "concurrency": None if schedule else config.concurrency,
+            "duration_s": duration,
+            "requests": args.requests,
+        }
+        report.write_json(args.out, report.result_json(result, summary, meta))
+        print(f"results: {args.out}")
+    if args.plot is not None:
+        if report.matplotlib_available():
+            report.write_plot(args.plot, result.records)
+            print(f"plot: {args.plot}")
+        else:
+            print(
+                "fleetpilot bench: --plot needs matplotlib (pip install matplotlib); "
+                "skipped the plot",
+                file=sys.stderr,
+            )
+    # Only a run where nothing got through fails: errors under load are results, not faults.
+    return 0 if summary.succeeded else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="fleetpilot bench",
+        description="Load an OpenAI-compatible server and summarize TTFT, TPOT, hits and tiers.",
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

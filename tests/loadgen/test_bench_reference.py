@@ -1,0 +1,85 @@
+"""End to end: ``fleetpilot bench`` against a real reference engine on loopback."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fleetpilot.engine.reference.server import BackgroundServer
+from fleetpilot.loadgen import cli
+
+ENGINE = [
+    "--host", "127.0.0.1", "--port", "0", "--model-config", "tiny", "--served-model-name", "m",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[BackgroundServer]:
+    srv = BackgroundServer.from_argv(ENGINE).start()
+    yield srv
+    srv.stop()
+
+
+def test_closed_loop_shared_prefix_against_the_reference_engine(
+    engine: BackgroundServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bench.json"
+    argv = [
+        "--url", f"{engine.url}/v1", "--model", "m", "--concurrency", "4", "--requests", "30",
+        "--workload", "shared-prefix", "--seed", "3", "--ignore-eos", "--max-tokens", "8",
+        "--out", str(out), "--plot", str(tmp_path / "bench.png"),
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr()
+    assert "errors       none" in printed.out
+    assert "TTFT ms" in printed.out
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+    doc = json.loads(out.read_text())
+    summary = doc["summary"]
+    assert summary["requests"] == summary["succeeded"] == 30
+    assert summary["errors"] == {}
+    assert summary["ttft_s"]["p50"] is not None
+    assert summary["tpot_s"]["p50"] is not None
+    assert summary["cached_tokens"] > 0  # the shared system prompts hit the prefix cache
+    assert doc["config"]["mode"] == "closed"
+    records = doc["requests"]
+    assert len(records) == 30
+    for r in records:
+        assert r["error"] is None
+        assert r["status"] == 200
+        assert r["ttft_s"] > 0
+        assert r["tpot_s"] > 0
+        assert r["completion_tokens"] == 8
+        assert r["timestamp"] > 1.7e9
+    assert sum(r["cached_tokens"] for r in records) == summary["cached_tokens"]
+
+
+def test_errors_from_the_engine_are_counted_not_raised(
+    engine: BackgroundServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "--url", f"{engine.url}/v1", "--model", "not-served", "--concurrency", "2",
+        "--requests", "4",
+    ]  # fmt: skip
+    assert cli.main(argv) == 1  # nothing got through
+    printed = capsys.readouterr()
+    assert "HTTP 404: 4" in printed.out
+    assert "first HTTP 404:" in printed.err
+
+
+def test_bad_flags_are_refused_before_any_load(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--schedule", "0:2,30", "--duration", "5"])
+    assert exc.value.code == 2
+    assert "argument --schedule: schedule step '30'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["--rate", "0"])
+    assert "must be greater than 0" in capsys.readouterr().err
+    assert cli.main(["--workload", "mixed", "--context-chars", "10", "--requests", "1"]) == 2
+    assert "--context-chars applies to --workload long-context" in capsys.readouterr().err
+    assert cli.main(["--rate", "2", "--requests", "3"]) == 2
+    assert "needs a --duration" in capsys.readouterr().err

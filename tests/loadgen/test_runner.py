@@ -1,0 +1,139 @@
+"""The runner against scripted servers: bounds hold and errors are counted, never raised."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from fleetpilot.loadgen.runner import RunConfig, Runner, Schedule
+from fleetpilot.loadgen.workloads import make_workload
+
+ROUTE = "tier=small; replica=small-0; prefix-match=0.50; reason=prefix"
+
+
+def sse(*chunks: object) -> bytes:
+    lines = [f"data: {json.dumps(c)}\n\n" for c in chunks]
+    return ("".join(lines) + "data: [DONE]\n\n").encode()
+
+
+def delta(text: str) -> dict[str, object]:
+    return {"choices": [{"index": 0, "delta": {"content": text}}], "usage": None}
+
+
+USAGE = {
+    "choices": [],
+    "usage": {
+        "prompt_tokens": 100,
+        "completion_tokens": 3,
+        "prompt_tokens_details": {"cached_tokens": 64},
+    },
+}
+
+
+def good(request: httpx.Request) -> httpx.Response:
+    body = json.loads(request.content)
+    assert body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True}
+    stream = sse(delta(""), delta("a"), delta("b"), delta("c"), USAGE)
+    return httpx.Response(200, content=stream, headers={"x-fleetpilot-route": ROUTE})
+
+
+def config(**kw: object) -> RunConfig:
+    base: dict[str, object] = {"base_url": "http://test/v1", "model": "m"}
+    return RunConfig(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def runner(cfg: RunConfig, handler: object) -> Runner:
+    transport = httpx.MockTransport(handler)  # type: ignore[arg-type]
+    return Runner(cfg, make_workload("shared-prefix", 0), transport=transport)
+
+
+@pytest.mark.asyncio
+async def test_closed_loop_records_a_streamed_answer() -> None:
+    result = await runner(config(concurrency=3, max_requests=10), good).run()
+    assert [r.index for r in result.records] == list(range(10))
+    r = result.records[0]
+    assert r.ok
+    assert r.status == 200
+    assert r.chunks == 3  # the empty role chunk is not the first token
+    assert r.ttft_s is not None
+    assert r.tpot_s is not None
+    assert r.e2e_s is not None
+    assert r.ttft_s <= r.e2e_s
+    assert (r.prompt_tokens, r.completion_tokens, r.cached_tokens) == (100, 3, 64)
+    assert r.route.tier == "small"
+    assert r.route.prefix_match == 0.5
+
+
+@pytest.mark.parametrize(
+    ("handler", "kind"),
+    [
+        (lambda req: httpx.Response(503, json={"error": "busy"}), "HTTP 503"),
+        (lambda req: httpx.Response(429, text="slow down"), "HTTP 429"),
+        (lambda req: httpx.Response(200, content=b"data: {not json\n\n"), "bad response"),
+        (lambda req: httpx.Response(200, content=b"data: [1, 2]\n\n"), "bad response"),
+        (
+            lambda req: httpx.Response(200, content=sse({"error": {"message": "boom"}})),
+            "stream error",
+        ),
+    ],
+)
+@pytest.mark.asyncio
+async def test_errors_are_counted_by_kind(handler: object, kind: str) -> None:
+    result = await runner(config(concurrency=2, max_requests=4), handler).run()
+    assert [r.error for r in result.records] == [kind] * 4
+    assert all(r.detail for r in result.records)
+
+
+@pytest.mark.asyncio
+async def test_connection_errors_are_counted() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    result = await runner(config(max_requests=3), refuse).run()
+    assert [r.error for r in result.records] == ["connect"] * 3
+
+
+@pytest.mark.asyncio
+async def test_slow_requests_time_out() -> None:
+    async def slow(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(5)
+        return good(request)
+
+    result = await runner(config(concurrency=2, max_requests=2, timeout_s=0.2), slow).run()
+    assert [r.error for r in result.records] == ["timeout", "timeout"]
+    assert result.elapsed_s < 2
+
+
+@pytest.mark.asyncio
+async def test_open_loop_stops_at_the_duration_and_drops_beyond_the_cap() -> None:
+    async def slow(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(0.3)
+        return good(request)
+
+    cfg = config(schedule=Schedule.constant(100.0), duration_s=0.5, max_in_flight=5, seed=1)
+    result = await runner(cfg, slow).run()
+    errors = [r.error for r in result.records]
+    assert 20 < len(errors) < 90
+    assert errors.count(None) >= 5
+    assert errors.count("dropped") > 10  # 100 req/s against a 0.3 s server capped at 5
+    assert set(errors) <= {None, "dropped"}
+    assert result.elapsed_s < 1.5
+
+
+@pytest.mark.asyncio
+async def test_open_loop_honours_the_request_bound() -> None:
+    cfg = config(schedule=Schedule.constant(200.0), duration_s=10.0, max_requests=7)
+    result = await runner(cfg, good).run()
+    assert len(result.records) == 7
+    assert result.elapsed_s < 2
+
+
+def test_unbounded_runs_are_refused() -> None:
+    with pytest.raises(ValueError, match="--duration and/or"):
+        RunConfig("http://x/v1", "m")
+    with pytest.raises(ValueError, match="needs a --duration"):
+        RunConfig("http://x/v1", "m", schedule=Schedule.constant(1.0), max_requests=5)

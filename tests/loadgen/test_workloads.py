@@ -1,0 +1,78 @@
+"""The workloads: seeded, deterministic, shaped as their names promise."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from fleetpilot.loadgen.workloads import WORKLOADS, RequestSpec, make_workload
+
+
+def take(name: str, seed: int, n: int = 50) -> list[RequestSpec]:
+    workload = make_workload(name, seed)
+    return [workload.next() for _ in range(n)]
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_same_seed_same_requests_other_seed_other_requests(name: str) -> None:
+    assert take(name, 7) == take(name, 7)
+    assert take(name, 7) != take(name, 8)
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_bodies_stream_and_ask_for_usage(name: str) -> None:
+    body = take(name, 1, 1)[0].body("m")
+    assert body["model"] == "m"
+    assert body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True}
+    assert "ignore_eos" not in body  # OpenAI refuses it: only on request
+    assert take(name, 1, 1)[0].body("m", ignore_eos=True)["ignore_eos"] is True
+
+
+def test_shared_prefix_reuses_a_few_system_prompts() -> None:
+    specs = take("shared-prefix", 3, 200)
+    systems = {s.messages[0]["content"] for s in specs}
+    assert len(systems) == 4
+    assert all(len(s) > 1000 for s in systems)
+    users = {s.tags["user"] for s in specs}
+    assert len(users) > 30
+    # A user always talks to the same tenant's prompt.
+    tenant_of: dict[str, str] = {}
+    for s in specs:
+        assert tenant_of.setdefault(s.tags["user"], s.tags["tenant"]) == s.tags["tenant"]
+
+
+def test_multi_turn_history_grows_per_user_and_restarts() -> None:
+    workload = make_workload("multi-turn", 5, users=1, turns=3)
+    specs = [workload.next() for _ in range(4)]
+    assert [s.kind for s in specs] == ["turn-1", "turn-2", "turn-3", "turn-1"]
+    for prev, cur in itertools.pairwise(specs[:3]):
+        assert cur.messages[: len(prev.messages)] == prev.messages  # a growing prefix
+        assert [m["role"] for m in cur.messages[len(prev.messages) :]] == ["assistant", "user"]
+    assert len(specs[3].messages) == 2
+
+
+def test_mixed_has_short_easy_and_long_hard_requests() -> None:
+    specs = take("mixed", 11, 400)
+    easy = [s for s in specs if s.kind == "easy"]
+    hard = [s for s in specs if s.kind == "hard"]
+    assert 0.2 < len(hard) / len(specs) < 0.4
+    assert max(len(s.messages[0]["content"]) for s in easy) < 100
+    assert min(len(s.messages[0]["content"]) for s in hard) > 500
+    assert {s.max_tokens for s in easy} == {16}
+    assert {s.max_tokens for s in hard} == {128}
+
+
+def test_long_context_length_is_configurable() -> None:
+    spec = make_workload("long-context", 0, context_chars=3000).next()
+    assert 3000 < len(spec.messages[0]["content"]) < 3200
+
+
+def test_unknown_workload_and_bad_options_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"unknown workload 'nope'; known: long-context"):
+        make_workload("nope", 0)
+    with pytest.raises(ValueError, match="hard_fraction"):
+        make_workload("mixed", 0, hard_fraction=1.5)
+    with pytest.raises(ValueError, match="at least 1"):
+        make_workload("shared-prefix", 0, tenants=0)
