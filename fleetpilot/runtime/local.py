@@ -8,8 +8,12 @@ into its config file. GPU, image and resource settings of the service are ignore
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
+import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +27,8 @@ from fleetpilot.runtime.processes import (
     Child,
     ChildFailedError,
     Supervisor,
+    free_port,
+    port_in_use,
     require_free_ports,
 )
 
@@ -46,6 +52,9 @@ class Replica:
     port: int
     argv: list[str]
     child: Child | None = None
+    # In the router's config: set once the engine answered /health, so the router never
+    # sends a request to an engine still loading (a scaled-up replica starts unlisted).
+    serving: bool = False
 
     @property
     def name(self) -> str:
@@ -160,7 +169,7 @@ class LocalFleet:
                         "addresses": [
                             r.address
                             for r in self.replicas
-                            if r.tier == tier.name and r.role == group.role
+                            if r.tier == tier.name and r.role == group.role and r.serving
                         ],
                         # The engines run with the CPU batch limit: saturation comes sooner.
                         "max_num_seqs": min(group.max_num_seqs, CPU_MAX_NUM_SEQS),
@@ -189,9 +198,8 @@ class LocalFleet:
             for replica in self.replicas:
                 assert replica.child is not None
                 self.supervisor.wait_healthy(replica.child, self.health_timeout_s)
-            self.config_path.write_text(
-                yaml.safe_dump(self.router_config().to_wire(), sort_keys=False)
-            )
+                replica.serving = True
+            self.write_router_config()
             router_argv = [
                 *(self.python, "-m", "fleetpilot", "router"),
                 *("--config", str(self.config_path), "--host", HOST),
@@ -224,6 +232,81 @@ class LocalFleet:
             self.supervisor.restart(child)
             self.supervisor.wait_healthy(child, self.health_timeout_s)
         return reports
+
+    def write_router_config(self) -> None:
+        """Write the router's config atomically: the router polls the file and must never
+        read it half-written (a temporary file in the same directory, then a rename)."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        text = yaml.safe_dump(self.router_config().to_wire(), sort_keys=False)
+        fd, tmp = tempfile.mkstemp(prefix=".router-", suffix=".yaml", dir=self.workdir)
+        try:
+            with os.fdopen(fd, "w") as out:
+                out.write(text)
+            os.replace(tmp, self.config_path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def role_replicas(self, tier: str, role: str) -> list[Replica]:
+        """The replicas of one role, oldest first."""
+        return [r for r in self.replicas if r.tier == tier and r.role == role]
+
+    def add_replica(self, tier: str, role: str) -> Replica:
+        """Start one more engine of ``tier``'s ``role`` on a free port, without waiting for it.
+
+        It joins the router's config once healthy (see :meth:`refresh_serving`): an engine
+        loading its model must not be sent requests. Raises KeyError for an unknown tier.
+        """
+        spec = next((t for t in self.service.spec.tiers if t.name == tier), None)
+        if spec is None:
+            raise KeyError(f"no tier {tier!r}")
+        taken = set(self.ports().values())
+        port = free_port(HOST)
+        while port in taken or port_in_use(port, HOST):
+            port = free_port(HOST)
+        index = max((r.index for r in self.role_replicas(tier, role)), default=-1) + 1
+        replica = Replica(tier, role, index, port, engine_argv(spec, role, port, self.python))
+        replica.child = self.supervisor.start(
+            _log_name(replica.name),
+            replica.argv,
+            health_url=f"http://{replica.address}/health",
+            env={"PYTHONUNBUFFERED": "1"},
+        )
+        self.replicas.append(replica)
+        return replica
+
+    def remove_replica(self, tier: str, role: str, grace_s: float = 5.0) -> Replica | None:
+        """Stop the newest engine of a role (the one with the least warm cache); None if the
+        role has none. The router stops listing it before it is stopped."""
+        members = self.role_replicas(tier, role)
+        if not members:
+            return None
+        victim = max(members, key=lambda r: r.index)
+        self.replicas.remove(victim)
+        if victim.serving:
+            victim.serving = False
+            self.write_router_config()
+        if victim.child is not None:
+            self.supervisor.stop(victim.child, grace_s)
+        return victim
+
+    def refresh_serving(self) -> bool:
+        """List newly healthy engines in the router's config; True when it was rewritten."""
+        joined = [
+            r
+            for r in self.replicas
+            if not r.serving and r.child is not None and r.child.alive() and r.child.healthy(0.5)
+        ]
+        for replica in joined:
+            replica.serving = True
+        if joined:
+            self.write_router_config()
+        return bool(joined)
+
+    def serving_addresses(self, tier: str, role: str) -> list[str]:
+        """The addresses the router sends this role's requests to now."""
+        return [r.address for r in self.role_replicas(tier, role) if r.serving]
 
     def status_rows(self) -> list[StatusRow]:
         """Per tier and role: replicas planned, alive and answering /health, their ports."""
@@ -260,16 +343,25 @@ class LocalFleet:
         self.stop()
 
 
-def format_status(rows: list[StatusRow]) -> str:
-    """A fixed-width table of status rows."""
+def format_status(
+    rows: list[StatusRow], scaling: Mapping[tuple[str, str], tuple[int, str]] | None = None
+) -> str:
+    """A fixed-width table of status rows; with ``scaling`` ((tier, role) -> desired replicas
+    and the last scale's reason) also the autoscaler's columns."""
     header = f"{'TIER':<12} {'ROLE':<8} {'REPLICAS':>8} {'ALIVE':>5} {'HEALTHY':>7}  PORTS"
+    if scaling is not None:
+        header = f"{header:<64} {'DESIRED':>7}  LAST SCALE"
     lines = [header]
     for row in rows:
         ports = ",".join(str(p) for p in row.ports)
-        lines.append(
+        line = (
             f"{row.tier:<12} {row.role:<8} {row.replicas:>8} {row.alive:>5} {row.healthy:>7}  "
             f"{ports}"
         )
+        if scaling is not None:
+            desired, reason = scaling.get((row.tier, row.role), (row.replicas, ""))
+            line = f"{line:<64} {desired:>7}  {reason or '-'}"
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import FrameType
 
 from fleetpilot.api import InvalidManifestError, load_services
+from fleetpilot.runtime.autoscale import LocalAutoscaler
 from fleetpilot.runtime.local import DEFAULT_MAX_REPLICAS_PER_ROLE, LocalFleet, format_status
 from fleetpilot.runtime.processes import ChildFailedError, PortInUseError
 
@@ -43,6 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="most engine processes started per tier and role (a CPU's safety limit)",
     )
     a("--status-interval", type=float, default=5.0, help="seconds between status tables")
+    a(
+        "--autoscale",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="scale engines on the engines' own /metrics (tiers with autoscaling not disabled; "
+        "at most --max-replicas-per-role per role)",
+    )
 
 
 class _Stop(KeyboardInterrupt):
@@ -94,24 +102,39 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(fleet: LocalFleet, args: argparse.Namespace) -> int:
+    autoscaler: LocalAutoscaler | None = None
     try:
         _say(f"starting {fleet.service.name}: {len(fleet.replicas)} engine(s) and the router")
         fleet.start()
         _say(f"fleet is up; OpenAI endpoint: {fleet.endpoint}")
         _say(f"logs and router config in {fleet.workdir}")
+        if args.autoscale:
+            # Ticks every second; each role still decides at its own autoscaling.interval.
+            autoscaler = LocalAutoscaler(
+                fleet, max_replicas_per_role=args.max_replicas_per_role, say=_say
+            )
+            _say("autoscaler: reading the engines' /metrics directly")
         deadline = None if args.duration is None else time.monotonic() + args.duration
         next_status = 0.0
         while deadline is None or time.monotonic() < deadline:
             for report in fleet.supervise_once():
                 _say(report)
+            if autoscaler is not None:
+                autoscaler.step()
+            else:
+                fleet.refresh_serving()
             if time.monotonic() >= next_status:
-                _say(format_status(fleet.status_rows()))
+                scaling = autoscaler.actuator.status_columns() if autoscaler else None
+                _say(format_status(fleet.status_rows(), scaling))
                 next_status = time.monotonic() + args.status_interval
             pause = 0.5 if deadline is None else min(0.5, max(0.0, deadline - time.monotonic()))
             time.sleep(pause)
         _say("duration reached; stopping")
     except KeyboardInterrupt:
         _say("stopping")
+    finally:
+        if autoscaler is not None:
+            autoscaler.close()
     fleet.stop()
     _say("stopped; nothing left running")
     return EXIT_OK
