@@ -1,5 +1,6 @@
 """`make demo` keeps working: the local fleet starts, routes by complexity, hits the prefix
-cache on a shared system prompt, and leaves no process behind."""
+cache on a shared system prompt, scales up under its load step and back down after it, and
+leaves no process behind."""
 
 from __future__ import annotations
 
@@ -23,4 +24,7 @@ def test_demo_shows_tiers_cache_hits_and_cleans_up() -> None:
     cached = [int(n) for n in re.findall(r"served from prefix cache (\d+)", out)]
     assert len(cached) == 4
     assert max(cached) > 0  # the repeated system prompt was served from the cache
+    assert re.search(r"tier small: unified ttft p95 \d+ms > slo 10ms: 1 -> 2", out)
+    assert "2 -> 1" in out
+    assert "errors       none" in out
     assert "processes left behind: []" in out

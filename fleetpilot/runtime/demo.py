@@ -1,8 +1,11 @@
-"""``make demo``: a two-tier fleet on this machine, a few requests through it, then nothing left.
+"""``make demo``: a two-tier fleet on this machine, routed, loaded, scaled, then nothing left.
 
-Until the load generator and the local autoscaler land (issue "The local fleet"), the demo
-shows what runs today: reference engines per tier, the router choosing a tier by request
-complexity and a replica by prefix affinity, and prefix-cache hits on repeated prompts.
+1. reference engines per tier behind the router: a tier chosen by request complexity, a
+   replica by prefix affinity, prefix-cache hits on a shared system prompt;
+2. a load step (``fleetpilot bench``, closed loop) breaks the small tier's TTFT objective and
+   the autoscaler adds an engine, saying why; when the load stops, the tier shrinks back after
+   its scale-down window;
+3. everything stops, and the demo checks that no process is left.
 """
 
 from __future__ import annotations
@@ -10,12 +13,15 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import httpx
 
 from fleetpilot.api import load_services
+from fleetpilot.loadgen import cli as loadgen
+from fleetpilot.runtime.autoscale import LocalAutoscaler
 from fleetpilot.runtime.local import LocalFleet, format_status
 from fleetpilot.runtime.processes import free_port
 
@@ -32,6 +38,37 @@ REQUESTS = [
         "numbers is n^2, then derive its complexity. ```python\ndef f(n):\n    ...\n```\n"
         "Explain the induction, the base case, and the integral bound in detail. " * 3)}]),
 ]  # fmt: skip
+
+
+LOAD_S = 20.0
+SETTLE_LIMIT_S = 60.0
+
+
+def load_step(fleet: LocalFleet, model: str) -> None:
+    """Drive load, let the autoscaler scale up, stop the load, let it scale back down."""
+    autoscaler = LocalAutoscaler(fleet, max_replicas_per_role=2, say=lambda t: print(f"   {t}"))
+    bench = [
+        "--url", fleet.endpoint, "--model", model, "--workload", "shared-prefix",
+        "--concurrency", "8", "--duration", str(LOAD_S), "--max-tokens", "16", "--ignore-eos",
+    ]  # fmt: skip
+    print(f"\n== load step: fleetpilot bench {' '.join(bench[4:])}")
+    # The load runs in a thread; the autoscaler stays on this thread, which started the fleet:
+    # engines it adds die with the thread that started them (parent-death signal).
+    load = threading.Thread(target=loadgen.main, args=(bench,))
+    load.start()
+    try:
+        while load.is_alive():
+            autoscaler.step()
+            time.sleep(0.25)
+        print("\n== load stopped; waiting for the scale-down window")
+        deadline = time.monotonic() + SETTLE_LIMIT_S
+        while time.monotonic() < deadline and len(fleet.serving_addresses("small", "unified")) > 1:
+            autoscaler.step()
+            time.sleep(0.25)
+        print()
+        print(format_status(fleet.status_rows()))
+    finally:
+        autoscaler.close()
 
 
 def main() -> int:
@@ -61,6 +98,7 @@ def main() -> int:
             routed = [line for line in metrics.splitlines() if "requests_total{" in line]
             print("== router metrics (requests by tier):")
             print("\n".join(f"   {line}" for line in routed[:8]) or "   (none)")
+            load_step(fleet, service.name)
         print(f"\n== stopped; processes left behind: {json.dumps(fleet.leftovers())}")
     return 0
 
