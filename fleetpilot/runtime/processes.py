@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+# Children listen on loopback: an HTTP(S)_PROXY from the environment must never see a probe.
+_LOOPBACK_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
 
@@ -141,7 +143,7 @@ class Child:
         if self.health_url is None:
             return self.alive()
         try:
-            with urllib.request.urlopen(self.health_url, timeout=timeout_s) as response:
+            with _LOOPBACK_HTTP.open(self.health_url, timeout=timeout_s) as response:
                 return bool(200 <= response.status < 300)
         except (urllib.error.URLError, OSError, ValueError):
             return False

@@ -29,7 +29,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import time
 import urllib.error
 import urllib.parse
@@ -42,7 +41,7 @@ from typing import Any, Self
 
 import yaml
 
-from fleetpilot.runtime.processes import die_with_parent, group_members
+from fleetpilot.runtime.processes import Child, ChildFailedError, Supervisor, group_members
 from fleetpilot.testing.controlplane import free_ports
 
 log = logging.getLogger(__name__)
@@ -168,7 +167,8 @@ class PrometheusServer:
         self.binary = find_binary(binary)
         self.startup_timeout_s = startup_timeout_s
         self.port: int | None = None
-        self._popen: subprocess.Popen[bytes] | None = None
+        self._supervisor = Supervisor(self.workdir)
+        self._child: Child | None = None
         self._http = _opener()
 
     # -- paths and addresses ----------------------------------------------------------------
@@ -188,11 +188,11 @@ class PrometheusServer:
 
     @property
     def pid(self) -> int | None:
-        return self._popen.pid if self._popen is not None else None
+        return self._child.pid if self._child is not None else None
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> Self:
-        if self._popen is not None:
+        if self._child is not None:
             raise PrometheusError("prometheus is already started")
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._write_config()
@@ -205,7 +205,7 @@ class PrometheusServer:
                 log.info("prometheus ready at %s (pid %s)", self.url, self.pid)
                 return self
             except PrometheusError:
-                exited = self._popen is not None and self._popen.poll() is not None
+                exited = self._child is not None and not self._child.alive()
                 self.stop()
                 if not (exited and "address already in use" in self._log_tail()) or attempt == 2:
                     raise
@@ -222,52 +222,24 @@ class PrometheusServer:
             "--storage.tsdb.retention.time=1h",
             "--log.level=info",
         ]
-        with self.log_path.open("ab") as log_file:
-            self._popen = subprocess.Popen(
-                args,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                cwd=self.workdir,
-                start_new_session=True,  # own process group: stop() signals exactly this tree
-                # A test run killed with SIGKILL leaves no Prometheus behind.
-                preexec_fn=die_with_parent(os.getpid()),
-            )
+        # The supervisor gives it its own process group (stop() signals exactly this tree)
+        # and the parent-death signal (a test run killed with SIGKILL leaves no Prometheus).
+        self._child = self._supervisor.start("prometheus", args, health_url=f"{self.url}/-/ready")
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        while True:
-            if self._popen is not None and self._popen.poll() is not None:
-                raise PrometheusError(
-                    f"prometheus exited with {self._popen.returncode}:\n{self._log_tail()}"
-                )
-            with (
-                contextlib.suppress(OSError),
-                self._http.open(f"{self.url}/-/ready", timeout=2) as response,
-            ):
-                if response.status == 200:
-                    return
-            if time.monotonic() > deadline:
-                raise PrometheusError(
-                    f"prometheus not ready after {self.startup_timeout_s:.0f}s:\n{self._log_tail()}"
-                )
-            time.sleep(0.1)
+        assert self._child is not None
+        try:
+            self._supervisor.wait_healthy(self._child, self.startup_timeout_s)
+        except ChildFailedError as exc:
+            raise PrometheusError(str(exc)) from None
 
     def stop(self) -> None:
         """SIGTERM the process group, SIGKILL it if it lingers; idempotent."""
-        popen, self._popen = self._popen, None
-        if popen is None:
+        child, self._child = self._child, None
+        if child is None:
             return
-        if popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(popen.pid, signal.SIGTERM)
-            try:
-                popen.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(popen.pid, signal.SIGKILL)
-                popen.wait(timeout=STOP_TIMEOUT_S)
-        leftover = group_members({popen.pid})
+        self._supervisor.stop(child, grace_s=STOP_TIMEOUT_S)
+        leftover = group_members({child.pid})
         if leftover:
             raise PrometheusError(f"processes left in prometheus' group: {leftover}")
 
@@ -287,8 +259,8 @@ class PrometheusServer:
         """Replace the scraped targets; a running server reloads its config (SIGHUP)."""
         self.targets = list(targets)
         self._write_config()
-        if self._popen is not None and self._popen.poll() is None:
-            os.kill(self._popen.pid, signal.SIGHUP)
+        if self._child is not None and self._child.alive():
+            os.kill(self._child.pid, signal.SIGHUP)
 
     def _write_config(self) -> None:
         config = render_config(self.targets, self.scrape_interval_s)
