@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from typing import TypeVar
 
 from fleetpilot.operator.kube import Kube, Obj
+from fleetpilot.runtime.processes import free_port, port_in_use
 
 T = TypeVar("T")
 
@@ -74,3 +75,18 @@ def condition(obj: Obj | None, kind: str) -> Obj | None:
         if item.get("type") == kind:
             return item  # type: ignore[no-any-return]
     return None
+
+
+def free_port_range(count: int) -> int:
+    """A base port such that ``count`` consecutive loopback ports are free now."""
+    for _ in range(100):
+        base = free_port()
+        if base + count < 65535 and not any(port_in_use(base + i) for i in range(count)):
+            return base
+    raise RuntimeError("no free port range")
+
+
+def route_fields(header: str | None) -> dict[str, str]:
+    """The router's ``x-fleetpilot-route`` header (``tier=small; replica=...``) as a dict."""
+    assert header, "the router sets x-fleetpilot-route"
+    return dict(part.split("=", 1) for part in header.split("; "))

@@ -1,10 +1,12 @@
 """The local autoscaler end to end: load through the router scales a role up, a lull down.
 
 A one-tier service whose TTFT objective (5 ms) a handful of concurrent requests on a CPU
-breaks. The autoscaler reads the engines' /metrics directly (no Prometheus) and starts and
-stops engine processes; the router's config follows. The knobs are the service's own: a 1 s
-interval and a 10 s window make decisions come fast enough for a test, and the default
-min_samples (10) is reached within a second of load, so no policy default needs changing.
+breaks. The stack runs ``fleetpilot autoscaler`` as its own process, reading either a real
+Prometheus server (Debian's package, installed by ``make prometheus``) that scrapes the real
+reference-engine processes, or the engines' /metrics directly; it starts and stops engine
+processes through the fleet's control API, and the router's config follows. The knobs are the
+service's own: a 1 s interval and a 10 s window make decisions come fast enough for a test, and
+the default min_samples (10) is reached within a second of load.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ import httpx
 import pytest
 import yaml
 
+from e2e.support import free_port_range
 from fleetpilot.api import load_services
-from fleetpilot.autoscaler.policy import Decision, Direction, ReasonKind
-from fleetpilot.runtime.autoscale import LocalAutoscaler
+from fleetpilot.autoscaler.remote import RecordedDecision
 from fleetpilot.runtime.local import LocalFleet
-from fleetpilot.runtime.processes import free_port, port_in_use
+from fleetpilot.runtime.stack import LocalStack
 
 SERVICE = """\
 apiVersion: fleetpilot.dev/v1alpha1
@@ -72,21 +74,19 @@ def load(url: str, stop: threading.Event, errors: list[str]) -> int:
     return done
 
 
-def free_port_pair() -> int:
-    """A router port whose next port (the first engine's) is free too."""
-    for _ in range(100):
-        base = free_port()
-        if base < 65534 and not port_in_use(base + 1):
-            return base
-    raise RuntimeError("no two free consecutive ports")
-
-
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[LocalFleet]:
+@pytest.fixture(params=["prometheus", "direct"])
+def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LocalStack]:
     path = tmp_path / "service.yaml"
     path.write_text(SERVICE)
     (service,) = load_services(path)
-    local = LocalFleet(service, tmp_path / "fleet", free_port_pair())
+    local = LocalStack(
+        service,
+        tmp_path / "fleet",
+        free_port_range(2),
+        max_replicas_per_role=2,
+        prometheus=request.param == "prometheus",
+        say=print,
+    )
     try:
         local.start()
         yield local
@@ -96,24 +96,41 @@ def fleet(tmp_path: Path) -> Iterator[LocalFleet]:
 
 
 def step_until(
-    autoscaler: LocalAutoscaler, done: Callable[[], bool], timeout_s: float, what: str
-) -> list[tuple[float, Decision]]:
-    """Step the autoscaler (in this thread: it starts the engines) until ``done()``."""
-    seen: list[tuple[float, Decision]] = []
+    stack: LocalStack, done: Callable[[], bool], timeout_s: float, what: str
+) -> list[tuple[float, RecordedDecision]]:
+    """Supervise the stack (in this thread) until ``done()``; the decisions recorded meanwhile,
+    with the time each was seen."""
+    seen: list[tuple[float, RecordedDecision]] = []
+    recorded = stack.actuator.decisions
+    known = len(recorded)
     deadline = time.monotonic() + timeout_s
     while not done():
         if time.monotonic() > deadline:
             reasons = "\n".join(d.reason for _, d in seen[-5:])
             raise AssertionError(f"timed out waiting for {what}; last reasons:\n{reasons}")
-        seen.extend((time.monotonic(), d) for d in autoscaler.step())
+        stack.step()
+        now = time.monotonic()
+        seen.extend((now, d) for d in recorded[known:])
+        known = len(recorded)
         time.sleep(0.1)
+    # Records that arrived since the last look (done() may have seen them already).
+    seen.extend((time.monotonic(), d) for d in recorded[known:])
     return seen
 
 
+def autoscaler_log(stack: LocalStack) -> str:
+    assert stack.autoscaler is not None
+    return stack.autoscaler.log_path.read_text()
+
+
 def test_load_scales_up_on_ttft_and_a_lull_scales_down_after_the_window(
-    fleet: LocalFleet,
+    stack: LocalStack,
 ) -> None:
-    autoscaler = LocalAutoscaler(fleet, max_replicas_per_role=2, say=print)
+    fleet = stack.fleet
+    if stack.prometheus_url is not None:
+        assert f"reading Prometheus at {stack.prometheus_url}" in autoscaler_log(stack)
+    else:
+        assert "reading the engines' /metrics directly" in autoscaler_log(stack)
     stop = threading.Event()
     errors: list[str] = []
     url = fleet.endpoint
@@ -122,24 +139,37 @@ def test_load_scales_up_on_ttft_and_a_lull_scales_down_after_the_window(
             started = time.monotonic()
             workers = [pool.submit(load, url, stop, errors) for _ in range(CONCURRENCY)]
             try:
-                up = step_until(
-                    autoscaler,
+                step_until(
+                    stack,
                     lambda: len(fleet.role_replicas("small", "unified")) == 2,
-                    LOAD_S + 15,
+                    LOAD_S + 20,
                     "a scale-up",
                 )
-                scale_up = next(d for _, d in up if d.direction is Direction.UP)
-                assert scale_up.reason_kind is ReasonKind.TTFT, scale_up.reason
+                # The scale is recorded right after it is applied: wait for the record too.
+                step_until(
+                    stack,
+                    lambda: any(d.replicas == 2 for d in stack.actuator.decisions),
+                    10,
+                    "the scale-up's record",
+                )
+                scale_up = next(
+                    d for d in stack.actuator.decisions if d.replicas > d.current_replicas
+                )
                 assert "ttft p95" in scale_up.reason
+                assert "> slo 5ms" in scale_up.reason
                 assert scale_up.reason.endswith("1 -> 2") or "1 -> 2 (" in scale_up.reason
+                # What it decided on travelled with it: the status table shows it.
+                assert scale_up.metrics is not None
+                assert scale_up.metrics.ttft_p95_s is not None
+                assert scale_up.metrics.ttft_p95_s > 0.005
                 # The new engine joins the router once healthy.
                 step_until(
-                    autoscaler, lambda: len(router_addresses(fleet)) == 2, 60, "2 router addresses"
+                    stack, lambda: len(router_addresses(fleet)) == 2, 60, "2 router addresses"
                 )
                 rest = LOAD_S - (time.monotonic() - started)
                 if rest > 0:
                     step_until(
-                        autoscaler, lambda: time.monotonic() - started >= LOAD_S, rest + 5, "load"
+                        stack, lambda: time.monotonic() - started >= LOAD_S, rest + 5, "load"
                     )
             finally:
                 stop.set()
@@ -147,22 +177,27 @@ def test_load_scales_up_on_ttft_and_a_lull_scales_down_after_the_window(
         load_stopped = time.monotonic()
         assert served > 0
         assert errors == []
+        table = stack.status_table()
+        assert "ttft p95" in table.splitlines()[1]  # the last scale's reason, on the role's row
 
         down = step_until(
-            autoscaler,
-            lambda: len(fleet.role_replicas("small", "unified")) == 1,
+            stack,
+            lambda: (
+                len(fleet.role_replicas("small", "unified")) == 1
+                and stack.actuator.decisions[-1].replicas == 1
+            ),
             60,
             "a scale-down",
         )
-        when, scale_down = next((t, d) for t, d in down if d.direction is Direction.DOWN)
+        when, scale_down = next((t, d) for t, d in down if d.replicas < d.current_replicas)
         assert when - load_stopped >= SCALE_DOWN_WINDOW_S, scale_down.reason
-        assert scale_down.reason_kind is ReasonKind.IDLE, scale_down.reason
+        assert "idle" in scale_down.reason, scale_down.reason
+        assert scale_down.reason.endswith("2 -> 1") or "2 -> 1 (" in scale_down.reason
         # Before it, the lull was watched, not acted on at once.
         holds = [d for t, d in down if t < when]
         assert holds
         assert all(d.replicas == 2 for d in holds)
         assert len(router_addresses(fleet)) == 1
-        assert autoscaler.actuator.status_columns()[("small", "unified")][0] == 1
+        assert stack.actuator.roles[("small", "unified")].desired == 1
     finally:
         stop.set()
-        autoscaler.close()

@@ -18,28 +18,18 @@ from pathlib import Path
 import openai
 import pytest
 
+from e2e.support import free_port_range, route_fields
 from fleetpilot.api import load_services
 from fleetpilot.runtime.local import LocalFleet
-from fleetpilot.runtime.processes import PortInUseError, free_port, port_in_use
+from fleetpilot.runtime.processes import PortInUseError, port_in_use
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "local-two-tier.yaml"
 TIERS = {"small", "large"}
 
 
-def free_port_range(count: int) -> int:
-    """A base port such that ``count`` consecutive ports are free now."""
-    for _ in range(100):
-        base = free_port()
-        if base + count < 65535 and not any(port_in_use(base + i) for i in range(count)):
-            return base
-    raise RuntimeError("no free port range")
-
-
 def route_tier(header: str | None) -> str:
-    assert header, "the router sets x-fleetpilot-route"
-    fields = dict(part.split("=", 1) for part in header.split("; "))
-    return fields["tier"]
+    return route_fields(header)["tier"]
 
 
 @pytest.fixture(scope="module")

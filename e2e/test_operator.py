@@ -28,8 +28,8 @@ from e2e.support import condition, eventually, mark_pods_ready
 from fleetpilot.operator.drift import AUTOSCALER_MANAGER
 from fleetpilot.operator.kube import Kube, Obj
 from fleetpilot.operator.reconcile import Reconciler
+from fleetpilot.runtime.prometheus import PrometheusServer
 from fleetpilot.testing.controlplane import Cluster, free_ports
-from fleetpilot.testing.prometheus import PrometheusServer
 from tests.autoscaler.support import Engine, EngineKey, Load
 from tests.factories import make_manifest, make_tier
 

@@ -191,6 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
         "up", help="run a service locally: reference engines and the router", add_help=False
     )
     sub.add_parser(
+        "autoscaler",
+        help="scale a local fleet (fleetpilot up's control API) on Prometheus or /metrics",
+        add_help=False,
+    )
+    sub.add_parser(
         "bench",
         help="load an OpenAI-compatible URL (Poisson, schedule or concurrency)",
         add_help=False,
@@ -219,6 +224,16 @@ def _up(argv: Sequence[str]) -> int:
     return int(up.run(parser.parse_args(argv)))
 
 
+def _autoscaler(argv: Sequence[str]) -> int:
+    """``fleetpilot autoscaler --fleet URL``: the autoscaler apart from the fleet it scales."""
+    cli = importlib.import_module("fleetpilot.autoscaler.cli")
+    parser = argparse.ArgumentParser(
+        prog="fleetpilot autoscaler", description="Scale a local fleet on its SLOs."
+    )
+    cli.add_arguments(parser)
+    return int(cli.run(parser.parse_args(argv)))
+
+
 def _bench(argv: Sequence[str]) -> int:
     """``fleetpilot bench``: open- or closed-loop load against any OpenAI-compatible URL."""
     loadgen = importlib.import_module("fleetpilot.loadgen.cli")
@@ -230,7 +245,13 @@ def _bench(argv: Sequence[str]) -> int:
 
 
 # Commands whose modules are heavy (aiohttp, torch): imported only when run.
-LAZY_COMMANDS = {"engine": _engine, "router": _router, "up": _up, "bench": _bench}
+LAZY_COMMANDS = {
+    "engine": _engine,
+    "router": _router,
+    "up": _up,
+    "autoscaler": _autoscaler,
+    "bench": _bench,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -271,6 +271,8 @@ class Decision:
     data_problem: DataProblem | None = None
     panic: bool = False
     dry_run: bool = False  # mode recommend: record, do not scale
+    # What was decided on: recorders show it next to the decision (the local status table).
+    observation: Observation | None = None
 
     @property
     def direction(self) -> Direction:
@@ -336,7 +338,8 @@ def format_seconds(value_s: float) -> str:
 
 
 def _window(seconds: float) -> str:
-    return format_duration(timedelta(seconds=round(seconds, 3)))
+    # Whole seconds from one second up: "watched 28s", not "watched 28022ms".
+    return format_duration(timedelta(seconds=round(seconds) if seconds >= 1 else round(seconds, 3)))
 
 
 @dataclass(frozen=True)
@@ -592,6 +595,7 @@ def decide(
         data_problem=assessment.problem,
         panic=in_panic,
         dry_run=spec.mode is AutoscalingMode.RECOMMEND,
+        observation=observation,
     )
 
 

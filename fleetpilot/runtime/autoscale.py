@@ -1,28 +1,27 @@
-"""The autoscaler on the local runtime: engines' /metrics in, engine processes out.
+"""The local runtime's actuator: a role's replicas are engine processes of a LocalFleet.
 
 :class:`LocalActuator` is the :class:`~fleetpilot.autoscaler.actuator.Actuator` of a
-:class:`~fleetpilot.runtime.local.LocalFleet`: a role's replicas are its engine processes
-(ready = answering /health), scaling starts engines on free ports or stops the newest ones, and
-the router's config file is rewritten with the addresses that serve. :class:`LocalAutoscaler`
-ties it to :class:`~fleetpilot.autoscaler.direct.EngineMetricsSource` and
-:func:`~fleetpilot.autoscaler.loop.tick` for ``fleetpilot up``.
+:class:`~fleetpilot.runtime.local.LocalFleet`: ready = answering /health, scaling starts
+engines on free ports or stops the newest ones, and the router's config file is rewritten with
+the addresses that serve. The control API (:mod:`fleetpilot.runtime.control`) exposes it to
+``fleetpilot autoscaler``, which runs apart; what it records feeds the status table.
 """
 
 from __future__ import annotations
 
 import logging
-import time
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
 from fleetpilot.api import InferenceService
 from fleetpilot.api.spec import ReplicaBounds, ServingMode, Tier
 from fleetpilot.api.status import Condition
 from fleetpilot.autoscaler.actuator import Replicas
-from fleetpilot.autoscaler.direct import EngineMetricsSource
-from fleetpilot.autoscaler.loop import Histories, tick
-from fleetpilot.autoscaler.policy import Decision
+from fleetpilot.autoscaler.policy import Decision, Metrics
+from fleetpilot.autoscaler.remote import RecordedDecision, RoleState
 from fleetpilot.runtime.local import LocalFleet
 
 log = logging.getLogger(__name__)
@@ -36,41 +35,76 @@ class RoleScaling:
     reason: str  # the last decision's sentence
     last_scale_reason: str = ""  # the sentence of the last decision that changed replicas
     last_scale_time: datetime | None = None
+    metrics: Metrics | None = None  # what the last decision saw
 
 
 class LocalActuator:
     """:class:`Actuator` over a :class:`LocalFleet`'s engine processes.
 
     ``say`` receives one line per scale (``fleetpilot up`` prints it); every decision is also
-    logged. ``decisions`` keeps every decision recorded, oldest first (tests read it).
+    logged. ``decisions`` keeps every decision recorded, oldest first (tests read it). All
+    access to the fleet holds ``lock``: the control API's threads and ``fleetpilot up``'s loop
+    share it.
     """
 
-    def __init__(self, fleet: LocalFleet, say: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        fleet: LocalFleet,
+        say: Callable[[str], None] | None = None,
+        lock: threading.RLock | None = None,
+    ) -> None:
         self.fleet = fleet
         self.say = say
+        self.lock = lock or threading.RLock()
         self.roles: dict[tuple[str, str], RoleScaling] = {}
-        self.decisions: list[Decision] = []
+        self.decisions: list[RecordedDecision] = []
         self.conditions: list[Condition] = []
+        # Engines are started from this one long-lived thread: a child gets the parent-death
+        # signal when the *thread* that forked it ends, and the control API's request threads
+        # end after each request.
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fleet-spawn")
+
+    def close(self) -> None:
+        self._spawner.shutdown(wait=True)
+
+    def role_state(self, tier: str, role: str) -> RoleState | None:
+        """One role now, or None when the service has no such tier or role."""
+        spec = next((t for t in self.fleet.service.spec.tiers if t.name == tier), None)
+        if spec is None or role not in spec.role_names:
+            return None
+        with self.lock:
+            # Engines that became healthy since the last look join the router first, so
+            # "ready" and "served by the router" mean the same thing.
+            self.fleet.refresh_serving()
+            members = self.fleet.role_replicas(tier, role)
+            ready = [r for r in members if r.serving and r.child is not None and r.child.alive()]
+            return RoleState(tier, role, len(members), len(ready), tuple(r.address for r in ready))
+
+    def role_states(self) -> list[RoleState]:
+        states = [
+            self.role_state(tier.name, role)
+            for tier in self.fleet.service.spec.tiers
+            for role in tier.role_names
+        ]
+        return [s for s in states if s is not None]
 
     def current(self, service: InferenceService, tier: str, role: str) -> Replicas | None:
-        # Engines that became healthy since the last look join the router first, so "ready"
-        # and "served by the router" mean the same thing.
-        self.fleet.refresh_serving()
-        members = self.fleet.role_replicas(tier, role)
-        if not any(t.name == tier for t in service.spec.tiers):
-            return None
-        ready = sum(r.serving and r.child is not None and r.child.alive() for r in members)
-        return Replicas(current=len(members), ready=ready)
+        state = self.role_state(tier, role)
+        return None if state is None else Replicas(current=state.replicas, ready=state.ready)
 
     def scale(self, service: InferenceService, tier: str, role: str, replicas: int) -> None:
-        members = self.fleet.role_replicas(tier, role)
-        for _ in range(replicas - len(members)):
-            added = self.fleet.add_replica(tier, role)
-            log.info("started %s on port %d", added.name, added.port)
-        for _ in range(len(members) - replicas):
-            removed = self.fleet.remove_replica(tier, role)
-            if removed is not None:
-                log.info("stopped %s (port %d)", removed.name, removed.port)
+        self._spawner.submit(self._scale, tier, role, replicas).result()
+
+    def _scale(self, tier: str, role: str, replicas: int) -> None:
+        with self.lock:
+            members = self.fleet.role_replicas(tier, role)
+            for _ in range(replicas - len(members)):
+                added = self.fleet.add_replica(tier, role)
+                log.info("started %s on port %d", added.name, added.port)
+            for _ in range(len(members) - replicas):
+                removed = self.fleet.remove_replica(tier, role)
+                if removed is not None:
+                    log.info("stopped %s (port %d)", removed.name, removed.port)
 
     def record(
         self,
@@ -79,7 +113,30 @@ class LocalActuator:
         condition: Condition,
         now: datetime,
     ) -> None:
-        self.conditions.append(condition)
+        recorded = [
+            RecordedDecision(
+                d.tier,
+                d.role,
+                d.current_replicas,
+                d.replicas,
+                d.reason,
+                d.dry_run,
+                d.observation.metrics if d.observation is not None else None,
+            )
+            for d in decisions
+        ]
+        self.note(recorded, condition, now)
+
+    def note(
+        self,
+        decisions: Sequence[RecordedDecision],
+        condition: Condition | None = None,
+        now: datetime | None = None,
+    ) -> None:
+        """Keep a tick's decisions for the status table; say each change."""
+        when = now or datetime.now(UTC)
+        if condition is not None:
+            self.conditions.append(condition)
         for decision in decisions:
             self.decisions.append(decision)
             key = (decision.tier, decision.role)
@@ -87,7 +144,7 @@ class LocalActuator:
             last_reason = before.last_scale_reason if before else ""
             last_time = before.last_scale_time if before else None
             if decision.changed:
-                last_reason, last_time = decision.reason, now
+                last_reason, last_time = decision.reason, when
                 line = f"autoscaler: tier {decision.tier}: {decision.reason}"
                 if decision.dry_run:
                     line += " (recommend mode: not applied)"
@@ -97,15 +154,8 @@ class LocalActuator:
             else:
                 log.debug("tier %s: %s", decision.tier, decision.reason)
             self.roles[key] = RoleScaling(
-                decision.replicas, decision.reason, last_reason, last_time
+                decision.replicas, decision.reason, last_reason, last_time, decision.metrics
             )
-
-    def status_columns(self) -> dict[tuple[str, str], tuple[int, str]]:
-        """(tier, role) -> (desired, last scale reason) for :func:`format_status`."""
-        return {
-            key: (scaling.desired, scaling.last_scale_reason or scaling.reason)
-            for key, scaling in self.roles.items()
-        }
 
 
 def capped_service(service: InferenceService, max_per_role: int) -> InferenceService:
@@ -139,35 +189,4 @@ def capped_service(service: InferenceService, max_per_role: int) -> InferenceSer
     return service.model_copy(update={"spec": spec})
 
 
-class LocalAutoscaler:
-    """``loop.tick`` over a local fleet, once per ``period_s``; call :meth:`step` often."""
-
-    def __init__(
-        self,
-        fleet: LocalFleet,
-        *,
-        max_replicas_per_role: int,
-        say: Callable[[str], None] | None = None,
-        period_s: float = 1.0,
-    ) -> None:
-        self.fleet = fleet
-        self.service = capped_service(fleet.service, max_replicas_per_role)
-        self.actuator = LocalActuator(fleet, say)
-        self.source = EngineMetricsSource(fleet.serving_addresses)
-        self.histories: Histories = {}
-        self.period_s = period_s
-        self._next = 0.0
-
-    def step(self, now: float | None = None) -> list[Decision]:
-        """Tick when a period has passed since the last tick; the decisions made, if any."""
-        mono = time.monotonic()
-        if mono < self._next:
-            return []
-        self._next = mono + self.period_s
-        return tick(self.service, self.source, self.actuator, self.histories, now)
-
-    def close(self) -> None:
-        self.source.close()
-
-
-__all__ = ["LocalActuator", "LocalAutoscaler", "RoleScaling", "capped_service"]
+__all__ = ["LocalActuator", "RoleScaling", "capped_service"]

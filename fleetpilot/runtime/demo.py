@@ -3,8 +3,9 @@
 1. reference engines per tier behind the router: a tier chosen by request complexity, a
    replica by prefix affinity, prefix-cache hits on a shared system prompt;
 2. a load step (``fleetpilot bench``, closed loop) breaks the small tier's TTFT objective and
-   the autoscaler adds an engine, saying why; when the load stops, the tier shrinks back after
-   its scale-down window;
+   the autoscaler (``fleetpilot autoscaler``, its own process, reading the fleet's Prometheus
+   when one is installed) adds an engine, saying why; when the load stops, the tier shrinks
+   back after its scale-down window;
 3. everything stops, and the demo checks that no process is left.
 """
 
@@ -21,9 +22,8 @@ import httpx
 
 from fleetpilot.api import load_services
 from fleetpilot.loadgen import cli as loadgen
-from fleetpilot.runtime.autoscale import LocalAutoscaler
-from fleetpilot.runtime.local import LocalFleet, format_status
 from fleetpilot.runtime.processes import free_port
+from fleetpilot.runtime.stack import LocalStack
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "local-two-tier.yaml"
 SYSTEM = "You are a support assistant for an online bookshop. Answer briefly and politely. " * 4
@@ -44,31 +44,40 @@ LOAD_S = 20.0
 SETTLE_LIMIT_S = 60.0
 
 
-def load_step(fleet: LocalFleet, model: str) -> None:
+def _indented(text: str) -> None:
+    print(f"   {text}", flush=True)
+
+
+def load_step(stack: LocalStack, model: str) -> None:
     """Drive load, let the autoscaler scale up, stop the load, let it scale back down."""
-    autoscaler = LocalAutoscaler(fleet, max_replicas_per_role=2, say=lambda t: print(f"   {t}"))
     bench = [
-        "--url", fleet.endpoint, "--model", model, "--workload", "shared-prefix",
+        "--url", stack.endpoint, "--model", model, "--workload", "shared-prefix",
         "--concurrency", "8", "--duration", str(LOAD_S), "--max-tokens", "16", "--ignore-eos",
     ]  # fmt: skip
     print(f"\n== load step: fleetpilot bench {' '.join(bench[4:])}")
-    # The load runs in a thread; the autoscaler stays on this thread, which started the fleet:
-    # engines it adds die with the thread that started them (parent-death signal).
+    # The load runs in a thread; this thread, which started the fleet, keeps supervising it.
     load = threading.Thread(target=loadgen.main, args=(bench,))
     load.start()
-    try:
-        while load.is_alive():
-            autoscaler.step()
-            time.sleep(0.25)
-        print("\n== load stopped; waiting for the scale-down window")
-        deadline = time.monotonic() + SETTLE_LIMIT_S
-        while time.monotonic() < deadline and len(fleet.serving_addresses("small", "unified")) > 1:
-            autoscaler.step()
-            time.sleep(0.25)
-        print()
-        print(format_status(fleet.status_rows()))
-    finally:
-        autoscaler.close()
+    shown = False
+    while load.is_alive():
+        stack.step()
+        if not shown and sum(r.healthy for r in stack.fleet.status_rows()) > 2:
+            print(f"\n{stack.status_table()}\n")  # mid-step: both small engines serving
+            shown = True
+        time.sleep(0.25)
+    print("\n== load stopped; waiting for the scale-down window")
+    deadline = time.monotonic() + SETTLE_LIMIT_S
+    while time.monotonic() < deadline and _small_desired(stack) > 1:
+        stack.step()
+        time.sleep(0.25)
+    print()
+    print(stack.status_table())
+
+
+def _small_desired(stack: LocalStack) -> int:
+    """What the autoscaler last recorded for the small tier (the replicas while none)."""
+    record = stack.actuator.roles.get(("small", "unified"))
+    return record.desired if record else len(stack.fleet.role_replicas("small", "unified"))
 
 
 def main() -> int:
@@ -78,10 +87,16 @@ def main() -> int:
         port = free_port()
         print(f"== starting {path.name} on 127.0.0.1:{port} (reference engines on the CPU)")
         started = time.monotonic()
-        with LocalFleet(service, Path(workdir), port) as fleet:
-            print(f"   up in {time.monotonic() - started:.1f}s; endpoint {fleet.endpoint}\n")
-            print(format_status(fleet.status_rows()), "\n")
-            with httpx.Client(base_url=fleet.endpoint, timeout=60) as client:
+        with LocalStack(service, Path(workdir), port, say=_indented) as stack:
+            print(f"   up in {time.monotonic() - started:.1f}s; endpoint {stack.endpoint}")
+            source = (
+                f"Prometheus at {stack.prometheus_url}"
+                if stack.prometheus_url
+                else ("the engines' /metrics (no Prometheus installed)")
+            )
+            print(f"   autoscaler: its own process, reading {source}\n")
+            print(stack.status_table(), "\n")
+            with httpx.Client(base_url=stack.endpoint, timeout=60) as client:
                 for label, messages in REQUESTS:
                     body = {"model": service.name, "messages": messages, "max_tokens": 16}
                     response = client.post("/chat/completions", json=body)
@@ -94,12 +109,12 @@ def main() -> int:
                         f"   prompt tokens {usage['prompt_tokens']}, served from prefix cache "
                         f"{cached}\n"
                     )
-                metrics = client.get(fleet.endpoint.removesuffix("/v1") + "/metrics").text
+                metrics = client.get(stack.endpoint.removesuffix("/v1") + "/metrics").text
             routed = [line for line in metrics.splitlines() if "requests_total{" in line]
             print("== router metrics (requests by tier):")
             print("\n".join(f"   {line}" for line in routed[:8]) or "   (none)")
-            load_step(fleet, service.name)
-        print(f"\n== stopped; processes left behind: {json.dumps(fleet.leftovers())}")
+            load_step(stack, service.name)
+        print(f"\n== stopped; processes left behind: {json.dumps(stack.leftovers())}")
     return 0
 
 

@@ -13,7 +13,6 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -343,28 +342,6 @@ class LocalFleet:
         self.stop()
 
 
-def format_status(
-    rows: list[StatusRow], scaling: Mapping[tuple[str, str], tuple[int, str]] | None = None
-) -> str:
-    """A fixed-width table of status rows; with ``scaling`` ((tier, role) -> desired replicas
-    and the last scale's reason) also the autoscaler's columns."""
-    header = f"{'TIER':<12} {'ROLE':<8} {'REPLICAS':>8} {'ALIVE':>5} {'HEALTHY':>7}  PORTS"
-    if scaling is not None:
-        header = f"{header:<64} {'DESIRED':>7}  LAST SCALE"
-    lines = [header]
-    for row in rows:
-        ports = ",".join(str(p) for p in row.ports)
-        line = (
-            f"{row.tier:<12} {row.role:<8} {row.replicas:>8} {row.alive:>5} {row.healthy:>7}  "
-            f"{ports}"
-        )
-        if scaling is not None:
-            desired, reason = scaling.get((row.tier, row.role), (row.replicas, ""))
-            line = f"{line:<64} {desired:>7}  {reason or '-'}"
-        lines.append(line)
-    return "\n".join(lines)
-
-
 __all__ = [
     "DEFAULT_MAX_REPLICAS_PER_ROLE",
     "ChildFailedError",
@@ -372,5 +349,4 @@ __all__ = [
     "Replica",
     "StatusRow",
     "engine_argv",
-    "format_status",
 ]

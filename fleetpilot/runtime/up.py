@@ -1,8 +1,9 @@
 """``fleetpilot up -f FILE``: run an InferenceService as local processes until Ctrl-C.
 
-Validates the file first (nothing starts for an invalid one), starts the fleet, prints its
-endpoint and a status table every few seconds, restarts crashed engines, and stops everything it
-started on Ctrl-C, SIGTERM or when ``--duration`` expires.
+Validates the file first (nothing starts for an invalid one), starts the fleet (engines, the
+router, Prometheus when installed, the control API and ``fleetpilot autoscaler``), prints its
+endpoint and a status table every few seconds, restarts crashed children, and stops everything
+it started on Ctrl-C, SIGTERM or when ``--duration`` expires.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from pathlib import Path
 from types import FrameType
 
 from fleetpilot.api import InvalidManifestError, load_services
-from fleetpilot.runtime.autoscale import LocalAutoscaler
-from fleetpilot.runtime.local import DEFAULT_MAX_REPLICAS_PER_ROLE, LocalFleet, format_status
+from fleetpilot.runtime.local import DEFAULT_MAX_REPLICAS_PER_ROLE
 from fleetpilot.runtime.processes import ChildFailedError, PortInUseError
+from fleetpilot.runtime.prometheus import PrometheusError
+from fleetpilot.runtime.stack import LocalStack
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -48,9 +50,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--autoscale",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="scale engines on the engines' own /metrics (tiers with autoscaling not disabled; "
+        help="run fleetpilot autoscaler on the fleet (tiers with autoscaling not disabled; "
         "at most --max-replicas-per-role per role)",
     )
+    a(
+        "--prometheus",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run a Prometheus server scraping the engines (default: when installed; without "
+        "one the autoscaler reads the engines' /metrics directly)",
+    )
+    a("--control-port", type=int, default=0, help="control API port (default: a free one)")
 
 
 class _Stop(KeyboardInterrupt):
@@ -84,58 +94,54 @@ def run(args: argparse.Namespace) -> int:
     service = services[0]
     with tempfile.TemporaryDirectory(prefix="fleetpilot-up-") as tmp:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)
-        fleet = LocalFleet(
-            service, workdir, args.port, max_replicas_per_role=args.max_replicas_per_role
+        stack = LocalStack(
+            service,
+            workdir,
+            args.port,
+            max_replicas_per_role=args.max_replicas_per_role,
+            autoscale=args.autoscale,
+            prometheus=args.prometheus,
+            control_port=args.control_port,
+            say=_say,
         )
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
         try:
-            return _serve(fleet, args)
-        except PortInUseError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return EXIT_FAILED
-        except ChildFailedError as exc:
+            return _serve(stack, args)
+        except (PortInUseError, ChildFailedError, PrometheusError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_FAILED
         finally:
-            fleet.stop()
+            stack.stop()
             signal.signal(signal.SIGTERM, previous)
 
 
-def _serve(fleet: LocalFleet, args: argparse.Namespace) -> int:
-    autoscaler: LocalAutoscaler | None = None
+def _serve(stack: LocalStack, args: argparse.Namespace) -> int:
     try:
-        _say(f"starting {fleet.service.name}: {len(fleet.replicas)} engine(s) and the router")
-        fleet.start()
-        _say(f"fleet is up; OpenAI endpoint: {fleet.endpoint}")
-        _say(f"logs and router config in {fleet.workdir}")
-        if args.autoscale:
-            # Ticks every second; each role still decides at its own autoscaling.interval.
-            autoscaler = LocalAutoscaler(
-                fleet, max_replicas_per_role=args.max_replicas_per_role, say=_say
-            )
-            _say("autoscaler: reading the engines' /metrics directly")
+        engines = len(stack.fleet.replicas)
+        _say(f"starting {stack.service.name}: {engines} engine(s) and the router")
+        stack.start()
+        _say(f"fleet is up; OpenAI endpoint: {stack.endpoint}")
+        _say(f"logs and router config in {stack.workdir}")
+        if stack.prometheus_url:
+            _say(f"prometheus: {stack.prometheus_url} (scraping every engine)")
+        _say(f"control API: {stack.control_url}")
+        if stack.autoscaler is not None:
+            source = "Prometheus" if stack.prometheus_url else "the engines' /metrics"
+            _say(f"autoscaler: running (reads {source}; log in {stack.autoscaler.log_path})")
         deadline = None if args.duration is None else time.monotonic() + args.duration
         next_status = 0.0
         while deadline is None or time.monotonic() < deadline:
-            for report in fleet.supervise_once():
+            for report in stack.step():
                 _say(report)
-            if autoscaler is not None:
-                autoscaler.step()
-            else:
-                fleet.refresh_serving()
             if time.monotonic() >= next_status:
-                scaling = autoscaler.actuator.status_columns() if autoscaler else None
-                _say(format_status(fleet.status_rows(), scaling))
+                _say(stack.status_table())
                 next_status = time.monotonic() + args.status_interval
             pause = 0.5 if deadline is None else min(0.5, max(0.0, deadline - time.monotonic()))
             time.sleep(pause)
         _say("duration reached; stopping")
     except KeyboardInterrupt:
         _say("stopping")
-    finally:
-        if autoscaler is not None:
-            autoscaler.close()
-    fleet.stop()
+    stack.stop()
     _say("stopped; nothing left running")
     return EXIT_OK
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetpilot.testing.prometheus import PrometheusServer
+from fleetpilot.runtime.prometheus import PrometheusServer
 from tests.autoscaler.support import DRIVE_PERIOD_S, Engine, EngineKey, Fleet
 
 # (namespace, service, tier, role, engines, escaped): one line per test scenario.

@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder, generate_latest
 
-from fleetpilot.testing.prometheus import PrometheusServer, ScrapeTarget, engine_pod_labels
+from fleetpilot.runtime.prometheus import PrometheusServer, ScrapeTarget, engine_pod_labels
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so interpolation behaves as with real engines.
 TTFT_BUCKETS = (

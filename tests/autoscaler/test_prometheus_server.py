@@ -1,4 +1,4 @@
-"""The Prometheus launcher (fleetpilot.testing.prometheus): config, process group, labels."""
+"""The Prometheus launcher (fleetpilot.runtime.prometheus), against the autoscaler fixtures."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetpilot.testing.prometheus import (
+from fleetpilot.runtime.prometheus import (
     PrometheusError,
     PrometheusServer,
     ScrapeTarget,
@@ -77,6 +77,6 @@ def test_a_missing_binary_says_how_to_install_it(
 ) -> None:
     monkeypatch.setenv("FLEETPILOT_PROMETHEUS_BIN", str(tmp_path / "nope"))
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr("fleetpilot.testing.prometheus.DEFAULT_BINARY", str(tmp_path / "nope"))
+    monkeypatch.setattr("fleetpilot.runtime.prometheus.DEFAULT_BINARY", str(tmp_path / "nope"))
     with pytest.raises(PrometheusError, match="apt-get install -y prometheus"):
         find_binary()

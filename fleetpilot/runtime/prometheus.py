@@ -1,4 +1,4 @@
-"""A real Prometheus server on loopback, for the autoscaler's tests and demos.
+"""A real Prometheus server on loopback: the local fleet's, and the autoscaler tests'.
 
 Runs the ``prometheus`` binary (Debian's package ``prometheus``: ``apt-get install prometheus``,
 or ``make prometheus``) as a child process with a generated config, its TSDB in a folder of the
@@ -41,8 +41,13 @@ from typing import Any, Self
 
 import yaml
 
-from fleetpilot.runtime.processes import Child, ChildFailedError, Supervisor, group_members
-from fleetpilot.testing.controlplane import free_ports
+from fleetpilot.runtime.processes import (
+    Child,
+    ChildFailedError,
+    Supervisor,
+    free_port,
+    group_members,
+)
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +203,7 @@ class PrometheusServer:
         self._write_config()
         # Another process may take the free port before prometheus binds it: try a new one.
         for attempt in range(3):
-            self.port = free_ports(1)[0]
+            self.port = free_port("127.0.0.1")
             self._spawn()
             try:
                 self._wait_ready()
@@ -268,7 +273,7 @@ class PrometheusServer:
 
     # -- queries ---------------------------------------------------------------------------
     def query(self, promql: str) -> list[dict[str, Any]]:
-        """An instant query's result vector (for tests' own checks; the autoscaler has its
+        """An instant query's result vector (for checks and status; the autoscaler has its
         own reader)."""
         url = f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
         with self._http.open(url, timeout=5) as response:

@@ -1,0 +1,136 @@
+"""``fleetpilot autoscaler --fleet URL``: the autoscaler as its own process, for a local fleet.
+
+It reads the service and its roles from the fleet's control API (``fleetpilot up`` prints the
+URL and starts this command itself), observes each role through Prometheus when the fleet runs
+one (or ``--prometheus-url`` names one), else straight from the engines' /metrics, decides with
+the same policy as the operator's timer, and scales through the control API. Decisions land in
+the fleet's status table, the log and ``fleetpilot_autoscaler_*`` metrics (``--metrics-port``).
+
+A fleet that stops answering is waited for (``--fleet-timeout``), then the command exits 1;
+SIGTERM ends it with 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+import time
+from types import FrameType
+
+from fleetpilot.autoscaler.actuator import default_metrics
+from fleetpilot.autoscaler.direct import EngineMetricsSource
+from fleetpilot.autoscaler.loop import Histories, interval_s, tick
+from fleetpilot.autoscaler.prometheus import MetricsSource, PrometheusSource
+from fleetpilot.autoscaler.remote import FleetActuator, FleetClient, FleetError
+
+log = logging.getLogger("fleetpilot.autoscaler")
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+# How often the loop wakes: each role still decides at its own autoscaling.interval.
+WAKE_S = 1.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--fleet", required=True, help="control API of a local fleet (fleetpilot up prints it)")
+    a(
+        "--prometheus-url",
+        help="Prometheus to read (default: the fleet's own, else the engines' /metrics)",
+    )
+    a("--direct", action="store_true", help="read the engines' /metrics even if there is one")
+    a("--metrics-port", type=int, default=0, help="serve fleetpilot_autoscaler_* here (0: off)")
+    a(
+        "--fleet-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to wait for an unanswering fleet before exiting",
+    )
+    a("--once", action="store_true", help="one tick, then exit (for scripts)")
+    a("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _source(args: argparse.Namespace, client: FleetClient, fleet_prom: str | None) -> MetricsSource:
+    url = None if args.direct else (args.prometheus_url or fleet_prom)
+    if url:
+        log.info("reading Prometheus at %s", url)
+        return PrometheusSource(url)
+    log.info("reading the engines' /metrics directly (no Prometheus)")
+    return EngineMetricsSource(client.addresses)
+
+
+def _wait_for_fleet(client: FleetClient, timeout_s: float, stop: threading.Event) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not stop.is_set():
+        try:
+            client.fleet()
+            return True
+        except FleetError as exc:
+            if time.monotonic() > deadline:
+                log.error("fleet not answering for %.0fs: %s", timeout_s, exc)
+                return False
+        stop.wait(0.5)
+    return False
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    stop = threading.Event()
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, addr="127.0.0.1")
+    with FleetClient(args.fleet) as client:
+        if not _wait_for_fleet(client, args.fleet_timeout, stop):
+            return EXIT_OK if stop.is_set() else EXIT_FAILED
+        service, _, fleet_prom = client.fleet()
+        if interval_s(service) is None:
+            log.info("%s: autoscaling is disabled on every tier; nothing to do", service.name)
+        source = _source(args, client, fleet_prom)
+        actuator = FleetActuator(client, default_metrics())
+        histories: Histories = {}
+        unreachable_since: float | None = None
+        try:
+            while not stop.is_set():
+                try:
+                    # Read every tick: the fleet's service is the one source of truth.
+                    service, _, _ = client.fleet()
+                    tick(service, source, actuator, histories)
+                    unreachable_since = None
+                except FleetError as exc:
+                    now = time.monotonic()
+                    unreachable_since = unreachable_since or now
+                    log.warning("fleet: %s", exc)
+                    if now - unreachable_since > args.fleet_timeout:
+                        log.error("fleet gone for %.0fs; exiting", args.fleet_timeout)
+                        return EXIT_FAILED
+                if args.once:
+                    break
+                stop.wait(WAKE_S)
+        finally:
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fleetpilot autoscaler", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,244 @@
+"""A local fleet and what runs beside it: Prometheus, the control API, the autoscaler.
+
+:class:`LocalStack` is what ``fleetpilot up`` and ``make demo`` run:
+
+- the :class:`~fleetpilot.runtime.local.LocalFleet` (engines per tier/role, the router);
+- a Prometheus server when one is installed, scraping every engine with the pod labels the
+  planner sets (its targets follow the fleet as it scales); without one, the autoscaler reads
+  the engines' /metrics directly, through the same reader interface;
+- the control API (:mod:`fleetpilot.runtime.control`) on a loopback port;
+- ``fleetpilot autoscaler --fleet URL`` as a supervised child process: it decides with the
+  operator's policy and scales through the control API.
+
+Call :meth:`LocalStack.step` from the thread that started the stack, every half second or so:
+it restarts crashed children (reported with their log tail), lists newly healthy engines in the
+router's config and updates Prometheus' targets.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from fleetpilot.api import InferenceService
+from fleetpilot.runtime.autoscale import LocalActuator, RoleScaling, capped_service
+from fleetpilot.runtime.control import ControlServer
+from fleetpilot.runtime.local import DEFAULT_MAX_REPLICAS_PER_ROLE, HOST, LocalFleet, StatusRow
+from fleetpilot.runtime.processes import Child, free_port, group_members
+from fleetpilot.runtime.prometheus import (
+    PrometheusError,
+    PrometheusServer,
+    ScrapeTarget,
+    engine_pod_labels,
+    find_binary,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds == float("inf"):
+        return "inf"
+    return f"{seconds * 1000:.0f}ms"
+
+
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction * 100:.0f}%"
+
+
+def format_status(
+    rows: Sequence[StatusRow], scaling: Mapping[tuple[str, str], RoleScaling] | None = None
+) -> str:
+    """A fixed-width table of the fleet: replicas per tier and role and, with ``scaling``
+    (the autoscaler's records), what its last decision saw and the last scale's reason."""
+    header = f"{'TIER':<10} {'ROLE':<8} {'REPLICAS':>8} {'HEALTHY':>7}"
+    if scaling is not None:
+        header += f" {'TTFT p95':>8} {'TPOT p95':>8} {'KV':>4} {'HITS':>4}  LAST SCALE"
+    lines = [header]
+    for row in rows:
+        line = f"{row.tier:<10} {row.role:<8} {row.replicas:>8} {row.healthy:>7}"
+        if scaling is not None:
+            record = scaling.get((row.tier, row.role))
+            m = record.metrics if record is not None else None
+            reason = (record.last_scale_reason or record.reason) if record is not None else ""
+            line += (
+                f" {_ms(m.ttft_p95_s if m else None):>8} {_ms(m.tpot_p95_s if m else None):>8}"
+                f" {_percent(m.kv_cache_usage_frac if m else None):>4}"
+                f" {_percent(m.prefix_hit_rate_frac if m else None):>4}  {reason or '-'}"
+            )
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def prometheus_installed() -> bool:
+    try:
+        find_binary()
+    except PrometheusError:
+        return False
+    return True
+
+
+class LocalStack:
+    """The fleet, optional Prometheus, the control API and the autoscaler; ``stop()`` ends all.
+
+    ``prometheus``: True requires it, False never starts it, None starts it when installed.
+    ``say`` receives what a person should read (scales, crashes, fallbacks).
+    """
+
+    def __init__(
+        self,
+        service: InferenceService,
+        workdir: Path,
+        port: int,
+        *,
+        max_replicas_per_role: int = DEFAULT_MAX_REPLICAS_PER_ROLE,
+        autoscale: bool = True,
+        prometheus: bool | None = None,
+        control_port: int = 0,
+        say: Callable[[str], None] = print,
+        python: str = sys.executable,
+    ) -> None:
+        self.fleet = LocalFleet(
+            service, workdir, port, max_replicas_per_role=max_replicas_per_role, python=python
+        )
+        self.service = service
+        self.workdir = workdir
+        self.max_replicas_per_role = max_replicas_per_role
+        self.autoscale = autoscale
+        self.want_prometheus = prometheus
+        self.control_port = control_port
+        self.say = say
+        self.python = python
+        self.lock = threading.RLock()
+        self.actuator = LocalActuator(self.fleet, say, self.lock)
+        self.prometheus: PrometheusServer | None = None
+        self.control: ControlServer | None = None
+        self.autoscaler: Child | None = None
+        self._targets: list[ScrapeTarget] = []
+        self._prometheus_pid: int | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return self.fleet.endpoint
+
+    @property
+    def prometheus_url(self) -> str | None:
+        return self.prometheus.url if self.prometheus is not None else None
+
+    @property
+    def control_url(self) -> str | None:
+        return self.control.url if self.control is not None else None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start everything; on any failure stop what started and raise (PortInUseError,
+        ChildFailedError with a log tail, PrometheusError when required but missing)."""
+        try:
+            self.fleet.start()
+            self._start_prometheus()
+            self.control = ControlServer(
+                self.actuator,
+                capped_service(self.service, self.max_replicas_per_role),
+                max_replicas=self.max_replicas_per_role,
+                prometheus_url=self.prometheus_url,
+                port=self.control_port,
+            )
+            self.control.start()
+            if self.autoscale:
+                self._start_autoscaler()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_prometheus(self) -> None:
+        if self.want_prometheus is False:
+            return
+        if not prometheus_installed():
+            if self.want_prometheus:
+                find_binary()  # raises with the install hint
+            self.say(
+                "prometheus is not installed (apt-get install prometheus): the autoscaler "
+                "reads the engines' /metrics directly"
+            )
+            return
+        interval = self.service.spec.monitoring.scrape_interval.total_seconds()
+        self._targets = self.scrape_targets()
+        self.prometheus = PrometheusServer(
+            self.workdir / "prometheus", self._targets, scrape_interval_s=interval
+        )
+        self.prometheus.start()
+        self._prometheus_pid = self.prometheus.pid
+
+    def _start_autoscaler(self) -> None:
+        assert self.control is not None
+        metrics_port = free_port(HOST)
+        argv = [
+            *(self.python, "-m", "fleetpilot", "autoscaler"),
+            *("--fleet", self.control.url, "--metrics-port", str(metrics_port)),
+        ]
+        self.autoscaler = self.fleet.supervisor.start(
+            "autoscaler",
+            argv,
+            health_url=f"http://{HOST}:{metrics_port}/metrics",
+            env={"PYTHONUNBUFFERED": "1"},
+        )
+        self.fleet.supervisor.wait_healthy(self.autoscaler, self.fleet.health_timeout_s)
+
+    def step(self) -> list[str]:
+        """Supervise once; returns one report per crashed child (with its log tail)."""
+        with self.lock:
+            reports = self.fleet.supervise_once()
+            self.fleet.refresh_serving()
+            targets = self.scrape_targets()
+        if self.prometheus is not None and targets != self._targets:
+            self._targets = targets
+            self.prometheus.set_targets(targets)
+        return reports
+
+    def scrape_targets(self) -> list[ScrapeTarget]:
+        """Every engine process, labeled as the planner labels its pod."""
+        return [
+            ScrapeTarget(
+                r.address,
+                engine_pod_labels(self.service.name, r.tier, r.role),
+                self.service.namespace,
+            )
+            for r in self.fleet.replicas
+        ]
+
+    def status_table(self) -> str:
+        with self.lock:
+            rows = self.fleet.status_rows()
+        return format_status(rows, self.actuator.roles if self.autoscale else None)
+
+    def stop(self) -> None:
+        """The autoscaler first (it must not scale a fleet being stopped), then the control
+        API, the fleet and Prometheus; nothing is left running."""
+        if self.autoscaler is not None:
+            self.fleet.supervisor.stop(self.autoscaler, grace_s=5.0)
+        if self.control is not None:
+            self.control.stop()
+        self.actuator.close()
+        self.fleet.stop()
+        if self.prometheus is not None:
+            self.prometheus.stop()
+
+    def leftovers(self) -> list[int]:
+        """Pids still alive of anything the stack started (empty after ``stop``)."""
+        prometheus = group_members({self._prometheus_pid}) if self._prometheus_pid else []
+        return sorted([*self.fleet.leftovers(), *prometheus])
+
+    def __enter__(self) -> LocalStack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+__all__ = ["LocalStack", "format_status", "prometheus_installed"]

@@ -1,0 +1,256 @@
+"""The control API against a real one-tier fleet, through the autoscaler's own client.
+
+The fleet runs one reference engine and the router; the control API is served on a free
+loopback port. The client (``FleetClient``/``FleetActuator``) is the one ``fleetpilot
+autoscaler`` uses, so these tests hold both sides to one contract.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import httpx
+import pytest
+
+from fleetpilot.api import InferenceService, load_services
+from fleetpilot.autoscaler.loop import tick
+from fleetpilot.autoscaler.policy import Metrics
+from fleetpilot.autoscaler.remote import FleetActuator, FleetClient, FleetError
+from fleetpilot.runtime.autoscale import LocalActuator, capped_service
+from fleetpilot.runtime.control import ControlServer
+from fleetpilot.runtime.local import LocalFleet
+from fleetpilot.runtime.processes import free_port
+
+SERVICE = """\
+apiVersion: fleetpilot.dev/v1alpha1
+kind: InferenceService
+metadata: {name: ctl, namespace: default}
+spec:
+  monitoring: {scrapeInterval: 1s}
+  tiers:
+    - name: small
+      model: {name: Qwen/Qwen2.5-0.5B-Instruct, servedName: small-model, maxModelLen: 512}
+      serving:
+        replicas: {min: 1, max: 8}
+      autoscaling:
+        interval: 1s
+        window: 10s
+        slo: {ttftP95: 50ms}
+        scaleUp: {stabilization: 0s}
+"""
+MAX_REPLICAS = 2
+
+
+class Fleet:
+    def __init__(self, fleet: LocalFleet, actuator: LocalActuator, server: ControlServer):
+        self.fleet = fleet
+        self.actuator = actuator
+        self.server = server
+
+    def wait_ready(self, replicas: int, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            state = self.actuator.role_state("small", "unified")
+            assert state is not None
+            if state.ready == replicas == state.replicas:
+                return
+            assert time.monotonic() < deadline, f"not {replicas} ready: {state}"
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> InferenceService:
+    path = tmp_path_factory.mktemp("svc") / "service.yaml"
+    path.write_text(SERVICE)
+    (loaded,) = load_services(path)
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def running(service: InferenceService, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    fleet = LocalFleet(service, tmp_path_factory.mktemp("fleet"), free_port())
+    actuator = LocalActuator(fleet)
+    server = ControlServer(
+        actuator, capped_service(service, MAX_REPLICAS), max_replicas=MAX_REPLICAS
+    )
+    try:
+        fleet.start()
+        server.start()
+        yield Fleet(fleet, actuator, server)
+    finally:
+        server.stop()
+        actuator.close()
+        fleet.stop()
+        assert fleet.leftovers() == []
+
+
+@pytest.fixture
+def fleet(running: Fleet) -> Iterator[Fleet]:
+    """The running fleet, put back to one replica after each test."""
+    yield running
+    running.actuator.scale(running.fleet.service, "small", "unified", 1)
+    running.wait_ready(1)
+
+
+@pytest.fixture
+def client(fleet: Fleet) -> Iterator[FleetClient]:
+    with FleetClient(fleet.server.url) as api:
+        yield api
+
+
+def test_the_fleet_reports_its_capped_service_and_its_roles(client: FleetClient) -> None:
+    service, roles, prometheus = client.fleet()
+    assert service.name == "ctl"
+    tier = service.spec.tiers[0]
+    assert tier.serving.replicas is not None
+    assert tier.serving.replicas.max == MAX_REPLICAS  # what this machine runs, not 8
+    assert prometheus is None
+    (role,) = roles
+    assert (role.tier, role.role, role.replicas, role.ready) == ("small", "unified", 1, 1)
+    assert len(role.addresses) == 1
+    assert client.addresses("small", "unified") == list(role.addresses)
+
+
+def test_an_unknown_role_is_none_and_cannot_be_scaled(client: FleetClient) -> None:
+    assert client.role("small", "decode") is None
+    assert client.role("nope", "unified") is None
+    with pytest.raises(FleetError, match="404 no role 'decode' in tier 'small'"):
+        client.scale("small", "decode", 1)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"replicas": 3}, "replicas: 3 is outside 0..2"),
+        ({"replicas": -1}, "replicas: -1 is outside 0..2"),
+        ({"replicas": "2"}, "replicas: expected an integer"),
+        ({"replicas": True}, "replicas: expected an integer"),
+        ({}, "replicas: expected an integer"),
+    ],
+)
+def test_a_bad_scale_request_is_refused_naming_the_field(
+    fleet: Fleet, body: object, message: str
+) -> None:
+    url = f"{fleet.server.url}/fleet/tiers/small/roles/unified"
+    response = httpx.put(url, json=body, trust_env=False)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert message in error["message"]
+    assert error["param"] == "replicas"
+    assert len(fleet.fleet.role_replicas("small", "unified")) == 1  # nothing changed
+
+
+def test_a_body_that_is_not_json_is_a_400(fleet: Fleet) -> None:
+    response = httpx.post(f"{fleet.server.url}/fleet/decisions", content=b"{nope", trust_env=False)
+    assert response.status_code == 400
+    assert "not JSON" in response.json()["error"]["message"]
+
+
+def test_scaling_through_the_api_starts_an_engine_that_outlives_the_request(
+    fleet: Fleet, client: FleetClient
+) -> None:
+    state = client.scale("small", "unified", 2)
+    assert (state.replicas, state.ready) == (2, 1)  # started, not yet serving
+    fleet.wait_ready(2)
+    # The request's thread is long gone: the engine must not have died with it.
+    time.sleep(1.0)
+    assert all(r.child and r.child.alive() for r in fleet.fleet.replicas)
+    newest = max(fleet.fleet.role_replicas("small", "unified"), key=lambda r: r.index)
+    state = client.scale("small", "unified", 1)
+    assert state.replicas == 1
+    assert newest.address not in state.addresses  # the newest one is stopped
+
+
+class BurstSource:
+    """A metrics source reporting a TTFT p95 far above the objective, with enough samples."""
+
+    def observe(
+        self, service: str, tier: str, role: str, window: timedelta, *, namespace: str | None
+    ) -> Metrics:
+        return Metrics(
+            ttft_p95_s=0.2,
+            ttft_samples=100,
+            kv_cache_usage_frac=0.1,
+            waiting_requests=0,
+            running_requests=4,
+            reporting_engines=1,
+            prefix_hit_rate_frac=0.5,
+            data_age_s=0.5,
+        )
+
+
+def test_a_tick_through_the_api_scales_and_records_the_reason(
+    fleet: Fleet, client: FleetClient
+) -> None:
+    service, _, _ = client.fleet()
+    decisions = tick(service, BurstSource(), FleetActuator(client), {})
+    (decision,) = decisions
+    assert decision.replicas == 2
+    assert len(fleet.fleet.role_replicas("small", "unified")) == 2
+    record = fleet.actuator.roles[("small", "unified")]
+    assert record.desired == 2
+    assert "ttft p95 200ms > slo 50ms: 1 -> 2" in record.last_scale_reason
+    assert record.metrics is not None
+    assert record.metrics.ttft_p95_s == pytest.approx(0.2)
+    assert record.metrics.prefix_hit_rate_frac == pytest.approx(0.5)
+    fleet.wait_ready(2)
+
+
+def test_a_malformed_decision_is_refused_and_not_recorded(fleet: Fleet) -> None:
+    before = len(fleet.actuator.decisions)
+    response = httpx.post(
+        f"{fleet.server.url}/fleet/decisions",
+        json={"decisions": [{"tier": "small", "role": "unified"}]},
+        trust_env=False,
+    )
+    assert response.status_code == 400
+    assert "decisions: malformed" in response.json()["error"]["message"]
+    assert len(fleet.actuator.decisions) == before
+
+
+def run_autoscaler(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fleetpilot", "autoscaler", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_the_autoscaler_command_ticks_once_against_the_fleet(fleet: Fleet) -> None:
+    before = len(fleet.actuator.decisions)
+    result = run_autoscaler("--fleet", fleet.server.url, "--once")
+    assert result.returncode == 0, result.stderr
+    assert "reading the engines' /metrics directly" in result.stderr
+    recorded = fleet.actuator.decisions[before:]
+    assert [(d.tier, d.role) for d in recorded] == [("small", "unified")]
+    # One look at an idle engine is no data for a decision: it holds.
+    assert recorded[0].replicas == 1
+    assert len(fleet.fleet.role_replicas("small", "unified")) == 1
+
+
+def test_the_autoscaler_command_gives_up_on_a_fleet_that_never_answers() -> None:
+    result = run_autoscaler(
+        "--fleet", f"http://127.0.0.1:{free_port()}", "--fleet-timeout", "1", timeout=30
+    )
+    assert result.returncode == 1
+    assert "fleet not answering" in result.stderr
+
+
+def test_decisions_survive_the_wire(fleet: Fleet, client: FleetClient) -> None:
+    service, _, _ = client.fleet()
+    (decision,) = tick(service, BurstSource(), FleetActuator(client), {})
+    mirrored = fleet.actuator.decisions[-1]
+    assert (mirrored.tier, mirrored.role, mirrored.reason) == (
+        decision.tier,
+        decision.role,
+        decision.reason,
+    )
+    assert decision.observation is not None
+    assert mirrored.metrics == decision.observation.metrics
+    fleet.wait_ready(2)
