@@ -7,8 +7,10 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TypeVar
 
+from fleetpilot.autoscaler.remote import RecordedDecision
 from fleetpilot.operator.kube import Kube, Obj
 from fleetpilot.runtime.processes import free_port, port_in_use
+from fleetpilot.runtime.stack import LocalStack
 
 T = TypeVar("T")
 
@@ -90,3 +92,26 @@ def route_fields(header: str | None) -> dict[str, str]:
     """The router's ``x-fleetpilot-route`` header (``tier=small; replica=...``) as a dict."""
     assert header, "the router sets x-fleetpilot-route"
     return dict(part.split("=", 1) for part in header.split("; "))
+
+
+def step_until(
+    stack: LocalStack, done: Callable[[], bool], timeout_s: float, what: str
+) -> list[tuple[float, RecordedDecision]]:
+    """Supervise the stack (in this thread) until ``done()``; the decisions recorded meanwhile,
+    with the time each was seen."""
+    seen: list[tuple[float, RecordedDecision]] = []
+    recorded = stack.actuator.decisions
+    known = len(recorded)
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            reasons = "\n".join(d.reason for _, d in seen[-5:])
+            raise AssertionError(f"timed out waiting for {what}; last reasons:\n{reasons}")
+        stack.step()
+        now = time.monotonic()
+        seen.extend((now, d) for d in recorded[known:])
+        known = len(recorded)
+        time.sleep(0.1)
+    # Records that arrived since the last look (done() may have seen them already).
+    seen.extend((time.monotonic(), d) for d in recorded[known:])
+    return seen

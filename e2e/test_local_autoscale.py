@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,9 +21,8 @@ import httpx
 import pytest
 import yaml
 
-from e2e.support import free_port_range
+from e2e.support import step_until
 from fleetpilot.api import load_services
-from fleetpilot.autoscaler.remote import RecordedDecision
 from fleetpilot.runtime.local import LocalFleet
 from fleetpilot.runtime.stack import LocalStack
 
@@ -82,7 +81,7 @@ def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LocalStack
     local = LocalStack(
         service,
         tmp_path / "fleet",
-        free_port_range(2),
+        0,  # free ports
         max_replicas_per_role=2,
         prometheus=request.param == "prometheus",
         say=print,
@@ -93,29 +92,6 @@ def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LocalStack
     finally:
         local.stop()
         assert local.leftovers() == []
-
-
-def step_until(
-    stack: LocalStack, done: Callable[[], bool], timeout_s: float, what: str
-) -> list[tuple[float, RecordedDecision]]:
-    """Supervise the stack (in this thread) until ``done()``; the decisions recorded meanwhile,
-    with the time each was seen."""
-    seen: list[tuple[float, RecordedDecision]] = []
-    recorded = stack.actuator.decisions
-    known = len(recorded)
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        if time.monotonic() > deadline:
-            reasons = "\n".join(d.reason for _, d in seen[-5:])
-            raise AssertionError(f"timed out waiting for {what}; last reasons:\n{reasons}")
-        stack.step()
-        now = time.monotonic()
-        seen.extend((now, d) for d in recorded[known:])
-        known = len(recorded)
-        time.sleep(0.1)
-    # Records that arrived since the last look (done() may have seen them already).
-    seen.extend((time.monotonic(), d) for d in recorded[known:])
-    return seen
 
 
 def autoscaler_log(stack: LocalStack) -> str:

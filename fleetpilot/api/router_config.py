@@ -120,5 +120,13 @@ class RouterConfig(ApiModel):
         32768, ge=1, description="Per-replica LRU size of the prefix-block index."
     )
     ejection: Ejection = Field(default_factory=Ejection)
+    cold_start_wait: Duration = Field(
+        timedelta(0),
+        description=(
+            "How long a request waits when no tier in reach has a replica (a tier scaled to "
+            "zero): it is counted in fleetpilot_router_pending_requests, which the autoscaler "
+            "reads to scale the tier from zero. 0 answers 503 at once."
+        ),
+    )
     scrape: Scrape = Field(default_factory=Scrape)
     backpressure: Backpressure = Field(default_factory=Backpressure)

@@ -59,7 +59,7 @@ def _source(args: argparse.Namespace, client: FleetClient, fleet_prom: str | Non
         log.info("reading Prometheus at %s", url)
         return PrometheusSource(url)
     log.info("reading the engines' /metrics directly (no Prometheus)")
-    return EngineMetricsSource(client.addresses)
+    return EngineMetricsSource(client.addresses, router=lambda: client.router_address)
 
 
 def _wait_for_fleet(client: FleetClient, timeout_s: float, stop: threading.Event) -> bool:

@@ -18,6 +18,11 @@ kept) and the latest, so the observation interval must be shorter than the windo
 to exist. An engine seen once has no increase yet; when no engine has two snapshots the
 latency fields are None (the policy then holds: "no request count"), never a guess.
 
+A role with no engines (scaled to zero) has nothing to scrape; when the source knows the
+router's address it reads the requests the router holds for the role
+(``fleetpilot_router_pending_requests``) as its waiting requests, which is what scales it from
+zero.
+
 An engine that does not answer is left out and named in ``detail``; when none answers the
 observation is :attr:`DataProblem.UNREACHABLE`. Nothing here raises for a data problem.
 """
@@ -39,7 +44,12 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetpilot.autoscaler.policy import DataProblem, Metrics
-from fleetpilot.autoscaler.prometheus import QUANTILE, MetricNames, escaped_name
+from fleetpilot.autoscaler.prometheus import (
+    QUANTILE,
+    ROUTER_PENDING_METRIC,
+    MetricNames,
+    escaped_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +249,19 @@ def summarize(
     )
 
 
+def pending_requests(text: str, tier: str, role: str) -> float:
+    """``fleetpilot_router_pending_requests{tier, role}`` from a router's exposition."""
+    for family in text_string_to_metric_families(text):
+        if family.name != ROUTER_PENDING_METRIC:
+            continue
+        return sum(
+            s.value
+            for s in family.samples
+            if s.labels.get("tier") == tier and s.labels.get("role") == role
+        )
+    return 0.0
+
+
 # ------------------------------------------------------------------------------ the source
 
 
@@ -258,8 +281,10 @@ class EngineMetricsSource:
         names: MetricNames | None = None,
         clock: Callable[[], float] = time.time,
         max_workers: int = 8,
+        router: Callable[[], str | None] | None = None,
     ) -> None:
         self.addresses = addresses
+        self.router = router
         self.timeout_s = timeout_s
         self.names = names or MetricNames()
         self.clock = clock
@@ -292,6 +317,19 @@ class EngineMetricsSource:
         except Exception as exc:  # a garbled exposition is no data, not a crashed tick
             return f"{address}: unreadable metrics ({exc})"
 
+    def router_pending(self, tier: str, role: str) -> float | None:
+        """Requests the router holds for the role (cold start); None when unknown."""
+        address = self.router() if self.router is not None else None
+        if not address:
+            return None
+        try:
+            response = self._client.get(f"http://{address}/metrics")
+            response.raise_for_status()
+            return pending_requests(response.text, tier, role)
+        except Exception as exc:  # no router reading is no demand seen, never a crash
+            log.debug("router %s: %s", address, exc)
+            return None
+
     def observe(
         self,
         service: str,
@@ -308,8 +346,12 @@ class EngineMetricsSource:
         except Exception as exc:
             return Metrics(problem=DataProblem.UNREACHABLE, detail=f"no engine addresses: {exc}")
         if not engines:
-            # No engines: a role at zero replicas. Nothing waits that we can see.
-            return Metrics(problem=DataProblem.MISSING, detail=f"tier {tier} {role}: no engines")
+            # No engines: a role at zero replicas. Demand shows at the router, if anywhere.
+            return Metrics(
+                waiting_requests=self.router_pending(tier, role),
+                problem=DataProblem.MISSING,
+                detail=f"tier {tier} {role}: no engines",
+            )
         results = list(self._pool.map(self.scrape, engines))
         window_s = max(window.total_seconds(), 1e-3)
         now_s = self.clock()
@@ -353,6 +395,7 @@ __all__ = [
     "histogram_quantile",
     "increase",
     "parse_snapshot",
+    "pending_requests",
     "summarize",
     "window_of",
 ]

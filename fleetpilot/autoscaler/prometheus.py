@@ -32,6 +32,16 @@ The PromQL, with ``S`` the label selector and ``W`` the window (``autoscaling.wi
   sum(rate(vllm:prefix_cache_queries_total{S}[W]))``
 - data age: ``time() - max(timestamp(vllm:num_requests_waiting{S}))``
 
+Demand the router sees for a role with no engines (scale from zero), with ``R`` the router's
+selector (service and namespace labels, and the router metric's own ``tier`` and ``role``):
+
+- held requests: ``sum(fleetpilot_router_pending_requests{R})``
+- requests spilled elsewhere for want of a replica: ``sum(rate(fleetpilot_router_spillovers_total
+  {service labels, from_tier="T"}[W]))``
+
+They stand in for the waiting requests and the arrival rate only when the role has no engine
+series at all.
+
 Inside each aggregation the series are read under both names, ``rate(vllm:x{S}[W]) or
 rate(vllm_x{S}[W])``: see :func:`escaped_name` for why an engine's series may be stored with an
 underscore for the colon.
@@ -67,6 +77,11 @@ log = logging.getLogger(__name__)
 # most, and far above a healthy instant query (milliseconds).
 DEFAULT_TIMEOUT_S = 5.0
 QUANTILE = 0.95
+ROUTER_PENDING_METRIC = "fleetpilot_router_pending_requests"
+ROUTER_SPILLOVERS_METRIC = "fleetpilot_router_spillovers_total"
+# Result keys of the router's queries (not Metrics fields: see combine).
+ROUTER_PENDING = "router_pending"
+ROUTER_SPILLED = "router_spilled_rps"
 
 
 class MetricsSource(Protocol):
@@ -120,6 +135,32 @@ def selector(labels: LabelNames, service: str, tier: str, role: str, namespace: 
     if labels.namespace is not None and namespace is not None:
         pairs.append((labels.namespace, namespace))
     return "{" + ",".join(f"{name}={json.dumps(value)}" for name, value in pairs) + "}"
+
+
+def router_selector(labels: LabelNames, service: str, namespace: str | None, **own: str) -> str:
+    """The router's series of one service, with the router metric's own labels (``tier``...)."""
+    pairs = [(labels.service, service), *own.items()]
+    if labels.namespace is not None and namespace is not None:
+        pairs.append((labels.namespace, namespace))
+    return "{" + ",".join(f"{name}={json.dumps(value)}" for name, value in pairs) + "}"
+
+
+def router_queries(
+    labels: LabelNames,
+    service: str,
+    tier: str,
+    role: str,
+    namespace: str | None,
+    window: timedelta,
+) -> dict[str, str]:
+    """PromQL for the demand the router holds or spills for one role. Purely computational."""
+    pending = router_selector(labels, service, namespace, tier=tier, role=role)
+    spilled = router_selector(labels, service, namespace, from_tier=tier)
+    w = promql_duration(window)
+    return {
+        ROUTER_PENDING: f"sum({ROUTER_PENDING_METRIC}{pending})",
+        ROUTER_SPILLED: f"sum(rate({ROUTER_SPILLOVERS_METRIC}{spilled}[{w}]))",
+    }
 
 
 def promql_duration(window: timedelta) -> str:
@@ -339,6 +380,7 @@ class PrometheusSource:
     ) -> Metrics:
         sel = selector(self.labels, service, tier, role, namespace)
         planned = queries(sel, window, self.metric_names)
+        planned.update(router_queries(self.labels, service, tier, role, namespace, window))
         results = self._run_all(planned)
         return combine(results, f"{self.metric_names.waiting}{sel}")
 
@@ -400,10 +442,20 @@ def combine(results: dict[str, QueryResult], probe: str) -> Metrics:
         problem = DataProblem.MISSING
         detail = f"no series {probe}: are the engines scraped, with these labels?"
     if problem is None:
-        notes = [r.detail for r in results.values() if r.value is None and r.detail]
+        notes = [
+            r.detail
+            for name, r in results.items()
+            if name in known and r.value is None and r.detail
+        ]
         detail = "; ".join(notes)
     if problem is not None:
         values = {}  # do not decide on a partial picture
+    if problem is DataProblem.MISSING:
+        # No engine at all: the demand upstream of the engines is what there is to see (the
+        # policy reads it only for a role at zero replicas).
+        pending = results.get(ROUTER_PENDING, QueryResult(None)).value
+        spilled = results.get(ROUTER_SPILLED, QueryResult(None)).value
+        values = {"waiting_requests": pending, "arrival_rate_rps": spilled}
     return Metrics(**values, problem=problem, detail=detail)
 
 

@@ -137,6 +137,7 @@ class FleetClient:
 
     def __init__(self, url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.url = url.rstrip("/")
+        self.router_address: str | None = None  # host:port, as of the last fleet()
         # Loopback: never through a proxy from the environment.
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s, trust_env=False)
 
@@ -167,6 +168,7 @@ class FleetClient:
         body = self._call("GET", "/fleet")
         service = parse_service(body["service"], f"{self.url}/fleet")
         roles = [RoleState.from_wire(r) for r in body["roles"]]
+        self.router_address = body.get("router")
         return service, roles, body.get("prometheusUrl")
 
     def role(self, tier: str, role: str) -> RoleState | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import yaml
 
 from fleetpilot.api import InferenceService
@@ -58,6 +60,13 @@ def router_config(service: InferenceService) -> RouterConfig:
             )
         )
     routing = spec.routing
+    # A tier allowed to sit at zero replicas gets its first one on demand: the router holds
+    # such a request (as long as any request may take) instead of answering 503.
+    may_be_zero = any(
+        role.replicas.min == 0
+        for index, tier in enumerate(spec.tiers)
+        for role in roles_of(tier, index)
+    )
     return RouterConfig(
         service=service.name,
         namespace=service.namespace,
@@ -69,6 +78,7 @@ def router_config(service: InferenceService) -> RouterConfig:
         spillover=routing.spillover,
         request_timeout=routing.request_timeout,
         max_body_bytes=routing.max_body_bytes,
+        cold_start_wait=routing.request_timeout if may_be_zero else timedelta(0),
     )
 
 

@@ -59,6 +59,19 @@ class UnavailableError(RouterError):
     type = "service_unavailable"
 
 
+class NoReplicaError(UnavailableError):
+    """No tier in reach has a replica at all: the request's own tier may be at zero.
+
+    ``tier`` and ``roles`` name the tier the request wanted, so a router configured with a
+    cold-start wait can hold the request and report the demand (scale from zero).
+    """
+
+    def __init__(self, message: str, *, tier: str, roles: tuple[str, ...]) -> None:
+        super().__init__(message, code="no_ready_replicas")
+        self.tier = tier
+        self.roles = roles
+
+
 class UpstreamFailedError(RouterError):
     status = 502
     type = "upstream_error"

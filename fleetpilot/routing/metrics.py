@@ -124,6 +124,13 @@ class RouterMetrics:
             ["tier", "role", "state"],
             registry=r,
         )
+        self.pending = Gauge(
+            p + "pending_requests",
+            "Requests held because their tier has no replica (cold start); the autoscaler "
+            "scales such a tier from zero on it.",
+            ["tier", "role"],
+            registry=r,
+        )
         self.config_reloads = Counter(
             p + "config_reloads", "Config file reloads by result.", ["result"], registry=r
         )

@@ -25,13 +25,14 @@ from aiohttp import web
 from fleetpilot.routing.errors import (
     BodyTooLargeError,
     InvalidRequestError,
+    NoReplicaError,
     OverloadedError,
     RouterError,
     UpstreamFailedError,
     UpstreamTimeoutError,
     error_body,
 )
-from fleetpilot.routing.features import Kind, extract_features
+from fleetpilot.routing.features import Kind, RequestFeatures, extract_features
 from fleetpilot.routing.metrics import RouterMetrics
 from fleetpilot.routing.policies.pd import (
     KV_TRANSFER_PARAMS,
@@ -45,6 +46,9 @@ from fleetpilot.routing.router import ReplicaState, Route, Router
 log = logging.getLogger(__name__)
 
 ROUTE_HEADER = "x-fleetpilot-route"
+# How often a held request (its tier at zero replicas) looks for a replica again: an engine
+# takes seconds to start, so a quarter second adds little and costs nothing.
+COLD_START_POLL_S = 0.25
 REQUEST_ID_HEADER = "X-Request-Id"
 PATHS: dict[Kind, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # Client headers an engine may need; everything else (cookies, hop-by-hop headers, Host) stays
@@ -168,7 +172,7 @@ class Proxy:
             ) from None
         features = extract_features(body, kind, request.headers)
         decided = time.perf_counter()
-        route = self.router.decide(features)
+        route = await self._decide(features)
         self.metrics.decision_seconds.observe(time.perf_counter() - decided)
         exchange.route = route
         tier = route.tier
@@ -200,6 +204,38 @@ class Proxy:
         return await self._send(
             request, exchange, route, path, payload, headers, features.stream, prefill_id
         )
+
+    async def _decide(self, features: RequestFeatures) -> Route:
+        """The route; while no tier in reach has a replica, the request is held (counted as
+        pending for its tier's roles, which the autoscaler scales from zero on) for up to the
+        config's ``cold_start_wait``, then refused with 503."""
+        try:
+            return self.router.decide(features)
+        except NoReplicaError as exc:
+            wait_s = self.router.config.cold_start_wait.total_seconds()
+            if wait_s <= 0:
+                raise
+            tier, roles = exc.tier, exc.roles
+        pending = [self.metrics.pending.labels(tier, role) for role in roles]
+        for gauge in pending:
+            gauge.inc()
+        deadline = time.monotonic() + wait_s
+        try:
+            while True:
+                await asyncio.sleep(COLD_START_POLL_S)
+                try:
+                    return self.router.decide(features)
+                except NoReplicaError:
+                    if time.monotonic() >= deadline:
+                        raise NoReplicaError(
+                            f"no replica of tier {tier} became ready within the cold-start "
+                            f"wait ({wait_s:g}s)",
+                            tier=tier,
+                            roles=roles,
+                        ) from None
+        finally:
+            for gauge in pending:
+                gauge.dec()
 
     async def _prefill_hop(
         self, route: Route, body: dict[str, Any], path: str, headers: dict[str, str]

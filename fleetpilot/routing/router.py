@@ -17,7 +17,7 @@ from yarl import URL
 
 from fleetpilot.api.router_config import RouterConfig, RouterTier
 from fleetpilot.routing.discovery import Endpoint, EndpointSource
-from fleetpilot.routing.errors import OverloadedError, UnavailableError
+from fleetpilot.routing.errors import NoReplicaError, OverloadedError, UnavailableError
 from fleetpilot.routing.features import RequestFeatures
 from fleetpilot.routing.policies.complexity import (
     DEFAULT_WEIGHTS,
@@ -256,7 +256,7 @@ class Router:
 
         Raises ``UnknownModelError``/``InvalidRequestError`` for a bad target,
         ``OverloadedError`` (429) when every eligible replica is full, and
-        ``UnavailableError`` (503) when no eligible tier has a Ready replica.
+        ``NoReplicaError`` (503) when no eligible tier has a Ready replica.
         """
         self.sync()
         target = resolve_target(features, self.tier_specs, self.config.service, self.weights)
@@ -275,8 +275,11 @@ class Router:
                     code="overloaded",
                     headers={"Retry-After": str(max(1, round(retry)))},
                 )
-            raise UnavailableError(
-                "no ready replica can serve this request", code="no_ready_replicas"
+            wanted = self.tiers[target.index]
+            raise NoReplicaError(
+                "no ready replica can serve this request",
+                tier=wanted.name,
+                roles=tuple(group.role for group in wanted.endpoints),
             )
         tier = self.tiers[choice.index]
         spilled = self.tiers[choice.spilled_from].name if choice.spilled_from is not None else None

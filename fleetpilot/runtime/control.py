@@ -55,8 +55,10 @@ class ControlServer:
         *,
         max_replicas: int,
         prometheus_url: str | None = None,
+        router_address: str | None = None,
         port: int = 0,
     ) -> None:
+        self.router_address = router_address
         self.actuator = actuator
         self.service = service
         self.max_replicas = max_replicas
@@ -93,6 +95,7 @@ class ControlServer:
                 "service": self.service.to_wire(),
                 "roles": [s.to_wire() for s in self.actuator.role_states()],
                 "prometheusUrl": self.prometheus_url,
+                "router": self.router_address,
             }
         tier, role = self._role(path)
         state = self.actuator.role_state(tier, role)

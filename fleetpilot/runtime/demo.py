@@ -22,7 +22,6 @@ import httpx
 
 from fleetpilot.api import load_services
 from fleetpilot.loadgen import cli as loadgen
-from fleetpilot.runtime.processes import free_port
 from fleetpilot.runtime.stack import LocalStack
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "local-two-tier.yaml"
@@ -84,10 +83,9 @@ def main() -> int:
     path = Path(sys.argv[1]) if len(sys.argv) > 1 else EXAMPLE
     (service,) = load_services(path)
     with tempfile.TemporaryDirectory(prefix="fleetpilot-demo-") as workdir:
-        port = free_port()
-        print(f"== starting {path.name} on 127.0.0.1:{port} (reference engines on the CPU)")
+        print(f"== starting {path.name} (reference engines on the CPU, free loopback ports)")
         started = time.monotonic()
-        with LocalStack(service, Path(workdir), port, say=_indented) as stack:
+        with LocalStack(service, Path(workdir), 0, say=_indented) as stack:
             print(f"   up in {time.monotonic() - started:.1f}s; endpoint {stack.endpoint}")
             source = (
                 f"Prometheus at {stack.prometheus_url}"

@@ -129,19 +129,32 @@ class LocalFleet:
             raise ValueError("max_replicas_per_role must be at least 1")
         self.service = service
         self.workdir = workdir
-        self.router_port = base_port
+        # Port 0: every process on its own free port (tests, the demo), instead of the block
+        # after base_port, which another process may hold in part.
+        taken: set[int] = set()
+
+        def next_port(previous: int) -> int:
+            if base_port != 0:
+                return previous + 1
+            port = free_port(HOST)
+            while port in taken:
+                port = free_port(HOST)
+            taken.add(port)
+            return port
+
+        self.router_port = next_port(-1) if base_port == 0 else base_port
         self.health_timeout_s = health_timeout_s
         self.python = python
         self.supervisor = Supervisor(workdir / "logs")
         self.replicas: list[Replica] = []
-        port = base_port + 1
+        port = base_port
         for index, tier in enumerate(service.spec.tiers):
             for role in roles_of(tier, index):
                 count = min(role.replicas.start, max_replicas_per_role)
                 for i in range(count):
+                    port = next_port(port)
                     argv = engine_argv(tier, role.name, port, python)
                     self.replicas.append(Replica(tier.name, role.name, i, port, argv))
-                    port += 1
         self.router: Child | None = None
 
     @property
@@ -310,7 +323,10 @@ class LocalFleet:
     def status_rows(self) -> list[StatusRow]:
         """Per tier and role: replicas planned, alive and answering /health, their ports."""
         rows: list[StatusRow] = []
-        groups: dict[tuple[str, str], list[Replica]] = {}
+        # Every role of the service, in spec order: a role scaled to zero shows as 0.
+        groups: dict[tuple[str, str], list[Replica]] = {
+            (tier.name, role): [] for tier in self.service.spec.tiers for role in tier.role_names
+        }
         for replica in self.replicas:
             groups.setdefault((replica.tier, replica.role), []).append(replica)
         for (tier, role), members in groups.items():

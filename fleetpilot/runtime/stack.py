@@ -3,9 +3,10 @@
 :class:`LocalStack` is what ``fleetpilot up`` and ``make demo`` run:
 
 - the :class:`~fleetpilot.runtime.local.LocalFleet` (engines per tier/role, the router);
-- a Prometheus server when one is installed, scraping every engine with the pod labels the
-  planner sets (its targets follow the fleet as it scales); without one, the autoscaler reads
-  the engines' /metrics directly, through the same reader interface;
+- a Prometheus server when one is installed, scraping every engine and the router with the
+  pod labels the planner sets (its targets follow the fleet as it scales); without one, the
+  autoscaler reads the engines' (and, for a role at zero, the router's) /metrics directly,
+  through the same reader interface;
 - the control API (:mod:`fleetpilot.runtime.control`) on a loopback port;
 - ``fleetpilot autoscaler --fleet URL`` as a supervised child process: it decides with the
   operator's policy and scales through the control API.
@@ -24,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from fleetpilot.api import InferenceService
+from fleetpilot.operator.names import router_selector
 from fleetpilot.runtime.autoscale import LocalActuator, RoleScaling, capped_service
 from fleetpilot.runtime.control import ControlServer
 from fleetpilot.runtime.local import DEFAULT_MAX_REPLICAS_PER_ROLE, HOST, LocalFleet, StatusRow
@@ -146,6 +148,7 @@ class LocalStack:
                 capped_service(self.service, self.max_replicas_per_role),
                 max_replicas=self.max_replicas_per_role,
                 prometheus_url=self.prometheus_url,
+                router_address=f"{HOST}:{self.fleet.router_port}",
                 port=self.control_port,
             )
             self.control.start()
@@ -201,15 +204,16 @@ class LocalStack:
         return reports
 
     def scrape_targets(self) -> list[ScrapeTarget]:
-        """Every engine process, labeled as the planner labels its pod."""
-        return [
-            ScrapeTarget(
-                r.address,
-                engine_pod_labels(self.service.name, r.tier, r.role),
-                self.service.namespace,
-            )
+        """Every engine process and the router, labeled as the planner labels their pods."""
+        namespace = self.service.namespace
+        router = ScrapeTarget(
+            f"{HOST}:{self.fleet.router_port}", router_selector(self.service.name), namespace
+        )
+        engines = [
+            ScrapeTarget(r.address, engine_pod_labels(self.service.name, r.tier, r.role), namespace)
             for r in self.fleet.replicas
         ]
+        return [router, *engines]
 
     def status_table(self) -> str:
         with self.lock:

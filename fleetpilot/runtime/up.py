@@ -31,7 +31,12 @@ EXIT_INVALID = 2
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("-f", "--file", required=True, help="InferenceService YAML file (one service)")
-    a("--port", type=int, default=8000, help="router port; engines use the ports after it")
+    a(
+        "--port",
+        type=int,
+        default=8000,
+        help="router port; engines use the ports after it (0: any free ports)",
+    )
     a("--workdir", help="directory for the router config and logs (default: a temporary one)")
     a(
         "--duration",

@@ -17,6 +17,7 @@ from fleetpilot.autoscaler.direct import (
     histogram_quantile,
     increase,
     parse_snapshot,
+    pending_requests,
     summarize,
     window_of,
 )
@@ -194,3 +195,19 @@ def test_scraping_a_real_engine_measures_the_requests_of_the_window(engine: Any)
         later = source.observe("s", "t", "unified", window)
         assert later.ttft_samples == 0
         assert later.ttft_p95_s is None
+
+
+ROUTER_EXPOSITION = """\
+# HELP fleetpilot_router_pending_requests Requests held because their tier has no replica.
+# TYPE fleetpilot_router_pending_requests gauge
+fleetpilot_router_pending_requests{role="unified",tier="small"} 3.0
+fleetpilot_router_pending_requests{role="decode",tier="large"} 1.0
+fleetpilot_router_pending_requests{role="prefill",tier="large"} 1.0
+"""
+
+
+def test_pending_requests_are_read_per_tier_and_role() -> None:
+    assert pending_requests(ROUTER_EXPOSITION, "small", "unified") == 3.0
+    assert pending_requests(ROUTER_EXPOSITION, "large", "decode") == 1.0
+    assert pending_requests(ROUTER_EXPOSITION, "small", "decode") == 0.0
+    assert pending_requests("", "small", "unified") == 0.0

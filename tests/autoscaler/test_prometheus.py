@@ -26,6 +26,7 @@ from fleetpilot.autoscaler.prometheus import (
     combine,
     promql_duration,
     queries,
+    router_queries,
     selector,
 )
 from fleetpilot.testing.controlplane import free_ports
@@ -243,6 +244,40 @@ def test_combine_never_decides_on_a_partial_picture() -> None:
     }
     m = combine(results, "probe")
     assert m == Metrics(problem=DataProblem.QUERY_ERROR, detail="boom")
+
+
+def test_a_role_without_engines_reports_the_demand_the_router_holds() -> None:
+    """No engine series (a role at zero): the router's held requests and spill rate stand in
+    for waiting and arrivals, still flagged missing (never a reason to scale down)."""
+    results = {
+        "waiting_requests": QueryResult(None, None, "no series"),
+        "data_age_s": QueryResult(None, None, "no series"),
+        "router_pending": QueryResult(2.0),
+        "router_spilled_rps": QueryResult(0.5),
+    }
+    m = combine(results, "probe")
+    assert m.problem is DataProblem.MISSING
+    assert (m.waiting_requests, m.arrival_rate_rps) == (2.0, 0.5)
+    # With engines reporting, the router's numbers are ignored and add no notes.
+    results["data_age_s"] = QueryResult(0.5)
+    results["waiting_requests"] = QueryResult(0.0)
+    m = combine(results, "probe")
+    assert (m.problem, m.waiting_requests, m.arrival_rate_rps) == (None, 0.0, None)
+    assert "router" not in m.detail
+
+
+def test_router_demand_promql() -> None:
+    planned = router_queries(LabelNames(), "chat", "small", "unified", "ml", timedelta(seconds=30))
+    assert planned == {
+        "router_pending": (
+            'sum(fleetpilot_router_pending_requests{fleetpilot_dev_service="chat",'
+            'tier="small",role="unified",namespace="ml"})'
+        ),
+        "router_spilled_rps": (
+            'sum(rate(fleetpilot_router_spillovers_total{fleetpilot_dev_service="chat",'
+            'from_tier="small",namespace="ml"}[30s]))'
+        ),
+    }
 
 
 def test_sources_follow_the_service_prometheus_url() -> None:

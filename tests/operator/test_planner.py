@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from fleetpilot.api import parse_service
 from fleetpilot.api.router_config import ROUTER_CONFIG_FILE, RouterConfig
 from fleetpilot.operator.plan_types import K8sObject, PlanError, PlanOptions
 from fleetpilot.operator.planner import plan
+from fleetpilot.operator.router_objects import router_config
 from tests.factories import make_service, make_tier, two_tier_manifest
 
 
@@ -204,3 +206,12 @@ def test_hub_token_comes_from_a_secret_reference() -> None:
     token = next(e for e in env if e["name"] == "HF_TOKEN")
     secret = {"secretKeyRef": {"name": "hf", "key": "token"}}
     assert token == {"name": "HF_TOKEN", "valueFrom": secret}
+
+
+def test_a_tier_allowed_at_zero_makes_the_router_hold_requests_for_it() -> None:
+    """Scale from zero: with some role's min at 0 the router waits for a replica (as long as
+    any request may take) instead of answering 503; otherwise it answers at once."""
+    always_on = make_service(tiers=[make_tier("small", serving={"replicas": {"min": 1}})])
+    assert router_config(always_on).cold_start_wait == timedelta(0)
+    may_sleep = make_service(tiers=[make_tier("small", serving={"replicas": {"min": 0}})])
+    assert router_config(may_sleep).cold_start_wait == may_sleep.spec.routing.request_timeout

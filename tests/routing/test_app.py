@@ -595,3 +595,42 @@ async def test_endpoints_file_source_follows_the_local_runtime(tmp_path: Path) -
             path.write_text(yaml.safe_dump({"endpoints": [{"tier": "only", "address": b.address}]}))
             await wait_for(lambda: [r.id for r in router.state.router.replicas()] == [b.address])
             assert (await post(router, SHORT))[1]["served_by"] == "b"
+
+
+async def test_a_request_for_a_tier_at_zero_is_held_until_a_replica_appears(
+    tmp_path: Path,
+) -> None:
+    """With a cold-start wait, a request finding no replica at all is held and counted as
+    pending for its tier's roles (what the autoscaler scales from zero on); the replica that
+    appears serves it, and the gauge goes back to zero."""
+    engine = FakeEngine("late")
+    async with engines(engine):
+        path = tmp_path / "router.yaml"
+        config = make_config([tier("only", 1.0, [])], coldStartWait="20s")
+        path.write_text(yaml.safe_dump(config.to_wire()))
+        async with running_router(config, config_path=path, reload_interval_s=0.05) as router:
+            held = asyncio.create_task(post(router, SHORT))
+            await wait_for(
+                lambda: (
+                    router.metric("fleetpilot_router_pending_requests", tier="only", role="unified")
+                    == 1
+                )
+            )
+            assert not held.done()
+            path.write_text(yaml.safe_dump(make_config([tier("only", 1.0, [engine])]).to_wire()))
+            status, body, _ = await asyncio.wait_for(held, 10)
+            assert status == 200
+            assert body["served_by"] == "late"
+            pending = router.metric(
+                "fleetpilot_router_pending_requests", tier="only", role="unified"
+            )
+            assert pending == 0
+
+
+async def test_a_held_request_is_refused_when_the_cold_start_wait_ends() -> None:
+    config = make_config([tier("only", 1.0, [])], coldStartWait="300ms")
+    async with running_router(config) as router:
+        status, body, _ = await post(router, SHORT)
+        assert_openai_error(status, body, 503)
+        assert "within the cold-start wait (0.3s)" in body["error"]["message"]
+        assert router.metric("fleetpilot_router_pending_requests", tier="only", role="unified") == 0

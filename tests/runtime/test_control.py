@@ -72,7 +72,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> InferenceService:
 
 @pytest.fixture(scope="module")
 def running(service: InferenceService, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    fleet = LocalFleet(service, tmp_path_factory.mktemp("fleet"), free_port())
+    fleet = LocalFleet(service, tmp_path_factory.mktemp("fleet"), 0)
     actuator = LocalActuator(fleet)
     server = ControlServer(
         actuator, capped_service(service, MAX_REPLICAS), max_replicas=MAX_REPLICAS
