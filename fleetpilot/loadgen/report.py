@@ -134,7 +134,7 @@ def matplotlib_available() -> bool:
     return True
 
 
-def write_plot(path: Path, records: Sequence[RequestRecord], window_s: float = 5.0) -> None:
+def write_plot(path: Path, records: Sequence[RequestRecord], window_s: float = 2.0) -> None:
     """Latency over time, and the replicas seen answering in each window, per tier.
 
     The replica count is what the route header shows the client: a lower bound on the fleet's
@@ -162,9 +162,15 @@ def write_plot(path: Path, records: Sequence[RequestRecord], window_s: float = 5
             )
     for tier, windows in sorted(seen.items()):
         xs = sorted(windows)
+        counts = [len(windows[x]) for x in xs]
+        # The last window drawn to its end, not stopped at its start.
         reps.step(
-            [x * window_s for x in xs], [len(windows[x]) for x in xs], where="post", label=tier
+            [x * window_s for x in xs] + [(xs[-1] + 1) * window_s],
+            counts + counts[-1:],
+            where="post",
+            label=tier,
         )
+    reps.yaxis.get_major_locator().set_params(integer=True)
     reps.set_ylabel(f"replicas seen / {window_s:g} s")
     reps.set_xlabel("time since start (s)")
     if seen:

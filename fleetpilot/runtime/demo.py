@@ -11,8 +11,8 @@
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import tempfile
 import threading
 import time
@@ -47,12 +47,14 @@ def _indented(text: str) -> None:
     print(f"   {text}", flush=True)
 
 
-def load_step(stack: LocalStack, model: str) -> None:
+def load_step(stack: LocalStack, model: str, plot: Path | None = None) -> None:
     """Drive load, let the autoscaler scale up, stop the load, let it scale back down."""
     bench = [
         "--url", stack.endpoint, "--model", model, "--workload", "shared-prefix",
         "--concurrency", "8", "--duration", str(LOAD_S), "--max-tokens", "16", "--ignore-eos",
     ]  # fmt: skip
+    if plot is not None:
+        bench += ["--plot", str(plot)]
     print(f"\n== load step: fleetpilot bench {' '.join(bench[4:])}")
     # The load runs in a thread; this thread, which started the fleet, keeps supervising it.
     load = threading.Thread(target=loadgen.main, args=(bench,))
@@ -79,8 +81,12 @@ def _small_desired(stack: LocalStack) -> int:
     return record.desired if record else len(stack.fleet.role_replicas("small", "unified"))
 
 
-def main() -> int:
-    path = Path(sys.argv[1]) if len(sys.argv) > 1 else EXAMPLE
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fleetpilot.runtime.demo")
+    parser.add_argument("file", nargs="?", type=Path, default=EXAMPLE, help="service to run")
+    parser.add_argument("--plot", type=Path, help="also write the load step's PNG here")
+    args = parser.parse_args(argv)
+    path: Path = args.file
     (service,) = load_services(path)
     with tempfile.TemporaryDirectory(prefix="fleetpilot-demo-") as workdir:
         print(f"== starting {path.name} (reference engines on the CPU, free loopback ports)")
@@ -111,7 +117,7 @@ def main() -> int:
             routed = [line for line in metrics.splitlines() if "requests_total{" in line]
             print("== router metrics (requests by tier):")
             print("\n".join(f"   {line}" for line in routed[:8]) or "   (none)")
-            load_step(stack, service.name)
+            load_step(stack, service.name, args.plot)
         print(f"\n== stopped; processes left behind: {json.dumps(stack.leftovers())}")
     return 0
 
