@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TypeVar
 
+from fleetpilot.api import load_services
 from fleetpilot.autoscaler.remote import RecordedDecision
 from fleetpilot.operator.kube import Kube, Obj
 from fleetpilot.runtime.processes import free_port, port_in_use
@@ -115,3 +118,19 @@ def step_until(
     # Records that arrived since the last look (done() may have seen them already).
     seen.extend((time.monotonic(), d) for d in recorded[known:])
     return seen
+
+
+@contextlib.contextmanager
+def running_stack(workdir: Path, manifest: str, *, prometheus: bool) -> Iterator[LocalStack]:
+    """A LocalStack of the one service in ``manifest`` on free ports, with or without its
+    Prometheus; stopped on exit, leaving no process behind."""
+    path = workdir / "service.yaml"
+    path.write_text(manifest)
+    (service,) = load_services(path)
+    stack = LocalStack(service, workdir / "fleet", 0, prometheus=prometheus, say=print)
+    try:
+        stack.start()
+        yield stack
+    finally:
+        stack.stop()
+        assert stack.leftovers() == []

@@ -21,8 +21,7 @@ import httpx
 import pytest
 import yaml
 
-from e2e.support import step_until
-from fleetpilot.api import load_services
+from e2e.support import running_stack, step_until
 from fleetpilot.runtime.local import LocalFleet
 from fleetpilot.runtime.stack import LocalStack
 
@@ -75,23 +74,8 @@ def load(url: str, stop: threading.Event, errors: list[str]) -> int:
 
 @pytest.fixture(params=["prometheus", "direct"])
 def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LocalStack]:
-    path = tmp_path / "service.yaml"
-    path.write_text(SERVICE)
-    (service,) = load_services(path)
-    local = LocalStack(
-        service,
-        tmp_path / "fleet",
-        0,  # free ports
-        max_replicas_per_role=2,
-        prometheus=request.param == "prometheus",
-        say=print,
-    )
-    try:
-        local.start()
+    with running_stack(tmp_path, SERVICE, prometheus=request.param == "prometheus") as local:
         yield local
-    finally:
-        local.stop()
-        assert local.leftovers() == []
 
 
 def autoscaler_log(stack: LocalStack) -> str:

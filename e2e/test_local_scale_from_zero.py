@@ -16,8 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from e2e.support import step_until
-from fleetpilot.api import load_services
+from e2e.support import running_stack, step_until
 from fleetpilot.runtime.stack import LocalStack
 
 SERVICE = """\
@@ -43,18 +42,8 @@ SCALE_DOWN_WINDOW_S = 5.0
 
 @pytest.fixture(params=["prometheus", "direct"])
 def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LocalStack]:
-    path = tmp_path / "service.yaml"
-    path.write_text(SERVICE)
-    (service,) = load_services(path)
-    local = LocalStack(
-        service, tmp_path / "fleet", 0, prometheus=request.param == "prometheus", say=print
-    )
-    try:
-        local.start()
+    with running_stack(tmp_path, SERVICE, prometheus=request.param == "prometheus") as local:
         yield local
-    finally:
-        local.stop()
-        assert local.leftovers() == []
 
 
 def ask(url: str) -> httpx.Response:

@@ -88,10 +88,6 @@ def run(args: argparse.Namespace) -> int:
         stop.set()
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    if args.metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(args.metrics_port, addr="127.0.0.1")
     with FleetClient(args.fleet) as client:
         if not _wait_for_fleet(client, args.fleet_timeout, stop):
             return EXIT_OK if stop.is_set() else EXIT_FAILED
@@ -99,6 +95,12 @@ def run(args: argparse.Namespace) -> int:
         if interval_s(service) is None:
             log.info("%s: autoscaling is disabled on every tier; nothing to do", service.name)
         source = _source(args, client, fleet_prom)
+        if args.metrics_port:
+            # Served once the fleet answered and the source is chosen: a supervisor probing
+            # this port sees "ready" only when the autoscaler can work.
+            from prometheus_client import start_http_server
+
+            start_http_server(args.metrics_port, addr="127.0.0.1")
         actuator = FleetActuator(client, default_metrics())
         histories: Histories = {}
         unreachable_since: float | None = None
