@@ -6,7 +6,8 @@ import argparse
 import importlib
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -203,54 +204,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _router(argv: Sequence[str]) -> int:
-    """``fleetpilot router ...``: the routing package parses its own flags."""
-    app = importlib.import_module("fleetpilot.routing.app")
-    parser = argparse.ArgumentParser(
-        prog="fleetpilot router",
-        description="Route OpenAI requests to tiers by complexity and to replicas by prefix.",
-    )
-    app.add_arguments(parser)
-    return int(app.run(parser.parse_args(argv)))
+@dataclass(frozen=True)
+class _DelegatedCommand:
+    """A command whose module parses its own flags (``add_arguments``) and runs them
+    (``run``): imported only when run, since the modules are heavy (aiohttp, torch)."""
+
+    name: str
+    module: str
+    description: str
+
+    def __call__(self, argv: Sequence[str]) -> int:
+        module = importlib.import_module(self.module)
+        parser = argparse.ArgumentParser(
+            prog=f"fleetpilot {self.name}", description=self.description
+        )
+        module.add_arguments(parser)
+        return int(module.run(parser.parse_args(argv)))
 
 
-def _up(argv: Sequence[str]) -> int:
-    """``fleetpilot up -f FILE``: the service as local processes (reference engines, router)."""
-    up = importlib.import_module("fleetpilot.runtime.up")
-    parser = argparse.ArgumentParser(
-        prog="fleetpilot up", description="Run an InferenceService on this machine."
-    )
-    up.add_arguments(parser)
-    return int(up.run(parser.parse_args(argv)))
-
-
-def _autoscaler(argv: Sequence[str]) -> int:
-    """``fleetpilot autoscaler --fleet URL``: the autoscaler apart from the fleet it scales."""
-    cli = importlib.import_module("fleetpilot.autoscaler.cli")
-    parser = argparse.ArgumentParser(
-        prog="fleetpilot autoscaler", description="Scale a local fleet on its SLOs."
-    )
-    cli.add_arguments(parser)
-    return int(cli.run(parser.parse_args(argv)))
-
-
-def _bench(argv: Sequence[str]) -> int:
-    """``fleetpilot bench``: open- or closed-loop load against any OpenAI-compatible URL."""
-    loadgen = importlib.import_module("fleetpilot.loadgen.cli")
-    parser = argparse.ArgumentParser(
-        prog="fleetpilot bench", description="Load an OpenAI-compatible endpoint and report."
-    )
-    loadgen.add_arguments(parser)
-    return int(loadgen.run(parser.parse_args(argv)))
-
-
+_DELEGATED = [
+    _DelegatedCommand(
+        "router",
+        "fleetpilot.routing.app",
+        "Route OpenAI requests to tiers by complexity and to replicas by prefix.",
+    ),
+    _DelegatedCommand("up", "fleetpilot.runtime.up", "Run an InferenceService on this machine."),
+    _DelegatedCommand(
+        "autoscaler", "fleetpilot.autoscaler.cli", "Scale a local fleet on its SLOs."
+    ),
+    _DelegatedCommand(
+        "bench", "fleetpilot.loadgen.cli", "Load an OpenAI-compatible endpoint and report."
+    ),
+]
 # Commands whose modules are heavy (aiohttp, torch): imported only when run.
-LAZY_COMMANDS = {
+LAZY_COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "engine": _engine,
-    "router": _router,
-    "up": _up,
-    "autoscaler": _autoscaler,
-    "bench": _bench,
+    **{command.name: command for command in _DELEGATED},
 }
 
 
