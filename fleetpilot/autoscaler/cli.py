@@ -20,11 +20,12 @@ import threading
 import time
 from types import FrameType
 
+from fleetpilot.api import InferenceService
 from fleetpilot.autoscaler.actuator import default_metrics
 from fleetpilot.autoscaler.direct import EngineMetricsSource
 from fleetpilot.autoscaler.loop import Histories, interval_s, tick
 from fleetpilot.autoscaler.prometheus import MetricsSource, PrometheusSource
-from fleetpilot.autoscaler.remote import FleetActuator, FleetClient, FleetError
+from fleetpilot.autoscaler.remote import FleetActuator, FleetClient, FleetError, RoleState
 
 log = logging.getLogger("fleetpilot.autoscaler")
 
@@ -62,18 +63,20 @@ def _source(args: argparse.Namespace, client: FleetClient, fleet_prom: str | Non
     return EngineMetricsSource(client.addresses, router=lambda: client.router_address)
 
 
-def _wait_for_fleet(client: FleetClient, timeout_s: float, stop: threading.Event) -> bool:
+def _wait_for_fleet(
+    client: FleetClient, timeout_s: float, stop: threading.Event
+) -> tuple[InferenceService, list[RoleState], str | None] | None:
+    """The fleet's first answer; None when it never came or SIGTERM came first."""
     deadline = time.monotonic() + timeout_s
     while not stop.is_set():
         try:
-            client.fleet()
-            return True
+            return client.fleet()
         except FleetError as exc:
             if time.monotonic() > deadline:
                 log.error("fleet not answering for %.0fs: %s", timeout_s, exc)
-                return False
+                return None
         stop.wait(0.5)
-    return False
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,9 +92,10 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     with FleetClient(args.fleet) as client:
-        if not _wait_for_fleet(client, args.fleet_timeout, stop):
+        first = _wait_for_fleet(client, args.fleet_timeout, stop)
+        if first is None:
             return EXIT_OK if stop.is_set() else EXIT_FAILED
-        service, _, fleet_prom = client.fleet()
+        service, _, fleet_prom = first
         if interval_s(service) is None:
             log.info("%s: autoscaling is disabled on every tier; nothing to do", service.name)
         source = _source(args, client, fleet_prom)

@@ -38,7 +38,12 @@ DEFAULT_TIMEOUT_S = 10.0
 
 
 class FleetError(RuntimeError):
-    """The fleet's control API could not be reached or refused a request."""
+    """The fleet's control API could not be reached (``status`` None) or refused a request
+    (``status`` the HTTP status)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -160,7 +165,10 @@ class FleetClient:
                 message = response.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 message = response.text[:300]
-            raise FleetError(f"{method} {self.url}{path}: {response.status_code} {message}")
+            raise FleetError(
+                f"{method} {self.url}{path}: {response.status_code} {message}",
+                response.status_code,
+            )
         return response.json()
 
     def fleet(self) -> tuple[InferenceService, list[RoleState], str | None]:
@@ -176,7 +184,7 @@ class FleetClient:
         try:
             return RoleState.from_wire(self._call("GET", _role_path(tier, role)))
         except FleetError as exc:
-            if ": 404 " in str(exc):
+            if exc.status == 404:
                 return None
             raise
 

@@ -73,20 +73,25 @@ class LocalActuator:
         if spec is None or role not in spec.role_names:
             return None
         with self.lock:
-            # Engines that became healthy since the last look join the router first, so
-            # "ready" and "served by the router" mean the same thing.
             self.fleet.refresh_serving()
-            members = self.fleet.role_replicas(tier, role)
-            ready = [r for r in members if r.serving and r.child is not None and r.child.alive()]
-            return RoleState(tier, role, len(members), len(ready), tuple(r.address for r in ready))
+            return self._state(tier, role)
 
     def role_states(self) -> list[RoleState]:
-        states = [
-            self.role_state(tier.name, role)
-            for tier in self.fleet.service.spec.tiers
-            for role in tier.role_names
-        ]
-        return [s for s in states if s is not None]
+        """Every role of the service, in spec order (one health refresh for all)."""
+        with self.lock:
+            self.fleet.refresh_serving()
+            return [
+                self._state(tier.name, role)
+                for tier in self.fleet.service.spec.tiers
+                for role in tier.role_names
+            ]
+
+    def _state(self, tier: str, role: str) -> RoleState:
+        # Called after refresh_serving: engines that became healthy joined the router first,
+        # so "ready" and "served by the router" mean the same thing.
+        members = self.fleet.role_replicas(tier, role)
+        ready = [r for r in members if r.serving and r.child is not None and r.child.alive()]
+        return RoleState(tier, role, len(members), len(ready), tuple(r.address for r in ready))
 
     def current(self, service: InferenceService, tier: str, role: str) -> Replicas | None:
         state = self.role_state(tier, role)
