@@ -1,10 +1,12 @@
-"""The local runtime's actuator: a role's replicas are engine processes of a LocalFleet.
+"""The fleet's side of scaling a local fleet: a role's replicas are engine processes.
 
-:class:`LocalActuator` is the :class:`~fleetpilot.autoscaler.actuator.Actuator` of a
+:class:`LocalActuator` reads and moves the replicas of a
 :class:`~fleetpilot.runtime.local.LocalFleet`: ready = answering /health, scaling starts
 engines on free ports or stops the newest ones, and the router's config file is rewritten with
 the addresses that serve. The control API (:mod:`fleetpilot.runtime.control`) exposes it to
-``fleetpilot autoscaler``, which runs apart; what it records feeds the status table.
+``fleetpilot autoscaler``, which runs apart (its
+:class:`~fleetpilot.autoscaler.remote.FleetActuator` is the policy loop's actuator); the
+decisions it reports back are kept here for the status table.
 """
 
 from __future__ import annotations
@@ -19,8 +21,7 @@ from datetime import UTC, datetime
 from fleetpilot.api import InferenceService
 from fleetpilot.api.spec import ReplicaBounds, ServingMode, Tier
 from fleetpilot.api.status import Condition
-from fleetpilot.autoscaler.actuator import Replicas
-from fleetpilot.autoscaler.policy import Decision, Metrics
+from fleetpilot.autoscaler.policy import Metrics
 from fleetpilot.autoscaler.remote import RecordedDecision, RoleState
 from fleetpilot.runtime.local import LocalFleet
 
@@ -39,7 +40,7 @@ class RoleScaling:
 
 
 class LocalActuator:
-    """:class:`Actuator` over a :class:`LocalFleet`'s engine processes.
+    """A :class:`LocalFleet`'s engine processes, per role, and the decisions taken on them.
 
     ``say`` receives one line per scale (``fleetpilot up`` prints it); every decision is also
     logged. ``decisions`` keeps every decision recorded, oldest first (tests read it). All
@@ -93,11 +94,7 @@ class LocalActuator:
         ready = [r for r in members if r.serving and r.child is not None and r.child.alive()]
         return RoleState(tier, role, len(members), len(ready), tuple(r.address for r in ready))
 
-    def current(self, service: InferenceService, tier: str, role: str) -> Replicas | None:
-        state = self.role_state(tier, role)
-        return None if state is None else Replicas(current=state.replicas, ready=state.ready)
-
-    def scale(self, service: InferenceService, tier: str, role: str, replicas: int) -> None:
+    def scale(self, tier: str, role: str, replicas: int) -> None:
         self._spawner.submit(self._scale, tier, role, replicas).result()
 
     def _scale(self, tier: str, role: str, replicas: int) -> None:
@@ -110,27 +107,6 @@ class LocalActuator:
                 removed = self.fleet.remove_replica(tier, role)
                 if removed is not None:
                     log.info("stopped %s (port %d)", removed.name, removed.port)
-
-    def record(
-        self,
-        service: InferenceService,
-        decisions: Sequence[Decision],
-        condition: Condition,
-        now: datetime,
-    ) -> None:
-        recorded = [
-            RecordedDecision(
-                d.tier,
-                d.role,
-                d.current_replicas,
-                d.replicas,
-                d.reason,
-                d.dry_run,
-                d.observation.metrics if d.observation is not None else None,
-            )
-            for d in decisions
-        ]
-        self.note(recorded, condition, now)
 
     def note(
         self,

@@ -118,7 +118,7 @@ class ControlServer:
             )
         if self.actuator.role_state(tier, role) is None:
             raise RequestError(HTTPStatus.NOT_FOUND, f"no role {role!r} in tier {tier!r}")
-        self.actuator.scale(self.service, tier, role, replicas)
+        self.actuator.scale(tier, role, replicas)
         state = self.actuator.role_state(tier, role)
         assert state is not None
         return state.to_wire()

@@ -92,7 +92,7 @@ def running(service: InferenceService, tmp_path_factory: pytest.TempPathFactory)
 def fleet(running: Fleet) -> Iterator[Fleet]:
     """The running fleet, put back to one replica after each test."""
     yield running
-    running.actuator.scale(running.fleet.service, "small", "unified", 1)
+    running.actuator.scale("small", "unified", 1)
     running.wait_ready(1)
 
 
