@@ -22,15 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from fleetpilot.engine.reference.sampling import SamplingParams
-
-ERROR_TYPES: dict[int, str] = {
-    400: "BadRequestError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    413: "RequestEntityTooLargeError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
+from fleetpilot.openai_errors import error_body  # shared with the router
 
 # The largest seed torch's generators take; negative seeds are accepted too.
 _MAX_SEED = 2**64 - 1
@@ -48,16 +40,6 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, param=self.param)
-
-
-def error_body(status: int, message: str, *, param: str | None = None) -> dict[str, Any]:
-    error = ErrorInfo(
-        message=message,
-        type=ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError"),
-        param=param,
-        code=status,
-    )
-    return ErrorResponse(error=error).model_dump(mode="json")
 
 
 def validation_error(exc: ValidationError) -> APIError:
