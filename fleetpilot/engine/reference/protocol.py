@@ -22,7 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from fleetpilot.engine.reference.sampling import SamplingParams
-from fleetpilot.openai_errors import error_body  # shared with the router
+from fleetpilot.openai_errors import error_body as error_body  # shared with the router
 
 # The largest seed torch's generators take; negative seeds are accepted too.
 _MAX_SEED = 2**64 - 1
