@@ -105,6 +105,9 @@ def engine_argv(tier: Tier, role: str, port: int, python: str = sys.executable) 
     if role in KV_ROLES:
         config = {"kv_connector": "NixlConnector", "kv_role": KV_ROLES[role], "kv_ip": HOST}
         argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+        # Every engine of the fleet listens on HOST: KV moves only between them (engines
+        # started later by the autoscaler take new ports, so the host, not host:port).
+        argv += ["--allowed-remote-hosts", HOST]
     return argv
 
 

@@ -27,13 +27,15 @@ P/D hand-off, following vLLM's NIXL proxy protocol (DESIGN.md section 4):
   pull or an unusable payload falls back to a local prefill, counted in
   ``fleetpilot:kv_transfer_fallbacks_total{reason}``: the output is the same, only slower.
 
-Trust assumption: like vLLM's NIXL side channel, the hand-off is unauthenticated. A decode
-server connects to whatever host and port a request's ``kv_transfer_params`` name, and a
-prefill server hands pinned KV to whoever knows the (random, unguessable) request id. So the
-engine's port must be reachable only from the router and its peers (a cluster-internal network
-policy). ``kv_connector_extra_config.allowed_remote_hosts`` restricts where a decode server
-pulls from; pulls go only to the ``/internal/kv/`` path, with a timeout and a size bound, and
-the payload is safetensors (no pickle), validated before use.
+Trust assumption: like vLLM's NIXL side channel, the hand-off is unauthenticated: a decode
+server would connect to whatever host and port a request's ``kv_transfer_params`` name, and a
+prefill server would hand pinned KV (and the prompt's token ids) to whoever knows the request
+id. ``--allowed-remote-hosts`` (peers.py; default: loopback only) bounds both: a decode request
+naming a host outside the list is refused with a 400 before any connection is made, and
+``/internal/kv/`` answers 403 to callers whose address is not listed. In a cluster the engine's
+port must also be reachable only from the router and its peers (the planner's NetworkPolicy).
+Pulls go only to the ``/internal/kv/`` path, with a timeout and a size bound, and the payload
+is safetensors (no pickle), validated before use.
 
 Shutdown: SIGTERM (or SIGINT) starts a drain: ``/health`` and new requests get 503, running
 requests finish (up to ``--drain-grace-seconds``, then they are aborted), then the process
@@ -77,6 +79,7 @@ from fleetpilot.engine.reference.engine import (
 )
 from fleetpilot.engine.reference.metrics import CONTENT_TYPE, ServerMetrics
 from fleetpilot.engine.reference.model import LlamaModel, ModelConfig
+from fleetpilot.engine.reference.peers import LOOPBACK, AllowedPeers
 from fleetpilot.engine.reference.protocol import (
     APIError,
     ChatChoice,
@@ -149,7 +152,7 @@ class KVTransferSettings:
     role: Role = "unified"
     engine_id: str = ""
     advertise_host: str | None = None  # kv_ip: the host decoders should pull from
-    allowed_remote_hosts: frozenset[str] | None = None  # None: any (see the trust note)
+    allowed_remote_hosts: AllowedPeers = LOOPBACK  # KV sources and callers (the trust note)
     pull_timeout_s: float = 10.0
     pin_ttl_s: float = 60.0
 
@@ -712,10 +715,18 @@ class EngineServer:
             log.info("remote KV of %s expired before the pull: prefilling", remote_id)
             self.metrics.count_kv_fallback("not_found")
             return None
-        if kv.allowed_remote_hosts is not None and host not in kv.allowed_remote_hosts:
-            log.warning("refusing to pull KV from %s (not in allowed_remote_hosts)", host)
+        # Refused before any connection: a body must not make this server a proxy into the
+        # network it sits in. A 400 rather than a silent local prefill, so a misconfigured list
+        # shows at once; still counted as "refused" so the series flags hostile hand-offs.
+        if not kv.allowed_remote_hosts.allows_pull(host, port):
+            log.warning("refusing to pull KV from %r:%r (not an allowed remote host)", host, port)
             self.metrics.count_kv_fallback("refused")
-            return None
+            raise APIError(
+                400,
+                f"kv_transfer_params.remote_host {host!r} port {port} is not an allowed KV "
+                f"source (--allowed-remote-hosts {kv.allowed_remote_hosts})",
+                param="kv_transfer_params.remote_host",
+            )
         try:
             url = URL.build(
                 scheme="http",
@@ -724,10 +735,14 @@ class EngineServer:
                 path=KV_ROUTE + quote(remote_id, safe=""),
                 encoded=True,
             )
-        except (ValueError, TypeError):
+        except (ValueError, TypeError) as e:
             log.warning("refusing to pull KV from an invalid address %r:%r", host, port)
             self.metrics.count_kv_fallback("refused")
-            return None
+            raise APIError(
+                400,
+                f"kv_transfer_params.remote_host {host!r} is not a valid address",
+                param="kv_transfer_params.remote_host",
+            ) from e
         body = KVPullRequest(
             engine_id=ktp.remote_engine_id, block_ids=ktp.block_ids(), release=True
         )
@@ -768,7 +783,18 @@ class EngineServer:
 
     # ---- P/D: prefill side ---------------------------------------------------------------
 
+    def _check_peer(self, request: web.Request) -> None:
+        """Only listed peers may fetch or release pinned KV (it holds the prompt's tokens)."""
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        address = peer[0] if isinstance(peer, tuple) and peer else ""
+        allowed = self.settings.kv.allowed_remote_hosts
+        if not allowed.allows_caller(address):
+            log.warning("refusing %s %s from %s (not in --allowed-remote-hosts)",
+                        request.method, request.path, address or "an unknown peer")  # fmt: skip
+            raise APIError(403, f"peer {address or '(unknown)'} may not access pinned KV")
+
     async def kv_export(self, request: web.Request) -> web.Response:
+        self._check_peer(request)
         # Served while draining too: a decoder may still come for KV pinned just before.
         self._require("ready", "draining")
         _, runner = self._running()
@@ -798,6 +824,7 @@ class EngineServer:
         return web.Response(body=payload, content_type="application/octet-stream")
 
     async def kv_release(self, request: web.Request) -> web.Response:
+        self._check_peer(request)
         self._require("ready", "draining")
         _, runner = self._running()
         rid = request.match_info["request_id"]
@@ -1018,6 +1045,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "{allowed_remote_hosts, pull_timeout_s}",
     )
     a(
+        "--allowed-remote-hosts",
+        default=None,
+        help="comma-separated P/D peers: the hosts (IP, CIDR or name, optionally :port) a "
+        "decode request may pull KV from, and the addresses /internal/kv answers; '*' for any "
+        "(only behind a network policy). Default: loopback only (127.0.0.0/8, ::1)",
+    )
+    a(
         "--role",
         choices=["auto", "unified", "prefill", "decode", "both"],
         default="auto",
@@ -1136,6 +1170,17 @@ def _kv_settings(args: argparse.Namespace) -> KVTransferSettings:
         not isinstance(allowed, list) or not all(isinstance(h, str) for h in allowed)
     ):
         raise ConfigError("--kv-transfer-config: allowed_remote_hosts must be a list of hosts")
+    if args.allowed_remote_hosts is not None and allowed is not None:
+        raise ConfigError(
+            "--allowed-remote-hosts and kv_connector_extra_config.allowed_remote_hosts are "
+            "both set; set one"
+        )
+    if args.allowed_remote_hosts is not None:
+        allowed = args.allowed_remote_hosts.split(",")
+    try:
+        peers = LOOPBACK if allowed is None else AllowedPeers.parse(allowed)
+    except ValueError as e:
+        raise ConfigError(f"--allowed-remote-hosts: {e}") from e
     try:
         timeout = float(extra.get("pull_timeout_s", 10.0))
     except (TypeError, ValueError) as e:
@@ -1148,7 +1193,7 @@ def _kv_settings(args: argparse.Namespace) -> KVTransferSettings:
         role=role,
         engine_id=str(engine_id),
         advertise_host=str(kv_ip) if kv_ip else None,
-        allowed_remote_hosts=frozenset(allowed) if allowed is not None else None,
+        allowed_remote_hosts=peers,
         pull_timeout_s=timeout,
         pin_ttl_s=args.kv_pin_ttl_seconds,
     )

@@ -237,11 +237,13 @@ def test_failed_and_refused_pulls_fall_back(
     assert out["choices"][0]["token_ids"] == reference
     assert fallbacks(decode.url, "pull_failed") == failed_before + 1
 
-    # Not in the decoder's allowed_remote_hosts: it does not even connect.
+    # Not in the decoder's allowed_remote_hosts: refused without connecting (test_server_peers).
     refused_before = fallbacks(decode.url, "refused")
     elsewhere = {**params, "remote_host": "localhost"}
-    out = post(decode, {**REQUEST, "kv_transfer_params": elsewhere})
-    assert out["choices"][0]["token_ids"] == reference
+    resp = httpx.post(
+        decode.url + "/v1/completions", json={**REQUEST, "kv_transfer_params": elsewhere}
+    )
+    assert resp.status_code == 400, resp.text
     assert fallbacks(decode.url, "refused") == refused_before + 1
 
     # A payload for another prompt is pulled but unusable: the engine prefills instead.
