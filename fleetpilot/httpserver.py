@@ -1,0 +1,330 @@
+"""How the router and the engine listen: aiohttp with limits a hostile or broken client cannot
+outlast, and one throttled warning per kind of bad client instead of a traceback per request.
+
+aiohttp on its own logs every malformed request as an ERROR with a full traceback (logger
+``aiohttp.server``), has no header-read timeout (a client that sends half a request line holds
+its connection until the keep-alive timeout, 3630 s by default for an ``AppRunner``) and no
+connection limit. Here:
+
+- a malformed request still gets aiohttp's 400, but is logged as one WARNING line, at most one
+  per ``warn_interval_s`` with a count of the ones suppressed since (:class:`Throttle`);
+- a connection must deliver complete request headers within ``header_timeout_s`` of opening,
+  and a later request on a kept-alive connection within ``header_timeout_s`` of its first byte,
+  or it is closed; an idle kept-alive connection lives ``keepalive_timeout_s``;
+- beyond ``max_connections`` open connections, a new one is closed at once (and counted in a
+  throttled warning), so clients that never finish cannot exhaust file descriptors.
+
+Use :func:`start_site` (an ``AppRunner`` plus a listening socket) or :func:`run_app` (the same,
+until SIGINT/SIGTERM) instead of aiohttp's ``TCPSite`` / ``web.run_app``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one listener tolerates. The defaults suit both the router and an engine."""
+
+    # Request headers are a few hundred bytes sent in one write by every real client (an
+    # OpenAI SDK, the router's own client, a load balancer): 10 s is generous even on a busy
+    # node, and is what Go's servers are commonly given as ReadHeaderTimeout.
+    header_timeout_s: float = 10.0
+    # Longer than the router's upstream pool keeps idle connections (aiohttp's client: 15 s)
+    # so the client, not the server, closes them: no request races a server-side close.
+    # 75 s is web.run_app's default, which the router used before.
+    keepalive_timeout_s: float = 75.0
+    # Below the usual 1024 open-file soft limit, which a proxied request spends twice (client
+    # and upstream socket), with room left for logs, metrics and the KV-event sockets.
+    max_connections: int = 480
+    # One warning line per kind of bad client per this many seconds.
+    warn_interval_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.header_timeout_s <= 0 or self.keepalive_timeout_s <= 0:
+            raise ValueError("header_timeout_s and keepalive_timeout_s must be positive")
+        if self.max_connections < 1:
+            raise ValueError("max_connections must be at least 1")
+
+
+class Throttle:
+    """At most one event let through per ``interval_s``; says how many were held back.
+
+    Purely computational: the caller passes the time.
+    """
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._next_s = float("-inf")
+        self._suppressed = 0
+
+    def admit(self, now_s: float) -> int | None:
+        """None: suppress this event. Otherwise log it, with the returned count of events
+        suppressed since the last one let through."""
+        if now_s < self._next_s:
+            self._suppressed += 1
+            return None
+        suppressed, self._suppressed = self._suppressed, 0
+        self._next_s = now_s + self.interval_s
+        return suppressed
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    # Parse errors quote what the client sent: keep it on one line and short.
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+class _ThrottledWarnings:
+    """One throttle per kind of client trouble, logging to this module's logger."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._interval_s = interval_s
+        self._clock = clock
+        self._throttles: dict[str, Throttle] = {}
+
+    def warn(self, kind: str, message: str, *args: object) -> None:
+        throttle = self._throttles.setdefault(kind, Throttle(self._interval_s))
+        suppressed = throttle.admit(self._clock())
+        if suppressed is None:
+            return
+        if suppressed:
+            message += f" ({suppressed} more in the last {self._interval_s:g}s not logged)"
+        log.warning(message, *args)
+
+
+class _ServerLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """Stands in for aiohttp's ``aiohttp.server`` logger inside its RequestHandler.
+
+    aiohttp reports a request it could not parse through ``logger.exception(...,
+    exc_info=HttpProcessingError)``; that is the client's fault, not ours: one throttled
+    warning. Anything else (a handler that crashed past our middlewares) keeps its traceback.
+    """
+
+    def __init__(self, warnings: _ThrottledWarnings) -> None:
+        super().__init__(logging.getLogger("aiohttp.server"), {})
+        self._warnings = warnings
+
+    def exception(self, msg: object, *args: object, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info")
+        if isinstance(exc, HttpProcessingError):
+            remote = args[0] if args else "?"
+            self._warnings.warn(
+                "malformed", "malformed HTTP request from %s: %s", remote, _one_line(str(exc))
+            )
+            return
+        super().exception(msg, *args, **kwargs)
+
+
+class _Connections:
+    """The guards of one listener's open connections, and the limits they enforce."""
+
+    def __init__(self, limits: ServerLimits, warnings: _ThrottledWarnings) -> None:
+        self.limits = limits
+        self.warnings = warnings
+        self.open: dict[RequestHandler, _Guard] = {}
+
+
+class _Guard(asyncio.Protocol):
+    """Wraps one aiohttp RequestHandler: refuses it past the connection limit and closes it
+    when request headers do not arrive in time. Everything else goes straight through.
+
+    Whether the headers are complete is learnt from the request reaching the application
+    (:func:`_request_started`): aiohttp gives protocols no other public signal.
+    """
+
+    def __init__(self, handler: RequestHandler, connections: _Connections) -> None:
+        self.handler = handler
+        self.connections = connections
+        self.transport: asyncio.Transport | None = None
+        self.busy = False  # a request is in the application
+        self._deadline: asyncio.TimerHandle | None = None
+
+    # -- the header deadline -------------------------------------------------------------
+    def arm(self) -> None:
+        if self._deadline is None and self.transport is not None:
+            loop = asyncio.get_running_loop()
+            self._deadline = loop.call_later(
+                self.connections.limits.header_timeout_s, self._expired
+            )
+
+    def disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if self.busy or self.transport is None:
+            return
+        peer = self.transport.get_extra_info("peername")
+        self.connections.warnings.warn(
+            "header-timeout",
+            "closed a connection from %s: no complete request headers within %gs",
+            peer[0] if isinstance(peer, tuple) else peer,
+            self.connections.limits.header_timeout_s,
+        )
+        self.transport.abort()
+
+    # -- asyncio.Protocol ----------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        open_ = self.connections.open
+        if len(open_) >= self.connections.limits.max_connections:
+            self.connections.warnings.warn(
+                "connection-limit",
+                "connection limit reached (%d open): closing new connections",
+                len(open_),
+            )
+            transport.abort()
+            return
+        self.transport = transport
+        open_[self.handler] = self
+        self.handler.connection_made(transport)
+        self.arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self.transport is None:
+            return
+        # The first byte of a request on an idle kept-alive connection starts its deadline.
+        if not self.busy:
+            self.arm()
+        self.handler.data_received(data)
+
+    def eof_received(self) -> None:
+        # None, as aiohttp's handler answers: the transport closes itself after a half-close.
+        if self.transport is not None:
+            self.handler.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.disarm()
+        if self.transport is None:
+            return
+        self.transport = None
+        self.connections.open.pop(self.handler, None)
+        self.handler.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.handler.resume_writing()
+
+
+def _request_tracker(connections: _Connections) -> Callable[..., Awaitable[web.StreamResponse]]:
+    @web.middleware
+    async def track(request: web.Request, handler: Handler) -> web.StreamResponse:
+        guard = connections.open.get(request.protocol)
+        if guard is None:  # served outside a guarded site (aiohttp's test client)
+            return await handler(request)
+        guard.busy = True
+        guard.disarm()
+        try:
+            return await handler(request)
+        finally:
+            # Idle until the next request's first byte (data_received arms the deadline).
+            guard.busy = False
+
+    return track
+
+
+def make_runner(
+    app: web.Application, limits: ServerLimits = ServerLimits(), **kwargs: Any
+) -> web.AppRunner:
+    """An AppRunner whose connections are guarded by ``limits`` once served by
+    :func:`start_site`. ``kwargs`` go to ``web.AppRunner`` (handler_cancellation, ...)."""
+    warnings = _ThrottledWarnings(limits.warn_interval_s)
+    connections = _Connections(limits, warnings)
+    # Outermost: a request counts as started before any other middleware runs.
+    app.middlewares.insert(0, _request_tracker(connections))
+    app[_CONNECTIONS] = connections
+    return web.AppRunner(
+        app,
+        keepalive_timeout=limits.keepalive_timeout_s,
+        logger=_ServerLogger(warnings),
+        **kwargs,
+    )
+
+
+# The connection table of an app served by make_runner, for the site that listens for it.
+_CONNECTIONS: web.AppKey[_Connections] = web.AppKey("fleetpilot_connections", _Connections)
+
+
+class GuardedSite(web.BaseSite):
+    """A TCP listener whose connections go through :class:`_Guard` (limit, header timeout)."""
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int) -> None:
+        super().__init__(runner)
+        self._host = host
+        self._port = port
+        self._connections = runner.app[_CONNECTIONS]
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        server = self._runner.server
+        assert server is not None
+        connections = self._connections
+
+        def protocol() -> _Guard:
+            return _Guard(server(), connections)
+
+        self._server = await asyncio.get_running_loop().create_server(
+            protocol, self._host, self._port, reuse_address=True
+        )
+
+
+def open_connections(app: web.Application) -> int:
+    """Connections open now on the guarded site serving ``app`` (0 when not served)."""
+    connections = app.get(_CONNECTIONS)
+    return 0 if connections is None else len(connections.open)
+
+
+async def start_site(runner: web.AppRunner, host: str, port: int) -> GuardedSite:
+    """Set ``runner`` up (made by :func:`make_runner`) and listen on ``host:port``."""
+    await runner.setup()
+    site = GuardedSite(runner, host, port)
+    await site.start()
+    return site
+
+
+def run_app(
+    app: web.Application,
+    host: str,
+    port: int,
+    limits: ServerLimits = ServerLimits(),
+    **kwargs: Any,
+) -> None:
+    """Serve ``app`` until SIGINT or SIGTERM, then shut down gracefully (on_cleanup runs)."""
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        runner = make_runner(app, limits, **kwargs)
+        try:
+            await start_site(runner, host, port)
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(serve())
