@@ -41,6 +41,14 @@ class RouterTier(ApiModel):
     up_to: float = Field(ge=0.0, le=1.0)
     mode: ServingMode
     endpoints: list[EndpointGroup]
+    first_byte_timeout: Duration | None = Field(
+        None,
+        description=(
+            "This tier's time-to-first-byte budget per upstream attempt (and for the prefill "
+            "hop); unset: the config-wide firstByteTimeout. The planner derives it from the "
+            "tier's SLO: max(2s, 4 x ttftP95)."
+        ),
+    )
 
 
 class Ejection(ApiModel):
@@ -102,6 +110,29 @@ class RouterConfig(ApiModel):
     connect_timeout: Duration = Field(
         timedelta(seconds=2),
         description="TCP connect limit per upstream attempt: a dead replica costs at most this.",
+    )
+    # A frozen engine (SIGSTOPped, wedged) accepts connections and never answers, so no
+    # connect timeout catches it. Past this budget with no response yet, the replica must
+    # prove it is alive (a /health probe, started early enough to be answered by the budget's
+    # end): if it cannot, the attempt is a failure and goes to another replica. A replica that
+    # is alive keeps the request: a long non-streamed generation sends its first byte only
+    # when it is done. 5 s: well past any TTFT a fleet without an SLO would accept, and short
+    # enough that a freeze costs a client seconds, not the request timeout.
+    first_byte_timeout: Duration = Field(
+        timedelta(seconds=5),
+        description=(
+            "Time-to-first-byte budget per upstream attempt and for the prefill hop, for tiers "
+            "without their own: past it, a replica that also fails a /health probe counts a "
+            "failure (towards ejection) and the request is retried on another replica; a "
+            "prefill hop past it falls back to decode-only."
+        ),
+    )
+    debug_route_header: bool = Field(
+        False,
+        description=(
+            "Show replica addresses (replica=, prefill=) in the x-fleetpilot-route response "
+            "header. Off by default: clients need not learn the fleet's internal addresses."
+        ),
     )
     load_cap: float = Field(
         1.25,

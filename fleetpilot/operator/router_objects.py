@@ -35,6 +35,21 @@ def endpoint_url(service: InferenceService) -> str:
     return f"http://{host}:{ROUTER_PORT}/v1"
 
 
+# A replica's first byte is due within a few TTFT SLOs: the SLO is a p95, queueing under a
+# burst can triple a tail, and 4x leaves room for that before a request is moved. The floor
+# keeps a tight SLO (100 ms) from turning a GC pause or a busy node into failovers.
+FIRST_BYTE_SLO_FACTOR = 4.0
+FIRST_BYTE_FLOOR = timedelta(seconds=2)
+
+
+def first_byte_timeout(ttft_p95: timedelta | None) -> timedelta | None:
+    """The tier's time-to-first-byte budget: max(2s, 4 x ttftP95); None without a TTFT SLO
+    (the router's config-wide default applies). Purely computational."""
+    if ttft_p95 is None:
+        return None
+    return max(FIRST_BYTE_FLOOR, ttft_p95 * FIRST_BYTE_SLO_FACTOR)
+
+
 def router_config(service: InferenceService) -> RouterConfig:
     """What the router needs to know: tiers, their thresholds and where their pods are."""
     spec = service.spec
@@ -57,6 +72,7 @@ def router_config(service: InferenceService) -> RouterConfig:
                 up_to=tier.complexity.up_to,
                 mode=tier.serving.mode,
                 endpoints=groups,
+                first_byte_timeout=first_byte_timeout(tier.autoscaling.slo.ttft_p95),
             )
         )
     routing = spec.routing

@@ -28,7 +28,6 @@ from fleetpilot.routing.errors import (
     InvalidRequestError,
     RouterError,
     UnknownModelError,
-    error_body,
 )
 from fleetpilot.routing.health import Prober
 from fleetpilot.routing.metrics import CONTENT_TYPE, RouterMetrics
@@ -54,8 +53,10 @@ class RouterApp:
         config_path: Path | None = None,
         reload_interval_s: float = 1.0,
         seed: int | None = None,
+        debug_route_header: bool = False,
     ) -> None:
         self.metrics = RouterMetrics()
+        self.debug_route_header = debug_route_header
         self.source = source
         self.router = Router(config, source, rng=random.Random(seed), on_eject=self._ejected)
         self.config_path = config_path
@@ -93,7 +94,9 @@ class RouterApp:
             skip_auto_headers=("User-Agent",),
             cookie_jar=aiohttp.DummyCookieJar(),
         )
-        self.proxy = Proxy(self.router, self.metrics, self.session)
+        self.proxy = Proxy(
+            self.router, self.metrics, self.session, debug_route_header=self.debug_route_header
+        )
         await self.source.start()
         self.router.sync()
         self.scraper = Scraper(
@@ -214,10 +217,10 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         error: RouterError
         if exc.status == 404:
             error = UnknownModelError(
-                f"no route for {request.method} {request.path}", code="not_found"
+                f"no route for {request.method} {request.path}", reason="not_found"
             )
         else:
-            error = InvalidRequestError(exc.reason, code=exc.reason.lower().replace(" ", "_"))
+            error = InvalidRequestError(exc.reason, reason=exc.reason.lower().replace(" ", "_"))
         error.status = exc.status
         return error_response(error)
     except RouterError as exc:
@@ -226,11 +229,7 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         raise
     except Exception:
         log.exception("unexpected error", extra={"path": request.path})
-        return web.Response(
-            status=500,
-            body=json.dumps(error_body("internal router error", "internal_error")).encode(),
-            content_type="application/json",
-        )
+        return error_response(RouterError("internal router error", status=500))
 
 
 def build_app(
@@ -240,11 +239,17 @@ def build_app(
     config_path: Path | None = None,
     reload_interval_s: float = 1.0,
     seed: int | None = None,
+    debug_route_header: bool = False,
 ) -> web.Application:
     """The aiohttp application; run it with ``handler_cancellation=True`` so a client that
     disconnects cancels its upstream request."""
     state = RouterApp(
-        config, source, config_path=config_path, reload_interval_s=reload_interval_s, seed=seed
+        config,
+        source,
+        config_path=config_path,
+        reload_interval_s=reload_interval_s,
+        seed=seed,
+        debug_route_header=debug_route_header,
     )
     # client_max_size: the proxy enforces the config's max_body_bytes itself (it can change on
     # reload); aiohttp's own 1 MiB default must not refuse bodies first.
@@ -315,6 +320,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--reload-interval", type=float, default=1.0, help="config/endpoints poll period, s"
     )
     parser.add_argument("--seed", type=int, help="tie-break random seed (reproducible runs)")
+    parser.add_argument(
+        "--debug-route-header",
+        action="store_true",
+        help="show replica addresses in x-fleetpilot-route (the config's debugRouteHeader); "
+        "off by default, so clients never see internal pod addresses",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     parser.add_argument("--log-format", choices=["json", "plain"], default="json")
 
@@ -366,6 +377,7 @@ def run(args: argparse.Namespace) -> int:
         config_path=config_path,
         reload_interval_s=args.reload_interval,
         seed=args.seed,
+        debug_route_header=args.debug_route_header,
     )
     web.run_app(
         app,

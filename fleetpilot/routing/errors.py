@@ -1,62 +1,70 @@
-"""OpenAI-shaped errors: ``{"error": {"message", "type", "code", "param"}}``. Purely
-computational."""
+"""The router's own errors, in vLLM's OpenAI shape (``fleetpilot.openai_errors``):
+``{"error": {"message", "type", "param", "code": <HTTP status>}}``. Purely computational.
+
+Each error also carries a ``reason``: a short machine-readable word (``invalid_json``,
+``no_ready_replicas``, ``overloaded``, ...) that the router sends in the ``x-fleetpilot-error``
+header and counts in ``fleetpilot_router_rejected_requests_total``; vLLM's body has no field
+for it, and ``code`` is the integer status its clients expect there.
+"""
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from fleetpilot.openai_errors import error_body
+
+ERROR_HEADER = "x-fleetpilot-error"
 
 
 class RouterError(Exception):
     """An error answered to the client with an HTTP status and an OpenAI-shaped body."""
 
     status = 400
-    type = "invalid_request_error"
 
     def __init__(
         self,
         message: str,
         *,
-        code: str | None = None,
+        reason: str | None = None,
         param: str | None = None,
         status: int | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
-        self.code = code
+        self.reason = reason
         self.param = param
         if status is not None:
             self.status = status
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.code, self.param)
+        return error_body(self.status, self.message, param=self.param)
+
+    def response_headers(self) -> dict[str, str]:
+        if self.reason is None:
+            return self.headers
+        return {**self.headers, ERROR_HEADER: self.reason}
 
 
 class InvalidRequestError(RouterError):
     status = 400
-    type = "invalid_request_error"
 
 
 class UnknownModelError(RouterError):
     status = 404
-    type = "invalid_request_error"
 
 
 class BodyTooLargeError(RouterError):
     status = 413
-    type = "invalid_request_error"
 
 
 class OverloadedError(RouterError):
     status = 429
-    type = "rate_limit_error"
 
 
 class UnavailableError(RouterError):
     status = 503
-    type = "service_unavailable"
 
 
 class NoReplicaError(UnavailableError):
@@ -67,26 +75,14 @@ class NoReplicaError(UnavailableError):
     """
 
     def __init__(self, message: str, *, tier: str, roles: tuple[str, ...]) -> None:
-        super().__init__(message, code="no_ready_replicas")
+        super().__init__(message, reason="no_ready_replicas")
         self.tier = tier
         self.roles = roles
 
 
 class UpstreamFailedError(RouterError):
     status = 502
-    type = "upstream_error"
 
 
 class UpstreamTimeoutError(RouterError):
     status = 504
-    type = "timeout_error"
-
-
-def error_body(
-    message: str, type_: str, code: str | None = None, param: str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "code": code, "param": param}}
-
-
-def error_bytes(error: RouterError) -> bytes:
-    return json.dumps(error.body()).encode()

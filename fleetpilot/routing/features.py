@@ -61,7 +61,7 @@ class RequestFeatures:
 
 
 def _bad(message: str, param: str | None, code: str = "invalid_value") -> InvalidRequestError:
-    return InvalidRequestError(message, param=param, code=code)
+    return InvalidRequestError(message, param=param, reason=code)
 
 
 def _optional_int(body: Mapping[str, Any], key: str) -> int | None:

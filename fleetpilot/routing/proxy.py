@@ -17,11 +17,12 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
 
+from fleetpilot.openai_errors import error_body, normalize_error
 from fleetpilot.routing.errors import (
     BodyTooLargeError,
     InvalidRequestError,
@@ -30,7 +31,6 @@ from fleetpilot.routing.errors import (
     RouterError,
     UpstreamFailedError,
     UpstreamTimeoutError,
-    error_body,
 )
 from fleetpilot.routing.features import Kind, RequestFeatures, extract_features
 from fleetpilot.routing.metrics import RouterMetrics
@@ -57,6 +57,14 @@ FORWARDED_HEADERS = ("Authorization", "Accept", "traceparent", "tracestate")
 # Upstream answer headers worth relaying; lengths and encodings are the server's own business.
 RELAYED_HEADERS = ("Content-Type", "Cache-Control")
 STATUS_CLIENT_CLOSED = "499"  # nginx's code for "client closed the request"
+# The cause of an attempt that got no first byte within its budget from a replica that then
+# failed its liveness probe: frozen (SIGSTOP), wedged, or its node gone without a RST.
+FIRST_BYTE_TIMEOUT = "first-byte-timeout"
+# The liveness probe gets at most this much of the budget (and at most half of it): /health of
+# a live engine is answered by its API server, never queued behind generation.
+LIVENESS_PROBE_S = 2.0
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -80,7 +88,7 @@ def error_response(error: RouterError) -> web.Response:
         status=error.status,
         body=_json_bytes(error.body()),
         content_type="application/json",
-        headers=error.headers,
+        headers=error.response_headers(),
     )
 
 
@@ -88,11 +96,17 @@ class Proxy:
     """Handles ``/v1/completions`` and ``/v1/chat/completions``."""
 
     def __init__(
-        self, router: Router, metrics: RouterMetrics, session: aiohttp.ClientSession
+        self,
+        router: Router,
+        metrics: RouterMetrics,
+        session: aiohttp.ClientSession,
+        *,
+        debug_route_header: bool = False,
     ) -> None:
         self.router = router
         self.metrics = metrics
         self.session = session
+        self.debug_route_header = debug_route_header
         self.in_flight = 0
         self._client_timeout: aiohttp.ClientTimeout | None = None
 
@@ -104,7 +118,7 @@ class Proxy:
             return self._reject(
                 OverloadedError(
                     "the router is at its in-flight limit; retry later",
-                    code="overloaded",
+                    reason="overloaded",
                     headers={"Retry-After": str(retry)},
                 )
             )
@@ -119,8 +133,17 @@ class Proxy:
                 return exchange.response
             if exchange.route is not None:
                 # Routed, then failed upstream: say where it went.
-                exc.headers = {**exc.headers, ROUTE_HEADER: exchange.route.header(exchange.replica)}
+                exc.headers = {
+                    **exc.headers,
+                    ROUTE_HEADER: self._route_header(exchange.route, exchange.replica),
+                }
             return self._reject(exc)
+        except asyncio.CancelledError:
+            # The client left (handler cancellation) before its answer was complete: count it
+            # as proxies do, whichever await it left in (a non-streamed request spends its
+            # whole wait inside the upstream call, before any relaying).
+            self._count(exchange, STATUS_CLIENT_CLOSED)
+            raise
         except TimeoutError:
             if (
                 exchange.replica is not None
@@ -132,21 +155,27 @@ class Proxy:
                 self._upstream_failed(exchange.route, exchange.replica, "timeout")
             if exchange.response is not None:
                 # Mid-stream: the status is sent; end the stream with an error event.
-                await self._stream_error(exchange.response, "request timeout exceeded")
+                await self._stream_error(exchange.response, 504, "request timeout exceeded")
                 self._count(exchange, "504")
                 return exchange.response
             self._count(exchange, "504")
             return error_response(
                 UpstreamTimeoutError(
-                    "the request exceeded the router's request timeout", code="timeout"
+                    "the request exceeded the router's request timeout", reason="timeout"
                 )
             )
         finally:
             self.in_flight -= 1
             self.metrics.in_flight.dec()
 
+    def _route_header(
+        self, route: Route, replica: ReplicaState | None = None, prefill: str | None = None
+    ) -> str:
+        addresses = self.debug_route_header or self.router.config.debug_route_header
+        return route.header(replica, prefill, addresses=addresses)
+
     def _reject(self, error: RouterError) -> web.Response:
-        self.metrics.rejected.labels(str(error.status), error.code or "").inc()
+        self.metrics.rejected.labels(str(error.status), error.reason or "").inc()
         return error_response(error)
 
     def _count(self, exchange: _Exchange, status: str) -> None:
@@ -168,7 +197,7 @@ class Proxy:
             body = json.loads(raw)
         except (ValueError, RecursionError) as exc:
             raise InvalidRequestError(
-                f"the request body is not valid JSON: {exc}", code="invalid_json"
+                f"the request body is not valid JSON: {exc}", reason="invalid_json"
             ) from None
         features = extract_features(body, kind, request.headers)
         decided = time.perf_counter()
@@ -199,7 +228,7 @@ class Proxy:
                 payload = _json_bytes(client_body(body, tier.model))
         except RecursionError:
             raise InvalidRequestError(
-                "the request body is nested too deeply", code="invalid_json"
+                "the request body is nested too deeply", reason="invalid_json"
             ) from None
         return await self._send(
             request, exchange, route, path, payload, headers, features.stream, prefill_id
@@ -240,37 +269,97 @@ class Proxy:
     async def _prefill_hop(
         self, route: Route, body: dict[str, Any], path: str, headers: dict[str, str]
     ) -> tuple[dict[str, Any] | None, str]:
-        """Hop 1 of a disaggregated request: the KV handle, or ``None`` and why not."""
+        """Hop 1 of a disaggregated request: the KV handle, or ``None`` and why not.
+
+        The hop has the tier's first-byte budget: a prefill is one forward pass, and past the
+        budget the decode replica computing the prompt itself is the quicker answer. It counts
+        as a failure of the prefill replica only if its liveness probe failed too."""
         replica = route.prefill
         if replica is None:
             return None, "no-prefill-replica"
         payload = _json_bytes(prefill_request(body, route.tier.model))
+        budget_s = self.router.first_byte_timeout_s(route.tier)
         replica.in_flight += 1
+        hop = asyncio.ensure_future(self._prefill_exchange(replica, path, payload, headers))
         try:
-            async with self.session.post(
-                replica.url(path),
-                data=payload,
-                headers=headers,
-                timeout=self._timeout(),
-            ) as response:
-                if response.status >= 500:
-                    self._upstream_failed(route, replica, "5xx")
-                    return None, "prefill-5xx"
-                if response.status != 200:
-                    return None, f"prefill-{response.status}"
-                data = await response.json(content_type=None)
+            verdict = await self._first_byte(hop, replica, budget_s, wait_while_alive=False)
+            if verdict != "done":
+                if verdict == "dead":
+                    self._upstream_failed(route, replica, FIRST_BYTE_TIMEOUT)
+                return None, "prefill-" + (FIRST_BYTE_TIMEOUT if verdict == "dead" else "slow")
+            status, data = hop.result()
         except aiohttp.ClientError as exc:
             self._upstream_failed(route, replica, _cause(exc))
             return None, "prefill-" + _cause(exc)
         except ValueError:
             return None, "prefill-invalid-json"
         finally:
+            hop.cancel()
             replica.in_flight -= 1
+        if status >= 500:
+            self._upstream_failed(route, replica, "5xx")
+            return None, "prefill-5xx"
+        if status != 200:
+            return None, f"prefill-{status}"
         params = kv_params_of(data)
         if params is None:
             return None, "prefill-no-kv-params"
         self.router.record_success(replica)
         return params, "ok"
+
+    async def _prefill_exchange(
+        self, replica: ReplicaState, path: str, payload: bytes, headers: dict[str, str]
+    ) -> tuple[int, Any]:
+        async with self.session.post(
+            replica.url(path), data=payload, headers=headers, timeout=self._timeout()
+        ) as response:
+            if response.status != 200:
+                return response.status, None
+            return 200, await response.json(content_type=None)
+
+    async def _first_byte(
+        self,
+        attempt: asyncio.Future[T],
+        replica: ReplicaState,
+        budget_s: float,
+        *,
+        wait_while_alive: bool,
+    ) -> str:
+        """Wait for ``attempt`` (an upstream call that ends at the first byte of the answer)
+        within the first-byte budget: ``"done"``, ``"dead"`` (the budget passed and the
+        replica failed a /health probe) or ``"slow"`` (it passed; the replica is alive).
+
+        The probe starts before the budget ends, so a frozen replica costs the budget and
+        no more. A live replica keeps the attempt when ``wait_while_alive`` (a long
+        non-streamed generation answers only when done), probed again every budget."""
+        probe_s = min(LIVENESS_PROBE_S, budget_s / 2)
+        while True:
+            done, _ = await asyncio.wait({attempt}, timeout=budget_s - probe_s)
+            if done:
+                return "done"
+            probe = asyncio.ensure_future(self._alive(replica, probe_s))
+            try:
+                done, _ = await asyncio.wait({attempt}, timeout=probe_s)
+                if done:
+                    return "done"
+                alive = await probe
+            finally:
+                probe.cancel()
+            if attempt.done():
+                return "done"
+            if not alive:
+                return "dead"
+            if not wait_while_alive:
+                return "slow"
+
+    async def _alive(self, replica: ReplicaState, timeout_s: float) -> bool:
+        try:
+            async with self.session.get(
+                replica.url("/health"), timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as response:
+                return response.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
 
     def _timeout(self) -> aiohttp.ClientTimeout:
         connect = self.router.config.connect_timeout.total_seconds()
@@ -303,23 +392,34 @@ class Proxy:
         tried = {replica.id}
         retries_left = self.router.config.retries
         timeout = self._timeout()
+        budget_s = self.router.first_byte_timeout_s(route.tier)
         while True:
             exchange.replica = replica
             attempt = replica  # `replica` moves on for a retry; this attempt's count stays here
             attempt.in_flight += 1
             try:
                 response: aiohttp.ClientResponse | None = None
-                try:
-                    response = await self.session.post(
-                        replica.url(path),
-                        data=payload,
-                        headers=headers,
-                        timeout=timeout,
+                cause: str | None = None
+                error: Exception | None = None
+                post = asyncio.ensure_future(
+                    self.session.post(
+                        replica.url(path), data=payload, headers=headers, timeout=timeout
                     )
-                    cause = "5xx" if response.status >= 500 else None
-                except aiohttp.ClientError as exc:
-                    cause = _cause(exc)
-                    error: Exception = exc
+                )
+                try:
+                    verdict = await self._first_byte(post, replica, budget_s, wait_while_alive=True)
+                finally:
+                    if not post.done():
+                        post.cancel()
+                if verdict != "done":
+                    cause = FIRST_BYTE_TIMEOUT
+                else:
+                    try:
+                        response = post.result()
+                        cause = "5xx" if response.status >= 500 else None
+                    except aiohttp.ClientError as exc:
+                        cause = _cause(exc)
+                        error = exc
                 if cause is not None:
                     self._upstream_failed(route, replica, cause)
                     alternative = (
@@ -348,15 +448,17 @@ class Proxy:
                         replica = alternative
                         continue
                     if response is None:
-                        self._count(exchange, "502")
-                        if cause == "timeout":
+                        if cause in ("timeout", FIRST_BYTE_TIMEOUT):
+                            self._count(exchange, "504")
                             raise UpstreamTimeoutError(
-                                f"could not connect to a replica of tier {route.tier.name}",
-                                code="upstream_timeout",
+                                f"no replica of tier {route.tier.name} answered in time "
+                                f"({cause}; first-byte budget {budget_s:g}s)",
+                                reason="upstream_timeout",
                             ) from error
+                        self._count(exchange, "502")
                         raise UpstreamFailedError(
                             f"no replica of tier {route.tier.name} could be reached ({cause})",
-                            code="upstream_unreachable",
+                            reason="upstream_unreachable",
                         ) from error
                 else:
                     self.router.record_success(replica)
@@ -379,7 +481,7 @@ class Proxy:
     ) -> web.StreamResponse:
         """Pass the upstream answer through, status and all."""
         out_headers = {h: v for h in RELAYED_HEADERS if (v := response.headers.get(h))}
-        out_headers[ROUTE_HEADER] = route.header(replica, prefill_id)
+        out_headers[ROUTE_HEADER] = self._route_header(route, replica, prefill_id)
         out_headers[REQUEST_ID_HEADER] = exchange.request_id
         content_type = response.headers.get("Content-Type", "")
         status = str(response.status)
@@ -388,6 +490,13 @@ class Proxy:
             if not (stream and content_type.startswith("text/event-stream")):
                 data = await response.read()
                 done = True
+                if response.status >= 400:
+                    # An engine error is relayed in the router's own (vLLM's) shape, whatever
+                    # shape the engine wrote it in.
+                    fixed = normalize_error(response.status, data)
+                    if fixed is not None:
+                        data = fixed
+                        out_headers["Content-Type"] = "application/json"
                 self._count(exchange, status)
                 return web.Response(status=response.status, body=data, headers=out_headers)
             out = web.StreamResponse(status=response.status, headers=out_headers)
@@ -405,7 +514,7 @@ class Proxy:
                         "upstream stream broke",
                         extra={"replica": replica.id, "err": type(exc).__name__},
                     )
-                    await self._stream_error(out, "the upstream replica stopped mid-stream")
+                    await self._stream_error(out, 502, "the upstream replica stopped mid-stream")
                     self._count(exchange, "502")
                     return out
                 if not chunk:
@@ -423,8 +532,13 @@ class Proxy:
                     self._count(exchange, STATUS_CLIENT_CLOSED)
                     return out
             done = True
-            await out.write_eof()
-            self._count(exchange, status)
+            self._count(exchange, status)  # the client has every byte of the answer now
+            try:
+                await out.write_eof()
+            except ConnectionError:
+                # The client read [DONE] and left before the chunked terminator: nothing of
+                # the answer was lost.
+                log.debug("client left before the end of the stream")
             return out
         except asyncio.CancelledError:
             # Client disconnect with handler cancellation, or the request timeout.
@@ -437,8 +551,9 @@ class Proxy:
             else:
                 response.close()
 
-    async def _stream_error(self, out: web.StreamResponse, message: str) -> None:
-        event = b"data: " + _json_bytes(error_body(message, "upstream_error")) + b"\n\n"
+    async def _stream_error(self, out: web.StreamResponse, status: int, message: str) -> None:
+        """An error event mid-stream, shaped as vLLM's (its HTTP status is already sent)."""
+        event = b"data: " + _json_bytes(error_body(status, message)) + b"\n\n"
         with contextlib.suppress(ConnectionError):
             await out.write(event)
 
@@ -448,13 +563,13 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLargeError(
             f"the request body is {request.content_length} bytes; the limit is {limit}",
-            code="request_too_large",
+            reason="request_too_large",
         )
     if request.content_length is not None:
         body = await request.read()  # length known and within the limit: one read
         if not body:
             raise InvalidRequestError(
-                "the request body is empty; send a JSON object", code="invalid_json"
+                "the request body is empty; send a JSON object", reason="invalid_json"
             )
         return body
     chunks = []
@@ -463,12 +578,12 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
         size += len(chunk)
         if size > limit:
             raise BodyTooLargeError(
-                f"the request body exceeds the limit of {limit} bytes", code="request_too_large"
+                f"the request body exceeds the limit of {limit} bytes", reason="request_too_large"
             )
         chunks.append(chunk)
     if not chunks:
         raise InvalidRequestError(
-            "the request body is empty; send a JSON object", code="invalid_json"
+            "the request body is empty; send a JSON object", reason="invalid_json"
         )
     return b"".join(chunks)
 

@@ -89,19 +89,27 @@ class Route:
     def disaggregated(self) -> bool:
         return self.tier.mode == "disaggregated"
 
-    def header(self, replica: ReplicaState | None = None, prefill: str | None = None) -> str:
-        """The ``x-fleetpilot-route`` value: tier, replica, prefix-match, reason."""
-        target = replica or self.replica
-        parts = [
-            f"tier={self.tier.name}",
-            f"replica={target.id}",
-            f"prefix-match={self.prefix_match:.2f}",
-            f"reason={self.reason}",
-        ]
+    def header(
+        self,
+        replica: ReplicaState | None = None,
+        prefill: str | None = None,
+        *,
+        addresses: bool = False,
+    ) -> str:
+        """The ``x-fleetpilot-route`` value: tier, prefix-match, reason (and for a P/D tier
+        whether the prefill hop ran). Replica addresses only with ``addresses``: they are the
+        fleet's internal pod IPs, for debugging, not for every client to read."""
+        parts = [f"tier={self.tier.name}"]
+        if addresses:
+            parts.append(f"replica={(replica or self.replica).id}")
+        parts += [f"prefix-match={self.prefix_match:.2f}", f"reason={self.reason}"]
         if self.spilled_from is not None:
             parts.append(f"spilled-from={self.spilled_from}")
         if self.disaggregated:
-            parts.append(f"prefill={prefill if prefill is not None else 'none'}")
+            if prefill is None:
+                parts.append("prefill=none")
+            else:
+                parts.append(f"prefill={prefill if addresses else 'yes'}")
         if self.score is not None:
             parts.append(f"score={self.score:.2f}")
         return "; ".join(parts)
@@ -272,7 +280,7 @@ class Router:
                 retry = self.config.backpressure.retry_after.total_seconds()
                 raise OverloadedError(
                     "every replica that could serve this request is at capacity; retry later",
-                    code="overloaded",
+                    reason="overloaded",
                     headers={"Retry-After": str(max(1, round(retry)))},
                 )
             wanted = self.tiers[target.index]
@@ -292,7 +300,7 @@ class Router:
         if tier.mode == "disaggregated":
             decode = self._pick(tier, "decode", request, now, self._load_scorers)
             if decode is None:  # tier_state said available; only a race could get here
-                raise UnavailableError("no decode replica available", code="no_ready_replicas")
+                raise UnavailableError("no decode replica available", reason="no_ready_replicas")
             prefill = self._pick(tier, "prefill", request, now, self._affinity_scorers)
             prefill_state = None
             match = 0.0
@@ -312,7 +320,7 @@ class Router:
             )
         chosen = self._pick(tier, "unified", request, now, self._affinity_scorers)
         if chosen is None:
-            raise UnavailableError("no replica available", code="no_ready_replicas")
+            raise UnavailableError("no replica available", reason="no_ready_replicas")
         state = self._replicas[chosen.replica.id]
         self.prefix_index.record(state.id, hashes)
         return Route(
@@ -353,6 +361,11 @@ class Router:
         if not route.disaggregated:
             self.prefix_index.record(state.id, route.hashes)
         return state
+
+    def first_byte_timeout_s(self, tier: RouterTier) -> float:
+        """The tier's time-to-first-byte budget per upstream attempt, in seconds."""
+        budget = tier.first_byte_timeout or self.config.first_byte_timeout
+        return budget.total_seconds()
 
     # -- outcomes ----------------------------------------------------------------------------
     def record_failure(self, replica: ReplicaState) -> bool:

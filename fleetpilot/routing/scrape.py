@@ -22,9 +22,12 @@ class Scraper:
 
     Its own connection pool, apart from the request traffic's: a slow scrape must never take a
     pooled connection a request is waiting for. A scrape that cannot connect counts as a
-    replica failure (a killed replica with no traffic gets ejected all the same); a scrape
-    that merely times out does not (a busy engine answers /metrics late, and that is load,
-    not death).
+    replica failure (a killed replica with no traffic gets ejected all the same), and so does
+    one that times out: an engine that accepts the connection and never answers is frozen
+    (SIGSTOP, a wedged process), and without traffic nothing else would notice. A busy engine
+    is safe from this: /metrics is served by its API server, not queued behind generation,
+    and every request it completes clears its failure count, so only an engine that answers
+    neither scrapes nor requests reaches ``ejection.failures`` in a row.
     """
 
     def __init__(
@@ -58,11 +61,11 @@ class Scraper:
                     self.metrics.scrape_errors.labels(replica.id).inc()
                     return
                 text = await r.text(errors="replace")
-        except aiohttp.ClientConnectorError:
+        except (aiohttp.ClientConnectorError, aiohttp.ServerTimeoutError, TimeoutError):
             self.metrics.scrape_errors.labels(replica.id).inc()
             self.router.record_failure(replica)
             return
-        except (aiohttp.ClientError, TimeoutError):
+        except aiohttp.ClientError:
             self.metrics.scrape_errors.labels(replica.id).inc()
             return
         parsed = parse_engine_metrics(text)

@@ -16,6 +16,7 @@ import openai
 import pytest
 import yaml
 
+from fleetpilot.openai_errors import error_type
 from fleetpilot.routing.discovery import FileSource, MergedSource, StaticSource
 from tests.routing.support import (
     FakeEngine,
@@ -66,15 +67,21 @@ def waiting_seen(router: RunningRouter, engine: FakeEngine) -> float | None:
 
 
 def assert_openai_error(status: int, payload: Any, expected: int) -> None:
+    """vLLM's error shape: the integer status as ``code`` and vLLM's type name for it."""
     assert status == expected, payload
+    assert set(payload) == {"error"}, payload
     assert set(payload["error"]) == {"message", "type", "code", "param"}
+    assert payload["error"]["code"] == expected
+    assert payload["error"]["type"] == error_type(expected)
 
 
 async def test_requests_route_by_complexity() -> None:
     """A short prompt goes to the small tier, a long maths request to the large one; the model
     is rewritten to the tier's alias and every answer carries x-fleetpilot-route."""
     async with engines(FakeEngine("small"), FakeEngine("large")) as (small, large):
-        config = make_config([tier("small", 0.4, [small]), tier("large", 1.0, [large])])
+        config = make_config(
+            [tier("small", 0.4, [small]), tier("large", 1.0, [large])], debugRouteHeader=True
+        )
         async with running_router(config) as router:
             status, body, headers = await post(router, SHORT)
             assert status == 200
@@ -114,9 +121,9 @@ async def test_header_and_model_alias_override_the_score() -> None:
                 "small",
                 "model",
             )
-            status, body, _ = await post(router, {**SHORT, "model": "gpt-4"})
+            status, body, headers = await post(router, {**SHORT, "model": "gpt-4"})
             assert_openai_error(status, body, 404)
-            assert body["error"]["code"] == "model_not_found"
+            assert headers["x-fleetpilot-error"] == "model_not_found"
             status, body, _ = await post(router, SHORT, headers={"x-fleetpilot-tier": "huge"})
             assert_openai_error(status, body, 400)
             assert body["error"]["param"] == "x-fleetpilot-tier"
@@ -363,12 +370,12 @@ async def test_unreachable_tier_is_502_naming_the_route() -> None:
     route header naming the last replica tried."""
     dead = FakeEngine("dead")
     async with engines(dead):
-        config = make_config([tier("only", 1.0, [dead])])
+        config = make_config([tier("only", 1.0, [dead])], debugRouteHeader=True)
         await dead.stop()
         async with running_router(config) as router:
             status, body, headers = await post(router, SHORT)
             assert_openai_error(status, body, 502)
-            assert body["error"]["code"] == "upstream_unreachable"
+            assert headers["x-fleetpilot-error"] == "upstream_unreachable"
             assert route_of(headers)["replica"] == dead.address
 
 
@@ -461,9 +468,9 @@ async def test_bad_input_is_an_openai_shaped_4xx(
     async with engines(engine):
         config = make_config([tier("only", 1.0, [engine])], maxBodyBytes=8192)
         async with running_router(config) as router:
-            got, body, _ = await post(router, data, path)
+            got, body, headers = await post(router, data, path)
             assert_openai_error(got, body, status)
-            assert body["error"]["code"] == code
+            assert headers["x-fleetpilot-error"] == code
             assert engine.requests == []
 
 
@@ -498,9 +505,9 @@ async def test_unknown_paths_and_methods_are_openai_errors() -> None:
 async def test_no_ready_replica_is_503() -> None:
     """A tier with no endpoints at all answers 503, OpenAI-shaped."""
     async with running_router(make_config([tier("only", 1.0, [])])) as router:
-        status, body, _ = await post(router, SHORT)
+        status, body, headers = await post(router, SHORT)
         assert_openai_error(status, body, 503)
-        assert body["error"]["code"] == "no_ready_replicas"
+        assert headers["x-fleetpilot-error"] == "no_ready_replicas"
 
 
 async def test_health_models_and_metrics() -> None:

@@ -42,7 +42,7 @@ async def test_two_hops_prefill_then_decode_with_the_kv_handle() -> None:
     original request from the decode engine with the prefill's kv_transfer_params."""
     p, d = FakeEngine("p0", role="prefill"), FakeEngine("d0", role="decode", chunks=3)
     async with engines(p, d):
-        config = make_config([pd_tier([p], [d])])
+        config = make_config([pd_tier([p], [d])], debugRouteHeader=True)
         async with running_router(config) as router, aiohttp.ClientSession() as session:
             body = {
                 "model": "chat",
@@ -80,7 +80,7 @@ async def test_prefill_replica_is_chosen_by_prefix_affinity() -> None:
     prefills = [FakeEngine(f"p{i}", role="prefill") for i in range(3)]
     d = FakeEngine("d0", role="decode")
     async with engines(*prefills, d):
-        config = make_config([pd_tier(prefills, [d])])
+        config = make_config([pd_tier(prefills, [d])], debugRouteHeader=True)
         async with running_router(config) as router, aiohttp.ClientSession() as session:
             chosen = set()
             for i in range(5):

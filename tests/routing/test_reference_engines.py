@@ -82,6 +82,7 @@ async def test_openai_client_streams_from_reference_engines_with_prefix_affinity
         [RouterTier(name="small", model="small-model", up_to=1.0, mode="unified",
                     endpoints=[group("unified", unified)])],
         affinity={"blockChars": 16},
+        debugRouteHeader=True,
     )  # fmt: skip
     hits_before = [metric(s, "vllm:prefix_cache_hits_total") for s in unified]
     async with running_router(config) as router:
@@ -119,7 +120,8 @@ async def test_two_hops_through_reference_prefill_and_decode_servers(
     prefill, decode, reference = pd_pair
     config = make_config(
         [RouterTier(name="large", model="large-model", up_to=1.0, mode="disaggregated",
-                    endpoints=[group("prefill", [prefill]), group("decode", [decode])])]
+                    endpoints=[group("prefill", [prefill]), group("decode", [decode])])],
+        debugRouteHeader=True,
     )  # fmt: skip
     request = {
         "model": "large-model",

@@ -118,7 +118,7 @@ def resolve_target(
             f"unknown tier {features.tier_header!r} in header x-fleetpilot-tier; "
             f"tiers: {', '.join(t.name for t in tiers)}",
             param="x-fleetpilot-tier",
-            code="unknown_tier",
+            reason="unknown_tier",
         )
     model = features.model
     if model is not None and model != service and model not in AUTO_MODELS:
@@ -129,7 +129,7 @@ def resolve_target(
             f"The model `{model}` does not exist. Models: "
             f"{', '.join([service, *(t.model for t in tiers)])}",
             param="model",
-            code="model_not_found",
+            reason="model_not_found",
         )
     score = complexity_score(features, weights)
     return Target(tier_for_score(score, tiers), "complexity", score)
