@@ -220,6 +220,9 @@ class LocalFleet:
                 *("--config", str(self.config_path), "--host", HOST),
                 *("--port", str(self.router_port), "--discovery", "static"),
                 *("--log-format", "plain", "--log-level", "warning"),
+                # A local fleet's addresses are loopback ports its user can see anyway; the
+                # demo and e2e tests read which replica served from the route header.
+                "--debug-route-header",
             ]
             self.router = self.supervisor.start(
                 "router",
