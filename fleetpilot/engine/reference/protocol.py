@@ -113,8 +113,9 @@ class _SamplingRequest(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None  # vLLM serves its one model when omitted
-    temperature: float | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    # vLLM's SamplingParams refuses a non-finite temperature and one outside [0, 2].
+    temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=-1)
     seed: int | None = Field(default=None, ge=_MIN_SEED, le=_MAX_SEED)
     stop: str | list[str] | None = None
@@ -196,7 +197,8 @@ class CompletionRequest(_SamplingRequest):
 
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     # OpenAI's (and vLLM's) default for the legacy completions API.
-    max_tokens: int | None = Field(default=16, ge=1)
+    # Strict: JSON's true is not a token count (lax pydantic would read it as 1).
+    max_tokens: StrictInt | None = Field(default=16, ge=1)
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
@@ -254,8 +256,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     # None: up to the context length, as vLLM does for chat.
-    max_tokens: int | None = Field(default=None, ge=1)  # deprecated by OpenAI, still accepted
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)  # deprecated, still accepted
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None

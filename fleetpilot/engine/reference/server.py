@@ -55,7 +55,7 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 from urllib.parse import quote
@@ -70,6 +70,7 @@ from safetensors.torch import save as st_save
 from yarl import URL
 
 from fleetpilot import __version__
+from fleetpilot.argtypes import port_number
 from fleetpilot.engine.reference.checkpoint import CheckpointError, load_checkpoint
 from fleetpilot.engine.reference.engine import (
     DEFAULT_KV_CACHE_BYTES,
@@ -112,6 +113,7 @@ from fleetpilot.engine.reference.runner import (
 from fleetpilot.engine.reference.sampling import SamplingParams
 from fleetpilot.engine.reference.speculative import SpeculativeConfig
 from fleetpilot.engine.reference.tokenizer import ByteTokenizer
+from fleetpilot.httpserver import ServerLimits, make_runner, start_site
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +177,7 @@ class ServerSettings:
     kv: KVTransferSettings = KVTransferSettings()
     drain_grace_s: float = 25.0
     step_delay_s: float = 0.0
+    limits: ServerLimits = field(default_factory=ServerLimits)  # header timeout, connections
 
     @property
     def model_name(self) -> str:
@@ -316,12 +319,14 @@ class EngineServer:
         self.stopped = asyncio.Event()
         # handler_cancellation: a client that disconnects cancels its handler, whose cleanup
         # aborts the engine request (non-streaming requests have no write to fail on).
-        self._app_runner = web.AppRunner(
-            self.app, handler_cancellation=True, shutdown_timeout=2.0, access_log=None
+        self._app_runner = make_runner(
+            self.app,
+            self.settings.limits,
+            handler_cancellation=True,
+            shutdown_timeout=2.0,
+            access_log=None,
         )
-        await self._app_runner.setup()
-        site = web.TCPSite(self._app_runner, self.settings.host, self.settings.port)
-        await site.start()
+        await start_site(self._app_runner, self.settings.host, self.settings.port)
         for address in self._app_runner.addresses:
             if isinstance(address, tuple) and len(address) >= 2:
                 self.port = int(address[1])
@@ -469,12 +474,17 @@ class EngineServer:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON: {e}") from e
+        except RecursionError:
+            # The client's fault, like the router's answer to the same body: not a 500.
+            raise APIError(400, "the request body is nested too deeply") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
         try:
             return model.model_validate(data)
         except ValidationError as e:
             raise validation_error(e) from e
+        except RecursionError:
+            raise APIError(400, "the request body is nested too deeply") from None
 
     def _check_model(self, name: str | None) -> str:
         if name is None or name == "":
@@ -975,7 +985,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The reference engine's flags; names mirror ``vllm serve``'s where one exists."""
     a = parser.add_argument
     a("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
-    a("--port", type=int, default=8000, help="port to listen on; 0 picks a free one")
+    a("--port", type=port_number, default=8000, help="port to listen on; 0 picks a free one")
     a(
         "--model",
         default=None,
