@@ -652,6 +652,32 @@ class Scheduling(ApiModel):
     )
 
 
+# A namespace name: a DNS-1123 label (it may start with a digit, unlike a Service name).
+NamespaceName = Annotated[
+    str, StringConstraints(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
+]
+
+
+class NetworkPolicySettings(ApiModel):
+    """NetworkPolicies around the fleet's pods (enforced by the cluster's CNI, if it does).
+
+    Engines serve the OpenAI API and the unauthenticated P/D KV hand-off: only this service's
+    router and engines reach them, plus the metrics scrape from ``metricsNamespaces``.
+    """
+
+    enabled: bool = Field(
+        True,
+        description="Plan NetworkPolicies: engine ports open only to this service's router "
+        "and engine pods (and the metrics scrape); the router port open to all.",
+    )
+    metrics_namespaces: list[NamespaceName] = Field(
+        default=["monitoring"],
+        max_length=16,
+        description="Namespaces whose pods may scrape the engines' /metrics (where "
+        "Prometheus runs). It shares the serving port, so keep this list short.",
+    )
+
+
 def _complexity_list() -> str:
     return "self.tiers.map(t, t.complexity.upTo)"
 
@@ -679,6 +705,9 @@ class InferenceServiceSpec(ApiModel):
     routing: Routing = nested(Routing, "Router settings.")
     monitoring: Monitoring = nested(Monitoring, "Metrics settings.")
     scheduling: Scheduling = nested(Scheduling, "Engine pod placement.")
+    network_policy: NetworkPolicySettings = nested(
+        NetworkPolicySettings, "Who may reach the fleet's pods."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Self:

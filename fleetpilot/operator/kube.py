@@ -44,6 +44,7 @@ RESOURCES: dict[str, Resource] = {
     "Role": Resource("rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": Resource("rbac.authorization.k8s.io/v1", "rolebindings"),
     "PodDisruptionBudget": Resource("policy/v1", "poddisruptionbudgets"),
+    "NetworkPolicy": Resource("networking.k8s.io/v1", "networkpolicies"),
     "PodMonitor": Resource("monitoring.coreos.com/v1", "podmonitors"),
     "InferenceService": Resource("fleetpilot.dev/v1alpha1", "inferenceservices"),
 }

@@ -14,6 +14,7 @@ from fleetpilot.api.spec import PodMonitorMode
 from fleetpilot.api.units import format_duration
 from fleetpilot.operator import names
 from fleetpilot.operator.engine_objects import engine_deployment, engine_pdb, engine_service
+from fleetpilot.operator.network_policy import network_policies
 from fleetpilot.operator.plan_types import (
     K8sObject,
     PlanError,
@@ -120,7 +121,9 @@ def plan(service: InferenceService, options: PlanOptions | None = None) -> list[
     options = options or PlanOptions()
     check(service)
     roles = all_roles(service)
-    objects = router_objects(service, options)
+    # Policies first: no engine pod ever runs before the rules that guard it exist.
+    objects = network_policies(service)
+    objects += router_objects(service, options)
     objects += [engine_service(service, role) for role in roles]
     objects += [engine_deployment(service, role) for role in roles]
     objects += [engine_pdb(service, role) for role in roles]

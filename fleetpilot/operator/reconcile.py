@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 # What a service may own, in apply order; prune looks at each of these kinds.
 MANAGED_KINDS = (
+    "NetworkPolicy",
     "ServiceAccount",
     "Role",
     "RoleBinding",

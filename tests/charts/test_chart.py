@@ -60,6 +60,7 @@ NAMESPACED_RULES: RuleTable = {
     ("rbac.authorization.k8s.io", "roles"): APPLIED,
     ("rbac.authorization.k8s.io", "rolebindings"): APPLIED,
     ("policy", "poddisruptionbudgets"): APPLIED,
+    ("networking.k8s.io", "networkpolicies"): APPLIED,
     ("monitoring.coreos.com", "podmonitors"): APPLIED,
     ("apps", "deployments/scale"): verbs("get patch"),  # the in-operator autoscaler timer
     ("", "pods"): verbs("get list watch"),

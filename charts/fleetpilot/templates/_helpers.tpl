@@ -108,6 +108,10 @@ the same table: a change here must change it there too.
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch, delete]
+# The NetworkPolicies that keep engine ports to the service's router and engines.
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch, delete]
 # Only used when the Prometheus Operator's PodMonitor CRD exists (detected at start).
 - apiGroups: [monitoring.coreos.com]
   resources: [podmonitors]

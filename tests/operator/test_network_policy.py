@@ -1,0 +1,132 @@
+"""The planned NetworkPolicies (issue 12 item 11): engines reachable only by their fleet.
+
+Checked against the pod templates of the same plan, so a label change on either side that
+would open or close the wrong door fails here (e2e/test_network_policy.py checks the same on
+pods the real control plane created).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from fleetpilot.api import InvalidManifestError, parse_service
+from fleetpilot.engine.vllm_args import ENGINE_PORT
+from fleetpilot.operator.plan_types import K8sObject
+from fleetpilot.operator.planner import plan
+from fleetpilot.operator.router_objects import ROUTER_PORT
+from tests.factories import make_manifest, make_service, make_tier
+
+ENGINE_MATCH = {"fleetpilot.dev/service": "chat", "app.kubernetes.io/component": "engine"}
+ROUTER_MATCH = {"fleetpilot.dev/service": "chat", "app.kubernetes.io/component": "router"}
+
+
+def pd_plan(**spec: Any) -> list[K8sObject]:
+    tiers = [make_tier("small", up_to=0.4), make_tier("large", mode="disaggregated")]
+    return plan(make_service(tiers=tiers, uid="1234", **spec))
+
+
+def policies(objects: list[K8sObject]) -> dict[str, K8sObject]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == "NetworkPolicy"}
+
+
+def selects(match: dict[str, str], labels: dict[str, str]) -> bool:
+    return match.items() <= labels.items()
+
+
+def pod_labels(objects: list[K8sObject], component: str) -> list[dict[str, str]]:
+    return [
+        o["spec"]["template"]["metadata"]["labels"]
+        for o in objects
+        if o["kind"] == "Deployment"
+        and o["metadata"]["labels"]["app.kubernetes.io/component"] == component
+    ]
+
+
+def test_one_policy_for_the_engines_and_one_for_the_router() -> None:
+    objects = pd_plan()
+    found = policies(objects)
+    assert set(found) == {"chat-engines", "chat-router"}
+    for policy in found.values():
+        assert policy["apiVersion"] == "networking.k8s.io/v1"
+        assert policy["metadata"]["namespace"] == "ml"
+        # Labelled and owned like every planned object: listed for pruning, collected with
+        # the service.
+        assert policy["metadata"]["labels"]["fleetpilot.dev/service"] == "chat"
+        assert policy["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "fleetpilot"
+        assert policy["metadata"]["ownerReferences"][0]["uid"] == "1234"
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+
+
+def test_engine_policy_selects_every_engine_pod_and_no_router_pod() -> None:
+    objects = pd_plan()
+    engine_spec = policies(objects)["chat-engines"]["spec"]
+    engines, routers = pod_labels(objects, "engine"), pod_labels(objects, "router")
+    assert len(engines) == 3  # small unified, large prefill and decode
+    assert all(selects(engine_spec["podSelector"]["matchLabels"], pod) for pod in engines)
+    assert not any(selects(engine_spec["podSelector"]["matchLabels"], pod) for pod in routers)
+    router_spec = policies(objects)["chat-router"]["spec"]
+    assert all(selects(router_spec["podSelector"]["matchLabels"], pod) for pod in routers)
+    assert not any(selects(router_spec["podSelector"]["matchLabels"], pod) for pod in engines)
+
+
+def test_engine_ports_open_only_to_the_router_peers_and_the_scrape() -> None:
+    """Regression: engines (and their KV hand-off) answered anyone who reached them."""
+    rules = policies(pd_plan())["chat-engines"]["spec"]["ingress"]
+    assert rules == [
+        {
+            "from": [{"podSelector": {"matchLabels": ROUTER_MATCH}}],
+            "ports": [{"protocol": "TCP", "port": ENGINE_PORT}],
+        },
+        # Every port (the KV side channel and transfers) from this service's engines only.
+        {"from": [{"podSelector": {"matchLabels": ENGINE_MATCH}}]},
+        {
+            "from": [
+                {
+                    "namespaceSelector": {
+                        "matchExpressions": [
+                            {
+                                "key": "kubernetes.io/metadata.name",
+                                "operator": "In",
+                                "values": ["monitoring"],
+                            }
+                        ]
+                    }
+                }
+            ],
+            "ports": [{"protocol": "TCP", "port": ENGINE_PORT}],
+        },
+    ]
+    # A peer rule without a namespaceSelector means "in this namespace": another service's
+    # engines, which carry another fleetpilot.dev/service, are not let in.
+    assert all("namespaceSelector" not in peer for peer in rules[0]["from"] + rules[1]["from"])
+
+
+def test_router_port_is_open_to_all() -> None:
+    rules = policies(pd_plan())["chat-router"]["spec"]["ingress"]
+    assert rules == [{"ports": [{"protocol": "TCP", "port": ROUTER_PORT}]}]
+
+
+def test_metrics_namespaces_are_configurable_and_may_be_none() -> None:
+    custom = pd_plan(networkPolicy={"metricsNamespaces": ["observability", "0-prom"]})
+    scrape = policies(custom)["chat-engines"]["spec"]["ingress"][2]
+    expression = scrape["from"][0]["namespaceSelector"]["matchExpressions"][0]
+    assert expression["values"] == ["observability", "0-prom"]
+    none = pd_plan(networkPolicy={"metricsNamespaces": []})
+    assert len(policies(none)["chat-engines"]["spec"]["ingress"]) == 2
+
+
+def test_policies_come_first_and_can_be_turned_off() -> None:
+    """Applied before any Deployment, so no engine pod runs unguarded; opt-out plans none."""
+    objects = pd_plan()
+    kinds = [o["kind"] for o in objects]
+    assert kinds[:2] == ["NetworkPolicy", "NetworkPolicy"]
+    assert policies(pd_plan(networkPolicy={"enabled": False})) == {}
+
+
+@pytest.mark.parametrize("namespace", ["Monitoring", "-monitoring", "a" * 64, "mon_itoring"])
+def test_invalid_metrics_namespaces_are_refused(namespace: str) -> None:
+    manifest = make_manifest(networkPolicy={"metricsNamespaces": [namespace]})
+    with pytest.raises(InvalidManifestError, match="metricsNamespaces"):
+        parse_service(manifest)
