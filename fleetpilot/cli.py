@@ -9,18 +9,31 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import yaml
 
 from fleetpilot import __version__
 from fleetpilot.api import InvalidManifestError, load_services
 from fleetpilot.api.crd import CRD_FILENAME, render_crd
+from fleetpilot.argtypes import port_number
 from fleetpilot.operator.plan_types import DEFAULT_FLEETPILOT_IMAGE, PlanError, PlanOptions
 from fleetpilot.operator.planner import plan
 from fleetpilot.operator.summary import summarize
 
 EXIT_INVALID = 2
 EXIT_STALE = 1
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line: what is wrong and where to read more.
+
+    argparse prints the whole usage block before the error; in a terminal or a CI log the one
+    line that matters then hides below a screenful of flags.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_INVALID, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _crds(args: argparse.Namespace) -> int:
@@ -114,10 +127,10 @@ ENGINE_BACKENDS = {
 
 def _engine(argv: Sequence[str]) -> int:
     """``fleetpilot engine --backend B ...``: each backend parses its own flags."""
-    chooser = argparse.ArgumentParser(prog="fleetpilot engine", add_help=False)
+    chooser = _Parser(prog="fleetpilot engine", add_help=False)
     chooser.add_argument("--backend", choices=sorted(ENGINE_BACKENDS), default="vllm")
     known, rest = chooser.parse_known_args(argv)
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=f"fleetpilot engine --backend {known.backend}",
         description="Run an inference engine: vLLM (GPU) or the CPU reference engine.",
     )
@@ -128,9 +141,7 @@ def _engine(argv: Sequence[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="fleetpilot", description="Kubernetes operator for LLM inference fleets."
-    )
+    parser = _Parser(prog="fleetpilot", description="Kubernetes operator for LLM inference fleets.")
     parser.add_argument("--version", action="version", version=f"fleetpilot {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -171,8 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
         "without either, services are not autoscaled",
     )
     op.add_argument("--bind", default="0.0.0.0", help="address of the health/metrics servers")
-    op.add_argument("--liveness-port", type=int, default=8080, help="/healthz port (0: off)")
-    op.add_argument("--metrics-port", type=int, default=9090, help="/metrics port (0: off)")
+    op.add_argument(
+        "--liveness-port", type=port_number, default=8080, help="/healthz port (0: off)"
+    )
+    op.add_argument("--metrics-port", type=port_number, default=9090, help="/metrics port (0: off)")
     op.add_argument("--log-format", choices=["plain", "json"], default="json")
     op.add_argument("--verbose", action="store_true")
     op.set_defaults(func=_operator)
@@ -215,9 +228,7 @@ class _DelegatedCommand:
 
     def __call__(self, argv: Sequence[str]) -> int:
         module = importlib.import_module(self.module)
-        parser = argparse.ArgumentParser(
-            prog=f"fleetpilot {self.name}", description=self.description
-        )
+        parser = _Parser(prog=f"fleetpilot {self.name}", description=self.description)
         module.add_arguments(parser)
         return int(module.run(parser.parse_args(argv)))
 

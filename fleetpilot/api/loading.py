@@ -12,6 +12,10 @@ from pydantic import ValidationError
 
 from fleetpilot.api.service import InferenceService
 
+# An InferenceService manifest is a few KiB; even a file of many services stays far below this.
+# Reading stops here, so `-f /dev/zero` or a wrong multi-GB file is refused, not swallowed.
+MAX_MANIFEST_BYTES = 1 << 20
+
 
 @dataclass(frozen=True)
 class FieldProblem:
@@ -30,6 +34,10 @@ class InvalidManifestError(ValueError):
     def __init__(self, source: str, problems: list[FieldProblem]) -> None:
         self.source = source
         self.problems = problems
+        if len(problems) == 1 and not problems[0].path:
+            # A problem with the file as a whole (unreadable, too big, not YAML): one line.
+            super().__init__(f"{source}: {problems[0].message}")
+            return
         lines = "\n".join(f"  - {p}" for p in problems)
         super().__init__(f"{source}: invalid InferenceService\n{lines}")
 
@@ -88,17 +96,41 @@ def load_documents(text: str, source: str) -> list[Any]:
         ) from None
     except yaml.YAMLError as exc:
         raise InvalidManifestError(source, [FieldProblem("", f"YAML error: {exc}")]) from None
+    except RecursionError:
+        # PyYAML composes nested nodes recursively: thousands of levels exhaust the stack.
+        raise InvalidManifestError(
+            source, [FieldProblem("", "YAML nested too deeply to be an InferenceService")]
+        ) from None
+
+
+def read_manifest(path: Path, limit: int = MAX_MANIFEST_BYTES) -> str:
+    """The text of a manifest file, refused (naming why) when unreadable, larger than
+    ``limit`` bytes or not UTF-8. Reads at most ``limit + 1`` bytes, whatever the file is."""
+    source = str(path)
+
+    def refuse(message: str) -> InvalidManifestError:
+        return InvalidManifestError(source, [FieldProblem("", message)])
+
+    try:
+        with path.open("rb") as file:
+            data = file.read(limit + 1)
+    except OSError as exc:
+        raise refuse(f"cannot read file: {exc.strerror or exc}") from None
+    if len(data) > limit:
+        raise refuse(
+            f"larger than {limit} bytes ({limit / (1 << 20):g} MiB), the most a manifest "
+            "file may be: is it the right file?"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise refuse(f"not UTF-8 text (byte {exc.start}: {data[exc.start]:#04x})") from None
 
 
 def load_services(path: Path) -> list[InferenceService]:
     """Every InferenceService in a YAML file (other kinds are refused, not skipped)."""
     source = str(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise InvalidManifestError(
-            source, [FieldProblem("", f"cannot read file: {exc.strerror}")]
-        ) from None
+    text = read_manifest(path)
     documents = load_documents(text, source)
     if not documents:
         raise InvalidManifestError(source, [FieldProblem("", "no YAML document in file")])

@@ -21,6 +21,7 @@ import time
 from types import FrameType
 
 from fleetpilot.api import InferenceService
+from fleetpilot.argtypes import port_number
 from fleetpilot.autoscaler.actuator import default_metrics
 from fleetpilot.autoscaler.direct import EngineMetricsSource
 from fleetpilot.autoscaler.loop import Histories, interval_s, tick
@@ -43,7 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Prometheus to read (default: the fleet's own, else the engines' /metrics)",
     )
     a("--direct", action="store_true", help="read the engines' /metrics even if there is one")
-    a("--metrics-port", type=int, default=0, help="serve fleetpilot_autoscaler_* here (0: off)")
+    a(
+        "--metrics-port",
+        type=port_number,
+        default=0,
+        help="serve fleetpilot_autoscaler_* here (0: off)",
+    )
     a(
         "--fleet-timeout",
         type=float,

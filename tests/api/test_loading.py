@@ -78,3 +78,31 @@ def test_other_kinds_are_refused_not_skipped(tmp_path: Path) -> None:
 
 def test_non_mapping_is_refused() -> None:
     assert _problems(["not", "a", "mapping"]) == ["expected a mapping (a YAML object)"]
+
+
+def _file_error(path: Path) -> str:
+    with pytest.raises(InvalidManifestError) as info:
+        load_services(path)
+    message = str(info.value)
+    assert "\n" not in message  # a problem with the whole file is one line
+    return message
+
+
+def test_a_file_above_the_limit_is_refused_without_reading_it_all(tmp_path: Path) -> None:
+    """Regression: `plan -f /dev/zero` read until memory ran out."""
+    from fleetpilot.api.loading import MAX_MANIFEST_BYTES, read_manifest
+
+    big = tmp_path / "big.yaml"
+    big.write_bytes(b"#" * (MAX_MANIFEST_BYTES + 1))
+    assert "larger than 1048576 bytes (1 MiB)" in _file_error(big)
+    assert read_manifest(big, limit=MAX_MANIFEST_BYTES + 1) == "#" * (MAX_MANIFEST_BYTES + 1)
+    assert "larger than 1048576 bytes" in _file_error(Path("/dev/zero"))
+
+
+def test_non_utf8_and_deeply_nested_files_name_their_problem(tmp_path: Path) -> None:
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes(b"kind: InferenceService # caf\xe9\n")
+    assert _file_error(latin1) == f"{latin1}: not UTF-8 text (byte 28: 0xe9)"
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("spec: " + "{a: " * 5000 + "1" + "}" * 5000)
+    assert _file_error(deep) == f"{deep}: YAML nested too deeply to be an InferenceService"
