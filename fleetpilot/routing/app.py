@@ -22,6 +22,8 @@ import aiohttp
 from aiohttp import web
 
 from fleetpilot.api.router_config import RouterConfig
+from fleetpilot.argtypes import port_number
+from fleetpilot.httpserver import run_app
 from fleetpilot.routing.config import ConfigError, ConfigWatcher, load_config
 from fleetpilot.routing.discovery import EndpointSource, KubeSliceClient, SliceClient, build_source
 from fleetpilot.routing.errors import (
@@ -302,7 +304,7 @@ class JsonFormatter(logging.Formatter):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="RouterConfig YAML (the ConfigMap file)")
     parser.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
-    parser.add_argument("--port", type=int, help="listen port (default: the config's port)")
+    parser.add_argument("--port", type=port_number, help="listen port (default: the config's port)")
     parser.add_argument(
         "--endpoints-file",
         help="YAML/JSON file of endpoints {endpoints: [{tier, role, address}]}, re-read on "
@@ -379,15 +381,21 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         debug_route_header=args.debug_route_header,
     )
-    web.run_app(
-        app,
-        host=args.host,
-        port=args.port or config.port,
-        handler_cancellation=True,
-        access_log=None,  # per-request logging would cost more than routing; metrics count
-        print=None,
-        shutdown_timeout=30.0,
-    )
+    port = args.port or config.port
+    try:
+        # The shared hardened listener: header timeout, connection limit, one throttled
+        # warning per malformed request instead of a traceback each.
+        run_app(
+            app,
+            args.host,
+            port,
+            handler_cancellation=True,
+            access_log=None,  # per-request logging would cost more than routing; metrics count
+            shutdown_timeout=30.0,
+        )
+    except OSError as exc:  # the port is taken, or the address is not ours
+        print(f"error: cannot listen on {args.host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     return 0
 
 
