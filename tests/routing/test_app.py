@@ -641,3 +641,80 @@ async def test_a_held_request_is_refused_when_the_cold_start_wait_ends() -> None
         assert_openai_error(status, body, 503)
         assert "within the cold-start wait (0.3s)" in body["error"]["message"]
         assert router.metric("fleetpilot_router_pending_requests", tier="only", role="unified") == 0
+
+
+async def test_the_route_header_names_no_replica_address_by_default() -> None:
+    """Issue 12 item 12: x-fleetpilot-route tells a client its tier, reason and prefix match,
+    never the fleet's internal pod addresses - unless the router runs with the debug flag."""
+    engine = FakeEngine("e")
+    async with engines(engine):
+        async with running_router(make_config([tier("only", 1.0, [engine])])) as router:
+            status, _, headers = await post(router, SHORT)
+            assert status == 200
+            assert set(route_of(headers)) == {"tier", "prefix-match", "reason", "score"}
+            assert engine.address not in headers["x-fleetpilot-route"]
+            assert str(engine.port) not in headers["x-fleetpilot-route"]
+        config = make_config([tier("only", 1.0, [engine])])
+        async with running_router(config, debug_route_header=True) as router:
+            _, _, headers = await post(router, SHORT)
+            assert route_of(headers)["replica"] == engine.address
+
+
+async def test_a_client_that_drops_a_non_streamed_request_is_counted_as_499() -> None:
+    """Issue 12 item 9: a client that leaves while its non-streamed answer is being generated
+    is counted in fleetpilot_router_requests_total with status 499, as proxies do."""
+    gate = asyncio.Event()
+    engine = FakeEngine("e", gate=gate)
+    async with engines(engine):
+        config = make_config([tier("only", 1.0, [engine])])
+        async with running_router(config) as router, aiohttp.ClientSession() as session:
+            with pytest.raises(TimeoutError):
+                await session.post(
+                    router.url + "/v1/completions",
+                    json=SHORT,
+                    timeout=aiohttp.ClientTimeout(total=0.3),
+                )
+            await wait_for(lambda: engine.cancelled == 1)
+            labels = {"tier": "only", "replica": engine.address, "status": "499"}
+            await wait_for(lambda: router.metric("fleetpilot_router_requests_total", **labels) == 1)
+
+
+async def test_engine_errors_are_relayed_in_vllms_shape() -> None:
+    """Issue 12 item 10: an engine error in another shape (no code, no param, a non-vLLM type)
+    reaches the client in vLLM's shape with its message and status; an engine that breaks
+    mid-stream ends the stream with an error event of the same shape."""
+    a = FakeEngine("a", fail_next=1, fail_status=400)
+    async with engines(a):
+        config = make_config([tier("only", 1.0, [a])], retries=0)
+        async with running_router(config) as router:
+            status, body, headers = await post(router, SHORT)
+            assert_openai_error(status, body, 400)
+            assert body["error"]["message"] == "a failed"
+            assert "x-fleetpilot-error" not in headers  # the engine's error, not the router's
+
+
+async def test_a_stream_cut_mid_way_ends_with_a_vllm_shaped_error_event() -> None:
+    """The replica stalls after the first chunk until the request timeout: the client gets a
+    final error event shaped as vLLM's (integer code, vLLM type name)."""
+    gate = asyncio.Event()
+    engine = FakeEngine("e", gate=gate)
+    async with engines(engine):
+        config = make_config([tier("only", 1.0, [engine])], requestTimeout="1s")
+        async with running_router(config) as router, aiohttp.ClientSession() as session:
+            try:
+                async with session.post(
+                    router.url + "/v1/completions", json={**SHORT, "stream": True}
+                ) as resp:
+                    rest = (await resp.read()).decode()
+            finally:
+                gate.set()
+            events = [e for e in rest.split("\n\n") if e.startswith("data: {")]
+            error = json.loads(events[-1][len("data: ") :])
+            assert error == {
+                "error": {
+                    "message": "request timeout exceeded",
+                    "type": "GatewayTimeoutError",
+                    "param": None,
+                    "code": 504,
+                }
+            }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,11 @@ from fleetpilot.api import load_services
 from fleetpilot.api.router_config import ROUTER_CONFIG_FILE, RouterConfig
 from fleetpilot.operator.plan_types import PlanOptions
 from fleetpilot.operator.planner import plan
+from fleetpilot.operator.router_objects import router_config
 from fleetpilot.routing.config import ConfigError, ConfigWatcher, load_config, parse_config
+from fleetpilot.routing.discovery import StaticSource
+from fleetpilot.routing.router import Router
+from tests.factories import make_service, make_tier
 from tests.routing.support import make_config, tier
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -91,3 +96,25 @@ def test_watcher_applies_valid_changes_and_refuses_invalid_ones(tmp_path: Path) 
     path.write_text(yaml.safe_dump(make_config([tier("c", 1.0)]).to_wire()))
     assert watcher.check()
     assert results == ["applied", "invalid", "applied"]
+
+
+@pytest.mark.parametrize(
+    ("slo", "expected"),
+    [
+        ({"ttftP95": "800ms"}, timedelta(milliseconds=3200)),  # 4 x ttftP95
+        ({"ttftP95": "100ms"}, timedelta(seconds=2)),  # the floor
+        ({"tpotP95": "50ms"}, None),  # no TTFT SLO: the config-wide default applies
+    ],
+)
+def test_the_planner_derives_each_tiers_first_byte_budget_from_its_ttft_slo(
+    slo: dict[str, str], expected: timedelta | None
+) -> None:
+    """A tier's firstByteTimeout is max(2s, 4 x ttftP95), written per tier; without a TTFT
+    SLO the tier has none and the router uses firstByteTimeout (5s)."""
+    service = make_service(tiers=[make_tier("small", autoscaling={"slo": slo})])
+    config = router_config(service)
+    assert config.tiers[0].first_byte_timeout == expected
+    parsed = parse_config(yaml.safe_dump(config.to_wire()))
+    budget = expected or timedelta(seconds=5)
+    router = Router(parsed, StaticSource(parsed))
+    assert router.first_byte_timeout_s(parsed.tiers[0]) == budget.total_seconds()

@@ -1,0 +1,213 @@
+"""A frozen replica never stalls a tier (issue 12, item 1): real reference-engine processes, one
+of them SIGSTOPped - it still accepts TCP connections (the kernel does that) but never answers.
+
+Regression: before the first-byte budget, requests sent to the frozen replica waited for the
+whole request timeout, scrape timeouts did not count toward ejection, and a frozen prefill
+replica stopped its P/D tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from fleetpilot.api.router_config import EndpointGroup, RouterTier
+from fleetpilot.runtime.processes import Child, Supervisor, free_port
+from tests.routing.support import RunningRouter, make_config, running_router, wait_for
+
+pytestmark = pytest.mark.asyncio
+
+BUDGET_S = 1.5
+# The router's loops at test speed: a frozen replica misses 3 scrapes (300 ms each) well
+# within the 2 s the issue asks for, with no traffic at all.
+FAST = {
+    "scrape": {"interval": "100ms", "timeout": "300ms", "staleAfter": "2s"},
+    "ejection": {"failures": 3, "window": "30s", "probeInterval": "100ms"},
+    "requestTimeout": "60s",
+    "firstByteTimeout": f"{int(BUDGET_S * 1000)}ms",
+    "debugRouteHeader": True,
+}
+# "Budget plus one retry": the retry is an ordinary request on a healthy replica, whose time
+# on this busy CPU-only machine is not ours to bound tightly; without the budget a request
+# would wait for the 60 s request timeout.
+RETRY_ALLOWANCE_S = 15.0
+
+
+def engine_argv(port: int, model: str, kv_role: str | None = None) -> list[str]:
+    argv = [sys.executable, "-m", "fleetpilot", "engine", "--backend", "reference",
+            "--host", "127.0.0.1", "--port", str(port), "--model-config", "tiny",
+            "--served-model-name", model, "--max-model-len", "512"]  # fmt: skip
+    if kv_role is not None:
+        config = {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_ip": "127.0.0.1"}
+        argv += ["--kv-transfer-config", json.dumps(config)]
+    return argv
+
+
+class Engines:
+    """Reference engines as supervised processes, by name."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+        self.children: dict[str, Child] = {}
+        self.addresses: dict[str, str] = {}
+
+    def start(self, name: str, model: str, kv_role: str | None = None) -> None:
+        port = free_port()
+        self.addresses[name] = f"127.0.0.1:{port}"
+        self.children[name] = self.supervisor.start(
+            name,
+            engine_argv(port, model, kv_role),
+            health_url=f"http://127.0.0.1:{port}/health",
+            env={"PYTHONUNBUFFERED": "1"},
+        )
+
+    def wait(self) -> None:
+        for child in self.children.values():
+            self.supervisor.wait_healthy(child, 180.0)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    supervisor = Supervisor(Path(tmp_path_factory.mktemp("frozen")))
+    engines = Engines(supervisor)
+    try:
+        engines.start("u0", "small-model")
+        engines.start("u1", "small-model")
+        engines.start("p0", "large-model", "kv_producer")
+        engines.start("p1", "large-model", "kv_producer")
+        engines.start("d0", "large-model", "kv_consumer")
+        engines.wait()
+        yield engines
+    finally:
+        supervisor.stop_all()
+
+
+@contextlib.contextmanager
+def frozen(child: Child) -> Iterator[None]:
+    """SIGSTOP the engine's process group; always SIGCONT it again."""
+    os.killpg(child.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.killpg(child.pid, signal.SIGCONT)
+
+
+def group(role: str, addresses: list[str]) -> EndpointGroup:
+    return EndpointGroup(role=role, service=f"svc-{role}", selector={}, port=8000,
+                         max_num_seqs=16, addresses=addresses)  # fmt: skip
+
+
+def route_of(headers: Any) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in headers["x-fleetpilot-route"].split("; "))
+
+
+async def timed_post(
+    session: aiohttp.ClientSession, router: RunningRouter, body: dict[str, Any]
+) -> tuple[int, float, dict[str, str]]:
+    started = time.monotonic()
+    async with session.post(router.url + "/v1/completions", json=body) as resp:
+        await resp.read()
+        return resp.status, time.monotonic() - started, route_of(resp.headers)
+
+
+REQUEST = {"model": "small-model", "prompt": "frozen replicas", "max_tokens": 2, "temperature": 0}
+
+
+async def test_a_frozen_replica_costs_one_budget_is_ejected_and_comes_back(
+    fleet: Engines,
+) -> None:
+    """Two clients against two replicas, one frozen: every request succeeds within the
+    first-byte budget plus one retry, the frozen replica is ejected within 2 s of the freeze,
+    and after SIGCONT its /health probe readmits it and it serves again."""
+    u0, u1 = fleet.addresses["u0"], fleet.addresses["u1"]
+    config = make_config(
+        [RouterTier(name="small", model="small-model", up_to=1.0, mode="unified",
+                    endpoints=[group("unified", [u0, u1])])],
+        affinity={"weight": 0.0},  # spread by load, so both replicas get requests
+        **FAST,
+    )  # fmt: skip
+    async with running_router(config) as router, aiohttp.ClientSession() as session:
+        state = router.state.router
+        assert (await timed_post(session, router, REQUEST))[0] == 200
+        with frozen(fleet.children["u0"]):
+            froze = time.monotonic()
+
+            async def client() -> list[tuple[int, float, dict[str, str]]]:
+                return [await timed_post(session, router, REQUEST) for _ in range(4)]
+
+            # The clients start right away: their first requests can still pick u0.
+            results = [r for rs in await asyncio.gather(client(), client()) for r in rs]
+            await wait_for(lambda: state.health.is_ejected(u0), timeout_s=10.0)
+            ejected_after = state.health.ejected_since(u0)
+            assert ejected_after is not None
+            assert ejected_after - froze < 2.0, f"ejected {ejected_after - froze:.2f}s after"
+            assert [status for status, _, _ in results] == [200] * 8
+            assert max(t for _, t, _ in results) < BUDGET_S + RETRY_ALLOWANCE_S
+            assert {route["replica"] for _, _, route in results} == {u1}
+        # SIGCONT: the prober readmits it, and traffic reaches it again.
+        await wait_for(lambda: not state.health.is_ejected(u0), timeout_s=20.0)
+        served = set()
+        for _ in range(12):
+            status, _, route = await timed_post(session, router, REQUEST)
+            assert status == 200
+            served.add(route["replica"])
+        assert served == {u0, u1}
+
+
+def pd_config(prefill: list[str], decode: list[str], **overrides: Any) -> Any:
+    return make_config(
+        [RouterTier(name="large", model="large-model", up_to=1.0, mode="disaggregated",
+                    endpoints=[group("prefill", prefill), group("decode", decode)])],
+        **{**FAST, **overrides},
+    )  # fmt: skip
+
+
+PD_REQUEST = {"model": "large-model", "prompt": "disaggregated and frozen", "max_tokens": 2}
+
+
+async def test_a_pd_tier_with_a_frozen_prefill_replica_keeps_serving(fleet: Engines) -> None:
+    """One of two prefill replicas frozen: requests whose prefill hop went there fall back to
+    decode-only within the budget (or use the other prefill replica), none waits longer, and
+    the frozen one is ejected so later requests take the healthy prefill replica."""
+    p0, p1, d0 = (fleet.addresses[n] for n in ("p0", "p1", "d0"))
+    config = pd_config([p0, p1], [d0], affinity={"weight": 0.0})
+    async with running_router(config) as router, aiohttp.ClientSession() as session:
+        assert (await timed_post(session, router, PD_REQUEST))[0] == 200
+        with frozen(fleet.children["p0"]):
+            results = [await timed_post(session, router, PD_REQUEST) for _ in range(6)]
+            assert [status for status, _, _ in results] == [200] * 6
+            assert max(t for _, t, _ in results) < BUDGET_S + RETRY_ALLOWANCE_S
+            state = router.state.router
+            await wait_for(lambda: state.health.is_ejected(p0), timeout_s=10.0)
+            status, _, route = await timed_post(session, router, PD_REQUEST)
+            assert (status, route["prefill"]) == (200, p1)
+
+
+async def test_a_pd_tier_whose_only_prefill_replica_is_frozen_serves_decode_only(
+    fleet: Engines,
+) -> None:
+    """The only prefill replica frozen: every request is served whole by the decode replica,
+    the hop giving up within the budget, and the fallback is counted by its cause."""
+    p0, d0 = fleet.addresses["p0"], fleet.addresses["d0"]
+    async with running_router(pd_config([p0], [d0])) as router, aiohttp.ClientSession() as session:
+        with frozen(fleet.children["p0"]):
+            results = [await timed_post(session, router, PD_REQUEST) for _ in range(3)]
+        assert [status for status, _, _ in results] == [200] * 3
+        assert max(t for _, t, _ in results) < BUDGET_S + RETRY_ALLOWANCE_S
+        assert all(route["prefill"] == "none" for _, _, route in results)
+        fallbacks = sum(
+            router.metric("fleetpilot_router_pd_fallbacks_total", tier="large", cause=cause)
+            for cause in ("prefill-first-byte-timeout", "no-prefill-replica")
+        )
+        assert fallbacks == 3
