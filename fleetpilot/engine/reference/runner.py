@@ -240,7 +240,12 @@ class EngineRunner:
                     break
                 if engine.has_unfinished_requests() or (not woke and engine.pins):
                     # An idle tick still steps while prompts are pinned: step() expires them.
-                    self._dispatch(engine.step())
+                    outputs = engine.step()
+                    # Counters before answers: a client (or a scraper right behind it) that
+                    # saw its request finish must find it in /metrics.
+                    if self.metrics is not None:
+                        self.metrics.set_stats(engine.stats())
+                    self._dispatch(outputs)
                     if self.step_delay_s > 0 and engine.has_unfinished_requests():
                         time.sleep(self.step_delay_s)
                 if self.metrics is not None:
