@@ -26,7 +26,7 @@ import pytest
 from e2e.chart_support import CRD_PATH, can, install_identity, release_name, render
 from e2e.support import condition, eventually, mark_pods_ready
 from fleetpilot.operator.drift import AUTOSCALER_MANAGER
-from fleetpilot.operator.kube import Kube, Obj
+from fleetpilot.operator.kube import RESOURCES, Kube, Obj
 from fleetpilot.operator.reconcile import Reconciler
 from fleetpilot.runtime.prometheus import PrometheusServer
 from fleetpilot.testing.controlplane import Cluster, free_ports
@@ -492,3 +492,112 @@ def test_autoscaler_timer_scales_on_prometheus_metrics(
     active = condition(current, "ScalingActive")
     assert active is not None
     assert active["status"] == "True"
+
+
+# -- NetworkPolicies (issue 12 item 11) ----------------------------------------------------
+# Without a CNI nothing enforces a NetworkPolicy, so this checks what the API server can: the
+# operator (under the chart's RBAC) applies them and the server accepts them; their selectors,
+# evaluated by the API server's own label-selector code on the pods the controllers created,
+# pick exactly the right pods (not those of another service in the same namespace); and they
+# are pruned and garbage-collected like every other child.
+
+RESOURCES_1GI = {"gpuProduct": H100, "cpu": "1", "memory": "1Gi"}
+
+
+def policy_manifest(namespace: str, name: str, *, pd: bool, **spec: Any) -> Obj:
+    tiers = [make_tier("small", up_to=0.4 if pd else None, resources=RESOURCES_1GI)]
+    if pd:
+        tiers.append(make_tier("large", mode="disaggregated", resources=RESOURCES_1GI))
+    return make_manifest(name, namespace=namespace, tiers=tiers, routing={"replicas": 1}, **spec)
+
+
+def selector_text(selector: Obj) -> str:
+    """A LabelSelector object as the API's labelSelector query (matchLabels, In expressions)."""
+    terms = [f"{k}={v}" for k, v in sorted(selector.get("matchLabels", {}).items())]
+    for expr in selector.get("matchExpressions", []):
+        assert expr["operator"] == "In", expr
+        terms.append(f"{expr['key']} in ({','.join(expr['values'])})")
+    assert terms, "an empty selector selects everything"
+    return ",".join(terms)
+
+
+def names_selected(kube: Kube, kind: str, namespace: str | None, selector: Obj) -> set[str]:
+    path = RESOURCES[kind].path(namespace) if kind != "Namespace" else "/api/v1/namespaces"
+    found = kube.request("GET", path, query=[("labelSelector", selector_text(selector))])
+    return {item["metadata"]["name"] for item in found.get("items", [])}
+
+
+def pods_of(kube: Kube, namespace: str, deployments: list[str]) -> set[str]:
+    """The pods each Deployment selects for itself: what a policy must match, found without
+    the policy's labels."""
+    pods: set[str] = set()
+    for name in deployments:
+        deployment = get(kube, "Deployment", namespace, name)
+        assert deployment is not None, name
+        pods |= names_selected(kube, "Pod", namespace, deployment["spec"]["selector"])
+    return pods
+
+
+def no_policies(kube: Kube, namespace: str, service: str) -> bool | None:
+    left = kube.list("NetworkPolicy", namespace, {"fleetpilot.dev/service": service})
+    return True if not left else None
+
+
+def test_policies_select_exactly_the_services_pods_and_are_pruned_and_collected(
+    kube: Kube, namespace: str, operator: Any
+) -> None:
+    scraped_by_this_namespace = {"metricsNamespaces": [namespace]}
+    apply_service(
+        kube, policy_manifest(namespace, "chat", pd=True, networkPolicy=scraped_by_this_namespace)
+    )
+    apply_service(kube, policy_manifest(namespace, "other", pd=False))
+    engines = ["chat-small", "chat-large-prefill", "chat-large-decode"]
+    all_deployments = [*engines, "chat-router", "other-small", "other-router"]
+
+    def pods_created() -> bool | None:
+        for name in all_deployments:
+            if get(kube, "Deployment", namespace, name) is None:
+                return None
+        return True if len(pods_of(kube, namespace, all_deployments)) == 6 else None
+
+    eventually("every Deployment's pod", pods_created, timeout=120)
+    engine_pods = pods_of(kube, namespace, engines)
+    router_pods = pods_of(kube, namespace, ["chat-router"])
+    assert len(engine_pods) == 3
+    assert len(router_pods) == 1
+
+    # Stored as planned: the API server's validation and defaulting accepted the objects.
+    policy = eventually(
+        "engines policy", lambda: get(kube, "NetworkPolicy", namespace, "chat-engines")
+    )
+    router_policy = get(kube, "NetworkPolicy", namespace, "chat-router")
+    assert router_policy is not None
+    assert policy["metadata"]["ownerReferences"][0]["kind"] == "InferenceService"
+
+    # Who is guarded: exactly this service's engine pods; its router pod by its own policy.
+    assert names_selected(kube, "Pod", namespace, policy["spec"]["podSelector"]) == engine_pods
+    guarded_routers = names_selected(kube, "Pod", namespace, router_policy["spec"]["podSelector"])
+    assert guarded_routers == router_pods
+    # Who gets in: the router rule admits only this service's router pod, the peer rule only
+    # its engine pods (not "other"'s, in the same namespace), the scrape rule one namespace.
+    from_router, from_peers, from_scrapers = policy["spec"]["ingress"]
+    assert from_router["ports"] == [{"protocol": "TCP", "port": 8000}]
+    (router_peer,) = from_router["from"]
+    assert names_selected(kube, "Pod", namespace, router_peer["podSelector"]) == router_pods
+    assert "ports" not in from_peers
+    (engine_peer,) = from_peers["from"]
+    assert names_selected(kube, "Pod", namespace, engine_peer["podSelector"]) == engine_pods
+    (scraper,) = from_scrapers["from"]
+    selected = names_selected(kube, "Namespace", None, scraper["namespaceSelector"])
+    assert selected == {namespace}
+
+    # Opting out prunes both policies (the other service keeps its own).
+    apply_service(
+        kube, policy_manifest(namespace, "chat", pd=True, networkPolicy={"enabled": False})
+    )
+    eventually("chat's policies pruned", lambda: no_policies(kube, namespace, "chat"))
+    assert get(kube, "NetworkPolicy", namespace, "other-engines") is not None
+
+    # Deleting the service takes its policies with it (garbage collection by owner).
+    kube.delete("InferenceService", namespace, "other")
+    eventually("other's policies collected", lambda: no_policies(kube, namespace, "other"), 90)
