@@ -2,7 +2,8 @@
 
 It reads the service and its roles from the fleet's control API (``fleetpilot up`` prints the
 URL and starts this command itself), observes each role through Prometheus when the fleet runs
-one (or ``--prometheus-url`` names one), else straight from the engines' /metrics, decides with
+one (or ``--prometheus-url`` names one), else straight from the engines' /metrics (also while
+that Prometheus is unreachable, saying so in the log and in every reason), decides with
 the same policy as the operator's timer, and scales through the control API. Decisions land in
 the fleet's status table, the log and ``fleetpilot_autoscaler_*`` metrics (``--metrics-port``).
 
@@ -24,6 +25,7 @@ from fleetpilot.api import InferenceService
 from fleetpilot.argtypes import port_number
 from fleetpilot.autoscaler.actuator import default_metrics
 from fleetpilot.autoscaler.direct import EngineMetricsSource
+from fleetpilot.autoscaler.fallback import FallbackSource
 from fleetpilot.autoscaler.loop import Histories, interval_s, tick
 from fleetpilot.autoscaler.prometheus import MetricsSource, PrometheusSource
 from fleetpilot.autoscaler.remote import FleetActuator, FleetClient, FleetError, RoleState
@@ -61,12 +63,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _source(args: argparse.Namespace, client: FleetClient, fleet_prom: str | None) -> MetricsSource:
+    direct = EngineMetricsSource(client.addresses, router=lambda: client.router_address)
     url = None if args.direct else (args.prometheus_url or fleet_prom)
     if url:
-        log.info("reading Prometheus at %s", url)
-        return PrometheusSource(url)
+        log.info("reading Prometheus at %s (the engines' /metrics while it is unreachable)", url)
+        # The fleet's engines are reachable from here: a Prometheus down must not blind us.
+        return FallbackSource(PrometheusSource(url), direct, primary_name=f"prometheus at {url}")
     log.info("reading the engines' /metrics directly (no Prometheus)")
-    return EngineMetricsSource(client.addresses, router=lambda: client.router_address)
+    return direct
 
 
 def _wait_for_fleet(

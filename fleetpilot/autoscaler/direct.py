@@ -299,6 +299,13 @@ class EngineMetricsSource:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._client.close()
 
+    def reset(self) -> None:
+        """Forget every kept snapshot. A source asked only now and then (a fallback) must
+        not measure a window from a baseline older than it: the increase since then would
+        count as the window's."""
+        with self._lock:
+            self._series.clear()
+
     def __enter__(self) -> EngineMetricsSource:
         return self
 

@@ -113,6 +113,9 @@ class Metrics:
     data_age_s: float | None = None  # age of the newest engine sample; None: no sample at all
     problem: DataProblem | None = None
     detail: str = ""
+    # Set when the values come from a stand-in for the usual source (the engines' /metrics
+    # while Prometheus is down), saying so: every decision's reason repeats it.
+    source_note: str = ""
 
 
 @dataclass(frozen=True)
@@ -583,6 +586,8 @@ def decide(
         now_s,
         watched_s,
     )
+    if observation.metrics.source_note:
+        reason = f"{reason} [{observation.metrics.source_note}]"
     return Decision(
         tier=spec.tier,
         role=spec.role,

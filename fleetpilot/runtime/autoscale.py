@@ -37,6 +37,8 @@ class RoleScaling:
     last_scale_reason: str = ""  # the sentence of the last decision that changed replicas
     last_scale_time: datetime | None = None
     metrics: Metrics | None = None  # what the last decision saw
+    last_scale_from: int | None = None  # replicas before and after the last change
+    last_scale_to: int | None = None
 
 
 class LocalActuator:
@@ -124,8 +126,11 @@ class LocalActuator:
             before = self.roles.get(key)
             last_reason = before.last_scale_reason if before else ""
             last_time = before.last_scale_time if before else None
+            last_from = before.last_scale_from if before else None
+            last_to = before.last_scale_to if before else None
             if decision.changed:
                 last_reason, last_time = decision.reason, when
+                last_from, last_to = decision.current_replicas, decision.replicas
                 line = f"autoscaler: tier {decision.tier}: {decision.reason}"
                 if decision.dry_run:
                     line += " (recommend mode: not applied)"
@@ -135,7 +140,13 @@ class LocalActuator:
             else:
                 log.debug("tier %s: %s", decision.tier, decision.reason)
             self.roles[key] = RoleScaling(
-                decision.replicas, decision.reason, last_reason, last_time, decision.metrics
+                decision.replicas,
+                decision.reason,
+                last_reason,
+                last_time,
+                decision.metrics,
+                last_from,
+                last_to,
             )
 
 

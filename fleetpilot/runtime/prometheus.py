@@ -55,6 +55,11 @@ DEFAULT_BINARY = "/usr/bin/prometheus"
 # Readiness is reached in about a second on a laptop; a loaded CI machine may take ten.
 STARTUP_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
+# A Prometheus that keeps dying (a corrupt TSDB, its port taken) is restarted after 1, 2, 4 ...
+# seconds, at most this long apart, so a crash loop neither spins nor floods the log.
+MAX_RESTART_DELAY_S = 30.0
+# Up this long after a restart, and the next crash starts the backoff over.
+RESTART_RESET_S = 60.0
 POD_LABEL_PREFIX = "__meta_kubernetes_pod_label_"
 NAMESPACE_META = "__meta_kubernetes_namespace"
 
@@ -175,6 +180,12 @@ class PrometheusServer:
         self._supervisor = Supervisor(self.workdir)
         self._child: Child | None = None
         self._http = _opener()
+        # Every pid started, restarts included: leftovers() must see them all.
+        self.pids: set[int] = set()
+        self.restarts = 0
+        self._restart_delay_s = 0.0
+        self._restart_at: float | None = None  # when an exited one is due to be restarted
+        self._started_at = 0.0
 
     # -- paths and addresses ----------------------------------------------------------------
     @property
@@ -230,6 +241,8 @@ class PrometheusServer:
         # The supervisor gives it its own process group (stop() signals exactly this tree)
         # and the parent-death signal (a test run killed with SIGKILL leaves no Prometheus).
         self._child = self._supervisor.start("prometheus", args, health_url=f"{self.url}/-/ready")
+        self.pids.add(self._child.pid)
+        self._started_at = time.monotonic()
 
     def _wait_ready(self) -> None:
         assert self._child is not None
@@ -247,6 +260,49 @@ class PrometheusServer:
         leftover = group_members({child.pid})
         if leftover:
             raise PrometheusError(f"processes left in prometheus' group: {leftover}")
+
+    def restart_if_exited(self, now: float | None = None) -> str | None:
+        """Restart a Prometheus that exited without being asked to, on the same port (the
+        autoscaler keeps its URL) and TSDB, without waiting for it to be ready.
+
+        Returns the report of the crash, with the tail of its log, once per crash; None when
+        it runs (or was stopped, or its restart is backing off).
+        """
+        child = self._child
+        if child is None or child.stopping or child.popen is None or child.alive():
+            return None
+        clock = time.monotonic() if now is None else now
+        if self._restart_at is None:
+            up_s = clock - self._started_at
+            # The first crash, or one after a long run, restarts at once; a crash loop backs off.
+            self._restart_delay_s = (
+                0.0
+                if self.restarts == 0 or up_s >= RESTART_RESET_S
+                else min(MAX_RESTART_DELAY_S, max(1.0, 2 * self._restart_delay_s))
+            )
+            self._restart_at = clock + self._restart_delay_s
+            report = (
+                f"prometheus (pid {child.pid}) exited with code {child.popen.returncode}; "
+                f"restarting it on {self.url}"
+                + (f" in {self._restart_delay_s:.0f}s" if self._restart_delay_s else "")
+                + f". Last lines of {child.log_path}:\n{child.tail(10)}"
+            )
+            if self._restart_delay_s == 0.0:
+                self._respawn(child)
+            return report
+        if clock >= self._restart_at:
+            self._respawn(child)
+        return None
+
+    def _respawn(self, child: Child) -> None:
+        self._restart_at = None
+        self.restarts += 1
+        self._write_config()
+        self._supervisor.restart(child)
+        assert child.popen is not None
+        self.pids.add(child.pid)
+        self._started_at = time.monotonic()
+        log.info("prometheus restarted at %s (pid %s)", self.url, child.pid)
 
     def __enter__(self) -> Self:
         return self.start()
@@ -311,6 +367,7 @@ class PrometheusServer:
 
 __all__ = [
     "DEFAULT_BINARY",
+    "MAX_RESTART_DELAY_S",
     "PrometheusError",
     "PrometheusServer",
     "ScrapeTarget",

@@ -12,8 +12,9 @@
   operator's policy and scales through the control API.
 
 Call :meth:`LocalStack.step` from the thread that started the stack, every half second or so:
-it restarts crashed children (reported with their log tail), lists newly healthy engines in the
-router's config and updates Prometheus' targets.
+it restarts crashed children, Prometheus included (reported with their log tail), lists newly
+healthy engines in the router's config and updates Prometheus' targets. While Prometheus is
+down the autoscaler reads the engines' /metrics directly, and says so.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import logging
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 
 from fleetpilot.api import InferenceService
@@ -40,6 +42,14 @@ from fleetpilot.runtime.prometheus import (
 
 log = logging.getLogger(__name__)
 
+# The first scrape of every target comes within about 5 s (Prometheus' target update
+# period) plus one interval; a loaded CPU may take longer, and the wait must not fail the fleet.
+PROMETHEUS_FIRST_SCRAPE_TIMEOUT_S = 30.0
+
+
+# "10 -> 20, 59m ago" fits; the decision's sentence, of any length, comes last.
+_LAST_SCALE_WIDTH = 18
+
 
 def _ms(seconds: float | None) -> str:
     if seconds is None:
@@ -53,25 +63,51 @@ def _percent(fraction: float | None) -> str:
     return "-" if fraction is None else f"{fraction * 100:.0f}%"
 
 
+def _ago(then: datetime, now: datetime) -> str:
+    seconds = max(0.0, (now - then).total_seconds())
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m ago"
+    return f"{seconds / 3600:.0f}h ago"
+
+
+def _last_scale(record: RoleScaling | None, now: datetime) -> str:
+    """``1 -> 2, 12s ago``: the last change of replicas, its reason being long gone from the
+    decision column once the role holds."""
+    if record is None or record.last_scale_time is None:
+        return "-"
+    change = f"{record.last_scale_from} -> {record.last_scale_to}"
+    return f"{change}, {_ago(record.last_scale_time, now)}"
+
+
 def format_status(
-    rows: Sequence[StatusRow], scaling: Mapping[tuple[str, str], RoleScaling] | None = None
+    rows: Sequence[StatusRow],
+    scaling: Mapping[tuple[str, str], RoleScaling] | None = None,
+    now: datetime | None = None,
 ) -> str:
     """A fixed-width table of the fleet: replicas per tier and role and, with ``scaling``
-    (the autoscaler's records), what its last decision saw and the last scale's reason."""
+    (the autoscaler's records), what its current decision saw, the last change of replicas,
+    and the current decision's reason. Purely computational (``now`` defaults to the clock)."""
+    when = now or datetime.now(UTC)
     header = f"{'TIER':<10} {'ROLE':<8} {'REPLICAS':>8} {'HEALTHY':>7}"
     if scaling is not None:
-        header += f" {'TTFT p95':>8} {'TPOT p95':>8} {'KV':>4} {'HITS':>4}  LAST SCALE"
+        header += (
+            f" {'TTFT p95':>8} {'TPOT p95':>8} {'KV':>4} {'HITS':>4}"
+            f"  {'LAST SCALE':<{_LAST_SCALE_WIDTH}}  DECISION"
+        )
     lines = [header]
     for row in rows:
         line = f"{row.tier:<10} {row.role:<8} {row.replicas:>8} {row.healthy:>7}"
         if scaling is not None:
             record = scaling.get((row.tier, row.role))
             m = record.metrics if record is not None else None
-            reason = (record.last_scale_reason or record.reason) if record is not None else ""
+            reason = record.reason if record is not None else ""
             line += (
                 f" {_ms(m.ttft_p95_s if m else None):>8} {_ms(m.tpot_p95_s if m else None):>8}"
                 f" {_percent(m.kv_cache_usage_frac if m else None):>4}"
-                f" {_percent(m.prefix_hit_rate_frac if m else None):>4}  {reason or '-'}"
+                f" {_percent(m.prefix_hit_rate_frac if m else None):>4}"
+                f"  {_last_scale(record, when):<{_LAST_SCALE_WIDTH}}  {reason or '-'}"
             )
         lines.append(line)
     return "\n".join(lines)
@@ -122,7 +158,6 @@ class LocalStack:
         self.control: ControlServer | None = None
         self.autoscaler: Child | None = None
         self._targets: list[ScrapeTarget] = []
-        self._prometheus_pid: int | None = None
 
     @property
     def endpoint(self) -> str:
@@ -175,7 +210,14 @@ class LocalStack:
             self.workdir / "prometheus", self._targets, scrape_interval_s=interval
         )
         self.prometheus.start()
-        self._prometheus_pid = self.prometheus.pid
+        # Prometheus 2.x hands new targets to its scrapers every 5 s: until the first scrape,
+        # every role has "no series". The autoscaler starts after it, or a tier that decides
+        # every 15 s shows that first blind decision for 15 s (issue 12, the large tier's
+        # "no series" during make demo's load step).
+        try:
+            self.prometheus.wait_scraped(PROMETHEUS_FIRST_SCRAPE_TIMEOUT_S)
+        except PrometheusError as exc:
+            self.say(f"{exc}; the autoscaler holds those roles until they are")
 
     def _start_autoscaler(self) -> None:
         assert self.control is not None
@@ -193,14 +235,21 @@ class LocalStack:
         self.fleet.supervisor.wait_healthy(self.autoscaler, self.fleet.health_timeout_s)
 
     def step(self) -> list[str]:
-        """Supervise once; returns one report per crashed child (with its log tail)."""
+        """Supervise once; returns one report per crashed child (with its log tail),
+        Prometheus included (restarted without waiting: meanwhile the autoscaler reads the
+        engines directly)."""
         with self.lock:
             reports = self.fleet.supervise_once()
             self.fleet.refresh_serving()
             targets = self.scrape_targets()
-        if self.prometheus is not None and targets != self._targets:
-            self._targets = targets
-            self.prometheus.set_targets(targets)
+        if self.prometheus is not None:
+            if targets != self._targets:
+                self._targets = targets
+                self.prometheus.set_targets(targets)
+            report = self.prometheus.restart_if_exited()
+            if report is not None:
+                log.warning("%s", report)
+                reports.append(report)
         return reports
 
     def scrape_targets(self) -> list[ScrapeTarget]:
@@ -234,7 +283,8 @@ class LocalStack:
 
     def leftovers(self) -> list[int]:
         """Pids still alive of anything the stack started (empty after ``stop``)."""
-        prometheus = group_members({self._prometheus_pid}) if self._prometheus_pid else []
+        pids = self.prometheus.pids if self.prometheus is not None else set()
+        prometheus = group_members(pids) if pids else []
         return sorted([*self.fleet.leftovers(), *prometheus])
 
     def __enter__(self) -> LocalStack:
