@@ -98,10 +98,14 @@ def route_fields(header: str | None) -> dict[str, str]:
 
 
 def step_until(
-    stack: LocalStack, done: Callable[[], bool], timeout_s: float, what: str
+    stack: LocalStack,
+    done: Callable[[], bool],
+    timeout_s: float,
+    what: str,
+    reports: list[str] | None = None,
 ) -> list[tuple[float, RecordedDecision]]:
     """Supervise the stack (in this thread) until ``done()``; the decisions recorded meanwhile,
-    with the time each was seen."""
+    with the time each was seen. The supervisor's crash reports are appended to ``reports``."""
     seen: list[tuple[float, RecordedDecision]] = []
     recorded = stack.actuator.decisions
     known = len(recorded)
@@ -110,7 +114,9 @@ def step_until(
         if time.monotonic() > deadline:
             reasons = "\n".join(d.reason for _, d in seen[-5:])
             raise AssertionError(f"timed out waiting for {what}; last reasons:\n{reasons}")
-        stack.step()
+        said = stack.step()
+        if reports is not None:
+            reports.extend(said)
         now = time.monotonic()
         seen.extend((now, d) for d in recorded[known:])
         known = len(recorded)

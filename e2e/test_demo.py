@@ -27,4 +27,16 @@ def test_demo_shows_tiers_cache_hits_and_cleans_up() -> None:
     assert re.search(r"tier small: unified ttft p95 \d+ms > slo 10ms: 1 -> 2", out)
     assert "2 -> 1" in out
     assert "errors       none" in out
+    # Regression (issue 12, item 3): mid-step, the large tier's row said "no series ...": its
+    # one decision so far was taken before Prometheus' first scrape. Every tier has data.
+    during = out[out.index("== load step") : out.index("== load stopped")]
+    rows = {
+        line.split()[0]: line
+        for line in during.splitlines()
+        if line.split()[:1] in (["small"], ["large"])
+    }
+    assert set(rows) == {"small", "large"}, during
+    for tier, row in rows.items():
+        assert "has no data" not in row, row
+        assert row.split()[6] != "-", f"tier {tier} shows no KV usage: {row}"
     assert "processes left behind: []" in out

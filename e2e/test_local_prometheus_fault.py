@@ -1,0 +1,99 @@
+"""A Prometheus SIGKILLed under a running local fleet is never silent.
+
+Regression (issue 12, item 2): it was not restarted, nothing said so, and the autoscaler held
+every role forever. Now, with real processes throughout (reference engine, router, Prometheus,
+``fleetpilot autoscaler``): while Prometheus is dead the autoscaler's decisions come from the
+engines' /metrics and say so, in the decision and in its log; the stack's supervision restarts
+Prometheus on its port and reports the crash with its log tail; the autoscaler goes back to it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from e2e.support import eventually, running_stack, step_until
+from fleetpilot.runtime.stack import LocalStack, prometheus_installed
+
+SERVICE = """\
+apiVersion: fleetpilot.dev/v1alpha1
+kind: InferenceService
+metadata: {name: watched, namespace: default}
+spec:
+  monitoring: {scrapeInterval: 1s}
+  tiers:
+    - name: small
+      model: {name: Qwen/Qwen2.5-0.5B-Instruct, servedName: small-model, maxModelLen: 512}
+      engine: {maxNumSeqs: 16}
+      serving:
+        replicas: {min: 1, max: 2}
+      autoscaling:
+        interval: 1s
+        window: 10s
+        slo: {ttftP95: 5s}
+"""
+FALLBACK = "[read from the engines' /metrics directly: "
+# Generous bounds for a busy two-core machine; nothing here is a speed assertion.
+WAIT_S = 90.0
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[LocalStack]:
+    if not prometheus_installed():
+        pytest.skip("prometheus is not installed (make prometheus)")
+    with running_stack(tmp_path, SERVICE, prometheus=True) as local:
+        yield local
+
+
+def autoscaler_log(stack: LocalStack) -> str:
+    assert stack.autoscaler is not None
+    return stack.autoscaler.log_path.read_text()
+
+
+def test_a_killed_prometheus_is_restarted_and_reported_while_the_engines_are_read(
+    stack: LocalStack,
+) -> None:
+    assert stack.prometheus is not None
+    url = stack.prometheus.url
+    decisions = stack.actuator.decisions
+    step_until(stack, lambda: bool(decisions), WAIT_S, "a first decision")
+    assert FALLBACK not in decisions[-1].reason
+
+    killed = stack.prometheus.pid
+    assert killed is not None
+    seen = len(decisions)
+    os.kill(killed, signal.SIGKILL)
+    # Not supervised yet (no step): the autoscaler, its own process, must cope alone.
+    fallback = eventually(
+        "a decision read from the engines directly",
+        lambda: next((d for d in decisions[seen:] if FALLBACK in d.reason), None),
+        WAIT_S,
+    )
+    assert f"cannot connect to prometheus at {url}" in fallback.reason
+    assert fallback.replicas >= fallback.current_replicas  # never a scale-down on it
+    assert "reading the engines' /metrics directly until it answers again" in autoscaler_log(stack)
+    row = next(line for line in stack.status_table().splitlines() if line.startswith("small"))
+    assert FALLBACK in row, row
+
+    reports: list[str] = []
+    step_until(stack, lambda: bool(reports), WAIT_S, "the crash report", reports)
+    (report,) = reports
+    assert f"prometheus (pid {killed}) exited with code -9; restarting it on {url}" in report
+    assert "Last lines of" in report
+    assert stack.prometheus.url == url
+    assert stack.prometheus.pid != killed
+
+    back = len(decisions)
+    step_until(
+        stack,
+        lambda: any(FALLBACK not in d.reason for d in decisions[back:]),
+        WAIT_S,
+        "a decision read from Prometheus again",
+        reports,
+    )
+    assert f"prometheus at {url} answers again: reading it" in autoscaler_log(stack)
+    assert len(reports) == 1  # restarted once, and it stayed up
