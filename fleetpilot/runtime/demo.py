@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         with LocalStack(service, Path(workdir), 0, say=_indented) as stack:
             print(f"   up in {time.monotonic() - started:.1f}s; endpoint {stack.endpoint}")
             source = (
-                f"Prometheus at {stack.prometheus_url}"
+                f"Prometheus at {stack.prometheus_url} (the engines' /metrics while it is down)"
                 if stack.prometheus_url
                 else ("the engines' /metrics (no Prometheus installed)")
             )
