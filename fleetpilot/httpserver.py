@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -49,17 +50,45 @@ class ServerLimits:
     # so the client, not the server, closes them: no request races a server-side close.
     # 75 s is web.run_app's default, which the router used before.
     keepalive_timeout_s: float = 75.0
-    # Below the usual 1024 open-file soft limit, which a proxied request spends twice (client
-    # and upstream socket), with room left for logs, metrics and the KV-event sockets.
-    max_connections: int = 480
+    # None: derived from the process's open-file limit when the listener starts (see
+    # :func:`connection_budget`); a fixed number here would be too low for a router in front
+    # of thousands of clients or too high for a 1024-descriptor default.
+    max_connections: int | None = None
     # One warning line per kind of bad client per this many seconds.
     warn_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.header_timeout_s <= 0 or self.keepalive_timeout_s <= 0:
             raise ValueError("header_timeout_s and keepalive_timeout_s must be positive")
-        if self.max_connections < 1:
+        if self.max_connections is not None and self.max_connections < 1:
             raise ValueError("max_connections must be at least 1")
+
+    def connection_limit(self) -> int:
+        return self.max_connections or connection_budget()
+
+
+# Descriptors kept out of the connection budget: logs, metrics, the KV-event sockets, the
+# upstream pools' spares.
+RESERVED_FDS = 64
+MIN_CONNECTIONS = 64
+
+
+def connection_budget() -> int:
+    """Connections this process can hold open: half of what its open-file limit leaves after a
+    reserve (a proxied request spends two descriptors: the client's and the upstream's).
+
+    The soft limit is raised to the hard one first, as Go's runtime does: the soft default
+    (often 1024) is a relic of select(2), which nothing here uses.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass  # not allowed here: live with the soft limit
+    return max(MIN_CONNECTIONS, (soft - RESERVED_FDS) // 2)
 
 
 class Throttle:
@@ -136,6 +165,7 @@ class _Connections:
 
     def __init__(self, limits: ServerLimits, warnings: _ThrottledWarnings) -> None:
         self.limits = limits
+        self.max_connections = limits.connection_limit()
         self.warnings = warnings
         self.open: dict[RequestHandler, _Guard] = {}
 
@@ -185,7 +215,7 @@ class _Guard(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         open_ = self.connections.open
-        if len(open_) >= self.connections.limits.max_connections:
+        if len(open_) >= self.connections.max_connections:
             self.connections.warnings.warn(
                 "connection-limit",
                 "connection limit reached (%d open): closing new connections",

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -21,8 +22,11 @@ import yaml
 from aiohttp import web
 
 from fleetpilot.httpserver import (
+    MIN_CONNECTIONS,
+    RESERVED_FDS,
     ServerLimits,
     Throttle,
+    connection_budget,
     make_runner,
     open_connections,
     start_site,
@@ -229,3 +233,15 @@ def test_the_router_process_answers_malformed_http_with_400_and_one_warning(
     assert len(malformed) == 1
     assert malformed[0]["level"] == "warning"
     assert any(line["msg"] == "router started" for line in lines)
+
+
+def test_the_default_connection_limit_follows_the_open_file_limit() -> None:
+    """A router in front of thousands of clients must not be capped by a constant meant for a
+    1024-descriptor default: the budget is half of what the (raised) open-file limit leaves."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    budget = connection_budget()
+    raised, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert raised >= soft
+    assert budget == max(MIN_CONNECTIONS, (raised - RESERVED_FDS) // 2)
+    assert ServerLimits().connection_limit() == budget
+    assert ServerLimits(max_connections=7).connection_limit() == 7
