@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -33,6 +33,7 @@ from fleetpilot.routing.errors import (
     UpstreamTimeoutError,
 )
 from fleetpilot.routing.features import Kind, RequestFeatures, extract_features
+from fleetpilot.routing.first_byte import FirstByteTimeoutError, FirstByteWatch
 from fleetpilot.routing.metrics import RouterMetrics
 from fleetpilot.routing.policies.pd import (
     KV_TRANSFER_PARAMS,
@@ -60,11 +61,6 @@ STATUS_CLIENT_CLOSED = "499"  # nginx's code for "client closed the request"
 # The cause of an attempt that got no first byte within its budget from a replica that then
 # failed its liveness probe: frozen (SIGSTOP), wedged, or its node gone without a RST.
 FIRST_BYTE_TIMEOUT = "first-byte-timeout"
-# The liveness probe gets at most this much of the budget (and at most half of it): /health of
-# a live engine is answered by its API server, never queued behind generation.
-LIVENESS_PROBE_S = 2.0
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -280,21 +276,20 @@ class Proxy:
         payload = _json_bytes(prefill_request(body, route.tier.model))
         budget_s = self.router.first_byte_timeout_s(route.tier)
         replica.in_flight += 1
-        hop = asyncio.ensure_future(self._prefill_exchange(replica, path, payload, headers))
         try:
-            verdict = await self._first_byte(hop, replica, budget_s, wait_while_alive=False)
-            if verdict != "done":
-                if verdict == "dead":
-                    self._upstream_failed(route, replica, FIRST_BYTE_TIMEOUT)
-                return None, "prefill-" + (FIRST_BYTE_TIMEOUT if verdict == "dead" else "slow")
-            status, data = hop.result()
+            async with self._watch(replica, budget_s, keep_while_alive=False):
+                status, data = await self._prefill_exchange(replica, path, payload, headers)
+        except FirstByteTimeoutError as exc:
+            if exc.verdict == "dead":
+                self._upstream_failed(route, replica, FIRST_BYTE_TIMEOUT)
+                return None, "prefill-" + FIRST_BYTE_TIMEOUT
+            return None, "prefill-slow"
         except aiohttp.ClientError as exc:
             self._upstream_failed(route, replica, _cause(exc))
             return None, "prefill-" + _cause(exc)
         except ValueError:
             return None, "prefill-invalid-json"
         finally:
-            hop.cancel()
             replica.in_flight -= 1
         if status >= 500:
             self._upstream_failed(route, replica, "5xx")
@@ -317,40 +312,14 @@ class Proxy:
                 return response.status, None
             return 200, await response.json(content_type=None)
 
-    async def _first_byte(
-        self,
-        attempt: asyncio.Future[T],
-        replica: ReplicaState,
-        budget_s: float,
-        *,
-        wait_while_alive: bool,
-    ) -> str:
-        """Wait for ``attempt`` (an upstream call that ends at the first byte of the answer)
-        within the first-byte budget: ``"done"``, ``"dead"`` (the budget passed and the
-        replica failed a /health probe) or ``"slow"`` (it passed; the replica is alive).
-
-        The probe starts before the budget ends, so a frozen replica costs the budget and
-        no more. A live replica keeps the attempt when ``wait_while_alive`` (a long
-        non-streamed generation answers only when done), probed again every budget."""
-        probe_s = min(LIVENESS_PROBE_S, budget_s / 2)
-        while True:
-            done, _ = await asyncio.wait({attempt}, timeout=budget_s - probe_s)
-            if done:
-                return "done"
-            probe = asyncio.ensure_future(self._alive(replica, probe_s))
-            try:
-                done, _ = await asyncio.wait({attempt}, timeout=probe_s)
-                if done:
-                    return "done"
-                alive = await probe
-            finally:
-                probe.cancel()
-            if attempt.done():
-                return "done"
-            if not alive:
-                return "dead"
-            if not wait_while_alive:
-                return "slow"
+    def _watch(
+        self, replica: ReplicaState, budget_s: float, *, keep_while_alive: bool
+    ) -> FirstByteWatch:
+        return FirstByteWatch(
+            lambda timeout_s: self._alive(replica, timeout_s),
+            budget_s,
+            keep_while_alive=keep_while_alive,
+        )
 
     async def _alive(self, replica: ReplicaState, timeout_s: float) -> bool:
         try:
@@ -401,25 +370,17 @@ class Proxy:
                 response: aiohttp.ClientResponse | None = None
                 cause: str | None = None
                 error: Exception | None = None
-                post = asyncio.ensure_future(
-                    self.session.post(
-                        replica.url(path), data=payload, headers=headers, timeout=timeout
-                    )
-                )
                 try:
-                    verdict = await self._first_byte(post, replica, budget_s, wait_while_alive=True)
-                finally:
-                    if not post.done():
-                        post.cancel()
-                if verdict != "done":
+                    async with self._watch(replica, budget_s, keep_while_alive=True):
+                        response = await self.session.post(
+                            replica.url(path), data=payload, headers=headers, timeout=timeout
+                        )
+                    cause = "5xx" if response.status >= 500 else None
+                except FirstByteTimeoutError:
                     cause = FIRST_BYTE_TIMEOUT
-                else:
-                    try:
-                        response = post.result()
-                        cause = "5xx" if response.status >= 500 else None
-                    except aiohttp.ClientError as exc:
-                        cause = _cause(exc)
-                        error = exc
+                except aiohttp.ClientError as exc:
+                    cause = _cause(exc)
+                    error = exc
                 if cause is not None:
                     self._upstream_failed(route, replica, cause)
                     alternative = (

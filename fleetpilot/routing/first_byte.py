@@ -1,0 +1,106 @@
+"""The time-to-first-byte budget of one upstream attempt.
+
+A replica that accepts TCP but never answers (SIGSTOPped, wedged, its node gone without a RST)
+would otherwise hold a request for the whole request timeout. :class:`FirstByteWatch` bounds the
+wait: shortly before the budget ends it probes the replica's ``/health`` and, if the probe
+fails, ends the attempt at the budget. A replica that answers its probe keeps a request that
+may legitimately take long (a non-streamed generation sends its first byte only when done),
+unless the caller wants a slow replica given up on too (the prefill hop: past the budget the
+decode replica computing the prompt itself is the quicker answer).
+
+Cheap on the common path: no task of its own per attempt, one timer handle and one
+``asyncio.timeout`` around the caller's own await; the probe runs only when the budget is
+nearly spent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Literal
+
+Verdict = Literal["dead", "slow"]
+
+# The liveness probe gets at most this much of the budget (and at most half of it): /health of
+# a live engine is answered by its API server, never queued behind generation.
+LIVENESS_PROBE_S = 2.0
+
+
+class FirstByteTimeoutError(Exception):
+    """The attempt was ended at its budget: ``verdict`` says why ("dead": the replica failed
+    its liveness probe; "slow": it is alive, but the caller does not wait for slow ones)."""
+
+    def __init__(self, verdict: Verdict, budget_s: float) -> None:
+        super().__init__(f"no first byte within {budget_s:g}s ({verdict})")
+        self.verdict: Verdict = verdict
+        self.budget_s = budget_s
+
+
+class FirstByteWatch:
+    """``async with FirstByteWatch(...)`` around the await that ends at the first byte.
+
+    ``probe(timeout_s)`` answers whether the replica is alive. Raises
+    :class:`FirstByteTimeoutError` from ``__aexit__`` when the watch ended the attempt; any other
+    outcome (the attempt's own result or exception, an outer cancellation) passes through.
+    """
+
+    def __init__(
+        self,
+        probe: Callable[[float], Awaitable[bool]],
+        budget_s: float,
+        *,
+        keep_while_alive: bool,
+    ) -> None:
+        if budget_s <= 0:
+            raise ValueError("the first-byte budget must be positive")
+        self.probe = probe
+        self.budget_s = budget_s
+        self.probe_s = min(LIVENESS_PROBE_S, budget_s / 2)
+        self.keep_while_alive = keep_while_alive
+        self.verdict: Verdict | None = None
+        self._timeout = asyncio.timeout(None)
+        self._timer: asyncio.TimerHandle | None = None
+        self._probe_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def __aenter__(self) -> FirstByteWatch:
+        self._loop = asyncio.get_running_loop()
+        await self._timeout.__aenter__()
+        self._arm()
+        return self
+
+    def _arm(self) -> None:
+        assert self._loop is not None
+        self._timer = self._loop.call_later(self.budget_s - self.probe_s, self._start_probe)
+
+    def _start_probe(self) -> None:
+        assert self._loop is not None
+        self._timer = None
+        self._probe_task = self._loop.create_task(self._judge())
+
+    async def _judge(self) -> None:
+        alive = await self.probe(self.probe_s)
+        if alive and self.keep_while_alive:
+            self._arm()  # probed again one budget later
+            return
+        self.verdict = "slow" if alive else "dead"
+        assert self._loop is not None
+        self._timeout.reschedule(self._loop.time())  # ends the attempt now
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._probe_task is not None:
+            self._probe_task.cancel()  # a probe still out is moot now
+        try:
+            await self._timeout.__aexit__(exc_type, exc, tb)
+        except TimeoutError:
+            if self.verdict is None:  # pragma: no cover - only the watch reschedules it
+                raise
+            raise FirstByteTimeoutError(self.verdict, self.budget_s) from None
