@@ -66,6 +66,8 @@ def normalize_error(status: int, raw: bytes) -> bytes | None:
         ):
             return None
         message = error.get("message")
+        if message is None:
+            message = f"upstream answered HTTP {status}"
         param = error.get("param")
         body = error_body(
             status,

@@ -9,13 +9,20 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from fleetpilot.api.base import ApiModel
 from fleetpilot.api.spec import Affinity, ServingMode, Spillover
 from fleetpilot.api.units import Duration
 
 ROUTER_CONFIG_FILE = "router.yaml"
+
+
+def _positive_budget(value: timedelta | None) -> timedelta | None:
+    # 0 would end every attempt before its first byte; refuse it rather than read it as "off".
+    if value is not None and value <= timedelta(0):
+        raise ValueError("firstByteTimeout must be positive, e.g. 2s")
+    return value
 
 
 class EndpointGroup(ApiModel):
@@ -49,6 +56,8 @@ class RouterTier(ApiModel):
             "tier's SLO: max(2s, 4 x ttftP95)."
         ),
     )
+
+    _check_first_byte_timeout = field_validator("first_byte_timeout")(_positive_budget)
 
 
 class Ejection(ApiModel):
@@ -127,6 +136,7 @@ class RouterConfig(ApiModel):
             "prefill hop past it falls back to decode-only."
         ),
     )
+    _check_first_byte_timeout = field_validator("first_byte_timeout")(_positive_budget)
     debug_route_header: bool = Field(
         False,
         description=(

@@ -167,7 +167,11 @@ def _serve(stack: LocalStack, args: argparse.Namespace) -> int:
             _say(f"prometheus: {stack.prometheus_url} (scraping every engine)")
         _say(f"control API: {stack.control_url}")
         if stack.autoscaler is not None:
-            source = "Prometheus" if stack.prometheus_url else "the engines' /metrics"
+            source = (
+                "Prometheus, the engines' /metrics while it is down"
+                if stack.prometheus_url
+                else "the engines' /metrics"
+            )
             _say(f"autoscaler: running (reads {source}; log in {stack.autoscaler.log_path})")
         deadline = None if args.duration is None else time.monotonic() + args.duration
         next_status = 0.0

@@ -64,6 +64,16 @@ tiers:
         ("- a\n", "a RouterConfig is a mapping"),
         ("service: x\n", "tiers"),
         ("service: x\nnamespace: y\ntiers: []\nbogus: 1\n", "bogus"),
+        (
+            "service: x\nnamespace: y\nfirstByteTimeout: 0s\ntiers: [{name: a, model: m, "
+            "upTo: 1.0, mode: unified, endpoints: []}]\n",
+            "firstByteTimeout must be positive",
+        ),
+        (
+            "service: x\nnamespace: y\ntiers: [{name: a, model: m, upTo: 1.0, mode: unified, "
+            "endpoints: [], firstByteTimeout: 0ms}]\n",
+            "firstByteTimeout must be positive",
+        ),
     ],
 )
 def test_bad_configs_name_the_problem(text: str, message: str) -> None:
