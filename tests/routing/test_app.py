@@ -4,19 +4,24 @@ front of them, real HTTP in between."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import random
 import socket
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
 import yaml
+from aiohttp import web
 
 from fleetpilot.openai_errors import error_type
+from fleetpilot.routing import proxy as proxy_module
 from fleetpilot.routing.discovery import FileSource, MergedSource, StaticSource
 from tests.routing.support import (
     FakeEngine,
@@ -718,3 +723,42 @@ async def test_a_stream_cut_mid_way_ends_with_a_vllm_shaped_error_event() -> Non
                     "code": 504,
                 }
             }
+
+
+class _ClientLeftAfterDone(web.StreamResponse):
+    """The race of issue 12 item 9, made certain: the client read ``[DONE]`` and closed its
+    socket just before the router ended the chunked body."""
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+
+
+async def test_a_client_that_leaves_right_after_done_is_no_error(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 12 item 9: write_eof failing because the client left after ``[DONE]`` logged
+    "unexpected error"; the client had the whole answer, so it is a 200 and no error."""
+    engine = FakeEngine("e")
+    async with engines(engine):
+        config = make_config([tier("only", 1.0, [engine])])
+        async with running_router(config) as router, aiohttp.ClientSession() as session:
+            # Only the router's responses: the engine double's own stay real.
+            monkeypatch.setattr(
+                proxy_module,
+                "web",
+                SimpleNamespace(**{**vars(web), "StreamResponse": _ClientLeftAfterDone}),
+            )
+            caplog.set_level(logging.INFO)
+            body = b""
+            with contextlib.suppress(aiohttp.ClientPayloadError):
+                async with session.post(
+                    router.url + "/v1/completions", json={**SHORT, "stream": True}
+                ) as resp:
+                    assert resp.status == 200
+                    async for chunk in resp.content.iter_any():
+                        body += chunk
+            assert b"data: [DONE]" in body
+            labels = {"tier": "only", "replica": engine.address, "status": "200"}
+            await wait_for(lambda: router.metric("fleetpilot_router_requests_total", **labels) == 1)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == []
