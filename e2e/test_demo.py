@@ -24,9 +24,15 @@ def test_demo_shows_tiers_cache_hits_and_cleans_up() -> None:
     cached = [int(n) for n in re.findall(r"served from prefix cache (\d+)", out)]
     assert len(cached) == 4
     assert max(cached) > 0  # the repeated system prompt was served from the cache
-    # A latency of a second or more reads "1.2s": on a busy machine the load step's TTFT p95
-    # can get there (a run under the full suite plus two CPU burners did).
-    assert re.search(r"tier small: unified ttft p95 [\d.]+m?s > slo 10ms: 1 -> 2", out), out
+    # The load step breaks the TTFT objective and fills the queue; whichever ratio is the
+    # higher when the autoscaler first sees enough requests names the scale-up (both were
+    # seen). A latency of a second or more reads "1.2s" (seen under the suite plus two CPU
+    # burners).
+    scaled_up = (
+        r"tier small: unified (ttft p95 [\d.]+m?s > slo 10ms"
+        r"|waiting [\d.]+/replica > target 2\.0/replica): 1 -> 2"
+    )
+    assert re.search(scaled_up, out), out
     assert "2 -> 1" in out, out
     assert "errors       none" in out, out
     # Regression (issue 12, item 3): mid-step, the large tier's row said "no series ...": its
