@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fleetpilot.argtypes import MAX_PORT
+
 _PR_SET_PDEATHSIG = 1
 # Children listen on loopback: an HTTP(S)_PROXY from the environment must never see a probe.
 _LOOPBACK_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -79,7 +81,8 @@ def group_members(pgids: set[int]) -> list[int]:
 
 
 class PortInUseError(RuntimeError):
-    """A port the runtime needs is taken; says which, so the user can free or change it."""
+    """A port the runtime needs cannot be had - taken, wanted by two listeners, or beyond
+    65535; says which, so the user can free or change it."""
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
@@ -93,7 +96,22 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
 
 
 def require_free_ports(ports: Mapping[str, int], host: str = "127.0.0.1") -> None:
-    """Refuse to start anything when a wanted port is taken (named, with its user)."""
+    """Refuse to start anything when a wanted port cannot be had (named, with its user): beyond
+    65535 (the fleet's engines take the ports after the router's), one port for two listeners,
+    or taken. Port 0 (any free port) is always available."""
+    beyond = [f"{name} {port}" for name, port in ports.items() if port > MAX_PORT]
+    if beyond:
+        raise PortInUseError(
+            f"ports beyond {MAX_PORT}: {', '.join(beyond)}; pick a lower base port (or 0 for "
+            "free ports)"
+        )
+    users: dict[int, list[str]] = {}
+    for name, port in ports.items():
+        if port:
+            users.setdefault(port, []).append(name)
+    shared = [f"{port} ({' and '.join(names)})" for port, names in users.items() if len(names) > 1]
+    if shared:
+        raise PortInUseError(f"one port for two listeners: {', '.join(shared)}; pick other ports")
     taken = [f"{name} port {port}" for name, port in ports.items() if port_in_use(port, host)]
     if taken:
         raise PortInUseError(

@@ -31,7 +31,7 @@ from fleetpilot.operator.names import router_selector
 from fleetpilot.runtime.autoscale import LocalActuator, RoleScaling, capped_service
 from fleetpilot.runtime.control import ControlServer
 from fleetpilot.runtime.local import DEFAULT_MAX_REPLICAS_PER_ROLE, HOST, LocalFleet, StatusRow
-from fleetpilot.runtime.processes import Child, free_port, group_members
+from fleetpilot.runtime.processes import Child, free_port, group_members, require_free_ports
 from fleetpilot.runtime.prometheus import (
     PrometheusError,
     PrometheusServer,
@@ -174,7 +174,12 @@ class LocalStack:
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         """Start everything; on any failure stop what started and raise (PortInUseError,
-        ChildFailedError with a log tail, PrometheusError when required but missing)."""
+        before anything starts, for any port of the fleet or the control API; ChildFailedError
+        with a log tail; PrometheusError when required but missing)."""
+        ports = self.fleet.ports()
+        if self.control_port:
+            ports["control API"] = self.control_port
+        require_free_ports(ports, HOST)
         try:
             self.fleet.start()
             self._start_prometheus()

@@ -18,9 +18,9 @@ from pathlib import Path
 from types import FrameType
 
 from fleetpilot.api import InvalidManifestError, load_services
-from fleetpilot.argtypes import MAX_PORT, port_number
-from fleetpilot.runtime.local import DEFAULT_MAX_REPLICAS_PER_ROLE, HOST
-from fleetpilot.runtime.processes import ChildFailedError, PortInUseError, require_free_ports
+from fleetpilot.argtypes import port_number
+from fleetpilot.runtime.local import DEFAULT_MAX_REPLICAS_PER_ROLE
+from fleetpilot.runtime.processes import ChildFailedError, PortInUseError
 from fleetpilot.runtime.prometheus import PrometheusError
 from fleetpilot.runtime.stack import LocalStack
 
@@ -115,45 +115,16 @@ def run(args: argparse.Namespace) -> int:
             control_port=args.control_port,
             say=_say,
         )
-        problem = _port_problem(stack, args)
-        if problem is not None:
-            print(f"error: {problem}", file=sys.stderr)
-            return EXIT_FAILED
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
         try:
             return _serve(stack, args)
-        # OSError: a port taken after the check above (another process was faster).
+        # OSError: a port taken after the stack's check (another process was faster).
         except (PortInUseError, ChildFailedError, PrometheusError, OSError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_FAILED
         finally:
             stack.stop()
             signal.signal(signal.SIGTERM, previous)
-
-
-def _port_problem(stack: LocalStack, args: argparse.Namespace) -> str | None:
-    """Why the fleet's ports cannot be had, checked before anything starts (as the README
-    promises: no engine is left starting for a fleet whose control port is taken)."""
-    ports = dict(stack.fleet.ports())
-    if args.control_port:
-        ports["control API"] = args.control_port
-    beyond = [f"{name} {port}" for name, port in ports.items() if port > MAX_PORT]
-    if beyond:
-        return (
-            f"--port {args.port}: the engines take the ports after it, and these are beyond "
-            f"{MAX_PORT}: {', '.join(beyond)}; pick a lower --port (or 0 for free ports)"
-        )
-    users: dict[int, list[str]] = {}
-    for name, port in ports.items():
-        users.setdefault(port, []).append(name)
-    shared = [f"{port} ({' and '.join(names)})" for port, names in users.items() if len(names) > 1]
-    if shared:
-        return f"one port for two listeners: {', '.join(shared)}; pick other ports"
-    try:
-        require_free_ports(ports, HOST)
-    except PortInUseError as exc:
-        return str(exc)
-    return None
 
 
 def _serve(stack: LocalStack, args: argparse.Namespace) -> int:

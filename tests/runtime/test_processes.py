@@ -97,6 +97,15 @@ def test_taken_port_is_refused_by_name() -> None:
             require_free_ports({"router": port, "engine": free_port()})
 
 
+def test_ports_beyond_the_range_or_shared_are_refused_by_name() -> None:
+    with pytest.raises(PortInUseError, match="ports beyond 65535: small/unified#0 65536"):
+        require_free_ports({"router": 65535, "small/unified#0": 65536})
+    port = free_port()
+    with pytest.raises(PortInUseError, match=f"one port for two listeners: {port} "):
+        require_free_ports({"router": port, "control API": port})
+    require_free_ports({"router": 0, "control API": 0})  # 0: any free port, never shared
+
+
 def test_children_die_with_a_killed_parent(tmp_path: Path) -> None:
     """SIGKILL of the process that runs the supervisor (no cleanup possible) still leaves no
     child: the kernel delivers the parent-death signal."""
