@@ -12,10 +12,24 @@ import logging
 import aiohttp
 
 from fleetpilot.routing.metrics import RouterMetrics
-from fleetpilot.routing.router import Router
+from fleetpilot.routing.router import ReplicaState, Router
 from fleetpilot.routing.tasks import cancel
 
 log = logging.getLogger(__name__)
+
+
+async def answers_health(
+    session: aiohttp.ClientSession, replica: ReplicaState, timeout_s: float
+) -> bool:
+    """Whether the replica's ``/health`` answers 200 within ``timeout_s``: the one liveness
+    check, for probing ejected replicas back and for judging a replica past its first-byte
+    budget."""
+    try:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with session.get(replica.url("/health"), timeout=timeout) as response:
+            return response.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
 
 
 class Prober:
@@ -40,7 +54,7 @@ class Prober:
         if not ejected:
             return []
         results = await asyncio.gather(
-            *(self._healthy(session, r.endpoint.base_url) for r in ejected)
+            *(answers_health(session, r, self.timeout_s) for r in ejected)
         )
         readmitted = []
         for replica, ok in zip(ejected, results, strict=True):
@@ -48,14 +62,6 @@ class Prober:
                 self.metrics.readmissions.labels(replica.id).inc()
                 readmitted.append(replica.id)
         return readmitted
-
-    async def _healthy(self, session: aiohttp.ClientSession, base_url: str) -> bool:
-        try:
-            timeout = aiohttp.ClientTimeout(total=self.timeout_s)
-            async with session.get(base_url + "/health", timeout=timeout) as response:
-                return response.status == 200
-        except (aiohttp.ClientError, TimeoutError):
-            return False
 
     async def _run(self) -> None:
         while True:

@@ -34,6 +34,7 @@ from fleetpilot.routing.errors import (
 )
 from fleetpilot.routing.features import Kind, RequestFeatures, extract_features
 from fleetpilot.routing.first_byte import FirstByteTimeoutError, FirstByteWatch
+from fleetpilot.routing.health import answers_health
 from fleetpilot.routing.metrics import RouterMetrics
 from fleetpilot.routing.policies.pd import (
     KV_TRANSFER_PARAMS,
@@ -316,19 +317,10 @@ class Proxy:
         self, replica: ReplicaState, budget_s: float, *, keep_while_alive: bool
     ) -> FirstByteWatch:
         return FirstByteWatch(
-            lambda timeout_s: self._alive(replica, timeout_s),
+            lambda timeout_s: answers_health(self.session, replica, timeout_s),
             budget_s,
             keep_while_alive=keep_while_alive,
         )
-
-    async def _alive(self, replica: ReplicaState, timeout_s: float) -> bool:
-        try:
-            async with self.session.get(
-                replica.url("/health"), timeout=aiohttp.ClientTimeout(total=timeout_s)
-            ) as response:
-                return response.status == 200
-        except (aiohttp.ClientError, TimeoutError):
-            return False
 
     def _timeout(self) -> aiohttp.ClientTimeout:
         connect = self.router.config.connect_timeout.total_seconds()

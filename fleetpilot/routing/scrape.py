@@ -61,7 +61,7 @@ class Scraper:
                     self.metrics.scrape_errors.labels(replica.id).inc()
                     return
                 text = await r.text(errors="replace")
-        except (aiohttp.ClientConnectorError, aiohttp.ServerTimeoutError, TimeoutError):
+        except (aiohttp.ClientConnectorError, TimeoutError):  # aiohttp's timeouts are TimeoutErrors
             self.metrics.scrape_errors.labels(replica.id).inc()
             self.router.record_failure(replica)
             return

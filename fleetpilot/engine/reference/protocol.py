@@ -59,17 +59,6 @@ def _is_type_tag(part: int | str) -> bool:
     return isinstance(part, str) and (not part.isidentifier() or part in _TYPE_TAGS)
 
 
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
 # ---- requests --------------------------------------------------------------------------
 
 
