@@ -25,7 +25,7 @@ def engine_labels(service: InferenceService, role: Role) -> dict[str, str]:
     return {
         **names.service_labels(service.name),
         **names.engine_selector(service.name, role.tier.name, role.name),
-        names.LABEL_COMPONENT: "engine",
+        **names.engines_selector(service.name),
         names.LABEL_NAME: "fleetpilot-engine",
     }
 

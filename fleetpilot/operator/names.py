@@ -51,5 +51,10 @@ def engine_selector(service: str, tier: str, role: str) -> dict[str, str]:
     return {LABEL_SERVICE: service, LABEL_TIER: tier, LABEL_ROLE: role}
 
 
+def engines_selector(service: str) -> dict[str, str]:
+    """The labels that select every engine pod of the service, whatever its tier and role."""
+    return {LABEL_SERVICE: service, LABEL_COMPONENT: "engine"}
+
+
 def router_selector(service: str) -> dict[str, str]:
     return {LABEL_SERVICE: service, LABEL_COMPONENT: "router"}

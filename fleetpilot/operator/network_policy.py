@@ -32,11 +32,6 @@ API_VERSION = "networking.k8s.io/v1"
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 
 
-def engine_pods(service: str) -> dict[str, str]:
-    """Every engine pod of the service, whatever its tier and role."""
-    return {names.LABEL_SERVICE: service, names.LABEL_COMPONENT: "engine"}
-
-
 def engines_policy_name(service: str) -> str:
     return names.bounded_name(service, "engines")
 
@@ -53,7 +48,7 @@ def engine_policy(service: InferenceService) -> K8sObject:
             "ports": _tcp(ENGINE_PORT),
         },
         # No ports: the KV hand-off's ports are not all known in advance (module docstring).
-        {"from": [{"podSelector": {"matchLabels": engine_pods(service.name)}}]},
+        {"from": [{"podSelector": {"matchLabels": names.engines_selector(service.name)}}]},
     ]
     scrapers = service.spec.network_policy.metrics_namespaces
     if scrapers:
@@ -70,7 +65,7 @@ def engine_policy(service: InferenceService) -> K8sObject:
             service, engines_policy_name(service.name), names.service_labels(service.name)
         ),
         "spec": {
-            "podSelector": {"matchLabels": engine_pods(service.name)},
+            "podSelector": {"matchLabels": names.engines_selector(service.name)},
             "policyTypes": ["Ingress"],
             "ingress": ingress,
         },
