@@ -33,6 +33,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
+from fleetpilot.text import one_line
+
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -113,12 +115,6 @@ class Throttle:
         return suppressed
 
 
-def _one_line(text: str, limit: int = 200) -> str:
-    # Parse errors quote what the client sent: keep it on one line and short.
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
-
-
 class _ThrottledWarnings:
     """One throttle per kind of client trouble, logging to this module's logger."""
 
@@ -154,7 +150,7 @@ class _ServerLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
         if isinstance(exc, HttpProcessingError):
             remote = args[0] if args else "?"
             self._warnings.warn(
-                "malformed", "malformed HTTP request from %s: %s", remote, _one_line(str(exc))
+                "malformed", "malformed HTTP request from %s: %s", remote, one_line(str(exc))
             )
             return
         super().exception(msg, *args, **kwargs)

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 
 from fleetpilot.loadgen.workloads import RequestSpec, Workload
+from fleetpilot.text import one_line
 
 ROUTE_HEADER = "x-fleetpilot-route"
 
@@ -169,11 +170,6 @@ class RequestRecord:
 def dropped(index: int, kind: str, start_s: float, t0_wall: float) -> RequestRecord:
     """An open-loop arrival not sent: the in-flight cap was reached (the client is saturated)."""
     return RequestRecord(index, kind, start_s, t0_wall + start_s, end_s=start_s, error="dropped")
-
-
-def _short(text: str, limit: int = 200) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ---- the run -------------------------------------------------------------------------------
@@ -338,13 +334,13 @@ class Runner:
             rec.detail = f"no complete answer within {self.config.timeout_s:g} s"
         except httpx.ConnectError as e:
             rec.error = "connect"
-            rec.detail = _short(str(e) or type(e).__name__)
+            rec.detail = one_line(str(e) or type(e).__name__)
         except httpx.HTTPError as e:
             rec.error = type(e).__name__  # RemoteProtocolError, ReadError, ...
-            rec.detail = _short(str(e))
+            rec.detail = one_line(str(e))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             rec.error = "bad response"  # not OpenAI's streaming format
-            rec.detail = _short(f"{type(e).__name__}: {e}")
+            rec.detail = one_line(f"{type(e).__name__}: {e}")
         finally:
             self.progress.in_flight -= 1
         rec.end_s = self._now()
@@ -367,7 +363,7 @@ class Runner:
             if resp.status_code >= 400:
                 body_text = (await resp.aread()).decode(errors="replace")
                 rec.error = f"HTTP {resp.status_code}"
-                rec.detail = _short(body_text)
+                rec.detail = one_line(body_text)
                 return
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
@@ -378,7 +374,7 @@ class Runner:
                 chunk = json.loads(data)
                 if chunk.get("error"):
                     rec.error = "stream error"  # the server failed after the 200
-                    rec.detail = _short(json.dumps(chunk["error"]))
+                    rec.detail = one_line(json.dumps(chunk["error"]))
                     return
                 usage = chunk.get("usage")
                 if usage:
