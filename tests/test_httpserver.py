@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
 import resource
-import signal
 import socket
-import subprocess
-import sys
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
-import httpx
 import pytest
 import pytest_asyncio
 import yaml
@@ -31,7 +24,7 @@ from fleetpilot.httpserver import (
     open_connections,
     start_site,
 )
-from tests.routing.support import make_config, tier
+from tests.routing.support import make_config, router_process, stop_and_read_log, tier
 
 # Generous bounds: the machine running the suite may be busy.
 WAIT_S = 60.0
@@ -189,28 +182,7 @@ def test_the_router_process_answers_malformed_http_with_400_and_one_warning(
     request. A real router process, raw sockets, its JSON log read after SIGTERM."""
     path = tmp_path / "router.yaml"
     path.write_text(yaml.safe_dump(make_config([tier("small", 1.0)]).to_wire()))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = int(probe.getsockname()[1])
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fleetpilot", "router", "--config", str(path),
-         "--host", "127.0.0.1", "--port", str(port), "--discovery", "static"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + WAIT_S
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+    with router_process(path, wait_s=WAIT_S) as (proc, port):
         for _ in range(20):
             with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
                 sock.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: x\r\n\r\n")
@@ -218,16 +190,7 @@ def test_the_router_process_answers_malformed_http_with_400_and_one_warning(
                 while chunk := sock.recv(4096):
                     answer += chunk
             assert answer.split(b" ", 2)[1] == b"400"
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(WAIT_S) == 0
-        assert proc.stderr is not None
-        lines = [json.loads(line) for line in proc.stderr.read().splitlines() if line.strip()]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        if proc.stderr is not None:
-            proc.stderr.close()
+        lines = stop_and_read_log(proc, WAIT_S)
     assert [line for line in lines if line["level"] in ("error", "critical") or "exc" in line] == []
     malformed = [line for line in lines if "malformed HTTP request" in line["msg"]]
     assert len(malformed) == 1

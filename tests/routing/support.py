@@ -7,11 +7,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import httpx
 from aiohttp import web
 
 from fleetpilot.api.router_config import EndpointGroup, RouterConfig, RouterTier
@@ -301,3 +308,52 @@ async def wait_for(predicate: Any, timeout_s: float = 5.0, interval_s: float = 0
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(interval_s)
+
+
+ROUTER_COMMAND = ("-m", "fleetpilot", "router")
+
+
+@contextlib.contextmanager
+def router_process(
+    config_path: Path, *, command: Sequence[str] = ROUTER_COMMAND, wait_s: float = 60.0
+) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """The router as its own process on a free loopback port, once its /health answers 200;
+    killed at the end if still running. Its stderr (the JSON log) is a pipe: read it with
+    :func:`stop_and_read_log`."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    proc = subprocess.Popen(
+        [sys.executable, *command, "--config", str(config_path),
+         "--host", "127.0.0.1", "--port", str(port), "--discovery", "static"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        yield proc, port
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+def stop_and_read_log(proc: subprocess.Popen[str], timeout_s: float) -> list[dict[str, Any]]:
+    """SIGTERM the router process; it must exit 0. Its JSON log lines."""
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout_s) == 0
+    assert proc.stderr is not None
+    return [json.loads(line) for line in proc.stderr.read().splitlines() if line.strip()]
