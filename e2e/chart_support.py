@@ -14,7 +14,7 @@ import helm_python as helm
 import yaml
 
 from e2e.support import condition, eventually
-from fleetpilot.operator.kube import APPLY_CONTENT_TYPE, Kube, KubeError
+from fleetpilot.kube.client import APPLY_CONTENT_TYPE, Kube, KubeError
 
 Obj = dict[str, Any]
 

@@ -20,7 +20,7 @@ import pytest
 from kubernetes import client as k8s
 
 from e2e.chart_support import CHART, install_crds
-from fleetpilot.operator.kube import Kube
+from fleetpilot.kube.client import Kube
 from fleetpilot.testing.controlplane import Cluster, ControlPlane, ExistingCluster
 
 

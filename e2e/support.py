@@ -11,7 +11,7 @@ from typing import TypeVar
 
 from fleetpilot.api import load_services
 from fleetpilot.autoscaler.remote import RecordedDecision
-from fleetpilot.operator.kube import Kube, Obj
+from fleetpilot.kube.client import Kube, Obj
 from fleetpilot.runtime.processes import free_port, port_in_use
 from fleetpilot.runtime.stack import LocalStack
 

@@ -30,8 +30,8 @@ from fleetpilot.autoscaler.policy import (
     RolePolicy,
     decide,
 )
-from fleetpilot.operator.drift import AUTOSCALER_MANAGER, OPERATOR_MANAGER
-from fleetpilot.operator.kube import Kube, Obj
+from fleetpilot.kube.client import Kube, Obj
+from fleetpilot.kube.managers import AUTOSCALER_MANAGER, OPERATOR_MANAGER
 from fleetpilot.operator.planner import plan
 from tests.factories import make_manifest, make_tier
 

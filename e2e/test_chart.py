@@ -29,7 +29,7 @@ from e2e.chart_support import (
     render,
 )
 from e2e.support import eventually
-from fleetpilot.operator.kube import MERGE_CONTENT_TYPE, Kube
+from fleetpilot.kube.client import MERGE_CONTENT_TYPE, Kube
 from fleetpilot.operator.plan_types import PlanOptions
 from fleetpilot.operator.planner import plan
 from fleetpilot.testing.controlplane import Cluster

@@ -25,8 +25,8 @@ import pytest
 
 from e2e.chart_support import CRD_PATH, can, install_identity, release_name, render
 from e2e.support import condition, eventually, mark_pods_ready
-from fleetpilot.operator.drift import AUTOSCALER_MANAGER
-from fleetpilot.operator.kube import RESOURCES, Kube, Obj
+from fleetpilot.kube.client import RESOURCES, Kube, Obj
+from fleetpilot.kube.managers import AUTOSCALER_MANAGER
 from fleetpilot.operator.reconcile import Reconciler
 from fleetpilot.runtime.prometheus import PrometheusServer
 from fleetpilot.testing.controlplane import Cluster, free_ports

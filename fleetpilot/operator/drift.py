@@ -16,8 +16,6 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 APPLIED_HASH = "fleetpilot.dev/applied-hash"
-OPERATOR_MANAGER = "fleetpilot-operator"
-AUTOSCALER_MANAGER = "fleetpilot-autoscaler"
 
 _QUANTITY = re.compile(r"^([+-]?[0-9]*\.?[0-9]+)([eE][+-]?[0-9]+|[KMGTPE]i|[numkMGTPE])?$")
 _SUFFIX = {
@@ -95,18 +93,3 @@ def needs_apply(desired: dict[str, Any], live: dict[str, Any] | None) -> bool:
     if applied != desired["metadata"]["annotations"][APPLIED_HASH]:
         return True
     return not contains(desired, live)
-
-
-def owns_field(live: dict[str, Any], manager: str, path: tuple[str, ...]) -> bool:
-    """Whether ``manager`` owns ``path`` (e.g. ``("spec", "replicas")``) per managedFields."""
-    for entry in live.get("metadata", {}).get("managedFields", []) or []:
-        if entry.get("manager") != manager:
-            continue
-        node: Any = entry.get("fieldsV1", {})
-        for part in path:
-            node = node.get(f"f:{part}") if isinstance(node, dict) else None
-            if node is None:
-                break
-        else:
-            return True
-    return False

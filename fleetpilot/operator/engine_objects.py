@@ -6,7 +6,7 @@ from typing import Any
 
 from fleetpilot.api import InferenceService
 from fleetpilot.engine.vllm_args import ENGINE_PORT, MODEL_MOUNT, launch_for, vllm_serve_args
-from fleetpilot.operator import names
+from fleetpilot.kube import names
 from fleetpilot.operator.plan_types import K8sObject, Role, object_meta
 
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"

@@ -13,7 +13,6 @@ import time
 from typing import Any
 
 import kopf
-from kubernetes import config as k8s_config
 
 from fleetpilot.api import GROUP, VERSION, parse_service
 from fleetpilot.api.loading import InvalidManifestError
@@ -21,8 +20,10 @@ from fleetpilot.api.service import PLURAL
 from fleetpilot.autoscaler.actuator import kubernetes_actuator
 from fleetpilot.autoscaler.loop import tick
 from fleetpilot.autoscaler.prometheus import PrometheusSources
-from fleetpilot.operator import metrics, names
-from fleetpilot.operator.kube import Kube, KubeError
+from fleetpilot.kube import names
+from fleetpilot.kube.client import Kube, KubeError
+from fleetpilot.kube.connect import connect
+from fleetpilot.operator import metrics
 from fleetpilot.operator.plan_types import DEFAULT_FLEETPILOT_IMAGE, PlanOptions
 from fleetpilot.operator.reconcile import Reconciler
 
@@ -44,18 +45,6 @@ def _plain(body: Any) -> dict[str, Any]:
     if isinstance(body, dict):
         return body
     return {key: _plain(value) if hasattr(value, "keys") else value for key, value in body.items()}
-
-
-def new_kube(kubeconfig: str | None = None) -> Kube:
-    """An API connection from in-cluster credentials, else the kubeconfig."""
-    try:
-        k8s_config.load_incluster_config()  # type: ignore[no-untyped-call]
-        from kubernetes import client
-
-        return Kube(client.ApiClient())
-    except k8s_config.ConfigException:
-        api = k8s_config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
-        return Kube(api)
 
 
 # The timer fires often; each service's roles are decided only when their own
@@ -88,7 +77,7 @@ def build_registry(
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
         )
-        kube = new_kube(kubeconfig)
+        kube = Kube(connect(kubeconfig))
         # Optional CRDs are detected once at start: their absence never blocks a service.
         pod_monitors = kube.serves("monitoring.coreos.com/v1", "podmonitors")
         log.info("optional CRDs detected", extra={"podmonitor": pod_monitors})

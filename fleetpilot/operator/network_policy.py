@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from fleetpilot.api import InferenceService
 from fleetpilot.engine.vllm_args import ENGINE_PORT
-from fleetpilot.operator import names
+from fleetpilot.kube import names
 from fleetpilot.operator.plan_types import K8sObject, object_meta
 from fleetpilot.operator.router_objects import ROUTER_PORT
 

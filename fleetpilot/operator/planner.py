@@ -12,7 +12,7 @@ from __future__ import annotations
 from fleetpilot.api import InferenceService
 from fleetpilot.api.spec import PodMonitorMode
 from fleetpilot.api.units import format_duration
-from fleetpilot.operator import names
+from fleetpilot.kube import names
 from fleetpilot.operator.engine_objects import engine_deployment, engine_pdb, engine_service
 from fleetpilot.operator.network_policy import network_policies
 from fleetpilot.operator.plan_types import (

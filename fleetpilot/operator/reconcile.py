@@ -16,14 +16,10 @@ from typing import Any
 from fleetpilot.api import InferenceService, InvalidManifestError, parse_service
 from fleetpilot.api.spec import AutoscalingMode
 from fleetpilot.api.status import InferenceServiceStatus
-from fleetpilot.operator import names
-from fleetpilot.operator.drift import (
-    OPERATOR_MANAGER,
-    needs_apply,
-    owns_field,
-    with_hash,
-)
-from fleetpilot.operator.kube import RESOURCES, Kube, KubeError, Obj
+from fleetpilot.kube import names
+from fleetpilot.kube.client import RESOURCES, Kube, KubeError, Obj
+from fleetpilot.kube.managers import OPERATOR_MANAGER, owns_field
+from fleetpilot.operator.drift import needs_apply, with_hash
 from fleetpilot.operator.plan_types import PlanError, PlanOptions
 from fleetpilot.operator.planner import all_roles, plan
 from fleetpilot.operator.status import Observed, compute_status

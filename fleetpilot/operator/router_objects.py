@@ -14,7 +14,7 @@ from fleetpilot.api.router_config import (
     RouterTier,
 )
 from fleetpilot.engine.vllm_args import ENGINE_PORT
-from fleetpilot.operator import names
+from fleetpilot.kube import names
 from fleetpilot.operator.plan_types import K8sObject, PlanOptions, object_meta, roles_of
 
 ROUTER_PORT = 8000

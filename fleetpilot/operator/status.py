@@ -22,7 +22,7 @@ from fleetpilot.api.status import (
     RoleStatus,
     TierStatus,
 )
-from fleetpilot.operator import names
+from fleetpilot.kube import names
 from fleetpilot.operator.planner import all_roles
 from fleetpilot.operator.router_objects import endpoint_url
 

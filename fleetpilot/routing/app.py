@@ -334,15 +334,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _kube_client(kubeconfig: str | None) -> Callable[[], SliceClient]:
     def make() -> SliceClient:
-        from kubernetes import client as k8s
-        from kubernetes import config as k8s_config
+        from fleetpilot.kube.connect import connect
 
-        try:
-            k8s_config.load_incluster_config()  # type: ignore[no-untyped-call]
-            return KubeSliceClient(k8s.ApiClient())
-        except k8s_config.ConfigException:
-            api = k8s_config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
-            return KubeSliceClient(api)
+        return KubeSliceClient(connect(kubeconfig))
 
     return make
 

@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from fleetpilot.api import InferenceService
-from fleetpilot.operator.names import router_selector
+from fleetpilot.kube.names import router_selector
 from fleetpilot.runtime.autoscale import LocalActuator, RoleScaling, capped_service
 from fleetpilot.runtime.control import ControlServer
 from fleetpilot.runtime.local import DEFAULT_MAX_REPLICAS_PER_ROLE, HOST, LocalFleet, StatusRow

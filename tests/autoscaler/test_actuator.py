@@ -33,7 +33,7 @@ from fleetpilot.autoscaler.actuator import (
     scaling_active_condition,
 )
 from fleetpilot.autoscaler.policy import DataProblem, Decision, History, ReasonKind
-from fleetpilot.operator.kube import Kube, KubeError, Obj
+from fleetpilot.kube.client import Kube, KubeError, Obj
 from tests.factories import make_manifest, make_tier
 
 NOW = datetime(2026, 11, 29, 10, 0, tzinfo=UTC)

@@ -22,7 +22,7 @@ import yaml
 
 from fleetpilot import __version__
 from fleetpilot.cli import build_parser
-from fleetpilot.operator.kube import RESOURCES
+from fleetpilot.kube.client import RESOURCES
 from fleetpilot.operator.plan_types import DEFAULT_FLEETPILOT_IMAGE, PlanOptions
 from fleetpilot.operator.planner import plan
 from fleetpilot.operator.reconcile import MANAGED_KINDS

@@ -7,13 +7,11 @@ from typing import Any
 
 import pytest
 
+from fleetpilot.kube.managers import AUTOSCALER_MANAGER, OPERATOR_MANAGER, owns_field
 from fleetpilot.operator.drift import (
     APPLIED_HASH,
-    AUTOSCALER_MANAGER,
-    OPERATOR_MANAGER,
     contains,
     needs_apply,
-    owns_field,
     quantity_value,
     with_hash,
 )

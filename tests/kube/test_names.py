@@ -7,7 +7,7 @@ import re
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fleetpilot.operator.names import MAX_NAME, bounded_name, engine_name, router_name
+from fleetpilot.kube.names import MAX_NAME, bounded_name, engine_name, router_name
 
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 labels = st.from_regex(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?", fullmatch=True)
