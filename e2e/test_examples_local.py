@@ -17,7 +17,6 @@ import pytest
 
 from e2e.support import route_fields
 from fleetpilot.api import InferenceService, load_services
-from fleetpilot.operator.plan_types import roles_of
 from fleetpilot.runtime.local import LocalFleet
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,8 +30,8 @@ def local_engines(service: InferenceService) -> dict[tuple[str, str], int]:
     """Engines the local runtime starts per (tier, role): LocalFleet's own rule."""
     return {
         (tier.name, role.name): min(role.replicas.start, MAX_REPLICAS_PER_ROLE)
-        for index, tier in enumerate(service.spec.tiers)
-        for role in roles_of(tier, index)
+        for tier in service.spec.tiers
+        for role in tier.roles()
     }
 
 

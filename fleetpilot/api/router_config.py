@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from fleetpilot.api.base import ApiModel
-from fleetpilot.api.spec import Affinity, ServingMode, Spillover
+from fleetpilot.api.spec import Affinity, RoleName, ServingMode, Spillover
 from fleetpilot.api.units import Duration
 
 ROUTER_CONFIG_FILE = "router.yaml"
@@ -28,7 +28,7 @@ def _positive_budget(value: timedelta | None) -> timedelta | None:
 class EndpointGroup(ApiModel):
     """The engine pods of one role of a tier, as the router discovers them."""
 
-    role: Literal["unified", "prefill", "decode"]
+    role: RoleName
     service: str = Field(description="Headless Service whose EndpointSlices list the pods.")
     selector: dict[str, str] = Field(description="Pod labels of this group.")
     port: int = Field(ge=1, le=65535)

@@ -7,6 +7,7 @@ local runtime refuse exactly the same objects with exactly the same words.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
 from itertools import pairwise
@@ -379,6 +380,14 @@ class ServingMode(StrEnum):
     DISAGGREGATED = "disaggregated"
 
 
+class RoleName(StrEnum):
+    """What an engine replica does: everything (unified), or one half of a disaggregated tier."""
+
+    UNIFIED = "unified"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
 class RoleSpec(ApiModel):
     """One role (prefill or decode) of a disaggregated tier."""
 
@@ -546,18 +555,46 @@ class Tier(ApiModel):
     complexity: Complexity = nested(Complexity, "Share of requests this tier takes.")
     autoscaling: Autoscaling = nested(Autoscaling, "Scaling policy.")
 
-    @property
-    def role_names(self) -> list[str]:
-        """The engine roles this tier runs: one unified role, or prefill and decode."""
-        if self.serving.mode is ServingMode.DISAGGREGATED:
-            return ["prefill", "decode"]
-        return ["unified"]
+    def roles(self) -> list[ResolvedRole]:
+        """The roles this tier runs, resolved: one unified role, or prefill then decode, each
+        with its replica bounds and its parallelism (the role's override, else the tier's)."""
+        serving = self.serving
+        if serving.mode is ServingMode.UNIFIED:
+            bounds = serving.replicas or ReplicaBounds()
+            return [ResolvedRole(self, RoleName.UNIFIED, bounds, self.parallelism)]
+        roles = []
+        for name, spec in ((RoleName.PREFILL, serving.prefill), (RoleName.DECODE, serving.decode)):
+            assert spec is not None  # guaranteed by Serving's validator
+            parallelism = spec.parallelism or self.parallelism
+            roles.append(ResolvedRole(self, name, spec.replicas, parallelism))
+        return roles
 
-    def role_parallelism(self, role: RoleSpec | None) -> Parallelism:
-        """The parallelism a role runs with: its override, else the tier's."""
-        if role is not None and role.parallelism is not None:
-            return role.parallelism
-        return self.parallelism
+    @property
+    def role_names(self) -> list[RoleName]:
+        return [role.name for role in self.roles()]
+
+    def role(self, name: str) -> ResolvedRole | None:
+        """The role called ``name``, or None when this tier does not run it."""
+        return next((role for role in self.roles() if role.name == name), None)
+
+
+@dataclass(frozen=True)
+class ResolvedRole:
+    """One role of one tier with what it runs with: what becomes one engine Deployment."""
+
+    tier: Tier
+    name: RoleName
+    replicas: ReplicaBounds
+    parallelism: Parallelism
+
+    @property
+    def engine(self) -> EngineSettings:
+        """Engine settings are the tier's: both halves of a P/D tier run the same engine."""
+        return self.tier.engine
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.name is not RoleName.UNIFIED
 
 
 class Affinity(ApiModel):

@@ -42,13 +42,8 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
-from fleetpilot.api.spec import AutoscalingMode, ReplicaBounds, ServingMode, Tier
+from fleetpilot.api.spec import AutoscalingMode, RoleName, Tier
 from fleetpilot.api.units import format_duration
-
-UNIFIED = "unified"
-PREFILL = "prefill"
-DECODE = "decode"
-ROLES = (UNIFIED, PREFILL, DECODE)
 
 # ceil()/floor() of ratios computed in floating point: 3 x (0.6 / 0.2) is 9.000000000000002,
 # which must size to 9 replicas, not 10.
@@ -191,8 +186,9 @@ class RolePolicy:
     max_data_age_s: float = 45.0
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, not {self.role!r}")
+        if self.role not in set(RoleName):
+            roles = ", ".join(RoleName)
+            raise ValueError(f"role must be one of {roles}, not {self.role!r}")
         if not 0 <= self.min_replicas <= self.max_replicas:
             raise ValueError("replicas: need 0 <= min <= max")
         for name in ("ttft_p95_slo_s", "tpot_p95_slo_s"):
@@ -209,12 +205,12 @@ class RolePolicy:
     @property
     def follows_ttft(self) -> bool:
         """Prefill (and unified) replicas make first tokens: they follow TTFT and the queue."""
-        return self.role in (UNIFIED, PREFILL)
+        return self.role in (RoleName.UNIFIED, RoleName.PREFILL)
 
     @property
     def follows_tpot(self) -> bool:
         """Decode (and unified) replicas make the other tokens: they follow TPOT and KV usage."""
-        return self.role in (UNIFIED, DECODE)
+        return self.role in (RoleName.UNIFIED, RoleName.DECODE)
 
     @classmethod
     def for_role(
@@ -222,7 +218,11 @@ class RolePolicy:
     ) -> RolePolicy:
         """The policy of one role of a tier; ``overrides`` replace any field (tests, CLI)."""
         scaling = tier.autoscaling
-        bounds = _bounds(tier, role)
+        resolved = tier.role(role)
+        if resolved is None:
+            roles = ", ".join(tier.role_names)
+            raise ValueError(f"tier {tier.name!r} has no {role} role (it runs {roles})")
+        bounds = resolved.replicas
         slo = scaling.slo
         values: dict[str, Any] = {
             "role": role,
@@ -245,18 +245,6 @@ class RolePolicy:
         }
         values.update(overrides)
         return cls(**values)
-
-
-def _bounds(tier: Tier, role: str) -> ReplicaBounds:
-    serving = tier.serving
-    if serving.mode is ServingMode.UNIFIED:
-        if role != UNIFIED:
-            raise ValueError(f"tier {tier.name!r} is unified: it has no {role} role")
-        return serving.replicas or ReplicaBounds()
-    spec = {PREFILL: serving.prefill, DECODE: serving.decode}.get(role)
-    if spec is None:
-        raise ValueError(f"tier {tier.name!r} is disaggregated: it has no {role} role")
-    return spec.replicas
 
 
 @dataclass(frozen=True)

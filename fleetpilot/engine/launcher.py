@@ -21,7 +21,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, NoReturn
 
-from fleetpilot.api import InvalidManifestError, load_services
+from fleetpilot.api import InvalidManifestError, RoleName, load_services
 from fleetpilot.engine.vllm_args import EngineLaunch, SpeculativeLaunch, launch_for, vllm_serve_args
 
 
@@ -45,6 +45,12 @@ def launch_from_json(text: str) -> EngineLaunch:
         data["speculative"] = SpeculativeLaunch(**data["speculative"])
     if "extra_args" in data:
         data["extra_args"] = tuple(data["extra_args"])
+    if "role" in data:
+        try:
+            data["role"] = RoleName(data["role"])
+        except ValueError:
+            choices = ", ".join(r.value for r in RoleName)
+            raise LaunchError(f"--launch-json role must be one of {choices}") from None
     try:
         return EngineLaunch(**data)
     except TypeError as exc:
@@ -60,14 +66,15 @@ def launch_from_file(path: Path, tier_name: str, role: str) -> EngineLaunch:
     services = load_services(path)
     if len(services) != 1:
         raise LaunchError(f"{path} holds {len(services)} services; give a file with one")
-    tiers = {t.name: (i, t) for i, t in enumerate(services[0].spec.tiers)}
+    tiers = {t.name: t for t in services[0].spec.tiers}
     if tier_name not in tiers:
         raise LaunchError(f"no tier {tier_name!r} in {path} (tiers: {', '.join(tiers)})")
-    _, tier = tiers[tier_name]
-    roles = tier.role_names
-    if role not in roles:
-        raise LaunchError(f"tier {tier_name!r} has no role {role!r} (roles: {', '.join(roles)})")
-    return launch_for(tier, role)
+    tier = tiers[tier_name]
+    resolved = tier.role(role)
+    if resolved is None:
+        roles = ", ".join(tier.role_names)
+        raise LaunchError(f"tier {tier_name!r} has no role {role!r} (roles: {roles})")
+    return launch_for(resolved)
 
 
 def visible_gpus(environ: Mapping[str, str]) -> int | None:
@@ -96,9 +103,9 @@ def check_launch(
         raise LaunchError(f"model directory {launch.model} does not exist (is the volume mounted?)")
     if not 1 <= launch.port <= 65535:
         raise LaunchError(f"port {launch.port} is out of range")
-    if launch.role not in ("unified", "prefill", "decode"):
-        raise LaunchError(f"role {launch.role!r} is not one of unified, prefill, decode")
-    if (launch.role == "unified") != (launch.kv_connector is None):
+    if launch.role not in set(RoleName):
+        raise LaunchError(f"role {launch.role!r} is not one of {', '.join(RoleName)}")
+    if (launch.role is RoleName.UNIFIED) != (launch.kv_connector is None):
         raise LaunchError(
             "a KV connector is used by the prefill and decode roles, and only by them"
         )
@@ -111,7 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("-f", "--file", type=Path, help="InferenceService YAML file")
     source.add_argument("--launch-json", help="engine settings as JSON (what the planner computed)")
     parser.add_argument("--tier", help="tier to launch (with -f)")
-    parser.add_argument("--role", default="unified", help="unified, prefill or decode (with -f)")
+    parser.add_argument(
+        "--role", default=RoleName.UNIFIED.value, choices=list(RoleName), help="with -f"
+    )
     parser.add_argument(
         "--dry-run", action="store_true", help="print the vllm command instead of running it"
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from fleetpilot.api.spec import KvConnector, Tier
+from fleetpilot.api.spec import KvConnector, ResolvedRole, RoleName, Tier
 
 ENGINE_PORT = 8000
 MODEL_MOUNT = "/models"
@@ -31,7 +31,7 @@ class EngineLaunch:
 
     model: str
     served_name: str
-    role: str = "unified"
+    role: RoleName = RoleName.UNIFIED
     port: int = ENGINE_PORT
     tensor: int = 1
     pipeline: int = 1
@@ -59,22 +59,21 @@ def model_location(tier: Tier) -> str:
     return tier.model.name
 
 
-def launch_for(tier: Tier, role: str) -> EngineLaunch:
-    """The launch settings of ``role`` (unified, prefill or decode) of ``tier``."""
-    serving = tier.serving
-    role_spec = {"prefill": serving.prefill, "decode": serving.decode}.get(role)
-    parallelism = tier.role_parallelism(role_spec)
-    engine = tier.engine
+def launch_for(role: ResolvedRole) -> EngineLaunch:
+    """The launch settings of one role (unified, prefill or decode) of a tier."""
+    tier = role.tier
+    parallelism = role.parallelism
+    engine = role.engine
     spec = engine.speculative
     connector = None
-    if role != "unified":
-        kv = serving.kv_transfer
+    if role.disaggregated:
+        kv = tier.serving.kv_transfer
         connector = (kv.connector if kv is not None else KvConnector.NIXL).value
     hf = tier.model.source.huggingface
     return EngineLaunch(
         model=model_location(tier),
         served_name=tier.model.alias,
-        role=role,
+        role=role.name,
         tensor=parallelism.tensor,
         pipeline=parallelism.pipeline,
         data=parallelism.data,
@@ -107,12 +106,12 @@ def _compact_json(value: dict[str, object]) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
-def _kv_role(connector: str, role: str) -> str:
+def _kv_role(connector: str, role: RoleName) -> str:
     # NIXL moves blocks in both directions from one config; the NCCL and LMCache connectors
     # are told which side of the hand-off they are.
     if connector == KvConnector.NIXL.value:
         return "kv_both"
-    return "kv_producer" if role == "prefill" else "kv_consumer"
+    return "kv_producer" if role is RoleName.PREFILL else "kv_consumer"
 
 
 def vllm_serve_args(launch: EngineLaunch) -> list[str]:

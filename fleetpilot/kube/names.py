@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 
+from fleetpilot.api.spec import RoleName
+
 MAX_NAME = 63
 _HASH_LEN = 8
 
@@ -34,7 +36,7 @@ def bounded_name(*parts: str, limit: int = MAX_NAME) -> str:
 
 def engine_name(service: str, tier: str, role: str) -> str:
     """Deployment/Service name of one role of a tier: ``chat-small`` or ``chat-large-decode``."""
-    return bounded_name(service, tier, "" if role == "unified" else role)
+    return bounded_name(service, tier, "" if role == RoleName.UNIFIED else role)
 
 
 def router_name(service: str) -> str:
@@ -48,7 +50,8 @@ def service_labels(service: str) -> dict[str, str]:
 
 def engine_selector(service: str, tier: str, role: str) -> dict[str, str]:
     """The labels that select the engine pods of one role of a tier (immutable once created)."""
-    return {LABEL_SERVICE: service, LABEL_TIER: tier, LABEL_ROLE: role}
+    # str(): a RoleName becomes its plain value, so objects stay plain data (YAML, JSON).
+    return {LABEL_SERVICE: service, LABEL_TIER: tier, LABEL_ROLE: str(role)}
 
 
 def engines_selector(service: str) -> dict[str, str]:

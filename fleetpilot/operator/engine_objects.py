@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from fleetpilot.api import InferenceService
+from fleetpilot.api import InferenceService, ResolvedRole
 from fleetpilot.engine.vllm_args import ENGINE_PORT, MODEL_MOUNT, launch_for, vllm_serve_args
 from fleetpilot.kube import names
-from fleetpilot.operator.plan_types import K8sObject, Role, object_meta
+from fleetpilot.operator.plan_types import K8sObject, object_meta
 
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 # GPU nodes are commonly tainted so only GPU pods land there; engine pods tolerate it.
@@ -21,7 +21,7 @@ TERMINATION_GRACE_S = 120
 CACHE_MOUNT = "/cache"
 
 
-def engine_labels(service: InferenceService, role: Role) -> dict[str, str]:
+def engine_labels(service: InferenceService, role: ResolvedRole) -> dict[str, str]:
     return {
         **names.service_labels(service.name),
         **names.engine_selector(service.name, role.tier.name, role.name),
@@ -30,7 +30,7 @@ def engine_labels(service: InferenceService, role: Role) -> dict[str, str]:
     }
 
 
-def _env(service: InferenceService, role: Role) -> list[K8sObject]:
+def _env(service: InferenceService, role: ResolvedRole) -> list[K8sObject]:
     tier = role.tier
     env: list[K8sObject] = [{"name": "HF_HOME", "value": f"{CACHE_MOUNT}/huggingface"}]
     hf = tier.model.source.huggingface
@@ -42,7 +42,7 @@ def _env(service: InferenceService, role: Role) -> list[K8sObject]:
                 "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
             }
         )
-    if role.name != "unified":
+    if role.disaggregated:
         # The KV connector advertises this address to its peers for the block hand-off.
         env.append(
             {
@@ -64,7 +64,7 @@ def _probe(path: str, period_s: int, failures: int) -> K8sObject:
     }
 
 
-def _volumes(role: Role) -> tuple[list[K8sObject], list[K8sObject]]:
+def _volumes(role: ResolvedRole) -> tuple[list[K8sObject], list[K8sObject]]:
     tier = role.tier
     volumes: list[K8sObject] = [{"name": "cache", "emptyDir": {}}]
     mounts: list[K8sObject] = [{"name": "cache", "mountPath": CACHE_MOUNT}]
@@ -90,7 +90,7 @@ def _volumes(role: Role) -> tuple[list[K8sObject], list[K8sObject]]:
     return volumes, mounts
 
 
-def _placement(service: InferenceService, role: Role) -> K8sObject:
+def _placement(service: InferenceService, role: ResolvedRole) -> K8sObject:
     scheduling = service.spec.scheduling
     selector = dict(scheduling.node_selector)
     if role.tier.resources.gpu_product:
@@ -105,12 +105,12 @@ def _placement(service: InferenceService, role: Role) -> K8sObject:
     return placement
 
 
-def engine_command(role: Role) -> list[str]:
+def engine_command(role: ResolvedRole) -> list[str]:
     """The full command line of the role's engine container."""
-    return ["vllm", "serve", *vllm_serve_args(launch_for(role.tier, role.name))]
+    return ["vllm", "serve", *vllm_serve_args(launch_for(role))]
 
 
-def engine_deployment(service: InferenceService, role: Role) -> K8sObject:
+def engine_deployment(service: InferenceService, role: ResolvedRole) -> K8sObject:
     tier = role.tier
     name = names.engine_name(service.name, tier.name, role.name)
     labels = engine_labels(service, role)
@@ -177,7 +177,7 @@ def engine_deployment(service: InferenceService, role: Role) -> K8sObject:
     }
 
 
-def engine_service(service: InferenceService, role: Role) -> K8sObject:
+def engine_service(service: InferenceService, role: ResolvedRole) -> K8sObject:
     """A headless Service: its EndpointSlices list the Ready pods the router may use."""
     tier = role.tier
     name = names.engine_name(service.name, tier.name, role.name)
@@ -195,7 +195,7 @@ def engine_service(service: InferenceService, role: Role) -> K8sObject:
     }
 
 
-def engine_pdb(service: InferenceService, role: Role) -> K8sObject:
+def engine_pdb(service: InferenceService, role: ResolvedRole) -> K8sObject:
     """At most one engine pod of a role evicted at a time (node drains, upgrades)."""
     tier = role.tier
     name = names.engine_name(service.name, tier.name, role.name)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleetpilot import __version__
-from fleetpilot.api import InferenceService, Parallelism, ReplicaBounds, ServingMode, Tier
+from fleetpilot.api import InferenceService
 
 K8sObject = dict[str, Any]
 
@@ -29,30 +29,6 @@ class PlanOptions:
 
     fleetpilot_image: str = DEFAULT_FLEETPILOT_IMAGE
     pod_monitor_available: bool = False
-
-
-@dataclass(frozen=True)
-class Role:
-    """One role of one tier: what becomes one engine Deployment."""
-
-    tier_index: int
-    tier: Tier
-    name: str  # unified, prefill or decode
-    replicas: ReplicaBounds
-    parallelism: Parallelism
-
-
-def roles_of(tier: Tier, tier_index: int) -> list[Role]:
-    """The roles a tier runs: one unified role, or prefill and decode."""
-    serving = tier.serving
-    if serving.mode is ServingMode.UNIFIED:
-        bounds = serving.replicas or ReplicaBounds()
-        return [Role(tier_index, tier, "unified", bounds, tier.parallelism)]
-    roles = []
-    for name, spec in (("prefill", serving.prefill), ("decode", serving.decode)):
-        assert spec is not None  # guaranteed by Serving's validator
-        roles.append(Role(tier_index, tier, name, spec.replicas, tier.role_parallelism(spec)))
-    return roles
 
 
 def owner_references(service: InferenceService) -> list[K8sObject]:

@@ -9,7 +9,7 @@ so nothing is ever half-applied.
 
 from __future__ import annotations
 
-from fleetpilot.api import InferenceService
+from fleetpilot.api import InferenceService, ResolvedRole
 from fleetpilot.api.spec import PodMonitorMode
 from fleetpilot.api.units import format_duration
 from fleetpilot.kube import names
@@ -19,9 +19,7 @@ from fleetpilot.operator.plan_types import (
     K8sObject,
     PlanError,
     PlanOptions,
-    Role,
     object_meta,
-    roles_of,
 )
 from fleetpilot.operator.router_objects import router_objects
 
@@ -57,8 +55,15 @@ MANAGED_FLAGS = frozenset(
 )
 
 
-def all_roles(service: InferenceService) -> list[Role]:
-    return [role for i, tier in enumerate(service.spec.tiers) for role in roles_of(tier, i)]
+def all_roles(service: InferenceService) -> list[ResolvedRole]:
+    """Every role of every tier, in spec order: one engine Deployment each."""
+    return [role for tier in service.spec.tiers for role in tier.roles()]
+
+
+def _tier_field(service: InferenceService, role: ResolvedRole) -> str:
+    """Where a role's tier sits in the spec, for error messages: ``spec.tiers[1]``."""
+    index = next(i for i, tier in enumerate(service.spec.tiers) if tier.name == role.tier.name)
+    return f"spec.tiers[{index}]"
 
 
 def check(service: InferenceService) -> None:
@@ -70,13 +75,13 @@ def check(service: InferenceService) -> None:
         owner = f"tier {role.tier.name!r} role {role.name}"
         if derived in seen:
             raise PlanError(
-                f"spec.tiers[{role.tier_index}].name",
+                f"{_tier_field(service, role)}.name",
                 f"{owner} and {seen[derived]} would both be named {derived!r}; rename a tier",
             )
         seen[derived] = owner
     for role in all_roles(service):
         tier = role.tier
-        where = f"spec.tiers[{role.tier_index}]"
+        where = _tier_field(service, role)
         gpus = role.parallelism.gpus
         per_node = tier.resources.gpus_per_node
         if gpus > per_node:

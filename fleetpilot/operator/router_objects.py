@@ -15,7 +15,7 @@ from fleetpilot.api.router_config import (
 )
 from fleetpilot.engine.vllm_args import ENGINE_PORT
 from fleetpilot.kube import names
-from fleetpilot.operator.plan_types import K8sObject, PlanOptions, object_meta, roles_of
+from fleetpilot.operator.plan_types import K8sObject, PlanOptions, object_meta
 
 ROUTER_PORT = 8000
 CONFIG_DIR = "/etc/fleetpilot"
@@ -54,7 +54,7 @@ def router_config(service: InferenceService) -> RouterConfig:
     """What the router needs to know: tiers, their thresholds and where their pods are."""
     spec = service.spec
     tiers = []
-    for index, tier in enumerate(spec.tiers):
+    for tier in spec.tiers:
         groups = [
             EndpointGroup(
                 role=role.name,
@@ -63,7 +63,7 @@ def router_config(service: InferenceService) -> RouterConfig:
                 port=ENGINE_PORT,
                 max_num_seqs=tier.engine.max_num_seqs,
             )
-            for role in roles_of(tier, index)
+            for role in tier.roles()
         ]
         tiers.append(
             RouterTier(
@@ -78,11 +78,7 @@ def router_config(service: InferenceService) -> RouterConfig:
     routing = spec.routing
     # A tier allowed to sit at zero replicas gets its first one on demand: the router holds
     # such a request (as long as any request may take) instead of answering 503.
-    may_be_zero = any(
-        role.replicas.min == 0
-        for index, tier in enumerate(spec.tiers)
-        for role in roles_of(tier, index)
-    )
+    may_be_zero = any(role.replicas.min == 0 for tier in spec.tiers for role in tier.roles())
     return RouterConfig(
         service=service.name,
         namespace=service.namespace,

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import yaml
 
 from fleetpilot.api.router_config import EndpointGroup, RouterConfig
+from fleetpilot.api.spec import RoleName
 from fleetpilot.routing.tasks import cancel
 
 log = logging.getLogger(__name__)
@@ -140,11 +141,15 @@ def parse_endpoints_file(data: Any) -> tuple[Endpoint, ...]:
     for i, item in enumerate(data["endpoints"]):
         if not isinstance(item, dict):
             raise ValueError(f"endpoints[{i}] must be a mapping")
-        tier, role, address = item.get("tier"), item.get("role", "unified"), item.get("address")
+        tier, role, address = (
+            item.get("tier"),
+            item.get("role", RoleName.UNIFIED.value),
+            item.get("address"),
+        )
         if not isinstance(tier, str) or not isinstance(address, str):
             raise ValueError(f"endpoints[{i}] needs string 'tier' and 'address'")
-        if role not in ("unified", "prefill", "decode"):
-            raise ValueError(f"endpoints[{i}].role must be unified, prefill or decode")
+        if role not in set(RoleName):
+            raise ValueError(f"endpoints[{i}].role must be one of {', '.join(RoleName)}")
         host, port = parse_address(address)
         name = item.get("name")
         out.append(Endpoint(tier, role, host, port, name if isinstance(name, str) else address))

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from yarl import URL
 
 from fleetpilot.api.router_config import RouterConfig, RouterTier
+from fleetpilot.api.spec import RoleName, ServingMode
 from fleetpilot.routing.discovery import Endpoint, EndpointSource
 from fleetpilot.routing.errors import NoReplicaError, OverloadedError, UnavailableError
 from fleetpilot.routing.features import RequestFeatures
@@ -87,7 +88,7 @@ class Route:
 
     @property
     def disaggregated(self) -> bool:
-        return self.tier.mode == "disaggregated"
+        return self.tier.mode is ServingMode.DISAGGREGATED
 
     def header(
         self,
@@ -115,9 +116,9 @@ class Route:
         return "; ".join(parts)
 
 
-def serving_role(tier: RouterTier) -> str:
+def serving_role(tier: RouterTier) -> RoleName:
     """The role whose replicas answer the client: decode in a disaggregated tier."""
-    return "decode" if tier.mode == "disaggregated" else "unified"
+    return RoleName.DECODE if tier.mode is ServingMode.DISAGGREGATED else RoleName.UNIFIED
 
 
 class Router:
@@ -297,11 +298,11 @@ class Router:
                 features.prompt_text, tier.model, self.config.affinity.block_chars
             )
         request = PickRequest(hashes)
-        if tier.mode == "disaggregated":
-            decode = self._pick(tier, "decode", request, now, self._load_scorers)
+        if tier.mode is ServingMode.DISAGGREGATED:
+            decode = self._pick(tier, RoleName.DECODE, request, now, self._load_scorers)
             if decode is None:  # tier_state said available; only a race could get here
                 raise UnavailableError("no decode replica available", reason="no_ready_replicas")
-            prefill = self._pick(tier, "prefill", request, now, self._affinity_scorers)
+            prefill = self._pick(tier, RoleName.PREFILL, request, now, self._affinity_scorers)
             prefill_state = None
             match = 0.0
             if prefill is not None:
@@ -318,7 +319,7 @@ class Router:
                 spilled_from=spilled,
                 hashes=hashes,
             )
-        chosen = self._pick(tier, "unified", request, now, self._affinity_scorers)
+        chosen = self._pick(tier, RoleName.UNIFIED, request, now, self._affinity_scorers)
         if chosen is None:
             raise UnavailableError("no replica available", reason="no_ready_replicas")
         state = self._replicas[chosen.replica.id]
@@ -336,7 +337,7 @@ class Router:
     def _pick(
         self,
         tier: RouterTier,
-        role: str,
+        role: RoleName,
         request: PickRequest,
         now: float,
         scorers: list[WeightedScorer],

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from fleetpilot.api import InferenceService
-from fleetpilot.api.spec import ReplicaBounds, ServingMode, Tier
+from fleetpilot.api.spec import ReplicaBounds, RoleName, Tier
 from fleetpilot.api.status import Condition
 from fleetpilot.autoscaler.policy import Metrics
 from fleetpilot.autoscaler.remote import RecordedDecision, RoleState
@@ -73,7 +73,7 @@ class LocalActuator:
     def role_state(self, tier: str, role: str) -> RoleState | None:
         """One role now, or None when the service has no such tier or role."""
         spec = next((t for t in self.fleet.service.spec.tiers if t.name == tier), None)
-        if spec is None or role not in spec.role_names:
+        if spec is None or spec.role(role) is None:
             return None
         with self.lock:
             self.fleet.refresh_serving()
@@ -167,15 +167,13 @@ def capped_service(service: InferenceService, max_per_role: int) -> InferenceSer
     tiers: list[Tier] = []
     for tier in service.spec.tiers:
         serving = tier.serving
-        update: dict[str, object]
-        if serving.mode is ServingMode.UNIFIED:
-            update = {"replicas": cap(serving.replicas or ReplicaBounds())}
-        else:
-            update = {
-                name: spec.model_copy(update={"replicas": cap(spec.replicas)})
-                for name, spec in (("prefill", serving.prefill), ("decode", serving.decode))
-                if spec is not None
-            }
+        update: dict[str, object] = {}
+        for role in tier.roles():
+            if role.name is RoleName.UNIFIED:
+                update["replicas"] = cap(role.replicas)
+            else:  # serving.prefill / serving.decode hold the role's own bounds
+                spec = getattr(serving, role.name.value)
+                update[role.name.value] = spec.model_copy(update={"replicas": cap(role.replicas)})
         tiers.append(tier.model_copy(update={"serving": serving.model_copy(update=update)}))
     spec = service.spec.model_copy(update={"tiers": tiers})
     return service.model_copy(update={"spec": spec})

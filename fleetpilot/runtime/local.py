@@ -20,7 +20,6 @@ import yaml
 
 from fleetpilot.api import InferenceService, Tier
 from fleetpilot.api.router_config import ROUTER_CONFIG_FILE, RouterConfig
-from fleetpilot.operator.plan_types import roles_of
 from fleetpilot.operator.router_objects import router_config
 from fleetpilot.runtime.processes import (
     Child,
@@ -151,8 +150,8 @@ class LocalFleet:
         self.supervisor = Supervisor(workdir / "logs")
         self.replicas: list[Replica] = []
         port = base_port
-        for index, tier in enumerate(service.spec.tiers):
-            for role in roles_of(tier, index):
+        for tier in service.spec.tiers:
+            for role in tier.roles():
                 count = min(role.replicas.start, max_replicas_per_role)
                 for i in range(count):
                     port = next_port(port)

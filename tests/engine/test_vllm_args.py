@@ -16,7 +16,9 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 def _args(name: str, tier: int = 0, role: str = "unified") -> list[str]:
     (service,) = load_services(EXAMPLES / name)
-    return vllm_serve_args(launch_for(service.spec.tiers[tier], role))
+    resolved = service.spec.tiers[tier].role(role)
+    assert resolved is not None
+    return vllm_serve_args(launch_for(resolved))
 
 
 def test_two_tier_small_command_line() -> None:
@@ -76,12 +78,10 @@ def test_nccl_connector_is_told_its_side() -> None:
     tier["serving"]["kvTransfer"] = {"connector": "P2pNcclConnector"}
     service = parse_service(make_manifest(tiers=[tier]))
     roles = {
-        role: json.loads(
-            (a := vllm_serve_args(launch_for(service.spec.tiers[0], role)))[
-                a.index("--kv-transfer-config") + 1
-            ]
+        role.name: json.loads(
+            (a := vllm_serve_args(launch_for(role)))[a.index("--kv-transfer-config") + 1]
         )["kv_role"]
-        for role in ("prefill", "decode")
+        for role in service.spec.tiers[0].roles()
     }
     assert roles == {"prefill": "kv_producer", "decode": "kv_consumer"}
 
