@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import random
 import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -24,6 +22,7 @@ from aiohttp import web
 from fleetpilot.api.router_config import RouterConfig
 from fleetpilot.argtypes import port_number
 from fleetpilot.httpserver import run_app
+from fleetpilot.logs import add_log_arguments, configure_logging
 from fleetpilot.routing.config import ConfigError, ConfigWatcher, load_config
 from fleetpilot.routing.discovery import EndpointSource, KubeSliceClient, SliceClient, build_source
 from fleetpilot.routing.errors import (
@@ -277,30 +276,6 @@ def build_app(
 # -- CLI -------------------------------------------------------------------------------------
 
 
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message and the record's extras."""
-
-    _STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {
-        "message",
-        "asctime",
-        "taskName",
-    }
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {
-            "ts": round(record.created, 3),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        for key, value in record.__dict__.items():
-            if key not in self._STANDARD:
-                entry[key] = value
-        if record.exc_info:
-            entry["exc"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="RouterConfig YAML (the ConfigMap file)")
     parser.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
@@ -328,8 +303,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="show replica addresses in x-fleetpilot-route (the config's debugRouteHeader); "
         "off by default, so clients never see internal pod addresses",
     )
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
-    parser.add_argument("--log-format", choices=["json", "plain"], default="json")
+    add_log_arguments(parser)
 
 
 def _kube_client(kubeconfig: str | None) -> Callable[[], SliceClient]:
@@ -339,17 +313,6 @@ def _kube_client(kubeconfig: str | None) -> Callable[[], SliceClient]:
         return KubeSliceClient(connect(kubeconfig))
 
     return make
-
-
-def configure_logging(level: str, fmt: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
 
 
 def run(args: argparse.Namespace) -> int:

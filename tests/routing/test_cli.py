@@ -4,14 +4,13 @@ shutting down on SIGTERM, structured logs."""
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from pathlib import Path
 
 import httpx
 import yaml
 
-from fleetpilot.routing.app import EXIT_INVALID, JsonFormatter, add_arguments, run
+from fleetpilot.routing.app import EXIT_INVALID, add_arguments, run
 from tests.routing.support import make_config, router_process, stop_and_read_log, tier
 
 
@@ -50,13 +49,3 @@ def test_router_process_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
         assert [m["id"] for m in models["data"]] == ["chat", "small-model"]
         lines = stop_and_read_log(proc, 20)
         assert any(line["msg"] == "router started" for line in lines)
-
-
-def test_json_log_lines_carry_extras() -> None:
-    """A log record becomes one JSON object with its structured fields."""
-    record = logging.LogRecord("fleetpilot.routing", logging.WARNING, "x", 1, "replica ejected",
-                               (), None)  # fmt: skip
-    record.replica = "10.0.0.1:8000"
-    line = json.loads(JsonFormatter().format(record))
-    assert (line["level"], line["msg"], line["replica"]) == ("warning", "replica ejected",
-                                                             "10.0.0.1:8000")  # fmt: skip
