@@ -155,14 +155,16 @@ async def test_a_frozen_replica_costs_one_budget_is_ejected_and_comes_back(
             assert [status for status, _, _ in results] == [200] * 8
             assert max(t for _, t, _ in results) < BUDGET_S + RETRY_ALLOWANCE_S
             assert {route["replica"] for _, _, route in results} == {u1}
-        # SIGCONT: the prober readmits it, and traffic reaches it again.
+        # SIGCONT: the prober readmits it, and traffic reaches it again. How soon depends on
+        # the load scores the next scrapes bring (the thawed engine first reports what it held
+        # when frozen), so keep sending until it serves, every answer a 200.
         await wait_for(lambda: not state.health.is_ejected(u0), timeout_s=20.0)
-        served = set()
-        for _ in range(12):
+        served = []
+        while u0 not in served and len(served) < 60:
             status, _, route = await timed_post(session, router, REQUEST)
             assert status == 200
-            served.add(route["replica"])
-        assert served == {u0, u1}
+            served.append(route["replica"])
+        assert u0 in served, f"the readmitted replica served none of {len(served)} requests"
 
 
 def pd_config(prefill: list[str], decode: list[str], **overrides: Any) -> Any:
