@@ -7,15 +7,12 @@ failures the proxy and scraper report; this module only does the probing I/O.
 from __future__ import annotations
 
 import asyncio
-import logging
 
 import aiohttp
 
 from fleetpilot.routing.metrics import RouterMetrics
 from fleetpilot.routing.router import ReplicaState, Router
-from fleetpilot.routing.tasks import cancel
-
-log = logging.getLogger(__name__)
+from fleetpilot.routing.tasks import PeriodicRounds
 
 
 async def answers_health(
@@ -32,24 +29,25 @@ async def answers_health(
         return False
 
 
-class Prober:
+class Prober(PeriodicRounds):
     """Every ``interval_s``, probes each ejected replica; a 200 readmits it."""
+
+    name = "prober"
 
     def __init__(
         self, router: Router, metrics: RouterMetrics, *, interval_s: float, timeout_s: float
     ) -> None:
+        super().__init__(interval_s=interval_s, timeout_s=timeout_s)
         self.router = router
         self.metrics = metrics
-        self.interval_s = interval_s
-        self.timeout_s = timeout_s
-        self._session: aiohttp.ClientSession | None = None
-        self._task: asyncio.Task[None] | None = None
 
-    async def probe_once(self) -> list[str]:
+    def new_session(self) -> aiohttp.ClientSession:
+        # Probes open a fresh connection each time: a pooled one could outlive the process
+        # it reached and report a restarted replica as dead.
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0))
+
+    async def round(self, session: aiohttp.ClientSession) -> list[str]:
         """Probe every ejected replica; the ids readmitted."""
-        session = self._session
-        if session is None:
-            return []
         ejected = [r for rid in self.router.health.ejected() if (r := self.router.replica(rid))]
         if not ejected:
             return []
@@ -62,27 +60,3 @@ class Prober:
                 self.metrics.readmissions.labels(replica.id).inc()
                 readmitted.append(replica.id)
         return readmitted
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                await self.probe_once()
-            except Exception:
-                log.exception("probe round failed")
-
-    async def start(self) -> None:
-        if self._task is None:
-            # Probes open a fresh connection each time: a pooled one could outlive the process
-            # it reached and report a restarted replica as dead.
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(force_close=True, limit=0)
-            )
-            self._task = asyncio.create_task(self._run(), name="prober")
-
-    async def stop(self) -> None:
-        await cancel(self._task)
-        self._task = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None

@@ -4,7 +4,6 @@ concurrently, once per interval."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 
 import aiohttp
@@ -12,12 +11,10 @@ import aiohttp
 from fleetpilot.routing.metrics import RouterMetrics
 from fleetpilot.routing.policies.load import parse_engine_metrics
 from fleetpilot.routing.router import ReplicaState, Router
-from fleetpilot.routing.tasks import cancel
-
-log = logging.getLogger(__name__)
+from fleetpilot.routing.tasks import PeriodicRounds
 
 
-class Scraper:
+class Scraper(PeriodicRounds):
     """Keeps ``ReplicaState.metrics`` fresh.
 
     Its own connection pool, apart from the request traffic's: a slow scrape must never take a
@@ -30,25 +27,21 @@ class Scraper:
     neither scrapes nor requests reaches ``ejection.failures`` in a row.
     """
 
+    name = "scraper"
+
     def __init__(
-        self,
-        router: Router,
-        metrics: RouterMetrics,
-        *,
-        interval_s: float,
-        timeout_s: float,
+        self, router: Router, metrics: RouterMetrics, *, interval_s: float, timeout_s: float
     ) -> None:
+        super().__init__(interval_s=interval_s, timeout_s=timeout_s)
         self.router = router
         self.metrics = metrics
-        self.interval_s = interval_s
-        self.timeout_s = timeout_s
-        self._session: aiohttp.ClientSession | None = None
-        self._task: asyncio.Task[None] | None = None
 
-    async def scrape_once(self) -> None:
-        session = self._session
-        if session is None:
-            return
+    def new_session(self) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=max(5.0, 3 * self.interval_s))
+        )
+
+    async def round(self, session: aiohttp.ClientSession) -> None:
         replicas = self.router.replicas()
         if replicas:
             await asyncio.gather(*(self._scrape(session, r) for r in replicas))
@@ -72,29 +65,3 @@ class Scraper:
         if parsed is not None:
             replica.metrics = parsed
             replica.scraped_at = time.monotonic()
-
-    async def _run(self) -> None:
-        while True:
-            started = time.monotonic()
-            try:
-                await self.scrape_once()
-            except Exception:  # never let one bad round stop scraping
-                log.exception("scrape round failed")
-            elapsed = time.monotonic() - started
-            await asyncio.sleep(max(0.0, self.interval_s - elapsed))
-
-    async def start(self) -> None:
-        if self._task is None:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(
-                    limit=0, keepalive_timeout=max(5.0, 3 * self.interval_s)
-                )
-            )
-            self._task = asyncio.create_task(self._run(), name="scraper")
-
-    async def stop(self) -> None:
-        await cancel(self._task)
-        self._task = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
