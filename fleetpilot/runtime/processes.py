@@ -4,6 +4,11 @@ Used by the local runtime (engines, router, Prometheus, autoscaler as processes)
 control plane. Every child leads its own session, so its pid is its process-group id and one
 ``killpg`` reaches whatever it spawned; on Linux it also gets SIGKILL if its parent dies
 (``PR_SET_PDEATHSIG``), so even a ``kill -9`` of the parent leaves nothing behind.
+
+A supervisor can also *adopt* a process group another process started and left running (what
+``make cluster-up`` leaves for ``make cluster-down``), knowing only its pid and executable: it
+watches and stops it like its own children, checking the executable so a reused pid is never
+signalled.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import ctypes
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -25,8 +31,6 @@ from pathlib import Path
 from fleetpilot.argtypes import MAX_PORT
 
 _PR_SET_PDEATHSIG = 1
-# Children listen on loopback: an HTTP(S)_PROXY from the environment must never see a probe.
-_LOOPBACK_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
 
@@ -121,9 +125,42 @@ def require_free_ports(ports: Mapping[str, int], host: str = "127.0.0.1") -> Non
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port the kernel considers free now (another process may still take it first)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports the kernel considers free now.
+
+    All sockets stay open until every port is picked so no port is handed out twice. Another
+    process can still grab one before its listener binds it; that listener then fails to start
+    and says so in its log.
+    """
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            socks.append(sock)
+        return [int(sock.getsockname()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def http_ok(url: str, timeout_s: float = 1.0, context: ssl.SSLContext | None = None) -> bool:
+    """Whether ``url`` answers 2xx; a connection or HTTP error reads as not ready (yet).
+
+    Children listen on loopback, so an HTTP(S)_PROXY from the environment must never see the
+    probe; ``context`` verifies a TLS listener (the test control plane's CA).
+    """
+    handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
+    if context is not None:
+        handlers.append(urllib.request.HTTPSHandler(context=context))
+    try:
+        with urllib.request.build_opener(*handlers).open(url, timeout=timeout_s) as response:
+            return bool(200 <= response.status < 300)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
 
 
 class ChildFailedError(RuntimeError):
@@ -132,7 +169,11 @@ class ChildFailedError(RuntimeError):
 
 @dataclass
 class Child:
-    """One supervised process."""
+    """One supervised process: started by this supervisor (``popen``) or adopted (``adopted``).
+
+    An adopted child was started by another process, so only its pid and executable are known
+    (``argv`` is just the executable) and it cannot be waited for, only watched through /proc.
+    """
 
     name: str
     argv: list[str]
@@ -141,14 +182,36 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)
     popen: subprocess.Popen[bytes] | None = None
     stopping: bool = False
+    cwd: Path | None = None
+    adopted: int | None = None
+
+    @property
+    def started(self) -> bool:
+        """Whether there is (or was) a process: spawned or adopted."""
+        return self.popen is not None or self.adopted is not None
 
     @property
     def pid(self) -> int:
-        assert self.popen is not None
-        return self.popen.pid
+        if self.popen is not None:
+            return self.popen.pid
+        assert self.adopted is not None
+        return self.adopted
 
     def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
+        if self.popen is not None:
+            return self.popen.poll() is None
+        # Not our child, so there is no exit status to poll: /proc says, and a pid reused by
+        # another program reads as dead.
+        return self.adopted is not None and running(self.adopted, self.argv[0])
+
+    def reused(self) -> bool:
+        """Whether an adopted child's pid now runs another program: the kernel reused it after
+        ours exited, so that process (and its group) is someone else's."""
+        if self.adopted is None:
+            return False
+        stat = proc_stat(self.adopted)
+        live = stat is not None and stat[0] not in ("Z", "X")
+        return live and not running(self.adopted, self.argv[0])
 
     def tail(self, lines: int = 30) -> str:
         try:
@@ -160,19 +223,20 @@ class Child:
     def healthy(self, timeout_s: float = 1.0) -> bool:
         if self.health_url is None:
             return self.alive()
-        try:
-            with _LOOPBACK_HTTP.open(self.health_url, timeout=timeout_s) as response:
-                return bool(200 <= response.status < 300)
-        except (urllib.error.URLError, OSError, ValueError):
-            return False
+        return http_ok(self.health_url, timeout_s)
 
 
 class Supervisor:
-    """Starts, watches and stops children; ``stop_all`` leaves no process behind."""
+    """Starts, watches and stops children; ``stop_all`` leaves no process behind.
 
-    def __init__(self, log_dir: Path) -> None:
+    ``die_with_parent=False`` is for children meant to outlive the process that starts them
+    (``make cluster-up``): another process adopts them later to stop them.
+    """
+
+    def __init__(self, log_dir: Path, *, die_with_parent: bool = True) -> None:
         self.log_dir = log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
+        self.die_with_parent = die_with_parent
         self.children: list[Child] = []
 
     def start(
@@ -182,9 +246,24 @@ class Supervisor:
         *,
         health_url: str | None = None,
         env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
     ) -> Child:
-        child = Child(name, list(argv), self.log_dir / f"{name}.log", health_url, dict(env or {}))
+        child = Child(
+            name, list(argv), self.log_dir / f"{name}.log", health_url, dict(env or {}), cwd=cwd
+        )
         self._spawn(child)
+        self.children.append(child)
+        return child
+
+    def adopt(self, name: str, pid: int, exe: str, log_path: Path | None = None) -> Child:
+        """Take over process group ``pid`` (running ``exe``), started by another process.
+
+        It is watched and stopped like a child of ours, by process group; ``alive()`` checks
+        that ``pid`` still runs ``exe`` so a pid the kernel reused is never signalled. It
+        cannot be restarted: its command line is not known.
+        """
+        path = log_path if log_path is not None else self.log_dir / f"{name}.log"
+        child = Child(name, [exe], path, adopted=pid)
         self.children.append(child)
         return child
 
@@ -196,12 +275,15 @@ class Supervisor:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **child.env},
+                cwd=child.cwd,
                 start_new_session=True,
-                preexec_fn=die_with_parent(os.getpid()),
+                preexec_fn=die_with_parent(os.getpid()) if self.die_with_parent else None,
             )
         child.stopping = False
 
     def restart(self, child: Child) -> None:
+        if child.adopted is not None:
+            raise ValueError(f"{child.name} was adopted; its command line is unknown")
         self.stop(child)
         self._spawn(child)
 
@@ -223,23 +305,37 @@ class Supervisor:
 
     def crashed(self) -> list[Child]:
         """Children that exited without being asked to."""
-        return [c for c in self.children if not c.stopping and c.popen and not c.alive()]
+        return [c for c in self.children if not c.stopping and c.started and not c.alive()]
 
-    def stop(self, child: Child, grace_s: float = 10.0) -> None:
-        """SIGTERM the child's process group, SIGKILL what is left after the grace period."""
+    def stop(self, child: Child, grace_s: float = 10.0) -> bool:
+        """SIGTERM the child's process group, SIGKILL what is left after the grace period.
+
+        Returns False when the child itself ignored SIGTERM for the whole grace period.
+        """
         child.stopping = True
-        if child.popen is None:
-            return
+        if not child.started or child.reused():
+            return True
+        clean = True
         if child.alive():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(child.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.popen.wait(timeout=grace_s)
+            self._wait_exit(child, grace_s)
+            clean = not child.alive()
         with contextlib.suppress(ProcessLookupError, PermissionError):
             if group_members({child.pid}):
                 os.killpg(child.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            child.popen.wait(timeout=5)
+        self._wait_exit(child, 5)
+        return clean
+
+    @staticmethod
+    def _wait_exit(child: Child, timeout_s: float) -> None:
+        if child.popen is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.popen.wait(timeout=timeout_s)
+            return
+        deadline = time.monotonic() + timeout_s
+        while child.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def stop_all(self, grace_s: float = 10.0) -> None:
         """Stop every child, most recently started first (the router before its engines)."""
@@ -250,12 +346,22 @@ class Supervisor:
                     os.killpg(child.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for child in reversed(self.children):
-            if child.popen is not None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    child.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            self._wait_exit(child, max(0.1, deadline - time.monotonic()))
         for child in self.children:
             self.stop(child, grace_s=0.1)
 
-    def leftovers(self) -> list[int]:
-        """Pids still alive in any child's process group (empty after stop_all)."""
-        return group_members({c.pid for c in self.children if c.popen is not None})
+    def stop_in_turn(self, grace_s: float = 10.0) -> list[str]:
+        """Stop children one at a time, most recently started first, each gone before the next
+        is signalled: for children that need each other to shut down cleanly (an API server
+        that writes to its etcd until it exits). Returns the names of those that ignored
+        SIGTERM and were killed."""
+        return [child.name for child in reversed(self.children) if not self.stop(child, grace_s)]
+
+    def leftovers(self, wait_s: float = 0.0) -> list[int]:
+        """Pids still alive in any child's process group (empty after stop_all), waiting up to
+        ``wait_s`` for them to go (a killed grandchild is reaped by init, not by us)."""
+        pgids = {c.pid for c in self.children if c.started and not c.reused()}
+        deadline = time.monotonic() + wait_s
+        while (left := group_members(pgids)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return left

@@ -1,14 +1,18 @@
-"""The supervisor: children start, report health, crash loudly, and never outlive us."""
+"""The supervisor: children start, report health, crash loudly, and never outlive us; a group
+left running on purpose (``make cluster-up``) is adopted and stopped by a later process."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,6 +22,7 @@ from fleetpilot.runtime.processes import (
     PortInUseError,
     Supervisor,
     free_port,
+    free_ports,
     group_members,
     port_in_use,
     require_free_ports,
@@ -132,3 +137,117 @@ def test_children_die_with_a_killed_parent(tmp_path: Path) -> None:
     while group_members({child_pid}) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert group_members({child_pid}) == []
+
+
+def _wait_for(what: str, check: Callable[[], bool], timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_a_detached_group_is_adopted_and_stopped_by_a_later_process(tmp_path: Path) -> None:
+    """`make cluster-up` starts children that outlive it (die_with_parent=False); `make
+    cluster-down`, another process, adopts them by pid and executable and stops the whole
+    group, grandchildren included."""
+    program = textwrap.dedent(
+        f"""
+        import sys
+        from pathlib import Path
+        from fleetpilot.runtime.processes import Supervisor
+        supervisor = Supervisor(Path({str(tmp_path)!r}) / "up", die_with_parent=False)
+        script = "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"
+        child = supervisor.start("detached", [sys.executable, "-c", script])
+        print(child.pid)
+        """
+    )
+    up = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=30, check=True
+    )
+    pid = int(up.stdout)
+    try:
+        _wait_for("the child and its grandchild", lambda: len(group_members({pid})) == 2)
+        supervisor = Supervisor(tmp_path / "down")
+        child = supervisor.adopt("detached", pid, os.path.realpath(sys.executable))
+        assert child.alive()
+        assert supervisor.crashed() == []
+        assert supervisor.leftovers() != []
+        assert supervisor.stop_in_turn(grace_s=5) == []
+        assert supervisor.leftovers(wait_s=5) == []
+        assert not child.alive()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def test_an_adopted_pid_that_runs_another_program_is_never_signalled(tmp_path: Path) -> None:
+    """A state file outlives its processes; the kernel may give the pid to something else,
+    which must not be stopped as if it were ours."""
+    stranger = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        supervisor = Supervisor(tmp_path)
+        child = supervisor.adopt("etcd", stranger.pid, "/nonexistent/etcd")
+        assert not child.alive()
+        assert child.reused()
+        assert supervisor.stop(child, grace_s=0.1)
+        supervisor.stop_all(grace_s=0.1)
+        assert supervisor.leftovers() == []
+        assert stranger.poll() is None
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_an_adopted_child_that_exits_is_a_crash_and_cannot_be_restarted(tmp_path: Path) -> None:
+    """A component of a detached cluster that died is reported, not silently respawned with a
+    command line nobody recorded."""
+    other = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    supervisor = Supervisor(tmp_path)
+    child = supervisor.adopt("sleeper", other.pid, os.path.realpath(shutil.which("sleep") or ""))
+    assert child.alive()
+    other.kill()
+    other.wait()
+    assert supervisor.crashed() == [child]
+    with pytest.raises(ValueError, match="sleeper was adopted"):
+        supervisor.restart(child)
+
+
+def test_stop_in_turn_stops_the_newest_first_each_gone_before_the_next(tmp_path: Path) -> None:
+    """An API server must be gone before its etcd is signalled; one that ignores SIGTERM is
+    killed after the grace period and named."""
+    record = tmp_path / "record"
+    handler = textwrap.dedent(
+        f"""
+        import signal, sys, time
+        name = sys.argv[1]
+        def term(*_):
+            with open({str(record)!r}, "a") as out:
+                out.write(name + " term\\n")
+            time.sleep(0.5)
+            with open({str(record)!r}, "a") as out:
+                out.write(name + " exit\\n")
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, term)
+        print("ready", flush=True)
+        time.sleep(300)
+        """
+    )
+    supervisor = Supervisor(tmp_path / "logs")
+    children = [
+        supervisor.start(name, [sys.executable, "-c", handler, name]) for name in ("etcd", "api")
+    ]
+    stubborn = supervisor.start(
+        "stubborn",
+        [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+         "signal.SIG_IGN); print('ready', flush=True); time.sleep(300)"],
+    )  # fmt: skip
+    for child in [*children, stubborn]:
+        _wait_for(f"{child.name} ready", lambda child=child: "ready" in child.tail())
+    assert supervisor.stop_in_turn(grace_s=3) == ["stubborn"]
+    assert record.read_text().split("\n") == ["api term", "api exit", "etcd term", "etcd exit", ""]
+    assert supervisor.leftovers(wait_s=5) == []
+
+
+def test_free_ports_are_distinct() -> None:
+    """Several listeners started at once (the control plane's five) never share a port."""
+    assert len(set(free_ports(20))) == 20
