@@ -11,40 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any
 
+from fleetpilot.kube.quantity import same_quantity
+
 APPLIED_HASH = "fleetpilot.dev/applied-hash"
-
-_QUANTITY = re.compile(r"^([+-]?[0-9]*\.?[0-9]+)([eE][+-]?[0-9]+|[KMGTPE]i|[numkMGTPE])?$")
-_SUFFIX = {
-    **{s: Decimal(1024) ** (i + 1) for i, s in enumerate(["Ki", "Mi", "Gi", "Ti", "Pi", "Ei"])},
-    **{s: Decimal(1000) ** (i + 1) for i, s in enumerate(["k", "M", "G", "T", "P", "E"])},
-    "n": Decimal("1e-9"),
-    "u": Decimal("1e-6"),
-    "m": Decimal("1e-3"),
-    "": Decimal(1),
-}
-
-
-def quantity_value(text: str) -> Decimal | None:
-    """The value of a resource quantity string, or None when it is not one."""
-    match = _QUANTITY.match(text)
-    if not match:
-        return None
-    number, suffix = match.group(1), match.group(2) or ""
-    try:
-        if suffix[:1] in ("e", "E"):
-            return Decimal(number + suffix)
-        return Decimal(number) * _SUFFIX[suffix]
-    except InvalidOperation:
-        return None
-
-
-def _same_quantity(a: str, b: str) -> bool:
-    va, vb = quantity_value(a), quantity_value(b)
-    return va is not None and va == vb
 
 
 def contains(desired: Any, live: Any) -> bool:
@@ -63,7 +35,7 @@ def contains(desired: Any, live: Any) -> bool:
             and all(contains(d, item) for d, item in zip(desired, live, strict=True))
         )
     if isinstance(desired, str) and isinstance(live, str) and desired != live:
-        return _same_quantity(desired, live)
+        return same_quantity(desired, live)
     if isinstance(desired, bool) or isinstance(live, bool):
         return desired is live
     if isinstance(desired, int | float) and isinstance(live, int | float):
