@@ -99,14 +99,13 @@ def _groups(config: RouterConfig) -> Iterator[tuple[str, EndpointGroup]]:
             yield tier.name, group
 
 
-class StaticSource:
-    """The ``addresses`` of the config's endpoint groups."""
+class _Published:
+    """The endpoints a source last found, and a version that moves only when they change
+    (the router rebuilds its replica set on a new version, never on an unchanged list)."""
 
-    def __init__(self, config: RouterConfig | None = None) -> None:
+    def __init__(self) -> None:
         self._endpoints: tuple[Endpoint, ...] = ()
         self._version = 0
-        if config is not None:
-            self.configure(config)
 
     @property
     def version(self) -> int:
@@ -115,16 +114,30 @@ class StaticSource:
     def endpoints(self) -> tuple[Endpoint, ...]:
         return self._endpoints
 
+    def _set_endpoints(self, new: tuple[Endpoint, ...]) -> bool:
+        """Publish ``new``; True if it differs from what was published."""
+        if new == self._endpoints:
+            return False
+        self._endpoints = new
+        self._version += 1
+        return True
+
+
+class StaticSource(_Published):
+    """The ``addresses`` of the config's endpoint groups."""
+
+    def __init__(self, config: RouterConfig | None = None) -> None:
+        super().__init__()
+        if config is not None:
+            self.configure(config)
+
     def configure(self, config: RouterConfig) -> None:
         found = []
         for tier, group in _groups(config):
             for address in group.addresses:
                 host, port = parse_address(address)
                 found.append(Endpoint(tier, group.role, host, port, address))
-        new = tuple(found)
-        if new != self._endpoints:
-            self._endpoints = new
-            self._version += 1
+        self._set_endpoints(tuple(found))
 
     async def start(self) -> None:
         return None
@@ -156,7 +169,7 @@ def parse_endpoints_file(data: Any) -> tuple[Endpoint, ...]:
     return tuple(out)
 
 
-class FileSource:
+class FileSource(_Published):
     """Endpoints from a file the local runtime rewrites as engines start and stop.
 
     Polled (a stat and a read per interval) rather than watched with inotify: it works the same
@@ -165,20 +178,12 @@ class FileSource:
     """
 
     def __init__(self, path: Path, interval_s: float = 1.0) -> None:
+        super().__init__()
         self.path = path
         self.interval_s = interval_s
-        self._endpoints: tuple[Endpoint, ...] = ()
-        self._version = 0
         self._digest = b""
         self._task: asyncio.Task[None] | None = None
         self.reload()
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def endpoints(self) -> tuple[Endpoint, ...]:
-        return self._endpoints
 
     def configure(self, config: RouterConfig) -> None:
         return None
@@ -201,10 +206,8 @@ class FileSource:
             log.error("endpoints file invalid", extra={"path": str(self.path), "err": str(exc)})
             return False
         self._digest = digest
-        if new == self._endpoints:
+        if not self._set_endpoints(new):
             return False
-        self._endpoints = new
-        self._version += 1
         log.info("endpoints changed", extra={"source": "file", "count": len(new)})
         return True
 
@@ -351,7 +354,7 @@ class _GroupKey:
     port: int
 
 
-class KubernetesSource:
+class KubernetesSource(_Published):
     """Watches each endpoint group's EndpointSlices in a daemon thread per group.
 
     Threads, not the event loop: the kubernetes client is blocking. Each thread lists, then
@@ -369,6 +372,7 @@ class KubernetesSource:
         watch_timeout_s: int = 60,
         retry_delay_s: float = 2.0,
     ) -> None:
+        super().__init__()
         self.namespace = namespace
         self.client = client
         self.watch_timeout_s = watch_timeout_s
@@ -376,16 +380,7 @@ class KubernetesSource:
         self._by_group: dict[_GroupKey, tuple[Endpoint, ...]] = {}
         self._stops: dict[_GroupKey, threading.Event] = {}
         self._wanted: set[_GroupKey] = set()
-        self._endpoints: tuple[Endpoint, ...] = ()
-        self._version = 0
         self._loop: asyncio.AbstractEventLoop | None = None
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def endpoints(self) -> tuple[Endpoint, ...]:
-        return self._endpoints
 
     def configure(self, config: RouterConfig) -> None:
         self.namespace = config.namespace
@@ -424,10 +419,9 @@ class KubernetesSource:
         self._rebuild()
 
     def _rebuild(self) -> None:
-        new = tuple(e for key in sorted(self._by_group, key=repr) for e in self._by_group[key])
-        if new != self._endpoints:
-            self._endpoints = new
-            self._version += 1
+        self._set_endpoints(
+            tuple(e for key in sorted(self._by_group, key=repr) for e in self._by_group[key])
+        )
 
     def _publish(self, key: _GroupKey, stop: threading.Event, endpoints: list[Endpoint]) -> None:
         if stop.is_set():
