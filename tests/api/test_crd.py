@@ -41,6 +41,8 @@ def test_committed_crd_is_current() -> None:
 
 
 def test_crds_check_reports_stale_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`fleetpilot crds --check` (what CI runs) must exit 1 and say so when the committed file
+    differs from the models, and 0 when it does not."""
     assert main(["crds", "--out", str(tmp_path)]) == 0
     assert main(["crds", "--out", str(tmp_path), "--check"]) == 0
     target = tmp_path / CRD_FILENAME
@@ -63,6 +65,7 @@ def test_schema_is_structural(schema: dict[str, Any]) -> None:
 
 
 def test_every_spec_field_is_described(schema: dict[str, Any]) -> None:
+    """A spec field without a description leaves `kubectl explain` blank for users."""
     for path, node in _nodes(schema["properties"]["spec"], "spec"):
         for name, sub in node.get("properties", {}).items():
             described = "description" in sub or path.endswith(("tolerations[]", "env[]"))
@@ -70,6 +73,8 @@ def test_every_spec_field_is_described(schema: dict[str, Any]) -> None:
 
 
 def test_defaults_are_written_as_manifests_write_them(schema: dict[str, Any]) -> None:
+    """Defaults appear in the CRD as a user would write them ("15s", "5m"), not as seconds or
+    pydantic objects the API server would store verbatim."""
     tier = schema["properties"]["spec"]["properties"]["tiers"]["items"]
     autoscaling = tier["properties"]["autoscaling"]
     assert autoscaling["default"]["interval"] == "15s"
@@ -91,10 +96,14 @@ def test_open_api_exclusive_bounds(schema: dict[str, Any]) -> None:
 
 
 def test_crd_passes_kubernetes_schema() -> None:
+    """The generated CRD is a valid apiextensions/v1 object: `kubectl apply` of the chart would be
+    refused otherwise."""
     kubernetes_validate.validate(crd(), "1.36", strict=True)
 
 
 def test_crd_shape() -> None:
+    """Group, version, status subresource, printer columns and short names: renaming any breaks
+    installed clusters, `kubectl get fpsvc` and the operator's status writes."""
     spec = crd()["spec"]
     version = spec["versions"][0]
     assert spec["group"] == "fleetpilot.dev"

@@ -19,6 +19,8 @@ def _problems(manifest: object) -> list[str]:
 
 
 def test_defaults_fill_a_minimal_manifest() -> None:
+    """A manifest with only a tier name and model gets the pinned image, unified mode, the 5m scale-
+    down window and the model name as its alias."""
     service = parse_service(make_manifest(tiers=[{"name": "main", "model": {"name": "m/x"}}]))
     tier = service.spec.tiers[0]
     assert tier.engine.image == DEFAULT_VLLM_IMAGE
@@ -28,17 +30,21 @@ def test_defaults_fill_a_minimal_manifest() -> None:
 
 
 def test_unknown_field_is_refused_with_its_path() -> None:
+    """A misspelt field is refused and named, not silently dropped (the user would think it
+    applied)."""
     manifest = two_tier_manifest()
     manifest["spec"]["tiers"][1]["engine"] = {"gpuMemUtil": 0.5}
     assert _problems(manifest) == ["spec.tiers[1].engine.gpuMemUtil: unknown field"]
 
 
 def test_missing_required_field_is_named() -> None:
+    """A missing required field names its path, in manifest (camelCase) terms."""
     manifest = make_manifest(tiers=[{"name": "main"}])
     assert _problems(manifest) == ["spec.tiers[0].model: required field is missing"]
 
 
 def test_bounds_are_enforced_with_the_field_name() -> None:
+    """An out-of-range value (gpuMemoryUtilization 1.5) is refused at its field."""
     manifest = make_manifest()
     manifest["spec"]["tiers"][0]["engine"] = {"gpuMemoryUtilization": 1.5}
     (problem,) = _problems(manifest)
@@ -54,6 +60,7 @@ def test_wire_form_round_trips() -> None:
 
 
 def test_yaml_syntax_error_names_the_line(tmp_path: Path) -> None:
+    """A YAML syntax error says where, instead of a traceback."""
     path = tmp_path / "bad.yaml"
     path.write_text("apiVersion: fleetpilot.dev/v1alpha1\nspec:\n  tiers: [\n    - x\n")
     with pytest.raises(InvalidManifestError) as info:
@@ -63,12 +70,15 @@ def test_yaml_syntax_error_names_the_line(tmp_path: Path) -> None:
 
 
 def test_every_document_of_a_file_is_loaded(tmp_path: Path) -> None:
+    """A multi-document file yields every service, in order, not just the first."""
     path = tmp_path / "two.yaml"
     path.write_text(yaml.safe_dump_all([make_manifest("a"), make_manifest("b")]))
     assert [s.name for s in load_services(path)] == ["a", "b"]
 
 
 def test_other_kinds_are_refused_not_skipped(tmp_path: Path) -> None:
+    """A file holding another kind (a ConfigMap) is an error, not an empty plan that looks like
+    success."""
     path = tmp_path / "cm.yaml"
     path.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {}}))
     with pytest.raises(InvalidManifestError) as info:
@@ -77,6 +87,8 @@ def test_other_kinds_are_refused_not_skipped(tmp_path: Path) -> None:
 
 
 def test_non_mapping_is_refused() -> None:
+    """A document that is a list or scalar is refused with one clear message, not a pydantic
+    dump."""
     assert _problems(["not", "a", "mapping"]) == ["expected a mapping (a YAML object)"]
 
 
@@ -100,6 +112,8 @@ def test_a_file_above_the_limit_is_refused_without_reading_it_all(tmp_path: Path
 
 
 def test_non_utf8_and_deeply_nested_files_name_their_problem(tmp_path: Path) -> None:
+    """A Latin-1 file names the offending byte; a 5,000-level nesting is refused instead of blowing
+    the stack."""
     latin1 = tmp_path / "latin1.yaml"
     latin1.write_bytes(b"kind: InferenceService # caf\xe9\n")
     assert _file_error(latin1) == f"{latin1}: not UTF-8 text (byte 28: 0xe9)"

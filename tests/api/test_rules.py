@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 
@@ -24,6 +25,8 @@ def test_base_manifest_is_valid_for_both(validator: CrdValidator) -> None:
 
 @pytest.mark.parametrize("case", RULE_CASES, ids=lambda c: c.id)
 def test_pydantic_refuses_with_the_rule_message(case: RuleCase) -> None:
+    """A rule the models lose (or word differently from the CRD) lets `fleetpilot plan` accept
+    a file the API server refuses, or explain it differently."""
     manifest = base_manifest()
     case.mutate(manifest)
     with pytest.raises(InvalidManifestError) as info:
@@ -33,6 +36,8 @@ def test_pydantic_refuses_with_the_rule_message(case: RuleCase) -> None:
 
 @pytest.mark.parametrize("case", RULE_CASES, ids=lambda c: c.id)
 def test_cel_refuses_with_the_rule_message(case: RuleCase, validator: CrdValidator) -> None:
+    """A CEL rule dropped from the generated CRD, or put on another node, lets `kubectl apply`
+    accept what the operator will then refuse."""
     manifest = base_manifest()
     case.mutate(manifest)
     violations = validator.validate(manifest)
@@ -46,8 +51,53 @@ def test_every_cel_rule_has_a_case(validator: CrdValidator) -> None:
     assert messages - covered == set()
 
 
-def test_mutations_do_not_leak_between_cases() -> None:
-    before = copy.deepcopy(base_manifest())
-    for case in RULE_CASES:
-        case.mutate(base_manifest())
-    assert base_manifest() == before
+def _mutable_nodes(value: Any) -> dict[int, str]:
+    """Every dict and list in a manifest, by identity, with where it sits."""
+    found: dict[int, str] = {}
+
+    def walk(node: Any, where: str) -> None:
+        if isinstance(node, dict | list):
+            found[id(node)] = where or "<root>"
+            items = node.items() if isinstance(node, dict) else enumerate(node)
+            for key, child in items:
+                walk(child, f"{where}.{key}" if where else str(key))
+
+    walk(value, "")
+    return found
+
+
+def test_base_manifests_share_no_mutable_node() -> None:
+    """Each case mutates its own base_manifest(): a builder handing out a shared dict or list
+    (a module-level default) would let one case's mutation leak into every later case, which
+    then passes or fails for the wrong reason, whether or not a current case touches it."""
+    one, other = base_manifest(), base_manifest()  # both alive, so no id is reused
+    first, second = _mutable_nodes(one), _mutable_nodes(other)
+    shared = sorted(first[i] for i in first.keys() & second.keys())
+    assert shared == []
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=lambda c: c.id)
+def test_a_case_changes_its_manifest_and_nothing_else(case: RuleCase) -> None:
+    """A mutation that changes nothing would test the valid base object; one that reaches
+    another manifest (built before or after) would break the cases that follow it."""
+    before, mine = base_manifest(), base_manifest()
+    pristine = copy.deepcopy(before)
+    case.mutate(mine)
+    assert mine != pristine
+    assert before == pristine
+    assert base_manifest() == pristine
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=lambda c: c.id)
+def test_enforcers_leave_the_manifest_as_given(case: RuleCase, validator: CrdValidator) -> None:
+    """Validating refuses, it does not repair: neither pydantic nor the CEL check (which
+    applies the schema's defaults first) may default or rewrite the caller's dict, or the
+    operator and the next check would see a manifest the user never wrote."""
+    manifest = base_manifest()
+    case.mutate(manifest)
+    given = copy.deepcopy(manifest)
+    with pytest.raises(InvalidManifestError):
+        parse_service(manifest)
+    assert manifest == given
+    validator.validate(manifest)
+    assert manifest == given

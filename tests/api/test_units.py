@@ -24,6 +24,8 @@ from fleetpilot.api.units import format_duration, parse_duration, parse_quantity
     ],
 )
 def test_parse_duration(text: str, seconds: float) -> None:
+    """Every unit Kubernetes and CEL accept, alone, combined and fractional, has its value in
+    seconds."""
     assert parse_duration(text).total_seconds() == pytest.approx(seconds)
 
 
@@ -39,21 +41,28 @@ def test_parse_duration_refuses_ambiguous_or_malformed(bad: object) -> None:
     [(0.8, "800ms"), (0, "0s"), (90, "90s"), (300, "5m"), (7200, "2h"), (0.00025, "250us")],
 )
 def test_format_duration_is_canonical(seconds: float, text: str) -> None:
+    """Durations are written in their shortest unit, so the CRD defaults and status read as a person
+    would write them."""
     assert format_duration(timedelta(seconds=seconds)) == text
 
 
 @given(st.integers(min_value=0, max_value=10**12))
 def test_duration_round_trips_through_text(micros: int) -> None:
+    """Any duration written and read back is unchanged (a lossy format would drift objects on each
+    re-plan)."""
     value = timedelta(microseconds=micros)
     assert parse_duration(format_duration(value)) == value
 
 
 @pytest.mark.parametrize(("value", "text"), [(8, "8"), ("500m", "500m"), ("64Gi", "64Gi")])
 def test_quantity_accepts_ints_and_suffixes(value: object, text: str) -> None:
+    """Integers and suffixed strings are kept as the exact text Kubernetes will see."""
     assert parse_quantity(value) == text
 
 
 @pytest.mark.parametrize("bad", ["64GB", "lots", True, 1.5, "8 Gi"])
 def test_quantity_refuses_what_kubernetes_refuses(bad: object) -> None:
+    """ "64GB", floats, booleans and spaced units are refused here, not at `kubectl apply` or in the
+    cluster."""
     with pytest.raises(ValueError, match="invalid quantity"):
         parse_quantity(bad)
