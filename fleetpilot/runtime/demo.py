@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from fleetpilot.api import load_services
+from fleetpilot.api import RoleName, load_services
 from fleetpilot.loadgen import cli as loadgen
 from fleetpilot.runtime.stack import LocalStack
 
@@ -77,8 +77,8 @@ def load_step(stack: LocalStack, model: str, plot: Path | None = None) -> None:
 
 def _small_desired(stack: LocalStack) -> int:
     """What the autoscaler last recorded for the small tier (the replicas while none)."""
-    record = stack.actuator.roles.get(("small", "unified"))
-    return record.desired if record else len(stack.fleet.role_replicas("small", "unified"))
+    record = stack.actuator.roles.get(("small", RoleName.UNIFIED))
+    return record.desired if record else len(stack.fleet.role_replicas("small", RoleName.UNIFIED))
 
 
 def main(argv: list[str] | None = None) -> int:

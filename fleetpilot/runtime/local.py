@@ -1,25 +1,27 @@
 """A service realized as local processes on loopback: reference engines and the router.
 
-The same planner code decides what runs (tiers, roles, initial replicas, the router's config);
-only the realization differs from Kubernetes: each engine replica is a CPU reference-engine
-process with a tiny random model, and the router finds them through static addresses written
-into its config file. GPU, image and resource settings of the service are ignored.
+The same planner code decides what runs (tiers, roles, initial replicas, each role's engine
+launch, the router's config); only the realization differs from Kubernetes: each engine
+replica is a CPU reference-engine process with a tiny random model, started from its role's
+launch (:mod:`fleetpilot.runtime.reference_argv` says what of it a CPU keeps), and the router
+finds them through static addresses written into its config file. GPU, image and resource
+settings of the service are ignored.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
 
-from fleetpilot.api import InferenceService, Tier
+from fleetpilot.api import InferenceService, ResolvedRole, RoleName
 from fleetpilot.api.router_config import ROUTER_CONFIG_FILE, RouterConfig
+from fleetpilot.engine.vllm_args import launch_for
 from fleetpilot.operator.router_objects import router_config
 from fleetpilot.runtime.processes import (
     Child,
@@ -29,15 +31,11 @@ from fleetpilot.runtime.processes import (
     port_in_use,
     require_free_ports,
 )
+from fleetpilot.runtime.reference_argv import CPU_MAX_NUM_SEQS, reference_argv
 
 HOST = "127.0.0.1"
 # A CPU runs a handful of engines at most: more replicas than this per role are not started.
 DEFAULT_MAX_REPLICAS_PER_ROLE = 2
-# CPU-sized engine settings: the reference engine's tiny model, small batches, short contexts.
-CPU_MODEL_CONFIG = "tiny"
-CPU_MAX_NUM_SEQS = 16
-CPU_MAX_MODEL_LEN = 2048
-KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
 @dataclass
@@ -45,7 +43,7 @@ class Replica:
     """One engine process of one role of one tier."""
 
     tier: str
-    role: str
+    role: RoleName
     index: int
     port: int
     argv: list[str]
@@ -76,38 +74,10 @@ class StatusRow:
     ports: list[int] = field(default_factory=list)
 
 
-def engine_argv(tier: Tier, role: str, port: int, python: str = sys.executable) -> list[str]:
-    """The reference-engine command line for one replica of ``tier``'s ``role`` on a CPU."""
-    max_len = min(tier.model.max_model_len or CPU_MAX_MODEL_LEN, CPU_MAX_MODEL_LEN)
-    argv = [
-        python,
-        "-m",
-        "fleetpilot",
-        "engine",
-        "--backend",
-        "reference",
-        "--host",
-        HOST,
-        "--port",
-        str(port),
-        "--model-config",
-        CPU_MODEL_CONFIG,
-        "--served-model-name",
-        tier.model.alias,
-        "--max-num-seqs",
-        str(min(tier.engine.max_num_seqs, CPU_MAX_NUM_SEQS)),
-        "--max-model-len",
-        str(max_len),
-        "--drain-grace-seconds",
-        "2",
-    ]
-    if role in KV_ROLES:
-        config = {"kv_connector": "NixlConnector", "kv_role": KV_ROLES[role], "kv_ip": HOST}
-        argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
-        # Every engine of the fleet listens on HOST: KV moves only between them (engines
-        # started later by the autoscaler take new ports, so the host, not host:port).
-        argv += ["--allowed-remote-hosts", HOST]
-    return argv
+def engine_argv(role: ResolvedRole, port: int, python: str = sys.executable) -> list[str]:
+    """The reference-engine command line for one replica of ``role`` on a CPU: the planner's
+    launch of the role (what a pod runs), on this host and port (see reference_argv)."""
+    return reference_argv(replace(launch_for(role), port=port), HOST, python)
 
 
 def _log_name(name: str) -> str:
@@ -155,7 +125,7 @@ class LocalFleet:
                 count = min(role.replicas.start, max_replicas_per_role)
                 for i in range(count):
                     port = next_port(port)
-                    argv = engine_argv(tier, role.name, port, python)
+                    argv = engine_argv(role, port, python)
                     self.replicas.append(Replica(tier.name, role.name, i, port, argv))
         self.router: Child | None = None
 
@@ -273,17 +243,22 @@ class LocalFleet:
         """Start one more engine of ``tier``'s ``role`` on a free port, without waiting for it.
 
         It joins the router's config once healthy (see :meth:`refresh_serving`): an engine
-        loading its model must not be sent requests. Raises KeyError for an unknown tier.
+        loading its model must not be sent requests. Raises KeyError for an unknown tier or a
+        role the tier does not run.
         """
         spec = next((t for t in self.service.spec.tiers if t.name == tier), None)
         if spec is None:
             raise KeyError(f"no tier {tier!r}")
+        resolved = spec.role(role)
+        if resolved is None:
+            raise KeyError(f"no role {role!r} in tier {tier!r}")
         taken = set(self.ports().values())
         port = free_port(HOST)
         while port in taken or port_in_use(port, HOST):
             port = free_port(HOST)
         index = max((r.index for r in self.role_replicas(tier, role)), default=-1) + 1
-        replica = Replica(tier, role, index, port, engine_argv(spec, role, port, self.python))
+        argv = engine_argv(resolved, port, self.python)
+        replica = Replica(tier, resolved.name, index, port, argv)
         replica.child = self.supervisor.start(
             _log_name(replica.name),
             replica.argv,

@@ -6,15 +6,17 @@ caller's, on a free loopback port, scraping static targets every second. Nothing
 system service the package may have set up: this module never talks to one, and stops only the
 process group it started, by pid.
 
-Each target stands for one engine pod. Its pod labels (``fleetpilot.dev/service`` ...) reach
-Prometheus exactly as Kubernetes service discovery hands them over, as
-``__meta_kubernetes_pod_label_fleetpilot_dev_service`` and ``__meta_kubernetes_namespace``, and the
-same relabel rules a cluster's scrape config uses turn them into ``fleetpilot_dev_service`` and
-``namespace``; so the reader is tested against the labels it will meet in a cluster.
+Each target stands for one engine pod. Its pod labels (``fleetpilot.dev/service`` ...: the
+engine selector of :mod:`fleetpilot.kube.names`) reach Prometheus exactly as Kubernetes service
+discovery hands them over, as ``__meta_kubernetes_pod_label_fleetpilot_dev_service`` and
+``__meta_kubernetes_namespace``, and the same relabel rules a cluster's scrape config uses turn
+them into ``fleetpilot_dev_service`` and ``namespace``; so the reader is tested against the
+labels it will meet in a cluster.
 
 Use it from Python::
 
-    target = ScrapeTarget("127.0.0.1:8001", engine_pod_labels("chat", "small", "unified"), "ml")
+    labels = engine_pod_labels("chat", "small", RoleName.UNIFIED)
+    target = ScrapeTarget("127.0.0.1:8001", labels, "ml")
     with PrometheusServer(tmp_path, [target]) as prom:
         prom.wait_scraped()
         print(prom.url)
@@ -41,6 +43,7 @@ from typing import Any, Self
 
 import yaml
 
+from fleetpilot.kube.names import engine_selector
 from fleetpilot.runtime.processes import (
     Child,
     ChildFailedError,
@@ -75,12 +78,9 @@ def sanitize_label_name(name: str) -> str:
 
 
 def engine_pod_labels(service: str, tier: str, role: str) -> dict[str, str]:
-    """The pod labels the planner puts on an engine pod of one role."""
-    return {
-        "fleetpilot.dev/service": service,
-        "fleetpilot.dev/tier": tier,
-        "fleetpilot.dev/role": role,
-    }
+    """The pod labels of an engine pod of one role that the autoscaler's reader selects by:
+    the planner's engine selector, so a label renamed there is renamed here too."""
+    return engine_selector(service, tier, role)
 
 
 @dataclass(frozen=True)

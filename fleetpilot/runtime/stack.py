@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from fleetpilot.api import InferenceService
-from fleetpilot.kube.names import router_selector
+from fleetpilot.kube.names import engine_selector, router_selector
 from fleetpilot.runtime.autoscale import LocalActuator, RoleScaling, capped_service
 from fleetpilot.runtime.control import ControlServer
 from fleetpilot.runtime.local import DEFAULT_MAX_REPLICAS_PER_ROLE, HOST, LocalFleet, StatusRow
@@ -36,7 +36,6 @@ from fleetpilot.runtime.prometheus import (
     PrometheusError,
     PrometheusServer,
     ScrapeTarget,
-    engine_pod_labels,
     find_binary,
 )
 
@@ -264,7 +263,7 @@ class LocalStack:
             f"{HOST}:{self.fleet.router_port}", router_selector(self.service.name), namespace
         )
         engines = [
-            ScrapeTarget(r.address, engine_pod_labels(self.service.name, r.tier, r.role), namespace)
+            ScrapeTarget(r.address, engine_selector(self.service.name, r.tier, r.role), namespace)
             for r in self.fleet.replicas
         ]
         return [router, *engines]

@@ -1,0 +1,74 @@
+"""The reference engine's command line for one planned launch, sized for a CPU.
+
+The local runtime starts what the planner planned: each replica begins as the
+:class:`~fleetpilot.engine.vllm_args.EngineLaunch` of its role (``launch_for(role)``), the same
+value that becomes ``vllm serve`` in an engine pod, and this module is the one translation of
+it into ``fleetpilot engine --backend reference`` flags (those of
+:mod:`fleetpilot.engine.reference.settings`). Purely computational.
+
+From the launch: the served name, the port, the batch limit, the context length and, for a
+role of a disaggregated tier, the KV connector and the ``kv_role`` the planner gives vLLM for
+it (``kv_both`` with NIXL: the reference engine then takes both sides of the hand-off, as a
+vLLM pod does, and the router's request parameters say which side each request is).
+
+Capped or added for a CPU, because a laptop or CI runner runs several of these engines at once
+on a few cores: a tiny seeded random model instead of the checkpoint, at most
+:data:`CPU_MAX_NUM_SEQS` sequences and :data:`CPU_MAX_MODEL_LEN` tokens, a short drain on
+SIGTERM (scale-downs and the end of a test wait for it), and, for P/D, the loopback address to
+advertise and accept KV on.
+
+Not taken: the model location and revision, parallelism, dtype, GPU memory, batched tokens,
+KV cache block size and dtype, quantization, speculative decoding and extra vLLM arguments.
+They size or tune a GPU engine; the CPU reference engine either has no such flag or would
+reject values it cannot run (an ``fp8`` KV cache), so the local fleet runs with its defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from fleetpilot.engine.vllm_args import EngineLaunch, _kv_role
+
+# The reference engine's smallest model preset: several engines fit on a CPU at once.
+CPU_MODEL_CONFIG = "tiny"
+CPU_MAX_NUM_SEQS = 16
+CPU_MAX_MODEL_LEN = 2048
+# Seconds running requests may finish on SIGTERM: short, as the local fleet's stops are waited on.
+CPU_DRAIN_GRACE_S = 2
+
+
+def reference_argv(launch: EngineLaunch, host: str, python: str = sys.executable) -> list[str]:
+    """``python -m fleetpilot engine --backend reference ...`` for ``launch`` on ``host``."""
+    max_len = min(launch.max_model_len or CPU_MAX_MODEL_LEN, CPU_MAX_MODEL_LEN)
+    argv = [
+        *(python, "-m", "fleetpilot", "engine", "--backend", "reference"),
+        *("--host", host, "--port", str(launch.port)),
+        *("--model-config", CPU_MODEL_CONFIG),
+        *("--served-model-name", launch.served_name),
+        *("--max-num-seqs", str(min(launch.max_num_seqs, CPU_MAX_NUM_SEQS))),
+        *("--max-model-len", str(max_len)),
+        *("--drain-grace-seconds", str(CPU_DRAIN_GRACE_S)),
+    ]
+    if launch.kv_connector is not None:
+        # The planner's kv_role for this connector and role: the same side a pod takes.
+        config = {
+            "kv_connector": launch.kv_connector,
+            "kv_role": _kv_role(launch.kv_connector, launch.role),
+            # Decoders pull from the host the prefill engine advertises: the loopback one.
+            "kv_ip": host,
+        }
+        argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+        # Every engine of the fleet listens on the host: KV moves only between them (engines
+        # started later by the autoscaler take new ports, so the host, not host:port).
+        argv += ["--allowed-remote-hosts", host]
+    return argv
+
+
+__all__ = [
+    "CPU_DRAIN_GRACE_S",
+    "CPU_MAX_MODEL_LEN",
+    "CPU_MAX_NUM_SEQS",
+    "CPU_MODEL_CONFIG",
+    "reference_argv",
+]

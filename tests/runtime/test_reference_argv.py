@@ -1,0 +1,135 @@
+"""The reference engine's command line for a planned launch: what the local fleet starts.
+
+Protects the one translation of the planner's EngineLaunch into reference-engine flags: the
+exact argv for a unified and a P/D role, the CPU caps (batch, context length, tiny model,
+short drain), the planner's kv_role reaching the engine, and every flag being one the
+reference engine accepts (parsed by its own settings code into the role the planner meant).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+import pytest
+
+from fleetpilot.api import InferenceService, ResolvedRole, RoleName, parse_service
+from fleetpilot.engine.reference import settings
+from fleetpilot.engine.vllm_args import launch_for
+from fleetpilot.runtime.reference_argv import reference_argv
+from tests.factories import make_manifest, make_tier
+
+HOST = "127.0.0.1"
+PREAMBLE = ["py", "-m", "fleetpilot", "engine", "--backend", "reference"]
+
+
+def service_of(*tiers: dict[str, object]) -> InferenceService:
+    return parse_service(make_manifest(tiers=list(tiers)))
+
+
+def role_of(service: InferenceService, role: RoleName) -> ResolvedRole:
+    resolved = service.spec.tiers[0].role(role)
+    assert resolved is not None
+    return resolved
+
+
+def argv_of(role: ResolvedRole, port: int = 9001) -> list[str]:
+    return reference_argv(replace(launch_for(role), port=port), HOST, "py")
+
+
+def parsed(argv: list[str]) -> settings.ServerSettings:
+    """What the reference engine makes of ``argv``'s flags (its own parser and checks)."""
+    assert argv[: len(PREAMBLE)] == PREAMBLE
+    parser = argparse.ArgumentParser()
+    settings.add_arguments(parser)
+    server_settings, _ = settings.settings_from_args(parser.parse_args(argv[len(PREAMBLE) :]))
+    return server_settings
+
+
+def test_a_unified_launch_within_the_cpu_caps_keeps_its_own_settings() -> None:
+    tier = make_tier("small", model="Qwen/Qwen2.5-0.5B-Instruct", engine={"maxNumSeqs": 8})
+    tier["model"].update(servedName="small-model", maxModelLen=512)
+    role = role_of(service_of(tier), RoleName.UNIFIED)
+    assert argv_of(role) == [
+        *PREAMBLE,
+        "--host", HOST,
+        "--port", "9001",
+        "--model-config", "tiny",
+        "--served-model-name", "small-model",
+        "--max-num-seqs", "8",
+        "--max-model-len", "512",
+        "--drain-grace-seconds", "2",
+    ]  # fmt: skip
+
+
+def test_gpu_sized_settings_are_capped_for_a_cpu() -> None:
+    """A 65k context and 256 sequences (the planner's defaults for a GPU) would not run on a
+    CPU: the engine gets at most 2048 tokens and 16 sequences, and no GPU-only flag."""
+    tier = make_tier(
+        "large",
+        model="meta-llama/Llama-3.1-70B-Instruct",
+        engine={"maxNumSeqs": 256, "maxNumBatchedTokens": 16384, "kvCache": {"dtype": "fp8"}},
+        tensor=4,
+    )
+    tier["model"]["maxModelLen"] = 65536
+    argv = argv_of(role_of(service_of(tier), RoleName.UNIFIED))
+    assert argv[argv.index("--max-num-seqs") + 1] == "16"
+    assert argv[argv.index("--max-model-len") + 1] == "2048"
+    assert argv[argv.index("--served-model-name") + 1] == "meta-llama/Llama-3.1-70B-Instruct"
+    for gpu_only in ("--max-num-batched-tokens", "--kv-cache-dtype", "--tensor-parallel-size"):
+        assert gpu_only not in argv
+    assert parsed(argv).max_model_len == 2048
+
+
+def test_a_launch_without_a_context_length_gets_the_cpu_one() -> None:
+    argv = argv_of(role_of(service_of(make_tier()), RoleName.UNIFIED))
+    assert argv[argv.index("--max-model-len") + 1] == "2048"
+
+
+@pytest.mark.parametrize("role", [RoleName.PREFILL, RoleName.DECODE])
+def test_a_nixl_role_takes_both_sides_as_the_planner_says(role: RoleName) -> None:
+    """The planner gives vLLM kv_both for NIXL; the local fleet used to say producer/consumer."""
+    tier = make_tier("main", mode="disaggregated")
+    tier["model"]["servedName"] = "llama"
+    argv = argv_of(role_of(service_of(tier), role), port=9002)
+    assert argv == [
+        *PREAMBLE,
+        "--host", HOST,
+        "--port", "9002",
+        "--model-config", "tiny",
+        "--served-model-name", "llama",
+        "--max-num-seqs", "16",
+        "--max-model-len", "2048",
+        "--drain-grace-seconds", "2",
+        "--kv-transfer-config",
+        '{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_ip":"127.0.0.1"}',
+        "--allowed-remote-hosts", HOST,
+    ]  # fmt: skip
+    kv = parsed(argv).kv
+    assert kv.role == settings.BOTH
+    assert kv.produces
+    assert kv.consumes
+    assert kv.advertise_host == HOST
+    assert kv.allowed_remote_hosts.allows_pull(HOST, 9003)  # a peer engine of the fleet
+
+
+@pytest.mark.parametrize(
+    ("role", "kv_role"), [(RoleName.PREFILL, "kv_producer"), (RoleName.DECODE, "kv_consumer")]
+)
+def test_a_connector_told_its_side_reaches_the_engine_as_that_side(
+    role: RoleName, kv_role: str
+) -> None:
+    tier = make_tier("main", mode="disaggregated")
+    tier["serving"]["kvTransfer"] = {"connector": "P2pNcclConnector"}
+    argv = argv_of(role_of(service_of(tier), role))
+    config = argv[argv.index("--kv-transfer-config") + 1]
+    assert config == f'{{"kv_connector":"P2pNcclConnector","kv_role":"{kv_role}","kv_ip":"{HOST}"}}'
+    assert parsed(argv).kv.role == role
+
+
+def test_a_unified_launch_parses_as_a_unified_engine() -> None:
+    server_settings = parsed(argv_of(role_of(service_of(make_tier()), RoleName.UNIFIED)))
+    assert server_settings.kv.role == RoleName.UNIFIED
+    assert server_settings.port == 9001
+    assert server_settings.drain_grace_s == 2.0
+    assert "--kv-transfer-config" not in argv_of(role_of(service_of(make_tier()), RoleName.UNIFIED))
