@@ -1,10 +1,18 @@
-"""Evaluate an object against the generated CRD the way the API server does, without one.
+"""The generated InferenceService CRD's checks, run in-process as the API server runs them, so
+unit tests prove what a cluster would accept without starting one.
 
-Three steps, in the server's order: structural defaulting, OpenAPI schema validation (with
-unknown fields refused, as ``kubectl apply``'s strict field validation does), then every
-``x-kubernetes-validations`` CEL rule at its node, evaluated with cel-python. Kubernetes' CEL
-list library (``isSorted``, ``indexOf``, ``lastIndexOf``) is provided here because
-cel-python lacks it; the control-plane tests check the same rules on a real API server.
+``CrdValidator.validate(obj)`` takes the server's steps in its order: structural defaulting,
+OpenAPI schema validation (unknown fields under ``spec`` and ``status`` refused, as ``kubectl
+apply``'s strict field validation does), then every ``x-kubernetes-validations`` CEL rule at its
+node, evaluated with cel-python. ``default_violations()`` checks what the server checks when the
+CRD itself is applied: each ``default`` against its own node's schema and rules, as written.
+``rules()`` lists every CEL rule, so a test can demand a case for each.
+
+Used by tests/api/test_rules.py (each cross-field rule refuses with its message, in CEL as in
+the pydantic models), tests/api/test_crd.py (defaults pass their own rules) and
+tests/test_examples.py (every example is accepted). cel-python lacks Kubernetes' CEL list library
+(``isSorted``, ``indexOf``, ``lastIndexOf``), which the CRD's rules use, so it is provided here.
+The real API server sees the same CRD in the e2e suite, which installs it from the chart.
 """
 
 from __future__ import annotations
