@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from fleetpilot.routing.policies.load import (
@@ -61,10 +61,40 @@ def test_old_gpu_cache_name_and_no_labels() -> None:
     assert m == EngineMetrics(waiting=1.0, kv_usage=0.25)
 
 
-@given(st.text(max_size=400))
+_GAUGE_NAMES = st.sampled_from(
+    [
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+        "vllm:num_requests_waiting_other",
+    ]
+)
+_LABELS = st.sampled_from(["", '{engine="0"}', '{a="}"}', "{"]) | st.text(max_size=12)
+_VALUES = (
+    st.floats().map(repr) | st.sampled_from(["NaN", "+Inf", "-1", "1e400"]) | st.text(max_size=6)
+)
+_SAMPLE = st.builds(lambda n, lb, v: f"{n}{lb} {v}", _GAUGE_NAMES, _LABELS, _VALUES)
+# Random text alone almost never starts a line with "vllm:", so most lines are near-samples.
+_EXPOSITION = st.text(max_size=400) | st.lists(_SAMPLE | st.text(max_size=30), max_size=12).map(
+    "\n".join
+)
+
+
+@given(_EXPOSITION)
+@example("vllm:num_requests_waiting NaN\nvllm:num_requests_running 1\n")
+@example('vllm:num_requests_running{engine="0"} -3\nvllm:num_requests_waiting +Inf\n')
+@example("vllm:kv_cache_usage_perc 1.5\nvllm:gpu_cache_usage_perc 2\n")
 def test_parse_never_crashes(text: str) -> None:
-    """Whatever a replica serves on /metrics, parsing returns metrics or None."""
-    parse_engine_metrics(text)
+    """Whatever a replica serves on /metrics, parsing returns metrics or None, and metrics it
+    returns are usable scores: no negative queue, KV usage a fraction (a NaN, negative or >1
+    value leaking through would mis-rank replicas or poison the load score)."""
+    m = parse_engine_metrics(text)
+    assert m is None or isinstance(m, EngineMetrics)
+    if m is not None:
+        assert m.waiting >= 0.0
+        assert m.running >= 0.0
+        assert 0.0 <= m.kv_usage <= 1.0
 
 
 def test_stale_metrics_are_ignored() -> None:
