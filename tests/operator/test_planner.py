@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,12 +36,16 @@ def two_tier() -> list[K8sObject]:
 
 
 def test_one_deployment_service_and_pdb_per_role(two_tier: list[K8sObject]) -> None:
+    """Each unified tier becomes exactly one Deployment, headless Service and PodDisruptionBudget: a
+    missing Service hides the tier from the router, a duplicate fights itself."""
     for name in ("chat-small", "chat-large"):
         for kind in ("Deployment", "Service", "PodDisruptionBudget"):
             _find(two_tier, kind, name)
 
 
 def test_disaggregated_tier_has_prefill_and_decode() -> None:
+    """A disaggregated tier becomes separate prefill and decode Deployments (no unified one),
+    labelled by role, with NIXL's side-channel host set for the KV hand-off."""
     objects = plan(make_service(tiers=[make_tier("main", mode="disaggregated")]))
     deployments = sorted(o["metadata"]["name"] for o in objects if o["kind"] == "Deployment")
     assert deployments == ["chat-main-decode", "chat-main-prefill", "chat-router"]
@@ -48,6 +56,8 @@ def test_disaggregated_tier_has_prefill_and_decode() -> None:
 
 
 def test_gpu_request_is_tensor_times_pipeline(two_tier: list[K8sObject]) -> None:
+    """A TP=4 replica requests and limits 4 GPUs and passes the same size to vLLM: a mismatch leaves
+    GPUs idle or the engine unschedulable."""
     large = _container(_find(two_tier, "Deployment", "chat-large"))
     assert large["resources"]["requests"]["nvidia.com/gpu"] == "4"
     assert large["resources"]["limits"]["nvidia.com/gpu"] == "4"
@@ -55,6 +65,9 @@ def test_gpu_request_is_tensor_times_pipeline(two_tier: list[K8sObject]) -> None
 
 
 def test_shared_memory_only_for_multi_gpu_replicas(two_tier: list[K8sObject]) -> None:
+    """Multi-GPU replicas get a memory-backed /dev/shm (NCCL fails without it); single-GPU ones do
+    not spend the memory."""
+
     def volumes(name: str) -> set[str]:
         pod = _find(two_tier, "Deployment", name)["spec"]["template"]["spec"]
         return {v["name"] for v in pod["volumes"]}
@@ -64,6 +77,8 @@ def test_shared_memory_only_for_multi_gpu_replicas(two_tier: list[K8sObject]) ->
 
 
 def test_gpu_product_selects_nodes_and_gpu_taint_is_tolerated() -> None:
+    """resources.gpuProduct adds a node selector merged with the service's own, and the usual GPU
+    taint is tolerated, or pods never schedule on GPU nodes."""
     tier = make_tier("main", resources={"gpuProduct": "NVIDIA-H100-80GB-HBM3"})
     service = make_service(
         tiers=[tier],
@@ -81,6 +96,8 @@ def test_gpu_product_selects_nodes_and_gpu_taint_is_tolerated() -> None:
 
 
 def test_engine_pods_are_probed_labelled_and_scraped(two_tier: list[K8sObject]) -> None:
+    """Engine pods carry the probes, the pinned image, the labels the router and PodMonitor select
+    on, and scrape annotations; the selector is a subset of the pod labels."""
     deployment = _find(two_tier, "Deployment", "chat-small")
     template = deployment["spec"]["template"]
     container = _container(deployment)
@@ -97,6 +114,8 @@ def test_engine_pods_are_probed_labelled_and_scraped(two_tier: list[K8sObject]) 
 
 
 def test_initial_replicas_come_from_bounds() -> None:
+    """Initial replicas: `initial` when set, else min, but at least 1 (a min of 0 must not create a
+    Deployment that never starts)."""
     tier = make_tier("main", serving={"replicas": {"min": 0, "max": 4}})
     deployment = _find(plan(make_service(tiers=[tier])), "Deployment", "chat-main")
     assert deployment["spec"]["replicas"] == 1
@@ -106,6 +125,8 @@ def test_initial_replicas_come_from_bounds() -> None:
 
 
 def test_owner_references_only_with_a_uid() -> None:
+    """With the service's uid every object is owned by it (deleting the service deletes them);
+    without one (`fleetpilot plan`) no dangling reference is written."""
     without = plan(make_service())
     assert all("ownerReferences" not in o["metadata"] for o in without)
     owned = plan(make_service(uid="1234-abcd"))
@@ -122,10 +143,13 @@ def test_owner_references_only_with_a_uid() -> None:
 
 
 def test_every_object_is_in_the_service_namespace(two_tier: list[K8sObject]) -> None:
+    """No object lands outside the service's namespace."""
     assert {o["metadata"]["namespace"] for o in two_tier} == {"ml"}
 
 
 def test_router_config_lists_tiers_and_their_endpoints(two_tier: list[K8sObject]) -> None:
+    """The router's ConfigMap holds each tier's complexity threshold (the last tier takes up to 1.0)
+    and the selector of its engine pods; the router runs 2 replicas with a read-only root."""
     config_map = _find(two_tier, "ConfigMap", "chat-router")
     config = RouterConfig.model_validate(yaml.safe_load(config_map["data"][ROUTER_CONFIG_FILE]))
     assert [(t.name, t.up_to) for t in config.tiers] == [("small", 0.4), ("large", 1.0)]
@@ -142,6 +166,8 @@ def test_router_config_lists_tiers_and_their_endpoints(two_tier: list[K8sObject]
 
 
 def test_router_may_only_read_endpoint_slices(two_tier: list[K8sObject]) -> None:
+    """The router's Role grants only get/list/watch on EndpointSlices: anything more widens what a
+    compromised router can do."""
     (rule,) = _find(two_tier, "Role", "chat-router")["rules"]
     assert rule == {
         "apiGroups": ["discovery.k8s.io"],
@@ -151,6 +177,8 @@ def test_router_may_only_read_endpoint_slices(two_tier: list[K8sObject]) -> None
 
 
 def test_pod_monitor_only_when_the_crd_exists() -> None:
+    """A PodMonitor is planned only when the Prometheus Operator's CRD exists (applying it elsewhere
+    fails the reconcile), with the role labels as target labels."""
     service = parse_service(two_tier_manifest())
     assert not [o for o in plan(service) if o["kind"] == "PodMonitor"]
     objects = plan(service, PlanOptions(pod_monitor_available=True))
@@ -163,19 +191,59 @@ def test_pod_monitor_only_when_the_crd_exists() -> None:
     ]
 
 
-def test_plan_is_deterministic() -> None:
-    """Re-planning an unchanged service must not change a byte (no spurious rollouts)."""
-    service = parse_service(two_tier_manifest())
-    assert yaml.safe_dump_all(plan(service)) == yaml.safe_dump_all(plan(service))
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+_SEPARATOR = "\n# ---- next example ----\n"
+# `fleetpilot plan` (dicts in insertion order, lists as built) for each file named.
+_PLAN_EACH = f"""
+import sys
+from fleetpilot.cli import main
+for path in sys.argv[1:]:
+    if main(["plan", "--pod-monitor", "-f", path]) != 0:
+        sys.exit(f"plan failed: {{path}}")
+    print({_SEPARATOR!r}, end="")
+"""
+
+
+def _plan_examples_in_a_process(hash_seed: str) -> dict[str, str]:
+    """The YAML of every example as planned by a fresh interpreter with this hash seed."""
+    done = subprocess.run(
+        [sys.executable, "-c", _PLAN_EACH, *map(str, EXAMPLES)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONHASHSEED": hash_seed},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    texts = done.stdout.split(_SEPARATOR)
+    assert texts[-1] == ""
+    return {path.name: text for path, text in zip(EXAMPLES, texts[:-1], strict=True)}
+
+
+def test_plan_is_deterministic_across_processes() -> None:
+    """Re-planning an unchanged service must not change a byte (no spurious rollouts), also
+    after an operator restart: a set or hash-ordered iteration anywhere in the planner would
+    make two interpreters with different string-hash seeds write different objects."""
+    assert len(EXAMPLES) >= 4
+    first, second = _plan_examples_in_a_process("1"), _plan_examples_in_a_process("2")
+    for name, text in first.items():
+        assert "kind: Deployment" in text, name
+        assert text == second[name], f"{name} plans differently under another hash seed"
 
 
 def test_long_names_fit_kubernetes_limits() -> None:
+    """63-character service and tier names still give object names within Kubernetes' 63-character
+    limit."""
     service = make_service("s" * 63, tiers=[make_tier("t" * 63, mode="disaggregated")])
     for obj in plan(service):
         assert len(obj["metadata"]["name"]) <= 63
 
 
 def test_replica_larger_than_a_node_is_refused() -> None:
+    """A replica needing more GPUs than a node has (multi-node is not supported) is refused at its
+    field instead of planning pods that never schedule."""
     tier = make_tier("main", parallelism={"tensor": 8, "data": 2})
     with pytest.raises(PlanError) as info:
         plan(make_service(tiers=[tier]))
@@ -184,6 +252,8 @@ def test_replica_larger_than_a_node_is_refused() -> None:
 
 
 def test_managed_flags_in_extra_args_are_refused() -> None:
+    """extraArgs repeating a flag the planner derives (--max-model-len) is refused, naming the exact
+    list item."""
     tier = make_tier("main", engine={"extraArgs": ["--enforce-eager", "--max-model-len=4096"]})
     with pytest.raises(PlanError) as info:
         plan(make_service(tiers=[tier]))
@@ -191,6 +261,8 @@ def test_managed_flags_in_extra_args_are_refused() -> None:
 
 
 def test_colliding_derived_names_are_refused() -> None:
+    """Tier names whose derived object names collide ("a" disaggregated and "a-decode") are refused
+    instead of two tiers overwriting one Deployment."""
     tiers = [
         make_tier("a", mode="disaggregated", up_to=0.3),
         make_tier("a-decode", up_to=0.6),
@@ -200,6 +272,7 @@ def test_colliding_derived_names_are_refused() -> None:
 
 
 def test_hub_token_comes_from_a_secret_reference() -> None:
+    """The Hugging Face token is read from the referenced Secret, never copied into the pod spec."""
     tier = make_tier("main")
     tier["model"]["source"] = {"huggingface": {"tokenSecretRef": {"name": "hf"}}}
     env = _container(_find(plan(make_service(tiers=[tier])), "Deployment", "chat-main"))["env"]
