@@ -44,10 +44,10 @@ unit: setup controlplane prometheus
 	$(BIN)/pytest
 
 cluster-up: setup controlplane
-	@$(BIN)/python -m fleetpilot.testing.controlplane up --dir $(CLUSTER_DIR)
+	@$(BIN)/python -m fleetpilot.testing.cli up --dir $(CLUSTER_DIR)
 
 cluster-down: setup
-	@$(BIN)/python -m fleetpilot.testing.controlplane down --dir $(CLUSTER_DIR)
+	@$(BIN)/python -m fleetpilot.testing.cli down --dir $(CLUSTER_DIR)
 
 test: lint typecheck imports unit
 
