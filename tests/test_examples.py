@@ -1,15 +1,20 @@
-"""Examples are tests: every file in examples/ is valid, plans, and plans valid objects."""
+"""Examples are tests: every file in examples/ is valid, plans valid objects, and plans what
+its comment (and the README's list of examples) says it is for."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import kubernetes_validate
 import pytest
 import yaml
 
 from fleetpilot.api import load_services
-from fleetpilot.operator.plan_types import PlanOptions
+from fleetpilot.api.router_config import ROUTER_CONFIG_FILE, RouterConfig
+from fleetpilot.operator.plan_types import K8sObject, PlanOptions
 from fleetpilot.operator.planner import plan
 from tests.crd_support import CrdValidator
 
@@ -19,8 +24,126 @@ KUBERNETES_VERSION = "1.36"
 OPTIONAL_KINDS = {"PodMonitor"}
 
 
-def test_there_are_examples() -> None:
-    assert len(EXAMPLES) >= 4
+@dataclass(frozen=True)
+class Engine:
+    """One engine Deployment an example must plan."""
+
+    role: str
+    gpus: int
+    replicas: int
+    # Flags of `vllm serve` and a text their value must contain.
+    flags: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Example:
+    service: str
+    # (tier, complexity upTo, serving mode) in routing order, as the router's config holds them.
+    tiers: list[tuple[str, float, str]]
+    engines: dict[str, Engine]
+
+
+NIXL = {"--kv-transfer-config": '"kv_connector":"NixlConnector"'}
+EXPECTED = {
+    "single-tier.yaml": Example(
+        "assistant",
+        [("main", 1.0, "unified")],
+        {"assistant-main": Engine("unified", 1, 1, {"--served-model-name": "llama-8b"})},
+    ),
+    "two-tier.yaml": Example(
+        "chat",
+        [("small", 0.4, "unified"), ("large", 1.0, "unified")],
+        {
+            "chat-small": Engine(
+                "unified",
+                1,
+                1,
+                {"--quantization": "awq", "--speculative-config": '"method":"ngram"'},
+            ),
+            "chat-large": Engine("unified", 4, 1, {"--tensor-parallel-size": "4"}),
+        },
+    ),
+    "disaggregated.yaml": Example(
+        "longctx",
+        [("main", 1.0, "disaggregated")],
+        {
+            "longctx-main-prefill": Engine("prefill", 8, 1, NIXL),
+            "longctx-main-decode": Engine("decode", 4, 2, NIXL),
+        },
+    ),
+    "tp8-speculative.yaml": Example(
+        "reasoning",
+        [("main", 1.0, "unified")],
+        {
+            "reasoning-main": Engine(
+                "unified",
+                8,
+                1,
+                {
+                    "--tensor-parallel-size": "8",
+                    "--speculative-config": '"method":"eagle3","model":"yuhuili/EAGLE3',
+                    "--kv-cache-dtype": "fp8",
+                },
+            )
+        },
+    ),
+    "local-two-tier.yaml": Example(
+        "local",
+        [("small", 0.4, "unified"), ("large", 1.0, "unified")],
+        {
+            "local-small": Engine("unified", 1, 1, {"--served-model-name": "small-model"}),
+            "local-large": Engine("unified", 1, 1, {"--served-model-name": "large-model"}),
+        },
+    ),
+}
+
+
+def _planned(path: Path) -> tuple[str, list[K8sObject]]:
+    (service,) = load_services(path)
+    return service.name, plan(service, PlanOptions(pod_monitor_available=True))
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args else None
+
+
+def test_every_example_is_described_here() -> None:
+    """A new example without expectations (or a removed one still expected) fails: each file
+    in examples/ is checked for what it is for, not just that it parses."""
+    assert sorted(path.name for path in EXAMPLES) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_plans_the_tiers_and_roles_it_describes(path: Path) -> None:
+    """The two-tier examples route by complexity to two tiers, the disaggregated one plans
+    prefill and decode Deployments with NIXL, the TP=8 one eight GPUs with EAGLE-3 and an FP8
+    KV cache: an example that silently stopped showing its feature would still be valid."""
+    expected = EXPECTED[path.name]
+    name, objects = _planned(path)
+    assert name == expected.service
+    (config_map,) = [o for o in objects if o["kind"] == "ConfigMap"]
+    config = RouterConfig.model_validate(yaml.safe_load(config_map["data"][ROUTER_CONFIG_FILE]))
+    assert [(t.name, t.up_to, t.mode.value) for t in config.tiers] == expected.tiers
+    router = f"{expected.service}-router"
+    deployments = {
+        o["metadata"]["name"]: o
+        for o in objects
+        if o["kind"] == "Deployment" and o["metadata"]["name"] != router
+    }
+    assert sorted(deployments) == sorted(expected.engines)
+    for deployment_name, engine in expected.engines.items():
+        deployment = deployments[deployment_name]
+        pod: dict[str, Any] = deployment["spec"]["template"]
+        (container,) = pod["spec"]["containers"]
+        assert pod["metadata"]["labels"]["fleetpilot.dev/role"] == engine.role, deployment_name
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == str(engine.gpus)
+        assert deployment["spec"]["replicas"] == engine.replicas, deployment_name
+        for flag, text in engine.flags.items():
+            value = _flag(container["args"], flag)
+            assert value is not None, (deployment_name, flag)
+            assert text in value, (deployment_name, flag, value)
+            if flag.endswith("-config"):
+                json.loads(value)  # vLLM parses these as JSON
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +153,16 @@ def validator() -> CrdValidator:
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_passes_the_crd_schema_and_rules(path: Path, validator: CrdValidator) -> None:
+    """Each example is accepted by the CRD's schema and CEL rules as the API server checks them:
+    `kubectl apply -f examples/...` from the README must work."""
     for document in yaml.safe_load_all(path.read_text()):
         assert validator.validate(document) == []
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_every_planned_object_passes_kubernetes_schemas(path: Path) -> None:
+    """Every object an example plans is valid for Kubernetes 1.36 (strict: unknown fields refused),
+    so the operator's apply of it is not rejected."""
     for service in load_services(path):
         objects = plan(service, PlanOptions(pod_monitor_available=True))
         kinds = {obj["kind"] for obj in objects}
