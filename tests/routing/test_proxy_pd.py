@@ -1,5 +1,7 @@
 """Prefill/decode disaggregation through the router against fake prefill and decode engines
-that check the NIXL proxy protocol (DESIGN.md section 4)."""
+that check the NIXL proxy protocol: the prefill hop asks for one token with
+``kv_transfer_params.do_remote_decode``, the decode hop carries the ``kv_transfer_params`` the
+prefill engine answered."""
 
 from __future__ import annotations
 

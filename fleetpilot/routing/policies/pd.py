@@ -1,5 +1,6 @@
-"""Prefill/decode disaggregation: the two request bodies of vLLM's NIXL proxy protocol (DESIGN.md
-section 4). Purely computational; ``proxy`` sends them.
+"""Prefill/decode disaggregation: the two request bodies of vLLM's NIXL proxy protocol (the one
+its disaggregated-serving proxy example speaks), which vLLM's engines and the reference engine
+both answer. Purely computational; ``proxy`` sends them.
 
 Hop 1 goes to a prefill replica: the original request with ``max_tokens: 1``, ``stream: false``
 and ``kv_transfer_params: {do_remote_decode: true}``; the engine computes the prompt's KV,
