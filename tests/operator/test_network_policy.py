@@ -45,6 +45,8 @@ def pod_labels(objects: list[K8sObject], component: str) -> list[dict[str, str]]
 
 
 def test_one_policy_for_the_engines_and_one_for_the_router() -> None:
+    """Exactly two ingress policies per service, labelled and owned like every planned object, so
+    they are pruned and garbage-collected with the service."""
     objects = pd_plan()
     found = policies(objects)
     assert set(found) == {"chat-engines", "chat-router"}
@@ -60,6 +62,8 @@ def test_one_policy_for_the_engines_and_one_for_the_router() -> None:
 
 
 def test_engine_policy_selects_every_engine_pod_and_no_router_pod() -> None:
+    """The engine policy selects every engine pod of every role (a missed decode pod would stay
+    open) and no router pod, and the router policy the reverse."""
     objects = pd_plan()
     engine_spec = policies(objects)["chat-engines"]["spec"]
     engines, routers = pod_labels(objects, "engine"), pod_labels(objects, "router")
@@ -104,11 +108,15 @@ def test_engine_ports_open_only_to_the_router_peers_and_the_scrape() -> None:
 
 
 def test_router_port_is_open_to_all() -> None:
+    """The router is the public endpoint: its policy opens its port to every source and nothing
+    else."""
     rules = policies(pd_plan())["chat-router"]["spec"]["ingress"]
     assert rules == [{"ports": [{"protocol": "TCP", "port": ROUTER_PORT}]}]
 
 
 def test_metrics_namespaces_are_configurable_and_may_be_none() -> None:
+    """spec.networkPolicy.metricsNamespaces replaces the default scrape namespaces; an empty list
+    plans no scrape rule rather than one that opens to every namespace."""
     custom = pd_plan(networkPolicy={"metricsNamespaces": ["observability", "0-prom"]})
     scrape = policies(custom)["chat-engines"]["spec"]["ingress"][2]
     expression = scrape["from"][0]["namespaceSelector"]["matchExpressions"][0]
@@ -127,6 +135,8 @@ def test_policies_come_first_and_can_be_turned_off() -> None:
 
 @pytest.mark.parametrize("namespace", ["Monitoring", "-monitoring", "a" * 64, "mon_itoring"])
 def test_invalid_metrics_namespaces_are_refused(namespace: str) -> None:
+    """A namespace name that is not a DNS label is refused at the manifest, not planned into a
+    policy that matches nothing."""
     manifest = make_manifest(networkPolicy={"metricsNamespaces": [namespace]})
     with pytest.raises(InvalidManifestError, match="metricsNamespaces"):
         parse_service(manifest)
