@@ -34,18 +34,52 @@ def test_vllm_image_is_the_release_the_planner_pins() -> None:
 
 @pytest.mark.parametrize(("name", "backend"), [("vllm", "vllm"), ("reference", "reference")])
 def test_engine_images_enter_through_the_launcher(name: str, backend: str) -> None:
+    """Each engine image starts ``fleetpilot engine --backend <its backend>``, a backend the
+    command line knows."""
     entrypoint = _entrypoint((IMAGES / f"Dockerfile.{name}").read_text())
     assert entrypoint == ["fleetpilot", "engine", "--backend", backend]
     assert backend in ENGINE_BACKENDS
 
 
 DOCKERFILES = sorted(p for p in IMAGES.glob("Dockerfile.*") if p.suffix != ".dockerignore")
+_IMAGE_ARG = re.compile(r"^ARG (\w+_IMAGE)=(\S+)$", re.MULTILINE)
+_FROM = re.compile(
+    r"^FROM\s+(?:--platform=\S+\s+)?(?P<image>\S+)(?:\s+AS\s+(?P<stage>\S+))?\s*$",
+    re.MULTILINE | re.IGNORECASE,
+)
+
+
+def test_every_dockerfile_is_checked() -> None:
+    """The glob finds the images (a moved directory would make the tests below vacuous)."""
+    assert {p.name for p in DOCKERFILES} >= {
+        "Dockerfile.operator",
+        "Dockerfile.reference",
+        "Dockerfile.vllm",
+    }
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
-def test_base_images_are_pinned(path: Path) -> None:
-    for image in re.findall(r"^ARG \w+_IMAGE=(\S+)$", path.read_text(), re.MULTILINE):
-        tag = image.rsplit(":", 1)[-1]
-        assert ":" in image
-        assert tag != "latest"
-        assert re.search(r"\d", tag), image
+def test_base_images_are_pinned_build_args(path: Path) -> None:
+    """Every base image is an ``ARG *_IMAGE`` with a pinned default (a versioned tag, never
+    ``latest``), and every ``FROM`` names one of those args (or an earlier stage), so a
+    rebuild gets the same base and release CI can pin a digest with ``--build-arg``."""
+    dockerfile = path.read_text()
+    args = dict(_IMAGE_ARG.findall(dockerfile))
+    assert args, f"{path.name}: no ARG *_IMAGE=<pinned image> line"
+    for name, image in args.items():
+        reference, _, tag = image.rpartition(":")
+        assert reference, f"{name}={image}: no tag"
+        assert "/" not in tag, f"{name}={image}: no tag (a registry port is not one)"
+        assert tag != "latest", f"{name}={image}"
+        assert re.search(r"\d", tag), f"{name}={image}: not a version"
+    froms = list(_FROM.finditer(dockerfile))
+    assert froms, f"{path.name}: no FROM line"
+    stages: set[str] = set()
+    for match in froms:
+        image = match["image"]
+        arg = re.fullmatch(r"\$\{(\w+)\}|\$(\w+)", image)
+        if image not in stages:
+            assert arg, f"{path.name}: FROM {image} is not one of its ARG *_IMAGE build args"
+            assert (arg[1] or arg[2]) in args, f"{path.name}: FROM {image}: no such ARG *_IMAGE"
+        if match["stage"]:
+            stages.add(match["stage"])
