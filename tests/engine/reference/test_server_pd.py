@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -91,6 +91,19 @@ def fallbacks(url: str, reason: str) -> float:
     return value(url, "fleetpilot:kv_transfer_fallbacks_total", reason=reason)
 
 
+# Generous: waits end as soon as their condition holds, and a busy CI machine may deschedule
+# an engine thread for seconds.
+WAIT_S = 30.0
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
 def post(srv: BackgroundServer, body: dict[str, Any], path: str = "/v1/completions") -> Any:
     resp = httpx.post(srv.url + path, json=body, timeout=30)
     assert resp.status_code == 200, resp.text
@@ -107,6 +120,9 @@ def do_prefill(prefill: BackgroundServer, body: dict[str, Any] = REQUEST) -> dic
 def test_two_hops_equal_one_unified_server_and_skip_the_prefill(
     unified: BackgroundServer, prefill: BackgroundServer, decode: BackgroundServer
 ) -> None:
+    """The router's two hops (prefill with do_remote_decode, then decode with the returned
+    kv_transfer_params) give the unified server's exact tokens, and the decoder computes no
+    prompt token but the last; a replay of spent params falls back to a local prefill."""
     reference = post(unified, REQUEST)["choices"][0]
     assert reference["finish_reason"] == "length"
     prompt_len = len(reference["prompt_token_ids"])
@@ -148,9 +164,15 @@ def test_two_hops_equal_one_unified_server_and_skip_the_prefill(
     assert value(decode.url, "vllm:prefix_cache_queries_total") == 0  # no local prefill lookup
     for reason in ("not_found", "pull_failed", "refused", "unusable"):
         assert fallbacks(decode.url, reason) == 0
-    assert value(
-        prefill.url, "fleetpilot:kv_transfer_exported_blocks_total"
-    ) - exported_before == len(params["remote_block_ids"])
+    # The prefill engine publishes its counters after answering the export (between steps):
+    # on a busy machine the decoder can finish first.
+    wait_until(
+        lambda: (
+            value(prefill.url, "fleetpilot:kv_transfer_exported_blocks_total") - exported_before
+            == len(params["remote_block_ids"])
+        ),
+        "the prefill server never counted the exported blocks",
+    )
 
     # The pull released the pin: replaying the same params finds nothing, prefills locally and
     # still answers the same.
@@ -163,6 +185,8 @@ def test_two_hops_equal_one_unified_server_and_skip_the_prefill(
 def test_chat_two_hops(
     unified: BackgroundServer, prefill: BackgroundServer, decode: BackgroundServer
 ) -> None:
+    """Chat completions hand KV over too, also with block ids nested per KV-cache group (as
+    newer vLLM sends them), and answer as the unified server does."""
     chat = {
         "model": MODEL,
         "messages": [{"role": "user", "content": PROMPT}],
@@ -188,6 +212,9 @@ def test_chat_two_hops(
 def test_unknown_and_expired_pins_fall_back_to_local_prefill(
     unified: BackgroundServer, prefill: BackgroundServer, decode: BackgroundServer
 ) -> None:
+    """An unknown request id, block ids that are not the pin's, or a pin past its TTL: the
+    decoder prefills locally (same tokens, counted as not_found), and the prefill server frees
+    an expired pin's blocks on its own."""
     reference = post(unified, REQUEST)["choices"][0]["token_ids"]
     before = fallbacks(decode.url, "not_found")
 
@@ -205,7 +232,9 @@ def test_unknown_and_expired_pins_fall_back_to_local_prefill(
     short = start("--kv-transfer-config", NIXL % ("kv_producer", ""), "--kv-pin-ttl-seconds", "0.3")
     try:
         expired = do_prefill(short)
-        time.sleep(0.4)
+        # expires_at is unix time on this same machine: once it has passed, both the decoder
+        # (before pulling) and the prefill server (before serving) see the pin as expired.
+        wait_until(lambda: time.time() > expired["expires_at"], "the pin never expired")
         out = post(decode, {**REQUEST, "kv_transfer_params": expired})
         assert out["choices"][0]["token_ids"] == reference
         assert fallbacks(decode.url, "not_found") == before + 3
@@ -213,10 +242,10 @@ def test_unknown_and_expired_pins_fall_back_to_local_prefill(
         resp = httpx.post(f"{short.url}/internal/kv/{expired['remote_request_id']}", json={})
         assert resp.status_code == 404
         # ... at its next idle tick, without any request to trigger a step.
-        deadline = time.monotonic() + 3.0
-        while value(short.url, "vllm:kv_cache_usage_perc") > 0:
-            assert time.monotonic() < deadline, "the expired pin still holds blocks"
-            time.sleep(0.05)
+        wait_until(
+            lambda: value(short.url, "vllm:kv_cache_usage_perc") == 0,
+            "the expired pin still holds blocks",
+        )
     finally:
         short.stop()
 
@@ -224,6 +253,9 @@ def test_unknown_and_expired_pins_fall_back_to_local_prefill(
 def test_failed_and_refused_pulls_fall_back(
     unified: BackgroundServer, prefill: BackgroundServer, decode: BackgroundServer
 ) -> None:
+    """A prefill server that is gone (pull_failed) or a payload for another prompt (unusable)
+    falls back to a local prefill with the same tokens; a source outside the decoder's allowed
+    hosts is a 400 (refused), each counted by reason."""
     reference = post(unified, REQUEST)["choices"][0]["token_ids"]
     params = do_prefill(prefill)
 
@@ -257,6 +289,8 @@ def test_failed_and_refused_pulls_fall_back(
 def test_prefill_side_endpoints_and_role_checks(
     unified: BackgroundServer, prefill: BackgroundServer, decode: BackgroundServer
 ) -> None:
+    """/internal/kv refuses another engine's id and releases a pin once; pinning needs a
+    non-streaming request; servers without the matching role ignore the P/D parameters."""
     params = do_prefill(prefill)
     kv_url = f"{prefill.url}/internal/kv/{params['remote_request_id']}"
     wrong_engine = httpx.post(kv_url, json={"engine_id": "someone-else"})
