@@ -12,6 +12,8 @@ from fleetpilot.loadgen.runner import Schedule, Step, arrival_times, parse_sched
 
 
 def test_constant_rate_inter_arrival_mean_and_spread() -> None:
+    """A constant rate gives Poisson arrivals: mean gap 1/rate and exponential spread, not a fixed
+    clock that would never produce the bursts that make queues."""
     times = list(arrival_times(Schedule.constant(4.0), 5000.0, random.Random(42)))
     gaps = [b - a for a, b in itertools.pairwise(times)]
     assert len(gaps) > 15000
@@ -21,6 +23,8 @@ def test_constant_rate_inter_arrival_mean_and_spread() -> None:
 
 
 def test_arrivals_are_seeded_and_bounded_by_duration() -> None:
+    """The same seed replays the same arrivals (benchmarks are comparable), another seed differs,
+    and every arrival is ordered and inside the run."""
     sched = parse_schedule("0:5,10:~20")
     a = list(arrival_times(sched, 20.0, random.Random(1)))
     assert a == list(arrival_times(sched, 20.0, random.Random(1)))
@@ -30,6 +34,8 @@ def test_arrivals_are_seeded_and_bounded_by_duration() -> None:
 
 
 def test_steps_change_the_rate() -> None:
+    """A step schedule changes the rate at each step, and a rate of 0 sends nothing (the idle phase
+    of a scale-down run)."""
     sched = parse_schedule("0:2,100:20,200:0,300:2")
     times = list(arrival_times(sched, 400.0, random.Random(3)))
 
@@ -43,6 +49,8 @@ def test_steps_change_the_rate() -> None:
 
 
 def test_parse_steps_and_ramps() -> None:
+    """Spaces are tolerated, '~' ramps linearly from the previous step, the last rate holds
+    afterwards, and the peak is the highest step."""
     sched = parse_schedule(" 0:2, 30:8 ,60:~2")
     assert sched.steps == (Step(0, 2), Step(30, 8), Step(60, 2, ramp=True))
     assert sched.rate_at(10) == 2
@@ -70,11 +78,15 @@ def test_parse_steps_and_ramps() -> None:
     ],
 )
 def test_bad_schedules_are_refused_clearly(text: str, message: str) -> None:
+    """Malformed, negative, non-finite, unordered or all-zero schedules are refused with a message
+    naming the problem, before any load is sent."""
     with pytest.raises(ValueError, match=message):
         parse_schedule(text)
 
 
 @pytest.mark.parametrize("rate", [0.0, -1.0, float("inf"), float("nan")])
 def test_bad_constant_rate_is_refused(rate: float) -> None:
+    """A zero, negative or non-finite --rate is refused instead of generating no arrivals or an
+    endless burst."""
     with pytest.raises(ValueError, match="positive"):
         Schedule.constant(rate)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from fleetpilot.engine.reference.server import BackgroundServer
 from fleetpilot.loadgen import cli
+from fleetpilot.testing.engine_server import BackgroundServer
 
 ENGINE = [
     "--host", "127.0.0.1", "--port", "0", "--model-config", "tiny", "--served-model-name", "m",
@@ -26,6 +26,8 @@ def engine() -> Iterator[BackgroundServer]:
 def test_closed_loop_shared_prefix_against_the_reference_engine(
     engine: BackgroundServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """`fleetpilot bench` end to end against a real engine: 30 successes with TTFT and TPOT,
+    ignore_eos honoured, prefix-cache hits counted, and the JSON and PNG outputs written."""
     out = tmp_path / "bench.json"
     argv = [
         "--url", f"{engine.url}/v1", "--model", "m", "--concurrency", "4", "--requests", "30",
@@ -61,6 +63,8 @@ def test_closed_loop_shared_prefix_against_the_reference_engine(
 def test_errors_from_the_engine_are_counted_not_raised(
     engine: BackgroundServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """An engine that refuses every request (unknown model) gives exit 1, counted 404s and the first
+    error's detail, not a traceback."""
     argv = [
         "--url", f"{engine.url}/v1", "--model", "not-served", "--concurrency", "2",
         "--requests", "4",
@@ -72,6 +76,8 @@ def test_errors_from_the_engine_are_counted_not_raised(
 
 
 def test_bad_flags_are_refused_before_any_load(capsys: pytest.CaptureFixture[str]) -> None:
+    """Bad schedules, rates and option combinations exit 2 with a message naming the flag before any
+    request is sent."""
     with pytest.raises(SystemExit) as exc:
         cli.main(["--schedule", "0:2,30", "--duration", "5"])
     assert exc.value.code == 2

@@ -18,6 +18,8 @@ from fleetpilot.loadgen.runner import RequestRecord, Route, parse_route
 
 
 def test_percentile_matches_linear_interpolation() -> None:
+    """Percentiles interpolate like numpy's default (so reported p95s match other tools), whatever
+    the input order; none for no data."""
     values = [float(v) for v in range(1, 101)]  # 1..100
     assert percentile(values, 50) == pytest.approx(50.5)
     assert percentile(values, 95) == pytest.approx(95.05)
@@ -32,6 +34,8 @@ def test_percentile_matches_linear_interpolation() -> None:
 
 
 def test_parse_route_header() -> None:
+    """The router's x-fleetpilot-route header parses into tier, replica, prefix match and reason; a
+    missing or garbled header is an empty route, not an error."""
     route = parse_route("tier=small; replica=small-0; prefix-match=0.75; reason=prefix affinity")
     assert route == Route("small", "small-0", 0.75, "prefix affinity")
     extra = parse_route("tier=large;replica=l-1;prefix-match=x;reason=spill;spilled-from=small")
@@ -60,6 +64,8 @@ def ok(i: int, ttft: float, tpot: float, e2e: float, tier: str | None, **kw: int
 
 
 def test_summary_of_known_records() -> None:
+    """Hand-computed summary of known records: errors by kind, latency percentiles over successes
+    only, throughput, prefix-hit rate and tier shares, and the printed table."""
     records = [
         ok(0, 0.1, 0.01, 0.2, "small", cached=0),
         ok(1, 0.2, 0.02, 0.4, "small", cached=50),
@@ -95,6 +101,8 @@ def test_summary_of_known_records() -> None:
 
 
 def test_summary_with_nothing_answered() -> None:
+    """A run where nothing succeeded still summarizes and prints (no percentile of nothing, no
+    division by zero)."""
     s = summarize([RequestRecord(0, "x", 0.0, 0.0, error="timeout")], elapsed_s=0.0)
     assert s.succeeded == 0
     assert s.ttft_s == {"p50": None, "p95": None, "p99": None}

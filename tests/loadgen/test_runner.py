@@ -53,6 +53,8 @@ def runner(cfg: RunConfig, handler: object) -> Runner:
 
 @pytest.mark.asyncio
 async def test_closed_loop_records_a_streamed_answer() -> None:
+    """A streamed answer is recorded with TTFT from the first non-empty chunk, TPOT, usage, cached
+    tokens and the route header, for exactly the requested number of requests."""
     result = await runner(config(concurrency=3, max_requests=10), good).run()
     assert [r.index for r in result.records] == list(range(10))
     r = result.records[0]
@@ -83,6 +85,8 @@ async def test_closed_loop_records_a_streamed_answer() -> None:
 )
 @pytest.mark.asyncio
 async def test_errors_are_counted_by_kind(handler: object, kind: str) -> None:
+    """HTTP errors, unparseable streams and in-stream errors become records of their kind with a
+    detail, never exceptions that end the run."""
     result = await runner(config(concurrency=2, max_requests=4), handler).run()
     assert [r.error for r in result.records] == [kind] * 4
     assert all(r.detail for r in result.records)
@@ -90,6 +94,8 @@ async def test_errors_are_counted_by_kind(handler: object, kind: str) -> None:
 
 @pytest.mark.asyncio
 async def test_connection_errors_are_counted() -> None:
+    """A refused connection is a 'connect' record per request, not a crash."""
+
     def refuse(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("connection refused", request=request)
 
@@ -99,6 +105,8 @@ async def test_connection_errors_are_counted() -> None:
 
 @pytest.mark.asyncio
 async def test_slow_requests_time_out() -> None:
+    """A server that never answers costs at most the per-request timeout, recorded as 'timeout'."""
+
     async def slow(request: httpx.Request) -> httpx.Response:
         await asyncio.sleep(5)
         return good(request)
@@ -110,6 +118,9 @@ async def test_slow_requests_time_out() -> None:
 
 @pytest.mark.asyncio
 async def test_open_loop_stops_at_the_duration_and_drops_beyond_the_cap() -> None:
+    """Open loop keeps the schedule's rate whatever the server does: past max_in_flight arrivals are
+    recorded as dropped, and the run ends at its duration."""
+
     async def slow(request: httpx.Request) -> httpx.Response:
         await asyncio.sleep(0.3)
         return good(request)
@@ -126,6 +137,7 @@ async def test_open_loop_stops_at_the_duration_and_drops_beyond_the_cap() -> Non
 
 @pytest.mark.asyncio
 async def test_open_loop_honours_the_request_bound() -> None:
+    """--requests bounds an open-loop run too."""
     cfg = config(schedule=Schedule.constant(200.0), duration_s=10.0, max_requests=7)
     result = await runner(cfg, good).run()
     assert len(result.records) == 7
@@ -133,6 +145,8 @@ async def test_open_loop_honours_the_request_bound() -> None:
 
 
 def test_unbounded_runs_are_refused() -> None:
+    """A run with no duration or request bound (or a schedule without a duration) is refused instead
+    of running forever."""
     with pytest.raises(ValueError, match="--duration and/or"):
         RunConfig("http://x/v1", "m")
     with pytest.raises(ValueError, match="needs a --duration"):

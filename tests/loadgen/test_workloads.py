@@ -16,12 +16,16 @@ def take(name: str, seed: int, n: int = 50) -> list[RequestSpec]:
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
 def test_same_seed_same_requests_other_seed_other_requests(name: str) -> None:
+    """Every workload replays exactly under one seed and differs under another, so two benchmark
+    runs compare like with like."""
     assert take(name, 7) == take(name, 7)
     assert take(name, 7) != take(name, 8)
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
 def test_bodies_stream_and_ask_for_usage(name: str) -> None:
+    """Request bodies stream and ask for usage (TTFT, TPOT and cached tokens come from them);
+    ignore_eos only when asked, since OpenAI's API refuses it."""
     body = take(name, 1, 1)[0].body("m")
     assert body["model"] == "m"
     assert body["stream"] is True
@@ -31,6 +35,8 @@ def test_bodies_stream_and_ask_for_usage(name: str) -> None:
 
 
 def test_shared_prefix_reuses_a_few_system_prompts() -> None:
+    """shared-prefix sends a few long system prompts, each user sticking to one tenant's prompt: the
+    traffic prefix-affinity routing is measured on."""
     specs = take("shared-prefix", 3, 200)
     systems = {s.messages[0]["content"] for s in specs}
     assert len(systems) == 4
@@ -44,6 +50,8 @@ def test_shared_prefix_reuses_a_few_system_prompts() -> None:
 
 
 def test_multi_turn_history_grows_per_user_and_restarts() -> None:
+    """multi-turn resends each user's growing history (a prefix of the next request) and starts over
+    after the last turn."""
     workload = make_workload("multi-turn", 5, users=1, turns=3)
     specs = [workload.next() for _ in range(4)]
     assert [s.kind for s in specs] == ["turn-1", "turn-2", "turn-3", "turn-1"]
@@ -54,6 +62,8 @@ def test_multi_turn_history_grows_per_user_and_restarts() -> None:
 
 
 def test_mixed_has_short_easy_and_long_hard_requests() -> None:
+    """mixed sends mostly short easy requests and about 30% long hard ones with more tokens: the
+    traffic complexity routing splits between tiers."""
     specs = take("mixed", 11, 400)
     easy = [s for s in specs if s.kind == "easy"]
     hard = [s for s in specs if s.kind == "hard"]
@@ -65,11 +75,14 @@ def test_mixed_has_short_easy_and_long_hard_requests() -> None:
 
 
 def test_long_context_length_is_configurable() -> None:
+    """long-context's prompt length follows --context-chars."""
     spec = make_workload("long-context", 0, context_chars=3000).next()
     assert 3000 < len(spec.messages[0]["content"]) < 3200
 
 
 def test_unknown_workload_and_bad_options_are_refused() -> None:
+    """An unknown workload name lists the known ones; out-of-range options are refused, not
+    clamped."""
     with pytest.raises(ValueError, match=r"unknown workload 'nope'; known: long-context"):
         make_workload("nope", 0)
     with pytest.raises(ValueError, match="hard_fraction"):
