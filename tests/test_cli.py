@@ -23,12 +23,15 @@ def _write(tmp_path: Path, manifest: object) -> str:
 
 
 def test_plan_prints_yaml_objects(capsys: pytest.CaptureFixture[str]) -> None:
+    """`fleetpilot plan` prints the planned objects as a YAML stream `kubectl apply -f -` can
+    read."""
     assert main(["plan", "-f", str(REPO / "examples" / "two-tier.yaml")]) == 0
     objects = list(yaml.safe_load_all(capsys.readouterr().out))
     assert ("Deployment", "chat-large") in [(o["kind"], o["metadata"]["name"]) for o in objects]
 
 
 def test_plan_prints_json_list(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`-o json` prints one v1 List, the shape kubectl and jq expect."""
     assert main(["plan", "-f", _write(tmp_path, make_manifest()), "-o", "json"]) == 0
     listing = json.loads(capsys.readouterr().out)
     assert listing["kind"] == "List"
@@ -36,6 +39,8 @@ def test_plan_prints_json_list(capsys: pytest.CaptureFixture[str], tmp_path: Pat
 
 
 def test_plan_summary_shows_roles_gpus_and_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """`-o summary` shows per role the GPUs per replica and the exact `vllm serve` line, what the
+    README and `make demo` promise."""
     assert main(["plan", "-f", str(REPO / "examples" / "disaggregated.yaml"), "-o", "summary"]) == 0
     out = capsys.readouterr().out
     assert "tier main / prefill" in out
@@ -46,6 +51,8 @@ def test_plan_summary_shows_roles_gpus_and_command(capsys: pytest.CaptureFixture
 def test_invalid_file_names_field_and_rule(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """A manifest breaking a rule exits 2 naming the field and the rule's message, with no
+    traceback."""
     tier = make_tier("main")
     tier["serving"] = {"replicas": {"min": 5, "max": 2}}
     assert main(["plan", "-f", _write(tmp_path, make_manifest(tiers=[tier]))]) == 2
@@ -57,6 +64,8 @@ def test_invalid_file_names_field_and_rule(
 def test_plan_refusal_is_reported_not_raised(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """A refusal only the planner sees (a managed flag in extraArgs) exits 2 with the field, not a
+    PlanError traceback."""
     tier = make_tier("main", engine={"extraArgs": ["--port=9000"]})
     assert main(["plan", "-f", _write(tmp_path, make_manifest(tiers=[tier]))]) == 2
     assert "spec.tiers[0].engine.extraArgs[0]: --port is set by fleetpilot" in (
@@ -80,6 +89,7 @@ def test_yaml_error_names_the_line_without_traceback(tmp_path: Path) -> None:
 
 
 def test_missing_file_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """A missing file exits 2 with 'cannot read file', not a FileNotFoundError traceback."""
     assert main(["plan", "-f", "/nonexistent/service.yaml"]) == 2
     assert "cannot read file" in capsys.readouterr().err
 
@@ -97,6 +107,8 @@ def test_missing_file_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> No
 def test_components_parse_their_own_flags(
     argv: list[str], usage: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Delegated subcommands (router, engine backends, up, bench) reach their own parsers: --help
+    shows their usage, not the top-level one."""
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 0
@@ -104,6 +116,7 @@ def test_components_parse_their_own_flags(
 
 
 def test_router_with_a_missing_config_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    """The router with a missing config file fails naming the path."""
     assert main(["router", "--config", "/nonexistent/router.yaml"]) != 0
     assert "/nonexistent/router.yaml" in capsys.readouterr().err
 
@@ -143,6 +156,8 @@ def test_an_endless_file_is_refused_at_the_size_limit(command: str) -> None:
 
 
 def test_a_file_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
+    """A Latin-1 manifest is one stderr line naming the byte, as a user sees it from a
+    subprocess."""
     path = tmp_path / "latin1.yaml"
     path.write_bytes(yaml.safe_dump(make_manifest()).encode() + b"# caf\xe9\n")
     line = _one_line_error("plan", "-f", str(path))
