@@ -21,15 +21,15 @@ from fleetpilot.autoscaler.actuator import (
     Replicas,
     scaling_active_condition,
 )
-from fleetpilot.autoscaler.policy import (
+from fleetpilot.autoscaler.model import (
     DataProblem,
     Direction,
     History,
     Metrics,
     Observation,
     RolePolicy,
-    decide,
 )
+from fleetpilot.autoscaler.policy import decide
 from fleetpilot.kube.client import Kube, Obj
 from fleetpilot.kube.managers import AUTOSCALER_MANAGER, OPERATOR_MANAGER
 from fleetpilot.operator.planner import plan

@@ -23,7 +23,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
 from fleetpilot.api import API_VERSION, KIND, InferenceService
 from fleetpilot.api.status import Condition, ConditionStatus, ConditionType, ScaleRecord
-from fleetpilot.autoscaler.policy import DataProblem, Decision
+from fleetpilot.autoscaler.model import DataProblem, Decision
 from fleetpilot.kube import names
 from fleetpilot.kube.client import MERGE_CONTENT_TYPE, RESOURCES, Kube, KubeError, Obj
 from fleetpilot.kube.managers import AUTOSCALER_MANAGER

@@ -7,8 +7,9 @@ that Prometheus is unreachable, saying so in the log and in every reason), decid
 the same policy as the operator's timer, and scales through the control API. Decisions land in
 the fleet's status table, the log and ``fleetpilot_autoscaler_*`` metrics (``--metrics-port``).
 
-A fleet that stops answering is waited for (``--fleet-timeout``), then the command exits 1;
-SIGTERM ends it with 0.
+It logs to stderr as every fleetpilot process does (``--log-format json``, the default, or
+``plain``; ``--log-level``). A fleet that stops answering is waited for (``--fleet-timeout``),
+then the command exits 1; SIGTERM ends it with 0.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-import sys
 import threading
 import time
 from types import FrameType
@@ -29,6 +29,7 @@ from fleetpilot.autoscaler.fallback import FallbackSource
 from fleetpilot.autoscaler.loop import Histories, interval_s, tick
 from fleetpilot.autoscaler.prometheus import MetricsSource, PrometheusSource
 from fleetpilot.autoscaler.remote import FleetActuator, FleetClient, FleetError, RoleState
+from fleetpilot.logs import add_log_arguments, configure_logging
 
 log = logging.getLogger("fleetpilot.autoscaler")
 
@@ -59,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds to wait for an unanswering fleet before exiting",
     )
     a("--once", action="store_true", help="one tick, then exit (for scripts)")
-    a("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_log_arguments(parser)
 
 
 def _source(args: argparse.Namespace, client: FleetClient, fleet_prom: str | None) -> MetricsSource:
@@ -90,11 +91,7 @@ def _wait_for_fleet(
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_level, args.log_format)
     stop = threading.Event()
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:

@@ -43,7 +43,7 @@ from datetime import timedelta
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleetpilot.autoscaler.policy import DataProblem, Metrics
+from fleetpilot.autoscaler.model import DataProblem, Metrics
 from fleetpilot.autoscaler.prometheus import (
     QUANTILE,
     ROUTER_PENDING_METRIC,

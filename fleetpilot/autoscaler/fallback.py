@@ -22,7 +22,7 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Protocol
 
-from fleetpilot.autoscaler.policy import DataProblem, Metrics
+from fleetpilot.autoscaler.model import DataProblem, Metrics
 from fleetpilot.autoscaler.prometheus import MetricsSource
 
 log = logging.getLogger(__name__)

@@ -21,27 +21,17 @@ from typing import Any
 
 from fleetpilot.api import InferenceService, parse_service
 from fleetpilot.api.spec import AutoscalingMode, Tier
-from fleetpilot.autoscaler.actuator import (
-    Actuator,
-    KubernetesActuator,
-    kubernetes_actuator,
-    scaling_active_condition,
-)
-from fleetpilot.autoscaler.policy import (
+from fleetpilot.autoscaler.actuator import Actuator, scaling_active_condition
+from fleetpilot.autoscaler.model import (
     DataProblem,
     Decision,
     History,
     Metrics,
     Observation,
     RolePolicy,
-    decide,
 )
-from fleetpilot.autoscaler.prometheus import (
-    MetricsSource,
-    PrometheusSource,
-    PrometheusSources,
-    prometheus_source,
-)
+from fleetpilot.autoscaler.policy import decide
+from fleetpilot.autoscaler.prometheus import MetricsSource
 
 log = logging.getLogger(__name__)
 
@@ -194,15 +184,4 @@ def _decide_and_act(
     return decision
 
 
-__all__ = [
-    "Histories",
-    "KubernetesActuator",
-    "PrometheusSource",
-    "PrometheusSources",
-    "RoleKey",
-    "autoscaled_roles",
-    "interval_s",
-    "kubernetes_actuator",
-    "prometheus_source",
-    "tick",
-]
+__all__ = ["Histories", "RoleKey", "autoscaled_roles", "interval_s", "tick"]

@@ -55,9 +55,8 @@ import logging
 import math
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from types import TracebackType
@@ -69,7 +68,7 @@ from prometheus_api_client.exceptions import PrometheusApiClientException
 from prometheus_api_client.prometheus_connect import PrometheusConnect
 from urllib3.util.retry import Retry
 
-from fleetpilot.autoscaler.policy import DataProblem, Metrics
+from fleetpilot.autoscaler.model import DataProblem, Metrics
 
 log = logging.getLogger(__name__)
 
@@ -489,16 +488,6 @@ class PrometheusSources:
             self._sources.clear()
 
 
-@contextmanager
-def prometheus_source(url: str, **options: Any) -> Iterator[PrometheusSource]:
-    """A :class:`PrometheusSource`, closed on exit."""
-    source = PrometheusSource(url, **options)
-    try:
-        yield source
-    finally:
-        source.close()
-
-
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "LabelNames",
@@ -509,7 +498,6 @@ __all__ = [
     "QueryResult",
     "combine",
     "escaped_name",
-    "prometheus_source",
     "promql_duration",
     "queries",
     "selector",

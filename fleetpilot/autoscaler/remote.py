@@ -29,7 +29,7 @@ import httpx
 from fleetpilot.api import InferenceService, parse_service
 from fleetpilot.api.status import Condition
 from fleetpilot.autoscaler.actuator import AutoscalerMetrics, Replicas
-from fleetpilot.autoscaler.policy import DataProblem, Decision, Metrics
+from fleetpilot.autoscaler.model import DataProblem, Decision, Metrics
 
 log = logging.getLogger(__name__)
 

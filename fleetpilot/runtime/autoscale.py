@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from fleetpilot.api import InferenceService
 from fleetpilot.api.spec import ReplicaBounds, RoleName, Tier
 from fleetpilot.api.status import Condition
-from fleetpilot.autoscaler.policy import Metrics
+from fleetpilot.autoscaler.model import Metrics
 from fleetpilot.autoscaler.remote import RecordedDecision, RoleState
 from fleetpilot.runtime.local import LocalFleet
 

@@ -32,7 +32,7 @@ from fleetpilot.autoscaler.actuator import (
     merge_roles,
     scaling_active_condition,
 )
-from fleetpilot.autoscaler.policy import DataProblem, Decision, History, ReasonKind
+from fleetpilot.autoscaler.model import DataProblem, Decision, History, ReasonKind
 from fleetpilot.kube.client import Kube, KubeError, Obj
 from tests.factories import make_manifest, make_tier
 

@@ -21,7 +21,7 @@ from fleetpilot.autoscaler.direct import (
     summarize,
     window_of,
 )
-from fleetpilot.autoscaler.policy import DataProblem
+from fleetpilot.autoscaler.model import DataProblem
 from fleetpilot.runtime.processes import free_port
 
 TTFT = "vllm:time_to_first_token_seconds"
@@ -33,6 +33,8 @@ INF = math.inf
 
 
 def test_quantile_interpolates_inside_the_bucket_like_prometheus() -> None:
+    """histogram_quantile gives what PromQL's would: linear inside the bucket, from zero in
+    the first one, whatever order the buckets come in."""
     # rank 0.95 x 20 = 19 lies in (0.1, 0.2] holding observations 11..20: 0.1 + 0.1 x 9/10.
     assert histogram_quantile(0.95, [(0.1, 10), (0.2, 20), (INF, 20)]) == pytest.approx(0.19)
     # The first bucket interpolates from zero.
@@ -42,16 +44,21 @@ def test_quantile_interpolates_inside_the_bucket_like_prometheus() -> None:
 
 
 def test_quantile_in_the_inf_bucket_is_the_largest_finite_bound() -> None:
+    """A rank in the +Inf bucket reads the largest finite bound, as Prometheus answers."""
     assert histogram_quantile(0.95, [(0.5, 1), (1.0, 2), (INF, 10)]) == 1.0
 
 
 def test_quantile_of_nothing_is_none() -> None:
+    """No observations, no +Inf bucket or only one bucket: no percentile (PromQL's NaN),
+    never 0, which would read as a fast engine."""
     assert histogram_quantile(0.95, [(0.1, 0), (INF, 0)]) is None
     assert histogram_quantile(0.95, [(0.1, 5), (0.2, 5)]) is None  # no +Inf bucket
     assert histogram_quantile(0.95, [(INF, 5)]) is None  # one bucket: Prometheus says NaN
 
 
 def test_increase_treats_a_drop_as_a_counter_reset() -> None:
+    """An engine that restarted resets its counters: the drop counts from zero, as
+    PromQL's increase() does, instead of a negative rate."""
     assert increase([1, 5, 2, 4]) == 8  # +4, reset to 2 (+2), +2
     assert increase([3]) == 0
     assert increase([]) == 0
@@ -73,6 +80,8 @@ def snap(t: float, ttft: dict[float, float], *, kv: float = 0.0, waiting: float 
 
 
 def test_window_starts_at_the_newest_snapshot_before_it() -> None:
+    """A window is measured from the newest snapshot at or before its start, so its
+    increase covers the whole window; a younger series measures from its oldest."""
     series = [snap(t, {0.1: 0, INF: 0}) for t in (0, 5, 10, 15, 20)]
     assert [s.time_s for s in window_of(series, 20, 10)] == [10, 15, 20]
     assert [s.time_s for s in window_of(series, 20, 12)] == [5, 10, 15, 20]
@@ -81,6 +90,9 @@ def test_window_starts_at_the_newest_snapshot_before_it() -> None:
 
 
 def test_summarize_sums_bucket_increases_across_engines() -> None:
+    """Two engines, one restarted: bucket increases over the window are summed by le before
+    the quantile, gauges are averaged or summed, and counts from before the window are left
+    out."""
     # Engine a: 10 requests under 50ms in the window (20 before it, which must not count).
     a = [snap(0, {0.05: 20, 0.5: 20, INF: 20}), snap(10, {0.05: 30, 0.5: 30, INF: 30}, kv=0.2)]
     # Engine b: 10 requests between 50ms and 500ms, after a restart (counters reset).
@@ -102,6 +114,8 @@ def test_summarize_sums_bucket_increases_across_engines() -> None:
 
 
 def test_one_snapshot_per_engine_gives_no_latency_and_no_count() -> None:
+    """A first scrape has nothing to take an increase from: latency and count are absent
+    (the policy then holds), while the gauges are already usable."""
     m = summarize({"a": [snap(0, {0.1: 5, INF: 5}, waiting=3)]}, now_s=1, window_s=10)
     assert m.problem is None
     assert m.ttft_p95_s is None
@@ -111,6 +125,8 @@ def test_one_snapshot_per_engine_gives_no_latency_and_no_count() -> None:
 
 
 def test_parse_snapshot_reads_both_spellings_and_sums_label_sets() -> None:
+    """The exposition parser reads ``vllm:x`` and ``vllm_x`` as one metric and sums its
+    label sets (engines, finish reasons) into one value per bucket or counter."""
     registry = CollectorRegistry()
     h = Histogram(TTFT, "ttft", ["engine"], buckets=(0.1, 1.0), registry=registry)
     h.labels("0").observe(0.05)
@@ -128,6 +144,7 @@ def test_parse_snapshot_reads_both_spellings_and_sums_label_sets() -> None:
 
 
 def test_unreachable_engines_are_a_data_problem_not_an_exception() -> None:
+    """An engine that does not answer makes the observation UNREACHABLE, naming it."""
     port = free_port()
     with EngineMetricsSource(lambda tier, role: [f"127.0.0.1:{port}"], timeout_s=0.5) as source:
         m = source.observe("svc", "small", "unified", timedelta(seconds=10), namespace=None)
@@ -136,6 +153,9 @@ def test_unreachable_engines_are_a_data_problem_not_an_exception() -> None:
 
 
 def test_no_engines_and_a_failing_address_book_are_data_problems() -> None:
+    """No engine to scrape is MISSING; an address book that raises (a fleet stopping) is
+    UNREACHABLE with its message: neither escapes as an exception."""
+
     def broken(tier: str, role: str) -> list[str]:
         raise RuntimeError("fleet is stopping")
 
@@ -162,6 +182,8 @@ def engine() -> Iterator[Any]:
 
 
 def test_scraping_a_real_engine_measures_the_requests_of_the_window(engine: Any) -> None:
+    """Against the reference engine: the requests sent between two scrapes are counted and
+    timed, and once they leave the window they are no longer counted."""
     address = httpx.URL(engine.url).netloc.decode()
     clock = [1000.0]
     with EngineMetricsSource(lambda tier, role: [address], clock=lambda: clock[0]) as source:
@@ -207,6 +229,8 @@ fleetpilot_router_pending_requests{role="prefill",tier="large"} 1.0
 
 
 def test_pending_requests_are_read_per_tier_and_role() -> None:
+    """The router's held requests are read for one tier and role; a role it does not list
+    holds none."""
     assert pending_requests(ROUTER_EXPOSITION, "small", "unified") == 3.0
     assert pending_requests(ROUTER_EXPOSITION, "large", "decode") == 1.0
     assert pending_requests(ROUTER_EXPOSITION, "small", "decode") == 0.0

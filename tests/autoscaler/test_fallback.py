@@ -21,8 +21,9 @@ import pytest
 
 from fleetpilot.autoscaler.direct import EngineMetricsSource
 from fleetpilot.autoscaler.fallback import FallbackSource
-from fleetpilot.autoscaler.policy import DataProblem, History, Metrics, Observation, decide
-from fleetpilot.autoscaler.policy import RolePolicy as Policy
+from fleetpilot.autoscaler.model import DataProblem, History, Metrics, Observation
+from fleetpilot.autoscaler.model import RolePolicy as Policy
+from fleetpilot.autoscaler.policy import decide
 from fleetpilot.autoscaler.prometheus import PrometheusSource
 from fleetpilot.runtime.prometheus import PrometheusServer, find_binary
 from tests.autoscaler.support import Engine, EngineKey
@@ -70,6 +71,9 @@ def wait_for(source: FallbackSource, done: object, what: str) -> Metrics:
 def test_a_killed_prometheus_is_restarted_and_the_engines_are_read_meanwhile(
     prometheus: PrometheusServer, engine: Engine, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Issue 12, item 2: Prometheus SIGKILLed under a running source; the engine is read
+    directly (said in the log and in every reason, never scaling down on the thin first
+    scrape), Prometheus is restarted on its URL, and the source goes back to it."""
     caplog.set_level(logging.WARNING, logger="fleetpilot.autoscaler.fallback")
     primary = PrometheusSource(prometheus.url, timeout_s=2.0)
     direct = EngineMetricsSource(lambda tier, role: [engine.address])
@@ -115,6 +119,8 @@ def test_a_killed_prometheus_is_restarted_and_the_engines_are_read_meanwhile(
 
 
 def test_a_crash_loop_backs_off_between_restarts(prometheus: PrometheusServer) -> None:
+    """A Prometheus that crashes again is restarted at once the first time, then only after
+    a back-off (1 s here), so a crash loop does not spin the supervisor."""
     first = prometheus.pid
     assert first is not None
     os.kill(first, signal.SIGKILL)

@@ -21,7 +21,7 @@ from fleetpilot.api import InferenceService
 from fleetpilot.api.status import Condition
 from fleetpilot.autoscaler.actuator import MemoryActuator, Replicas
 from fleetpilot.autoscaler.loop import RoleKey, autoscaled_roles, interval_s, tick
-from fleetpilot.autoscaler.policy import (
+from fleetpilot.autoscaler.model import (
     DataProblem,
     Decision,
     Direction,

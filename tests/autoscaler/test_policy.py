@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleetpilot.api.spec import AutoscalingMode
-from fleetpilot.autoscaler.policy import (
+from fleetpilot.autoscaler.explain import format_seconds
+from fleetpilot.autoscaler.model import (
     DataProblem,
     Decision,
     Direction,
@@ -29,9 +30,8 @@ from fleetpilot.autoscaler.policy import (
     ReasonKind,
     Recommendation,
     RolePolicy,
-    decide,
-    format_seconds,
 )
+from fleetpilot.autoscaler.policy import decide
 from tests.factories import make_service, make_tier
 
 T0 = 1_800_000_000.0  # a fixed POSIX time: decide() never reads a clock
@@ -233,6 +233,27 @@ CASES = [
         "ttft p95 from 3 samples (fewer than 10)",
     ),
     Case(
+        "missing and too-few-samples signals both hold a scale-down, absent values named first",
+        observe(
+            4, ttft_samples=3.0, waiting_requests=None, kv_cache_usage_frac=0.1, tpot_p95_s=0.01
+        ),
+        policy(),
+        4,
+        ReasonKind.NO_DATA,
+        "unified tpot p95 10ms < slo 60ms (the highest of tpot p95, kv cache usage), but no "
+        "waiting requests; ttft p95 from 3 samples (fewer than 10): not scaling down: holding 4",
+        problem=DataProblem.MISSING,
+    ),
+    Case(
+        "a latency without its request count is missing data, not an idle role",
+        observe(4, ttft_samples=None, kv_cache_usage_frac=0.1, tpot_p95_s=0.01, ttft_p95_s=0.05),
+        policy(),
+        4,
+        ReasonKind.NO_DATA,
+        "but no ttft p95 (no request count): not scaling down: holding 4",
+        problem=DataProblem.MISSING,
+    ),
+    Case(
         "too few samples: a slow outlier does not scale up either",
         observe(2, ttft_samples=3.0, ttft_p95_s=9.0, kv_cache_usage_frac=0.8, tpot_p95_s=0.06),
         policy(),
@@ -415,15 +436,20 @@ def test_restart_gap_restarts_the_watch() -> None:
 
 
 def test_history_is_pruned_and_returned_not_kept() -> None:
-    """decide keeps no state: the history it returns holds the window and nothing older."""
+    """decide keeps no state: the history it returns holds the window and nothing older, and
+    the same call with the same history decides the same again."""
     spec = policy()
     history = History((Recommendation(T0 - 10_000, 9),), None, T0 - 10_000)
-    decision = decide(observe(3), spec, history, T0)
+    obs = observe(3)
+    decision = decide(obs, spec, history, T0)
     assert [r.replicas for r in decision.history.recommendations] == [3]
-    assert history.recommendations == (Recommendation(T0 - 10_000, 9),)
+    # A second, different call in between must leave no trace in the next one.
+    decide(observe(8, waiting_requests=80.0), spec, history, T0)
+    assert decide(obs, spec, history, T0) == decision
 
 
 def test_now_may_be_a_datetime() -> None:
+    """An aware datetime is the same instant as its POSIX seconds (the operator's timer)."""
     when = datetime.fromtimestamp(T0, tz=UTC)
     assert decide(observe(2), policy(), History(), when).history.recommendations[0].time_s == T0
 
@@ -470,14 +496,19 @@ def test_for_role_reads_the_tier() -> None:
     ],
 )
 def test_role_policy_refuses_nonsense(overrides: dict[str, Any], message: str) -> None:
+    """Settings the policy cannot act on (min > max, a zero target, an unknown role, a band of
+    100%) fail when the policy is built, not in the middle of a decision."""
     with pytest.raises(ValueError, match=message):
         policy(**overrides)
 
 
 def test_format_seconds() -> None:
+    """Latencies in reasons read as people write them: milliseconds below a second, three
+    significant digits above, and words for a p95 beyond the histogram."""
     assert format_seconds(0.072) == "72ms"
     assert format_seconds(1.5) == "1.5s"
     assert format_seconds(12.25) == "12.2s"
+    assert format_seconds(math.inf) == "beyond the largest bucket"
 
 
 # ------------------------------------------------------------------------------ properties
@@ -745,21 +776,24 @@ def test_load_stop_scales_down_only_after_the_window() -> None:
     assert settled >= 8
 
 
-def test_timedelta_windows_format_in_reasons() -> None:
-    """Windows in reasons read as durations (5m), not as float seconds."""
+def test_windows_format_as_durations_in_reasons() -> None:
+    """Windows in reasons read as durations (5m), not as float seconds, and the time watched
+    in whole seconds ("28s", not "28022ms")."""
     spec = policy(scale_down_stabilization_s=timedelta(minutes=5).total_seconds())
     calm = observe(8, kv_cache_usage_frac=0.1, tpot_p95_s=0.01, ttft_p95_s=0.05)
-    decision = decide(calm, spec, History(), T0)
-    assert "of the 5m a scale-down needs" in decision.reason
+    history = History((Recommendation(T0 - 15, 8),), None, T0 - 28.022)
+    decision = decide(calm, spec, history, T0)
+    assert "(watched 28s of the 5m a scale-down needs)" in decision.reason
 
 
 def test_the_policy_imports_no_client() -> None:
-    """The policy stays pure: importing it loads no cluster, HTTP or Prometheus client (the
-    import-linter contract in pyproject should also list fleetpilot.autoscaler.policy)."""
+    """The policy stays pure: importing it, its model and its explanation loads no cluster,
+    HTTP or Prometheus client (the import-linter contract in pyproject lists the three too,
+    but checks only our own import statements, not what a dependency drags in)."""
     clients = ["kubernetes", "kopf", "httpx", "prometheus_api_client", "requests", "urllib3"]
-    code = (
-        "import sys, fleetpilot.autoscaler.policy\n"
-        f"print(sorted(m for m in {clients!r} if m in sys.modules))"
+    modules = "fleetpilot.autoscaler." + ", fleetpilot.autoscaler.".join(
+        ["model", "policy", "explain"]
     )
+    code = f"import sys, {modules}\nprint(sorted(m for m in {clients!r} if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"

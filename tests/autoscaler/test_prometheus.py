@@ -15,8 +15,9 @@ from datetime import timedelta
 
 import pytest
 
-from fleetpilot.autoscaler.policy import DataProblem, History, Metrics, Observation, decide
-from fleetpilot.autoscaler.policy import RolePolicy as Policy
+from fleetpilot.autoscaler.model import DataProblem, History, Metrics, Observation
+from fleetpilot.autoscaler.model import RolePolicy as Policy
+from fleetpilot.autoscaler.policy import decide
 from fleetpilot.autoscaler.prometheus import (
     LabelNames,
     MetricNames,
@@ -206,6 +207,8 @@ def test_a_hanging_prometheus_costs_one_timeout() -> None:
 
 
 def test_selector_escapes_and_label_names_are_configurable() -> None:
+    """A service name with a quote cannot break out of its label matcher, and another
+    relabeling (other label names, no namespace label) is one LabelNames away."""
     labels = LabelNames(service="svc", tier="t", role="r", namespace=None)
     assert selector(labels, 'a"b', "small", "unified", "ml") == (
         '{svc="a\\"b",t="small",r="unified"}'
@@ -267,6 +270,8 @@ def test_a_role_without_engines_reports_the_demand_the_router_holds() -> None:
 
 
 def test_router_demand_promql() -> None:
+    """The router's held requests are selected by its own tier and role labels and its
+    spillovers by ``from_tier``: the demand of one role at zero, not of the whole service."""
     planned = router_queries(LabelNames(), "chat", "small", "unified", "ml", timedelta(seconds=30))
     assert planned == {
         "router_pending": (

@@ -75,6 +75,8 @@ def test_start_failure_reports_the_log_and_leaves_nothing(
 def test_a_missing_binary_says_how_to_install_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """No Prometheus on this machine: the error says how to install one, instead of a bare
+    FileNotFoundError."""
     monkeypatch.setenv("FLEETPILOT_PROMETHEUS_BIN", str(tmp_path / "nope"))
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr("fleetpilot.runtime.prometheus.DEFAULT_BINARY", str(tmp_path / "nope"))

@@ -15,8 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fleetpilot.api.router_config import EndpointGroup, RouterTier
 from tests.routing.support import make_config, running_router
 
-server = pytest.importorskip("fleetpilot.engine.reference.server")
-BackgroundServer = server.BackgroundServer
+BackgroundServer = pytest.importorskip("fleetpilot.testing.engine_server").BackgroundServer
 
 NIXL = '{"kv_connector": "NixlConnector", "kv_role": "%s"%s}'
 

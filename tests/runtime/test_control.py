@@ -18,7 +18,7 @@ import pytest
 
 from fleetpilot.api import InferenceService, load_services
 from fleetpilot.autoscaler.loop import tick
-from fleetpilot.autoscaler.policy import Metrics
+from fleetpilot.autoscaler.model import Metrics
 from fleetpilot.autoscaler.remote import FleetActuator, FleetClient, FleetError
 from fleetpilot.runtime.autoscale import LocalActuator, capped_service
 from fleetpilot.runtime.control import ControlServer

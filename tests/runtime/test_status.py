@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from fleetpilot.autoscaler.policy import Metrics
+from fleetpilot.autoscaler.model import Metrics
 from fleetpilot.runtime.autoscale import RoleScaling
 from fleetpilot.runtime.local import StatusRow
 from fleetpilot.runtime.stack import format_status

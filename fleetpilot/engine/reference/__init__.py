@@ -1,10 +1,19 @@
 """The CPU reference engine: paged KV blocks, prefix caching, continuous batching, chunked
-prefill, preemption, speculative decoding and P/D KV hand-off, in torch.
+prefill, preemption, speculative decoding and P/D KV hand-off, in torch, behind vLLM's
+OpenAI-compatible HTTP API and metrics (``fleetpilot engine --backend reference``).
 
-The HTTP server (later) uses only what is exported here: build an ``LLMEngine`` (optionally
-from ``load_checkpoint``), ``add_request`` / ``abort_request``, call ``step()`` in a loop and
-stream the ``RequestOutput``s; ``stats()`` feeds ``/metrics``; ``pinned_kv`` / ``export_kv`` /
-``release_kv`` and ``add_request(kv_import=...)`` implement the P/D hand-off.
+The engine core is exported here: build an ``LLMEngine`` (optionally from ``load_checkpoint``),
+``add_request`` / ``abort_request``, call ``step()`` in a loop and read the ``RequestOutput``s;
+``stats()`` feeds ``/metrics``; ``pinned_kv`` / ``export_kv`` / ``release_kv`` and
+``add_request(kv_import=...)`` are the engine's side of the P/D hand-off. Core modules: model,
+blocks, scheduler, sampling, speculative, request, engine, checkpoint, tokenizer.
+
+The server around it is not re-exported here (the core needs no HTTP stack); import its
+modules directly:
+``server`` (the HTTP handlers and the process's entry point), ``settings`` (flags and model
+presets), ``runner`` (the engine's own thread), ``protocol`` (request and response models),
+``sse`` (streaming), ``pd`` and ``peers`` (the hand-off between engines and whom it trusts),
+``kv_wire`` (its payload) and ``metrics`` (vLLM's metric names).
 """
 
 from fleetpilot.engine.reference.blocks import BlockManager, KVCacheSpec, KVPool

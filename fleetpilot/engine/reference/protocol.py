@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
@@ -276,6 +277,18 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+@dataclass
+class PreparedRequest:
+    """A validated generation request, before it reaches the engine: the server builds it, the
+    SSE writer reads it."""
+
+    kind: Literal["completion", "chat"]
+    request: CompletionRequest | ChatCompletionRequest
+    prompt_ids: list[int]
+    params: SamplingParams
+    model: str  # the served model name the response carries
 
 
 class TokenizeRequest(_Request):

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetpilot.engine.reference.engine import EngineStats
-from fleetpilot.engine.reference.server import BackgroundServer
+from fleetpilot.testing.engine_server import BackgroundServer
 
 ARGS = ["--host", "127.0.0.1", "--port", "0", "--model-config", "tiny",
         "--max-model-len", "256", "--served-model-name", "m"]  # fmt: skip

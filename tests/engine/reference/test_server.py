@@ -18,7 +18,6 @@ import aiohttp
 import httpx
 import openai
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetpilot.engine.reference.engine import LLMEngine
@@ -27,16 +26,10 @@ from fleetpilot.engine.reference.metrics import (
     TOKEN_LATENCY_BUCKETS,
     TTFT_BUCKETS,
 )
-from fleetpilot.engine.reference.request import KVBlocks
-from fleetpilot.engine.reference.server import (
-    MAX_BODY_BYTES,
-    BackgroundServer,
-    add_arguments,
-    build_server,
-    deserialize_kv,
-    serialize_kv,
-)
+from fleetpilot.engine.reference.server import MAX_BODY_BYTES, build_server
+from fleetpilot.engine.reference.settings import add_arguments
 from fleetpilot.engine.reference.tokenizer import ByteTokenizer
+from fleetpilot.testing.engine_server import BackgroundServer
 
 MODEL = "tiny-model"
 # A prompt of more than one 16-token block, so a repeat hits the prefix cache.
@@ -654,44 +647,3 @@ async def test_client_disconnect_aborts_the_engine_request(slow_server: Backgrou
     assert metric(url, "vllm:request_success_total", finished_reason="abort") == before + 2
     assert metric(url, "vllm:num_requests_running") == 0
     assert metric(url, "vllm:request_success_total", finished_reason="length") == 0
-
-
-# ---- the KV payload ------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("int8", [False, True])
-def test_kv_payload_round_trip(int8: bool) -> None:
-    data = torch.randn(3, 2, 2, 16, 2, 8)
-    scales = None
-    if int8:
-        data = (data * 50).to(torch.int8)
-        scales = torch.rand(3, 2, 2, 16, 2)
-    kv = KVBlocks(
-        token_ids=tuple(range(20)), block_size=16, block_ids=(4, 9), data=data, scales=scales
-    )
-    back = deserialize_kv(serialize_kv(kv))
-    assert back.token_ids == kv.token_ids
-    assert back.block_ids == kv.block_ids
-    assert back.block_size == 16
-    assert torch.equal(back.data, data)
-    assert (back.scales is None) == (scales is None)
-    if scales is not None:
-        assert back.scales is not None
-        assert torch.equal(back.scales, scales)
-
-
-@pytest.mark.parametrize(
-    "payload",
-    [
-        b"",
-        b"garbage",
-        b"\xff" * 8 + b"{}",
-        serialize_kv(
-            KVBlocks((1, 2), 16, (0,), torch.zeros(1, 2, 2, 16, 1, 4))  # 2 blocks of data, 1 id
-        ),
-    ],
-    ids=["empty", "garbage", "bad-header", "inconsistent"],
-)
-def test_malformed_kv_payloads_are_refused(payload: bytes) -> None:
-    with pytest.raises(ValueError):  # noqa: PT011 (any message: the decoder falls back)
-        deserialize_kv(payload)

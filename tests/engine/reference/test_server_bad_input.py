@@ -13,8 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from fleetpilot.engine.reference.server import BackgroundServer, build_server
+from fleetpilot.engine.reference.server import build_server
 from fleetpilot.httpserver import ServerLimits
+from fleetpilot.testing.engine_server import BackgroundServer
 from tests.engine.reference.test_server import BASE_ARGS, MODEL, start_server
 
 WAIT_S = 60.0
@@ -120,7 +121,7 @@ def test_slow_clients_are_cut_and_the_connection_limit_holds() -> None:
     connection is closed; once the slow ones are cut, a normal client is served."""
     import argparse
 
-    from fleetpilot.engine.reference.server import add_arguments
+    from fleetpilot.engine.reference.settings import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

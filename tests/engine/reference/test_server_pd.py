@@ -18,7 +18,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleetpilot.engine.reference.server import BackgroundServer
+from fleetpilot.testing.engine_server import BackgroundServer
 
 MODEL = "pd-model"
 PROMPT = "Disaggregated serving moves the prompt's KV cache from prefill to decode."

@@ -14,7 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from fleetpilot.engine.reference.server import BackgroundServer, ConfigError
+from fleetpilot.engine.reference.settings import ConfigError
+from fleetpilot.testing.engine_server import BackgroundServer
 from tests.engine.reference.test_server_pd import (
     COMMON,
     NIXL,

@@ -21,7 +21,8 @@ import pytest
 
 from fleetpilot.engine.reference.checkpoint import save_checkpoint
 from fleetpilot.engine.reference.model import LlamaModel
-from fleetpilot.engine.reference.server import MODEL_PRESETS, add_arguments, build_server, run
+from fleetpilot.engine.reference.server import build_server, run
+from fleetpilot.engine.reference.settings import MODEL_PRESETS, add_arguments
 
 LISTENING = re.compile(r"listening on (http://\S+)")
 

@@ -1,0 +1,405 @@
+"""The reference engine's command line: its flags, what they mean, and the model presets.
+
+Flags mirror ``vllm serve``'s where one exists, so the planner's engine settings read the same
+on both backends. :func:`settings_from_args` turns parsed flags into the server's settings and an
+engine factory, refusing a bad combination with a :class:`ConfigError` that names the flag; it
+reads JSON-valued flags (``--model-config``, ``--speculative-config``, vLLM's
+``--kv-transfer-config``) inline or from a file. Nothing here builds the model: the server does
+that after it starts listening, so its port answers 503 meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Final, Literal
+
+from fleetpilot.api import RoleName
+from fleetpilot.argtypes import port_number
+from fleetpilot.engine.reference.checkpoint import load_checkpoint
+from fleetpilot.engine.reference.engine import DEFAULT_KV_CACHE_BYTES, EngineConfig, LLMEngine
+from fleetpilot.engine.reference.model import LlamaModel, ModelConfig
+from fleetpilot.engine.reference.peers import LOOPBACK, AllowedPeers
+from fleetpilot.engine.reference.speculative import SpeculativeConfig
+from fleetpilot.httpserver import ServerLimits
+
+# Model presets that run on a CPU. "tiny" answers in milliseconds (tests, the local fleet);
+# "small" is the engine's default architecture.
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+    ),
+    "small": ModelConfig(),
+}
+DEFAULT_MAX_MODEL_LEN = 2048
+
+# vLLM's kv_both: one engine that both pins KV for decoders and pulls it from prefills. The API
+# has no such role (a tier is unified, or split into prefill and decode replicas), so the
+# engine's role is the API's RoleName or this.
+BOTH: Final = "both"
+EngineRole = RoleName | Literal["both"]
+
+
+@dataclass(frozen=True)
+class KVTransferSettings:
+    """What ``--kv-transfer-config`` (vLLM's JSON) means for this engine."""
+
+    role: EngineRole = RoleName.UNIFIED
+    engine_id: str = ""
+    advertise_host: str | None = None  # kv_ip: the host decoders should pull from
+    # KV sources and callers of /internal/kv: the hand-off is unauthenticated (see pd.py)
+    allowed_remote_hosts: AllowedPeers = LOOPBACK
+    pull_timeout_s: float = 10.0
+    pin_ttl_s: float = 60.0
+
+    @property
+    def produces(self) -> bool:
+        """Pins a prompt's KV for a decoder when a request asks (``do_remote_decode``)."""
+        return self.role in (RoleName.PREFILL, BOTH)
+
+    @property
+    def consumes(self) -> bool:
+        """Pulls a prompt's KV from a prefill when a request names one (``do_remote_prefill``)."""
+        return self.role in (RoleName.DECODE, BOTH)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_names: tuple[str, ...]
+    model_root: str
+    max_model_len: int
+    host: str = "127.0.0.1"
+    port: int = 8000
+    kv: KVTransferSettings = KVTransferSettings()
+    drain_grace_s: float = 25.0
+    step_delay_s: float = 0.0
+    limits: ServerLimits = field(default_factory=ServerLimits)  # header timeout, connections
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+class ConfigError(ValueError):
+    """Bad command-line settings; the message says which flag."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The reference engine's flags; names mirror ``vllm serve``'s where one exists."""
+    a = parser.add_argument
+    a("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
+    a("--port", type=port_number, default=8000, help="port to listen on; 0 picks a free one")
+    a(
+        "--model",
+        default=None,
+        help="checkpoint directory (config.json + model.safetensors); omitted: a seeded "
+        "random model of --model-config",
+    )
+    a(
+        "--model-config",
+        default="small",
+        help="architecture of the random model: a preset (tiny, small), a JSON object of "
+        "ModelConfig fields, or a JSON file (ignored with --model)",
+    )
+    a(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float64"],
+        help="weight and activation dtype (auto: the model config's)",
+    )
+    a(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use in 'model'; the first is the metrics' model_name "
+        "(default: --model, or reference-<preset>)",
+    )
+    a("--max-model-len", type=int, default=None, help="context length (default: 2048 or less)")
+    a("--max-num-seqs", type=int, default=64, help="most sequences in one step")
+    a("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
+    a("--block-size", type=int, default=16, help="tokens per KV block")
+    a(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share KV blocks of identical prompt prefixes",
+    )
+    a(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split long prefills across steps, mixed with decodes",
+    )
+    a("--kv-cache-dtype", choices=["auto", "int8"], default="auto", help="KV storage dtype")
+    a(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=DEFAULT_KV_CACHE_BYTES,
+        help="KV pool budget in bytes",
+    )
+    a(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=None,
+        help="KV pool size in blocks (overrides --kv-cache-memory-bytes)",
+    )
+    a(
+        "--speculative-config",
+        default=None,
+        help='JSON: {"method": "draft_layers", "num_speculative_tokens": k, '
+        '"draft_num_layers": n} (the draft is the target\'s first n layers)',
+    )
+    a(
+        "--kv-transfer-config",
+        default=None,
+        help='vLLM\'s JSON, e.g. {"kv_connector": "NixlConnector", "kv_role": "kv_both"}; '
+        "kv_role kv_producer/kv_consumer/kv_both enables the P/D prefill/decode/both sides; "
+        "also engine_id, kv_ip (host decoders pull from) and kv_connector_extra_config "
+        "{allowed_remote_hosts, pull_timeout_s}",
+    )
+    a(
+        "--allowed-remote-hosts",
+        default=None,
+        help="comma-separated P/D peers: the hosts (IP, CIDR or name, optionally :port) a "
+        "decode request may pull KV from, and the addresses /internal/kv answers; '*' for any "
+        "(only behind a network policy). Default: loopback only (127.0.0.0/8, ::1)",
+    )
+    a(
+        "--role",
+        choices=["auto", *(role.value for role in RoleName), BOTH],
+        default="auto",
+        help="P/D role (auto: from kv_role, unified without --kv-transfer-config)",
+    )
+    a(
+        "--kv-pin-ttl-seconds",
+        type=float,
+        default=60.0,
+        help="how long a prefill keeps a prompt's KV for its decoder",
+    )
+    a("--seed", type=int, default=0, help="sampling seed for requests without their own")
+    a(
+        "--num-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (1: best for the small matrices of CPU models)",
+    )
+    a(
+        "--drain-grace-seconds",
+        type=float,
+        default=25.0,
+        help="on SIGTERM, how long running requests may finish before they are aborted "
+        "(keep below the pod's terminationGracePeriodSeconds)",
+    )
+    a(
+        "--step-delay-seconds",
+        type=float,
+        default=0.0,
+        help="sleep after each busy engine step, to simulate a slower accelerator",
+    )
+    a("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _load_json_option(flag: str, value: str) -> dict[str, Any]:
+    text = value
+    if not value.lstrip().startswith("{"):
+        path = Path(value)
+        if not path.is_file():
+            raise ConfigError(f"{flag}: not a JSON object or a file: {value!r}")
+        text = path.read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{flag}: invalid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{flag}: must be a JSON object")
+    return data
+
+
+def _model_config(args: argparse.Namespace) -> tuple[ModelConfig, str]:
+    if args.model_config in MODEL_PRESETS:
+        config, name = MODEL_PRESETS[args.model_config], f"reference-{args.model_config}"
+    else:
+        data = _load_json_option("--model-config", args.model_config)
+        try:
+            config = ModelConfig.from_json_dict(data)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"--model-config: {e}") from e
+        name = "reference-custom"
+    if args.dtype != "auto":
+        config = replace(config, torch_dtype=args.dtype)
+    return config, name
+
+
+def _speculative(args: argparse.Namespace) -> SpeculativeConfig | None:
+    if not args.speculative_config:
+        return None
+    data = _load_json_option("--speculative-config", args.speculative_config)
+    method = data.pop("method", None)
+    if method not in (None, "draft_layers"):
+        raise ConfigError(
+            f"--speculative-config: method {method!r} is not supported by the reference "
+            "engine; use draft_layers (the target's first layers draft)"
+        )
+    allowed = {"num_speculative_tokens", "draft_num_layers"}
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise ConfigError(
+            f"--speculative-config: unknown keys {unknown}; allowed {sorted(allowed)}"
+        )
+    if "num_speculative_tokens" not in data:
+        raise ConfigError("--speculative-config: num_speculative_tokens is required")
+    try:
+        return SpeculativeConfig(**data)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"--speculative-config: {e}") from e
+
+
+_KV_ROLES: dict[str, EngineRole] = {
+    "kv_producer": RoleName.PREFILL,
+    "kv_consumer": RoleName.DECODE,
+    "kv_both": BOTH,
+}
+
+
+def _kv_settings(args: argparse.Namespace) -> KVTransferSettings:
+    data = (
+        _load_json_option("--kv-transfer-config", args.kv_transfer_config)
+        if (args.kv_transfer_config)
+        else {}
+    )
+    role: EngineRole
+    if args.role != "auto":
+        role = BOTH if args.role == BOTH else RoleName(args.role)
+    elif data:
+        kv_role = data.get("kv_role")
+        if kv_role not in _KV_ROLES:
+            raise ConfigError(
+                f"--kv-transfer-config: kv_role must be one of {sorted(_KV_ROLES)}, got {kv_role!r}"
+            )
+        role = _KV_ROLES[kv_role]
+    else:
+        role = RoleName.UNIFIED
+    extra = data.get("kv_connector_extra_config") or {}
+    if not isinstance(extra, dict):
+        raise ConfigError("--kv-transfer-config: kv_connector_extra_config must be an object")
+    allowed = extra.get("allowed_remote_hosts")
+    if allowed is not None and (
+        not isinstance(allowed, list) or not all(isinstance(h, str) for h in allowed)
+    ):
+        raise ConfigError("--kv-transfer-config: allowed_remote_hosts must be a list of hosts")
+    if args.allowed_remote_hosts is not None and allowed is not None:
+        raise ConfigError(
+            "--allowed-remote-hosts and kv_connector_extra_config.allowed_remote_hosts are "
+            "both set; set one"
+        )
+    if args.allowed_remote_hosts is not None:
+        allowed = args.allowed_remote_hosts.split(",")
+    try:
+        peers = LOOPBACK if allowed is None else AllowedPeers.parse(allowed)
+    except ValueError as e:
+        raise ConfigError(f"--allowed-remote-hosts: {e}") from e
+    try:
+        timeout = float(extra.get("pull_timeout_s", 10.0))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"--kv-transfer-config: pull_timeout_s: {e}") from e
+    if args.kv_pin_ttl_seconds <= 0:
+        raise ConfigError("--kv-pin-ttl-seconds must be positive")
+    engine_id = data.get("engine_id") or uuid.uuid4().hex
+    kv_ip = data.get("kv_ip")
+    return KVTransferSettings(
+        role=role,
+        engine_id=str(engine_id),
+        advertise_host=str(kv_ip) if kv_ip else None,
+        allowed_remote_hosts=peers,
+        pull_timeout_s=timeout,
+        pin_ttl_s=args.kv_pin_ttl_seconds,
+    )
+
+
+def settings_from_args(
+    args: argparse.Namespace,
+) -> tuple[ServerSettings, Callable[[], LLMEngine]]:
+    """Settings and an engine factory from parsed flags; ConfigError for a bad combination.
+
+    The model itself is built later, by the server, so the port answers 503 meanwhile.
+    """
+    kv = _kv_settings(args)
+    spec = _speculative(args)
+    model_config: ModelConfig | None = None
+    if args.model is not None:
+        checkpoint = Path(args.model)
+        if not checkpoint.is_dir():
+            raise ConfigError(f"--model: {checkpoint} is not a directory")
+        try:
+            config_data = json.loads((checkpoint / "config.json").read_text())
+            max_positions = int(config_data.get("max_position_embeddings", 4096))
+        except (OSError, ValueError, TypeError) as e:
+            raise ConfigError(f"--model: cannot read {checkpoint / 'config.json'}: {e}") from e
+        default_name = args.model
+    else:
+        model_config, default_name = _model_config(args)
+        max_positions = model_config.max_position_embeddings
+    max_model_len = args.max_model_len or min(DEFAULT_MAX_MODEL_LEN, max_positions)
+    if max_model_len > max_positions:
+        raise ConfigError(
+            f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
+            f"({max_positions})"
+        )
+    for flag, value in (
+        ("--port", args.port),
+        ("--drain-grace-seconds", args.drain_grace_seconds),
+        ("--step-delay-seconds", args.step_delay_seconds),
+    ):
+        if value < 0:
+            raise ConfigError(f"{flag} must not be negative")
+    try:
+        engine_config = EngineConfig(
+            block_size=args.block_size,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            num_kv_blocks=args.num_gpu_blocks_override,
+            kv_cache_dtype=args.kv_cache_dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=args.enable_prefix_caching,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            speculative=spec,
+            seed=args.seed,
+            kv_pin_ttl_s=kv.pin_ttl_s,
+            num_threads=args.num_threads,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    names = tuple(args.served_model_name or (default_name,))
+    settings = ServerSettings(
+        served_model_names=names,
+        model_root=args.model or default_name,
+        max_model_len=max_model_len,
+        host=args.host,
+        port=args.port,
+        kv=kv,
+        drain_grace_s=args.drain_grace_seconds,
+        step_delay_s=args.step_delay_seconds,
+    )
+    checkpoint_dir = Path(args.model) if args.model is not None else None
+    dtype = None if args.dtype == "auto" else args.dtype
+
+    def factory() -> LLMEngine:
+        if checkpoint_dir is not None:
+            model = load_checkpoint(checkpoint_dir, torch_dtype=dtype)
+        else:
+            assert model_config is not None
+            model = LlamaModel(model_config)
+        return LLMEngine(engine_config, model)
+
+    return settings, factory
