@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from fleetpilot.runtime.prometheus import PrometheusServer
 from fleetpilot.testing.controlplane import Cluster, free_ports
 from tests.autoscaler.support import Engine, EngineKey, Load
 from tests.factories import make_manifest, make_tier
+from tests.support.kube import CountingKube
 
 pytestmark = pytest.mark.cluster
 
@@ -244,6 +246,8 @@ def test_autoscaled_replicas_survive_a_reapplied_spec(
 def test_removed_tier_is_pruned_and_added_tier_created(
     kube: Kube, namespace: str, operator: Any, gpu_node: None
 ) -> None:
+    """A tier removed from the spec loses its Deployment (pruned by the operator), and a tier
+    added gets one."""
     manifest = small_service(namespace)
     manifest["spec"]["tiers"][0]["complexity"] = {"upTo": 0.5}
     manifest["spec"]["tiers"].append(
@@ -291,6 +295,8 @@ def test_refused_plan_sets_degraded_and_applies_nothing(
 def test_deleting_the_service_garbage_collects_everything(
     kube: Kube, namespace: str, operator: Any, gpu_node: None
 ) -> None:
+    """Every child carries an ownerReference to the service, so deleting the service leaves
+    nothing behind (the API server's garbage collector, not the operator, removes them)."""
     apply_service(kube, small_service(namespace))
     eventually("router", lambda: get(kube, "Deployment", namespace, "chat-router"))
     kube.delete("InferenceService", namespace, "chat")
@@ -304,7 +310,12 @@ def test_deleting_the_service_garbage_collects_everything(
     eventually("children garbage-collected", gone, timeout=90)
 
 
-def test_unschedulable_pods_are_reported(kube: Kube, namespace: str, operator: Any) -> None:
+def test_unschedulable_pods_are_reported(
+    kube: Kube, namespace: str, operator: Any, gpu_node: None
+) -> None:
+    """A GPU product no node has: the scheduler refuses the engine pod, and Degraded says
+    Unschedulable with the pod's name and the scheduler's own words, so no one has to read
+    the pod's events to find out why."""
     manifest = small_service(namespace)
     manifest["spec"]["tiers"][0]["resources"]["gpuProduct"] = "NVIDIA-B300"
     apply_service(kube, manifest)
@@ -314,7 +325,12 @@ def test_unschedulable_pods_are_reported(kube: Kube, namespace: str, operator: A
         return state if state and state["reason"] == "Unschedulable" else None
 
     state = eventually("Degraded Unschedulable", degraded, timeout=90)
-    assert "node" in state["message"]
+    assert state["status"] == "True"
+    # e.g. "pod chat-small-6d9f-x2k: 0/1 nodes are available: 1 node(s) didn't match Pod's
+    # node affinity/selector. preemption: ..." (the H100 node lacks the B300 label).
+    message = state["message"]
+    assert re.match(r"pod chat-small-[a-z0-9]+-[a-z0-9]+: 0/\d+ nodes are available: ", message)
+    assert "didn't match Pod's node affinity/selector" in message
 
 
 def test_reconcile_of_an_unchanged_service_writes_nothing(
@@ -323,7 +339,7 @@ def test_reconcile_of_an_unchanged_service_writes_nothing(
     """Idempotency, counted: once the cluster has settled, a reconcile performs zero writes."""
     apply_service(kube, small_service(namespace))
     with control_plane.api_client() as api:
-        counted = Kube(api)
+        counted = CountingKube(api)
         reconciler = Reconciler(counted)
 
         def fresh() -> Obj:
@@ -428,6 +444,8 @@ def podmonitor_crd(kube: Kube) -> Iterator[None]:
 def test_pod_monitor_is_created_when_its_crd_exists(
     kube: Kube, namespace: str, podmonitor_crd: None, start_operator: OperatorFactory
 ) -> None:
+    """With the Prometheus Operator's CRD served at start, each service gets a PodMonitor
+    selecting its pods."""
     start_operator()
     apply_service(kube, small_service(namespace))
     monitor = eventually(
@@ -546,6 +564,9 @@ def no_policies(kube: Kube, namespace: str, service: str) -> bool | None:
 def test_policies_select_exactly_the_services_pods_and_are_pruned_and_collected(
     kube: Kube, namespace: str, operator: Any
 ) -> None:
+    """The NetworkPolicies are accepted by the API server, select exactly this service's
+    engine and router pods (not another service's in the namespace), admit only its router,
+    its engines and the metrics namespace, are pruned on opt-out and collected on delete."""
     scraped_by_this_namespace = {"metricsNamespaces": [namespace]}
     apply_service(
         kube, policy_manifest(namespace, "chat", pd=True, networkPolicy=scraped_by_this_namespace)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 from enum import StrEnum
 
@@ -38,6 +39,30 @@ class Condition(ApiModel):
     observed_generation: int | None = Field(
         None, ge=0, description="metadata.generation this condition was computed from."
     )
+
+
+def set_condition(conditions: Sequence[Condition], condition: Condition) -> list[Condition]:
+    """``conditions`` with ``condition`` in place of the one of its type (appended when there is
+    none); every other condition is kept as it is, in its place. Purely computational.
+
+    ``lastTransitionTime`` moves only when the status flips: while it holds, the previous
+    condition's time is kept, so the condition keeps saying since when it is true (or false).
+    """
+    result: list[Condition] = []
+    replaced = False
+    for item in conditions:
+        if item.type != condition.type:
+            result.append(item)
+            continue
+        if item.status == condition.status:
+            condition = condition.model_copy(
+                update={"last_transition_time": item.last_transition_time}
+            )
+        result.append(condition)
+        replaced = True
+    if not replaced:
+        result.append(condition)
+    return result
 
 
 class ScaleRecord(ApiModel):

@@ -1,15 +1,15 @@
 """A small, typed Kubernetes REST client for the kinds fleetpilot manages.
 
 Why not the generated per-kind APIs: server-side apply needs a raw PATCH with
-``application/apply-patch+yaml``, the planner speaks plain dicts, and counting writes (the
-idempotency tests do) is simplest when every request passes through one method.
+``application/apply-patch+yaml``, the planner speaks plain dicts, and with every request
+passing through one method (:meth:`Kube.request`) a test can count or fake them by overriding
+it (``tests/support/kube.py`` does both).
 The caller runs it in a thread (kopf runs sync handlers in an executor), never in the loop.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,8 +85,6 @@ class Kube:
     def __init__(self, api: k8s.ApiClient, timeout_s: float = 30.0) -> None:
         self.api = api
         self.timeout_s = timeout_s
-        self._lock = threading.Lock()
-        self.writes = 0  # count of non-GET requests, for idempotency tests and metrics
 
     def request(
         self,
@@ -97,9 +95,6 @@ class Kube:
         body: Obj | None = None,
         content_type: str = "application/json",
     ) -> Obj:
-        if method != "GET":
-            with self._lock:
-                self.writes += 1
         headers = {"Accept": "application/json"}
         if body is not None:
             headers["Content-Type"] = content_type

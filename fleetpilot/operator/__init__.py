@@ -1,1 +1,11 @@
-"""The operator: a pure planner and (later) the kopf handlers around it."""
+"""The operator: turns each InferenceService into the objects that serve it, and keeps them so.
+
+- The planner (``planner``, ``engine_objects``, ``router_objects``, ``network_policy``,
+  ``plan_types``, ``summary``) and the status computation (``status``) and apply decision
+  (``drift``) are purely computational: a spec in, plain objects out.
+- ``reconcile`` is the I/O shell around them: it applies what changed (server-side apply),
+  prunes what is no longer planned and writes the status through ``fleetpilot.kube``.
+- ``handlers`` are the kopf handlers that feed it cluster events, and the timer that runs the
+  autoscaler (``fleetpilot.autoscaler``) for every service; ``metrics`` are served on
+  ``/metrics`` by ``fleetpilot operator``.
+"""

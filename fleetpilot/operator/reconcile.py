@@ -11,14 +11,14 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
 
-from fleetpilot.api import InferenceService, InvalidManifestError, parse_service
+from fleetpilot.api import KIND, InferenceService, InvalidManifestError, parse_service
 from fleetpilot.api.spec import AutoscalingMode
 from fleetpilot.api.status import InferenceServiceStatus
 from fleetpilot.kube import names
-from fleetpilot.kube.client import RESOURCES, Kube, KubeError, Obj
+from fleetpilot.kube.client import Kube, KubeError, Obj
 from fleetpilot.kube.managers import OPERATOR_MANAGER, owns_field
+from fleetpilot.kube.status import StatusWrite, update_status
 from fleetpilot.operator.drift import needs_apply, with_hash
 from fleetpilot.operator.plan_types import PlanError, PlanOptions
 from fleetpilot.operator.planner import all_roles, plan
@@ -39,6 +39,7 @@ MANAGED_KINDS = (
 )
 OPTIONAL_KINDS = {"PodMonitor": ("monitoring.coreos.com/v1", "podmonitors")}
 
+# Status writes that lose a race (409) are computed again from a fresh read this many times.
 STATUS_ATTEMPTS = 3
 
 EventSink = Callable[[str, str, str], None]  # (type Normal|Warning, reason, message)
@@ -171,47 +172,31 @@ class Reconciler:
     def write_status(
         self, service: InferenceService, body: Obj, plan_error: str | None = None
     ) -> bool:
-        """Patch the status subresource if (and only if) it changed.
+        """Patch the status subresource if (and only if) it changed; whether it was written.
 
-        Child events refresh status concurrently; a write that lost the race (409) is retried
-        on the fresh object, so the newest observation always lands.
+        Child events refresh status concurrently and the autoscaler writes its own parts of
+        it; a write that lost the race (409) is computed again on the fresh object, so the
+        newest observation lands and no one else's fields are lost.
         """
-        for _ in range(STATUS_ATTEMPTS - 1):
-            try:
-                return self._write_status_once(service, body, plan_error)
-            except KubeError as exc:
-                if not exc.conflict:
-                    raise
-                fresh = self.kube.get("InferenceService", service.namespace, service.name)
-                if fresh is None:
-                    return False
-                body = fresh
-        return self._write_status_once(service, body, plan_error)
 
-    def _write_status_once(
-        self, service: InferenceService, body: Obj, plan_error: str | None
-    ) -> bool:
-        raw_previous = body.get("status") or None
-        previous = _parse_status(raw_previous)
-        now = datetime.now(UTC).replace(microsecond=0)
-        status = compute_status(service, self.observe(service), previous, now, plan_error)
-        wire = status.to_wire()
-        if previous is not None and previous.to_wire() == wire:
-            return False
-        # resourceVersion makes this an optimistic write: a concurrent autoscaler update of
-        # status.tiers yields 409 and a retry instead of being silently overwritten.
-        patch: dict[str, Any] = {"status": wire}
-        version = body.get("metadata", {}).get("resourceVersion")
-        if version:
-            patch["metadata"] = {"resourceVersion": version}
-        self.kube.request(
-            "PATCH",
-            RESOURCES["InferenceService"].path(service.namespace, service.name) + "/status",
-            query=[("fieldManager", OPERATOR_MANAGER)],
-            body=patch,
-            content_type="application/merge-patch+json",
+        def mutate(live: Obj) -> Obj:
+            previous = _parse_status(live.get("status") or None)
+            now = datetime.now(UTC).replace(microsecond=0)
+            return compute_status(
+                service, self.observe(service), previous, now, plan_error
+            ).to_wire()
+
+        outcome = update_status(
+            self.kube,
+            KIND,
+            service.namespace,
+            service.name,
+            mutate,
+            manager=OPERATOR_MANAGER,
+            attempts=STATUS_ATTEMPTS,
+            live=body,
         )
-        return True
+        return outcome is StatusWrite.WRITTEN
 
 
 def _parse_status(raw: Obj | None) -> InferenceServiceStatus | None:

@@ -21,6 +21,7 @@ from fleetpilot.api.status import (
     InferenceServiceStatus,
     RoleStatus,
     TierStatus,
+    set_condition,
 )
 from fleetpilot.kube import names
 from fleetpilot.operator.planner import all_roles
@@ -37,6 +38,7 @@ _WAITING_REASONS = {
     "CreateContainerError": "ContainerConfigError",
 }
 MAX_PROBLEMS_IN_MESSAGE = 3
+_OPERATOR_CONDITIONS = {ConditionType.READY, ConditionType.PROGRESSING, ConditionType.DEGRADED}
 
 
 @dataclass(frozen=True)
@@ -114,29 +116,6 @@ def _deployment_problems(
     return problems
 
 
-def _condition(
-    kind: ConditionType,
-    status: bool,
-    reason: str,
-    message: str,
-    generation: int | None,
-    previous: dict[str, Condition],
-    now: datetime,
-) -> Condition:
-    value = ConditionStatus.TRUE if status else ConditionStatus.FALSE
-    before = previous.get(kind.value)
-    # lastTransitionTime moves only when the status flips, so "since when" stays truthful.
-    since = before.last_transition_time if before is not None and before.status == value else now
-    return Condition(
-        type=kind.value,
-        status=value,
-        reason=reason,
-        message=message,
-        last_transition_time=since,
-        observed_generation=generation,
-    )
-
-
 def compute_status(
     service: InferenceService,
     observed: Observed,
@@ -146,7 +125,7 @@ def compute_status(
 ) -> InferenceServiceStatus:
     """The status to write; keeps what other writers own (ScalingActive, desired, lastScale)."""
     generation = service.metadata.generation
-    old_conditions = {c.type: c for c in (previous.conditions if previous else [])}
+    old_conditions = previous.conditions if previous else []
     old_roles = {(t.name, r.role): r for t in (previous.tiers if previous else []) for r in t.roles}
 
     rollouts = []
@@ -179,7 +158,14 @@ def compute_status(
     pending = [r for r in rollouts if not r.done]
 
     def cond(kind: ConditionType, status: bool, reason: str, message: str) -> Condition:
-        return _condition(kind, status, reason, message, generation, old_conditions, now)
+        return Condition(
+            type=kind.value,
+            status=ConditionStatus.TRUE if status else ConditionStatus.FALSE,
+            reason=reason,
+            message=message,
+            last_transition_time=now,
+            observed_generation=generation,
+        )
 
     if plan_error is not None:
         ready = cond(ConditionType.READY, False, "PlanRefused", plan_error)
@@ -206,9 +192,12 @@ def compute_status(
     else:
         degraded = cond(ConditionType.DEGRADED, False, "Healthy", "no problem observed")
 
-    conditions = [ready, progressing, degraded]
-    if ConditionType.SCALING_ACTIVE.value in old_conditions:
-        conditions.append(old_conditions[ConditionType.SCALING_ACTIVE.value])
+    # The operator's own conditions, each keeping its lastTransitionTime unless it flipped;
+    # ScalingActive is the autoscaler's and is kept as it was.
+    conditions = [c for c in old_conditions if c.type in _OPERATOR_CONDITIONS]
+    for fresh in (ready, progressing, degraded):
+        conditions = set_condition(conditions, fresh)
+    conditions += [c for c in old_conditions if c.type == ConditionType.SCALING_ACTIVE.value]
     unready_tiers = {r.tier for r in pending if r.tier is not None}
     ready_tiers = sum(1 for name in tiers if name not in unready_tiers)
     return InferenceServiceStatus(

@@ -116,8 +116,8 @@ the same table: a change here must change it there too.
 - apiGroups: [monitoring.coreos.com]
   resources: [podmonitors]
   verbs: [get, list, watch, create, patch, delete]
-# For the in-operator autoscaler timer: it scales engine Deployments through the scale
-# subresource under its own field manager. Unused until that timer ships.
+# The operator's autoscaler timer scales engine Deployments through the scale subresource,
+# under its own field manager (fleetpilot-autoscaler), so re-applied specs leave replicas alone.
 - apiGroups: [apps]
   resources: [deployments/scale]
   verbs: [get, patch]
@@ -125,7 +125,8 @@ the same table: a change here must change it there too.
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch]
-# kopf posts Events on InferenceServices (created/updated/pruned/refused).
+# Events on InferenceServices: kopf's (created/updated/pruned/refused) and the autoscaler's
+# (scaled, recommended, metrics lost).
 - apiGroups: [""]
   resources: [events]
   verbs: [create, patch]
