@@ -16,6 +16,7 @@ from kubernetes import config as k8s_config
 
 from fleetpilot.testing.errors import ControlPlaneError
 from fleetpilot.testing.kubeconfig import write_kubeconfig
+from fleetpilot.testing.nodes import register_gpu_node
 
 
 class Cluster:
@@ -61,8 +62,12 @@ class Cluster:
         memory: str = "1Ti",
         pods: int = 110,
     ) -> None:
-        """Register a fake GPU node (ControlPlane only)."""
-        raise ControlPlaneError("refusing to register fake nodes on a cluster we did not start")
+        """Register a fake GPU node, Ready and untainted (see `nodes.register_gpu_node`): only on
+        a cluster we started (`fake_nodes`), never on someone else's."""
+        if not self.fake_nodes:
+            raise ControlPlaneError("refusing to register fake nodes on a cluster we did not start")
+        with self.api_client() as api:
+            register_gpu_node(api, name, product, gpus, cpu=cpu, memory=memory, pods=pods)
 
     def _default_kubeconfig_path(self, stem: str) -> Path:
         raise ControlPlaneError("pass a path: this is not a cluster the tests started")

@@ -46,12 +46,7 @@ from fleetpilot.testing.binaries import ensure_binaries
 from fleetpilot.testing.cluster import Cluster, ExistingCluster
 from fleetpilot.testing.errors import ControlPlaneError
 from fleetpilot.testing.kubeconfig import client_cert_user, write_kubeconfig
-from fleetpilot.testing.nodes import (
-    FAKE_NODE_LABEL,
-    GPU_PRODUCT_LABEL,
-    GPU_RESOURCE,
-    register_gpu_node,
-)
+from fleetpilot.testing.nodes import FAKE_NODE_LABEL, GPU_PRODUCT_LABEL, GPU_RESOURCE
 from fleetpilot.testing.pki import Pki
 
 __all__ = [
@@ -428,20 +423,6 @@ class ControlPlane(Cluster):
             raise ControlPlaneError(f"processes still running after stop: {left}")
         if self._children:
             log.info("control plane in %s stopped", self.workdir)
-
-    def add_gpu_node(
-        self,
-        name: str,
-        product: str,
-        gpus: int = 8,
-        *,
-        cpu: str = "96",
-        memory: str = "1Ti",
-        pods: int = 110,
-    ) -> None:
-        """Register a fake GPU node, Ready and untainted (see `nodes.register_gpu_node`)."""
-        with self.api_client() as api:
-            register_gpu_node(api, name, product, gpus, cpu=cpu, memory=memory, pods=pods)
 
 
 if __name__ == "__main__":

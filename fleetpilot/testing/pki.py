@@ -69,12 +69,7 @@ class Pki:
         """Make a fresh CA and every certificate and key, replacing any already there."""
         self.dir.mkdir(parents=True, exist_ok=True)
         self.config.write_text(_OPENSSL_CONFIG)
-        ca_key = self._key("ca")
-        self._openssl(
-            "req", "-x509", "-new", "-key", str(ca_key), "-sha256", "-days", "3650",
-            "-subj", "/CN=fleetpilot-test-ca", "-config", str(self.config),
-            "-extensions", "ca", "-out", str(self.path("ca.crt")),
-        )  # fmt: skip
+        self._ca("ca", "/CN=fleetpilot-test-ca")
         # One serving certificate for every component: all listen on 127.0.0.1 only.
         self._leaf("serving", "/CN=fleetpilot-test-serving", "server")
         self._leaf("admin", "/O=system:masters/CN=fleetpilot-admin", "client")
@@ -82,15 +77,18 @@ class Pki:
         self._leaf("scheduler", "/CN=system:kube-scheduler", "client")
         # The aggregation layer's own CA, separate as in kubeadm: a certificate from it lets the
         # API server assert any identity to an aggregated API server (metrics, custom metrics).
-        front_key = self._key("front-proxy-ca")
-        self._openssl(
-            "req", "-x509", "-new", "-key", str(front_key), "-sha256", "-days", "3650",
-            "-subj", "/CN=fleetpilot-test-front-proxy-ca", "-config", str(self.config),
-            "-extensions", "ca", "-out", str(self.path("front-proxy-ca.crt")),
-        )  # fmt: skip
+        self._ca("front-proxy-ca", "/CN=fleetpilot-test-front-proxy-ca")
         self._leaf("front-proxy-client", "/CN=front-proxy-client", "client", ca="front-proxy-ca")
         sa_key = self._key("service-account")
         self._openssl("ec", "-in", str(sa_key), "-pubout", "-out", str(self.path("sa.pub")))
+
+    def _ca(self, name: str, subject: str) -> None:
+        key = self._key(name)
+        self._openssl(
+            "req", "-x509", "-new", "-key", str(key), "-sha256", "-days", "3650",
+            "-subj", subject, "-config", str(self.config),
+            "-extensions", "ca", "-out", str(self.path(f"{name}.crt")),
+        )  # fmt: skip
 
     def _leaf(self, name: str, subject: str, kind: str, *, ca: str = "ca") -> None:
         key = self._key(name)
