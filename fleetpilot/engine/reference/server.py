@@ -86,6 +86,7 @@ from fleetpilot.engine.reference.settings import (
 from fleetpilot.engine.reference.sse import stream_events
 from fleetpilot.engine.reference.tokenizer import ByteTokenizer
 from fleetpilot.httpserver import make_runner, start_site
+from fleetpilot.logs import configure_logging
 
 # The command line: ``fleetpilot engine --backend reference`` calls add_arguments, then run.
 __all__ = ["EngineServer", "add_arguments", "build_server", "main", "run", "serve"]
@@ -596,11 +597,7 @@ async def serve(server: EngineServer, *, install_signal_handlers: bool = True) -
 
 def run(args: argparse.Namespace) -> int:
     """Entry point for ``fleetpilot engine --backend reference``."""
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=getattr(logging, str(args.log_level).upper()),
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        )
+    configure_logging(args.log_level, args.log_format)
     try:
         server = build_server(args)
     except (ConfigError, CheckpointError) as e:

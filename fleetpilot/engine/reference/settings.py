@@ -5,7 +5,8 @@ on both backends. :func:`settings_from_args` turns parsed flags into the server'
 engine factory, refusing a bad combination with a :class:`ConfigError` that names the flag; it
 reads JSON-valued flags (``--model-config``, ``--speculative-config``, vLLM's
 ``--kv-transfer-config``) inline or from a file. Nothing here builds the model: the server does
-that after it starts listening, so its port answers 503 meanwhile.
+that after it starts listening, so its port answers 503 meanwhile. Logging takes every
+process's flags (fleetpilot.logs: ``--log-level``, ``--log-format``, JSON lines by default).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from fleetpilot.engine.reference.model import LlamaModel, ModelConfig
 from fleetpilot.engine.reference.peers import LOOPBACK, AllowedPeers
 from fleetpilot.engine.reference.speculative import SpeculativeConfig
 from fleetpilot.httpserver import ServerLimits
+from fleetpilot.logs import add_log_arguments
 
 # Model presets that run on a CPU. "tiny" answers in milliseconds (tests, the local fleet);
 # "small" is the engine's default architecture.
@@ -206,7 +208,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="sleep after each busy engine step, to simulate a slower accelerator",
     )
-    a("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_log_arguments(parser)
 
 
 def _load_json_option(flag: str, value: str) -> dict[str, Any]:

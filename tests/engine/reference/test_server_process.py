@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import queue
 import re
@@ -24,7 +25,7 @@ from fleetpilot.engine.reference.model import LlamaModel
 from fleetpilot.engine.reference.server import build_server, run
 from fleetpilot.engine.reference.settings import MODEL_PRESETS, add_arguments
 
-LISTENING = re.compile(r"listening on (http://\S+)")
+LISTENING = re.compile(r"listening on (http://\S+)$")
 
 
 class ServerProcess:
@@ -50,6 +51,7 @@ class ServerProcess:
             self.lines.put(line)
 
     def wait_listening(self, timeout: float = 60.0) -> str:
+        """The server's URL, from its "listening on" log line (a JSON line by default)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -58,9 +60,13 @@ class ServerProcess:
                 if self.proc.poll() is not None:
                     break
                 continue
-            if match := LISTENING.search(line):
+            if match := LISTENING.search(_message(line)):
                 return match.group(1)
         raise AssertionError("server did not start:\n" + "".join(self.log))
+
+    def messages(self) -> list[str]:
+        """The ``msg`` of every JSON log line so far."""
+        return [_message(line) for line in self.log if line.startswith("{")]
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -69,6 +75,25 @@ class ServerProcess:
         self._reader.join(5)
         if self.proc.stderr is not None:
             self.proc.stderr.close()
+
+
+def _message(line: str) -> str:
+    """A JSON log line's ``msg``; any other line (a library's own print) as it is."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return line.rstrip("\n")
+    return str(record.get("msg", "")) if isinstance(record, dict) else line.rstrip("\n")
+
+
+@pytest.fixture
+def restored_root_logger() -> Iterator[None]:
+    """``run`` sets up the process's logging; a test that calls it in-process puts it back."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture
@@ -95,6 +120,9 @@ def wait_healthy(url: str, timeout: float = 60.0) -> None:
 
 
 def test_sigterm_drains_running_requests_then_exits_zero(process: ServerProcess) -> None:
+    """SIGTERM: /health and new requests turn 503 while a running stream finishes, then the
+    process exits 0; its logs are JSON lines (the shared default) and never carry a client's
+    bearer token."""
     url = process.wait_listening()
     wait_healthy(url)
     body = {"prompt": "a long one", "max_tokens": 120, "ignore_eos": True, "stream": True}
@@ -127,14 +155,18 @@ def test_sigterm_drains_running_requests_then_exits_zero(process: ServerProcess)
     chunks = [json.loads(line.removeprefix("data: ")) for line in rest[:-1]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert process.proc.wait(20) == 0
-    log = "".join(process.log)
-    assert "draining" in log
-    assert "secret-token" not in log
+    messages = process.messages()
+    assert "shutdown requested: draining" in messages
+    assert any(m.startswith("stopped (exit code 0)") for m in messages)
+    assert "secret-token" not in "".join(process.log)
 
 
+@pytest.mark.usefixtures("restored_root_logger")
 def test_cli_entry_points_refuse_bad_settings(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """A bad flag value or combination is exit status 2 and a message naming the flag, before
+    anything listens."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     cases = {
@@ -152,6 +184,8 @@ def test_cli_entry_points_refuse_bad_settings(
 
 
 def test_settings_from_flags(tmp_path: Path) -> None:
+    """Flags become the server's settings and engine: defaults, a checkpoint, served names,
+    vLLM's --kv-transfer-config (kv_both: both sides of the hand-off), cache and speculation."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     defaults = build_server(parser.parse_args([]))
