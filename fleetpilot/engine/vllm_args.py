@@ -1,9 +1,11 @@
 """The ``vllm serve`` command line of one engine replica. Purely computational.
 
-The planner puts this command into engine pods, and the launcher (``fleetpilot engine
---backend vllm``) will exec the same list, so what ``fleetpilot plan`` prints is exactly what
-runs. Flags follow vLLM's CLI (``vllm serve --help``); JSON-valued flags are compact with
-sorted keys so a re-plan produces byte-identical pod specs (no spurious rollouts).
+:func:`launch_for` turns a tier's resolved role into an :class:`EngineLaunch`, and
+:func:`vllm_serve_args` turns that into ``vllm serve`` flags. The planner puts this command into
+engine pods and the launcher (``fleetpilot engine --backend vllm``) execs the same list, so what
+``fleetpilot plan`` prints is exactly what runs. Flags follow vLLM's CLI (``vllm serve
+--help``); JSON-valued flags are compact with sorted keys so a re-plan produces byte-identical
+pod specs (no spurious rollouts).
 """
 
 from __future__ import annotations
