@@ -31,7 +31,7 @@ def parse_duration(value: Any) -> timedelta:
     """
     if isinstance(value, timedelta):
         return value
-    if not isinstance(value, str) or not _DURATION_RE.match(value):
+    if not isinstance(value, str) or not _DURATION_RE.fullmatch(value):
         raise ValueError(
             f"invalid duration {value!r}: use a number with a unit, e.g. 800ms, 15s, 5m, 1h30m"
         )
@@ -76,7 +76,7 @@ def parse_quantity(value: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise ValueError(f"invalid quantity {value!r}: use e.g. 8, 500m, 64Gi")
     text = str(value)
-    if not _QUANTITY_RE.match(text):
+    if not _QUANTITY_RE.fullmatch(text):
         raise ValueError(f"invalid quantity {value!r}: use e.g. 8, 500m, 64Gi")
     return text
 

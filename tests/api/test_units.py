@@ -29,7 +29,7 @@ def test_parse_duration(text: str, seconds: float) -> None:
     assert parse_duration(text).total_seconds() == pytest.approx(seconds)
 
 
-@pytest.mark.parametrize("bad", ["300", "5 m", "-1s", "1d", "", "ms", 300, None, "1h-5m"])
+@pytest.mark.parametrize("bad", ["300", "5 m", "-1s", "1d", "", "ms", 300, None, "1h-5m", "5m\n"])
 def test_parse_duration_refuses_ambiguous_or_malformed(bad: object) -> None:
     """A bare number is refused: an SLO off by 1000x must not be silently accepted."""
     with pytest.raises(ValueError, match="invalid duration"):
@@ -60,7 +60,7 @@ def test_quantity_accepts_ints_and_suffixes(value: object, text: str) -> None:
     assert parse_quantity(value) == text
 
 
-@pytest.mark.parametrize("bad", ["64GB", "lots", True, 1.5, "8 Gi"])
+@pytest.mark.parametrize("bad", ["64GB", "lots", True, 1.5, "8 Gi", "8Gi\n"])
 def test_quantity_refuses_what_kubernetes_refuses(bad: object) -> None:
     """ "64GB", floats, booleans and spaced units are refused here, not at `kubectl apply` or in the
     cluster."""
