@@ -3,11 +3,13 @@
 An :class:`Actuator` reads a role's replicas, scales it, and records decisions where people
 look: the InferenceService status (``desired``, ``lastScale``, the ``ScalingActive``
 condition), an Event per change, and two metrics. :class:`KubernetesActuator` does it on a
-cluster through the operator's REST client; :class:`MemoryActuator` keeps everything in memory
-(tests, dry runs; the local runtime brings its own).
+cluster through ``fleetpilot.kube``, for the operator's autoscaler timer. ``fleetpilot
+autoscaler`` acts on a local fleet through its control API instead (``remote.FleetActuator``),
+and the tests use an in-memory one (``tests/support/actuators.py``).
 
-The pure parts (the condition, merging it and the role records into a status) are functions
-here, so the writer only reads, calls and writes.
+The pure parts (the ScalingActive condition, the role records merged into ``status.tiers``)
+are functions here; the status is written through ``fleetpilot.kube.status.update_status``,
+the one optimistic status writer the operator uses too.
 """
 
 from __future__ import annotations
@@ -15,18 +17,25 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Protocol
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
 from fleetpilot.api import API_VERSION, KIND, InferenceService
-from fleetpilot.api.status import Condition, ConditionStatus, ConditionType, ScaleRecord
+from fleetpilot.api.status import (
+    Condition,
+    ConditionStatus,
+    ConditionType,
+    ScaleRecord,
+    set_condition,
+)
 from fleetpilot.autoscaler.model import DataProblem, Decision
 from fleetpilot.kube import names
 from fleetpilot.kube.client import MERGE_CONTENT_TYPE, RESOURCES, Kube, KubeError, Obj
 from fleetpilot.kube.managers import AUTOSCALER_MANAGER
+from fleetpilot.kube.status import StatusWrite, update_status
 
 log = logging.getLogger(__name__)
 
@@ -148,28 +157,6 @@ def scaling_active_condition(
         last_transition_time=now,
         observed_generation=generation,
     )
-
-
-def merge_condition(conditions: Sequence[Obj], condition: Condition) -> list[Obj]:
-    """Replace the condition of the same type, keeping every other one untouched.
-
-    ``lastTransitionTime`` stays as it was while the status does not flip, so it keeps saying
-    since when the condition holds.
-    """
-    wire = condition.to_wire()
-    merged: list[Obj] = []
-    replaced = False
-    for item in conditions:
-        if item.get("type") == condition.type:
-            if item.get("status") == wire["status"] and item.get("lastTransitionTime"):
-                wire["lastTransitionTime"] = item["lastTransitionTime"]
-            merged.append(wire)
-            replaced = True
-        else:
-            merged.append(item)
-    if not replaced:
-        merged.append(wire)
-    return merged
 
 
 def _record_of(decision: Decision, now: datetime) -> ScaleRecord:
@@ -298,45 +285,39 @@ class KubernetesActuator:
         condition: Condition,
         now: datetime,
     ) -> tuple[list[Decision], bool]:
-        """Merge-patch the status with a resourceVersion precondition, re-reading on 409.
+        """Write the decided roles and the condition into the status; the decisions worth an
+        Event and whether the condition flipped (both as of the write that landed).
 
-        A merge patch replaces lists whole, so the lists are rebuilt from a fresh read and the
-        precondition makes sure no one else's write in between is lost.
+        Only ``tiers`` and ``conditions`` are sent, rebuilt from the live status so what the
+        operator wrote (replicas, Ready, the other tiers) stays.
         """
-        for attempt in range(1, MAX_STATUS_ATTEMPTS + 1):
-            live = self.kube.get(KIND, service.namespace, service.name)
-            if live is None:
-                return [], False  # deleted meanwhile: nothing left to record on
+        eventful: list[Decision] = []
+        flipped = False
+
+        def mutate(live: Obj) -> Obj:
+            nonlocal eventful, flipped
             status: Obj = live.get("status") or {}
-            old_tiers = status.get("tiers") or []
-            old_conditions = status.get("conditions") or []
+            old_conditions = [Condition.model_validate(c) for c in status.get("conditions") or []]
             generation = live.get("metadata", {}).get("generation")
             stamped = condition.model_copy(update={"observed_generation": generation})
-            tiers, eventful = merge_roles(old_tiers, decisions, now)
-            conditions = merge_condition(old_conditions, stamped)
-            before = next((c for c in old_conditions if c.get("type") == condition.type), None)
-            flipped = before is None or before.get("status") != condition.status.value
-            if tiers == old_tiers and conditions == old_conditions:
-                return eventful, flipped  # nothing new: skip the write
-            body: Obj = {
-                "metadata": {"resourceVersion": live["metadata"]["resourceVersion"]},
-                "status": {"tiers": tiers, "conditions": conditions},
-            }
-            try:
-                self.kube.request(
-                    "PATCH",
-                    RESOURCES[KIND].path(service.namespace, service.name) + "/status",
-                    query=[("fieldManager", self.manager)],
-                    body=body,
-                    content_type=MERGE_CONTENT_TYPE,
-                )
-            except KubeError as exc:
-                if exc.conflict and attempt < MAX_STATUS_ATTEMPTS:
-                    log.debug("status of %s changed meanwhile, re-reading", service.name)
-                    continue
-                raise
-            return eventful, flipped
-        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+            tiers, eventful = merge_roles(status.get("tiers") or [], decisions, now)
+            before = next((c for c in old_conditions if c.type == condition.type), None)
+            flipped = before is None or before.status != condition.status
+            conditions = set_condition(old_conditions, stamped)
+            return {"tiers": tiers, "conditions": [c.to_wire() for c in conditions]}
+
+        outcome = update_status(
+            self.kube,
+            KIND,
+            service.namespace,
+            service.name,
+            mutate,
+            manager=self.manager,
+            attempts=MAX_STATUS_ATTEMPTS,
+        )
+        if outcome is StatusWrite.GONE:
+            return [], False  # deleted meanwhile: nothing left to record on
+        return eventful, flipped
 
     def _event(
         self, service: InferenceService, reason: str, message: str, kind: str, now: datetime
@@ -373,49 +354,8 @@ class KubernetesActuator:
 def kubernetes_actuator(
     kube: Kube, *, metrics: AutoscalerMetrics | None = None
 ) -> KubernetesActuator:
-    """The actuator the operator's timer and ``fleetpilot autoscaler`` use on a cluster."""
+    """The actuator the operator's autoscaler timer uses on a cluster."""
     return KubernetesActuator(kube, metrics=metrics)
-
-
-# ------------------------------------------------------------------------------ in memory
-
-
-@dataclass
-class MemoryActuator:
-    """:class:`Actuator` over a dict of replicas: tests, simulations, dry runs.
-
-    ``replicas`` maps ``(tier, role)`` to :class:`Replicas`; ``ready_on_scale`` makes scaled
-    replicas ready at once (a kubelet that never lags).
-    """
-
-    replicas: dict[tuple[str, str], Replicas] = field(default_factory=dict)
-    ready_on_scale: bool = True
-    scaled: list[tuple[str, str, int]] = field(default_factory=list)
-    recorded: list[Decision] = field(default_factory=list)
-    conditions: list[Condition] = field(default_factory=list)
-    status_tiers: list[Obj] = field(default_factory=list)
-    events: list[tuple[str, str]] = field(default_factory=list)  # (reason, message)
-
-    def current(self, service: InferenceService, tier: str, role: str) -> Replicas | None:
-        return self.replicas.get((tier, role))
-
-    def scale(self, service: InferenceService, tier: str, role: str, replicas: int) -> None:
-        before = self.replicas.get((tier, role), Replicas(0, 0))
-        ready = replicas if self.ready_on_scale else min(before.ready, replicas)
-        self.replicas[(tier, role)] = Replicas(replicas, ready)
-        self.scaled.append((tier, role, replicas))
-
-    def record(
-        self,
-        service: InferenceService,
-        decisions: Sequence[Decision],
-        condition: Condition,
-        now: datetime,
-    ) -> None:
-        self.recorded.extend(decisions)
-        self.status_tiers, eventful = merge_roles(self.status_tiers, decisions, now)
-        self.events.extend((event_reason(d), f"tier {d.tier}: {d.reason}") for d in eventful)
-        self.conditions.append(condition)
 
 
 __all__ = [
@@ -427,12 +367,10 @@ __all__ = [
     "Actuator",
     "AutoscalerMetrics",
     "KubernetesActuator",
-    "MemoryActuator",
     "Replicas",
     "default_metrics",
     "event_reason",
     "kubernetes_actuator",
-    "merge_condition",
     "merge_roles",
     "scaling_active_condition",
     "worth_an_event",

@@ -1,14 +1,13 @@
 """The actuator: scale subresource, status records, the ScalingActive condition, Events.
 
-KubernetesActuator runs against an in-memory API that keeps real objects (an InferenceService
-from the factories, its status as the operator writes it, a Deployment) and applies JSON merge
-patches (RFC 7386) with the API server's resourceVersion precondition; e2e/ repeats the main
-path on a real API server.
+KubernetesActuator runs against the in-memory API server of ``tests/support/kube.py``, which
+keeps real objects (an InferenceService from the factories, its status as the operator writes
+it, a Deployment), applies JSON merge patches (RFC 7386) and honours the resourceVersion
+precondition with 409; e2e/ repeats the main path on a real API server.
 """
 
 from __future__ import annotations
 
-import copy
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -26,93 +25,18 @@ from fleetpilot.api.status import (
 from fleetpilot.autoscaler.actuator import (
     AutoscalerMetrics,
     KubernetesActuator,
-    MemoryActuator,
     Replicas,
-    merge_condition,
     merge_roles,
     scaling_active_condition,
 )
 from fleetpilot.autoscaler.model import DataProblem, Decision, History, ReasonKind
-from fleetpilot.kube.client import Kube, KubeError, Obj
+from fleetpilot.kube.client import KubeError, Obj
 from tests.factories import make_manifest, make_tier
+from tests.support.actuators import MemoryActuator
+from tests.support.kube import FakeKube
 
 NOW = datetime(2026, 11, 29, 10, 0, tzinfo=UTC)
-SERVICE_PATH = "/apis/fleetpilot.dev/v1alpha1/namespaces/ml/inferenceservices/chat"
 DEPLOYMENT_PATH = "/apis/apps/v1/namespaces/ml/deployments/chat-large-decode"
-EVENTS_PATH = "/api/v1/namespaces/ml/events"
-
-
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386, as the API server applies application/merge-patch+json."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    result = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = merge_patch(result.get(key), value)
-    return result
-
-
-class FakeApi(Kube):
-    """The few REST calls the actuator makes, on objects kept in memory."""
-
-    def __init__(self, objects: dict[str, Obj]) -> None:
-        super().__init__(api=None)  # type: ignore[arg-type]  # never used: request is ours
-        self.objects = objects
-        self.calls: list[tuple[str, str, list[tuple[str, str]], Obj | None, str]] = []
-        self.conflicts = 0  # 409s to answer status patches with, as if another writer won
-        self.events: list[Obj] = []
-        self.refuse_events = False
-        self._version = 100
-
-    def _bump(self, obj: Obj) -> None:
-        self._version += 1
-        obj["metadata"]["resourceVersion"] = str(self._version)
-
-    def request(
-        self,
-        method: str,
-        path: str,
-        *,
-        query: list[tuple[str, str]] | None = None,
-        body: Obj | None = None,
-        content_type: str = "application/json",
-    ) -> Obj:
-        self.calls.append((method, path, query or [], copy.deepcopy(body), content_type))
-        if method == "GET":
-            if path not in self.objects:
-                raise KubeError(404, method, path, '{"message": "not found"}')
-            return copy.deepcopy(self.objects[path])
-        if method == "POST" and path == EVENTS_PATH:
-            if self.refuse_events:
-                raise KubeError(403, method, path, '{"message": "forbidden"}')
-            assert body is not None
-            self.events.append(body)
-            return body
-        assert method == "PATCH"
-        assert content_type == "application/merge-patch+json"
-        assert body is not None
-        base, _, sub = path.rpartition("/")
-        obj = self.objects[base]
-        if sub == "scale":
-            obj["spec"]["replicas"] = body["spec"]["replicas"]
-            self._bump(obj)
-            return {"spec": {"replicas": obj["spec"]["replicas"]}}
-        assert sub == "status"
-        if self.conflicts:
-            self.conflicts -= 1
-            self._bump(obj)  # someone else wrote meanwhile
-        wanted = body.get("metadata", {}).get("resourceVersion")
-        if wanted is not None and wanted != obj["metadata"]["resourceVersion"]:
-            raise KubeError(409, method, path, '{"message": "the object has been modified"}')
-        obj["status"] = merge_patch(obj.get("status"), body["status"])
-        self._bump(obj)
-        return copy.deepcopy(obj)
-
-    def status_patches(self) -> list[Obj]:
-        return [c[3] for c in self.calls if c[0] == "PATCH" and c[1].endswith("/status") and c[3]]
 
 
 def service_manifest(**autoscaling: Any) -> Obj:
@@ -155,15 +79,19 @@ def service_manifest(**autoscaling: Any) -> Obj:
 
 
 @pytest.fixture
-def api() -> FakeApi:
-    deployment = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": "chat-large-decode", "namespace": "ml", "resourceVersion": "5"},
-        "spec": {"replicas": 3},
-        "status": {"replicas": 3, "readyReplicas": 2},
-    }
-    return FakeApi({SERVICE_PATH: service_manifest(), DEPLOYMENT_PATH: deployment})
+def api() -> FakeKube:
+    api = FakeKube()
+    api.put(service_manifest())
+    api.put(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "chat-large-decode", "namespace": "ml"},
+            "spec": {"replicas": 3},
+            "status": {"replicas": 3, "readyReplicas": 2},
+        }
+    )
+    return api
 
 
 @pytest.fixture
@@ -172,13 +100,13 @@ def registry() -> CollectorRegistry:
 
 
 @pytest.fixture
-def actuator(api: FakeApi, registry: CollectorRegistry) -> KubernetesActuator:
+def actuator(api: FakeKube, registry: CollectorRegistry) -> KubernetesActuator:
     return KubernetesActuator(api, metrics=AutoscalerMetrics(registry))
 
 
 @pytest.fixture
-def service(api: FakeApi) -> InferenceService:
-    return parse_service(api.objects[SERVICE_PATH])
+def service(api: FakeKube) -> InferenceService:
+    return parse_service(live_service(api))
 
 
 def decision(
@@ -206,6 +134,20 @@ def decision(
     )
 
 
+def live_service(api: FakeKube) -> Obj:
+    live = api.object("InferenceService", "ml", "chat")
+    assert live is not None
+    return live
+
+
+def status_patches(api: FakeKube) -> list[Obj]:
+    return [c.body for c in api.writes_of("PATCH", "InferenceService", "status") if c.body]
+
+
+def events(api: FakeKube) -> list[Obj]:
+    return api.objects("Event", "ml")
+
+
 def roles_of(obj: Obj) -> dict[tuple[str, str], Obj]:
     return {(t["name"], r["role"]): r for t in obj["status"]["tiers"] for r in t["roles"]}
 
@@ -223,20 +165,20 @@ def test_current_reads_spec_and_ready_replicas(
 
 
 def test_scale_patches_the_scale_subresource_as_the_autoscaler(
-    api: FakeApi, actuator: KubernetesActuator, service: InferenceService
+    api: FakeKube, actuator: KubernetesActuator, service: InferenceService
 ) -> None:
     """A merge patch of /scale under fieldManager fleetpilot-autoscaler, nothing else."""
     actuator.scale(service, "large", "decode", 5)
-    method, path, query, body, content_type = api.calls[-1]
-    assert (method, path) == ("PATCH", DEPLOYMENT_PATH + "/scale")
-    assert query == [("fieldManager", "fleetpilot-autoscaler")]
-    assert body == {"spec": {"replicas": 5}}
-    assert content_type == "application/merge-patch+json"
-    assert api.objects[DEPLOYMENT_PATH]["spec"]["replicas"] == 5
+    call = api.calls[-1]
+    assert (call.method, call.path) == ("PATCH", DEPLOYMENT_PATH + "/scale")
+    assert call.query == [("fieldManager", "fleetpilot-autoscaler")]
+    assert call.body == {"spec": {"replicas": 5}}
+    assert call.content_type == "application/merge-patch+json"
+    assert api.object("Deployment", "ml", "chat-large-decode")["spec"]["replicas"] == 5
 
 
 def test_record_writes_desired_last_scale_condition_event_and_metrics(
-    api: FakeApi,
+    api: FakeKube,
     actuator: KubernetesActuator,
     service: InferenceService,
     registry: CollectorRegistry,
@@ -247,7 +189,7 @@ def test_record_writes_desired_last_scale_condition_event_and_metrics(
     condition = scaling_active_condition(decisions, 7, NOW)
     actuator.record(service, decisions, condition, NOW)
 
-    live = api.objects[SERVICE_PATH]
+    live = live_service(api)
     roles = roles_of(live)
     assert roles[("large", "decode")] == {
         "role": "decode",
@@ -279,10 +221,10 @@ def test_record_writes_desired_last_scale_condition_event_and_metrics(
         "observedGeneration": 7,
     }
     assert live["status"]["endpoint"] == "http://chat-router.ml.svc:8000/v1"
-    (patch,) = api.status_patches()
+    (patch,) = status_patches(api)
     assert patch["metadata"] == {"resourceVersion": "100"}
 
-    (event,) = api.events
+    (event,) = events(api)
     assert event["reason"] == "ScaledUp"
     assert event["type"] == "Normal"
     assert event["message"] == "tier large: decode tpot p95 100ms > slo 60ms: 3 -> 5"
@@ -304,50 +246,64 @@ def test_record_writes_desired_last_scale_condition_event_and_metrics(
 
 
 def test_an_unchanged_tick_writes_nothing(
-    api: FakeApi, actuator: KubernetesActuator, service: InferenceService
+    api: FakeKube, actuator: KubernetesActuator, service: InferenceService
 ) -> None:
     """Holding steady rewrites no status and posts no Event (only metrics move)."""
     hold = decision(3, 3, kind=ReasonKind.WITHIN_TOLERANCE, reason="decode within: holding 3")
     condition = scaling_active_condition([hold], 7, NOW)
     actuator.record(service, [hold], condition, NOW)
-    writes = len(api.status_patches())
+    writes = len(status_patches(api))
     actuator.record(
         service,
         [hold],
         scaling_active_condition([hold], 7, NOW + timedelta(minutes=1)),
         NOW + timedelta(minutes=1),
     )
-    assert len(api.status_patches()) == writes == 1
-    assert api.events == []
+    assert len(status_patches(api)) == writes == 1
+    assert events(api) == []
 
 
 def test_a_conflict_is_re_read_and_retried(
-    api: FakeApi, actuator: KubernetesActuator, service: InferenceService
+    api: FakeKube, actuator: KubernetesActuator, service: InferenceService
 ) -> None:
     """Another writer between read and patch: 409, re-read, patched on the new version."""
-    api.conflicts = 1
+    versions: list[str] = []
+
+    def another_writer() -> None:
+        api.touch("InferenceService", "ml", "chat")
+        versions.append(live_service(api)["metadata"]["resourceVersion"])
+
+    api.interleave("PATCH", "InferenceService", another_writer, subresource="status")
     decisions = [decision(5, 3)]
     actuator.record(service, decisions, scaling_active_condition(decisions, 7, NOW), NOW)
-    first, second = api.status_patches()
+    first, second = status_patches(api)
     assert first["metadata"]["resourceVersion"] == "100"
-    assert second["metadata"]["resourceVersion"] == "101"
-    assert roles_of(api.objects[SERVICE_PATH])[("large", "decode")]["desired"] == 5
-    assert len(api.events) == 1
+    assert second["metadata"]["resourceVersion"] == versions[0]
+    assert roles_of(live_service(api))[("large", "decode")]["desired"] == 5
+    assert len(events(api)) == 1
 
 
 def test_persistent_conflicts_give_up_with_the_error(
-    api: FakeApi, actuator: KubernetesActuator, service: InferenceService
+    api: FakeKube, actuator: KubernetesActuator, service: InferenceService
 ) -> None:
-    api.conflicts = 100
+    """Another writer wins every race: the actuator gives up after five tries and raises the
+    conflict (the loop logs it and decides afresh next tick)."""
+    api.interleave(
+        "PATCH",
+        "InferenceService",
+        lambda: api.touch("InferenceService", "ml", "chat"),
+        subresource="status",
+        times=None,
+    )
     decisions = [decision(5, 3)]
     with pytest.raises(KubeError) as raised:
         actuator.record(service, decisions, scaling_active_condition(decisions, 7, NOW), NOW)
     assert raised.value.conflict
-    assert len(api.status_patches()) == 5
+    assert len(status_patches(api)) == 5
 
 
 def test_condition_keeps_its_transition_time_until_it_flips(
-    api: FakeApi, actuator: KubernetesActuator, service: InferenceService
+    api: FakeKube, actuator: KubernetesActuator, service: InferenceService
 ) -> None:
     """lastTransitionTime says since when: unchanged while the status holds, moved when it
     flips; a flip to False posts a Warning Event with the reason."""
@@ -355,7 +311,7 @@ def test_condition_keeps_its_transition_time_until_it_flips(
     actuator.record(service, fresh, scaling_active_condition(fresh, 7, NOW), NOW)
     later = NOW + timedelta(minutes=5)
     actuator.record(service, fresh, scaling_active_condition(fresh, 7, later), later)
-    assert conditions_of(api.objects[SERVICE_PATH])["ScalingActive"]["lastTransitionTime"] == (
+    assert conditions_of(live_service(api))["ScalingActive"]["lastTransitionTime"] == (
         "2026-11-29T10:00:00Z"
     )
     down = [
@@ -368,7 +324,7 @@ def test_condition_keeps_its_transition_time_until_it_flips(
         )
     ]
     actuator.record(service, down, scaling_active_condition(down, 8, later), later)
-    condition = conditions_of(api.objects[SERVICE_PATH])["ScalingActive"]
+    condition = conditions_of(live_service(api))["ScalingActive"]
     assert condition["status"] == "False"
     assert condition["reason"] == "PrometheusUnreachable"
     assert condition["lastTransitionTime"] == "2026-11-29T10:05:00Z"
@@ -376,12 +332,12 @@ def test_condition_keeps_its_transition_time_until_it_flips(
     assert condition["message"] == (
         "tier large: decode has no data (cannot connect to prometheus): holding 3"
     )
-    (warning,) = api.events
+    (warning,) = events(api)
     assert (warning["type"], warning["reason"]) == ("Warning", "PrometheusUnreachable")
 
 
 def test_recommend_mode_records_once_and_never_scales(
-    api: FakeApi, actuator: KubernetesActuator, service: InferenceService
+    api: FakeKube, actuator: KubernetesActuator, service: InferenceService
 ) -> None:
     """mode recommend: desired and lastScale say what would happen, one Event per new
     recommendation, and the Deployment is never touched."""
@@ -389,35 +345,37 @@ def test_recommend_mode_records_once_and_never_scales(
     actuator.record(service, dry, scaling_active_condition(dry, 7, NOW), NOW)
     later = NOW + timedelta(seconds=15)
     actuator.record(service, dry, scaling_active_condition(dry, 7, later), later)
-    role = roles_of(api.objects[SERVICE_PATH])[("large", "decode")]
+    role = roles_of(live_service(api))[("large", "decode")]
     assert role["desired"] == 5
     assert role["lastScale"]["time"] == "2026-11-29T10:00:00Z"
     assert role["lastScale"]["reason"].startswith(
         "recommended (autoscaling.mode recommend): decode tpot p95"
     )
-    assert [e["reason"] for e in api.events] == ["ScaleRecommended"]
-    assert api.objects[DEPLOYMENT_PATH]["spec"]["replicas"] == 3
-    assert not [c for c in api.calls if c[1].endswith("/scale")]
+    assert [e["reason"] for e in events(api)] == ["ScaleRecommended"]
+    assert api.object("Deployment", "ml", "chat-large-decode")["spec"]["replicas"] == 3
+    assert not [c for c in api.calls if c.subresource == "scale"]
 
 
 def test_a_refused_event_does_not_fail_the_record(
-    api: FakeApi, actuator: KubernetesActuator, service: InferenceService
+    api: FakeKube, actuator: KubernetesActuator, service: InferenceService
 ) -> None:
     """Events are a courtesy: status and metrics already hold the decision."""
-    api.refuse_events = True
+    api.refuse("POST", "Event", 403)
     decisions = [decision(5, 3)]
     actuator.record(service, decisions, scaling_active_condition(decisions, 7, NOW), NOW)
-    assert roles_of(api.objects[SERVICE_PATH])[("large", "decode")]["desired"] == 5
+    assert roles_of(live_service(api))[("large", "decode")]["desired"] == 5
 
 
 def test_a_deleted_service_records_nothing(
-    api: FakeApi, actuator: KubernetesActuator, service: InferenceService
+    api: FakeKube, actuator: KubernetesActuator, service: InferenceService
 ) -> None:
-    del api.objects[SERVICE_PATH]
+    """The service was deleted between the tick's read and its record: nothing is written
+    and no Event is posted on an object that is gone."""
+    api.delete("InferenceService", "ml", "chat")
     decisions = [decision(5, 3)]
     actuator.record(service, decisions, scaling_active_condition(decisions, 7, NOW), NOW)
-    assert api.status_patches() == []
-    assert api.events == []
+    assert status_patches(api) == []
+    assert events(api) == []
 
 
 @pytest.mark.parametrize(
@@ -443,18 +401,6 @@ def test_scaling_active_names_the_gravest_problem(
     assert condition.observed_generation == 4
 
 
-def test_merge_condition_touches_only_its_type() -> None:
-    others = [{"type": "Ready", "status": "True", "reason": "X", "lastTransitionTime": "t0"}]
-    fresh = scaling_active_condition([decision(3, 3)], 1, NOW)
-    merged = merge_condition(others, fresh)
-    assert merged[0] == others[0]
-    assert merged[1]["type"] == "ScalingActive"
-    again = merge_condition(
-        merged, fresh.model_copy(update={"last_transition_time": NOW + timedelta(1)})
-    )
-    assert again == merged
-
-
 def test_merge_roles_adds_missing_tiers_and_roles() -> None:
     """Before the operator's first status write, the autoscaler's records still land."""
     tiers, eventful = merge_roles([], [decision(2, 1)], NOW)
@@ -466,13 +412,27 @@ def test_merge_roles_adds_missing_tiers_and_roles() -> None:
     assert eventful == [decision(2, 1)]
 
 
-def test_memory_actuator_keeps_what_a_cluster_would() -> None:
-    """The in-memory actuator (tests, dry runs) scales, records and emits the same Events."""
-    actuator = MemoryActuator({("large", "decode"): Replicas(3, 3)})
-    service = parse_service(service_manifest())
-    actuator.scale(service, "large", "decode", 5)
-    assert actuator.current(service, "large", "decode") == Replicas(5, 5)
-    decisions = [decision(5, 3)]
-    actuator.record(service, decisions, scaling_active_condition(decisions, 7, NOW), NOW)
-    assert actuator.events == [("ScaledUp", "tier large: decode tpot p95 100ms > slo 60ms: 3 -> 5")]
-    assert actuator.status_tiers[0]["roles"][0]["desired"] == 5
+def test_the_in_memory_actuator_records_what_the_cluster_one_does(
+    api: FakeKube, actuator: KubernetesActuator, service: InferenceService
+) -> None:
+    """The tests' in-memory actuator (tests/support) scales, records and emits Events as the
+    Kubernetes actuator does, so loop tests on it say something about the real one."""
+    memory = MemoryActuator({("large", "decode"): Replicas(3, 3)})
+    memory.scale(service, "large", "decode", 5)
+    assert memory.current(service, "large", "decode") == Replicas(5, 5)
+    decisions = [decision(5, 3), decision(1, 1, role="prefill", kind=ReasonKind.WITHIN_TOLERANCE)]
+    condition = scaling_active_condition(decisions, 7, NOW)
+    memory.record(service, decisions, condition, NOW)
+    actuator.record(service, decisions, condition, NOW)
+    assert memory.events == [(e["reason"], e["message"]) for e in events(api)]
+
+    def records(tiers: list[Obj]) -> dict[tuple[str, str], Obj]:
+        return {
+            (t["name"], r["role"]): {k: r[k] for k in ("desired", "lastScale") if k in r}
+            for t in tiers
+            for r in t["roles"]
+            if "desired" in r
+        }
+
+    assert records(live_service(api)["status"]["tiers"]) == records(memory.status_tiers)
+    assert memory.conditions == [condition]

@@ -19,7 +19,7 @@ import pytest
 
 from fleetpilot.api import InferenceService
 from fleetpilot.api.status import Condition
-from fleetpilot.autoscaler.actuator import MemoryActuator, Replicas
+from fleetpilot.autoscaler.actuator import Replicas
 from fleetpilot.autoscaler.loop import RoleKey, autoscaled_roles, interval_s, tick
 from fleetpilot.autoscaler.model import (
     DataProblem,
@@ -33,6 +33,7 @@ from fleetpilot.autoscaler.model import (
 from fleetpilot.autoscaler.prometheus import PrometheusSource
 from tests.autoscaler.support import Fleet, Load
 from tests.factories import make_manifest, make_service, make_tier
+from tests.support.actuators import MemoryActuator
 
 T0 = 1_800_000_000.0
 

@@ -1,0 +1,309 @@
+"""One reconcile against the in-memory API server: what is applied, pruned and reported.
+
+The same paths run against a real API server in e2e/test_operator.py, in minutes; these run in
+milliseconds on ``tests/support/kube.py``, which keeps objects, field ownership and
+resourceVersions as the server does (and answers a stale write with 409).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from fleetpilot.api import parse_service
+from fleetpilot.autoscaler.actuator import (
+    AutoscalerMetrics,
+    KubernetesActuator,
+    scaling_active_condition,
+)
+from fleetpilot.autoscaler.model import Decision, History, ReasonKind
+from fleetpilot.kube.client import Obj
+from fleetpilot.kube.managers import AUTOSCALER_MANAGER, OPERATOR_MANAGER, owns_field
+from fleetpilot.operator.reconcile import Reconciler
+from tests.factories import make_manifest, make_tier
+from tests.support.kube import FakeKube
+
+NS = "ml"
+USER = "kubectl"
+
+
+@pytest.fixture
+def kube() -> FakeKube:
+    return FakeKube()
+
+
+@pytest.fixture
+def reconciler(kube: FakeKube) -> Reconciler:
+    return Reconciler(kube)
+
+
+class Events:
+    """The reconciler's event sink, kept."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, str]] = []
+
+    def __call__(self, kind: str, reason: str, message: str) -> None:
+        self.seen.append((kind, reason, message))
+
+    def reasons(self) -> list[str]:
+        return [reason for _, reason, _ in self.seen]
+
+
+def manifest(*tiers: Obj, name: str = "chat") -> Obj:
+    return make_manifest(name, namespace=NS, tiers=list(tiers) or [make_tier("small")])
+
+
+def service(kube: FakeKube, name: str = "chat") -> Obj:
+    live = kube.get("InferenceService", NS, name)
+    assert live is not None
+    return live
+
+
+def condition(kube: FakeKube, kind: str, name: str = "chat") -> Obj:
+    (found,) = [c for c in service(kube, name)["status"]["conditions"] if c["type"] == kind]
+    return found  # type: ignore[no-any-return]
+
+
+def deployment(kube: FakeKube, name: str) -> Obj:
+    live = kube.object("Deployment", NS, name)
+    assert live is not None, name
+    return live
+
+
+def roll_out(kube: FakeKube, service_name: str = "chat") -> None:
+    """Play the Deployment controller and kubelet: every Deployment of the service at its
+    spec, all replicas updated and ready."""
+    for item in kube.objects("Deployment", NS):
+        if item["metadata"]["labels"].get("fleetpilot.dev/service") != service_name:
+            continue
+        replicas = item["spec"].get("replicas", 1)
+        kube.set_status(
+            "Deployment",
+            NS,
+            item["metadata"]["name"],
+            {
+                "observedGeneration": item["metadata"]["generation"],
+                "replicas": replicas,
+                "updatedReplicas": replicas,
+                "readyReplicas": replicas,
+            },
+        )
+
+
+def names_of(kube: FakeKube, kind: str) -> set[str]:
+    return {o["metadata"]["name"] for o in kube.objects(kind, NS)}
+
+
+def test_an_unchanged_service_costs_no_write(kube: FakeKube, reconciler: Reconciler) -> None:
+    """Idempotency, counted: the first reconcile creates the children and writes status; the
+    next one, with nothing changed, performs zero writes; a rollout finishing is written once
+    (Ready turns True) and then nothing again."""
+    kube.apply(manifest(), USER)
+    first = reconciler.reconcile(service(kube))
+    assert "Deployment/chat-small" in first.applied
+    assert "Deployment/chat-router" in first.applied
+    assert first.status_written
+    assert condition(kube, "Ready")["status"] == "False"
+
+    writes = kube.writes
+    again = reconciler.reconcile(service(kube))
+    assert (again.applied, again.pruned, again.status_written) == ([], [], False)
+    assert kube.writes == writes
+
+    roll_out(kube)
+    settled = reconciler.reconcile(service(kube))
+    assert settled.applied == []
+    assert settled.status_written
+    assert condition(kube, "Ready")["status"] == "True"
+    assert kube.writes == writes + 1
+
+    quiet = reconciler.reconcile(service(kube))
+    assert not quiet.status_written
+    assert kube.writes == writes + 1
+
+
+def test_a_removed_tier_is_pruned_and_nothing_someone_else_owns(
+    kube: FakeKube, reconciler: Reconciler
+) -> None:
+    """Objects no longer planned are deleted, with an Event each; an object that carries the
+    service's labels but is not owned by this InferenceService (no ownerReference, or another
+    owner's uid) is left alone."""
+    two_tiers = manifest(make_tier("small", up_to=0.4), make_tier("large", tensor=2))
+    kube.apply(two_tiers, USER)
+    reconciler.reconcile(service(kube))
+    assert {"chat-small", "chat-large"} <= names_of(kube, "Deployment")
+    labels = deployment(kube, "chat-large")["metadata"]["labels"]
+    kube.put(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "chat-notes", "namespace": NS, "labels": labels},
+            "data": {"written": "by hand"},
+        }
+    )
+    foreign_owner = [{"apiVersion": "v1", "kind": "ConfigMap", "name": "x", "uid": "someone"}]
+    kube.put(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {
+                "name": "chat-other",
+                "namespace": NS,
+                "labels": labels,
+                "ownerReferences": foreign_owner,
+            },
+            "spec": {"ports": [{"port": 80}]},
+        }
+    )
+
+    one_tier = manifest(make_tier("small"))
+    kube.apply(one_tier, USER)
+    events = Events()
+    result = reconciler.reconcile(service(kube), events)
+
+    assert sorted(result.pruned) == [
+        "Deployment/chat-large",
+        "PodDisruptionBudget/chat-large",
+        "Service/chat-large",
+    ]
+    assert events.reasons().count("Pruned") == 3
+    assert "chat-large" not in names_of(kube, "Deployment")
+    assert "chat-small" in names_of(kube, "Deployment")
+    assert "chat-notes" in names_of(kube, "ConfigMap")
+    assert "chat-other" in names_of(kube, "Service")
+    assert [t["name"] for t in service(kube)["status"]["tiers"]] == ["small"]
+
+
+def test_replicas_the_autoscaler_set_survive_a_reapplied_spec(
+    kube: FakeKube, reconciler: Reconciler
+) -> None:
+    """The operator writes replicas on creation; once the autoscaler has scaled (through the
+    scale subresource, under its own field manager), a changed spec re-applies the Deployment
+    without replicas, so the autoscaler's value and its ownership stay."""
+    tier = make_tier("small", autoscaling={"slo": {"ttftP95": "500ms"}})
+    kube.apply(manifest(tier), USER)
+    reconciler.reconcile(service(kube))
+    created = deployment(kube, "chat-small")
+    assert created["spec"]["replicas"] == 1
+    assert owns_field(created, OPERATOR_MANAGER, ("spec", "replicas"))
+
+    actuator = KubernetesActuator(kube, metrics=AutoscalerMetrics(CollectorRegistry()))
+    actuator.scale(parse_service(service(kube)), "small", "unified", 3)
+    changed = manifest(dict(tier, engine={"env": [{"name": "EXTRA", "value": "1"}]}))
+    kube.apply(changed, USER)
+    result = reconciler.reconcile(service(kube))
+
+    assert "Deployment/chat-small" in result.applied
+    updated = deployment(kube, "chat-small")
+    (container,) = updated["spec"]["template"]["spec"]["containers"]
+    assert {"name": "EXTRA", "value": "1"} in container["env"]
+    assert updated["spec"]["replicas"] == 3
+    assert owns_field(updated, AUTOSCALER_MANAGER, ("spec", "replicas"))
+    assert not owns_field(updated, OPERATOR_MANAGER, ("spec", "replicas"))
+
+
+def test_a_status_write_that_loses_the_race_is_retried_on_a_fresh_read(
+    kube: FakeKube, reconciler: Reconciler
+) -> None:
+    """The autoscaler records a decision between the operator's read and its status write:
+    the operator's patch (preconditioned on the old resourceVersion) gets 409, is computed
+    again from the fresh object and lands, keeping what the autoscaler wrote."""
+    tier = make_tier("small", autoscaling={"slo": {"ttftP95": "500ms"}})
+    kube.apply(manifest(tier), USER)
+    reconciler.reconcile(service(kube))
+    roll_out(kube)
+    stale = service(kube)
+
+    now = datetime(2026, 11, 29, 10, 0, tzinfo=UTC)
+    scaled = Decision(
+        tier="small",
+        role="unified",
+        current_replicas=1,
+        replicas=2,
+        recommendation=2,
+        reason="unified ttft p95 900ms > slo 500ms: 1 -> 2",
+        reason_kind=ReasonKind.TTFT,
+        history=History(),
+    )
+    actuator = KubernetesActuator(kube, metrics=AutoscalerMetrics(CollectorRegistry()))
+
+    def autoscaler_writes() -> None:
+        generation = stale["metadata"]["generation"]
+        condition = scaling_active_condition([scaled], generation, now)
+        actuator.record(parse_service(stale), [scaled], condition, now)
+
+    kube.interleave("PATCH", "InferenceService", autoscaler_writes, subresource="status")
+    assert reconciler.write_status(parse_service(stale), stale)
+
+    operator_writes = [
+        c
+        for c in kube.writes_of("PATCH", "InferenceService", "status")
+        if ("fieldManager", OPERATOR_MANAGER) in c.query
+    ]
+    assert len(operator_writes) == 3  # the first reconcile's, the refused one, the retry
+    refused, retried = operator_writes[1:]
+    assert refused.body is not None
+    assert retried.body is not None
+    assert refused.body["metadata"] == {"resourceVersion": stale["metadata"]["resourceVersion"]}
+    assert retried.body["metadata"] != refused.body["metadata"]
+    assert condition(kube, "Ready")["status"] == "True"
+    assert condition(kube, "ScalingActive")["status"] == "True"
+    (role,) = service(kube)["status"]["tiers"][0]["roles"]
+    assert role["desired"] == 2
+    assert role["lastScale"]["toReplicas"] == 2
+    assert role["ready"] == 1
+
+
+def test_a_refused_plan_writes_no_child_and_reports_degraded(
+    kube: FakeKube, reconciler: Reconciler
+) -> None:
+    """A spec the planner refuses (a port flag fleetpilot must own) creates nothing, and on a
+    running service changes none of its children: only the status (Ready False, Degraded
+    True, both PlanRefused, naming the field) and a Warning Event say why."""
+    kube.apply(manifest(), USER)
+    reconciler.reconcile(service(kube))
+    children_before = {
+        kind: kube.objects(kind, NS) for kind in ("Deployment", "Service", "ConfigMap")
+    }
+    refused = make_tier("small", engine={"extraArgs": ["--port=9000"]})
+    kube.apply(manifest(refused), USER)
+    seen = len(kube.calls)
+    events = Events()
+    result = reconciler.reconcile(service(kube), events)
+
+    writes = [(c.kind, c.subresource) for c in kube.calls[seen:] if c.method != "GET"]
+    assert writes == [("InferenceService", "status")]
+    assert result.plan_error is not None
+    assert "spec.tiers[0].engine.extraArgs[0]" in result.plan_error
+    assert (result.applied, result.pruned) == ([], [])
+    assert {kind: kube.objects(kind, NS) for kind in children_before} == children_before
+    degraded, ready = condition(kube, "Degraded"), condition(kube, "Ready")
+    assert (degraded["status"], degraded["reason"]) == ("True", "PlanRefused")
+    assert (ready["status"], ready["reason"]) == ("False", "PlanRefused")
+    assert "spec.tiers[0].engine.extraArgs[0]" in degraded["message"]
+    assert ("Warning", "PlanRefused") in [(kind, reason) for kind, reason, _ in events.seen]
+
+
+def test_a_new_service_with_a_refused_plan_creates_nothing(
+    kube: FakeKube, reconciler: Reconciler
+) -> None:
+    """Never half-applied: a refused service's first reconcile writes its status and nothing
+    else, and other services in the namespace are served as usual."""
+    kube.apply(manifest(make_tier("small", engine={"extraArgs": ["--port=9000"]})), USER)
+    kube.apply(manifest(name="other"), USER)
+    refused = reconciler.reconcile(service(kube))
+    served = reconciler.reconcile(service(kube, "other"))
+
+    assert refused.plan_error is not None
+    assert refused.status_written
+    assert served.plan_error is None
+    owners = {
+        o["metadata"]["labels"]["fleetpilot.dev/service"]
+        for kind in ("Deployment", "Service", "ConfigMap")
+        for o in kube.objects(kind, NS)
+    }
+    assert owners == {"other"}
+    assert condition(kube, "Degraded")["reason"] == "PlanRefused"
