@@ -61,18 +61,10 @@ class CountingKube(Kube):
         super().__init__(api, timeout_s)
         self.writes = 0
 
-    def request(
-        self,
-        method: str,
-        path: str,
-        *,
-        query: list[tuple[str, str]] | None = None,
-        body: Obj | None = None,
-        content_type: str = "application/json",
-    ) -> Obj:
+    def request(self, method: str, path: str, **options: Any) -> Obj:
         if method != "GET":
             self.writes += 1
-        return super().request(method, path, query=query, body=body, content_type=content_type)
+        return super().request(method, path, **options)
 
 
 @dataclass(frozen=True)
