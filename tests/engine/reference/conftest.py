@@ -9,26 +9,15 @@ from typing import Any
 import pytest
 import torch
 
-from fleetpilot.engine.reference import (
-    EngineConfig,
-    LlamaModel,
-    LLMEngine,
-    ModelConfig,
-)
+from fleetpilot.engine.reference import EngineConfig, LlamaModel, LLMEngine
+from fleetpilot.engine.reference.settings import MODEL_PRESETS
 from fleetpilot.engine.reference.tokenizer import EOS_TOKEN_ID
 
 # The tests' matrices are tiny: one thread avoids thread hand-off costs that exceed the work.
 torch.set_num_threads(1)
 
-TINY = ModelConfig(
-    hidden_size=64,
-    intermediate_size=176,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-)
+# The server's "tiny" preset, with a shorter context: no engine test needs more.
+TINY = replace(MODEL_PRESETS["tiny"], max_position_embeddings=512)
 
 
 def tiny_model(**overrides: Any) -> LlamaModel:

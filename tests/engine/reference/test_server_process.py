@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import queue
 import re
@@ -20,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from fleetpilot.engine.reference import server
 from fleetpilot.engine.reference.checkpoint import save_checkpoint
 from fleetpilot.engine.reference.model import LlamaModel
 from fleetpilot.engine.reference.server import build_server, run
@@ -87,16 +87,6 @@ def _message(line: str) -> str:
 
 
 @pytest.fixture
-def restored_root_logger() -> Iterator[None]:
-    """``run`` sets up the process's logging; a test that calls it in-process puts it back."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
-@pytest.fixture
 def process() -> Iterator[ServerProcess]:
     proc = ServerProcess(
         "--host", "127.0.0.1", "--port", "0", "--model-config", "tiny",
@@ -161,12 +151,14 @@ def test_sigterm_drains_running_requests_then_exits_zero(process: ServerProcess)
     assert "secret-token" not in "".join(process.log)
 
 
-@pytest.mark.usefixtures("restored_root_logger")
 def test_cli_entry_points_refuse_bad_settings(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A bad flag value or combination is exit status 2 and a message naming the flag, before
     anything listens."""
+    # run() sets up the process's logging, which in here would replace pytest's handlers for
+    # the rest of the session.
+    monkeypatch.setattr(server, "configure_logging", lambda level, fmt: None)
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     cases = {
