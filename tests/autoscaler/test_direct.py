@@ -173,10 +173,10 @@ def test_no_engines_and_a_failing_address_book_are_data_problems() -> None:
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Any]:
-    server = pytest.importorskip("fleetpilot.engine.reference.server")
+    engine_server = pytest.importorskip("fleetpilot.testing.engine_server")
     argv = ["--host", "127.0.0.1", "--port", "0", "--model-config", "tiny",
             "--max-model-len", "512", "--served-model-name", "m"]  # fmt: skip
-    srv = server.BackgroundServer.from_argv(argv).start()
+    srv = engine_server.BackgroundServer.from_argv(argv).start()
     yield srv
     srv.stop()
 
