@@ -24,26 +24,17 @@ import yaml
 from e2e.support import running_stack, step_until
 from fleetpilot.runtime.local import LocalFleet
 from fleetpilot.runtime.stack import LocalStack
+from tests.factories import make_local_manifest
 
-SERVICE = """\
-apiVersion: fleetpilot.dev/v1alpha1
-kind: InferenceService
-metadata: {name: auto, namespace: default}
-spec:
-  monitoring: {scrapeInterval: 1s}
-  tiers:
-    - name: small
-      model: {name: Qwen/Qwen2.5-0.5B-Instruct, servedName: small-model, maxModelLen: 512}
-      engine: {maxNumSeqs: 16}
-      serving:
-        replicas: {min: 1, max: 2}
-      autoscaling:
-        interval: 1s
-        window: 10s
-        slo: {ttftP95: 5ms}
-        scaleUp: {stabilization: 0s}
-        scaleDown: {stabilization: 5s}
-"""
+SERVICE = yaml.safe_dump(
+    make_local_manifest(
+        "auto",
+        replicas={"min": 1, "max": 2},
+        ttft_p95="5ms",
+        max_num_seqs=16,
+        scale_down_stabilization="5s",
+    )
+)
 SCALE_DOWN_WINDOW_S = 5.0
 LOAD_S = 15.0
 CONCURRENCY = 8
@@ -86,6 +77,9 @@ def autoscaler_log(stack: LocalStack) -> str:
 def test_load_scales_up_on_ttft_and_a_lull_scales_down_after_the_window(
     stack: LocalStack,
 ) -> None:
+    """Load breaks the 5 ms TTFT objective: an engine is added, the decision says why and
+    with what it saw, the router lists the engine once healthy; after the load the role holds
+    through its scale-down window, then goes back to one."""
     fleet = stack.fleet
     if stack.prometheus_url is not None:
         assert f"reading Prometheus at {stack.prometheus_url}" in autoscaler_log(stack)

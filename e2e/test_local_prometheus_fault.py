@@ -15,27 +15,21 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from e2e.support import eventually, running_stack, step_until
 from fleetpilot.runtime.stack import LocalStack, prometheus_installed
+from tests.factories import make_local_manifest
 
-SERVICE = """\
-apiVersion: fleetpilot.dev/v1alpha1
-kind: InferenceService
-metadata: {name: watched, namespace: default}
-spec:
-  monitoring: {scrapeInterval: 1s}
-  tiers:
-    - name: small
-      model: {name: Qwen/Qwen2.5-0.5B-Instruct, servedName: small-model, maxModelLen: 512}
-      engine: {maxNumSeqs: 16}
-      serving:
-        replicas: {min: 1, max: 2}
-      autoscaling:
-        interval: 1s
-        window: 10s
-        slo: {ttftP95: 5s}
-"""
+SERVICE = yaml.safe_dump(
+    make_local_manifest(
+        "watched",
+        replicas={"min": 1, "max": 2},
+        ttft_p95="5s",
+        max_num_seqs=16,
+        scale_up_stabilization=None,
+    )
+)
 FALLBACK = "[read from the engines' /metrics directly: "
 # Generous bounds for a busy two-core machine; nothing here is a speed assertion.
 WAIT_S = 90.0
@@ -57,6 +51,9 @@ def autoscaler_log(stack: LocalStack) -> str:
 def test_a_killed_prometheus_is_restarted_and_reported_while_the_engines_are_read(
     stack: LocalStack,
 ) -> None:
+    """Prometheus SIGKILLed: decisions come from the engines and say so (decision, log,
+    status table); the stack restarts Prometheus on its port once and reports the crash; the
+    autoscaler reads Prometheus again."""
     assert stack.prometheus is not None
     url = stack.prometheus.url
     decisions = stack.actuator.decisions

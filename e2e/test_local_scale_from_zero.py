@@ -15,28 +15,20 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from e2e.support import running_stack, step_until
 from fleetpilot.runtime.stack import LocalStack
+from tests.factories import make_local_manifest
 
-SERVICE = """\
-apiVersion: fleetpilot.dev/v1alpha1
-kind: InferenceService
-metadata: {name: cold, namespace: default}
-spec:
-  monitoring: {scrapeInterval: 1s}
-  tiers:
-    - name: small
-      model: {name: Qwen/Qwen2.5-0.5B-Instruct, servedName: small-model, maxModelLen: 512}
-      serving:
-        replicas: {min: 0, max: 1, initial: 0}
-      autoscaling:
-        interval: 1s
-        window: 10s
-        slo: {ttftP95: 5s}
-        scaleUp: {stabilization: 0s}
-        scaleDown: {stabilization: 5s}
-"""
+SERVICE = yaml.safe_dump(
+    make_local_manifest(
+        "cold",
+        replicas={"min": 0, "max": 1, "initial": 0},
+        ttft_p95="5s",
+        scale_down_stabilization="5s",
+    )
+)
 SCALE_DOWN_WINDOW_S = 5.0
 
 
@@ -53,6 +45,9 @@ def ask(url: str) -> httpx.Response:
 
 
 def test_a_request_to_a_tier_at_zero_waits_for_its_first_engine(stack: LocalStack) -> None:
+    """A request to a tier at zero is held by the router, seen by the autoscaler, and
+    answered by the engine started for it; idle again, the tier returns to zero only after
+    its scale-down window."""
     fleet = stack.fleet
     assert fleet.role_replicas("small", "unified") == []
     assert [(r.tier, r.replicas) for r in fleet.status_rows()] == [("small", 0)]

@@ -69,3 +69,34 @@ def two_tier_manifest() -> dict[str, Any]:
             make_tier("large", model="Qwen/Qwen2.5-72B-Instruct", tensor=4),
         ]
     )
+
+
+def make_local_manifest(
+    name: str,
+    *,
+    replicas: dict[str, int],
+    ttft_p95: str,
+    max_num_seqs: int | None = None,
+    scale_up_stabilization: str | None = "0s",
+    scale_down_stabilization: str | None = None,
+) -> dict[str, Any]:
+    """A one-tier service for tests of the local runtime (``fleetpilot up``'s processes).
+
+    Tier ``small`` serves ``small-model`` with a 512-token context (the CPU reference engines
+    start fast); Prometheus scrapes every second and the autoscaler decides every second over a
+    10 s window, so decisions come within a test's patience. What each test is about is given:
+    the replica bounds, the TTFT objective and the stabilization windows (None: the default).
+    """
+    autoscaling: dict[str, Any] = {"interval": "1s", "window": "10s", "slo": {"ttftP95": ttft_p95}}
+    if scale_up_stabilization is not None:
+        autoscaling["scaleUp"] = {"stabilization": scale_up_stabilization}
+    if scale_down_stabilization is not None:
+        autoscaling["scaleDown"] = {"stabilization": scale_down_stabilization}
+    tier = make_tier("small", model="Qwen/Qwen2.5-0.5B-Instruct", autoscaling=autoscaling)
+    tier["model"].update(servedName="small-model", maxModelLen=512)
+    tier["serving"] = {"replicas": dict(replicas)}
+    if max_num_seqs is not None:
+        tier["engine"] = {"maxNumSeqs": max_num_seqs}
+    return make_manifest(
+        name, namespace="default", tiers=[tier], monitoring={"scrapeInterval": "1s"}
+    )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -16,7 +17,7 @@ from datetime import timedelta
 import httpx
 import pytest
 
-from fleetpilot.api import InferenceService, load_services
+from fleetpilot.api import InferenceService, parse_service
 from fleetpilot.autoscaler.loop import tick
 from fleetpilot.autoscaler.model import Metrics
 from fleetpilot.autoscaler.remote import FleetActuator, FleetClient, FleetError
@@ -24,25 +25,13 @@ from fleetpilot.runtime.autoscale import LocalActuator, capped_service
 from fleetpilot.runtime.control import ControlServer
 from fleetpilot.runtime.local import LocalFleet
 from fleetpilot.runtime.processes import free_port
+from tests.factories import make_local_manifest
 
-SERVICE = """\
-apiVersion: fleetpilot.dev/v1alpha1
-kind: InferenceService
-metadata: {name: ctl, namespace: default}
-spec:
-  monitoring: {scrapeInterval: 1s}
-  tiers:
-    - name: small
-      model: {name: Qwen/Qwen2.5-0.5B-Instruct, servedName: small-model, maxModelLen: 512}
-      serving:
-        replicas: {min: 1, max: 8}
-      autoscaling:
-        interval: 1s
-        window: 10s
-        slo: {ttftP95: 50ms}
-        scaleUp: {stabilization: 0s}
-"""
+SERVICE = make_local_manifest("ctl", replicas={"min": 1, "max": 8}, ttft_p95="50ms")
 MAX_REPLICAS = 2
+# An engine process imports torch and builds its model before /health answers: seconds on a
+# quiet machine, much longer on a busy two-core one. A bound for a hang, not a speed check.
+READY_TIMEOUT_S = 180.0
 
 
 class Fleet:
@@ -51,7 +40,8 @@ class Fleet:
         self.actuator = actuator
         self.server = server
 
-    def wait_ready(self, replicas: int, timeout_s: float = 60.0) -> None:
+    def wait_ready(self, replicas: int, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Poll until the role has exactly ``replicas`` engines, all serving."""
         deadline = time.monotonic() + timeout_s
         while True:
             state = self.actuator.role_state("small", "unified")
@@ -63,11 +53,8 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory) -> InferenceService:
-    path = tmp_path_factory.mktemp("svc") / "service.yaml"
-    path.write_text(SERVICE)
-    (loaded,) = load_services(path)
-    return loaded
+def service() -> InferenceService:
+    return parse_service(SERVICE)
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +90,8 @@ def client(fleet: Fleet) -> Iterator[FleetClient]:
 
 
 def test_the_fleet_reports_its_capped_service_and_its_roles(client: FleetClient) -> None:
+    """GET /fleet gives the autoscaler the service with its replica bounds capped to what this
+    machine runs (2, not the spec's 8) and every role's replicas, readiness and addresses."""
     service, roles, prometheus = client.fleet()
     assert service.name == "ctl"
     tier = service.spec.tiers[0]
@@ -116,6 +105,8 @@ def test_the_fleet_reports_its_capped_service_and_its_roles(client: FleetClient)
 
 
 def test_an_unknown_role_is_none_and_cannot_be_scaled(client: FleetClient) -> None:
+    """A tier or role the service does not run is a 404: reading it gives None, scaling it is
+    refused by name."""
     assert client.role("small", "decode") is None
     assert client.role("nope", "unified") is None
     with pytest.raises(FleetError, match="404 no role 'decode' in tier 'small'"):
@@ -135,6 +126,8 @@ def test_an_unknown_role_is_none_and_cannot_be_scaled(client: FleetClient) -> No
 def test_a_bad_scale_request_is_refused_naming_the_field(
     fleet: Fleet, body: object, message: str
 ) -> None:
+    """A scale outside 0..--max-replicas-per-role, or not an integer, is a 400 naming
+    ``replicas``, and no engine is started or stopped."""
     url = f"{fleet.server.url}/fleet/tiers/small/roles/unified"
     response = httpx.put(url, json=body, trust_env=False)
     assert response.status_code == 400
@@ -145,6 +138,7 @@ def test_a_bad_scale_request_is_refused_naming_the_field(
 
 
 def test_a_body_that_is_not_json_is_a_400(fleet: Fleet) -> None:
+    """A body that does not parse is the client's error (400), not a failed handler."""
     response = httpx.post(f"{fleet.server.url}/fleet/decisions", content=b"{nope", trust_env=False)
     assert response.status_code == 400
     assert "not JSON" in response.json()["error"]["message"]
@@ -153,16 +147,27 @@ def test_a_body_that_is_not_json_is_a_400(fleet: Fleet) -> None:
 def test_scaling_through_the_api_starts_an_engine_that_outlives_the_request(
     fleet: Fleet, client: FleetClient
 ) -> None:
+    """An engine started for a control API request outlives the request's thread (the
+    parent-death signal is tied to the forking thread: engines fork from a long-lived one)."""
     state = client.scale("small", "unified", 2)
     assert (state.replicas, state.ready) == (2, 1)  # started, not yet serving
+    # The request's thread has ended (the death signal, had the engine been tied to it, is
+    # sent then); only after that does the new engine load its model and answer /health.
+    join_request_threads()
     fleet.wait_ready(2)
-    # The request's thread is long gone: the engine must not have died with it.
-    time.sleep(1.0)
     assert all(r.child and r.child.alive() for r in fleet.fleet.replicas)
     newest = max(fleet.fleet.role_replicas("small", "unified"), key=lambda r: r.index)
     state = client.scale("small", "unified", 1)
     assert state.replicas == 1
     assert newest.address not in state.addresses  # the newest one is stopped
+
+
+def join_request_threads(timeout_s: float = 30.0) -> None:
+    """Wait until every thread the control API's HTTP server started for a request ended."""
+    for thread in threading.enumerate():
+        if thread.name.endswith("(process_request_thread)"):
+            thread.join(timeout_s)
+            assert not thread.is_alive(), f"{thread.name} still handles a request"
 
 
 class BurstSource:
@@ -186,6 +191,8 @@ class BurstSource:
 def test_a_tick_through_the_api_scales_and_records_the_reason(
     fleet: Fleet, client: FleetClient
 ) -> None:
+    """One policy tick through the autoscaler's own client scales the role up (TTFT p95 over
+    its objective) and the fleet keeps the decision's reason and what it saw for the table."""
     service, _, _ = client.fleet()
     decisions = tick(service, BurstSource(), FleetActuator(client), {})
     (decision,) = decisions
@@ -201,6 +208,7 @@ def test_a_tick_through_the_api_scales_and_records_the_reason(
 
 
 def test_a_malformed_decision_is_refused_and_not_recorded(fleet: Fleet) -> None:
+    """A decision missing its fields is a 400 and leaves the status table's records untouched."""
     before = len(fleet.actuator.decisions)
     response = httpx.post(
         f"{fleet.server.url}/fleet/decisions",
@@ -223,6 +231,8 @@ def run_autoscaler(*args: str, timeout: float = 60) -> subprocess.CompletedProce
 
 
 def test_the_autoscaler_command_ticks_once_against_the_fleet(fleet: Fleet) -> None:
+    """``fleetpilot autoscaler --fleet URL --once`` (the process ``fleetpilot up`` runs) reads
+    the fleet, reads the engines' /metrics without Prometheus, and holds an idle role."""
     before = len(fleet.actuator.decisions)
     result = run_autoscaler("--fleet", fleet.server.url, "--once")
     assert result.returncode == 0, result.stderr
@@ -235,6 +245,8 @@ def test_the_autoscaler_command_ticks_once_against_the_fleet(fleet: Fleet) -> No
 
 
 def test_the_autoscaler_command_gives_up_on_a_fleet_that_never_answers() -> None:
+    """The autoscaler exits 1, saying why, when the control API never answers within
+    --fleet-timeout, instead of waiting forever."""
     result = run_autoscaler(
         "--fleet", f"http://127.0.0.1:{free_port()}", "--fleet-timeout", "1", timeout=30
     )
@@ -243,6 +255,8 @@ def test_the_autoscaler_command_gives_up_on_a_fleet_that_never_answers() -> None
 
 
 def test_decisions_survive_the_wire(fleet: Fleet, client: FleetClient) -> None:
+    """What the fleet records of a decision (tier, role, reason, metrics) is what the
+    autoscaler decided: nothing is lost in the JSON round trip."""
     service, _, _ = client.fleet()
     (decision,) = tick(service, BurstSource(), FleetActuator(client), {})
     mirrored = fleet.actuator.decisions[-1]
