@@ -48,11 +48,14 @@ def cpu_misfit(service: InferenceService) -> str | None:
 
 
 def test_the_examples_are_found() -> None:
+    """The glob finds examples, so the parametrized test cannot pass by running none."""
     assert EXAMPLES, "no examples/*.yaml found"
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_example_serves_every_tier_locally(example: Path, tmp_path: Path) -> None:
+    """An example that fits a CPU comes up locally, and every tier answers a chat asked by
+    its served name, from that tier (both hops for a P/D tier)."""
     (service,) = load_services(example)
     reason = cpu_misfit(service)
     if reason is not None:

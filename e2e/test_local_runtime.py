@@ -6,6 +6,7 @@ replaced, refuses a taken port before starting anything, and runs ``fleetpilot u
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -25,7 +26,6 @@ from fleetpilot.runtime.processes import PortInUseError, port_in_use
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "local-two-tier.yaml"
-TIERS = {"small", "large"}
 
 
 def route_tier(header: str | None) -> str:
@@ -71,6 +71,8 @@ def chat(client: openai.OpenAI, text: str, model: str = "local") -> str:
 
 
 def test_fleet_runs_every_tier_and_writes_static_addresses(fleet: LocalFleet) -> None:
+    """Every tier of the two-tier example runs one healthy engine, and the router's config
+    lists exactly their loopback addresses."""
     rows = fleet.status_rows()
     assert {(r.tier, r.role) for r in rows} == {("small", "unified"), ("large", "unified")}
     assert all(r.replicas == r.alive == r.healthy == 1 for r in rows)
@@ -82,31 +84,43 @@ def test_fleet_runs_every_tier_and_writes_static_addresses(fleet: LocalFleet) ->
 
 
 def test_complexity_and_model_names_choose_the_tier(client: openai.OpenAI) -> None:
+    """The router picks the tier by complexity (an easy chat to small, a hard one to large),
+    unless the model name asks for a tier."""
     assert chat(client, "hi") == "small"
     assert chat(client, HARD) == "large"
     assert chat(client, "hi", model="large-model") == "large"
 
 
 def test_openai_chat_and_stream_through_the_router(client: openai.OpenAI) -> None:
-    assert chat(client, "hi") in TIERS
+    """The official OpenAI client works through the router (chat, streamed chat,
+    completions), each request served by the tier its prompt belongs to."""
+    # Every prompt here is easy (complexity far below the small tier's 0.4): small serves it.
+    assert chat(client, "hi") == "small"
     with client.chat.completions.with_streaming_response.create(
         model="local",
         messages=[{"role": "user", "content": "Say hello."}],
         max_tokens=6,
         stream=True,
     ) as response:
-        assert route_tier(response.headers.get("x-fleetpilot-route")) in TIERS
+        assert route_tier(response.headers.get("x-fleetpilot-route")) == "small"
         chunks = list(response.parse())
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text
-    completion = client.completions.create(model="local", prompt="Once upon", max_tokens=4)
-    assert completion.choices[0].text
+    raw = client.completions.with_raw_response.create(
+        model="local", prompt="Once upon", max_tokens=4
+    )
+    assert raw.parse().choices[0].text
+    assert route_tier(raw.headers.get("x-fleetpilot-route")) == "small"
 
 
 def test_a_killed_engine_is_restarted_and_the_fleet_keeps_serving(
     fleet: LocalFleet, client: openai.OpenAI
 ) -> None:
-    victim = fleet.replicas[0].child
+    """An engine killed with SIGKILL is reported with its exit code and log, restarted, and
+    its tier serves again from the restarted engine."""
+    replica = fleet.replicas[0]
+    assert (replica.tier, replica.role) == ("small", "unified")  # the small tier's only engine
+    victim = replica.child
     assert victim is not None
     assert victim.popen is not None
     old_pid = victim.pid
@@ -121,12 +135,14 @@ def test_a_killed_engine_is_restarted_and_the_fleet_keeps_serving(
     assert victim.pid != old_pid
     assert victim.healthy()
     assert fleet.supervise_once() == []
+    # Easy prompts: the small tier, served by the restarted engine alone.
     for i in range(6):
-        assert chat(client, f"request {i} after the restart") in TIERS
+        assert chat(client, f"request {i} after the restart") == "small"
     assert all(r.healthy == 1 for r in fleet.status_rows())
 
 
 def test_a_taken_port_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """A taken port of the fleet is refused by name before any process starts."""
     (service,) = load_services(EXAMPLE)
     base = free_port_range(3)
     with socket.socket() as blocker:
@@ -158,6 +174,8 @@ def up_argv(*args: str) -> list[str]:
 
 
 def test_up_serves_for_its_duration_then_stops_everything(tmp_path: Path) -> None:
+    """``fleetpilot up --duration`` serves the example on its ports for the duration, then
+    stops every process it started."""
     base = free_port_range(3)
     started = time.monotonic()
     result = subprocess.run(
@@ -178,6 +196,7 @@ def test_up_serves_for_its_duration_then_stops_everything(tmp_path: Path) -> Non
 
 
 def test_up_stops_everything_on_sigterm(tmp_path: Path) -> None:
+    """``fleetpilot up`` stopped with SIGTERM (a container stop) stops everything, exits 0."""
     base = free_port_range(3)
     process = subprocess.Popen(
         up_argv("--port", str(base), "--workdir", str(tmp_path)),
@@ -204,6 +223,7 @@ def test_up_stops_everything_on_sigterm(tmp_path: Path) -> None:
 
 
 def test_up_refuses_an_invalid_file_before_starting(tmp_path: Path) -> None:
+    """An invalid file is refused with exit code 2, naming the field, before anything starts."""
     bad = tmp_path / "bad.yaml"
     bad.write_text(EXAMPLE.read_text().replace("upTo: 0.4", "upTo: 7"))
     result = subprocess.run(
@@ -219,6 +239,8 @@ def test_up_refuses_an_invalid_file_before_starting(tmp_path: Path) -> None:
 
 
 def test_a_disaggregated_tier_serves_through_both_hops(tmp_path: Path) -> None:
+    """A P/D tier runs a prefill and a decode engine, both with the planner's kv_both for
+    NIXL, and a chat goes through both: prefill first, then the decode that pulls its KV."""
     (service,) = load_services(ROOT / "examples" / "disaggregated.yaml")
     local = LocalFleet(service, tmp_path, 0, max_replicas_per_role=1)
     local.start()
@@ -228,6 +250,9 @@ def test_a_disaggregated_tier_serves_through_both_hops(tmp_path: Path) -> None:
             ("decode", 1),
         ]
         prefill, decode = local.replicas
+        for replica in (prefill, decode):
+            config = replica.argv[replica.argv.index("--kv-transfer-config") + 1]
+            assert json.loads(config)["kv_role"] == "kv_both"  # what the planner gives vLLM
         with openai.OpenAI(base_url=local.endpoint, api_key="unused", max_retries=0) as api:
             raw = api.chat.completions.with_raw_response.create(
                 model="llama-70b", messages=[{"role": "user", "content": "hi"}], max_tokens=4

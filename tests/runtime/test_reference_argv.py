@@ -47,6 +47,8 @@ def parsed(argv: list[str]) -> settings.ServerSettings:
 
 
 def test_a_unified_launch_within_the_cpu_caps_keeps_its_own_settings() -> None:
+    """A launch within the CPU caps reaches the engine as planned (served name, port, batch
+    limit, context length), with the tiny model and the short drain added."""
     tier = make_tier("small", model="Qwen/Qwen2.5-0.5B-Instruct", engine={"maxNumSeqs": 8})
     tier["model"].update(servedName="small-model", maxModelLen=512)
     role = role_of(service_of(tier), RoleName.UNIFIED)
@@ -82,6 +84,7 @@ def test_gpu_sized_settings_are_capped_for_a_cpu() -> None:
 
 
 def test_a_launch_without_a_context_length_gets_the_cpu_one() -> None:
+    """A model without maxModelLen (vLLM would take the checkpoint's) runs with the CPU's."""
     argv = argv_of(role_of(service_of(make_tier()), RoleName.UNIFIED))
     assert argv[argv.index("--max-model-len") + 1] == "2048"
 
@@ -119,6 +122,8 @@ def test_a_nixl_role_takes_both_sides_as_the_planner_says(role: RoleName) -> Non
 def test_a_connector_told_its_side_reaches_the_engine_as_that_side(
     role: RoleName, kv_role: str
 ) -> None:
+    """A connector told its side (NCCL) gives the prefill kv_producer and the decode
+    kv_consumer, as in a pod, and the reference engine takes that side."""
     tier = make_tier("main", mode="disaggregated")
     tier["serving"]["kvTransfer"] = {"connector": "P2pNcclConnector"}
     argv = argv_of(role_of(service_of(tier), role))
@@ -128,6 +133,8 @@ def test_a_connector_told_its_side_reaches_the_engine_as_that_side(
 
 
 def test_a_unified_launch_parses_as_a_unified_engine() -> None:
+    """A unified launch is accepted by the reference engine as a unified engine on the
+    planned port and drain, with no KV transfer."""
     server_settings = parsed(argv_of(role_of(service_of(make_tier()), RoleName.UNIFIED)))
     assert server_settings.kv.role == RoleName.UNIFIED
     assert server_settings.port == 9001

@@ -41,6 +41,7 @@ def test_a_role_that_holds_now_shows_why_and_its_last_scale_apart() -> None:
 
 
 def test_without_the_autoscaler_the_table_has_no_scaling_columns() -> None:
+    """``fleetpilot up --no-autoscale``: only the replica columns, no empty decision ones."""
     header, small, _ = format_status(ROWS).splitlines()
     assert header.split() == ["TIER", "ROLE", "REPLICAS", "HEALTHY"]
     assert small.split() == ["small", "unified", "2", "2"]
