@@ -3,7 +3,13 @@
 ``decide(observation, spec, history, now) -> Decision`` reads plain data and returns plain data:
 no clock, no I/O, no state kept between calls. What must be remembered from one decision to
 the next (past recommendations, panic mode) is the :class:`History` passed in, returned updated
-inside the :class:`Decision`; the caller keeps it.
+inside the :class:`Decision`; the caller keeps it. The data types are in
+:mod:`~fleetpilot.autoscaler.model`; the reason's wording is in
+:mod:`~fleetpilot.autoscaler.explain`.
+Here, each signal is read into a :class:`~fleetpilot.autoscaler.model.Signal` (usable) or a
+:class:`~fleetpilot.autoscaler.model.Gap` (why not), the role into an
+:class:`~fleetpilot.autoscaler.model.Assessment` (the raw recommendation and what was found),
+and that through the rules below into replicas.
 
 The rules, in order:
 
