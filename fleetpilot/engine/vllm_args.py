@@ -108,7 +108,7 @@ def _compact_json(value: dict[str, object]) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
-def _kv_role(connector: str, role: RoleName) -> str:
+def kv_role(connector: str, role: RoleName) -> str:
     # NIXL moves blocks in both directions from one config; the NCCL and LMCache connectors
     # are told which side of the hand-off they are.
     if connector == KvConnector.NIXL.value:
@@ -174,7 +174,7 @@ def vllm_serve_args(launch: EngineLaunch) -> list[str]:
     if launch.kv_connector is not None:
         transfer: dict[str, object] = {
             "kv_connector": launch.kv_connector,
-            "kv_role": _kv_role(launch.kv_connector, launch.role),
+            "kv_role": kv_role(launch.kv_connector, launch.role),
         }
         args += ["--kv-transfer-config", _compact_json(transfer)]
     args += list(launch.extra_args)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import sys
 
-from fleetpilot.engine.vllm_args import EngineLaunch, _kv_role
+from fleetpilot.engine.vllm_args import EngineLaunch, kv_role
 
 # The reference engine's smallest model preset: several engines fit on a CPU at once.
 CPU_MODEL_CONFIG = "tiny"
@@ -54,7 +54,7 @@ def reference_argv(launch: EngineLaunch, host: str, python: str = sys.executable
         # The planner's kv_role for this connector and role: the same side a pod takes.
         config = {
             "kv_connector": launch.kv_connector,
-            "kv_role": _kv_role(launch.kv_connector, launch.role),
+            "kv_role": kv_role(launch.kv_connector, launch.role),
             # Decoders pull from the host the prefill engine advertises: the loopback one.
             "kv_ip": host,
         }
