@@ -67,17 +67,12 @@ def local_address(request: web.Request) -> tuple[str, int] | None:
 
 
 def remote_prefill_params(
-    kv: KVTransferSettings,
-    rid: str,
-    pin: PinInfo | None,
-    sockname: tuple[str, int] | None,
-    *,
-    host: str,
-    port: int,
+    kv: KVTransferSettings, rid: str, pin: PinInfo | None, reached_at: tuple[str, int]
 ) -> dict[str, Any] | None:
     """A prefill response's ``kv_transfer_params``: where its decoder pulls the pinned KV.
 
-    ``host``/``port`` are this server's own, for when the caller's address is unknown.
+    ``reached_at`` is the address the caller connected to (:func:`local_address`, else the
+    server's own): a decoder reaches it too, unless ``kv_ip`` names another.
     """
     if pin is None:
         return None  # nothing pinned (aborted, or evicted at once): decode prefills
@@ -87,8 +82,8 @@ def remote_prefill_params(
         "remote_engine_id": kv.engine_id,
         "remote_block_ids": list(pin.block_ids),
         "remote_request_id": rid,
-        "remote_host": kv.advertise_host or (sockname[0] if sockname else host),
-        "remote_port": sockname[1] if sockname else port,
+        "remote_host": kv.advertise_host or reached_at[0],
+        "remote_port": reached_at[1],
         "remote_num_tokens": pin.num_tokens,
         "tp_size": 1,
         "expires_at": pin.expires_at,

@@ -421,7 +421,7 @@ class EngineServer:
         prefix = "chatcmpl" if p.kind == "chat" else "cmpl"
         rid = f"{prefix}-{uuid.uuid4().hex}"
         arrival = engine.clock()  # before any KV pull: the pull is part of the TTFT
-        sockname = local_address(request)
+        reached_at = local_address(request) or (self.settings.host, self.port)
         assert self._idle is not None
         self._active += 1
         self._idle.clear()
@@ -446,18 +446,8 @@ class EngineServer:
             if p.request.stream:
                 return await stream_events(request, p, rid, stream)
             item = await _final(stream)
-            kv_params = (
-                remote_prefill_params(
-                    self.settings.kv,
-                    rid,
-                    item.pin,
-                    sockname,
-                    host=self.settings.host,
-                    port=self.port,
-                )
-                if pin
-                else None
-            )
+            kv = self.settings.kv
+            kv_params = remote_prefill_params(kv, rid, item.pin, reached_at) if pin else None
             return _json(self._response(p, rid, item.output, kv_params))
         finally:
             if stream is not None and not stream.finished:
