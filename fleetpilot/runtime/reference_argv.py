@@ -49,6 +49,8 @@ def reference_argv(launch: EngineLaunch, host: str, python: str = sys.executable
         *("--max-num-seqs", str(min(launch.max_num_seqs, CPU_MAX_NUM_SEQS))),
         *("--max-model-len", str(max_len)),
         *("--drain-grace-seconds", str(CPU_DRAIN_GRACE_S)),
+        # A person reads these logs (crash tails, `fleetpilot up`), not a log pipeline.
+        *("--log-format", "plain"),
     ]
     if launch.kv_connector is not None:
         # The planner's kv_role for this connector and role: the same side a pod takes.

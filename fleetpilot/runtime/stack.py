@@ -229,6 +229,8 @@ class LocalStack:
         argv = [
             *(self.python, "-m", "fleetpilot", "autoscaler"),
             *("--fleet", self.control.url, "--metrics-port", str(metrics_port)),
+            # A person reads this log (the demo's decisions, crash tails), as the fleet's others.
+            *("--log-format", "plain"),
         ]
         self.autoscaler = self.fleet.supervisor.start(
             "autoscaler",

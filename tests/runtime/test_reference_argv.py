@@ -61,6 +61,7 @@ def test_a_unified_launch_within_the_cpu_caps_keeps_its_own_settings() -> None:
         "--max-num-seqs", "8",
         "--max-model-len", "512",
         "--drain-grace-seconds", "2",
+        "--log-format", "plain",
     ]  # fmt: skip
 
 
@@ -104,6 +105,7 @@ def test_a_nixl_role_takes_both_sides_as_the_planner_says(role: RoleName) -> Non
         "--max-num-seqs", "16",
         "--max-model-len", "2048",
         "--drain-grace-seconds", "2",
+        "--log-format", "plain",
         "--kv-transfer-config",
         '{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_ip":"127.0.0.1"}',
         "--allowed-remote-hosts", HOST,
