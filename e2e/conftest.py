@@ -21,7 +21,8 @@ from kubernetes import client as k8s
 
 from e2e.chart_support import CHART, install_crds
 from fleetpilot.kube.client import Kube
-from fleetpilot.testing.controlplane import Cluster, ControlPlane, ExistingCluster
+from fleetpilot.testing.cluster import Cluster, ExistingCluster
+from fleetpilot.testing.controlplane import ControlPlane
 
 
 def pytest_configure(config: pytest.Config) -> None:

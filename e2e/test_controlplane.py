@@ -22,12 +22,9 @@ from kubernetes import client as k8s
 
 from e2e.support import eventually
 from fleetpilot.runtime.processes import group_members
-from fleetpilot.testing.controlplane import (
-    GPU_PRODUCT_LABEL,
-    GPU_RESOURCE,
-    STATE_FILE,
-    Cluster,
-)
+from fleetpilot.testing.cluster import Cluster
+from fleetpilot.testing.controlplane import STATE_FILE
+from fleetpilot.testing.nodes import GPU_PRODUCT_LABEL, GPU_RESOURCE
 
 pytestmark = pytest.mark.cluster
 
@@ -416,7 +413,7 @@ def test_cli_up_and_down_leave_no_process(control_plane: Cluster, tmp_path: Path
     if not control_plane.fake_nodes:
         pytest.skip("starts a local control plane; not with FLEETPILOT_E2E_CLUSTER")
     workdir = tmp_path / "cluster"
-    cli = [sys.executable, "-m", "fleetpilot.testing.controlplane"]
+    cli = [sys.executable, "-m", "fleetpilot.testing.cli"]
     env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
     up = subprocess.run(
         [*cli, "up", "--dir", str(workdir), "--no-build"],

@@ -29,8 +29,9 @@ from e2e.support import condition, eventually, mark_pods_ready
 from fleetpilot.kube.client import RESOURCES, Kube, Obj
 from fleetpilot.kube.managers import AUTOSCALER_MANAGER
 from fleetpilot.operator.reconcile import Reconciler
+from fleetpilot.runtime.processes import free_ports
 from fleetpilot.runtime.prometheus import PrometheusServer
-from fleetpilot.testing.controlplane import Cluster, free_ports
+from fleetpilot.testing.cluster import Cluster
 from tests.autoscaler.support import Engine, EngineKey, Load
 from tests.factories import make_manifest, make_tier
 from tests.support.kube import CountingKube

@@ -21,9 +21,6 @@ The components run under `fleetpilot.runtime.processes.Supervisor`, each in its 
 group, stopped by pid (never by name), so two clusters on one machine never touch each other's
 processes. state.json in the work folder records their pids, so `down` (another process)
 adopts and stops what `up` left running.
-
-The cluster types, node labels and `free_ports` are importable from here too: the tests import
-the whole control-plane API from this one module.
 """
 
 from __future__ import annotations
@@ -32,7 +29,6 @@ import json
 import logging
 import shutil
 import ssl
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -43,23 +39,12 @@ from kubernetes import client as k8s
 
 from fleetpilot.runtime.processes import Child, Supervisor, free_ports, http_ok
 from fleetpilot.testing.binaries import ensure_binaries
-from fleetpilot.testing.cluster import Cluster, ExistingCluster
+from fleetpilot.testing.cluster import Cluster
 from fleetpilot.testing.errors import ControlPlaneError
 from fleetpilot.testing.kubeconfig import client_cert_user, write_kubeconfig
-from fleetpilot.testing.nodes import FAKE_NODE_LABEL, GPU_PRODUCT_LABEL, GPU_RESOURCE
 from fleetpilot.testing.pki import Pki
 
-__all__ = [
-    "FAKE_NODE_LABEL",
-    "GPU_PRODUCT_LABEL",
-    "GPU_RESOURCE",
-    "STATE_FILE",
-    "Cluster",
-    "ControlPlane",
-    "ControlPlaneError",
-    "ExistingCluster",
-    "free_ports",
-]
+__all__ = ["STATE_FILE", "ControlPlane"]
 
 log = logging.getLogger(__name__)
 
@@ -423,11 +408,3 @@ class ControlPlane(Cluster):
             raise ControlPlaneError(f"processes still running after stop: {left}")
         if self._children:
             log.info("control plane in %s stopped", self.workdir)
-
-
-if __name__ == "__main__":
-    # `python -m fleetpilot.testing.controlplane up|down` predates cli.py; scripts and the e2e
-    # teardown test still run it. Imported here, not above: cli imports this module.
-    from fleetpilot.testing.cli import main
-
-    sys.exit(main())

@@ -23,6 +23,7 @@ from fleetpilot.autoscaler.direct import (
 )
 from fleetpilot.autoscaler.model import DataProblem
 from fleetpilot.runtime.processes import free_port
+from fleetpilot.testing.engine_server import BackgroundServer
 
 TTFT = "vllm:time_to_first_token_seconds"
 TPOT = "vllm:inter_token_latency_seconds"
@@ -173,10 +174,9 @@ def test_no_engines_and_a_failing_address_book_are_data_problems() -> None:
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Any]:
-    engine_server = pytest.importorskip("fleetpilot.testing.engine_server")
     argv = ["--host", "127.0.0.1", "--port", "0", "--model-config", "tiny",
             "--max-model-len", "512", "--served-model-name", "m"]  # fmt: skip
-    srv = engine_server.BackgroundServer.from_argv(argv).start()
+    srv = BackgroundServer.from_argv(argv).start()
     yield srv
     srv.stop()
 

@@ -30,7 +30,7 @@ from fleetpilot.autoscaler.prometheus import (
     router_queries,
     selector,
 )
-from fleetpilot.testing.controlplane import free_ports
+from fleetpilot.runtime.processes import free_ports
 from tests.autoscaler.support import Fleet, Load
 
 WINDOW = timedelta(seconds=3)

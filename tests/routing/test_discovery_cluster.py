@@ -17,7 +17,8 @@ from kubernetes import client as k8s
 
 from fleetpilot.api.router_config import RouterTier
 from fleetpilot.routing.discovery import KubernetesSource, KubeSliceClient
-from fleetpilot.testing.controlplane import ControlPlane, ControlPlaneError
+from fleetpilot.testing.controlplane import ControlPlane
+from fleetpilot.testing.errors import ControlPlaneError
 from tests.routing.support import FakeEngine, engines, group, make_config, running_router
 
 pytestmark = pytest.mark.cluster

@@ -13,9 +13,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetpilot.api.router_config import EndpointGroup, RouterTier
+from fleetpilot.testing.engine_server import BackgroundServer
 from tests.routing.support import make_config, running_router
-
-BackgroundServer = pytest.importorskip("fleetpilot.testing.engine_server").BackgroundServer
 
 NIXL = '{"kv_connector": "NixlConnector", "kv_role": "%s"%s}'
 
