@@ -140,3 +140,9 @@ def running_stack(workdir: Path, manifest: str, *, prometheus: bool) -> Iterator
     finally:
         stack.stop()
         assert stack.leftovers() == []
+
+
+def autoscaler_log(stack: LocalStack) -> str:
+    """What the stack's autoscaler process has logged so far (its decisions, its source)."""
+    assert stack.autoscaler is not None
+    return stack.autoscaler.log_path.read_text()

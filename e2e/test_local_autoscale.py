@@ -21,7 +21,7 @@ import httpx
 import pytest
 import yaml
 
-from e2e.support import running_stack, step_until
+from e2e.support import autoscaler_log, running_stack, step_until
 from fleetpilot.runtime.local import LocalFleet
 from fleetpilot.runtime.stack import LocalStack
 from tests.factories import make_local_manifest
@@ -67,11 +67,6 @@ def load(url: str, stop: threading.Event, errors: list[str]) -> int:
 def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LocalStack]:
     with running_stack(tmp_path, SERVICE, prometheus=request.param == "prometheus") as local:
         yield local
-
-
-def autoscaler_log(stack: LocalStack) -> str:
-    assert stack.autoscaler is not None
-    return stack.autoscaler.log_path.read_text()
 
 
 def test_load_scales_up_on_ttft_and_a_lull_scales_down_after_the_window(

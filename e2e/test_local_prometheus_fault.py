@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e.support import eventually, running_stack, step_until
+from e2e.support import autoscaler_log, eventually, running_stack, step_until
 from fleetpilot.runtime.stack import LocalStack, prometheus_installed
 from tests.factories import make_local_manifest
 
@@ -41,11 +41,6 @@ def stack(tmp_path: Path) -> Iterator[LocalStack]:
         pytest.skip("prometheus is not installed (make prometheus)")
     with running_stack(tmp_path, SERVICE, prometheus=True) as local:
         yield local
-
-
-def autoscaler_log(stack: LocalStack) -> str:
-    assert stack.autoscaler is not None
-    return stack.autoscaler.log_path.read_text()
 
 
 def test_a_killed_prometheus_is_restarted_and_reported_while_the_engines_are_read(

@@ -10,9 +10,8 @@ import asyncio
 
 import aiohttp
 
-from fleetpilot.routing.metrics import RouterMetrics
-from fleetpilot.routing.router import ReplicaState, Router
-from fleetpilot.routing.tasks import PeriodicRounds
+from fleetpilot.routing.router import ReplicaState
+from fleetpilot.routing.tasks import ReplicaRounds
 
 
 async def answers_health(
@@ -29,17 +28,10 @@ async def answers_health(
         return False
 
 
-class Prober(PeriodicRounds):
+class Prober(ReplicaRounds):
     """Every ``interval_s``, probes each ejected replica; a 200 readmits it."""
 
     name = "prober"
-
-    def __init__(
-        self, router: Router, metrics: RouterMetrics, *, interval_s: float, timeout_s: float
-    ) -> None:
-        super().__init__(interval_s=interval_s, timeout_s=timeout_s)
-        self.router = router
-        self.metrics = metrics
 
     def new_session(self) -> aiohttp.ClientSession:
         # Probes open a fresh connection each time: a pooled one could outlive the process

@@ -8,13 +8,12 @@ import time
 
 import aiohttp
 
-from fleetpilot.routing.metrics import RouterMetrics
 from fleetpilot.routing.policies.load import parse_engine_metrics
-from fleetpilot.routing.router import ReplicaState, Router
-from fleetpilot.routing.tasks import PeriodicRounds
+from fleetpilot.routing.router import ReplicaState
+from fleetpilot.routing.tasks import ReplicaRounds
 
 
-class Scraper(PeriodicRounds):
+class Scraper(ReplicaRounds):
     """Keeps ``ReplicaState.metrics`` fresh.
 
     Its own connection pool, apart from the request traffic's: a slow scrape must never take a
@@ -28,13 +27,6 @@ class Scraper(PeriodicRounds):
     """
 
     name = "scraper"
-
-    def __init__(
-        self, router: Router, metrics: RouterMetrics, *, interval_s: float, timeout_s: float
-    ) -> None:
-        super().__init__(interval_s=interval_s, timeout_s=timeout_s)
-        self.router = router
-        self.metrics = metrics
 
     def new_session(self) -> aiohttp.ClientSession:
         return aiohttp.ClientSession(

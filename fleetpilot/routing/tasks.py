@@ -7,9 +7,13 @@ import contextlib
 import logging
 import time
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
+
+if TYPE_CHECKING:  # the router's modules import cancel() from here
+    from fleetpilot.routing.metrics import RouterMetrics
+    from fleetpilot.routing.router import Router
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +27,9 @@ async def cancel(task: asyncio.Task[Any] | None) -> None:
         await task
 
 
-class PeriodicRounds(ABC):
-    """One round every ``interval_s`` in a task of its own, over an HTTP session of its own.
+class ReplicaRounds(ABC):
+    """One round over the router's replicas every ``interval_s``, in a task of its own and
+    over an HTTP session of its own.
 
     Subclasses say how their session pools connections and what a round does. A round that
     raises is logged and the next one runs on time: one bad round must never stop scraping or
@@ -33,7 +38,11 @@ class PeriodicRounds(ABC):
 
     name = "rounds"
 
-    def __init__(self, *, interval_s: float, timeout_s: float) -> None:
+    def __init__(
+        self, router: Router, metrics: RouterMetrics, *, interval_s: float, timeout_s: float
+    ) -> None:
+        self.router = router
+        self.metrics = metrics
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self._session: aiohttp.ClientSession | None = None

@@ -24,15 +24,7 @@ from aiohttp import web
 from fleetpilot.api.router_config import EndpointGroup, RouterConfig, RouterTier
 from fleetpilot.routing.app import ROUTER_APP, RouterApp, build_app
 from fleetpilot.routing.discovery import EndpointSource, StaticSource
-
-PREFILL_REQUEST_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+from fleetpilot.routing.policies.pd import PREFILL_KV_PARAMS
 
 
 @dataclass
@@ -155,7 +147,7 @@ class FakeEngine:
 
     async def _prefill(self, body: dict[str, Any]) -> web.Response:
         ok = (
-            body.get("kv_transfer_params") == PREFILL_REQUEST_PARAMS
+            body.get("kv_transfer_params") == PREFILL_KV_PARAMS
             and body.get("max_tokens") == 1
             and body.get("stream") is False
             and "stream_options" not in body

@@ -18,6 +18,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fleetpilot.routing.policies.pd import PREFILL_KV_PARAMS
 from fleetpilot.testing.engine_server import BackgroundServer
 
 MODEL = "pd-model"
@@ -30,15 +31,8 @@ REQUEST: dict[str, Any] = {
     "ignore_eos": True,
     "return_token_ids": True,
 }
-# What vLLM's toy proxy sends to the prefill server.
-PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+# What vLLM's toy proxy (and so our router) sends to the prefill server.
+PREFILL_PARAMS = PREFILL_KV_PARAMS
 NIXL = '{"kv_connector": "NixlConnector", "kv_role": "%s"%s}'
 COMMON = [
     "--host", "127.0.0.1", "--port", "0", "--model-config", "tiny", "--max-model-len", "256",
