@@ -40,8 +40,6 @@ from fleetpilot.kube.status import StatusWrite, update_status
 log = logging.getLogger(__name__)
 
 COMPONENT = "fleetpilot-autoscaler"
-# Conflicts come from the operator writing the same status; a handful of re-reads settles them.
-MAX_STATUS_ATTEMPTS = 5
 
 # Condition reasons of ScalingActive.
 REASON_FRESH = "FreshMetrics"
@@ -313,7 +311,6 @@ class KubernetesActuator:
             service.name,
             mutate,
             manager=self.manager,
-            attempts=MAX_STATUS_ATTEMPTS,
         )
         if outcome is StatusWrite.GONE:
             return [], False  # deleted meanwhile: nothing left to record on

@@ -22,6 +22,10 @@ log = logging.getLogger(__name__)
 
 Mutate = Callable[[Obj], "Obj | None"]
 
+# The operator and the autoscaler conflict only with each other (and with child events'
+# status refreshes): a handful of fresh reads settles any race they can have.
+STATUS_ATTEMPTS = 5
+
 
 class StatusWrite(Enum):
     """What :func:`update_status` did."""
@@ -39,7 +43,7 @@ def update_status(
     mutate: Mutate,
     *,
     manager: str,
-    attempts: int,
+    attempts: int = STATUS_ATTEMPTS,
     live: Obj | None = None,
 ) -> StatusWrite:
     """Read the object, let ``mutate`` compute its status, and merge-patch it if it changed.

@@ -39,9 +39,6 @@ MANAGED_KINDS = (
 )
 OPTIONAL_KINDS = {"PodMonitor": ("monitoring.coreos.com/v1", "podmonitors")}
 
-# Status writes that lose a race (409) are computed again from a fresh read this many times.
-STATUS_ATTEMPTS = 3
-
 EventSink = Callable[[str, str, str], None]  # (type Normal|Warning, reason, message)
 
 
@@ -193,7 +190,6 @@ class Reconciler:
             service.name,
             mutate,
             manager=OPERATOR_MANAGER,
-            attempts=STATUS_ATTEMPTS,
             live=body,
         )
         return outcome is StatusWrite.WRITTEN
