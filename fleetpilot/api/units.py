@@ -18,6 +18,8 @@ _UNIT_SECONDS = {
     "h": 3600.0,
 }
 # Go's time.ParseDuration grammar without the sign: what CEL's duration() and kubectl accept.
+# Parsed here, not by pydantic: its timedelta takes ISO 8601 and bare numbers, which the API
+# server's CEL rules would read differently (or refuse).
 DURATION_PATTERN = r"^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$"
 _DURATION_RE = re.compile(DURATION_PATTERN)
 _PART_RE = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ns|us|µs|ms|s|m|h)")

@@ -69,6 +69,9 @@ Buckets = tuple[tuple[float, float], ...]  # ((le, cumulative count), ...) sorte
 def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float | None:
     """Prometheus' ``histogram_quantile`` over cumulative ``(le, count)`` pairs.
 
+    Written here because this reader runs exactly when no Prometheus answers, and no library
+    we ship evaluates PromQL; the rules follow Prometheus' own implementation.
+
     None where Prometheus gives NaN (no observations, or no ``+Inf`` bucket). Within the
     bucket holding the rank the value is interpolated linearly (the first bucket from 0); a
     rank in the ``+Inf`` bucket answers the largest finite bound, as Prometheus does.
