@@ -92,6 +92,8 @@ GOLDEN = {
 
 
 def test_every_example_role_has_a_golden_command() -> None:
+    """Every role of every example has a golden command, and no golden command is left for a role
+    that no longer exists."""
     roles = set()
     for path in EXAMPLES.glob("*.yaml"):
         for service in load_services(path):
@@ -104,12 +106,16 @@ def test_every_example_role_has_a_golden_command() -> None:
 def test_dry_run_prints_the_exact_command(
     example: str, tier: str, role: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """`fleetpilot engine --dry-run` prints exactly the golden `vllm serve` command for each example
+    role."""
     argv = ["engine", "--backend", "vllm", "-f", str(EXAMPLES / example), "--tier", tier]
     assert main([*argv, "--role", role, "--dry-run"]) == 0
     assert capsys.readouterr().out.strip() == GOLDEN[(example, tier, role)]
 
 
 def test_launch_json_round_trips() -> None:
+    """What the planner writes as --launch-json reads back as the same EngineLaunch, nothing dropped
+    or defaulted."""
     launch = launch_from_file(EXAMPLES / "two-tier.yaml", "small", "unified")
     assert launch_from_json(launch_to_json(launch)) == launch
 
@@ -124,6 +130,8 @@ def test_launch_json_round_trips() -> None:
     ],
 )
 def test_bad_launch_json_is_refused(text: str, message: str) -> None:
+    """Broken --launch-json (not JSON, not an object, unknown keys, a missing field) is refused with
+    what is wrong, before vLLM starts."""
     with pytest.raises(LaunchError, match=message):
         launch_from_json(text)
 
@@ -133,11 +141,15 @@ def test_bad_launch_json_is_refused(text: str, message: str) -> None:
     [("huge", "unified", "no tier 'huge'"), ("main", "unified", "has no role 'unified'")],
 )
 def test_unknown_tier_or_role_is_refused(tier: str, role: str, message: str) -> None:
+    """A tier not in the file, or a role the tier does not have (unified in a disaggregated tier),
+    is refused by name."""
     with pytest.raises(LaunchError, match=message):
         launch_from_file(EXAMPLES / "disaggregated.yaml", tier, role)
 
 
 def test_too_few_gpus_is_refused_before_loading() -> None:
+    """Needing more GPUs (tensor x pipeline x data) than are visible is refused before vLLM loads
+    weights; enough GPUs, or an unknown count, passes."""
     launch = EngineLaunch(model="m", served_name="m", tensor=4, data=2)
     with pytest.raises(LaunchError, match=r"needs 8 GPUs .* but 4 are visible"):
         check_launch(launch, gpus=4)
@@ -146,12 +158,16 @@ def test_too_few_gpus_is_refused_before_loading() -> None:
 
 
 def test_missing_model_directory_is_refused() -> None:
+    """A local model path that does not exist (the volume not mounted) is refused before vLLM
+    starts."""
     launch = EngineLaunch(model="/models/absent", served_name="m")
     with pytest.raises(LaunchError, match="does not exist"):
         check_launch(launch, gpus=1, path_exists=lambda _: False)
 
 
 def test_connector_only_for_disaggregated_roles() -> None:
+    """A KV connector is refused on a unified engine, and a prefill or decode engine without one is
+    refused too."""
     with pytest.raises(LaunchError, match="KV connector"):
         check_launch(EngineLaunch(model="m", served_name="m", kv_connector="NixlConnector"), gpus=1)
     with pytest.raises(LaunchError, match="KV connector"):
@@ -162,6 +178,8 @@ def test_connector_only_for_disaggregated_roles() -> None:
     ("value", "count"), [("0,1,2,3", 4), ("", 0), ("-1", 0), ("GPU-a1b2,GPU-c3d4", 2)]
 )
 def test_visible_gpus_from_the_device_plugin(value: str, count: int) -> None:
+    """GPUs are counted from CUDA_VISIBLE_DEVICES as the device plugin sets it (indices or UUIDs;
+    empty or -1 is none); without it the count is unknown, not guessed."""
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": value}) == count
     assert visible_gpus({}) is None
 

@@ -22,6 +22,8 @@ def _args(name: str, tier: int = 0, role: str = "unified") -> list[str]:
 
 
 def test_two_tier_small_command_line() -> None:
+    """The small tier of two-tier.yaml gives exactly this argv: every flag in order, quantization,
+    and the ngram speculative config as compact JSON."""
     assert _args("two-tier.yaml", 0) == [
         "/models/qwen2.5-7b-instruct-awq",
         "--served-model-name", "qwen-7b",
@@ -44,6 +46,8 @@ def test_two_tier_small_command_line() -> None:
 
 
 def test_single_tier_downloads_from_the_hub() -> None:
+    """A Hub model id is passed as it is (vLLM downloads it), and settings the spec leaves out
+    (quantization, speculation) add no flag."""
     args = _args("single-tier.yaml")
     assert args[0] == "meta-llama/Llama-3.1-8B-Instruct"
     assert "--quantization" not in args
@@ -51,6 +55,8 @@ def test_single_tier_downloads_from_the_hub() -> None:
 
 
 def test_tp8_speculative_fp8_kv() -> None:
+    """tp8-speculative.yaml's tensor parallelism, bfloat16 weights, fp8 KV cache and EAGLE-3 draft
+    all reach the command line."""
     args = _args("tp8-speculative.yaml")
     assert args[args.index("--tensor-parallel-size") + 1] == "8"
     assert args[args.index("--kv-cache-dtype") + 1] == "fp8"
@@ -67,6 +73,8 @@ def test_tp8_speculative_fp8_kv() -> None:
 def test_disaggregated_roles_get_kv_transfer_and_their_own_parallelism(
     role: str, tensor: str
 ) -> None:
+    """Prefill and decode each get their own tensor parallelism, and both the NIXL connector with
+    kv_role kv_both."""
     args = _args("disaggregated.yaml", role=role)
     assert args[args.index("--tensor-parallel-size") + 1] == tensor
     transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
@@ -74,6 +82,7 @@ def test_disaggregated_roles_get_kv_transfer_and_their_own_parallelism(
 
 
 def test_nccl_connector_is_told_its_side() -> None:
+    """P2pNcclConnector needs each side told: prefill is kv_producer and decode kv_consumer."""
     tier = make_tier("main", mode="disaggregated")
     tier["serving"]["kvTransfer"] = {"connector": "P2pNcclConnector"}
     service = parse_service(make_manifest(tiers=[tier]))
@@ -87,10 +96,13 @@ def test_nccl_connector_is_told_its_side() -> None:
 
 
 def test_unified_has_no_kv_transfer() -> None:
+    """A unified engine gets no --kv-transfer-config."""
     assert "--kv-transfer-config" not in _args("two-tier.yaml", 1)
 
 
 def test_data_parallel_ranks_stay_in_the_pod() -> None:
+    """Data-parallel ranks all run in the one pod: --data-parallel-size-local equals
+    --data-parallel-size."""
     args = vllm_serve_args(EngineLaunch(model="m", served_name="m", data=4))
     assert args[args.index("--data-parallel-size") + 1] == "4"
     assert args[args.index("--data-parallel-size-local") + 1] == "4"
@@ -104,5 +116,7 @@ def test_prefix_caching_off_is_explicit() -> None:
 
 
 def test_extra_args_come_last() -> None:
+    """The spec's extra args come last, so one of them can override a flag we set (argparse keeps
+    the last)."""
     launch = EngineLaunch(model="m", served_name="m", extra_args=("--enforce-eager",))
     assert vllm_serve_args(launch)[-1] == "--enforce-eager"

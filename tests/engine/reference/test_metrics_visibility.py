@@ -56,6 +56,8 @@ def successes(text: str) -> float:
 def test_a_finished_request_is_counted_before_its_response_is_sent(
     slow_publishing_engine: BackgroundServer,
 ) -> None:
+    """Each completion is in vllm:request_success_total by the time its client has the answer,
+    however slowly the engine thread publishes."""
     with httpx.Client(base_url=slow_publishing_engine.url, timeout=60, trust_env=False) as client:
         before = successes(client.get("/metrics").text)
         for i in range(3):

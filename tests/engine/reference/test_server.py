@@ -99,6 +99,8 @@ def metric(url: str, name: str, **labels: str) -> float:
 
 
 def test_completions_non_streaming(client: openai.OpenAI) -> None:
+    """A completion has OpenAI's shape (id, object, model, finish_reason) and exact usage counts;
+    greedy decoding gives the same text twice."""
     first = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=8, **GREEDY)
     again = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=8, **GREEDY)
     choice = first.choices[0]
@@ -114,6 +116,8 @@ def test_completions_non_streaming(client: openai.OpenAI) -> None:
 
 
 def test_completions_streaming_equals_non_streaming(client: openai.OpenAI) -> None:
+    """Streamed chunks join into the non-streamed text; only the last choice has a finish_reason,
+    and with include_usage one final chunk without choices carries the usage."""
     full = client.completions.create(model=MODEL, prompt="Stream me", max_tokens=12, **GREEDY)
     chunks = list(
         client.completions.create(
@@ -138,6 +142,8 @@ def test_completions_streaming_equals_non_streaming(client: openai.OpenAI) -> No
 
 
 def test_chat_streaming_with_usage_reports_cached_tokens(client: openai.OpenAI) -> None:
+    """Chat streaming opens with the assistant role and matches the non-streamed answer; the
+    repeated prompt reports its prefix-cache hit in cached_tokens, in whole blocks."""
     messages: list[Any] = [
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": LONG_PROMPT},
@@ -175,6 +181,8 @@ def test_chat_streaming_with_usage_reports_cached_tokens(client: openai.OpenAI) 
 
 
 def test_chat_content_parts_and_max_tokens_alias(client: openai.OpenAI) -> None:
+    """Chat content given as text parts is the same prompt as a plain string, and the legacy
+    max_tokens limits a chat answer as max_completion_tokens does."""
     parts = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": [{"type": "text", "text": "hi there"}]}],
@@ -190,6 +198,8 @@ def test_chat_content_parts_and_max_tokens_alias(client: openai.OpenAI) -> None:
 
 
 def test_models_lists_every_served_name(client: openai.OpenAI) -> None:
+    """/v1/models lists every --served-model-name in order, and a request naming an alias is served
+    and answered under that name."""
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL, "alias"]
     assert models.data[0].owned_by == "fleetpilot"
@@ -199,6 +209,7 @@ def test_models_lists_every_served_name(client: openai.OpenAI) -> None:
 
 
 def test_stop_strings_cut_the_text_streaming_or_not(client: openai.OpenAI) -> None:
+    """A stop string ends the text just before it, with finish_reason stop, streamed or not."""
     base = client.completions.create(
         model=MODEL, prompt="Stop here", max_tokens=24, **GREEDY
     ).choices[0]
@@ -218,6 +229,8 @@ def test_stop_strings_cut_the_text_streaming_or_not(client: openai.OpenAI) -> No
 
 
 def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
+    """Sampling with a seed is reproducible (same seed, same text), and top_k from extra_body is
+    accepted."""
     kwargs: dict[str, Any] = {"model": MODEL, "prompt": "Sample", "max_tokens": 12}
     a = client.completions.create(**kwargs, temperature=1.0, top_p=0.9, seed=7)
     b = client.completions.create(**kwargs, temperature=1.0, top_p=0.9, seed=7)
@@ -228,6 +241,8 @@ def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
 
 @pytest.mark.asyncio
 async def test_async_client_concurrent_requests(server: BackgroundServer) -> None:
+    """Concurrent requests from the async client each get all their tokens, and greedy output
+    batched with others equals the same prompt alone."""
     async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x") as client:
         prompts = [f"Concurrent request number {i}" for i in range(6)]
         outs = await asyncio.gather(
@@ -254,6 +269,8 @@ async def test_async_client_concurrent_requests(server: BackgroundServer) -> Non
 
 
 def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
+    """The openai client turns our errors into its typed exceptions: an unknown model is
+    NotFoundError (404), n=2 a BadRequestError saying n=1."""
     with pytest.raises(openai.NotFoundError) as not_found:
         client.completions.create(model="nope", prompt="x", max_tokens=1)
     assert not_found.value.status_code == 404
@@ -329,6 +346,8 @@ ERROR_CASES: list[tuple[str, str, Any, int, str | None]] = [
 def test_bad_requests_get_openai_shaped_errors(
     http: httpx.Client, path: str, body: Any, status: int, param: str | None
 ) -> None:
+    """Every refused request gets vLLM's error shape with the right status, type and param, and the
+    server stays healthy after it."""
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     resp = http.post(path, content=content, headers={"Content-Type": "application/json"})
     assert resp.status_code == status, resp.text
@@ -343,6 +362,8 @@ def test_bad_requests_get_openai_shaped_errors(
 
 
 def test_wrong_method_and_unknown_get_route(http: httpx.Client) -> None:
+    """A GET on a POST route is a 405 and an unknown path a 404, both in the OpenAI error shape
+    rather than aiohttp's plain text."""
     resp = http.get("/v1/completions")
     assert resp.status_code == 405
     assert resp.json()["error"]["code"] == 405
@@ -352,6 +373,7 @@ def test_wrong_method_and_unknown_get_route(http: httpx.Client) -> None:
 
 
 def test_oversized_body_is_a_413(http: httpx.Client) -> None:
+    """A body past MAX_BODY_BYTES is refused with a 413 in the OpenAI error shape."""
     huge = json.dumps({"prompt": "a" * (MAX_BODY_BYTES + 1)})
     resp = http.post("/v1/completions", content=huge, headers={"Content-Type": "application/json"})
     assert resp.status_code == 413
@@ -359,6 +381,8 @@ def test_oversized_body_is_a_413(http: httpx.Client) -> None:
 
 
 def test_unknown_request_fields_are_ignored(http: httpx.Client) -> None:
+    """Fields we do not know (user, newer API fields) are ignored as vLLM ignores them, not refused;
+    the answer carries kv_transfer_params null as vLLM's does."""
     body = {"prompt": "x", "max_tokens": 2, "user": "u", "some_future_field": {"a": 1}}
     resp = http.post("/v1/completions", json=body)
     assert resp.status_code == 200
@@ -366,6 +390,8 @@ def test_unknown_request_fields_are_ignored(http: httpx.Client) -> None:
 
 
 def test_token_id_prompts_and_return_token_ids(http: httpx.Client) -> None:
+    """A prompt of token ids is the same prompt as its text, and return_token_ids echoes the
+    prompt's ids and one id per generated token."""
     ids = ByteTokenizer().encode("token ids")
     by_ids = http.post(
         "/v1/completions",
@@ -384,6 +410,8 @@ def test_token_id_prompts_and_return_token_ids(http: httpx.Client) -> None:
 
 
 def test_tokenize_and_detokenize(http: httpx.Client) -> None:
+    """/tokenize counts what a completion's usage reports (BOS unless add_special_tokens is false,
+    the chat template for messages), refuses both inputs at once; /detokenize inverts it."""
     tok = ByteTokenizer()
     resp = http.post("/tokenize", json={"prompt": "abc"}).json()
     assert resp == {"count": 4, "max_model_len": 256, "tokens": [tok.bos_token_id, 97, 98, 99]}
@@ -401,6 +429,7 @@ def test_tokenize_and_detokenize(http: httpx.Client) -> None:
 
 
 def test_health_and_version(http: httpx.Client) -> None:
+    """A ready server answers /health with 200 and names its version at /version."""
     resp = http.get("/health")
     assert resp.status_code == 200
     assert http.get("/version").json()["version"]
@@ -429,6 +458,8 @@ VLLM_SERIES = [
 def test_metrics_expose_vllm_names_labels_and_buckets(
     client: openai.OpenAI, http: httpx.Client
 ) -> None:
+    """/metrics exposes vLLM's series with vLLM's names, labels and bucket bounds, and they move
+    with traffic: dashboards and the autoscaler read us as they read vLLM."""
     for _ in range(2):  # the repeat hits the prefix cache
         client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=8, **GREEDY)
     resp = http.get("/metrics")
@@ -487,6 +518,8 @@ def test_metrics_expose_vllm_names_labels_and_buckets(
 
 
 def test_servers_in_one_process_have_separate_registries(server: BackgroundServer) -> None:
+    """Two servers in one process expose only their own series: no shared global Prometheus
+    registry."""
     other = start_server("--served-model-name", "second")
     try:
         httpx.post(other.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
@@ -502,6 +535,8 @@ def test_servers_in_one_process_have_separate_registries(server: BackgroundServe
 
 @pytest.mark.asyncio
 async def test_503_while_starting_then_ready() -> None:
+    """While the engine loads, /health and requests answer 503 in the error shape and /metrics is
+    scrapable; once loaded, both answer 200."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     srv = build_server(parser.parse_args(BASE_ARGS))
@@ -539,6 +574,8 @@ async def test_503_while_starting_then_ready() -> None:
 
 @pytest.mark.asyncio
 async def test_draining_refuses_new_requests_and_finishes_running_ones() -> None:
+    """A draining server fails /health and refuses new requests with 503, while a request already
+    running finishes in full."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     srv = build_server(parser.parse_args([*BASE_ARGS, "--step-delay-seconds", "0.005"]))
@@ -571,6 +608,8 @@ async def test_draining_refuses_new_requests_and_finishes_running_ones() -> None
 
 @pytest.mark.asyncio
 async def test_drain_aborts_what_outlives_the_grace_period() -> None:
+    """Drain waits only its grace period: a request still running then is aborted (finish_reason
+    abort) and the drain returns within seconds."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     srv = build_server(parser.parse_args([*BASE_ARGS, "--step-delay-seconds", "0.02"]))
@@ -598,6 +637,8 @@ async def test_drain_aborts_what_outlives_the_grace_period() -> None:
 
 @pytest.mark.asyncio
 async def test_engine_failure_fails_requests_and_stops_the_server() -> None:
+    """An exception in the engine loop fails the waiting request with a 503 naming it and stops the
+    server with exit code 1, instead of hanging."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     srv = build_server(parser.parse_args(BASE_ARGS))
@@ -623,6 +664,8 @@ async def test_engine_failure_fails_requests_and_stops_the_server() -> None:
 
 @pytest.mark.asyncio
 async def test_client_disconnect_aborts_the_engine_request(slow_server: BackgroundServer) -> None:
+    """A client that hangs up, streaming or not, aborts its engine request: counted as abort, no
+    longer running, never generated to the end."""
     url = slow_server.url
     before = metric(url, "vllm:request_success_total", finished_reason="abort")
     body = {"model": MODEL, "prompt": "long", "max_tokens": 200, "ignore_eos": True}

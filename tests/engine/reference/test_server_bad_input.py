@@ -87,6 +87,8 @@ def test_out_of_range_sampling_values_are_refused_as_vllm_does(
 
 
 def test_in_range_values_still_work(server: BackgroundServer) -> None:
+    """The bounds are not over-tight: temperature 2 (vLLM's maximum) and top_p 0.5 are still
+    served."""
     body = b'{"prompt": "hi", "temperature": 2, "top_p": 0.5, "max_tokens": 2}'
     assert _post(server, "/v1/completions", body).status_code == 200
 

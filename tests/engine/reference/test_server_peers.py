@@ -177,5 +177,7 @@ def test_a_bare_engine_trusts_only_loopback(trap: socket.socket) -> None:
     ],
 )  # fmt: skip
 def test_bad_allowed_remote_hosts_are_refused_at_start(extra: list[str], message: str) -> None:
+    """A bad --allowed-remote-hosts, or the list given both as the flag and in the connector config,
+    stops the engine at start with the flag named, not at its first hand-off."""
     with pytest.raises(ConfigError, match=message):
         BackgroundServer.from_argv([*COMMON, *extra])
