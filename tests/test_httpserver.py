@@ -31,6 +31,8 @@ WAIT_S = 60.0
 
 
 def test_throttle_lets_one_event_through_per_interval_and_counts_the_rest() -> None:
+    """A burst of one kind of warning logs once per interval, and the next line logged says how many
+    were held back."""
     throttle = Throttle(10.0)
     assert throttle.admit(100.0) == 0
     assert throttle.admit(101.0) is None
@@ -40,6 +42,8 @@ def test_throttle_lets_one_event_through_per_interval_and_counts_the_rest() -> N
 
 
 def test_limits_refuse_nonsense() -> None:
+    """Limits that would refuse every client (no connections, a zero timeout) are refused when the
+    limits are made."""
     with pytest.raises(ValueError, match="max_connections"):
         ServerLimits(max_connections=0)
     with pytest.raises(ValueError, match="positive"):
@@ -151,6 +155,8 @@ async def test_a_kept_alive_connection_is_not_cut_by_the_header_timeout(serve: S
 async def test_connections_beyond_the_limit_are_closed_and_service_resumes(
     serve: Serve,
 ) -> None:
+    """Past max_connections a new connection is closed at once while the open ones stay; once the
+    slow ones time out, requests are served again."""
     app, port = await serve(ServerLimits(header_timeout_s=5.0, max_connections=5))
     slow = []
     for _ in range(5):

@@ -10,6 +10,8 @@ from fleetpilot.openai_errors import error_body, error_type, normalize_error
 
 
 def test_the_shape_is_vllms() -> None:
+    """Our error bodies are vLLM's: nested under error with message, type, param and an integer
+    code; the type follows the status."""
     assert error_body(400, "bad", param="max_tokens") == {
         "error": {"message": "bad", "type": "BadRequestError", "param": "max_tokens", "code": 400}
     }
@@ -17,6 +19,7 @@ def test_the_shape_is_vllms() -> None:
 
 
 def test_a_body_already_in_the_shape_is_left_alone() -> None:
+    """An upstream error already in vLLM's shape is relayed untouched (None: nothing to rewrite)."""
     assert normalize_error(404, json.dumps(error_body(404, "no such model")).encode()) is None
 
 
@@ -41,6 +44,8 @@ def test_a_body_already_in_the_shape_is_left_alone() -> None:
 def test_other_shapes_are_rewritten_keeping_message_and_param(
     status: int, raw: bytes, message: str, param: str | None
 ) -> None:
+    """Other upstream error shapes (old flat vLLM, no code, a wrong code, no message, plain text,
+    empty) become vLLM's shape for the status sent, keeping message and param."""
     fixed = normalize_error(status, raw)
     assert fixed is not None
     assert json.loads(fixed) == error_body(status, message, param=param)

@@ -640,6 +640,8 @@ async def test_a_request_for_a_tier_at_zero_is_held_until_a_replica_appears(
 
 
 async def test_a_held_request_is_refused_when_the_cold_start_wait_ends() -> None:
+    """A request held for a tier at zero is refused with a 503 naming the cold-start wait when no
+    replica appears in time, and no longer counts as pending."""
     config = make_config([tier("only", 1.0, [])], coldStartWait="300ms")
     async with running_router(config) as router:
         status, body, _ = await post(router, SHORT)

@@ -83,6 +83,7 @@ def test_bad_configs_name_the_problem(text: str, message: str) -> None:
 
 
 def test_missing_file(tmp_path: Path) -> None:
+    """An absent config file is a ConfigError with the system's reason, not a traceback."""
     with pytest.raises(ConfigError, match="No such file"):
         load_config(tmp_path / "absent.yaml")
 

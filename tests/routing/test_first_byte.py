@@ -27,6 +27,8 @@ class Probe:
 
 
 async def test_an_answer_within_the_budget_is_never_probed() -> None:
+    """An attempt answered within the budget costs no probe, and its timer does not fire after the
+    block."""
     probe = Probe()
     async with FirstByteWatch(probe, BUDGET_S, keep_while_alive=True):
         await asyncio.sleep(BUDGET_S / 4)
@@ -35,6 +37,8 @@ async def test_an_answer_within_the_budget_is_never_probed() -> None:
 
 
 async def test_a_dead_replica_ends_the_attempt_at_the_budget() -> None:
+    """A replica failing its liveness probe ends the attempt (verdict dead) once the probe is due,
+    not after the hour the attempt would wait."""
     probe = Probe(False)
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -50,6 +54,8 @@ async def test_a_dead_replica_ends_the_attempt_at_the_budget() -> None:
 
 
 async def test_a_live_replica_keeps_a_long_attempt_until_its_probe_fails() -> None:
+    """A replica that answers its probes keeps the attempt, probed again each budget, until a probe
+    fails."""
     probe = Probe(True, True, False)
     with pytest.raises(FirstByteTimeoutError) as caught:
         async with FirstByteWatch(probe, BUDGET_S, keep_while_alive=True):
@@ -58,6 +64,8 @@ async def test_a_live_replica_keeps_a_long_attempt_until_its_probe_fails() -> No
 
 
 async def test_a_live_but_slow_replica_is_given_up_when_the_caller_will_not_wait() -> None:
+    """Without keep_while_alive (the prefill hop) even a live replica is given up at the budget,
+    with verdict slow."""
     probe = Probe(True)
     with pytest.raises(FirstByteTimeoutError) as caught:
         async with FirstByteWatch(probe, BUDGET_S, keep_while_alive=False):
@@ -66,6 +74,8 @@ async def test_a_live_but_slow_replica_is_given_up_when_the_caller_will_not_wait
 
 
 async def test_a_long_attempt_on_a_live_replica_completes() -> None:
+    """A long non-streamed attempt on a live replica runs to its end, however many budgets it
+    spans."""
     probe = Probe(True, True, True, True, True, True)
     async with FirstByteWatch(probe, BUDGET_S, keep_while_alive=True):
         await asyncio.sleep(BUDGET_S * 2.5)
@@ -73,6 +83,8 @@ async def test_a_long_attempt_on_a_live_replica_completes() -> None:
 
 
 async def test_the_attempts_own_error_and_an_outer_cancellation_pass_through() -> None:
+    """The watch changes nothing else: the attempt's own exception, a cancellation and an outer
+    request timeout reach the caller as they are."""
     with pytest.raises(ConnectionResetError):
         async with FirstByteWatch(Probe(), BUDGET_S, keep_while_alive=True):
             raise ConnectionResetError
@@ -97,5 +109,6 @@ async def test_the_attempts_own_error_and_an_outer_cancellation_pass_through() -
 
 
 async def test_a_budget_must_be_positive() -> None:
+    """A zero budget is refused when the watch is made, not a timer that fires at once."""
     with pytest.raises(ValueError, match="positive"):
         FirstByteWatch(Probe(), 0.0, keep_while_alive=True)
