@@ -57,6 +57,8 @@ def _get(api: k8s.ApiClient, path: str) -> tuple[int, bytes]:
 
 
 def test_api_server_is_ready(control_plane: Cluster, k8s_api: k8s.ApiClient) -> None:
+    """The API server answers over TLS with a 1.x version (ours stamped by build.sh) and passes
+    every /readyz check: the ground every other test stands on."""
     version = k8s.VersionApi(k8s_api).get_code()
     assert version.major == "1"
     assert control_plane.server.startswith("https://")
@@ -83,6 +85,8 @@ def test_openapi_is_served(k8s_api: k8s.ApiClient) -> None:
 def test_fake_gpu_nodes_are_ready_and_untainted(
     gpu_nodes: dict[str, str], k8s_api: k8s.ApiClient
 ) -> None:
+    """The fake nodes are Ready, untainted, labelled with their GPU product and offer 8 GPUs: what
+    the scheduler needs to place engine pods on them."""
     core = k8s.CoreV1Api(k8s_api)
     for product, name in gpu_nodes.items():
         node = core.read_node(name)
@@ -166,6 +170,8 @@ def widget_crd(k8s_api: k8s.ApiClient) -> Iterator[str]:
 def test_crd_with_cel_rule_is_established_and_enforced(
     widget_crd: str, k8s_api: k8s.ApiClient, namespace: str
 ) -> None:
+    """A CRD's CEL rule is enforced by the API server: an object breaking it is refused with 422 and
+    the rule's message, as the InferenceService CRD's validation relies on."""
     objects = k8s.CustomObjectsApi(k8s_api)
     kind = "Widget" + widget_crd.removeprefix("widgets")
 
@@ -224,6 +230,8 @@ def _apply_config_map(
 def test_server_side_apply_keeps_each_managers_fields(
     k8s_api: k8s.ApiClient, namespace: str
 ) -> None:
+    """Server-side apply keeps each manager's fields: the operator's re-apply leaves the
+    autoscaler's field alone, and taking another's field is a 409 unless forced."""
     core = k8s.CoreV1Api(k8s_api)
     _apply_config_map(core, namespace, "operator", {"replicas": "2"})
     _apply_config_map(core, namespace, "autoscaler", {"target": "7"})
@@ -286,6 +294,8 @@ def _unschedulable(pod: k8s.V1Pod) -> bool:
 def test_gpu_pods_land_on_matching_node_or_stay_pending(
     gpu_nodes: dict[str, str], k8s_api: k8s.ApiClient, namespace: str
 ) -> None:
+    """GPU pods are placed by product and count: they land on a node of the wanted product, and a
+    pod wanting too many GPUs or an absent product stays Pending, Unschedulable."""
     apps = k8s.AppsV1Api(k8s_api)
     core = k8s.CoreV1Api(k8s_api)
     apps.create_namespaced_deployment(namespace, _gpu_deployment("fits", H100, 2, replicas=2))
@@ -325,6 +335,8 @@ def test_gpu_pods_land_on_matching_node_or_stay_pending(
 
 
 def test_owner_deletion_garbage_collects_children(k8s_api: k8s.ApiClient, namespace: str) -> None:
+    """Deleting an owner garbage-collects what names it in ownerReferences: how a deleted
+    InferenceService takes its children with it."""
     core = k8s.CoreV1Api(k8s_api)
     owner = core.create_namespaced_config_map(
         namespace, k8s.V1ConfigMap(metadata=k8s.V1ObjectMeta(name="owner"))
@@ -359,6 +371,8 @@ def test_owner_deletion_garbage_collects_children(k8s_api: k8s.ApiClient, namesp
 def test_service_account_is_limited_by_rbac(
     control_plane: Cluster, k8s_api: k8s.ApiClient, namespace: str, tmp_path: Path
 ) -> None:
+    """RBAC is enforced for a ServiceAccount: refused (403) until a RoleBinding grants it, then
+    allowed only what the Role lists."""
     kubeconfig = control_plane.service_account_kubeconfig(
         namespace, "reader", tmp_path / "reader.kubeconfig"
     )

@@ -10,6 +10,8 @@ import sys
 
 
 def test_demo_shows_tiers_cache_hits_and_cleans_up() -> None:
+    """The demo exits 0 and its report shows both tiers, prefix-cache hits, a scale-up with its
+    reason and back down, KV data for every tier mid-step, and no process left."""
     result = subprocess.run(
         [sys.executable, "-m", "fleetpilot.runtime.demo"],
         capture_output=True,

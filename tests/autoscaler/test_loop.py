@@ -160,6 +160,8 @@ def test_a_raising_source_is_no_data_and_holds(caplog: pytest.LogCaptureFixture)
 
 
 def test_a_failed_record_keeps_the_decisions(caplog: pytest.LogCaptureFixture) -> None:
+    """The status write fails after scaling: the scale already made stands, the decisions are still
+    returned and the failure is logged, not raised."""
     source = ScriptedSource({("large", "decode"): healthy(kv_cache_usage_frac=1.0)})
     actuator = FailingActuator(replicas(), broken=set(), fail_record=True)
     with caplog.at_level(logging.ERROR):
@@ -170,6 +172,8 @@ def test_a_failed_record_keeps_the_decisions(caplog: pytest.LogCaptureFixture) -
 
 
 def test_recommend_mode_records_and_never_scales() -> None:
+    """Mode recommend decides as auto would (2 -> 4, marked dry run) and emits ScaleRecommended, but
+    never scales the Deployment."""
     source = ScriptedSource({("large", "prefill"): healthy(ttft_p95_s=1.0)})
     actuator = MemoryActuator(replicas())
     decisions = tick(pd_service(mode="recommend"), source, actuator, {}, T0)

@@ -34,6 +34,8 @@ def _http_server(port: int) -> list[str]:
 
 
 def test_child_becomes_healthy_and_stops_without_leftovers(tmp_path: Path) -> None:
+    """A child becomes healthy on its health URL, and stop_all leaves no process behind and reports
+    no crash."""
     supervisor = Supervisor(tmp_path)
     port = free_port()
     child = supervisor.start("web", _http_server(port), health_url=f"http://127.0.0.1:{port}/")
@@ -58,6 +60,8 @@ def test_grandchildren_are_stopped_with_their_parent(tmp_path: Path) -> None:
 
 
 def test_crash_is_reported_with_the_log_tail(tmp_path: Path) -> None:
+    """A child exiting during start-up fails wait_healthy with its exit code and the tail of its
+    log, and is listed as crashed."""
     supervisor = Supervisor(tmp_path)
     script = "import sys; print('loading model...'); sys.exit('weights not found')"
     child = supervisor.start("engine", [sys.executable, "-c", script], health_url="http://x/")
@@ -69,6 +73,8 @@ def test_crash_is_reported_with_the_log_tail(tmp_path: Path) -> None:
 
 
 def test_unhealthy_child_times_out_with_its_log(tmp_path: Path) -> None:
+    """A child that never becomes healthy fails wait_healthy at its timeout with its log, and is
+    still stopped."""
     supervisor = Supervisor(tmp_path)
     child = supervisor.start(
         "stuck",
@@ -83,6 +89,7 @@ def test_unhealthy_child_times_out_with_its_log(tmp_path: Path) -> None:
 
 
 def test_restart_replaces_the_process(tmp_path: Path) -> None:
+    """restart stops the old process group entirely and leaves a new, live process in its place."""
     supervisor = Supervisor(tmp_path)
     child = supervisor.start("sleeper", ["sleep", "300"])
     first = child.pid
@@ -94,6 +101,8 @@ def test_restart_replaces_the_process(tmp_path: Path) -> None:
 
 
 def test_taken_port_is_refused_by_name() -> None:
+    """A port already taken is refused before anything starts, naming the listener that wanted
+    it."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
@@ -103,6 +112,8 @@ def test_taken_port_is_refused_by_name() -> None:
 
 
 def test_ports_beyond_the_range_or_shared_are_refused_by_name() -> None:
+    """A port past 65535, or one port given to two listeners, is refused naming them; port 0 (any
+    free port) may repeat."""
     with pytest.raises(PortInUseError, match="ports beyond 65535: small/unified#0 65536"):
         require_free_ports({"router": 65535, "small/unified#0": 65536})
     port = free_port()
