@@ -78,10 +78,9 @@ def launch_from_file(path: Path, tier_name: str, role: str) -> EngineLaunch:
 
 
 def visible_gpus(environ: Mapping[str, str]) -> int | None:
-    """GPUs this process may use, from the device plugin's CUDA_VISIBLE_DEVICES or nvidia-smi.
+    """GPUs this process may use, from the device plugin's CUDA_VISIBLE_DEVICES.
 
-    None when it cannot be told (no variable and no nvidia-smi), so the check is skipped
-    rather than guessed.
+    None when it cannot be told (no variable), so the check is skipped rather than guessed.
     """
     devices = environ.get("CUDA_VISIBLE_DEVICES")
     if devices is not None:

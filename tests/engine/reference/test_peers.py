@@ -78,5 +78,7 @@ def test_default_is_loopback_only() -> None:
 def test_bad_entries_are_refused_by_name(entries: list[str], message: str) -> None:
     """A malformed allow-list entry (empty list, bad port, unbalanced brackets, bad CIDR, not a
     host) is refused with what is wrong, never kept as a rule that matches nothing."""
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as refused:
         AllowedPeers.parse(entries)
+    if entries:
+        assert entries[0] in str(refused.value), "the error must name the entry"
