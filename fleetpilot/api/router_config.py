@@ -144,15 +144,6 @@ class RouterConfig(ApiModel):
             "header. Off by default: clients need not learn the fleet's internal addresses."
         ),
     )
-    load_cap: float = Field(
-        1.25,
-        ge=1.0,
-        le=100.0,
-        description=(
-            "Bounded-load factor c: no replica takes more than c times the mean in-flight load "
-            "of its group (consistent hashing with bounded loads)."
-        ),
-    )
     # Per replica, as many prompt blocks as its KV cache holds: an 8B model (128 KiB of fp16
     # KV per token) with ~60 GiB of KV on an 80 GB GPU holds ~490k tokens; at ~4 characters per
     # token a 64-character block is ~16 tokens, so ~30k blocks; 32768 rounds it up. Remembering

@@ -36,8 +36,8 @@ from fleetpilot.routing.policies.load import (
     make_view,
 )
 from fleetpilot.routing.policies.picker import (
-    BoundedLoadFilter,
     CapacityFilter,
+    HeadroomFilter,
     HealthFilter,
     Pick,
     WeightedScorer,
@@ -167,7 +167,7 @@ class Router:
         self._filters: list[Filter] = [
             self._health_filter,
             self._capacity_filter,
-            BoundedLoadFilter(config.load_cap),
+            HeadroomFilter(),
         ]
         load = LoadScorer(config.spillover.queue_threshold)
         prefix = PrefixScorer(self.prefix_index)

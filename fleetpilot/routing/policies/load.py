@@ -117,6 +117,20 @@ def load_of(view: ReplicaView, queue_threshold: float) -> float:
     return OCCUPANCY_WEIGHT * occupancy + QUEUE_WEIGHT * queue + KV_WEIGHT * kv
 
 
+# KV usage from which a replica counts as pressed: past it, a new request's blocks are taken
+# from the cached-but-free ones (evicting the prefixes that made the replica attractive), and
+# vLLM starts preempting running requests as usage nears 1.
+KV_PRESSURE = 0.9
+
+
+def has_headroom(view: ReplicaView) -> bool:
+    """Whether one more request runs at once here: nothing queued (by the engine's count or
+    ours), a free batch slot, and KV usage below ``KV_PRESSURE``. What a replica's share of
+    the group's in-flight requests is does not matter: a busy replica with free slots serves
+    a prompt whose prefix it caches faster than an idle one that must compute it."""
+    return view.queued <= 0 and view.demand < view.max_num_seqs and view.kv_usage < KV_PRESSURE
+
+
 def is_full(view: ReplicaView, max_waiting: int) -> bool:
     """Whether the replica must take no more work: its queue is at the hard limit."""
     return view.queued >= max_waiting or view.in_flight >= view.max_num_seqs + max_waiting

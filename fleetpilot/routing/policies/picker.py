@@ -10,7 +10,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from fleetpilot.routing.policies.load import is_full
+from fleetpilot.routing.policies.load import has_headroom, is_full
 from fleetpilot.routing.policies.types import Filter, PickRequest, ReplicaView, Scorer
 
 # Scores are sums of a few products of floats; anything closer than this is a tie, so float
@@ -46,6 +46,20 @@ class CapacityFilter:
         return [v for v in replicas if not is_full(v, self.max_waiting)]
 
 
+class HeadroomFilter:
+    """Keeps the replicas where one more request runs at once (``load.has_headroom``), when
+    any has: load bites only where it hurts a request - a queue, a full batch, KV pressure -
+    so a hot prefix stays on the replica that caches it while that replica has room, and
+    spreads the moment it has none (one shared system prompt cannot drown one engine). With no
+    replica in headroom every one passes, and the scorers pick the least bad."""
+
+    name = "headroom"
+
+    def filter(self, request: PickRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+        roomy = [v for v in replicas if has_headroom(v)]
+        return roomy if roomy else list(replicas)
+
+
 def bounded_load_ok(in_flight: int, total_in_flight: int, replicas: int, factor: float) -> bool:
     """Consistent hashing with bounded loads: may a replica with ``in_flight`` take one more?
 
@@ -61,7 +75,12 @@ def bounded_load_ok(in_flight: int, total_in_flight: int, replicas: int, factor:
 
 class BoundedLoadFilter:
     """Drops replicas above the bounded-load cap, so one hot prefix cannot flatten a replica
-    while its peers idle; the prefix scorer then picks the best of the rest."""
+    while its peers idle; the prefix scorer then picks the best of the rest.
+
+    Not the router's default any more (``HeadroomFilter`` is): at small totals the cap is one
+    request, which pushed a hot tenant's second request off its cached replica even with free
+    batch slots there. Kept for consistent hashing with bounded loads (KubeAI's CHWBL), a
+    baseline the benchmarks compare against."""
 
     name = "bounded-load"
 

@@ -1,4 +1,5 @@
-"""The replica picker: filters, weighted scorers, random tie-break, bounded-load cap."""
+"""The replica picker: filters (health, capacity, headroom, bounded load), weighted scorers,
+random tie-break."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from fleetpilot.routing.policies.load import LoadScorer
 from fleetpilot.routing.policies.picker import (
     BoundedLoadFilter,
     CapacityFilter,
+    HeadroomFilter,
     HealthFilter,
     WeightedScorer,
     bounded_load_ok,
@@ -147,3 +149,67 @@ def test_hot_prefix_is_spread_by_the_bounded_load_cap() -> None:
         in_flight[chosen.replica.id] += 1  # none finish: worst case
     assert max(in_flight.values()) <= 13  # ceil(1.25 * 40 / 4)
     assert in_flight["a"] == max(in_flight.values())  # affinity still prefers the cached one
+
+
+def affinity_scorers(index: PrefixIndex) -> list[WeightedScorer]:
+    return [WeightedScorer(PrefixScorer(index), 3.0), WeightedScorer(LoadScorer(4.0), 1.0)]
+
+
+def test_a_hot_prefix_stays_on_its_replica_while_it_has_free_slots() -> None:
+    """Issue 14's regression: a hot tenant's concurrent requests all go to the replica that
+    caches its prefix until that replica's batch is full - the bounded-load cap sent the second
+    one away at once - and only then spread."""
+    index = PrefixIndex(100)
+    index.record("a", [1, 2, 3])
+    in_flight = dict.fromkeys("abcd", 0)
+    rng = random.Random(0)
+    placed = []
+    for _ in range(6):
+        vs = [ReplicaView(r, 4, in_flight=n) for r, n in in_flight.items()]
+        chosen = pick(PickRequest([1, 2, 3]), vs, [HeadroomFilter()], affinity_scorers(index), rng)
+        assert chosen is not None
+        in_flight[chosen.replica.id] += 1
+        placed.append(chosen.replica.id)
+    assert placed[:4] == ["a"] * 4  # max_num_seqs 4: four fit at once
+    assert "a" not in placed[4:]  # a full batch would make the fifth wait: it goes elsewhere
+
+
+@pytest.mark.parametrize(
+    ("view", "roomy"),
+    [
+        (ReplicaView("r", 4, in_flight=3), True),
+        (ReplicaView("r", 4, in_flight=4), False),  # batch full
+        (ReplicaView("r", 4, running=2, waiting=1), False),  # the engine queues already
+        (ReplicaView("r", 4, in_flight=1, kv_usage=0.95), False),  # KV pressure
+        (ReplicaView("r", 4, in_flight=1, kv_usage=0.5), True),
+        (ReplicaView("r", 4, running=3.0), True),  # other routers' requests, one slot left
+        (ReplicaView("r", 4, running=4.0), False),
+    ],
+)
+def test_headroom_bites_on_queue_full_batch_and_kv_pressure(view: ReplicaView, roomy: bool) -> None:
+    """A replica is passed over for a queue, a full batch or KV pressure - by our count or the
+    engine's (other router replicas' requests included) - and for nothing else."""
+    kept = HeadroomFilter().filter(PickRequest(), [view, ReplicaView("idle", 4)])
+    assert ("r" in [v.id for v in kept]) is roomy
+
+
+def test_without_headroom_anywhere_every_replica_stays_a_candidate() -> None:
+    """All replicas pressed: none is dropped (the scorers pick the least bad), never a 503."""
+    vs = [ReplicaView("a", 4, in_flight=4), ReplicaView("b", 4, waiting=2.0)]
+    assert [v.id for v in HeadroomFilter().filter(PickRequest(), vs)] == ["a", "b"]
+
+
+def test_one_shared_prefix_spreads_over_the_fleet_under_load() -> None:
+    """One system prompt shared by every user (production-stack's multi-round QA): pure
+    affinity sends everything to the first replica that cached it; with headroom, new
+    requests spread once it is full, so every replica ends up serving."""
+    index = PrefixIndex(100)
+    in_flight = dict.fromkeys("abcd", 0)
+    rng = random.Random(1)
+    for _ in range(16):
+        vs = [ReplicaView(r, 4, in_flight=n) for r, n in in_flight.items()]
+        chosen = pick(PickRequest([9, 8]), vs, [HeadroomFilter()], affinity_scorers(index), rng)
+        assert chosen is not None
+        in_flight[chosen.replica.id] += 1
+        index.record(chosen.replica.id, [9, 8])
+    assert in_flight == dict.fromkeys("abcd", 4)
