@@ -13,6 +13,15 @@ same prefix takes it back (a prefix-cache hit) until the allocator needs it for 
 
 ``BlockManager`` is pure bookkeeping (no tensors, no I/O): it answers "which slots" and "which
 blocks to copy", and ``KVPool`` holds the one preallocated tensor those ids index.
+
+KV events (vLLM's ``--kv-events-config``): with ``enable_kv_cache_events`` the block manager
+records, as vLLM's block pool does, every change to what the prefix cache can serve, in the
+wire format of :mod:`fleetpilot.kv_events`: ``BlockStored`` when full blocks enter the hash map
+(one event per run of consecutive blocks of one sequence, with their token ids, so a consumer
+can recompute the chain), ``BlockRemoved`` when a cached block's contents are dropped for reuse,
+``AllBlocksCleared`` on a reset. It only appends to ``kv_events``; the engine takes them once a
+step (``take_events``) and the publisher sends them. Block hashes go out as the 16-byte chained
+hashes themselves.
 """
 
 from __future__ import annotations
@@ -24,6 +33,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from fleetpilot.kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+)
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -110,6 +127,7 @@ class BlockManager:
         *,
         enable_prefix_caching: bool = True,
         reserve_tokens: int | None = None,
+        enable_kv_cache_events: bool = False,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
@@ -125,6 +143,15 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.tables: dict[str, list[int]] = {}
         self.stats = PrefixCacheStats()
+        self.enable_kv_cache_events = enable_kv_cache_events
+        # Prefix-cache changes since the last take_events() (module docstring); stays empty
+        # unless enable_kv_cache_events.
+        self.kv_events: list[Event] = []
+
+    def take_events(self) -> list[Event]:
+        """The KV events recorded since the last call, oldest first (and forget them)."""
+        events, self.kv_events = self.kv_events, []
+        return events
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -172,6 +199,8 @@ class BlockManager:
             # Reusing a cached block drops its contents, so it must leave the hash map.
             if self.cached.get(old) == block:
                 del self.cached[old]
+                if self.enable_kv_cache_events:
+                    self.kv_events.append(BlockRemoved(block_hashes=[old], medium=MEDIUM_GPU))
             self.block_hashes[block] = None
             self.stats.evictions += 1
         self.ref_counts[block] = 1
@@ -271,26 +300,65 @@ class BlockManager:
             self._unref(block)
 
     def cache_full_blocks(
-        self, seq_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int
+        self,
+        seq_id: str,
+        block_hashes: Sequence[bytes],
+        num_computed_tokens: int,
+        token_ids: Sequence[int] = (),
     ) -> None:
         """Publish ``seq_id``'s full, computed blocks in the prefix cache.
 
         Only blocks whose every slot holds computed KV of final tokens are published; the caller
         passes ``num_computed_tokens`` excluding speculative tokens not yet accepted.
+        ``token_ids`` (the sequence's tokens, at least the computed ones) feed the
+        ``BlockStored`` events and are needed only with ``enable_kv_cache_events``.
         """
         if not self.enable_prefix_caching:
             return
         table = self.tables.get(seq_id, [])
         num_full = min(num_computed_tokens // self.block_size, len(block_hashes), len(table))
+        if self.enable_kv_cache_events and len(token_ids) < num_full * self.block_size:
+            raise ValueError(
+                f"KV events need the token ids of {num_full} full blocks, got {len(token_ids)}"
+            )
+        run_start: int | None = None  # first block of the current run of newly cached blocks
         for i in range(num_full):
             block = table[i]
             h = block_hashes[i]
-            if self.block_hashes[block] is not None:
-                continue  # already published (a hit, or cached in an earlier step)
-            if h in self.cached:
-                continue  # another sequence computed the same prefix first; keep theirs
+            # Already published (a hit, or cached in an earlier step), or another sequence
+            # computed the same prefix first (keep theirs): nothing new for the cache.
+            if self.block_hashes[block] is not None or h in self.cached:
+                self._stored(run_start, i, block_hashes, token_ids)
+                run_start = None
+                continue
             self.block_hashes[block] = h
             self.cached[h] = block
+            if run_start is None:
+                run_start = i
+        self._stored(run_start, num_full, block_hashes, token_ids)
+
+    def _stored(
+        self,
+        start: int | None,
+        end: int,
+        block_hashes: Sequence[bytes],
+        token_ids: Sequence[int],
+    ) -> None:
+        """Record a ``BlockStored`` for blocks ``start``..``end`` (exclusive) of a sequence."""
+        if not self.enable_kv_cache_events or start is None or start >= end:
+            return
+        bs = self.block_size
+        self.kv_events.append(
+            BlockStored(
+                block_hashes=list(block_hashes[start:end]),
+                parent_block_hash=block_hashes[start - 1] if start > 0 else None,
+                token_ids=list(token_ids[start * bs : end * bs]),
+                block_size=bs,
+                lora_id=None,
+                medium=MEDIUM_GPU,
+                lora_name=None,
+            )
+        )
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (contents of free blocks become unreachable)."""
@@ -299,6 +367,8 @@ class BlockManager:
             if self.ref_counts[block] == 0:
                 self.free.move_to_end(block, last=False)
             del self.cached[h]
+        if self.enable_kv_cache_events:
+            self.kv_events.append(AllBlocksCleared())
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (used by tests)."""

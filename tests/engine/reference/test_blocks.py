@@ -16,6 +16,7 @@ from fleetpilot.engine.reference.blocks import (
     hash_block,
     quantize_int8,
 )
+from fleetpilot.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 BS = 4
 
@@ -230,3 +231,161 @@ def test_int8_quantization_is_per_token_and_close() -> None:
     bound = scale[..., None] / 2 + 1e-6
     assert torch.all((rk - x).abs() <= bound)
     assert torch.all((rv + x).abs() <= bound)
+
+
+# ---- KV events (vLLM's BlockStored / BlockRemoved / AllBlocksCleared) ----------------------
+
+
+def events_manager(num_blocks: int) -> BlockManager:
+    return BlockManager(num_blocks, BS, enable_kv_cache_events=True)
+
+
+def cache(bm: BlockManager, seq: str, tokens: list[int]) -> None:
+    """Admit (or grow) ``seq`` to ``tokens`` and publish its full blocks, as the engine does."""
+    hashes = hashes_of(tokens)
+    if seq not in bm.tables:
+        hits = bm.match_prefix(hashes, len(tokens) - 1)
+        assert bm.allocate(seq, len(tokens), write_from=len(hits) * BS, hit_blocks=hits) == []
+    else:
+        assert bm.allocate(seq, len(tokens), write_from=len(bm.table(seq)) * BS) is not None
+    bm.cache_full_blocks(seq, hashes, len(tokens), tokens)
+
+
+def chain_of(event: BlockStored) -> list[bytes]:
+    """Recompute an event's block hashes from its parent and token ids, as a consumer would."""
+    parent = event.parent_block_hash
+    assert parent is None or isinstance(parent, bytes)
+    out: list[bytes] = []
+    for i in range(len(event.block_hashes)):
+        parent = hash_block(parent, event.token_ids[i * BS : (i + 1) * BS])
+        out.append(parent)
+    return out
+
+
+def test_block_stored_carries_consecutive_blocks_parent_and_their_tokens() -> None:
+    """vLLM's BlockStored shape: the new full blocks of one sequence in one event, the parent
+    None at the start of a prompt and the previous block's hash when the sequence grows, and
+    exactly those blocks' token ids (a partial block is not stored)."""
+    bm = events_manager(10)
+    tokens = list(range(1, 15))  # 3 full blocks and 2 tokens
+    cache(bm, "a", tokens)
+    hashes = hashes_of(tokens)
+    assert bm.take_events() == [
+        BlockStored(
+            block_hashes=hashes[:3],
+            parent_block_hash=None,
+            token_ids=tokens[:12],
+            block_size=BS,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+        )
+    ]
+    assert bm.take_events() == []  # taken once
+    grown = [*tokens, 15, 16, 17]  # block 3 fills up
+    cache(bm, "a", grown)
+    (event,) = bm.take_events()
+    assert isinstance(event, BlockStored)
+    assert event.block_hashes == hashes_of(grown)[3:4]
+    assert event.parent_block_hash == hashes[2]
+    assert event.token_ids == grown[12:16]
+    assert chain_of(event) == event.block_hashes
+
+
+def test_a_prefix_hit_stores_only_the_blocks_after_the_cached_prefix() -> None:
+    """A second prompt sharing the first's prefix adds no BlockStored for the shared blocks;
+    its own blocks chain from the last shared one."""
+    bm = events_manager(10)
+    cache(bm, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    bm.take_events()
+    cache(bm, "b", [1, 2, 3, 4, 5, 6, 7, 8, 0, 0, 0, 0, 7])
+    (event,) = bm.take_events()
+    assert isinstance(event, BlockStored)
+    assert event.parent_block_hash == hashes_of([1, 2, 3, 4, 5, 6, 7, 8])[1]
+    assert event.token_ids == [0, 0, 0, 0]
+    cache(bm, "c", [1, 2, 3, 4, 5, 6, 7, 8, 0, 0, 0, 0, 7])  # everything cached already
+    assert bm.take_events() == []
+
+
+def test_reusing_a_cached_block_emits_block_removed() -> None:
+    """When the allocator takes a free cached block for other contents, consumers must hear
+    that the old hash is gone (BlockRemoved with that hash, medium GPU)."""
+    bm = events_manager(2)
+    cache(bm, "a", [1, 2, 3, 4, 5])
+    stored = bm.take_events()
+    bm.free_seq("a")
+    assert bm.take_events() == []  # freed but still cached: nothing to tell
+    cache(bm, "b", [9, 9, 9, 9, 9, 9, 9])  # needs both blocks: evicts a's cached one
+    events = bm.take_events()
+    assert events[0] == BlockRemoved(block_hashes=hashes_of([1, 2, 3, 4]), medium="GPU")
+    assert isinstance(stored[0], BlockStored)
+    assert isinstance(events[1], BlockStored)
+
+
+def test_reset_emits_all_blocks_cleared_and_events_are_off_by_default() -> None:
+    """A prefix-cache reset is AllBlocksCleared; a manager without events records nothing
+    (nobody would drain the list)."""
+    bm = events_manager(4)
+    cache(bm, "a", [1, 2, 3, 4, 5])
+    bm.take_events()
+    bm.reset_prefix_cache()
+    assert bm.take_events() == [AllBlocksCleared()]
+    quiet = BlockManager(4, BS)
+    cache(quiet, "a", [1, 2, 3, 4, 5])
+    quiet.reset_prefix_cache()
+    assert quiet.kv_events == []
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["grow", "free", "admit", "reset"]),
+            st.integers(0, 4),
+            st.integers(1, 12),
+        ),
+        max_size=40,
+    )
+)
+def test_replaying_events_rebuilds_exactly_the_prefix_cache(
+    ops: list[tuple[str, int, int]],
+) -> None:
+    """A consumer that applies every event to a set of hashes always holds exactly the hashes
+    the engine can hit, and every BlockStored's token ids recompute its hashes (the router's
+    index rests on both)."""
+    bm = events_manager(8)
+    tokens_of: dict[str, list[int]] = {}
+    mirror: set[bytes] = set()
+    for op, n, amount in ops:
+        seq = f"s{n}"
+        if op == "grow" and seq in tokens_of:
+            grown = tokens_of[seq] + [n] * amount
+            if bm.allocate(seq, len(grown), write_from=len(tokens_of[seq])) is not None:
+                tokens_of[seq] = grown
+                bm.cache_full_blocks(seq, hashes_of(grown), len(grown), grown)
+        elif op == "free":
+            bm.free_seq(seq)
+            tokens_of.pop(seq, None)
+        elif op == "admit" and seq not in tokens_of:
+            tokens = [amount % 3] * (amount + 1)
+            hashes = hashes_of(tokens)
+            hits = bm.match_prefix(hashes, len(tokens) - 1)
+            if (
+                bm.allocate(seq, len(tokens), write_from=len(hits) * BS, hit_blocks=hits)
+                is not None
+            ):
+                tokens_of[seq] = tokens
+                bm.cache_full_blocks(seq, hashes, len(tokens), tokens)
+        elif op == "reset":
+            bm.reset_prefix_cache()
+        for event in bm.take_events():
+            if isinstance(event, BlockStored):
+                assert chain_of(event) == event.block_hashes
+                assert not mirror & set(event.block_hashes), "stored twice without a removal"
+                mirror.update(h for h in event.block_hashes if isinstance(h, bytes))
+            elif isinstance(event, BlockRemoved):
+                assert set(event.block_hashes) <= mirror
+                mirror.difference_update(event.block_hashes)
+            else:
+                mirror.clear()
+        assert mirror == set(bm.cached)
