@@ -5,6 +5,11 @@ speculating, one target forward pass over every scheduled token (model.py), then
 speculative verification, stop checks, prefix-cache publication and outputs. The HTTP server
 drives it from one thread: the engine is not thread-safe, and it never blocks or does I/O.
 
+KV events: with ``enable_kv_cache_events`` the block manager records every prefix-cache change
+(blocks.py) and ``take_kv_events`` hands them over as one vLLM ``EventBatch``; whoever drives
+the engine (the runner, once per step) takes them and gives them to a publisher. Nobody taking
+them lets them pile up, so leave them off when driving the engine by hand.
+
 P/D hooks: a request added with ``pin_kv=True`` keeps its prompt's KV blocks pinned after it
 finishes (``pinned_kv``/``export_kv`` read them, ``release_kv`` or the TTL frees them); a
 request added with ``kv_import`` starts from those blocks instead of prefilling.
@@ -61,6 +66,7 @@ from fleetpilot.engine.reference.speculative import (
     verify_greedy,
 )
 from fleetpilot.engine.reference.tokenizer import ByteTokenizer
+from fleetpilot.kv_events import EventBatch
 
 # 64 MiB holds 32k tokens of the default model (4 layers x 2 KV heads x 32 dims x fp32 x K,V =
 # 2 KiB a token): room for 64 sequences of 512 tokens, the default max_num_seqs.
@@ -87,6 +93,8 @@ class EngineConfig:
     # "contiguous" reserves max_model_len per request up front: the pre-PagedAttention
     # baseline, for benchmarks only.
     kv_reservation: Literal["paged", "contiguous"] = "paged"
+    # Record prefix-cache changes as vLLM KV events (take_kv_events); off as in vLLM.
+    enable_kv_cache_events: bool = False
     # torch intra-op threads, process-wide. One: the matrices are small, several engines share
     # a machine in the local fleet, and OpenMP threads spinning on a busy core were measured
     # 10-30x slower than one thread. None leaves torch's setting alone.
@@ -188,6 +196,7 @@ class LLMEngine:
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             reserve_tokens=config.max_model_len if config.kv_reservation == "contiguous" else None,
+            enable_kv_cache_events=config.enable_kv_cache_events,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -419,8 +428,28 @@ class LLMEngine:
     def _publish(self, r: Request) -> None:
         if self.config.enable_prefix_caching:
             bs = self.config.block_size
-            extend_block_hashes(r.block_hashes, r.token_ids[: r.num_computed_tokens], bs)
-            self.blocks.cache_full_blocks(r.request_id, r.block_hashes, r.num_computed_tokens)
+            computed = r.token_ids[: r.num_computed_tokens]
+            extend_block_hashes(r.block_hashes, computed, bs)
+            self.blocks.cache_full_blocks(
+                r.request_id, r.block_hashes, r.num_computed_tokens, computed
+            )
+
+    # ---- KV events and the prefix cache ------------------------------------------------------
+
+    def take_kv_events(self) -> EventBatch | None:
+        """The prefix-cache changes since the last call as one batch (None if there were none).
+
+        ``ts`` is wall-clock seconds, as vLLM's; this engine is data-parallel rank 0.
+        """
+        events = self.blocks.take_events()
+        if not events:
+            return None
+        return EventBatch(ts=time.time(), events=events, data_parallel_rank=0)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (vLLM's ``reset_prefix_cache``); running requests keep
+        their blocks, which are simply no longer shared with new ones."""
+        self.blocks.reset_prefix_cache()
 
     # ---- speculative decoding --------------------------------------------------------------
 

@@ -10,6 +10,10 @@ that touches the engine therefore runs on the runner's thread: the event loop su
 Per-request latency metrics are observed here, on the engine thread, as outputs appear: TTFT at
 the first token and one inter-token latency per step that produced tokens, as vLLM does, so
 they do not depend on whether (or how fast) a client reads its stream.
+
+KV events: with a publisher, the thread takes the engine's prefix-cache changes after every
+step (and after commands that changed the cache between steps, such as a reset) and hands them
+to the publisher as one batch; publishing only queues, so it never slows the step.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from fleetpilot.engine.reference.engine import LLMEngine
+from fleetpilot.engine.reference.kv_publisher import KVEventPublisher
 from fleetpilot.engine.reference.metrics import ServerMetrics
 from fleetpilot.engine.reference.request import KVBlocks, RequestOutput
 from fleetpilot.engine.reference.sampling import SamplingParams
@@ -117,8 +122,10 @@ class EngineRunner:
         step_delay_s: float = 0.0,
         idle_wait_s: float = 0.25,
         on_failure: Callable[[BaseException], None] | None = None,
+        kv_publisher: KVEventPublisher | None = None,
     ) -> None:
         self.engine = engine
+        self.kv_publisher = kv_publisher
         self.metrics = metrics
         self.step_delay_s = step_delay_s
         self.idle_wait_s = idle_wait_s
@@ -245,9 +252,11 @@ class EngineRunner:
                     # saw its request finish must find it in /metrics.
                     if self.metrics is not None:
                         self.metrics.set_stats(engine.stats())
+                    self._publish_kv_events()
                     self._dispatch(outputs)
                     if self.step_delay_s > 0 and engine.has_unfinished_requests():
                         time.sleep(self.step_delay_s)
+                self._publish_kv_events()  # changes made by commands between steps
                 if self.metrics is not None:
                     self.metrics.set_stats(engine.stats())
         except Exception as e:
@@ -255,6 +264,11 @@ class EngineRunner:
             self.failed = e
         finally:
             self._close()
+
+    def _publish_kv_events(self) -> None:
+        batch = self.engine.take_kv_events()
+        if batch is not None and self.kv_publisher is not None:
+            self.kv_publisher.publish(batch)
 
     def _run_commands(self, *, block: bool) -> bool:
         """Run queued commands; when ``block``, wait up to idle_wait_s for the first one.

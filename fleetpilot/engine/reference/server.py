@@ -12,6 +12,10 @@ Chat template: messages become ``<|role|>\\ncontent\\n`` each, followed by ``<|a
 (``ByteTokenizer.apply_chat_template``), so chats sharing history share a token prefix and hit
 the prefix cache. Content may be a string or a list of ``{"type": "text"}`` parts.
 
+KV events (``--kv-events-config``): the engine's prefix-cache changes go out in vLLM's format
+on a ZMQ PUB socket with a replay socket (kv_publisher.py), bound before the HTTP port so a
+port conflict fails the start.
+
 Threading: the engine runs on its own thread (runner.py); the event loop only parses, waits on
 per-request queues and writes responses, so a long step never stalls other connections.
 
@@ -33,12 +37,14 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal, TypeVar
 
+import zmq
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from fleetpilot import __version__
 from fleetpilot.engine.reference.checkpoint import CheckpointError
 from fleetpilot.engine.reference.engine import LLMEngine, RequestRejectedError
+from fleetpilot.engine.reference.kv_publisher import KVEventPublisher
 from fleetpilot.engine.reference.kv_wire import KV_ROUTE, serialize_kv
 from fleetpilot.engine.reference.metrics import CONTENT_TYPE, ServerMetrics
 from fleetpilot.engine.reference.pd import (
@@ -121,6 +127,7 @@ class EngineServer:
         self.stopped: asyncio.Event | None = None
         self._app_runner: web.AppRunner | None = None
         self._kv_puller = KVPuller(settings.kv, self.metrics)
+        self.kv_publisher: KVEventPublisher | None = None
         self._boot: asyncio.Task[None] | None = None
         self.app = self._build_app()
 
@@ -145,6 +152,11 @@ class EngineServer:
         self._idle = asyncio.Event()
         self._idle.set()
         self.stopped = asyncio.Event()
+        if self.settings.kv_events.active:
+            try:
+                self.kv_publisher = KVEventPublisher(self.settings.kv_events)
+            except zmq.ZMQError as e:
+                raise ConfigError(f"--kv-events-config: cannot bind: {e}") from e
         # handler_cancellation: a client that disconnects cancels its handler, whose cleanup
         # aborts the engine request (non-streaming requests have no write to fail on).
         self._app_runner = make_runner(
@@ -154,7 +166,12 @@ class EngineServer:
             shutdown_timeout=2.0,
             access_log=None,
         )
-        await start_site(self._app_runner, self.settings.host, self.settings.port)
+        try:
+            await start_site(self._app_runner, self.settings.host, self.settings.port)
+        except BaseException:
+            if self.kv_publisher is not None:
+                self.kv_publisher.close()
+            raise
         for address in self._app_runner.addresses:
             if isinstance(address, tuple) and len(address) >= 2:
                 self.port = int(address[1])
@@ -187,6 +204,7 @@ class EngineServer:
             self.metrics,
             step_delay_s=self.settings.step_delay_s,
             on_failure=lambda _exc: _post_fail(loop, self._fail),
+            kv_publisher=self.kv_publisher,
         )
         self.runner.start()
         if self.state == "starting":
@@ -239,6 +257,8 @@ class EngineServer:
             await self._app_runner.cleanup()
         if self.runner is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.runner.stop)
+        if self.kv_publisher is not None:  # after the runner: nothing publishes any more
+            await asyncio.get_running_loop().run_in_executor(None, self.kv_publisher.close)
         await self._kv_puller.close()
 
     @property
@@ -593,7 +613,11 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(server))
+    try:
+        return asyncio.run(serve(server))
+    except ConfigError as e:  # found at start: a KV-event endpoint that cannot be bound
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:

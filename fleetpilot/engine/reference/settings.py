@@ -4,9 +4,10 @@ Flags mirror ``vllm serve``'s where one exists, so the planner's engine settings
 on both backends. :func:`settings_from_args` turns parsed flags into the server's settings and an
 engine factory, refusing a bad combination with a :class:`ConfigError` that names the flag; it
 reads JSON-valued flags (``--model-config``, ``--speculative-config``, vLLM's
-``--kv-transfer-config``) inline or from a file. Nothing here builds the model: the server does
-that after it starts listening, so its port answers 503 meanwhile. Logging takes every
-process's flags (fleetpilot.logs: ``--log-level``, ``--log-format``, JSON lines by default).
+``--kv-transfer-config`` and ``--kv-events-config``) inline or from a file. Nothing here builds
+the model: the server does that after it starts listening, so its port answers 503 meanwhile.
+Logging takes every process's flags (fleetpilot.logs: ``--log-level``, ``--log-format``, JSON
+lines by default).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fleetpilot.api import RoleName
 from fleetpilot.argtypes import port_number
 from fleetpilot.engine.reference.checkpoint import load_checkpoint
 from fleetpilot.engine.reference.engine import DEFAULT_KV_CACHE_BYTES, EngineConfig, LLMEngine
+from fleetpilot.engine.reference.kv_publisher import KVEventsConfig
 from fleetpilot.engine.reference.model import LlamaModel, ModelConfig
 from fleetpilot.engine.reference.peers import LOOPBACK, AllowedPeers
 from fleetpilot.engine.reference.speculative import SpeculativeConfig
@@ -83,6 +85,8 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     kv: KVTransferSettings = KVTransferSettings()
+    # KV events: off unless --kv-events-config enables them
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     drain_grace_s: float = 25.0
     step_delay_s: float = 0.0
     limits: ServerLimits = field(default_factory=ServerLimits)  # header timeout, connections
@@ -168,6 +172,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "kv_role kv_producer/kv_consumer/kv_both enables the P/D prefill/decode/both sides; "
         "also engine_id, kv_ip (host decoders pull from) and kv_connector_extra_config "
         "{allowed_remote_hosts, pull_timeout_s}",
+    )
+    a(
+        "--kv-events-config",
+        default=None,
+        help='vLLM\'s JSON, e.g. {"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}: publish prefix-cache '
+        "changes (BlockStored, BlockRemoved, AllBlocksCleared) on a ZMQ PUB socket, with a "
+        "ROUTER socket replaying missed batches; also buffer_steps, hwm, max_queue_size, topic "
+        "(vLLM's defaults). Off by default",
     )
     a(
         "--allowed-remote-hosts",
@@ -328,6 +341,16 @@ def _kv_settings(args: argparse.Namespace) -> KVTransferSettings:
     )
 
 
+def _kv_events(args: argparse.Namespace) -> KVEventsConfig:
+    if not args.kv_events_config:
+        return KVEventsConfig()
+    data = _load_json_option("--kv-events-config", args.kv_events_config)
+    try:
+        return KVEventsConfig.from_json_dict(data)
+    except ValueError as e:
+        raise ConfigError(f"--kv-events-config: {e}") from e
+
+
 def settings_from_args(
     args: argparse.Namespace,
 ) -> tuple[ServerSettings, Callable[[], LLMEngine]]:
@@ -336,6 +359,7 @@ def settings_from_args(
     The model itself is built later, by the server, so the port answers 503 meanwhile.
     """
     kv = _kv_settings(args)
+    kv_events = _kv_events(args)
     spec = _speculative(args)
     model_config: ModelConfig | None = None
     if args.model is not None:
@@ -379,6 +403,7 @@ def settings_from_args(
             seed=args.seed,
             kv_pin_ttl_s=kv.pin_ttl_s,
             num_threads=args.num_threads,
+            enable_kv_cache_events=kv_events.active,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from e
@@ -390,6 +415,7 @@ def settings_from_args(
         host=args.host,
         port=args.port,
         kv=kv,
+        kv_events=kv_events,
         drain_grace_s=args.drain_grace_seconds,
         step_delay_s=args.step_delay_seconds,
     )
