@@ -137,6 +137,32 @@ class RouterMetrics:
         self.scrape_errors = Counter(
             p + "scrape_errors", "Failed /metrics scrapes of replicas.", ["replica"], registry=r
         )
+        self.kv_events = Counter(
+            p + "kv_events",
+            "KV-cache events applied to the router's KV index, by replica.",
+            ["replica"],
+            registry=r,
+        )
+        self.kv_event_errors = Counter(
+            p + "kv_event_errors",
+            "KV-event trouble by replica and cause: malformed, oversize, invalid_event, "
+            "unknown_parent (blocks), gap, replay, replay_timeout, lost (batches), restart, "
+            "silent.",
+            ["replica", "cause"],
+            registry=r,
+        )
+        self.kv_events_live = Gauge(
+            p + "kv_events_live",
+            "1 while a replica's KV-event publisher is heard from (the KV index decides for "
+            "it), 0 while it is silent or down (the guessed index decides).",
+            ["replica"],
+            registry=r,
+        )
+        self.kv_index_blocks = Gauge(
+            p + "kv_index_blocks",
+            "(replica, block) entries in the KV-event index, the quantity its LRU bounds.",
+            registry=r,
+        )
         self._request_children: dict[tuple[str, str, str], Any] = {}
         self._e2e_children: dict[str, Any] = {}
         self._decision_children: dict[tuple[str, str], Any] = {}

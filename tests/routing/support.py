@@ -5,6 +5,7 @@ and builders for router configs and running routers."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -19,9 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import zmq
+import zmq.asyncio
 from aiohttp import web
 
 from fleetpilot.api.router_config import EndpointGroup, RouterConfig, RouterTier
+from fleetpilot.kv_events import END_SEQ, EventBatch, encode_batch, seq_bytes, seq_of
 from fleetpilot.routing.app import ROUTER_APP, RouterApp, build_app
 from fleetpilot.routing.discovery import EndpointSource, StaticSource
 from fleetpilot.routing.policies.pd import PREFILL_KV_PARAMS
@@ -349,3 +353,120 @@ def stop_and_read_log(proc: subprocess.Popen[str], timeout_s: float) -> list[dic
     assert proc.wait(timeout_s) == 0
     assert proc.stderr is not None
     return [json.loads(line) for line in proc.stderr.read().splitlines() if line.strip()]
+
+
+# -- KV events -------------------------------------------------------------------------------
+
+
+class KVEventPublisher:
+    """vLLM's KV-event publisher, in the test, from ``fleetpilot.kv_events``: batches on a PUB
+    socket as ``[topic, seq, payload]`` and a ROUTER replay socket answering ``[b"", start]``
+    with every buffered batch from ``start`` and the end marker. XPUB rather than PUB (the
+    same wire) so a test can wait until a subscriber is really subscribed.
+
+    Knobs: ``publish(send=False)`` buffers a batch without sending it (a gap); ``stop`` and
+    ``start`` take the publisher down and back on the same ports (a dropped connection), and
+    ``start(fresh=True)`` also restarts its sequence and buffer (a restarted engine);
+    ``answer_replays = False`` leaves replay requests unanswered.
+    """
+
+    def __init__(self, topic: bytes = b"", buffer_steps: int = 10_000) -> None:
+        self.topic = topic
+        self.buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
+        self.seq = 0
+        self.answer_replays = True
+        self.replay_requests: list[int] = []
+        self.subscriptions = 0
+        self.endpoint = ""
+        self.replay_endpoint = ""
+        self._ctx = zmq.asyncio.Context()
+        self._pub: Any = None
+        self._router: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self, *, fresh: bool = False) -> KVEventPublisher:
+        if fresh:
+            self.seq = 0
+            self.buffer.clear()
+        self._pub = self._ctx.socket(zmq.XPUB)
+        self._router = self._ctx.socket(zmq.ROUTER)
+        for sock in (self._pub, self._router):
+            sock.setsockopt(zmq.LINGER, 0)
+        self.endpoint = await self._bind(self._pub, self.endpoint)
+        self.replay_endpoint = await self._bind(self._router, self.replay_endpoint)
+        self._tasks = [
+            asyncio.create_task(self._serve_subscriptions()),
+            asyncio.create_task(self._serve_replays()),
+        ]
+        return self
+
+    @staticmethod
+    async def _bind(sock: Any, endpoint: str, timeout_s: float = 5.0) -> str:
+        """Bind (the same port again after ``stop``: ZMQ frees it asynchronously, so retry)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                sock.bind(endpoint or "tcp://127.0.0.1:0")
+                return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+            except zmq.ZMQError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.02)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        for sock in (self._pub, self._router):
+            if sock is not None:
+                sock.close(linger=0)
+        self._pub = self._router = None
+
+    async def close(self) -> None:
+        await self.stop()
+        self._ctx.destroy(linger=0)
+
+    @property
+    def endpoints(self) -> tuple[str, str]:
+        return self.endpoint, self.replay_endpoint
+
+    async def publish(self, *events: Any, send: bool = True) -> int:
+        """One batch of ``events`` under the next sequence number; that number."""
+        return await self.publish_payload(encode_batch(EventBatch(time.time(), list(events))), send)
+
+    async def publish_payload(self, payload: bytes, send: bool = True) -> int:
+        """Raw bytes as the next batch (garbage for the malformed-payload tests)."""
+        seq = self.seq
+        self.seq += 1
+        self.buffer.append((seq, payload))
+        if send and self._pub is not None:
+            await self._pub.send_multipart([self.topic, seq_bytes(seq), payload])
+        return seq
+
+    async def send_frames(self, frames: Sequence[bytes]) -> None:
+        """Frames as they are, outside the sequence (a malformed message)."""
+        await self._pub.send_multipart(list(frames))
+
+    async def wait_subscribed(self, count: int = 1, timeout_s: float = 5.0) -> None:
+        await wait_for(lambda: self.subscriptions >= count, timeout_s)
+
+    async def _serve_subscriptions(self) -> None:
+        while True:
+            frame = await self._pub.recv()
+            if frame[:1] == b"\x01":
+                self.subscriptions += 1
+
+    async def _serve_replays(self) -> None:
+        while True:
+            client, _, start = await self._router.recv_multipart()
+            self.replay_requests.append(seq_of(start))
+            if not self.answer_replays:
+                continue
+            for seq, payload in list(self.buffer):
+                if seq >= seq_of(start):
+                    await self._router.send_multipart(
+                        [client, b"", self.topic, seq_bytes(seq), payload]
+                    )
+            await self._router.send_multipart([client, b"", b"", END_SEQ, b""])

@@ -200,6 +200,10 @@ class KVIndex:
         rep = self._replicas.get(replica)
         return rep.block_size if rep is not None else None
 
+    def snapshot(self) -> dict[str, frozenset[bytes]]:
+        """Per replica, the content keys it holds (tests compare indexes built two ways)."""
+        return {rid: frozenset(rep.keys) for rid, rep in self._replicas.items() if rep.keys}
+
     def holds(self, replica: str, key: bytes) -> bool:
         rep = self._replicas.get(replica)
         return rep is not None and key in rep.keys
