@@ -48,7 +48,18 @@ EXPECTED = {
     "single-tier.yaml": Example(
         "assistant",
         [("main", 1.0, "unified")],
-        {"assistant-main": Engine("unified", 1, 1, {"--served-model-name": "llama-8b"})},
+        {
+            "assistant-main": Engine(
+                "unified",
+                1,
+                1,
+                {
+                    "--served-model-name": "llama-8b",
+                    # The router's KV index subscribes to every engine's events.
+                    "--kv-events-config": '"replay_endpoint":"tcp://*:5558"',
+                },
+            )
+        },
     ),
     "two-tier.yaml": Example(
         "chat",

@@ -6,6 +6,12 @@ engine pods and the launcher (``fleetpilot engine --backend vllm``) execs the sa
 ``fleetpilot plan`` prints is exactly what runs. Flags follow vLLM's CLI (``vllm serve
 --help``); JSON-valued flags are compact with sorted keys so a re-plan produces byte-identical
 pod specs (no spurious rollouts).
+
+KV events: every engine publishes its prefix-cache changes (``--kv-events-config``, vLLM's ZMQ
+publisher) on :data:`KV_EVENTS_PORT` with a replay socket on :data:`KV_REPLAY_PORT`, for the
+router's KV index (:mod:`fleetpilot.kv_events`). vLLM adds a data-parallel rank to both ports,
+so with ``data`` ranks in a pod the replay ports start after the ``data`` event ports
+(:func:`kv_event_ports` lists them all, for the pod's ports and the NetworkPolicy).
 """
 
 from __future__ import annotations
@@ -14,9 +20,12 @@ import json
 from dataclasses import dataclass, field
 
 from fleetpilot.api.spec import KvConnector, ResolvedRole, RoleName, Tier
+from fleetpilot.kv_events import kv_events_config
 
 ENGINE_PORT = 8000
 MODEL_MOUNT = "/models"
+KV_EVENTS_PORT = 5557  # vLLM's default PUB endpoint, tcp://*:5557
+KV_REPLAY_PORT = 5558
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,10 @@ class EngineLaunch:
     quantization: str | None = None
     speculative: SpeculativeLaunch | None = None
     kv_connector: str | None = None
+    # KV events (module docstring): the PUB port and the replay (ROUTER) port of rank 0; None:
+    # no events / no replay socket.
+    kv_events_port: int | None = KV_EVENTS_PORT
+    kv_replay_port: int | None = KV_REPLAY_PORT
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -100,12 +113,35 @@ def launch_for(role: ResolvedRole) -> EngineLaunch:
             else None
         ),
         kv_connector=connector,
+        kv_events_port=KV_EVENTS_PORT,
+        # vLLM offsets both ports by the data-parallel rank: keep the ranges apart.
+        kv_replay_port=KV_EVENTS_PORT + max(1, parallelism.data),
         extra_args=tuple(engine.extra_args),
     )
 
 
 def _compact_json(value: dict[str, object]) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def kv_events_json(launch: EngineLaunch, host: str = "*") -> str | None:
+    """``--kv-events-config`` binding ``host`` (``*``: every interface); None without events."""
+    if launch.kv_events_port is None:
+        return None
+    replay = None
+    if launch.kv_replay_port is not None:
+        replay = f"tcp://{host}:{launch.kv_replay_port}"
+    return _compact_json(kv_events_config(f"tcp://{host}:{launch.kv_events_port}", replay))
+
+
+def kv_event_ports(launch: EngineLaunch) -> list[tuple[str, int]]:
+    """Named ports of the KV-event sockets of every data-parallel rank of a replica."""
+    ports: list[tuple[str, int]] = []
+    for name, base in (("kv-events", launch.kv_events_port), ("kv-replay", launch.kv_replay_port)):
+        if base is None or launch.kv_events_port is None:
+            continue
+        ports += [(name if r == 0 else f"{name}-{r}", base + r) for r in range(launch.data)]
+    return ports
 
 
 def kv_role(connector: str, role: RoleName) -> str:
@@ -177,5 +213,8 @@ def vllm_serve_args(launch: EngineLaunch) -> list[str]:
             "kv_role": kv_role(launch.kv_connector, launch.role),
         }
         args += ["--kv-transfer-config", _compact_json(transfer)]
+    events = kv_events_json(launch)
+    if events is not None:
+        args += ["--kv-events-config", events]
     args += list(launch.extra_args)
     return args

@@ -5,7 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from fleetpilot.api import InferenceService, ResolvedRole
-from fleetpilot.engine.vllm_args import ENGINE_PORT, MODEL_MOUNT, launch_for, vllm_serve_args
+from fleetpilot.engine.vllm_args import (
+    ENGINE_PORT,
+    MODEL_MOUNT,
+    kv_event_ports,
+    launch_for,
+    vllm_serve_args,
+)
 from fleetpilot.kube import names
 from fleetpilot.operator.plan_types import K8sObject, object_meta
 
@@ -117,13 +123,20 @@ def engine_deployment(service: InferenceService, role: ResolvedRole) -> K8sObjec
     gpus = role.parallelism.gpus
     resources = tier.resources
     volumes, mounts = _volumes(role)
-    command = engine_command(role)
+    launch = launch_for(role)
+    command = ["vllm", "serve", *vllm_serve_args(launch)]
+    # The HTTP API, then the KV-event PUB and replay sockets the router subscribes to.
+    ports: list[K8sObject] = [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
+    ports += [
+        {"name": port_name, "containerPort": port, "protocol": "TCP"}
+        for port_name, port in kv_event_ports(launch)
+    ]
     container: dict[str, Any] = {
         "name": "engine",
         "image": tier.engine.image,
         "command": command[:2],
         "args": command[2:],
-        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "ports": ports,
         "env": _env(service, role),
         "resources": {
             "requests": {

@@ -4,7 +4,9 @@ Engines trust whoever reaches them: the OpenAI API has no authentication, and th
 (vLLM's NIXL side channel, the reference engine's ``/internal/kv``) hands out a prompt's KV
 blocks and token ids to any peer that asks. So, per service:
 
-* engine pods accept the serving port only from the service's router pods; every port from the
+* engine pods accept the serving port and the KV-event ports (the PUB and replay sockets of
+  ``--kv-events-config``, every data-parallel rank's) only from the service's router pods,
+  which index what each engine caches; every port from the
   service's own engine pods (the KV hand-off: the reference engine serves it on the serving
   port, vLLM's NixlConnector on its side-channel port, 5600 + rank by default, and NIXL/UCX
   moves the blocks over ports it picks at run time, so no fixed list would keep P/D working);
@@ -22,7 +24,7 @@ router's Kubernetes API watch) stays open.
 from __future__ import annotations
 
 from fleetpilot.api import InferenceService
-from fleetpilot.engine.vllm_args import ENGINE_PORT
+from fleetpilot.engine.vllm_args import ENGINE_PORT, kv_event_ports, launch_for
 from fleetpilot.kube import names
 from fleetpilot.operator.plan_types import K8sObject, object_meta
 from fleetpilot.operator.router_objects import ROUTER_PORT
@@ -36,8 +38,19 @@ def engines_policy_name(service: str) -> str:
     return names.bounded_name(service, "engines")
 
 
-def _tcp(port: int) -> list[K8sObject]:
-    return [{"protocol": "TCP", "port": port}]
+def _tcp(*ports: int) -> list[K8sObject]:
+    return [{"protocol": "TCP", "port": port} for port in ports]
+
+
+def _router_ports(service: InferenceService) -> list[int]:
+    """The serving port, then every KV-event port of any engine of the service, ascending."""
+    events = {
+        port
+        for tier in service.spec.tiers
+        for role in tier.roles()
+        for _, port in kv_event_ports(launch_for(role))
+    }
+    return [ENGINE_PORT, *sorted(events - {ENGINE_PORT})]
 
 
 def engine_policy(service: InferenceService) -> K8sObject:
@@ -45,7 +58,7 @@ def engine_policy(service: InferenceService) -> K8sObject:
     ingress: list[K8sObject] = [
         {
             "from": [{"podSelector": {"matchLabels": names.router_selector(service.name)}}],
-            "ports": _tcp(ENGINE_PORT),
+            "ports": _tcp(*_router_ports(service)),
         },
         # No ports: the KV hand-off's ports are not all known in advance (module docstring).
         {"from": [{"podSelector": {"matchLabels": names.engines_selector(service.name)}}]},

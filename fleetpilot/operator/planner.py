@@ -49,6 +49,7 @@ MANAGED_FLAGS = frozenset(
         "-q",
         "--speculative-config",
         "--kv-transfer-config",
+        "--kv-events-config",
         "--dtype",
         "--revision",
     }

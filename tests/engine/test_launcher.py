@@ -28,6 +28,11 @@ from fleetpilot.engine.vllm_args import EngineLaunch
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 COMMON = "--host 0.0.0.0 --port 8000"
+# Every engine publishes its KV events for the router's index (PUB 5557, replay 5558).
+KV_EVENTS = (
+    """ --kv-events-config '{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557","""
+    """"publisher":"zmq","replay_endpoint":"tcp://*:5558","topic":""}'"""
+)
 
 # The command each example's engines run, written out in full: a change to any flag must be a
 # deliberate edit here, checked against `vllm serve --help`.
@@ -36,7 +41,7 @@ GOLDEN = {
         f"vllm serve meta-llama/Llama-3.1-8B-Instruct --served-model-name llama-8b {COMMON} "
         "--tensor-parallel-size 1 --pipeline-parallel-size 1 --dtype auto --max-model-len 8192 "
         "--gpu-memory-utilization 0.9 --max-num-seqs 256 --block-size 16 "
-        "--enable-prefix-caching --kv-cache-dtype auto"
+        "--enable-prefix-caching --kv-cache-dtype auto" + KV_EVENTS
     ),
     ("two-tier.yaml", "small", "unified"): (
         f"vllm serve /models/qwen2.5-7b-instruct-awq --served-model-name qwen-7b {COMMON} "
@@ -44,25 +49,25 @@ GOLDEN = {
         "--gpu-memory-utilization 0.9 --max-num-seqs 256 --max-num-batched-tokens 8192 "
         "--block-size 16 --enable-prefix-caching --kv-cache-dtype auto --quantization awq "
         """--speculative-config '{"method":"ngram","num_speculative_tokens":5,"""
-        """"prompt_lookup_max":4}'"""
+        """"prompt_lookup_max":4}'""" + KV_EVENTS
     ),
     ("two-tier.yaml", "large", "unified"): (
         f"vllm serve /models/qwen2.5-72b-instruct --served-model-name qwen-72b {COMMON} "
         "--tensor-parallel-size 4 --pipeline-parallel-size 1 --dtype auto "
         "--max-model-len 32768 --gpu-memory-utilization 0.9 --max-num-seqs 256 "
-        "--block-size 16 --enable-prefix-caching --kv-cache-dtype auto"
+        "--block-size 16 --enable-prefix-caching --kv-cache-dtype auto" + KV_EVENTS
     ),
     ("local-two-tier.yaml", "small", "unified"): (
         f"vllm serve Qwen/Qwen2.5-0.5B-Instruct --served-model-name small-model {COMMON} "
         "--tensor-parallel-size 1 --pipeline-parallel-size 1 --dtype auto --max-model-len 2048 "
         "--gpu-memory-utilization 0.9 --max-num-seqs 16 --block-size 16 "
-        "--enable-prefix-caching --kv-cache-dtype auto"
+        "--enable-prefix-caching --kv-cache-dtype auto" + KV_EVENTS
     ),
     ("local-two-tier.yaml", "large", "unified"): (
         f"vllm serve Qwen/Qwen2.5-1.5B-Instruct --served-model-name large-model {COMMON} "
         "--tensor-parallel-size 1 --pipeline-parallel-size 1 --dtype auto --max-model-len 2048 "
         "--gpu-memory-utilization 0.9 --max-num-seqs 16 --block-size 16 "
-        "--enable-prefix-caching --kv-cache-dtype auto"
+        "--enable-prefix-caching --kv-cache-dtype auto" + KV_EVENTS
     ),
     ("disaggregated.yaml", "main", "prefill"): (
         f"vllm serve /models/llama-3.1-70b-instruct --served-model-name llama-70b {COMMON} "
@@ -71,6 +76,7 @@ GOLDEN = {
         "--max-num-batched-tokens 16384 --block-size 16 --enable-prefix-caching "
         "--kv-cache-dtype auto "
         """--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'"""
+        + KV_EVENTS
     ),
     ("disaggregated.yaml", "main", "decode"): (
         f"vllm serve /models/llama-3.1-70b-instruct --served-model-name llama-70b {COMMON} "
@@ -79,6 +85,7 @@ GOLDEN = {
         "--max-num-batched-tokens 16384 --block-size 16 --enable-prefix-caching "
         "--kv-cache-dtype auto "
         """--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'"""
+        + KV_EVENTS
     ),
     ("tp8-speculative.yaml", "main", "unified"): (
         "vllm serve meta-llama/Llama-3.3-70B-Instruct --served-model-name llama-70b-spec "
@@ -86,7 +93,7 @@ GOLDEN = {
         "--max-model-len 32768 --gpu-memory-utilization 0.92 --max-num-seqs 128 "
         "--block-size 16 --enable-prefix-caching --kv-cache-dtype fp8 "
         """--speculative-config '{"method":"eagle3","model":"""
-        """"yuhuili/EAGLE3-LLaMA3.3-Instruct-70B","num_speculative_tokens":4}'"""
+        """"yuhuili/EAGLE3-LLaMA3.3-Instruct-70B","num_speculative_tokens":4}'""" + KV_EVENTS
     ),
 }
 

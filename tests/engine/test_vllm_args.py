@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 
 from fleetpilot.api import load_services, parse_service
-from fleetpilot.engine.vllm_args import EngineLaunch, launch_for, vllm_serve_args
+from fleetpilot.engine.vllm_args import (
+    EngineLaunch,
+    kv_event_ports,
+    kv_events_json,
+    launch_for,
+    vllm_serve_args,
+)
+from fleetpilot.kv_events import kv_events_config
 from tests.factories import make_manifest, make_tier
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -23,7 +30,7 @@ def _args(name: str, tier: int = 0, role: str = "unified") -> list[str]:
 
 def test_two_tier_small_command_line() -> None:
     """The small tier of two-tier.yaml gives exactly this argv: every flag in order, quantization,
-    and the ngram speculative config as compact JSON."""
+    the ngram speculative config and the KV-event publisher as compact JSON."""
     assert _args("two-tier.yaml", 0) == [
         "/models/qwen2.5-7b-instruct-awq",
         "--served-model-name", "qwen-7b",
@@ -42,6 +49,9 @@ def test_two_tier_small_command_line() -> None:
         "--quantization", "awq",
         "--speculative-config",
         '{"method":"ngram","num_speculative_tokens":5,"prompt_lookup_max":4}',
+        "--kv-events-config",
+        '{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557","publisher":"zmq",'
+        '"replay_endpoint":"tcp://*:5558","topic":""}',
     ]  # fmt: skip
 
 
@@ -120,3 +130,50 @@ def test_extra_args_come_last() -> None:
     the last)."""
     launch = EngineLaunch(model="m", served_name="m", extra_args=("--enforce-eager",))
     assert vllm_serve_args(launch)[-1] == "--enforce-eager"
+
+
+@pytest.mark.parametrize(
+    ("example", "role"),
+    [
+        ("two-tier.yaml", "unified"),
+        ("disaggregated.yaml", "prefill"),
+        ("disaggregated.yaml", "decode"),
+    ],
+)
+def test_every_engine_publishes_kv_events_for_the_router(example: str, role: str) -> None:
+    """Unified, prefill and decode engines all publish KV events on every interface (PUB 5557,
+    replay 5558): the router's KV index subscribes to each of them."""
+    args = _args(example, role=role)
+    config = json.loads(args[args.index("--kv-events-config") + 1])
+    assert config == kv_events_config("tcp://*:5557", "tcp://*:5558")
+
+
+def test_data_parallel_ranks_keep_event_and_replay_ports_apart() -> None:
+    """vLLM adds the data-parallel rank to both KV-event ports: with 4 ranks the replay ports
+    start after the 4 PUB ports (5557-5560, then 5561-5564), so no two sockets collide."""
+    tier = make_tier("main", parallelism={"tensor": 1, "data": 4})
+    service = parse_service(make_manifest(tiers=[tier]))
+    role = service.spec.tiers[0].role("unified")
+    assert role is not None
+    launch = launch_for(role)
+    ports = kv_event_ports(launch)
+    assert [p for _, p in ports] == list(range(5557, 5565))
+    assert ports[0] == ("kv-events", 5557)
+    assert ports[4] == ("kv-replay", 5561)
+    assert len({name for name, _ in ports}) == 8
+    assert all(len(name) <= 15 for name, _ in ports)  # a Kubernetes port name
+    config = json.loads(kv_events_json(launch) or "")
+    assert config["replay_endpoint"] == "tcp://*:5561"
+
+
+def test_kv_events_json_binds_a_given_host_and_can_be_off() -> None:
+    """The same config for a reference engine on loopback (tcp://127.0.0.1:PORT), and none at
+    all for a launch without an events port."""
+    launch = EngineLaunch(model="m", served_name="m", kv_events_port=6001, kv_replay_port=6002)
+    assert json.loads(kv_events_json(launch, "127.0.0.1") or "") == kv_events_config(
+        "tcp://127.0.0.1:6001", "tcp://127.0.0.1:6002"
+    )
+    off = EngineLaunch(model="m", served_name="m", kv_events_port=None)
+    assert kv_events_json(off) is None
+    assert "--kv-events-config" not in vllm_serve_args(off)
+    assert kv_event_ports(off) == []

@@ -76,12 +76,17 @@ def test_engine_policy_selects_every_engine_pod_and_no_router_pod() -> None:
 
 
 def test_engine_ports_open_only_to_the_router_peers_and_the_scrape() -> None:
-    """Regression: engines (and their KV hand-off) answered anyone who reached them."""
+    """Regression: engines (and their KV hand-off) answered anyone who reached them. The router
+    reaches the serving port and the KV-event PUB and replay ports (its KV index)."""
     rules = policies(pd_plan())["chat-engines"]["spec"]["ingress"]
     assert rules == [
         {
             "from": [{"podSelector": {"matchLabels": ROUTER_MATCH}}],
-            "ports": [{"protocol": "TCP", "port": ENGINE_PORT}],
+            "ports": [
+                {"protocol": "TCP", "port": ENGINE_PORT},
+                {"protocol": "TCP", "port": 5557},
+                {"protocol": "TCP", "port": 5558},
+            ],
         },
         # Every port (the KV side channel and transfers) from this service's engines only.
         {"from": [{"podSelector": {"matchLabels": ENGINE_MATCH}}]},
@@ -140,3 +145,22 @@ def test_invalid_metrics_namespaces_are_refused(namespace: str) -> None:
     manifest = make_manifest(networkPolicy={"metricsNamespaces": [namespace]})
     with pytest.raises(InvalidManifestError, match="metricsNamespaces"):
         parse_service(manifest)
+
+
+def test_router_reaches_every_data_parallel_ranks_kv_event_ports() -> None:
+    """A tier with 2 data-parallel ranks publishes on 5557-5558 and replays on 5559-5560; the
+    router's rule lets it reach all of them (and, the ports being one union, the other tier's),
+    and the scrape rule still only the serving port."""
+    tiers = [
+        make_tier("small", up_to=0.4),
+        make_tier("large", parallelism={"tensor": 1, "data": 2}),
+    ]
+    objects = plan(make_service(tiers=tiers, uid="1234"))
+    rules = policies(objects)["chat-engines"]["spec"]["ingress"]
+    assert [p["port"] for p in rules[0]["ports"]] == [ENGINE_PORT, 5557, 5558, 5559, 5560]
+    for deployment in (o for o in objects if o["kind"] == "Deployment"):
+        for container in deployment["spec"]["template"]["spec"]["containers"]:
+            declared = {p["containerPort"] for p in container.get("ports", [])}
+            allowed = {p["port"] for p in rules[0]["ports"]}
+            if "chat-router" not in deployment["metadata"]["name"]:
+                assert declared <= allowed, deployment["metadata"]["name"]

@@ -97,12 +97,19 @@ def test_gpu_product_selects_nodes_and_gpu_taint_is_tolerated() -> None:
 
 def test_engine_pods_are_probed_labelled_and_scraped(two_tier: list[K8sObject]) -> None:
     """Engine pods carry the probes, the pinned image, the labels the router and PodMonitor select
-    on, and scrape annotations; the selector is a subset of the pod labels."""
+    on, and scrape annotations; the selector is a subset of the pod labels; they expose the HTTP
+    port and the KV-event PUB and replay ports their --kv-events-config binds."""
     deployment = _find(two_tier, "Deployment", "chat-small")
     template = deployment["spec"]["template"]
     container = _container(deployment)
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
     assert container["command"] == ["vllm", "serve"]
+    assert container["ports"] == [
+        {"name": "http", "containerPort": 8000, "protocol": "TCP"},
+        {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"},
+        {"name": "kv-replay", "containerPort": 5558, "protocol": "TCP"},
+    ]
+    assert "--kv-events-config" in container["args"]
     assert not container["image"].endswith(":latest")
     labels = template["metadata"]["labels"]
     assert labels["fleetpilot.dev/service"] == "chat"
@@ -258,6 +265,15 @@ def test_managed_flags_in_extra_args_are_refused() -> None:
     with pytest.raises(PlanError) as info:
         plan(make_service(tiers=[tier]))
     assert info.value.field == "spec.tiers[0].engine.extraArgs[1]"
+
+
+def test_kv_events_config_in_extra_args_is_refused() -> None:
+    """The planner sets --kv-events-config (the router subscribes to those ports); a second one
+    in extraArgs would move the publisher away from the ports the pod and policy open."""
+    tier = make_tier("main", engine={"extraArgs": ['--kv-events-config={"publisher":"null"}']})
+    with pytest.raises(PlanError) as info:
+        plan(make_service(tiers=[tier]))
+    assert info.value.field == "spec.tiers[0].engine.extraArgs[0]"
 
 
 def test_colliding_derived_names_are_refused() -> None:
