@@ -76,7 +76,8 @@ class _Subscriber:
         self.last_digest: bytes | None = None  # of the batch numbered next_seq - 1
         self.replays_answered = False  # has a replay ever returned a batch
         self.last_heard: float | None = None
-        self.live = False
+        self.started = client.clock()
+        self.live: bool | None = None  # None: not heard from yet, within the silence bound
         self.task: asyncio.Task[None] | None = None
 
     # -- the loop ----------------------------------------------------------------------------
@@ -101,14 +102,21 @@ class _Subscriber:
             sub.close(linger=0)
 
     def update_liveness(self) -> None:
+        """Live once heard from; silent (counted once a spell) when not heard from for the
+        silence bound, counting a publisher never heard from since the subscription began."""
         c = self.client
+        now = c.clock()
         heard = self.last_heard
-        live = heard is not None and c.clock() - heard <= c.silence_s
-        if live == self.live:
-            return
-        self.live = live
-        c.metrics.kv_events_live.labels(self.replica).set(1 if live else 0)
-        if not live:
+        if heard is not None and now - heard <= c.silence_s:
+            if self.live is not True:
+                self.live = True
+                c.metrics.kv_events_live.labels(self.replica).set(1)
+        elif (
+            self.live is not False
+            and now - (self.started if heard is None else heard) > c.silence_s
+        ):
+            self.live = False
+            c.metrics.kv_events_live.labels(self.replica).set(0)
             c.count(self.replica, "silent")
             log.warning("KV-event publisher silent", extra={"replica": self.replica})
 
@@ -260,6 +268,7 @@ class KVEventsClient:
         self.clock = clock
         self.ctx = zmq.asyncio.Context()
         self._subs: dict[str, _Subscriber] = {}
+        self._retired: set[asyncio.Task[None]] = set()  # cancelled, still unwinding
 
     # -- endpoints ---------------------------------------------------------------------------
     def set_endpoints(self, publishers: Mapping[str, Publisher | tuple[str, str | None]]) -> None:
@@ -280,7 +289,9 @@ class KVEventsClient:
     def _forget(self, replica: str) -> None:
         sub = self._subs.pop(replica)
         if sub.task is not None:
-            sub.task.cancel()
+            sub.task.cancel()  # at its next await: it applies nothing more
+            self._retired.add(sub.task)
+            sub.task.add_done_callback(self._retired.discard)
         self.index.drop(replica)
         with contextlib.suppress(KeyError):
             self.metrics.kv_events_live.remove(replica)
@@ -316,8 +327,8 @@ class KVEventsClient:
     async def stop(self) -> None:
         subs = list(self._subs.values())
         self._subs.clear()
-        for sub in subs:
-            await cancel(sub.task)
+        for task in [sub.task for sub in subs] + list(self._retired):
+            await cancel(task)
         self.ctx.destroy(linger=0)
 
     # -- shared by the subscribers -----------------------------------------------------------

@@ -5,13 +5,16 @@ publishers reported, subscriptions following the set of replicas."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import msgspec
 import pytest
 
-from fleetpilot.kv_events import BlockRemoved, BlockStored, Event, seq_bytes
+from fleetpilot.engine.reference.kv_publisher import KVEventPublisher as EnginePublisher
+from fleetpilot.engine.reference.kv_publisher import KVEventsConfig
+from fleetpilot.kv_events import BlockRemoved, BlockStored, Event, EventBatch, seq_bytes
 from fleetpilot.routing.kv_events_client import KVEventsClient
 from fleetpilot.routing.metrics import RouterMetrics
 from fleetpilot.routing.policies.kv_index import KVIndex
@@ -253,19 +256,22 @@ async def test_a_silent_publisher_is_reported_and_recovers() -> None:
 
 
 async def test_a_publisher_that_never_answers_has_no_events() -> None:
-    """An engine whose publisher never came up is never trusted: no events, replays
-    counted as timed out, and nothing in the index."""
+    """An engine whose publisher never answers is never trusted: no events, replays counted
+    as timed out, reported silent once the bound has passed, and nothing in the index."""
     async with running(silence_s=0.3, probe_s=0.1, replay_timeout_s=0.1) as (publisher, client):
         publisher.answer_replays = False
         client.set_endpoints({"a": publisher.endpoints})
         await wait_for(lambda: errors(client, "a", "replay_timeout") >= 1)
         assert not client.has_events("a")
+        await wait_for(lambda: errors(client, "a", "silent") == 1)
+        assert sample(client, "fleetpilot_router_kv_events_live", {"replica": "a"}) == 0
         assert client.index.snapshot() == {}
 
 
 async def test_subscriptions_follow_the_set_of_replicas() -> None:
     """Discovery adds and removes replicas: a new one is subscribed to, a departed one is
-    unsubscribed and dropped from the index, and the others keep their blocks."""
+    unsubscribed and dropped from the index, the others keep their blocks, and a replica
+    whose publisher address changed starts over from the new publisher."""
     async with running() as (first, client):
         second = await KVEventPublisher().start()
         try:
@@ -283,5 +289,36 @@ async def test_subscriptions_follow_the_set_of_replicas() -> None:
             assert not client.has_events("a")
             await second.publish(*BATCHES[1])
             await wait_for(lambda: client.index.match(A, BS) == {"b": 3})
+            client.set_endpoints({"b": first.endpoints})  # a new pod behind the same id
+            assert client.index.match(A, BS) == {}
+            await wait_for(lambda: client.index.match(A, BS) == {"b": 2})
         finally:
             await second.close()
+
+
+async def test_the_reference_engines_publisher_is_read_as_it_writes() -> None:
+    """The router's subscriber against the reference engine's own publisher (its PUB and
+    ROUTER sockets, its thread): batches from before the subscription arrive by replay and
+    later ones live, and the index is the one the batches describe."""
+    publisher = EnginePublisher(
+        KVEventsConfig(
+            enable_kv_cache_events=True,
+            endpoint="tcp://127.0.0.1:0",
+            replay_endpoint="tcp://127.0.0.1:0",
+        )
+    )
+    client = KVEventsClient(KVIndex(), RouterMetrics(), probe_s=0.2)
+    try:
+        for events in BATCHES[:3]:
+            assert publisher.publish(EventBatch(time.time(), list(events)))
+        assert publisher.replay_endpoint is not None
+        client.set_endpoints({"ref": (publisher.endpoint, publisher.replay_endpoint)})
+        await wait_for(lambda: client.next_seq("ref") == 3)
+        for events in BATCHES[3:]:
+            assert publisher.publish(EventBatch(time.time(), list(events)))
+        await wait_for(lambda: client.next_seq("ref") == len(BATCHES))
+        assert client.index.snapshot() == built("ref", BATCHES)
+        assert client.has_events("ref")
+    finally:
+        await client.stop()
+        publisher.close()
