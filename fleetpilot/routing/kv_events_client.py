@@ -45,10 +45,16 @@ log = logging.getLogger(__name__)
 
 # vLLM's largest batch is one engine step's events: a long prompt's BlockStored carries its
 # token ids (4-5 bytes each in msgpack), so a 128k-token prefill is ~640 KB. 8 MiB leaves room
-# for a step of several such prompts and still refuses a payload meant to exhaust memory.
+# for a step of several such prompts and still refuses to decode a payload meant to exhaust
+# memory. Checked after receipt, not with ZMQ's MAXMSGSIZE: a SUB socket that refuses a
+# message drops the connection and never reconnects (pyzmq 27), which would end the
+# subscription for good.
 MAX_PAYLOAD_BYTES = 8 << 20
 # Live batches queued while a replay runs; beyond it ZMQ drops them and the next gap replays.
 RCVHWM = 100_000
+# One replay answers at most vLLM's whole buffer (10,000 batches); a peer that keeps sending
+# beyond this is not a publisher, and the replay is abandoned.
+MAX_REPLAY_BATCHES = 100_000
 # Yield to the loop every this many replayed batches: a 10,000-batch replay must not stall
 # request routing for its whole length.
 REPLAY_YIELD_EVERY = 64
@@ -212,6 +218,9 @@ class _Subscriber:
                     c.count(self.replica, "malformed")
                     continue
                 received += 1
+                if received > MAX_REPLAY_BATCHES:
+                    c.count(self.replica, "malformed")
+                    return None
                 if seq == anchor:
                     if _digest(frames[3]) != self.last_digest:
                         self.replays_answered = True
