@@ -18,8 +18,11 @@ Workloads (open loop: arrivals do not wait for answers, as real users do not):
 Arms (the same router process; only the replica-choice plugins change):
 - ``bounded-load``: the router before issue 14 - prefix (3) + load (1) scorers behind the
   bounded-load cap (c = 1.25);
-- ``headroom``: the router's defaults now - the cap replaced by a filter that bites on what
-  hurts a request (waiting requests, KV pressure, a batch at ``max_num_seqs``);
+- ``headroom``: the cap replaced by a filter that bites on what hurts a request (waiting
+  requests, KV pressure, a batch at ``max_num_seqs``), the same prefix + load scorers;
+- ``prefill-cost``: the router's defaults now - the headroom filter, and instead of the prefix
+  scorer one that weighs the blocks a replica would have to prefill (its uncached part of the
+  prompt plus the prefills it is still working on) against the others';
 - ``longest-prefix``: pure longest-prefix match, least load only to break ties
   (production-stack's ``prefixaware`` idea, the strongest simple baseline);
 - ``round-robin``;
@@ -67,6 +70,7 @@ from fleetpilot.routing.policies.load import LoadScorer
 from fleetpilot.routing.policies.picker import (
     BoundedLoadFilter,
     CapacityFilter,
+    HeadroomFilter,
     HealthFilter,
     WeightedScorer,
 )
@@ -145,9 +149,14 @@ def use_arm(arm: str, router: Any, cfg: Any) -> None:
     load = LoadScorer(cfg.spillover.queue_threshold)
     health, capacity = HealthFilter(), CapacityFilter(cfg.backpressure.max_waiting_per_replica)
     prefix = PrefixScorer(router.prefix_index)
-    if arm == "headroom":
+    if arm == "prefill-cost":
         return  # the router's defaults
-    if arm == "bounded-load":
+    if arm == "headroom":
+        router.use_policies(
+            filters=[health, capacity, HeadroomFilter()],
+            scorers=[WeightedScorer(prefix, 3.0), WeightedScorer(load, 1.0)],
+        )
+    elif arm == "bounded-load":
         router.use_policies(
             filters=[health, capacity, BoundedLoadFilter(1.25)],
             scorers=[WeightedScorer(prefix, 3.0), WeightedScorer(load, 1.0)],
@@ -283,10 +292,10 @@ class Scenario:
 
 def scenarios(quick: bool, seed: int) -> list[Scenario]:
     n = 24 if quick else 48
-    base = ("bounded-load", "headroom", "longest-prefix", "round-robin")
+    base = ("bounded-load", "headroom", "prefill-cost", "longest-prefix", "round-robin")
     return [
-        Scenario("multi-tenant, low rate", multi_tenant_trace(1.5, n, seed), (*base, "oracle")),
-        Scenario("multi-tenant, high rate", multi_tenant_trace(4.0, n, seed), (*base, "oracle")),
+        Scenario("multi-tenant, low rate", multi_tenant_trace(2.0, n, seed), (*base, "oracle")),
+        Scenario("multi-tenant, high rate", multi_tenant_trace(8.0, n, seed), (*base, "oracle")),
         Scenario("shared-prompt", shared_prompt_trace(4.0, seed), base),
     ]
 

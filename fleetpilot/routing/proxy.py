@@ -74,6 +74,20 @@ class _Exchange:
     replica: ReplicaState | None = None
     request_id: str = ""
     counted: bool = False
+    # The replica whose pending_prefill holds this request's prompt blocks, until its first
+    # chunk (or the end of the attempt) takes them off.
+    prefilling: ReplicaState | None = None
+    prefill_blocks: int = 0
+
+    def begin_prefill(self, replica: ReplicaState, blocks: int) -> None:
+        self.end_prefill()
+        self.prefilling, self.prefill_blocks = replica, blocks
+        replica.pending_prefill += blocks
+
+    def end_prefill(self) -> None:
+        if self.prefilling is not None:
+            self.prefilling.pending_prefill -= self.prefill_blocks
+            self.prefilling = None
 
 
 def _json_bytes(obj: Any) -> bytes:
@@ -277,6 +291,8 @@ class Proxy:
         payload = _json_bytes(prefill_request(body, route.tier.model))
         budget_s = self.router.first_byte_timeout_s(route.tier)
         replica.in_flight += 1
+        # The hop is the prefill: its blocks are pending on the replica until it answers.
+        replica.pending_prefill += route.prefill_blocks
         try:
             async with self._watch(replica, budget_s, keep_while_alive=False):
                 status, data = await self._prefill_exchange(replica, path, payload, headers)
@@ -292,6 +308,7 @@ class Proxy:
             return None, "prefill-invalid-json"
         finally:
             replica.in_flight -= 1
+            replica.pending_prefill -= route.prefill_blocks
         if status >= 500:
             self._upstream_failed(route, replica, "5xx")
             return None, "prefill-5xx"
@@ -358,6 +375,8 @@ class Proxy:
             exchange.replica = replica
             attempt = replica  # `replica` moves on for a retry; this attempt's count stays here
             attempt.in_flight += 1
+            if not route.disaggregated:  # a P/D decode replica prefills nothing (pulled KV)
+                exchange.begin_prefill(attempt, route.prefill_blocks)
             try:
                 response: aiohttp.ClientResponse | None = None
                 cause: str | None = None
@@ -421,6 +440,7 @@ class Proxy:
                 )
             finally:
                 attempt.in_flight -= 1
+                exchange.end_prefill()
 
     async def _relay(
         self,
@@ -474,6 +494,7 @@ class Proxy:
                     break
                 if first:
                     first = False
+                    exchange.end_prefill()
                     self.metrics.ttft_seconds.labels(route.tier.name).observe(
                         time.perf_counter() - exchange.started
                     )

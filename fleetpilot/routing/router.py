@@ -43,7 +43,7 @@ from fleetpilot.routing.policies.picker import (
     WeightedScorer,
     pick,
 )
-from fleetpilot.routing.policies.prefix import PrefixIndex, PrefixScorer, block_hashes
+from fleetpilot.routing.policies.prefix import PrefillCostScorer, PrefixIndex, block_hashes
 from fleetpilot.routing.policies.types import Filter, PickRequest, ReplicaView
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class ReplicaState:
     endpoint: Endpoint
     max_num_seqs: int
     in_flight: int = 0
+    pending_prefill: float = 0.0  # see ReplicaView.pending_prefill
     metrics: EngineMetrics | None = None
     scraped_at: float | None = None
     _urls: dict[str, URL] = field(default_factory=dict)
@@ -85,6 +86,9 @@ class Route:
     score: float | None = None
     spilled_from: str | None = None
     hashes: list[int] = field(default_factory=list)
+    # Prompt blocks the prefilling replica (unified, or the P/D prefill one) is predicted not
+    # to cache: the prefill work this request adds there until its first token.
+    prefill_blocks: int = 0
 
     @property
     def disaggregated(self) -> bool:
@@ -170,7 +174,7 @@ class Router:
             HeadroomFilter(),
         ]
         load = LoadScorer(config.spillover.queue_threshold)
-        prefix = PrefixScorer(self.prefix_index)
+        prefix = PrefillCostScorer(self.prefix_index)
         self._affinity_scorers = [
             WeightedScorer(prefix, config.affinity.weight),
             WeightedScorer(load, config.load_weight),
@@ -243,6 +247,7 @@ class Router:
                 now,
                 stale,
                 self.health.is_ejected(r.id),
+                r.pending_prefill,
             )
             for r in self._groups.get((tier, role), ())
         ]
@@ -304,34 +309,37 @@ class Router:
                 raise UnavailableError("no decode replica available", reason="no_ready_replicas")
             prefill = self._pick(tier, RoleName.PREFILL, request, now, self._affinity_scorers)
             prefill_state = None
-            match = 0.0
+            matched = 0
             if prefill is not None:
                 prefill_state = self._replicas[prefill.replica.id]
-                match = prefill.scores.get("prefix", 0.0)
+                matched = self.prefix_index.matched_blocks(prefill_state.id, hashes)
                 self.prefix_index.record(prefill_state.id, hashes)
             return Route(
                 tier=tier,
                 reason=choice.reason,
                 replica=self._replicas[decode.replica.id],
                 prefill=prefill_state,
-                prefix_match=match,
+                prefix_match=matched / len(hashes) if hashes else 0.0,
                 score=target.score,
                 spilled_from=spilled,
                 hashes=hashes,
+                prefill_blocks=len(hashes) - matched,
             )
         chosen = self._pick(tier, RoleName.UNIFIED, request, now, self._affinity_scorers)
         if chosen is None:
             raise UnavailableError("no replica available", reason="no_ready_replicas")
         state = self._replicas[chosen.replica.id]
+        matched = self.prefix_index.matched_blocks(state.id, hashes)
         self.prefix_index.record(state.id, hashes)
         return Route(
             tier=tier,
             reason=choice.reason,
             replica=state,
-            prefix_match=chosen.scores.get("prefix", 0.0),
+            prefix_match=matched / len(hashes) if hashes else 0.0,
             score=target.score,
             spilled_from=spilled,
             hashes=hashes,
+            prefill_blocks=len(hashes) - matched,
         )
 
     def _pick(

@@ -764,3 +764,29 @@ async def test_a_client_that_leaves_right_after_done_is_no_error(
             await wait_for(lambda: router.metric("fleetpilot_router_requests_total", **labels) == 1)
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == []
+
+
+async def test_pending_prefill_counts_a_request_until_its_first_chunk() -> None:
+    """The prefill-cost scorer's queue: a streamed request's prompt blocks are pending on its
+    replica from the moment it is sent until the first chunk comes back, and nothing stays
+    pending afterwards - streamed, non-streamed or failed, a leak would slowly push every
+    request away from its cache."""
+    engine = FakeEngine("p", delay_s=0.5)
+    async with engines(engine):
+        config = make_config([tier("only", 1.0, [engine])])
+        async with running_router(config) as router, aiohttp.ClientSession() as session:
+            replica = router.state.router.replicas()[0]
+            prompt = {"model": "chat", "prompt": "tell me about prefill " * 40, "stream": True}
+            request = asyncio.ensure_future(
+                session.post(router.url + "/v1/completions", json=prompt)
+            )
+            await wait_for(lambda: replica.pending_prefill > 0, timeout_s=5.0)
+            resp = await request
+            await resp.read()
+            assert replica.pending_prefill == 0
+            status, _, _ = await post(router, {**prompt, "stream": False})
+            assert status == 200
+            engine.fail_next = 1
+            status, _, _ = await post(router, {**prompt, "stream": False})
+            assert status == 500
+            assert replica.pending_prefill == 0

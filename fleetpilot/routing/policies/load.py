@@ -93,11 +93,14 @@ def make_view(
     now: float,
     stale_after_s: float,
     ejected: bool = False,
+    pending_prefill: float = 0.0,
 ) -> ReplicaView:
     """A view of a replica, ignoring scraped metrics older than ``stale_after_s``."""
     fresh = metrics is not None and scraped_at is not None and now - scraped_at <= stale_after_s
     if not fresh or metrics is None:
-        return ReplicaView(replica_id, max_num_seqs, in_flight, ejected=ejected)
+        return ReplicaView(
+            replica_id, max_num_seqs, in_flight, ejected=ejected, pending_prefill=pending_prefill
+        )
     return ReplicaView(
         replica_id,
         max_num_seqs,
@@ -106,6 +109,7 @@ def make_view(
         running=metrics.running,
         kv_usage=metrics.kv_usage,
         ejected=ejected,
+        pending_prefill=pending_prefill,
     )
 
 

@@ -121,3 +121,34 @@ class PrefixScorer:
         if total == 0:
             return {v.id: 0.0 for v in replicas}
         return {v.id: self.index.matched_blocks(v.id, request.hashes) / total for v in replicas}
+
+
+class PrefillCostScorer:
+    """Scorer: how soon the replica could start this request's first token, relative to the
+    others - the prefill work ahead of it there (``pending_prefill``) plus the part of its
+    prompt the replica does not cache, in blocks. The cheapest scores 1; each other replica
+    loses what it costs more, measured in this request's prompt (a whole prompt more: 0), so a
+    block's difference is a small nudge that load can outweigh, not a verdict.
+
+    Cache affinity and prefill load in one currency: a replica caching the prompt wins while
+    its queue of prefills is short, and loses to an idle one once the prefills it would wait
+    behind cost more than computing the prompt afresh elsewhere. So a hot tenant's concurrent
+    requests stay where their prefix is (each costs little there), and one system prompt
+    shared by every user spreads as soon as its replica's prefill queue outgrows the shared
+    part - without a cap on any replica's share of the traffic.
+    """
+
+    name = "prefill-cost"
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index = index
+
+    def score(self, request: PickRequest, replicas: Sequence[ReplicaView]) -> dict[str, float]:
+        total = len(request.hashes)
+        costs = {
+            v.id: v.pending_prefill + total - self.index.matched_blocks(v.id, request.hashes)
+            for v in replicas
+        }
+        best = min(costs.values(), default=0.0)
+        scale = max(total, 1)
+        return {rid: 1.0 - min(1.0, (cost - best) / scale) for rid, cost in costs.items()}

@@ -19,6 +19,9 @@ class ReplicaView:
     running: float = 0.0
     kv_usage: float = 0.0
     ejected: bool = False
+    # Prompt blocks this router has sent to the replica that it has not yet seen a first token
+    # for: the prefill work queued ahead of a new request there (our requests only).
+    pending_prefill: float = 0.0
 
     @property
     def demand(self) -> float:

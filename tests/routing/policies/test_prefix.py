@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fleetpilot.routing.policies.prefix import (
+    PrefillCostScorer,
     PrefixIndex,
     PrefixScorer,
     block_hashes,
@@ -107,3 +108,34 @@ def test_index_never_exceeds_capacity(batches: list[list[int]], capacity: int) -
     for batch in batches:
         index.record("a", batch)
         assert index.size("a") <= capacity
+
+
+def test_prefill_cost_prefers_the_cached_replica_while_its_prefill_queue_is_short() -> None:
+    """A replica caching 9 of 10 blocks with nothing pending beats an idle one that caches
+    nothing (cost 1 vs 10); once 12 blocks of other prompts wait to be prefilled there, the
+    idle replica computes the whole prompt sooner and wins."""
+    index = PrefixIndex(100)
+    hashes = list(range(10))
+    index.record("a", hashes[:9])
+    scorer = PrefillCostScorer(index)
+    quiet = scorer.score(PickRequest(hashes), [ReplicaView("a", 4), ReplicaView("b", 4)])
+    assert quiet["a"] > quiet["b"]
+    busy = [ReplicaView("a", 4, pending_prefill=12.0), ReplicaView("b", 4)]
+    loaded = scorer.score(PickRequest(hashes), busy)
+    assert loaded["b"] > loaded["a"]
+
+
+def test_prefill_cost_scores_lie_in_the_unit_interval_and_tie_when_all_are_free() -> None:
+    """Scores stay in [0, 1] (the picker's contract), the cheapest gets 1; with no prompt and
+    nothing pending every replica ties, so load and the tie-break decide."""
+    index = PrefixIndex(100)
+    index.record("a", [1, 2])
+    scorer = PrefillCostScorer(index)
+    views = [ReplicaView("a", 4, pending_prefill=3.0), ReplicaView("b", 4), ReplicaView("c", 4)]
+    scores = scorer.score(PickRequest([1, 2, 3]), views)
+    assert all(0.0 <= s <= 1.0 for s in scores.values())
+    assert max(scores.values()) == 1.0
+    assert scorer.score(PickRequest([]), [ReplicaView("a", 4), ReplicaView("b", 4)]) == {
+        "a": 1.0,
+        "b": 1.0,
+    }
