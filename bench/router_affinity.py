@@ -15,7 +15,9 @@ starts cold):
 - least-loaded: the router's load scorer alone;
 - CHWBL: consistent hashing of the prompt's first 64 characters with bounded loads (c = 1.25),
   KubeAI's prefix-hash policy;
-- fleetpilot: prefix-match scorer (weight 3) + load scorer (weight 1) + bounded-load cap;
+- fleetpilot-0.1: the router before issue 14, prefix-match scorer (weight 3) + load scorer
+  (weight 1) behind the bounded-load cap;
+- fleetpilot: the router's defaults (prefill-cost scorer + load behind the headroom filter);
 - oracle: every tenant pinned to one replica, three tenants each - the policy that knows what
   each cache holds because it decides it, and the hit-rate ceiling for this workload.
 
@@ -53,7 +55,7 @@ from fleetpilot.routing.policies.picker import (
     HealthFilter,
     WeightedScorer,
 )
-from fleetpilot.routing.policies.prefix import block_hashes
+from fleetpilot.routing.policies.prefix import PrefixScorer, block_hashes
 from fleetpilot.routing.policies.types import PickRequest, ReplicaView
 
 REPLICAS = 4
@@ -249,6 +251,15 @@ async def run_policy(policy: str, addresses: list[str]) -> dict[str, Any]:
             filters=[health, capacity, BoundedLoadFilter(1.25)],
             scorers=[WeightedScorer(HashRing(), 1)],
         )
+    elif policy == "fleetpilot-0.1":
+        # The router's defaults before issue 14: prefix share + load behind the bounded-load cap.
+        router.use_policies(
+            filters=[health, capacity, BoundedLoadFilter(1.25)],
+            scorers=[
+                WeightedScorer(PrefixScorer(router.prefix_index), 3.0),
+                WeightedScorer(load, 1.0),
+            ],
+        )
     elif policy == "oracle":
         # "system: " precedes the prompt in the router's chat text; hash what it hashes.
         first = {
@@ -337,7 +348,7 @@ async def run_policy(policy: str, addresses: list[str]) -> dict[str, Any]:
     }
 
 
-POLICIES = ["round-robin", "least-loaded", "chwbl", "fleetpilot", "oracle"]
+POLICIES = ["round-robin", "least-loaded", "chwbl", "fleetpilot-0.1", "fleetpilot", "oracle"]
 
 
 def main() -> None:
