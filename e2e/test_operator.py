@@ -603,7 +603,10 @@ def test_policies_select_exactly_the_services_pods_and_are_pruned_and_collected(
     # Who gets in: the router rule admits only this service's router pod, the peer rule only
     # its engine pods (not "other"'s, in the same namespace), the scrape rule one namespace.
     from_router, from_peers, from_scrapers = policy["spec"]["ingress"]
-    assert from_router["ports"] == [{"protocol": "TCP", "port": 8000}]
+    # The HTTP port and the KV-event publisher and replay ports (the router subscribes).
+    assert from_router["ports"] == [
+        {"protocol": "TCP", "port": port} for port in (8000, 5557, 5558)
+    ]
     (router_peer,) = from_router["from"]
     assert names_selected(kube, "Pod", namespace, router_peer["podSelector"]) == router_pods
     assert "ports" not in from_peers
