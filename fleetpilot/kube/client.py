@@ -166,13 +166,26 @@ class Kube:
             raise
         return True
 
-    def patch_status(self, kind: str, namespace: str, name: str, status: Obj, manager: str) -> Obj:
-        path = RESOURCES[kind].path(namespace, name) + "/status"
+    def patch_status(
+        self,
+        kind: str,
+        namespace: str,
+        name: str,
+        status: Obj,
+        manager: str,
+        *,
+        resource_version: str | None = None,
+    ) -> Obj:
+        """Merge-patch the status subresource; with ``resource_version`` the server refuses
+        (409) a write to an object changed since that version."""
+        body: Obj = {"status": status}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
         return self.request(
             "PATCH",
-            path,
+            RESOURCES[kind].path(namespace, name) + "/status",
             query=[("fieldManager", manager)],
-            body={"status": status},
+            body=body,
             content_type=MERGE_CONTENT_TYPE,
         )
 

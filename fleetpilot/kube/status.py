@@ -16,7 +16,7 @@ from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
-from fleetpilot.kube.client import MERGE_CONTENT_TYPE, RESOURCES, Kube, KubeError, Obj
+from fleetpilot.kube.client import Kube, KubeError, Obj
 
 log = logging.getLogger(__name__)
 
@@ -65,18 +65,9 @@ def update_status(
         current: dict[str, Any] = live.get("status") or {}
         if fields is None or all(current.get(key) == value for key, value in fields.items()):
             return StatusWrite.UNCHANGED
-        patch: Obj = {"status": fields}
         version = live.get("metadata", {}).get("resourceVersion")
-        if version:
-            patch["metadata"] = {"resourceVersion": version}
         try:
-            kube.request(
-                "PATCH",
-                RESOURCES[kind].path(namespace, name) + "/status",
-                query=[("fieldManager", manager)],
-                body=patch,
-                content_type=MERGE_CONTENT_TYPE,
-            )
+            kube.patch_status(kind, namespace, name, fields, manager, resource_version=version)
         except KubeError as exc:
             if exc.conflict and attempt < attempts:
                 log.debug("status of %s %s/%s changed meanwhile, re-reading", kind, namespace, name)
