@@ -15,7 +15,7 @@ labels it will meet in a cluster.
 
 Use it from Python::
 
-    labels = engine_pod_labels("chat", "small", RoleName.UNIFIED)
+    labels = engine_selector("chat", "small", RoleName.UNIFIED)  # fleetpilot.kube.names
     target = ScrapeTarget("127.0.0.1:8001", labels, "ml")
     with PrometheusServer(tmp_path, [target]) as prom:
         prom.wait_scraped()
@@ -43,7 +43,6 @@ from typing import Any, Self
 
 import yaml
 
-from fleetpilot.kube.names import engine_selector
 from fleetpilot.runtime.processes import (
     Child,
     ChildFailedError,
@@ -75,12 +74,6 @@ def sanitize_label_name(name: str) -> str:
     """What Kubernetes service discovery makes of a pod label name: ``fleetpilot.dev/tier`` ->
     ``fleetpilot_dev_tier`` (every character outside ``[a-zA-Z0-9_]`` becomes ``_``)."""
     return re.sub(r"[^a-zA-Z0-9_]", "_", name)
-
-
-def engine_pod_labels(service: str, tier: str, role: str) -> dict[str, str]:
-    """The pod labels of an engine pod of one role that the autoscaler's reader selects by:
-    the planner's engine selector, so a label renamed there is renamed here too."""
-    return engine_selector(service, tier, role)
 
 
 @dataclass(frozen=True)
@@ -371,7 +364,6 @@ __all__ = [
     "PrometheusError",
     "PrometheusServer",
     "ScrapeTarget",
-    "engine_pod_labels",
     "find_binary",
     "render_config",
     "sanitize_label_name",

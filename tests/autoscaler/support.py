@@ -14,7 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder, generate_latest
 
-from fleetpilot.runtime.prometheus import PrometheusServer, ScrapeTarget, engine_pod_labels
+from fleetpilot.kube.names import engine_selector
+from fleetpilot.runtime.prometheus import PrometheusServer, ScrapeTarget
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so interpolation behaves as with real engines.
 TTFT_BUCKETS = (
@@ -103,7 +104,7 @@ class Engine:
 
     def target(self) -> ScrapeTarget:
         k = self.key
-        return ScrapeTarget(self.address, engine_pod_labels(k.service, k.tier, k.role), k.namespace)
+        return ScrapeTarget(self.address, engine_selector(k.service, k.tier, k.role), k.namespace)
 
     def set(self, *, kv: float = 0.0, waiting: float = 0.0, running: float = 0.0) -> None:
         self.kv.set(kv)

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from fleetpilot.kube.names import engine_selector
 from fleetpilot.runtime.prometheus import (
     PrometheusError,
     PrometheusServer,
     ScrapeTarget,
-    engine_pod_labels,
     find_binary,
     render_config,
     sanitize_label_name,
@@ -21,7 +21,7 @@ from tests.autoscaler.support import Fleet
 
 def test_pod_labels_reach_prometheus_as_service_discovery_hands_them_over() -> None:
     """Pod labels become __meta_kubernetes_pod_label_* and are relabeled as in a cluster."""
-    target = ScrapeTarget("127.0.0.1:9", engine_pod_labels("chat", "small", "decode"), "ml")
+    target = ScrapeTarget("127.0.0.1:9", engine_selector("chat", "small", "decode"), "ml")
     config = render_config([target], 1.0)
     (job,) = config["scrape_configs"]
     assert job["scrape_interval"] == "1s"
