@@ -152,6 +152,16 @@ def kv_role(connector: str, role: RoleName) -> str:
     return "kv_producer" if role is RoleName.PREFILL else "kv_consumer"
 
 
+def kv_transfer_config(launch: EngineLaunch) -> dict[str, object] | None:
+    """vLLM's ``--kv-transfer-config`` of a P/D role (None for a unified one)."""
+    if launch.kv_connector is None:
+        return None
+    return {
+        "kv_connector": launch.kv_connector,
+        "kv_role": kv_role(launch.kv_connector, launch.role),
+    }
+
+
 def vllm_serve_args(launch: EngineLaunch) -> list[str]:
     """Arguments after ``vllm serve``: the model first, then flags in a fixed order."""
     args = [
@@ -207,11 +217,8 @@ def vllm_serve_args(launch: EngineLaunch) -> list[str]:
         if launch.speculative.prompt_lookup_max is not None:
             spec["prompt_lookup_max"] = launch.speculative.prompt_lookup_max
         args += ["--speculative-config", _compact_json(spec)]
-    if launch.kv_connector is not None:
-        transfer: dict[str, object] = {
-            "kv_connector": launch.kv_connector,
-            "kv_role": kv_role(launch.kv_connector, launch.role),
-        }
+    transfer = kv_transfer_config(launch)
+    if transfer is not None:
         args += ["--kv-transfer-config", _compact_json(transfer)]
     events = kv_events_json(launch)
     if events is not None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import sys
 
-from fleetpilot.engine.vllm_args import EngineLaunch, kv_role
+from fleetpilot.engine.vllm_args import EngineLaunch, kv_transfer_config
 
 # The reference engine's smallest model preset: several engines fit on a CPU at once.
 CPU_MODEL_CONFIG = "tiny"
@@ -52,14 +52,10 @@ def reference_argv(launch: EngineLaunch, host: str, python: str = sys.executable
         # A person reads these logs (crash tails, `fleetpilot up`), not a log pipeline.
         *("--log-format", "plain"),
     ]
-    if launch.kv_connector is not None:
-        # The planner's kv_role for this connector and role: the same side a pod takes.
-        config = {
-            "kv_connector": launch.kv_connector,
-            "kv_role": kv_role(launch.kv_connector, launch.role),
-            # Decoders pull from the host the prefill engine advertises: the loopback one.
-            "kv_ip": host,
-        }
+    transfer = kv_transfer_config(launch)  # the planner's config: the same side a pod takes
+    if transfer is not None:
+        # Decoders pull from the host the prefill engine advertises: the loopback one.
+        config = {**transfer, "kv_ip": host}
         argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
         # Every engine of the fleet listens on the host: KV moves only between them (engines
         # started later by the autoscaler take new ports, so the host, not host:port).
