@@ -231,14 +231,44 @@ async def engine_counters(session: aiohttp.ClientSession, address: str) -> tuple
     return hits, queries
 
 
-async def run_policy(policy: str, addresses: list[str]) -> dict[str, Any]:
-    cfg = config(addresses)
+async def start_router(cfg: RouterConfig) -> tuple[web.AppRunner, web.Application, str]:
+    """The router in this process on a free port; its chat URL (the caller cleans up)."""
     app = build_app(cfg, StaticSource(cfg), seed=0)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/chat/completions"
+    return runner, app, f"http://127.0.0.1:{runner.addresses[0][1]}/v1/chat/completions"
+
+
+async def stream_ttft(
+    session: aiohttp.ClientSession, url: str, messages: list[dict[str, str]]
+) -> tuple[int, float | None, str]:
+    """One streamed chat request: its status, TTFT (the first token's chunk, not a role-only
+    chunk some servers send at once) and the answer's text."""
+    body = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    sent = time.perf_counter()
+    ttft, answer = None, []
+    async with session.post(url, json=body) as resp:
+        if resp.status != 200:
+            await resp.read()
+            return resp.status, None, ""
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            text = "".join(c.get("delta", {}).get("content") or "" for c in chunk["choices"])
+            if ttft is None and text:  # the first token, not a role-only chunk
+                ttft = time.perf_counter() - sent
+            answer.append(text)
+    return 200, ttft, "".join(answer)
+
+
+async def run_policy(policy: str, addresses: list[str]) -> dict[str, Any]:
+    cfg = config(addresses)
+    runner, app, url = await start_router(cfg)
     router = app[ROUTER_APP].router
     load = LoadScorer(cfg.spillover.queue_threshold)
     health, capacity = HealthFilter(), CapacityFilter(cfg.backpressure.max_waiting_per_replica)
@@ -280,27 +310,11 @@ async def run_policy(policy: str, addresses: list[str]) -> dict[str, Any]:
                     {"role": "user", "content": f"User {user} asks question {turn} about order "
                      f"{tenant * 100 + user}: where is it now?"}
                 )  # fmt: skip
-                body = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS,
-                        "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
-                sent = time.perf_counter()
-                answer = []
-                async with session.post(url, json=body) as resp:
-                    statuses[resp.status] = statuses.get(resp.status, 0) + 1
-                    first = True
-                    async for raw in resp.content:
-                        line = raw.strip()
-                        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                            continue
-                        chunk = json.loads(line[6:])
-                        text = "".join(
-                            c.get("delta", {}).get("content") or "" for c in chunk["choices"]
-                        )
-                        # The first token, not the role-only chunk some servers send at once.
-                        if first and text:
-                            ttfts.append(time.perf_counter() - sent)
-                            first = False
-                        answer.append(text)
-                messages.append({"role": "assistant", "content": "".join(answer)})
+                status, ttft, answer = await stream_ttft(session, url, messages)
+                statuses[status] = statuses.get(status, 0) + 1
+                if ttft is not None:
+                    ttfts.append(ttft)
+                messages.append({"role": "assistant", "content": answer})
 
         async def worker() -> None:
             while queue:

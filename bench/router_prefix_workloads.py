@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import time
@@ -49,10 +48,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 from router_affinity import (
     BLOCK_CHARS,
     KV_BLOCKS,
+    MAX_TOKENS,
     MODEL,
     REPLICAS,
     RoundRobin,
@@ -60,12 +59,13 @@ from router_affinity import (
     config,
     engine_counters,
     engines,
+    start_router,
+    stream_ttft,
     system_prompt,
 )
 from router_support import machine, percentile, save
 
-from fleetpilot.routing.app import ROUTER_APP, build_app
-from fleetpilot.routing.discovery import StaticSource
+from fleetpilot.routing.app import ROUTER_APP
 from fleetpilot.routing.policies.load import LoadScorer
 from fleetpilot.routing.policies.picker import (
     BoundedLoadFilter,
@@ -76,7 +76,6 @@ from fleetpilot.routing.policies.picker import (
 )
 from fleetpilot.routing.policies.prefix import PrefixScorer, block_hashes
 
-MAX_TOKENS = 8
 TENANTS = 12
 ZIPF_S = 1.1
 TURNS = 3
@@ -181,37 +180,9 @@ def use_arm(arm: str, router: Any, cfg: Any) -> None:
 # -- one run ---------------------------------------------------------------------------------
 
 
-async def stream_ttft(
-    session: aiohttp.ClientSession, url: str, messages: list[dict[str, str]]
-) -> tuple[int, float | None, str]:
-    body = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
-    sent = time.perf_counter()
-    ttft, answer = None, []
-    async with session.post(url, json=body) as resp:
-        if resp.status != 200:
-            await resp.read()
-            return resp.status, None, ""
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            text = "".join(c.get("delta", {}).get("content") or "" for c in chunk["choices"])
-            if ttft is None and text:  # the first token, not a role-only chunk
-                ttft = time.perf_counter() - sent
-            answer.append(text)
-    return 200, ttft, "".join(answer)
-
-
 async def run_arm(arm: str, trace: Sequence[Conversation], addresses: list[str]) -> dict[str, Any]:
     cfg = config(addresses)
-    app = build_app(cfg, StaticSource(cfg), seed=0)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/chat/completions"
+    runner, app, url = await start_router(cfg)
     router = app[ROUTER_APP].router
     use_arm(arm, router, cfg)
     ttfts: list[float] = []
