@@ -32,8 +32,11 @@ EOS = "<|eos|>"
 SHIPPED = Path(__file__).resolve().parent / "tokenizer"
 
 # ByteTokenizer.apply_chat_template as Jinja: "<|role|>\ncontent\n" per message, then the
-# assistant's header when a generation prompt is asked for.
+# assistant's header when a generation prompt is asked for. It starts with the BOS token, as
+# Llama-style templates do: vLLM encodes a rendered chat without adding special tokens, so the
+# template carries the BOS the engine puts before every chat prompt.
 CHAT_TEMPLATE = (
+    "{{ bos_token }}"
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>\n' + message['content'] + '\n' }}"
     "{% endfor %}"

@@ -46,12 +46,20 @@ def test_the_chat_template_renders_as_the_engine_formats_chats(
     chat: list[dict[str, str]], generation_prompt: bool
 ) -> None:
     """The Jinja template, rendered as vLLM renders chat templates (sandboxed, trim_blocks,
-    lstrip_blocks), gives the engine's own chat text for any conversation."""
+    lstrip_blocks, the config's special tokens passed in), gives the BOS token and then the
+    engine's own chat text for any conversation: vLLM encodes a rendered chat without adding
+    special tokens, where the engine prepends BOS to its chat text."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     template = env.from_string(SHIPPED_CONFIG["chat_template"])
-    rendered = template.render(messages=chat, add_generation_prompt=generation_prompt)
+    rendered = template.render(
+        messages=chat, add_generation_prompt=generation_prompt, **special_tokens()
+    )
     expected = BYTES.apply_chat_template(chat, add_generation_prompt=generation_prompt)
-    assert rendered == expected
+    assert rendered == SHIPPED_CONFIG["bos_token"] + expected
+
+
+def special_tokens() -> dict[str, str]:
+    return {k: v for k, v in SHIPPED_CONFIG.items() if k.endswith("_token")}
 
 
 def test_the_shipped_config_is_what_the_builder_writes() -> None:
