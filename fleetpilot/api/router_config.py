@@ -40,6 +40,25 @@ class EndpointGroup(ApiModel):
             "the Ready endpoints of the Service's EndpointSlices."
         ),
     )
+    kv_events_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description=(
+            "Port of each engine's KV-event publisher (vLLM --kv-events-config endpoint; rank r "
+            "of a data-parallel replica publishes on port + r); unset: the engines publish no "
+            "events and the router guesses what they cache."
+        ),
+    )
+    kv_replay_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Port of each engine's KV-event replay socket (plus the rank, as above).",
+    )
+    data_parallel: int = Field(
+        1, ge=1, le=64, description="Data-parallel ranks behind one endpoint (one stream each)."
+    )
 
 
 class RouterTier(ApiModel):
@@ -54,6 +73,15 @@ class RouterTier(ApiModel):
             "This tier's time-to-first-byte budget per upstream attempt (and for the prefill "
             "hop); unset: the config-wide firstByteTimeout. The planner derives it from the "
             "tier's SLO: max(2s, 4 x ttftP95)."
+        ),
+    )
+
+    tokenizer: str | None = Field(
+        None,
+        description=(
+            "Where the router loads the tier model's tokenizer (tokenizer.json and "
+            "tokenizer_config.json) to match requests against the engines' KV events: a local "
+            "directory, or hf://<repo>@<revision>. Unset: the router guesses from prompt text."
         ),
     )
 

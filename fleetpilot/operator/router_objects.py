@@ -13,12 +13,16 @@ from fleetpilot.api.router_config import (
     RouterConfig,
     RouterTier,
 )
-from fleetpilot.engine.vllm_args import ENGINE_PORT
+from fleetpilot.api.spec import Tier
+from fleetpilot.engine.vllm_args import ENGINE_PORT, launch_for
 from fleetpilot.kube import names
 from fleetpilot.operator.plan_types import K8sObject, PlanOptions, object_meta
 
 ROUTER_PORT = 8000
 CONFIG_DIR = "/etc/fleetpilot"
+# The router downloads each tier's tokenizer files (a few MB) here; its root filesystem is
+# read-only.
+TOKENIZER_CACHE = "/var/cache/fleetpilot/hf"
 
 
 def router_labels(service: InferenceService) -> dict[str, str]:
@@ -50,21 +54,56 @@ def first_byte_timeout(ttft_p95: timedelta | None) -> timedelta | None:
     return max(FIRST_BYTE_FLOOR, ttft_p95 * FIRST_BYTE_SLO_FACTOR)
 
 
+def tokenizer_ref(tier: Tier) -> str | None:
+    """Where the router gets the tier model's tokenizer: the Hub repository the engines load
+    (at the same revision), None for weights on a PVC (the router does not mount the engines'
+    volume) or a name that is no ``org/name`` repository: the router then guesses what the
+    engines cache from prompt text."""
+    source = tier.model.source
+    if source.pvc is not None or tier.model.name.count("/") != 1:
+        return None  # a PVC, or a model name that is no Hub repository id
+    revision = source.huggingface.revision if source.huggingface is not None else None
+    return f"hf://{tier.model.name}@{revision or 'main'}"
+
+
+def tokenizer_env(service: InferenceService) -> list[dict[str, object]]:
+    """The Hub cache directory, and the Hub token of the first tier that names one (from its
+    Secret, never in the config): tiers of one service are expected to share a token."""
+    env: list[dict[str, object]] = [{"name": "HF_HUB_CACHE", "value": TOKENIZER_CACHE}]
+    for tier in service.spec.tiers:
+        hub = tier.model.source.huggingface
+        if hub is not None and hub.token_secret_ref is not None:
+            ref = hub.token_secret_ref
+            env.append(
+                {
+                    "name": "HF_TOKEN",
+                    "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
+                }
+            )
+            break
+    return env
+
+
 def router_config(service: InferenceService) -> RouterConfig:
     """What the router needs to know: tiers, their thresholds and where their pods are."""
     spec = service.spec
     tiers = []
     for tier in spec.tiers:
-        groups = [
-            EndpointGroup(
-                role=role.name,
-                service=names.engine_name(service.name, tier.name, role.name),
-                selector=names.engine_selector(service.name, tier.name, role.name),
-                port=ENGINE_PORT,
-                max_num_seqs=tier.engine.max_num_seqs,
+        groups = []
+        for role in tier.roles():
+            launch = launch_for(role)
+            groups.append(
+                EndpointGroup(
+                    role=role.name,
+                    service=names.engine_name(service.name, tier.name, role.name),
+                    selector=names.engine_selector(service.name, tier.name, role.name),
+                    port=ENGINE_PORT,
+                    max_num_seqs=tier.engine.max_num_seqs,
+                    kv_events_port=launch.kv_events_port,
+                    kv_replay_port=launch.kv_replay_port,
+                    data_parallel=launch.data,
+                )
             )
-            for role in tier.roles()
-        ]
         tiers.append(
             RouterTier(
                 name=tier.name,
@@ -73,6 +112,7 @@ def router_config(service: InferenceService) -> RouterConfig:
                 mode=tier.serving.mode,
                 endpoints=groups,
                 first_byte_timeout=first_byte_timeout(tier.autoscaling.slo.ttft_p95),
+                tokenizer=tokenizer_ref(tier),
             )
         )
     routing = spec.routing
@@ -194,12 +234,17 @@ def router_objects(service: InferenceService, options: PlanOptions) -> list[K8sO
                                 "readinessProbe": probe,
                                 "livenessProbe": {**probe, "periodSeconds": 10},
                                 "securityContext": security,
+                                "env": tokenizer_env(service),
                                 "volumeMounts": [
-                                    {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}
+                                    {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+                                    {"name": "tokenizers", "mountPath": TOKENIZER_CACHE},
                                 ],
                             }
                         ],
-                        "volumes": [{"name": "config", "configMap": {"name": name}}],
+                        "volumes": [
+                            {"name": "config", "configMap": {"name": name}},
+                            {"name": "tokenizers", "emptyDir": {"sizeLimit": "1Gi"}},
+                        ],
                     },
                 },
             },

@@ -38,6 +38,21 @@ SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 
 
 @dataclass(frozen=True, slots=True)
+class KVPorts:
+    """Where one replica publishes its KV events: rank r of a data-parallel replica publishes
+    on ``events + r`` and replays on ``replay + r`` (vLLM offsets both by the rank)."""
+
+    events: int
+    replay: int | None = None
+    ranks: int = 1
+
+
+def kv_stream_id(replica_id: str, rank: int) -> str:
+    """The KV index's name for one rank's event stream of a replica (rank 0: the replica)."""
+    return replica_id if rank == 0 else f"{replica_id}#dp{rank}"
+
+
+@dataclass(frozen=True, slots=True)
 class Endpoint:
     """One engine replica (one pod, or one process of the local runtime)."""
 
@@ -46,6 +61,7 @@ class Endpoint:
     host: str
     port: int
     name: str = ""
+    kv: KVPorts | None = None
 
     @property
     def id(self) -> str:
@@ -55,6 +71,28 @@ class Endpoint:
     @property
     def base_url(self) -> str:
         return f"http://{self.id}"
+
+    def kv_streams(self) -> dict[str, tuple[str, str | None]]:
+        """Per event stream (``kv_stream_id``), its publisher and replay endpoints; empty for
+        a replica that publishes no events."""
+        if self.kv is None:
+            return {}
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        replay = self.kv.replay
+        return {
+            kv_stream_id(self.id, r): (
+                f"tcp://{host}:{self.kv.events + r}",
+                f"tcp://{host}:{replay + r}" if replay is not None else None,
+            )
+            for r in range(self.kv.ranks)
+        }
+
+
+def group_kv_ports(group: EndpointGroup) -> KVPorts | None:
+    """The KV-event ports the config gives a group's engines, if they publish."""
+    if group.kv_events_port is None:
+        return None
+    return KVPorts(group.kv_events_port, group.kv_replay_port, group.data_parallel)
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -136,7 +174,7 @@ class StaticSource(_Published):
         for tier, group in _groups(config):
             for address in group.addresses:
                 host, port = parse_address(address)
-                found.append(Endpoint(tier, group.role, host, port, address))
+                found.append(Endpoint(tier, group.role, host, port, address, group_kv_ports(group)))
         self._set_endpoints(tuple(found))
 
     async def start(self) -> None:
@@ -147,7 +185,8 @@ class StaticSource(_Published):
 
 
 def parse_endpoints_file(data: Any) -> tuple[Endpoint, ...]:
-    """``{"endpoints": [{"tier", "role", "address", "name"?}, ...]}`` -> endpoints."""
+    """``{"endpoints": [{"tier", "role", "address", "name"?, "kvEventsPort"?,
+    "kvReplayPort"?}, ...]}`` -> endpoints (the KV ports on the address's host)."""
     if not isinstance(data, dict) or not isinstance(data.get("endpoints"), list):
         raise ValueError("an endpoints file is a mapping with an 'endpoints' list")
     out = []
@@ -165,8 +204,26 @@ def parse_endpoints_file(data: Any) -> tuple[Endpoint, ...]:
             raise ValueError(f"endpoints[{i}].role must be one of {', '.join(RoleName)}")
         host, port = parse_address(address)
         name = item.get("name")
-        out.append(Endpoint(tier, role, host, port, name if isinstance(name, str) else address))
+        kv = _file_kv_ports(item, i)
+        out.append(Endpoint(tier, role, host, port, name if isinstance(name, str) else address, kv))
     return tuple(out)
+
+
+def _file_kv_ports(item: dict[str, Any], index: int) -> KVPorts | None:
+    ports: list[int | None] = []
+    for key in ("kvEventsPort", "kvReplayPort"):
+        value = item.get(key)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535
+        ):
+            raise ValueError(f"endpoints[{index}].{key} must be a port number 1..65535")
+        ports.append(value)
+    events, replay = ports
+    if events is None:
+        if replay is not None:
+            raise ValueError(f"endpoints[{index}].kvReplayPort needs kvEventsPort")
+        return None
+    return KVPorts(events, replay)
 
 
 class FileSource(_Published):
@@ -256,7 +313,11 @@ class MergedSource:
 
 
 def endpoints_from_slices(
-    slices: Iterable[dict[str, Any]], tier: str, role: str, port: int
+    slices: Iterable[dict[str, Any]],
+    tier: str,
+    role: str,
+    port: int,
+    kv: KVPorts | None = None,
 ) -> list[Endpoint]:
     """The Ready endpoints of a Service's EndpointSlices (camelCase dicts, as the API returns
     them). Purely computational.
@@ -279,7 +340,7 @@ def endpoints_from_slices(
             addresses = ep.get("addresses") or []
             if not addresses or not isinstance(addresses[0], str):
                 continue
-            endpoint = Endpoint(tier, role, addresses[0], port, _pod_name(ep) or addresses[0])
+            endpoint = Endpoint(tier, role, addresses[0], port, _pod_name(ep) or addresses[0], kv)
             if endpoint.id not in seen:
                 seen.add(endpoint.id)
                 out.append(endpoint)
@@ -352,6 +413,7 @@ class _GroupKey:
     role: str
     service: str
     port: int
+    kv: KVPorts | None = None
 
 
 class KubernetesSource(_Published):
@@ -385,7 +447,7 @@ class KubernetesSource(_Published):
     def configure(self, config: RouterConfig) -> None:
         self.namespace = config.namespace
         self._wanted = {
-            _GroupKey(tier, g.role, g.service, g.port)
+            _GroupKey(tier, g.role, g.service, g.port, group_kv_ports(g))
             for tier, g in _groups(config)
             if not g.addresses
         }
@@ -436,7 +498,7 @@ class KubernetesSource(_Published):
         self._rebuild()
 
     def _send(self, key: _GroupKey, stop: threading.Event, slices: dict[str, Any]) -> None:
-        endpoints = endpoints_from_slices(slices.values(), key.tier, key.role, key.port)
+        endpoints = endpoints_from_slices(slices.values(), key.tier, key.role, key.port, key.kv)
         loop = self._loop
         if loop is not None and not stop.is_set():
             with contextlib.suppress(RuntimeError):  # loop closed while we were blocked

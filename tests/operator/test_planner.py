@@ -172,6 +172,32 @@ def test_router_config_lists_tiers_and_their_endpoints(two_tier: list[K8sObject]
     assert _container(router)["securityContext"]["readOnlyRootFilesystem"] is True
 
 
+def test_router_config_points_at_every_ranks_kv_events_and_the_models_tokenizer() -> None:
+    """The router learns each group's KV-event and replay ports (the ones the engine pods
+    publish on, data-parallel ranks included) and the tier model's tokenizer at the revision
+    the engines load; weights on a PVC get no tokenizer (the router guesses there)."""
+    hub = make_tier("small", parallelism={"data": 2})
+    hub["model"]["source"] = {
+        "huggingface": {"revision": "v2", "tokenSecretRef": {"name": "hf", "key": "t"}}
+    }
+    pvc = make_tier("large", up_to=1.0)
+    pvc["model"]["source"] = {"pvc": {"claimName": "weights"}}
+    hub["complexity"] = {"upTo": 0.4}
+    service = make_service(tiers=[hub, pvc])
+    config = router_config(service)
+    small, large = config.tiers
+    (group,) = small.endpoints
+    assert (group.kv_events_port, group.kv_replay_port, group.data_parallel) == (5557, 5559, 2)
+    assert small.tokenizer == "hf://Qwen/Qwen2.5-7B-Instruct@v2"
+    assert large.tokenizer is None
+    router = _find(plan(service), "Deployment", "chat-router")
+    env = {e["name"]: e for e in _container(router)["env"]}
+    assert env["HF_HUB_CACHE"]["value"] == "/var/cache/fleetpilot/hf"
+    assert env["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "t"}}
+    mounts = {m["mountPath"] for m in _container(router)["volumeMounts"]}
+    assert "/var/cache/fleetpilot/hf" in mounts  # writable despite the read-only root
+
+
 def test_router_may_only_read_endpoint_slices(two_tier: list[K8sObject]) -> None:
     """The router's Role grants only get/list/watch on EndpointSlices: anything more widens what a
     compromised router can do."""

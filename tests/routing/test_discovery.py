@@ -17,6 +17,7 @@ from fleetpilot.routing.discovery import (
     Endpoint,
     FileSource,
     KubernetesSource,
+    KVPorts,
     MergedSource,
     StaticSource,
     build_source,
@@ -100,6 +101,46 @@ def test_file_source_keeps_the_last_good_endpoints(tmp_path: Path) -> None:
     path.unlink()
     assert not source.reload()
     assert len(source.endpoints()) == 1
+
+
+def test_endpoints_file_gives_each_engine_its_kv_event_ports(tmp_path: Path) -> None:
+    """Each listed engine's KV-event ports are on its own host; an engine without them
+    publishes nothing; a replay port alone or a non-port is refused."""
+    found = parse_endpoints_file({"endpoints": [
+        {"tier": "a", "address": "127.0.0.1:8001", "kvEventsPort": 9001, "kvReplayPort": 9002},
+        {"tier": "a", "address": "127.0.0.1:8002"},
+    ]})  # fmt: skip
+    assert [e.kv for e in found] == [KVPorts(9001, 9002), None]
+    assert found[0].kv_streams() == {
+        "127.0.0.1:8001": ("tcp://127.0.0.1:9001", "tcp://127.0.0.1:9002")
+    }
+    assert found[1].kv_streams() == {}
+    for bad in ({"kvReplayPort": 9002}, {"kvEventsPort": 0}, {"kvEventsPort": "9001"}):
+        with pytest.raises(ValueError, match=r"endpoints\[0\]\.kv"):
+            parse_endpoints_file({"endpoints": [{"tier": "a", "address": "h:1", **bad}]})
+
+
+def test_a_data_parallel_replica_has_one_event_stream_per_rank() -> None:
+    """vLLM offsets both KV-event ports by the data-parallel rank: a replica of two ranks is
+    two streams, the first named as the replica; IPv6 hosts are bracketed."""
+    endpoint = Endpoint("t", "unified", "fd00::1", 8000, kv=KVPorts(5557, 5559, ranks=2))
+    assert endpoint.kv_streams() == {
+        "[fd00::1]:8000": ("tcp://[fd00::1]:5557", "tcp://[fd00::1]:5559"),
+        "[fd00::1]:8000#dp1": ("tcp://[fd00::1]:5558", "tcp://[fd00::1]:5560"),
+    }
+
+
+def test_discovered_pods_take_their_groups_kv_event_ports() -> None:
+    """Pods found in EndpointSlices carry the ports the config gives their group."""
+    kv = KVPorts(5557, 5558)
+    (found,) = endpoints_from_slices([slice_("s", ep("10.0.0.1"))], "a", "unified", 8000, kv)
+    assert found.kv == kv
+    config = make_config([tier("a", 1.0)])
+    data = config.to_wire()
+    group = data["tiers"][0]["endpoints"][0]
+    group.update(addresses=["10.0.0.9:8000"], kvEventsPort=5557, kvReplayPort=5558)
+    (static,) = StaticSource(type(config).model_validate(data)).endpoints()
+    assert static.kv == kv
 
 
 def slice_(name: str, *endpoints: dict[str, Any], address_type: str = "IPv4") -> dict[str, Any]:
