@@ -13,7 +13,7 @@ import logging
 import random
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
 import aiohttp
@@ -31,12 +31,20 @@ from fleetpilot.routing.errors import (
     UnknownModelError,
 )
 from fleetpilot.routing.health import Prober
+from fleetpilot.routing.kv_events_client import KVEventsClient
 from fleetpilot.routing.metrics import CONTENT_TYPE, RouterMetrics
+from fleetpilot.routing.policies.kv_index import KVIndex
 from fleetpilot.routing.proxy import Proxy, error_response
 from fleetpilot.routing.router import ReplicaState, Router
 from fleetpilot.routing.scrape import Scraper
+from fleetpilot.routing.tasks import cancel
+from fleetpilot.routing.tokenize import TokenizerError, load_tokenizer
 
 log = logging.getLogger("fleetpilot.routing")
+
+# A tokenizer that failed to load (the Hub unreachable, a file missing) is tried again this
+# often; meanwhile its tier routes on the guessed index.
+TOKENIZER_RETRY_S = 30.0
 
 EXIT_INVALID = 2
 STARTED = int(time.time())
@@ -59,7 +67,19 @@ class RouterApp:
         self.metrics = RouterMetrics()
         self.debug_route_header = debug_route_header
         self.source = source
-        self.router = Router(config, source, rng=random.Random(seed), on_eject=self._ejected)
+        self.kv_index = KVIndex()
+        self.kv_events: KVEventsClient | None = None
+        self.tokenizer_refs: dict[str, str] = {}  # tier -> the ref its tokenizer came from
+        self._tokenizer_task: asyncio.Task[None] | None = None
+        self.router = Router(
+            config,
+            source,
+            rng=random.Random(seed),
+            on_eject=self._ejected,
+            kv_index=self.kv_index,
+            kv_live=self._kv_live,
+            on_replicas=self._follow_replicas,
+        )
         self.config_path = config_path
         self.reload_interval_s = reload_interval_s
         self.session: aiohttp.ClientSession | None = None
@@ -72,9 +92,59 @@ class RouterApp:
         # Every ejection, whether a request or a /metrics scrape found the failure.
         self.metrics.ejections.labels(replica.endpoint.tier, replica.id).inc()
 
+    def _kv_live(self, stream: str) -> bool:
+        return self.kv_events is not None and self.kv_events.has_events(stream)
+
+    def _follow_replicas(self, replicas: Mapping[str, ReplicaState]) -> None:
+        """Subscribe to the KV events of exactly the replicas discovery lists now."""
+        if self.kv_events is not None:
+            self.kv_events.set_endpoints(
+                {
+                    stream: publisher
+                    for r in replicas.values()
+                    for stream, publisher in r.endpoint.kv_streams().items()
+                }
+            )
+
     def apply_config(self, config: RouterConfig) -> None:
         self.router.apply_config(config)
         self._retune_loops(config)
+        self._follow_tokenizers(config)
+
+    def _follow_tokenizers(self, config: RouterConfig) -> None:
+        """Drop tokenizers of tiers that left or changed their ref; load the missing ones."""
+        wanted = {t.name: t.tokenizer for t in config.tiers if t.tokenizer is not None}
+        for tier in [t for t, ref in self.tokenizer_refs.items() if wanted.get(t) != ref]:
+            del self.tokenizer_refs[tier]
+            self.router.tokenizers.pop(tier, None)
+        if self._tokenizer_task is not None:
+            self._tokenizer_task.cancel()
+            self._tokenizer_task = None
+        missing = {t: ref for t, ref in wanted.items() if t not in self.tokenizer_refs}
+        if missing and self.session is not None:  # started: a running loop
+            self._tokenizer_task = asyncio.create_task(
+                self._load_tokenizers(missing), name="tokenizers"
+            )
+
+    async def _load_tokenizers(self, missing: dict[str, str]) -> None:
+        """Load each tier's tokenizer off the loop (a Hub download can take seconds), retrying
+        failures; until one is loaded its tier routes on the guessed index."""
+        while missing:
+            for tier, ref in list(missing.items()):
+                try:
+                    tokenizer = await asyncio.to_thread(load_tokenizer, ref)
+                except TokenizerError as exc:
+                    log.warning(
+                        "tokenizer unavailable; routing on the guessed index",
+                        extra={"tier": tier, "tokenizer": ref, "err": str(exc)},
+                    )
+                    continue
+                self.router.tokenizers[tier] = tokenizer
+                self.tokenizer_refs[tier] = ref
+                del missing[tier]
+                log.info("tokenizer loaded", extra={"tier": tier, "tokenizer": ref})
+            if missing:
+                await asyncio.sleep(TOKENIZER_RETRY_S)
 
     def _retune_loops(self, config: RouterConfig) -> None:
         if self.scraper is not None:
@@ -98,8 +168,11 @@ class RouterApp:
         self.proxy = Proxy(
             self.router, self.metrics, self.session, debug_route_header=self.debug_route_header
         )
+        self.kv_events = KVEventsClient(self.kv_index, self.metrics)
         await self.source.start()
         self.router.sync()
+        self._follow_replicas({r.id: r for r in self.router.replicas()})
+        self._follow_tokenizers(config)
         self.scraper = Scraper(
             self.router,
             self.metrics,
@@ -137,6 +210,11 @@ class RouterApp:
             await self.prober.stop()
         if self.scraper is not None:
             await self.scraper.stop()
+        await cancel(self._tokenizer_task)
+        self._tokenizer_task = None
+        if self.kv_events is not None:
+            await self.kv_events.stop()
+            self.kv_events = None
         await self.source.stop()
         if self.session is not None:
             await self.session.close()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fleetpilot.routing.errors import InvalidRequestError
@@ -58,6 +58,9 @@ class RequestFeatures:
     has_reasoning: bool
     stream: bool
     tier_header: str | None = None
+    # The request body as sent, for the router's tokenizer to render and tokenize as the
+    # engine will (chat template options included) and match against the engines' KV events.
+    payload: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
 
 def _bad(message: str, param: str | None, code: str = "invalid_value") -> InvalidRequestError:
@@ -192,4 +195,5 @@ def extract_features(
         has_reasoning=_REASONING.search(recent) is not None,
         stream=stream,
         tier_header=tier.strip() if tier else None,
+        payload=body,
     )

@@ -163,7 +163,23 @@ class RouterMetrics:
             "(replica, block) entries in the KV-event index, the quantity its LRU bounds.",
             registry=r,
         )
+        self.prefix_source = Counter(
+            p + "prefix_source",
+            "Replica decisions by what judged the prompt's cached prefix: events (the engines' "
+            "KV events, every replica of the group publishing) or guessed (the router's record "
+            "of what it sent where).",
+            ["tier", "source"],
+            registry=r,
+        )
+        self.tokenizer_errors = Counter(
+            p + "tokenizer_errors",
+            "Requests the router could not tokenize for the KV index (template error, bad or "
+            "oversize prompt); they are routed on the guessed index.",
+            ["tier"],
+            registry=r,
+        )
         self._request_children: dict[tuple[str, str, str], Any] = {}
+        self._source_children: dict[tuple[str, str], Any] = {}
         self._e2e_children: dict[str, Any] = {}
         self._decision_children: dict[tuple[str, str], Any] = {}
         self._match_children: dict[str, Any] = {}
@@ -181,7 +197,15 @@ class RouterMetrics:
             e2e = self._e2e_children[tier] = self.e2e_seconds.labels(tier)
         e2e.observe(seconds)
 
-    def count_decision(self, tier: str, reason: str, prefix_match: float) -> None:
+    def count_decision(
+        self, tier: str, reason: str, prefix_match: float, source: str = "guessed"
+    ) -> None:
+        by_source = self._source_children.get((tier, source))
+        if by_source is None:
+            by_source = self._source_children[(tier, source)] = self.prefix_source.labels(
+                tier, source
+            )
+        by_source.inc()
         key = (tier, reason)
         child = self._decision_children.get(key)
         if child is None:

@@ -216,7 +216,11 @@ class Proxy:
         self.metrics.decision_seconds.observe(time.perf_counter() - decided)
         exchange.route = route
         tier = route.tier
-        self.metrics.count_decision(tier.name, route.reason, route.prefix_match)
+        self.metrics.count_decision(
+            tier.name, route.reason, route.prefix_match, route.prefix_source
+        )
+        if route.tokenizer_failed:
+            self.metrics.tokenizer_errors.labels(tier.name).inc()
         if route.spilled_from is not None:
             self.metrics.spillovers.labels(route.spilled_from, tier.name).inc()
 

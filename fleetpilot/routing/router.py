@@ -1,8 +1,15 @@
 """The router's decisions: which tier, which replica. No I/O.
 
 ``Router`` owns the mutable state the pure policies read - per-replica in-flight counts,
-scraped engine metrics, the prefix index and the ejection tracker - and runs the policies over
-it. The HTTP layer (``proxy``) calls ``decide`` and reports back successes and failures.
+scraped engine metrics, the KV index (what the engines' KV events say they cache), the guessed
+prefix index (what this router sent where) and the ejection tracker - and runs the policies over
+it. The HTTP layer (``proxy``) calls ``decide`` and reports back successes and failures; the
+app's ``KVEventsClient`` feeds ``kv_index`` and says which event streams are live.
+
+Which index judges a group's replicas: the KV index when the tier has a tokenizer and every
+replica of the group publishes live events (then N router processes, reading the same streams,
+score a prompt alike); otherwise the guessed index for the whole group, so one silent publisher
+never sets a truthful "nothing cached" against a guess of "cached".
 """
 
 from __future__ import annotations
@@ -10,8 +17,9 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from yarl import URL
 
@@ -19,7 +27,7 @@ from fleetpilot.api.router_config import RouterConfig, RouterTier
 from fleetpilot.api.spec import RoleName, ServingMode
 from fleetpilot.routing.discovery import Endpoint, EndpointSource
 from fleetpilot.routing.errors import NoReplicaError, OverloadedError, UnavailableError
-from fleetpilot.routing.features import RequestFeatures
+from fleetpilot.routing.features import Kind, RequestFeatures
 from fleetpilot.routing.policies.complexity import (
     DEFAULT_WEIGHTS,
     ComplexityWeights,
@@ -29,6 +37,7 @@ from fleetpilot.routing.policies.complexity import (
     resolve_target,
 )
 from fleetpilot.routing.policies.ejection import HealthTracker
+from fleetpilot.routing.policies.kv_index import KVIndex
 from fleetpilot.routing.policies.load import (
     EngineMetrics,
     LoadScorer,
@@ -43,10 +52,26 @@ from fleetpilot.routing.policies.picker import (
     WeightedScorer,
     pick,
 )
-from fleetpilot.routing.policies.prefix import PrefillCostScorer, PrefixIndex, block_hashes
+from fleetpilot.routing.policies.prefix import (
+    PrefillCostScorer,
+    PrefixIndex,
+    block_hashes,
+    matched_blocks,
+)
 from fleetpilot.routing.policies.types import Filter, PickRequest, ReplicaView
+from fleetpilot.routing.tokenize import TokenizerError
 
 log = logging.getLogger(__name__)
+
+
+class PromptKeys(Protocol):
+    """A tier model's tokenizer as the router uses it (``tokenize.RequestTokenizer``)."""
+
+    def keys(
+        self, kind: Kind, payload: Mapping[str, Any], block_size: int, lora_name: str | None = None
+    ) -> list[bytes]:
+        """The chained KV-index keys of the request's prompt; ``TokenizerError`` if it cannot."""
+        ...
 
 
 @dataclass(eq=False)
@@ -60,6 +85,11 @@ class ReplicaState:
     metrics: EngineMetrics | None = None
     scraped_at: float | None = None
     _urls: dict[str, URL] = field(default_factory=dict)
+    # The KV index's names of the replica's event streams (one per data-parallel rank).
+    kv_streams: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.kv_streams = tuple(self.endpoint.kv_streams())
 
     @property
     def id(self) -> str:
@@ -89,6 +119,12 @@ class Route:
     # Prompt blocks the prefilling replica (unified, or the P/D prefill one) is predicted not
     # to cache: the prefill work this request adds there until its first token.
     prefill_blocks: int = 0
+    # What judged the prefilling replica's cache: "events" (its engine's KV events) or
+    # "guessed" (this router's record of what it sent there).
+    prefix_source: str = "guessed"
+    # The tier has a tokenizer but this prompt could not be tokenized (counted by the proxy).
+    tokenizer_failed: bool = False
+    request: PickRequest = field(default_factory=PickRequest)
 
     @property
     def disaggregated(self) -> bool:
@@ -107,7 +143,11 @@ class Route:
         parts = [f"tier={self.tier.name}"]
         if addresses:
             parts.append(f"replica={(replica or self.replica).id}")
-        parts += [f"prefix-match={self.prefix_match:.2f}", f"reason={self.reason}"]
+        parts += [
+            f"prefix-match={self.prefix_match:.2f}",
+            f"prefix-source={self.prefix_source}",
+            f"reason={self.reason}",
+        ]
         if self.spilled_from is not None:
             parts.append(f"spilled-from={self.spilled_from}")
         if self.disaggregated:
@@ -137,12 +177,23 @@ class Router:
         clock: Callable[[], float] = time.monotonic,
         weights: ComplexityWeights = DEFAULT_WEIGHTS,
         on_eject: Callable[[ReplicaState], None] | None = None,
+        kv_index: KVIndex | None = None,
+        kv_live: Callable[[str], bool] | None = None,
+        on_replicas: Callable[[Mapping[str, ReplicaState]], None] | None = None,
     ) -> None:
         self.source = source
         self.rng = rng or random.Random()
         self.clock = clock
         self.weights = weights
         self.on_eject = on_eject
+        self.kv_index = kv_index if kv_index is not None else KVIndex()
+        # Whether an event stream is heard from now (the KV-events client's ``has_events``).
+        self.kv_live: Callable[[str], bool] = kv_live or (lambda _stream: False)
+        # Called with the new replica set whenever discovery changes it (the app follows it
+        # with its KV-event subscriptions).
+        self.on_replicas = on_replicas
+        # Per tier name, the tokenizer the app loaded for it; absent: guess from text.
+        self.tokenizers: dict[str, PromptKeys] = {}
         self._replicas: dict[str, ReplicaState] = {}
         self._groups: dict[tuple[str, str], list[ReplicaState]] = {}
         self._seen_version = -1
@@ -223,6 +274,8 @@ class Router:
         self._groups = groups
         self.prefix_index.retain(replicas)
         self.health.retain(set(replicas))
+        if self.on_replicas is not None:
+            self.on_replicas(replicas)
 
     def replicas(self) -> list[ReplicaState]:
         self.sync()
@@ -302,17 +355,22 @@ class Router:
             hashes = block_hashes(
                 features.prompt_text, tier.model, self.config.affinity.block_chars
             )
-        request = PickRequest(hashes)
+        keys = _KeysOnce(self, tier, features)
         if tier.mode is ServingMode.DISAGGREGATED:
-            decode = self._pick(tier, RoleName.DECODE, request, now, self._load_scorers)
+            # The decode role's events count too: a decode replica that already holds the
+            # prompt's blocks pulls fewer of them from the prefill replica.
+            decode_request = self._pick_request(tier, RoleName.DECODE, hashes, keys)
+            decode_scorers = self._affinity_scorers if decode_request.known else self._load_scorers
+            decode = self._pick(tier, RoleName.DECODE, decode_request, now, decode_scorers)
             if decode is None:  # tier_state said available; only a race could get here
                 raise UnavailableError("no decode replica available", reason="no_ready_replicas")
+            request = self._pick_request(tier, RoleName.PREFILL, hashes, keys)
             prefill = self._pick(tier, RoleName.PREFILL, request, now, self._affinity_scorers)
             prefill_state = None
-            matched = 0
+            matched = 0.0
             if prefill is not None:
                 prefill_state = self._replicas[prefill.replica.id]
-                matched = self.prefix_index.matched_blocks(prefill_state.id, hashes)
+                matched = matched_blocks(self.prefix_index, request, prefill_state.id)
                 self.prefix_index.record(prefill_state.id, hashes)
             return Route(
                 tier=tier,
@@ -323,13 +381,17 @@ class Router:
                 score=target.score,
                 spilled_from=spilled,
                 hashes=hashes,
-                prefill_blocks=len(hashes) - matched,
+                prefill_blocks=round(len(hashes) - matched),
+                prefix_source="events" if request.known else "guessed",
+                tokenizer_failed=keys.failed,
+                request=request,
             )
+        request = self._pick_request(tier, RoleName.UNIFIED, hashes, keys)
         chosen = self._pick(tier, RoleName.UNIFIED, request, now, self._affinity_scorers)
         if chosen is None:
             raise UnavailableError("no replica available", reason="no_ready_replicas")
         state = self._replicas[chosen.replica.id]
-        matched = self.prefix_index.matched_blocks(state.id, hashes)
+        matched = matched_blocks(self.prefix_index, request, state.id)
         self.prefix_index.record(state.id, hashes)
         return Route(
             tier=tier,
@@ -339,8 +401,42 @@ class Router:
             score=target.score,
             spilled_from=spilled,
             hashes=hashes,
-            prefill_blocks=len(hashes) - matched,
+            prefill_blocks=round(len(hashes) - matched),
+            prefix_source="events" if request.known else "guessed",
+            tokenizer_failed=keys.failed,
+            request=request,
         )
+
+    def _pick_request(
+        self, tier: RouterTier, role: RoleName, hashes: list[int], keys: _KeysOnce
+    ) -> PickRequest:
+        """What the pick knows of the prompt for one role's replicas: the KV index's matches
+        when every replica of the group publishes live events and the prompt could be
+        tokenized, else only the guessed index's hashes."""
+        group = self._groups.get((tier.name, role), ())
+        if not group or not hashes or self.config.affinity.weight <= 0:
+            return PickRequest(hashes)
+        streams = [s for r in group for s in r.kv_streams]
+        if not all(r.kv_streams for r in group) or not all(map(self.kv_live, streams)):
+            return PickRequest(hashes)
+        block_size = next(
+            (b for s in streams if (b := self.kv_index.block_size(s)) is not None), None
+        )
+        known = frozenset(r.id for r in group)
+        if block_size is None:  # no engine of the group has cached a block yet
+            return PickRequest(hashes, known) if keys.available else PickRequest(hashes)
+        chained = keys.get(block_size)
+        if chained is None:
+            return PickRequest(hashes)
+        if not chained:
+            return PickRequest(hashes, known)
+        held = self.kv_index.match_keys(chained)
+        cached = {}
+        for r in group:
+            blocks = max((held.get(s, 0) for s in r.kv_streams), default=0)
+            if blocks:
+                cached[r.id] = blocks / len(chained)
+        return PickRequest(hashes, known, cached)
 
     def _pick(
         self,
@@ -362,7 +458,7 @@ class Router:
         role = serving_role(route.tier)
         scorers = self._load_scorers if route.disaggregated else self._affinity_scorers
         chosen = self._pick(
-            route.tier, role, PickRequest(route.hashes), self.clock(), scorers, frozenset(exclude)
+            route.tier, role, route.request, self.clock(), scorers, frozenset(exclude)
         )
         if chosen is None:
             return None
@@ -397,3 +493,31 @@ class Router:
         if readmitted:
             log.info("replica readmitted", extra={"replica": replica_id})
         return readmitted
+
+
+class _KeysOnce:
+    """A request's KV-index keys, computed at most once per block size and only when some
+    group's events could use them (tokenizing costs more than the rest of a decision)."""
+
+    def __init__(self, router: Router, tier: RouterTier, features: RequestFeatures) -> None:
+        self.tokenizer = router.tokenizers.get(tier.name)
+        self.features = features
+        self.failed = False
+        self._keys: dict[int, list[bytes] | None] = {}
+
+    @property
+    def available(self) -> bool:
+        return self.tokenizer is not None and self.features.payload is not None
+
+    def get(self, block_size: int) -> list[bytes] | None:
+        """The keys, or None without a tokenizer or for a prompt it cannot tokenize."""
+        if block_size in self._keys:
+            return self._keys[block_size]
+        keys: list[bytes] | None = None
+        if self.tokenizer is not None and self.features.payload is not None:
+            try:
+                keys = self.tokenizer.keys(self.features.kind, self.features.payload, block_size)
+            except TokenizerError:
+                self.failed = True
+        self._keys[block_size] = keys
+        return keys

@@ -311,7 +311,11 @@ ROUTER_COMMAND = ("-m", "fleetpilot", "router")
 
 @contextlib.contextmanager
 def router_process(
-    config_path: Path, *, command: Sequence[str] = ROUTER_COMMAND, wait_s: float = 60.0
+    config_path: Path,
+    *,
+    command: Sequence[str] = ROUTER_COMMAND,
+    wait_s: float = 60.0,
+    extra: Sequence[str] = (),
 ) -> Iterator[tuple[subprocess.Popen[str], int]]:
     """The router as its own process on a free loopback port, once its /health answers 200;
     killed at the end if still running. Its stderr (the JSON log) is a pipe: read it with
@@ -321,7 +325,7 @@ def router_process(
         port = int(probe.getsockname()[1])
     proc = subprocess.Popen(
         [sys.executable, *command, "--config", str(config_path),
-         "--host", "127.0.0.1", "--port", str(port), "--discovery", "static"],
+         "--host", "127.0.0.1", "--port", str(port), "--discovery", "static", *extra],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

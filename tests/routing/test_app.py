@@ -658,7 +658,13 @@ async def test_the_route_header_names_no_replica_address_by_default() -> None:
         async with running_router(make_config([tier("only", 1.0, [engine])])) as router:
             status, _, headers = await post(router, SHORT)
             assert status == 200
-            assert set(route_of(headers)) == {"tier", "prefix-match", "reason", "score"}
+            assert set(route_of(headers)) == {
+                "tier",
+                "prefix-match",
+                "prefix-source",
+                "reason",
+                "score",
+            }
             assert engine.address not in headers["x-fleetpilot-route"]
             assert str(engine.port) not in headers["x-fleetpilot-route"]
         config = make_config([tier("only", 1.0, [engine])])

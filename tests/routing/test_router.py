@@ -8,11 +8,14 @@ import random
 import pytest
 
 from fleetpilot.api.router_config import EndpointGroup, RouterTier
+from fleetpilot.kv_events import BlockStored
 from fleetpilot.routing.discovery import StaticSource
 from fleetpilot.routing.errors import OverloadedError, UnavailableError
 from fleetpilot.routing.features import extract_features
 from fleetpilot.routing.policies.load import EngineMetrics
 from fleetpilot.routing.router import Router
+from fleetpilot.routing.tokenize import RequestTokenizer
+from fleetpilot.runtime.reference_argv import REFERENCE_TOKENIZER
 from tests.routing.support import make_config
 
 
@@ -138,3 +141,111 @@ def test_replica_state_survives_endpoint_changes_and_config_reloads() -> None:
     assert state.in_flight == 2
     assert router.replica("10.0.0.2:1") is None
     assert router.prefix_index.size("10.0.0.2:1") == 0
+
+
+# -- the KV index (engines' events) against the guessed one --------------------------------
+
+BS = 16
+
+
+class Live:
+    """Which event streams the router is told are heard from (the KV-events client's role)."""
+
+    def __init__(self, *streams: str) -> None:
+        self.streams = set(streams)
+
+    def __call__(self, stream: str) -> bool:
+        return stream in self.streams
+
+
+def kv_router(live: Live, *, kv: bool = True, data_parallel: int = 1) -> Router:
+    """Three unified replicas whose engines publish KV events, with the reference tokenizer."""
+    group = grp("unified", "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1", seqs=8)
+    if kv:
+        group = group.model_copy(
+            update={"kv_events_port": 5557, "kv_replay_port": 5559, "data_parallel": data_parallel}
+        )
+    config = make_config(
+        [RouterTier(name="small", model="sm", up_to=1.0, mode="unified", endpoints=[group],
+                    tokenizer=str(REFERENCE_TOKENIZER))]
+    )  # fmt: skip
+    router = Router(config, StaticSource(config), rng=random.Random(0), kv_live=live)
+    router.tokenizers["small"] = TOKENIZER
+    return router
+
+
+TOKENIZER = RequestTokenizer.from_dir(REFERENCE_TOKENIZER)
+
+
+CHAT = [
+    {"role": "system", "content": "You are the fleet's support desk. " * 12},
+    {"role": "user", "content": "where is my order?"},
+]
+
+
+def engine_caches(router: Router, stream: str, messages: list[dict[str, str]]) -> None:
+    """The engine behind ``stream`` reports it cached the prompt's full blocks."""
+    tokens = TOKENIZER.token_ids("chat", {"messages": messages})
+    full = len(tokens) // BS * BS
+    hashes = list(range(1000, 1000 + full // BS))
+    event = BlockStored(hashes, None, tokens[:full], BS, None, "GPU", None)
+    router.kv_index.apply(stream, [event])
+
+
+def test_the_engines_events_beat_the_routers_own_guess() -> None:
+    """The router sent this prompt to one replica (its guess says that one caches it), but
+    the engines' events say another holds it: the events decide, and the route says so."""
+    router = kv_router(Live())  # no stream heard from yet: the guess decides
+    features = extract_features({"messages": CHAT}, "chat")
+    guessed = router.decide(features)
+    assert guessed.prefix_source == "guessed"
+    holder = next(r.id for r in router.replicas() if r.id != guessed.replica.id)
+    engine_caches(router, holder, CHAT)
+    router.kv_live = Live(*(r.id for r in router.replicas()))
+    route = router.decide(features)
+    assert (route.replica.id, route.prefix_source) == (holder, "events")
+    assert route.prefix_match > 0.9
+    assert "prefix-source=events" in route.header()
+
+
+def test_one_silent_publisher_sends_the_whole_group_back_to_the_guess() -> None:
+    """Events speak for a group only when every replica's stream is live: a silent one's
+    truthful-looking 'nothing cached' must not be set against the others' truth."""
+    router = kv_router(Live("10.0.0.1:1", "10.0.0.2:1"))
+    engine_caches(router, "10.0.0.3:1", CHAT)
+    route = router.decide(extract_features({"messages": CHAT}, "chat"))
+    assert route.prefix_source == "guessed"
+
+
+def test_engines_without_events_or_a_tier_without_tokenizer_are_guessed() -> None:
+    """No KV-event ports in the config, or no tokenizer for the tier: the guessed index."""
+    features = extract_features({"messages": CHAT}, "chat")
+    no_ports = kv_router(Live("10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"), kv=False)
+    assert no_ports.decide(features).prefix_source == "guessed"
+    no_tokenizer = kv_router(Live("10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"))
+    no_tokenizer.tokenizers.clear()
+    assert no_tokenizer.decide(features).prefix_source == "guessed"
+
+
+def test_a_prompt_the_tokenizer_refuses_falls_back_and_is_flagged() -> None:
+    """A request the router cannot tokenize as the engine would (an image part: the router
+    matches text only) is routed on the guess, never failed, and the route carries the flag
+    the proxy counts."""
+    router = kv_router(Live("10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"))
+    engine_caches(router, "10.0.0.2:1", CHAT)  # the index knows a block size
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+    bad = [{"role": "user", "content": [{"type": "text", "text": "and this?"}, image]}]
+    route = router.decide(extract_features({"messages": [*CHAT, *bad]}, "chat"))
+    assert (route.prefix_source, route.tokenizer_failed) == ("guessed", True)
+    fine = router.decide(extract_features({"messages": CHAT}, "chat"))
+    assert (fine.prefix_source, fine.tokenizer_failed) == ("events", False)
+
+
+def test_a_data_parallel_replica_is_matched_on_any_ranks_blocks() -> None:
+    """vLLM publishes per data-parallel rank: blocks a replica's second rank holds count for
+    the replica."""
+    router = kv_router(Live(*(f"10.0.0.{i}:1{s}" for i in (1, 2, 3) for s in ("", "#dp1"))),
+                       data_parallel=2)  # fmt: skip
+    engine_caches(router, "10.0.0.3:1#dp1", CHAT)
+    route = router.decide(extract_features({"messages": CHAT}, "chat"))
+    assert (route.replica.id, route.prefix_source) == ("10.0.0.3:1", "events")

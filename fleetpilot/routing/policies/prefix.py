@@ -1,14 +1,16 @@
 """Prefix-cache affinity: chained block hashes of the prompt and a per-replica LRU index of the
-blocks sent to each replica. Purely computational.
+blocks sent to each replica (the *guessed* index), and the scorers that read it or, for replicas
+whose engines publish KV events, the truth (``PickRequest.known``). Purely computational.
 
 An engine with prefix caching (vLLM's automatic prefix caching) skips the prefill of every full
-KV block whose whole prefix it has seen before. The router cannot see the engine's cache, so it
-predicts it: it remembers, per replica, the prompt blocks it sent there, in an LRU the size of
-that replica's KV cache, and prefers the replica where the longest leading run of the new
-prompt's blocks is remembered.
+KV block whose whole prefix it has seen before. Where an engine publishes no KV events (or the
+router has no tokenizer for its model) the router cannot see its cache, so it predicts it: it
+remembers, per replica, the prompt blocks it sent there, in an LRU the size of that replica's KV
+cache, and prefers the replica where the longest leading run of the new prompt's blocks is
+remembered. That guess misses evictions, restarts and what other router replicas sent.
 
-Blocks are cut from the prompt *text* (characters, not tokens: the router has no tokenizer, and a
-fixed character count keeps the cut stable across requests sharing a prefix). Each block's hash
+Blocks are cut from the prompt *text* (characters, not tokens: the guess needs no tokenizer, and
+a fixed character count keeps the cut stable across requests sharing a prefix). Each block's hash
 covers the model name and every block before it, so a hit on block k means blocks 0..k match too,
 exactly like the engine's own block hashes.
 """
@@ -108,6 +110,14 @@ class PrefixIndex:
         return len(lru) if lru else 0
 
 
+def matched_blocks(index: PrefixIndex, request: PickRequest, replica_id: str) -> float:
+    """The leading blocks of the request's prompt (in ``hashes`` units) the replica caches:
+    by its engine's KV events when they speak for it, else by the guessed index."""
+    if replica_id in request.known:
+        return request.cached.get(replica_id, 0.0) * len(request.hashes)
+    return index.matched_blocks(replica_id, request.hashes)
+
+
 class PrefixScorer:
     """Scorer: the fraction of the prompt's blocks predicted to be cached on each replica."""
 
@@ -120,7 +130,7 @@ class PrefixScorer:
         total = len(request.hashes)
         if total == 0:
             return {v.id: 0.0 for v in replicas}
-        return {v.id: self.index.matched_blocks(v.id, request.hashes) / total for v in replicas}
+        return {v.id: matched_blocks(self.index, request, v.id) / total for v in replicas}
 
 
 class PrefillCostScorer:
@@ -146,7 +156,7 @@ class PrefillCostScorer:
     def score(self, request: PickRequest, replicas: Sequence[ReplicaView]) -> dict[str, float]:
         total = len(request.hashes)
         costs = {
-            v.id: v.pending_prefill + total - self.index.matched_blocks(v.id, request.hashes)
+            v.id: v.pending_prefill + total - matched_blocks(self.index, request, v.id)
             for v in replicas
         }
         best = min(costs.values(), default=0.0)

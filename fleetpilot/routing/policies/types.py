@@ -3,7 +3,7 @@ computational."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -39,6 +39,12 @@ class PickRequest:
     """What the replica plugins know about the request being placed."""
 
     hashes: Sequence[int] = field(default_factory=tuple)
+    # Replicas whose engines' KV events speak for them (the router tokenized the prompt and
+    # matched it in its KV index), each with the fraction of the prompt's blocks it holds
+    # (absent from ``cached``: none). Every other replica is judged by the guessed index on
+    # ``hashes``.
+    known: frozenset[str] = frozenset()
+    cached: Mapping[str, float] = field(default_factory=dict)
 
 
 class Filter(Protocol):
