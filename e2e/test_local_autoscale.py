@@ -43,10 +43,8 @@ PROMPT = "Summarize the following text in one sentence. " + "The quick brown fox
 
 
 def router_addresses(fleet: LocalFleet) -> list[str]:
-    config = yaml.safe_load(fleet.config_path.read_text())
-    return [
-        a for tier in config["tiers"] for group in tier["endpoints"] for a in group["addresses"]
-    ]
+    listed = yaml.safe_load(fleet.endpoints_path.read_text())["endpoints"]
+    return [e["address"] for e in listed]
 
 
 def load(url: str, stop: threading.Event, errors: list[str]) -> int:

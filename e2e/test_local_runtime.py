@@ -18,6 +18,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import yaml
 
 from e2e.support import free_port_range, route_fields
 from fleetpilot.api import load_services
@@ -70,15 +71,17 @@ def chat(client: openai.OpenAI, text: str, model: str = "local") -> str:
     return route_tier(raw.headers.get("x-fleetpilot-route"))
 
 
-def test_fleet_runs_every_tier_and_writes_static_addresses(fleet: LocalFleet) -> None:
-    """Every tier of the two-tier example runs one healthy engine, and the router's config
-    lists exactly their loopback addresses."""
+def test_fleet_runs_every_tier_and_writes_its_endpoints(fleet: LocalFleet) -> None:
+    """Every tier of the two-tier example runs one healthy engine, and the router's endpoints
+    file lists exactly their loopback addresses, each with KV-event ports of its own."""
     rows = fleet.status_rows()
     assert {(r.tier, r.role) for r in rows} == {("small", "unified"), ("large", "unified")}
     assert all(r.replicas == r.alive == r.healthy == 1 for r in rows)
-    config = fleet.router_config()
-    addresses = {t.name: t.endpoints[0].addresses for t in config.tiers}
+    listed = yaml.safe_load(fleet.endpoints_path.read_text())["endpoints"]
+    addresses = {e["tier"]: [e["address"]] for e in listed}
     assert addresses == {r.tier: [f"127.0.0.1:{p}" for p in r.ports] for r in rows}
+    kv_ports = [p for e in listed for p in (e["kvEventsPort"], e["kvReplayPort"])]
+    assert len(set(kv_ports)) == 2 * len(listed)
     assert fleet.config_path.is_file()
     assert fleet.endpoint == f"http://127.0.0.1:{fleet.router_port}/v1"
 
@@ -144,7 +147,7 @@ def test_a_killed_engine_is_restarted_and_the_fleet_keeps_serving(
 def test_a_taken_port_is_refused_before_anything_starts(tmp_path: Path) -> None:
     """A taken port of the fleet is refused by name before any process starts."""
     (service,) = load_services(EXAMPLE)
-    base = free_port_range(3)
+    base = free_port_range(7)  # router, 2 engines, their KV-event ports
     with socket.socket() as blocker:
         blocker.bind(("127.0.0.1", base + 1))
         blocker.listen()
@@ -176,7 +179,7 @@ def up_argv(*args: str) -> list[str]:
 def test_up_serves_for_its_duration_then_stops_everything(tmp_path: Path) -> None:
     """``fleetpilot up --duration`` serves the example on its ports for the duration, then
     stops every process it started."""
-    base = free_port_range(3)
+    base = free_port_range(7)  # router, 2 engines, their KV-event ports
     started = time.monotonic()
     result = subprocess.run(
         up_argv("--duration", "8", "--port", str(base), "--workdir", str(tmp_path)),
@@ -190,14 +193,14 @@ def test_up_serves_for_its_duration_then_stops_everything(tmp_path: Path) -> Non
     assert "small" in result.stdout
     assert "large" in result.stdout
     assert time.monotonic() - started >= 8
-    assert not any(port_in_use(base + i) for i in range(3))
+    assert not any(port_in_use(base + i) for i in range(7))
     assert processes_mentioning(str(tmp_path / "router.yaml")) == []
     assert (tmp_path / "router.yaml").is_file()
 
 
 def test_up_stops_everything_on_sigterm(tmp_path: Path) -> None:
     """``fleetpilot up`` stopped with SIGTERM (a container stop) stops everything, exits 0."""
-    base = free_port_range(3)
+    base = free_port_range(7)  # router, 2 engines, their KV-event ports
     process = subprocess.Popen(
         up_argv("--port", str(base), "--workdir", str(tmp_path)),
         stdout=subprocess.PIPE,
@@ -218,7 +221,7 @@ def test_up_stops_everything_on_sigterm(tmp_path: Path) -> None:
             process.communicate()
     assert process.returncode == 0, err
     assert "stopped" in out
-    assert not any(port_in_use(base + i) for i in range(3))
+    assert not any(port_in_use(base + i) for i in range(7))
     assert processes_mentioning(str(tmp_path / "router.yaml")) == []
 
 

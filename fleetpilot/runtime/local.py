@@ -3,9 +3,11 @@
 The same planner code decides what runs (tiers, roles, initial replicas, each role's engine
 launch, the router's config); only the realization differs from Kubernetes: each engine
 replica is a CPU reference-engine process with a tiny random model, started from its role's
-launch (:mod:`fleetpilot.runtime.reference_argv` says what of it a CPU keeps), and the router
-finds them through static addresses written into its config file. GPU, image and resource
-settings of the service are ignored.
+launch (:mod:`fleetpilot.runtime.reference_argv` says what of it a CPU keeps), publishing its
+KV events on two ports of its own, and the router finds them through an endpoints file
+(address and KV-event ports of every serving engine) beside its config file, and tokenizes with
+the reference engine's shipped tokenizer to read those events. GPU, image and resource settings
+of the service are ignored.
 """
 
 from __future__ import annotations
@@ -31,9 +33,14 @@ from fleetpilot.runtime.processes import (
     port_in_use,
     require_free_ports,
 )
-from fleetpilot.runtime.reference_argv import CPU_MAX_NUM_SEQS, reference_argv
+from fleetpilot.runtime.reference_argv import (
+    CPU_MAX_NUM_SEQS,
+    REFERENCE_TOKENIZER,
+    reference_argv,
+)
 
 HOST = "127.0.0.1"
+ENDPOINTS_FILE = "endpoints.yaml"
 # A CPU runs a handful of engines at most: more replicas than this per role are not started.
 DEFAULT_MAX_REPLICAS_PER_ROLE = 2
 
@@ -51,6 +58,8 @@ class Replica:
     # In the router's config: set once the engine answered /health, so the router never
     # sends a request to an engine still loading (a scaled-up replica starts unlisted).
     serving: bool = False
+    # The KV-event publisher and replay ports; None: the engine publishes no events.
+    kv_ports: tuple[int, int] | None = None
 
     @property
     def name(self) -> str:
@@ -74,10 +83,18 @@ class StatusRow:
     ports: list[int] = field(default_factory=list)
 
 
-def engine_argv(role: ResolvedRole, port: int, python: str = sys.executable) -> list[str]:
+def engine_argv(
+    role: ResolvedRole,
+    port: int,
+    python: str = sys.executable,
+    kv_ports: tuple[int, int] | None = None,
+) -> list[str]:
     """The reference-engine command line for one replica of ``role`` on a CPU: the planner's
-    launch of the role (what a pod runs), on this host and port (see reference_argv)."""
-    return reference_argv(replace(launch_for(role), port=port), HOST, python)
+    launch of the role (what a pod runs), on this host and port, publishing KV events on
+    ``kv_ports`` (publisher, replay) if given (see reference_argv)."""
+    events, replay = kv_ports if kv_ports is not None else (None, None)
+    launch = replace(launch_for(role), port=port, kv_events_port=events, kv_replay_port=replay)
+    return reference_argv(launch, HOST, python)
 
 
 def _log_name(name: str) -> str:
@@ -120,13 +137,22 @@ class LocalFleet:
         self.supervisor = Supervisor(workdir / "logs")
         self.replicas: list[Replica] = []
         port = base_port
+        planned: list[tuple[ResolvedRole, int, int]] = []
         for tier in service.spec.tiers:
             for role in tier.roles():
                 count = min(role.replicas.start, max_replicas_per_role)
                 for i in range(count):
                     port = next_port(port)
-                    argv = engine_argv(role, port, python)
-                    self.replicas.append(Replica(tier.name, role.name, i, port, argv))
+                    planned.append((role, i, port))
+        # KV-event ports after every engine's HTTP port, so those stay consecutive.
+        for role, i, engine_port in planned:
+            port = next_port(port)
+            kv_ports = (port, next_port(port))
+            port = kv_ports[1]
+            argv = engine_argv(role, engine_port, python, kv_ports)
+            self.replicas.append(
+                Replica(role.tier.name, role.name, i, engine_port, argv, kv_ports=kv_ports)
+            )
         self.router: Child | None = None
 
     @property
@@ -138,31 +164,59 @@ class LocalFleet:
     def config_path(self) -> Path:
         return self.workdir / ROUTER_CONFIG_FILE
 
+    @property
+    def endpoints_path(self) -> Path:
+        return self.workdir / ENDPOINTS_FILE
+
     def ports(self) -> dict[str, int]:
         """Every port the fleet listens on, by what listens there."""
-        return {"router": self.router_port, **{r.name: r.port for r in self.replicas}}
+        ports = {"router": self.router_port}
+        for r in self.replicas:
+            ports[r.name] = r.port
+            if r.kv_ports is not None:
+                ports[f"{r.name} kv-events"], ports[f"{r.name} kv-replay"] = r.kv_ports
+        return ports
 
     def router_config(self) -> RouterConfig:
-        """The planner's router config with each group's static engine addresses."""
+        """The planner's router config for this machine: the CPU batch limit, the reference
+        engine's tokenizer, and no addresses (the endpoints file lists them)."""
         config = router_config(self.service)
         tiers = []
         for tier in config.tiers:
             groups = [
                 group.model_copy(
                     update={
-                        "addresses": [
-                            r.address
-                            for r in self.replicas
-                            if r.tier == tier.name and r.role == group.role and r.serving
-                        ],
                         # The engines run with the CPU batch limit: saturation comes sooner.
                         "max_num_seqs": min(group.max_num_seqs, CPU_MAX_NUM_SEQS),
+                        # Each local engine has KV-event ports of its own (the endpoints file).
+                        "kv_events_port": None,
+                        "kv_replay_port": None,
+                        "data_parallel": 1,
                     }
                 )
                 for group in tier.endpoints
             ]
-            tiers.append(tier.model_copy(update={"endpoints": groups}))
+            tiers.append(
+                tier.model_copy(update={"endpoints": groups, "tokenizer": str(REFERENCE_TOKENIZER)})
+            )
         return config.model_copy(update={"port": self.router_port, "tiers": tiers})
+
+    def endpoints(self) -> dict[str, list[dict[str, object]]]:
+        """The router's endpoints file: every serving engine's address and KV-event ports."""
+        listed: list[dict[str, object]] = []
+        for r in self.replicas:
+            if not r.serving:
+                continue
+            item: dict[str, object] = {
+                "tier": r.tier,
+                "role": r.role.value,
+                "address": r.address,
+                "name": r.name,
+            }
+            if r.kv_ports is not None:
+                item["kvEventsPort"], item["kvReplayPort"] = r.kv_ports
+            listed.append(item)
+        return {"endpoints": listed}
 
     def start(self) -> None:
         """Start engines, wait for them, then the router; on any failure stop what started.
@@ -188,6 +242,7 @@ class LocalFleet:
                 *(self.python, "-m", "fleetpilot", "router"),
                 *("--config", str(self.config_path), "--host", HOST),
                 *("--port", str(self.router_port), "--discovery", "static"),
+                *("--endpoints-file", str(self.endpoints_path)),
                 *("--log-format", "plain", "--log-level", "warning"),
                 # A local fleet's addresses are loopback ports its user can see anyway; the
                 # demo and e2e tests read which replica served from the route header.
@@ -221,19 +276,14 @@ class LocalFleet:
         return reports
 
     def write_router_config(self) -> None:
-        """Write the router's config atomically: the router polls the file and must never
-        read it half-written (a temporary file in the same directory, then a rename)."""
+        """Write the router's config and endpoints file, each atomically: the router polls
+        them and must never read one half-written (a temporary file in the same directory,
+        then a rename)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        text = yaml.safe_dump(self.router_config().to_wire(), sort_keys=False)
-        fd, tmp = tempfile.mkstemp(prefix=".router-", suffix=".yaml", dir=self.workdir)
-        try:
-            with os.fdopen(fd, "w") as out:
-                out.write(text)
-            os.replace(tmp, self.config_path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        _write_atomic(
+            self.config_path, yaml.safe_dump(self.router_config().to_wire(), sort_keys=False)
+        )
+        _write_atomic(self.endpoints_path, yaml.safe_dump(self.endpoints(), sort_keys=False))
 
     def role_replicas(self, tier: str, role: str) -> list[Replica]:
         """The replicas of one role, oldest first."""
@@ -253,12 +303,10 @@ class LocalFleet:
         if resolved is None:
             raise KeyError(f"no role {role!r} in tier {tier!r}")
         taken = set(self.ports().values())
-        port = free_port(HOST)
-        while port in taken or port_in_use(port, HOST):
-            port = free_port(HOST)
+        port, events, replay = (self._free_port(taken) for _ in range(3))
         index = max((r.index for r in self.role_replicas(tier, role)), default=-1) + 1
-        argv = engine_argv(resolved, port, self.python)
-        replica = Replica(tier, resolved.name, index, port, argv)
+        argv = engine_argv(resolved, port, self.python, (events, replay))
+        replica = Replica(tier, resolved.name, index, port, argv, kv_ports=(events, replay))
         replica.child = self.supervisor.start(
             _log_name(replica.name),
             replica.argv,
@@ -267,6 +315,15 @@ class LocalFleet:
         )
         self.replicas.append(replica)
         return replica
+
+    @staticmethod
+    def _free_port(taken: set[int]) -> int:
+        """A free loopback port not in ``taken`` (which it joins)."""
+        port = free_port(HOST)
+        while port in taken or port_in_use(port, HOST):
+            port = free_port(HOST)
+        taken.add(port)
+        return port
 
     def remove_replica(self, tier: str, role: str, grace_s: float = 5.0) -> Replica | None:
         """Stop the newest engine of a role (the one with the least warm cache); None if the
@@ -346,3 +403,15 @@ __all__ = [
     "StatusRow",
     "engine_argv",
 ]
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=path.suffix, dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

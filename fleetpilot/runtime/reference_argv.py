@@ -6,8 +6,9 @@ value that becomes ``vllm serve`` in an engine pod, and this module is the one t
 it into ``fleetpilot engine --backend reference`` flags (those of
 :mod:`fleetpilot.engine.reference.settings`). Purely computational.
 
-From the launch: the served name, the port, the batch limit, the context length and, for a
-role of a disaggregated tier, the KV connector and the ``kv_role`` the planner gives vLLM for
+From the launch: the served name, the port, the batch limit, the context length, the KV-event
+publisher and replay sockets (on the host, at the launch's ports) and, for a role of a
+disaggregated tier, the KV connector and the ``kv_role`` the planner gives vLLM for
 it (``kv_both`` with NIXL: the reference engine then takes both sides of the hand-off, as a
 vLLM pod does, and the router's request parameters say which side each request is).
 
@@ -27,8 +28,10 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
-from fleetpilot.engine.vllm_args import EngineLaunch, kv_transfer_config
+import fleetpilot
+from fleetpilot.engine.vllm_args import EngineLaunch, kv_events_json, kv_transfer_config
 
 # The reference engine's smallest model preset: several engines fit on a CPU at once.
 CPU_MODEL_CONFIG = "tiny"
@@ -36,6 +39,10 @@ CPU_MAX_NUM_SEQS = 16
 CPU_MAX_MODEL_LEN = 2048
 # Seconds running requests may finish on SIGTERM: short, as the local fleet's stops are waited on.
 CPU_DRAIN_GRACE_S = 2
+# The reference engine's tokenizer files as shipped (hf_tokenizer.SHIPPED), located without
+# importing the engine package (which loads torch): the router of a local fleet tokenizes with
+# them to match requests against the engines' KV events.
+REFERENCE_TOKENIZER = Path(fleetpilot.__file__).resolve().parent / "engine/reference/tokenizer"
 
 
 def reference_argv(launch: EngineLaunch, host: str, python: str = sys.executable) -> list[str]:
@@ -60,6 +67,9 @@ def reference_argv(launch: EngineLaunch, host: str, python: str = sys.executable
         # Every engine of the fleet listens on the host: KV moves only between them (engines
         # started later by the autoscaler take new ports, so the host, not host:port).
         argv += ["--allowed-remote-hosts", host]
+    events = kv_events_json(launch, host)  # the planner's config, on this host's ports
+    if events is not None:
+        argv += ["--kv-events-config", events]
     return argv
 
 
@@ -68,5 +78,6 @@ __all__ = [
     "CPU_MAX_MODEL_LEN",
     "CPU_MAX_NUM_SEQS",
     "CPU_MODEL_CONFIG",
+    "REFERENCE_TOKENIZER",
     "reference_argv",
 ]

@@ -16,11 +16,17 @@ import pytest
 from fleetpilot.api import InferenceService, ResolvedRole, RoleName, parse_service
 from fleetpilot.engine.reference import settings
 from fleetpilot.engine.vllm_args import launch_for
-from fleetpilot.runtime.reference_argv import reference_argv
+from fleetpilot.runtime.reference_argv import REFERENCE_TOKENIZER, reference_argv
 from tests.factories import make_manifest, make_tier
 
 HOST = "127.0.0.1"
 PREAMBLE = ["py", "-m", "fleetpilot", "engine", "--backend", "reference"]
+# The planner's KV-event ports (vLLM's defaults), on the local host.
+EVENTS = [
+    "--kv-events-config",
+    '{"enable_kv_cache_events":true,"endpoint":"tcp://127.0.0.1:5557","publisher":"zmq",'
+    '"replay_endpoint":"tcp://127.0.0.1:5558","topic":""}',
+]
 
 
 def service_of(*tiers: dict[str, object]) -> InferenceService:
@@ -62,6 +68,7 @@ def test_a_unified_launch_within_the_cpu_caps_keeps_its_own_settings() -> None:
         "--max-model-len", "512",
         "--drain-grace-seconds", "2",
         "--log-format", "plain",
+        *EVENTS,
     ]  # fmt: skip
 
 
@@ -109,6 +116,7 @@ def test_a_nixl_role_takes_both_sides_as_the_planner_says(role: RoleName) -> Non
         "--kv-transfer-config",
         '{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_ip":"127.0.0.1"}',
         "--allowed-remote-hosts", HOST,
+        *EVENTS,
     ]  # fmt: skip
     kv = parsed(argv).kv
     assert kv.role == settings.BOTH
@@ -142,3 +150,25 @@ def test_a_unified_launch_parses_as_a_unified_engine() -> None:
     assert server_settings.port == 9001
     assert server_settings.drain_grace_s == 2.0
     assert "--kv-transfer-config" not in argv_of(role_of(service_of(make_tier()), RoleName.UNIFIED))
+
+
+def test_the_engine_publishes_kv_events_where_the_launch_says() -> None:
+    """The planner's KV-event ports reach the reference engine as a publisher and a replay
+    socket on the local host; a launch without them publishes nothing."""
+    role = role_of(service_of(make_tier()), RoleName.UNIFIED)
+    launch = replace(launch_for(role), port=9001, kv_events_port=7001, kv_replay_port=7002)
+    events = parsed(reference_argv(launch, HOST, "py")).kv_events
+    assert (events.active, events.endpoint, events.replay_endpoint) == (
+        True, "tcp://127.0.0.1:7001", "tcp://127.0.0.1:7002")  # fmt: skip
+    quiet = replace(launch, kv_events_port=None, kv_replay_port=None)
+    assert "--kv-events-config" not in reference_argv(quiet, HOST, "py")
+    assert not parsed(reference_argv(quiet, HOST, "py")).kv_events.active
+
+
+def test_the_local_router_finds_the_engines_shipped_tokenizer() -> None:
+    """The runtime locates the reference engine's tokenizer files without importing the
+    engine: the path is the one the engine ships."""
+    from fleetpilot.engine.reference.hf_tokenizer import SHIPPED
+
+    assert REFERENCE_TOKENIZER == SHIPPED
+    assert (REFERENCE_TOKENIZER / "tokenizer.json").is_file()
