@@ -59,6 +59,15 @@ class EndpointGroup(ApiModel):
     data_parallel: int = Field(
         1, ge=1, le=64, description="Data-parallel ranks behind one endpoint (one stream each)."
     )
+    block_size: int = Field(
+        16,
+        ge=1,
+        le=1024,
+        description=(
+            "The engines' KV block size in tokens, until their events report one: what the "
+            "router cuts a prompt into to match it against the KV index."
+        ),
+    )
 
 
 class RouterTier(ApiModel):

@@ -102,6 +102,7 @@ def router_config(service: InferenceService) -> RouterConfig:
                     kv_events_port=launch.kv_events_port,
                     kv_replay_port=launch.kv_replay_port,
                     data_parallel=launch.data,
+                    block_size=tier.engine.kv_cache.block_size,
                 )
             )
         tiers.append(

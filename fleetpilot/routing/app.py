@@ -24,7 +24,13 @@ from fleetpilot.argtypes import port_number
 from fleetpilot.httpserver import run_app
 from fleetpilot.logs import add_log_arguments, configure_logging
 from fleetpilot.routing.config import ConfigError, ConfigWatcher, load_config
-from fleetpilot.routing.discovery import EndpointSource, KubeSliceClient, SliceClient, build_source
+from fleetpilot.routing.discovery import (
+    EndpointSource,
+    KubeSliceClient,
+    SliceClient,
+    build_source,
+    replica_of_stream,
+)
 from fleetpilot.routing.errors import (
     InvalidRequestError,
     RouterError,
@@ -168,7 +174,13 @@ class RouterApp:
         self.proxy = Proxy(
             self.router, self.metrics, self.session, debug_route_header=self.debug_route_header
         )
-        self.kv_events = KVEventsClient(self.kv_index, self.metrics)
+        self.kv_events = KVEventsClient(
+            self.kv_index,
+            self.metrics,
+            on_stored=lambda stream, keys: self.router.recent.confirm(
+                replica_of_stream(stream), keys
+            ),
+        )
         await self.source.start()
         self.router.sync()
         self._follow_replicas({r.id: r for r in self.router.replicas()})

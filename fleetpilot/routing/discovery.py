@@ -52,6 +52,11 @@ def kv_stream_id(replica_id: str, rank: int) -> str:
     return replica_id if rank == 0 else f"{replica_id}#dp{rank}"
 
 
+def replica_of_stream(stream: str) -> str:
+    """The replica a ``kv_stream_id`` belongs to."""
+    return stream.partition("#dp")[0]
+
+
 @dataclass(frozen=True, slots=True)
 class Endpoint:
     """One engine replica (one pod, or one process of the local runtime)."""

@@ -264,8 +264,11 @@ class KVEventsClient:
         max_payload_bytes: int = MAX_PAYLOAD_BYTES,
         topic: str = "",
         clock: Callable[[], float] = time.monotonic,
+        on_stored: Callable[[str, list[bytes]], None] | None = None,
     ) -> None:
         self.index = index
+        # Told, per stream, the content keys of the blocks each batch stored.
+        self.on_stored = on_stored
         self.metrics = metrics
         self.silence_s = silence_s
         # Three probes fit in the silence bound, so one lost probe never marks a live
@@ -355,6 +358,8 @@ class KVEventsClient:
             self.count(replica, "malformed")
             return
         applied = self.index.apply(replica, batch.events)
+        if applied.stored and self.on_stored is not None:
+            self.on_stored(replica, applied.stored)
         self.metrics.kv_events.labels(replica).inc(applied.events)
         if applied.unknown_parent_blocks:
             self.count(replica, "unknown_parent", applied.unknown_parent_blocks)

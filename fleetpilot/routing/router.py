@@ -58,6 +58,7 @@ from fleetpilot.routing.policies.prefix import (
     block_hashes,
     matched_blocks,
 )
+from fleetpilot.routing.policies.recent import RecentSends
 from fleetpilot.routing.policies.types import Filter, PickRequest, ReplicaView
 from fleetpilot.routing.tokenize import TokenizerError
 
@@ -194,6 +195,7 @@ class Router:
         self.on_replicas = on_replicas
         # Per tier name, the tokenizer the app loaded for it; absent: guess from text.
         self.tokenizers: dict[str, PromptKeys] = {}
+        self.recent = RecentSends()
         self._replicas: dict[str, ReplicaState] = {}
         self._groups: dict[tuple[str, str], list[ReplicaState]] = {}
         self._seen_version = -1
@@ -235,6 +237,9 @@ class Router:
         self._max_seqs: dict[tuple[str, str], int] = {
             (t.name, g.role): g.max_num_seqs for t in config.tiers for g in t.endpoints
         }
+        self._block_sizes: dict[tuple[str, str], int] = {
+            (t.name, g.role): g.block_size for t in config.tiers for g in t.endpoints
+        }
         self.source.configure(config)
         self._seen_version = -1
         self.sync()
@@ -273,6 +278,7 @@ class Router:
         self._replicas = replicas
         self._groups = groups
         self.prefix_index.retain(replicas)
+        self.recent.retain(replicas)
         self.health.retain(set(replicas))
         if self.on_replicas is not None:
             self.on_replicas(replicas)
@@ -359,12 +365,15 @@ class Router:
         if tier.mode is ServingMode.DISAGGREGATED:
             # The decode role's events count too: a decode replica that already holds the
             # prompt's blocks pulls fewer of them from the prefill replica.
-            decode_request = self._pick_request(tier, RoleName.DECODE, hashes, keys)
+            decode_request, decode_keys = self._pick_request(
+                tier, RoleName.DECODE, hashes, keys, now
+            )
             decode_scorers = self._affinity_scorers if decode_request.known else self._load_scorers
             decode = self._pick(tier, RoleName.DECODE, decode_request, now, decode_scorers)
             if decode is None:  # tier_state said available; only a race could get here
                 raise UnavailableError("no decode replica available", reason="no_ready_replicas")
-            request = self._pick_request(tier, RoleName.PREFILL, hashes, keys)
+            self.recent.record(decode.replica.id, decode_keys, now)
+            request, chained = self._pick_request(tier, RoleName.PREFILL, hashes, keys, now)
             prefill = self._pick(tier, RoleName.PREFILL, request, now, self._affinity_scorers)
             prefill_state = None
             matched = 0.0
@@ -372,6 +381,7 @@ class Router:
                 prefill_state = self._replicas[prefill.replica.id]
                 matched = matched_blocks(self.prefix_index, request, prefill_state.id)
                 self.prefix_index.record(prefill_state.id, hashes)
+                self.recent.record(prefill_state.id, chained, now)
             return Route(
                 tier=tier,
                 reason=choice.reason,
@@ -386,13 +396,14 @@ class Router:
                 tokenizer_failed=keys.failed,
                 request=request,
             )
-        request = self._pick_request(tier, RoleName.UNIFIED, hashes, keys)
+        request, chained = self._pick_request(tier, RoleName.UNIFIED, hashes, keys, now)
         chosen = self._pick(tier, RoleName.UNIFIED, request, now, self._affinity_scorers)
         if chosen is None:
             raise UnavailableError("no replica available", reason="no_ready_replicas")
         state = self._replicas[chosen.replica.id]
         matched = matched_blocks(self.prefix_index, request, state.id)
         self.prefix_index.record(state.id, hashes)
+        self.recent.record(state.id, chained, now)
         return Route(
             tier=tier,
             reason=choice.reason,
@@ -408,35 +419,38 @@ class Router:
         )
 
     def _pick_request(
-        self, tier: RouterTier, role: RoleName, hashes: list[int], keys: _KeysOnce
-    ) -> PickRequest:
-        """What the pick knows of the prompt for one role's replicas: the KV index's matches
+        self, tier: RouterTier, role: RoleName, hashes: list[int], keys: _KeysOnce, now: float
+    ) -> tuple[PickRequest, list[bytes]]:
+        """What the pick knows of the prompt for one role's replicas, and the prompt's KV-index
+        keys (empty when not computed): the KV index's matches - or, where longer, what this
+        router sent there in the last moments, which the events cannot have reported yet -
         when every replica of the group publishes live events and the prompt could be
-        tokenized, else only the guessed index's hashes."""
+        tokenized; else only the guessed index's hashes."""
         group = self._groups.get((tier.name, role), ())
         if not group or not hashes or self.config.affinity.weight <= 0:
-            return PickRequest(hashes)
+            return PickRequest(hashes), []
         streams = [s for r in group for s in r.kv_streams]
         if not all(r.kv_streams for r in group) or not all(map(self.kv_live, streams)):
-            return PickRequest(hashes)
+            return PickRequest(hashes), []
+        # The engines' block size once they reported one, the planned one before.
         block_size = next(
-            (b for s in streams if (b := self.kv_index.block_size(s)) is not None), None
+            (b for s in streams if (b := self.kv_index.block_size(s)) is not None),
+            self._block_sizes[(tier.name, role)],
         )
-        known = frozenset(r.id for r in group)
-        if block_size is None:  # no engine of the group has cached a block yet
-            return PickRequest(hashes, known) if keys.available else PickRequest(hashes)
         chained = keys.get(block_size)
         if chained is None:
-            return PickRequest(hashes)
+            return PickRequest(hashes), []
+        known = frozenset(r.id for r in group)
         if not chained:
-            return PickRequest(hashes, known)
+            return PickRequest(hashes, known), []
         held = self.kv_index.match_keys(chained)
         cached = {}
         for r in group:
             blocks = max((held.get(s, 0) for s in r.kv_streams), default=0)
+            blocks = max(blocks, self.recent.matched(r.id, chained, now))
             if blocks:
                 cached[r.id] = blocks / len(chained)
-        return PickRequest(hashes, known, cached)
+        return PickRequest(hashes, known, cached), chained
 
     def _pick(
         self,
@@ -504,10 +518,6 @@ class _KeysOnce:
         self.features = features
         self.failed = False
         self._keys: dict[int, list[bytes] | None] = {}
-
-    @property
-    def available(self) -> bool:
-        return self.tokenizer is not None and self.features.payload is not None
 
     def get(self, block_size: int) -> list[bytes] | None:
         """The keys, or None without a tokenizer or for a prompt it cannot tokenize."""

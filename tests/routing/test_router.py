@@ -249,3 +249,20 @@ def test_a_data_parallel_replica_is_matched_on_any_ranks_blocks() -> None:
     engine_caches(router, "10.0.0.3:1#dp1", CHAT)
     route = router.decide(extract_features({"messages": CHAT}, "chat"))
     assert (route.replica.id, route.prefix_source) == ("10.0.0.3:1", "events")
+
+
+def test_a_second_request_follows_the_first_before_the_engine_reports_it() -> None:
+    """The engine reports a prompt's blocks only after its prefill: a tenant's next request
+    in that window goes where the first one was sent, not where nothing is cached yet - and
+    once the engine has reported the blocks, its events alone speak (here: evicted)."""
+    router = kv_router(Live("10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"))
+    features = extract_features({"messages": CHAT}, "chat")
+    first = router.decide(features)
+    first.replica.in_flight = 2  # busier than the others: load alone would go elsewhere
+    second = router.decide(features)
+    assert (second.replica.id, second.prefix_source) == (first.replica.id, "events")
+    assert second.prefix_match > 0.9
+    keys = TOKENIZER.keys("chat", {"messages": CHAT}, BS)
+    router.recent.confirm(first.replica.id, keys)  # stored, then evicted: the index is empty
+    third = router.decide(features)
+    assert third.prefix_match == 0.0

@@ -134,6 +134,9 @@ class Applied:
     # the subscription, or the parent evicted by the LRU): their content cannot be chained.
     unknown_parent_blocks: int = 0
     invalid_events: int = 0  # inconsistent BlockStored (token count, block size, token range)
+    # The content keys of the blocks the batch stored (the router stops treating them as
+    # merely sent: the engine has spoken for them).
+    stored: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -255,7 +258,7 @@ class KVIndex:
             applied.events += 1
             if isinstance(event, BlockStored):
                 try:
-                    applied.unknown_parent_blocks += self.store(replica, event)
+                    applied.unknown_parent_blocks += self.store(replica, event, applied.stored)
                 except ValueError:
                     applied.invalid_events += 1
             elif isinstance(event, BlockRemoved):
@@ -264,9 +267,10 @@ class KVIndex:
                 self.clear(replica)
         return applied
 
-    def store(self, replica: str, event: BlockStored) -> int:
-        """Index the event's blocks for ``replica``; returns how many were skipped for an
-        unknown parent. Raises ``ValueError`` for an inconsistent event (nothing applied)."""
+    def store(self, replica: str, event: BlockStored, stored: list[bytes] | None = None) -> int:
+        """Index the event's blocks for ``replica`` (their keys appended to ``stored``);
+        returns how many were skipped for an unknown parent. Raises ``ValueError`` for an
+        inconsistent event (nothing applied)."""
         if event.medium not in (None, MEDIUM_GPU):
             self.stats.other_medium_events += 1
             return 0
@@ -285,6 +289,8 @@ class KVIndex:
                 return count
             parent = known
         keys = chain_keys(event.token_ids, event.block_size, event.lora_name, parent=parent)
+        if stored is not None:
+            stored += keys
         rep.block_size = event.block_size
         for engine_hash, key in zip(reversed(event.block_hashes), reversed(keys), strict=True):
             self._bind(rep, engine_hash, key)
