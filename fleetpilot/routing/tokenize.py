@@ -51,8 +51,13 @@ pre-tokenizer treats differently). For a tokenizer whose model is character by c
 without merges, no normalizer, ByteLevel without a prefix space: the reference engine's byte
 tokenizer) any point outside an added token's text is such a cut. The cache maps a prefix of
 the text that ends at a cut to its ids and chained keys; a request encodes only what follows
-the longest cached prefix and chains its keys from the cached last key. A tokenizer offering no
-safe cut is encoded whole every time. The property is tested on the shipped byte tokenizer and
+the longest cached prefix and chains its keys from the cached last key. Each chat request leaves
+two prefixes: up to its final message (a retry or branch finds it; from scratch it may be a
+shared system prompt) and the whole prompt (its next turn extends it, the reply and the new
+message being new); :meth:`RequestTokenizer.remember_reply`, given the reply the router saw on
+its way back, leaves the next turn only its new message. A conversation's newer entries replace
+its older ones, so it holds a few entries, not one per turn. A tokenizer offering no safe cut
+is encoded whole every time. The property is tested on the shipped byte tokenizer and
 on trained BPE tokenizers (ByteLevel and Metaspace) in ``tests/routing/test_tokenize.py``.
 """
 
@@ -62,7 +67,7 @@ import json
 import re
 import threading
 from array import array
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from copy import deepcopy
@@ -89,13 +94,14 @@ TEMPLATE_FILE = "chat_template.jinja"
 Kind = Literal["completions", "chat"]
 ContentFormat = Literal["auto", "string", "openai"]
 
-# The most characters tokenized for one request. MAX_MATCH_BLOCKS blocks of 16 tokens are 128k
-# tokens, ~512k characters at the ~4 characters a token of BPE vocabularies on English, so a
-# longer prompt has no key the index could use beyond its first 512k characters. Measured
-# (bench/router_tokenize.py) at ~0.2-0.4 us a character on one core, a cold prompt at the cap
-# costs ~100-200 ms; a longer one is tokenized up to its last safe cut before the cap (its keys
-# are then exact for that head), and raw input over four times the cap is refused unread.
-DEFAULT_MAX_CHARS = 512 * 1024
+# The most characters tokenized for one request: the bound on what one request costs the router.
+# tokenizers' byte-level BPE runs at ~0.5-1 us a character on one core of the benchmark machine
+# (bench/router_tokenize.py), so a cold prompt at 128k characters (~32k tokens at ~4 characters
+# a token, 2,000 blocks of 16) costs the caller ~60-120 ms, already far less than the engine's
+# prefill of it. A longer prompt is tokenized only up to its last safe cut before the cap: its
+# keys are exact for that head, which is where prompts share prefixes and already tells the
+# replicas apart. Raw input over four times the cap is refused before rendering.
+DEFAULT_MAX_CHARS = 128 * 1024
 
 # The prefix cache holds, per conversation in flight, the prefix of its latest turn until the
 # next turn arrives, plus prefixes many requests share (a system prompt). 2**23 tokens are ~1,000
@@ -345,7 +351,7 @@ def _strip_billing_header(parts: list[Any]) -> list[Any]:
     out: list[Any] = []
     for part in parts:
         text = part if isinstance(part, str) else None
-        if isinstance(part, Mapping) and part.get("type") == "text":
+        if isinstance(part, dict) and part.get("type") == "text":
             text = part.get("text")
         if not (isinstance(text, str) and text.startswith(_BILLING_HEADER)):
             out.append(part)
@@ -357,6 +363,10 @@ def _strip_billing_header(parts: list[Any]) -> list[Any]:
 
 
 def _content(role: str, content: Any, wrap: bool) -> str | list[dict[str, Any]]:
+    """A message's content as vLLM gives it to the template: text parts joined with newlines
+    ("string" format) or as a list of text parts, a plain string included ("openai")."""
+    if isinstance(content, str) and not (role == "system" and _BILLING_HEADER in content):
+        return [{"type": "text", "text": content}] if wrap else content  # the usual case
     if content is None:
         parts: list[Any] = []
     elif isinstance(content, str):
@@ -374,7 +384,7 @@ def _content(role: str, content: Any, wrap: bool) -> str | list[dict[str, Any]]:
             texts.append(part)
             wrapped.append({"type": "text", "text": part})
             continue
-        if not isinstance(part, Mapping):
+        if not isinstance(part, dict):
             _bad("a content part must be an object or a string")
         kind = part.get("type")
         if kind == "tool_reference":
@@ -398,17 +408,21 @@ def _content(role: str, content: Any, wrap: bool) -> str | list[dict[str, Any]]:
 
 
 def _conversation(messages: Any, wrap: bool) -> list[dict[str, Any]]:
+    """The messages as vLLM hands them to the template (text-only; ``parse_chat_messages``)."""
     if not isinstance(messages, list) or not messages:
         _bad("messages must be a non-empty list")
     out: list[dict[str, Any]] = []
     for message in messages:
-        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             _bad("each message must be an object with a string role")
         role: str = message["role"]
         msg: dict[str, Any] = {
             "role": role,
             "content": _content(role, message.get("content"), wrap),
         }
+        if len(message) == 2 and role not in ("developer", "tool"):
+            out.append(msg)  # role and content only: nothing else to carry over
+            continue
         if role == "assistant":
             calls = message.get("tool_calls")
             if calls is not None:
@@ -439,10 +453,10 @@ def _tool_calls(calls: list[Any]) -> list[Any]:
     Copies, so the request's own objects stay as they were."""
     out: list[Any] = []
     for item in calls:
-        if not isinstance(item, Mapping):
+        if not isinstance(item, dict):
             _bad("assistant tool_calls entries must be objects")
         function = item.get("function")
-        if item.get("type", "function") != "function" or not isinstance(function, Mapping):
+        if item.get("type", "function") != "function" or not isinstance(function, dict):
             _bad("only tool_calls of type function are supported")
         arguments = function.get("arguments")
         parsed: Any = {}
@@ -509,16 +523,19 @@ def _flag(payload: Mapping[str, Any], key: str, default: bool) -> bool:
     return value
 
 
-def _needle(content: Any) -> str | None:
-    """A stretch of a message's text to find it in the rendered prompt by."""
-    text = content if isinstance(content, str) else None
-    if isinstance(content, list):
-        text = next(
-            (p["text"] for p in content if isinstance(p.get("text"), str) and p["text"].strip()),
-            None,
-        )
-    text = text.strip() if text else None
-    return text[:_NEEDLE_CHARS] if text else None
+def _needles(content: Any) -> tuple[str, str] | None:
+    """The first and last stretches of a message's text, to find where it starts and ends in
+    the rendered prompt (without surrounding whitespace, which templates may trim)."""
+    if isinstance(content, str):
+        texts = [content.strip()]
+    elif isinstance(content, list):
+        texts = [p["text"].strip() for p in content if isinstance(p.get("text"), str)]
+    else:
+        return None
+    texts = [t for t in texts if t]
+    if not texts:
+        return None
+    return texts[0][:_NEEDLE_CHARS], texts[-1][-_NEEDLE_CHARS:]
 
 
 # ---- where a text may be cut ---------------------------------------------------------------------
@@ -611,6 +628,10 @@ class _AddedCuts:
         i = bisect_right(self.ends, pos) - 1
         return (self.ends[i], self.widths[i]) if i >= 0 else None
 
+    def at_or_after(self, pos: int) -> tuple[int, int] | None:
+        i = bisect_left(self.ends, pos)
+        return (self.ends[i], self.widths[i]) if i < len(self.ends) else None
+
     def plain_cuts(self, length: int) -> list[int]:
         """Cuts to look a text without turns (a completions prompt) up at."""
         return list(self.ends)
@@ -630,6 +651,12 @@ class _CharCuts:
             pos = self.starts[i]
         return (pos, 0) if pos > 0 else None
 
+    def at_or_after(self, pos: int) -> tuple[int, int] | None:
+        i = bisect_right(self.starts, pos - 1) - 1
+        if i >= 0 and pos < self.stops[i]:
+            pos = self.stops[i]
+        return (pos, 0) if pos > 0 else None
+
     def plain_cuts(self, length: int) -> list[int]:
         points = range(_PLAIN_STRIDE_CHARS, length, _PLAIN_STRIDE_CHARS)
         return sorted({c[0] for p in points if (c := self.at_or_before(p)) is not None})
@@ -640,6 +667,9 @@ class _NoCuts:
     """A tokenizer that offers no safe cut: every text is encoded whole."""
 
     def at_or_before(self, pos: int) -> tuple[int, int] | None:
+        return None
+
+    def at_or_after(self, pos: int) -> tuple[int, int] | None:
         return None
 
     def plain_cuts(self, length: int) -> list[int]:
@@ -702,12 +732,14 @@ class _Entry:
     ids: array[int]  # the prefix text's ids, without post-processor specials
     # Chained keys of the full blocks of (leading specials + ids), per variant.
     keys: dict[_Variant, list[bytes]] = field(default_factory=dict)
-    # A conversation's own prefix (the whole prompt, or one that extended another entry), which
-    # its next turn's entries replace; an entry encoded from scratch before a request's final
-    # message may be a prefix many requests share (a system prompt), and stays.
+    # A conversation's own prefix (the whole prompt, a remembered reply, or one that extended
+    # another entry), which its next turn's entries replace; an entry encoded from scratch
+    # before a request's final message may be a prefix many requests share (a system prompt),
+    # and stays.
     derived: bool = False
-    # The other entry the same request stored: replaced together.
-    sibling: _CacheKey | None = None
+    # The keys one turn stored (its request's entries and its remembered reply's; one list
+    # object): when a later request extends one of them, the turn's derived entries go.
+    family: list[_CacheKey] = field(default_factory=list)
 
 
 @dataclass
@@ -738,6 +770,9 @@ class _PrefixCache:
         if entry is not None:
             self._entries.move_to_end(key)
         return entry
+
+    def peek(self, key: _CacheKey) -> _Entry | None:
+        return self._entries.get(key)
 
     def put(self, key: _CacheKey, entry: _Entry) -> None:
         if len(entry.ids) > self.max_tokens or self.max_entries < 1:
@@ -989,11 +1024,16 @@ class RequestTokenizer:
             given = self._token_prompt(payload)
             return chain_keys(given, block_size, lora_name, max_blocks=MAX_MATCH_BLOCKS)
         prompt = self._prompt(kind, payload)
-        ids = array("I", prompt.head)
+        tail = () if prompt.truncated else prompt.tail
+        return self._chain(prompt, (block_size, lora_name, prompt.head), tail)
+
+    def _chain(self, prompt: _Prompt, variant: _Variant, tail: Sequence[int] = ()) -> list[bytes]:
+        """The keys of ``head + body + tail`` for ``variant``, chained on from the keys of the
+        prefix found; the keys of the prefixes it stored are left on them for later requests."""
+        block_size, lora_name, head = variant
+        ids = array("I", head)
         ids += prompt.body
-        if not prompt.truncated:
-            ids += array("I", prompt.tail)
-        variant: _Variant = (block_size, lora_name, prompt.head)
+        ids += array("I", tail)
         with self._cache.lock:
             known = list(prompt.base.keys.get(variant, ())) if prompt.base is not None else []
         if len(known) >= MAX_MATCH_BLOCKS:
@@ -1013,12 +1053,44 @@ class RequestTokenizer:
                     continue
                 if len(entry.keys) >= _MAX_VARIANTS:
                     entry.keys.pop(next(iter(entry.keys)))
-                entry.keys[variant] = keys[: (len(prompt.head) + len(entry.ids)) // block_size]
+                entry.keys[variant] = keys[: (len(head) + len(entry.ids)) // block_size]
         return keys
 
     def render_chat(self, payload: Mapping[str, Any]) -> str:
         """The chat prompt text vLLM renders for this ``/v1/chat/completions`` body."""
-        return self._render_chat(payload)[0]
+        return self._render_chat(payload).text
+
+    def remember_reply(self, payload: Mapping[str, Any], reply: str) -> None:
+        """Cache the prefix this conversation's next turn starts with: the chat request's
+        messages followed by the assistant's reply as the engine generated it (the router sees
+        it on its way back), up to the cut after the reply. The next request then tokenizes
+        only its new message. A reply the client sends back otherwise is only a miss. Raises
+        :class:`TokenizerError` as :meth:`keys` does."""
+        if not isinstance(payload, Mapping) or not isinstance(reply, str):
+            _bad("remember_reply takes a chat body and the reply's text")
+        if _flag(payload, "continue_final_message", False) or not reply.strip():
+            return  # the reply continues a message: the next turn's text is not known
+        messages = payload.get("messages")
+        if not isinstance(messages, list):
+            _bad("messages must be a non-empty list")
+        body = {
+            **payload,
+            "messages": [*messages, {"role": "assistant", "content": reply}],
+            "add_generation_prompt": False,
+        }
+        r = self._render_chat(body)
+        scan = self._rule.scan(r.text)
+        after = scan.at_or_after(r.final[1]) if r.final is not None else None
+        if after is None or after[0] > len(r.text):
+            return
+        stop = after[0]
+        cuts = [c for c in _span_cuts(scan, r.spans) if c < stop]
+        prompt = self._text_prompt(r.text[:stop], scan, cuts, [(stop, True)], r.specials, join=True)
+        if prompt.base is not None:  # the request's keys, extended over the reply
+            with self._cache.lock:
+                variants = list(prompt.base.keys)
+            for variant in variants:
+                self._chain(prompt, variant)
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -1028,18 +1100,17 @@ class RequestTokenizer:
         if payload.get("truncate_prompt_tokens") is not None:
             _bad("truncate_prompt_tokens is not followed by the router")
         if kind == "chat":
-            text, anchors, final, specials = self._render_chat(payload)
-            scan = self._rule.scan(text)
-            cuts = sorted({c[0] for a in anchors if (c := scan.at_or_before(a)) is not None})
+            r = self._render_chat(payload)
+            scan = self._rule.scan(r.text)
             # Stored: the prefix before the final message (a retry or another branch of this
             # conversation has it; from scratch, it may be a shared system prompt) and the whole
             # prompt to its last cut (the next turn extends it when the template renders the
             # generation prompt as the start of the reply, as nearly all do).
-            before_final = scan.at_or_before(final) if final is not None else None
-            whole = scan.at_or_before(len(text))
+            before_final = scan.at_or_before(r.final[0]) if r.final is not None else None
+            whole = scan.at_or_before(len(r.text))
             stores = [(before_final[0], False)] if before_final is not None else []
             stores += [(whole[0], True)] if whole is not None else []
-            return self._text_prompt(text, scan, cuts, stores, specials)
+            return self._text_prompt(r.text, scan, _span_cuts(scan, r.spans), stores, r.specials)
         if kind != "completions":
             _bad(f"unknown request kind {kind!r}")
         prompt = self._single_prompt(payload)
@@ -1086,11 +1157,9 @@ class RequestTokenizer:
         if chars > 4 * self.max_chars:
             _bad(f"the prompt is too large to tokenize ({chars} characters)")
 
-    def _render_chat(self, payload: Mapping[str, Any]) -> tuple[str, list[int], int | None, bool]:
-        """The rendered chat text, the positions of its messages' text in it (the cuts before
-        them are where a prefix is looked up), that of the final message (where this request's
-        prefix is stored; None if not found), and whether the text is encoded with the
-        post-processor's special tokens."""
+    def _render_chat(self, payload: Mapping[str, Any]) -> _Rendered:
+        """The rendered chat text, where its messages' text is in it, and whether it is encoded
+        with the post-processor's special tokens."""
         if not isinstance(payload, Mapping):
             _bad("the request body must be a JSON object")
         if self._template is None:
@@ -1160,18 +1229,25 @@ class RequestTokenizer:
             raise TokenizerError(f"the chat template failed: {e}") from e
         if final_text is not None:
             text = _cut_continued(text, final_text)
-        anchors: list[int] = []
-        final: int | None = None
+        spans: list[tuple[int, int]] = []
+        final: tuple[int, int] | None = None
         pos = 0
         for msg in chat:
-            needle = _needle(msg.get("content"))
-            at = text.find(needle, pos) if needle else -1
-            final = at if at >= 0 else None
-            if needle and at >= 0:
-                anchors.append(at)
-                pos = at + len(needle)
+            final = None
+            needles = _needles(msg.get("content"))
+            if needles is None:
+                continue
+            head, tail = needles
+            at = text.find(head, pos)
+            if at < 0:
+                continue
+            end = at + len(head) if head == tail else text.find(tail, at) + len(tail)
+            if end >= at + len(head):
+                final = (at, end)
+                spans.append(final)
+                pos = end
         specials = not tokenize and _flag(payload, "add_special_tokens", False)
-        return text, anchors, final, specials
+        return _Rendered(text, spans, final, specials)
 
     def _tag_final(self, chat: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
         """transformers' continue_final_message: tag the final message's text to cut after it."""
@@ -1203,9 +1279,12 @@ class RequestTokenizer:
         cuts: list[int],
         stores: list[tuple[int, bool]],
         specials: bool,
+        *,
+        join: bool = False,
     ) -> _Prompt:
         """Ids of ``text`` from the longest cached prefix ending at one of ``cuts``; the prefixes
-        ending at ``stores`` (cut, conversation-specific) are cached for later requests."""
+        ending at ``stores`` (cut, conversation-specific) are cached for later requests, as one
+        turn's family (``join``: the family of the prefix found, for a remembered reply)."""
         if specials and self._affixes is None:
             # A post-processor whose specials depend on the text: encode whole, no cache.
             if len(text) > self.max_chars:
@@ -1226,43 +1305,44 @@ class RequestTokenizer:
         if len(cuts) > _MAX_CANDIDATES:
             cuts = cuts[:_FIRST_CANDIDATES] + cuts[-(_MAX_CANDIDATES - _FIRST_CANDIDATES) :]
         digests = _prefix_digests(text, sorted({*cuts, *(c for c, _ in stores)}))
-        start, base, base_key = 0, None, None
+        start, base = 0, None
         with self._cache.lock:
             for c in reversed(cuts):
                 entry = self._cache.get((c, digests[c]))
                 if entry is not None:
-                    start, base, base_key = c, entry, (c, digests[c])
+                    start, base = c, entry
                     break
         if base is None:
             self.stats.misses += 1
         else:
             self.stats.hits += 1
         body = array("I", base.ids) if base is not None else array("I")
+        family: list[_CacheKey] = base.family if join and base is not None else []
         made: list[tuple[_CacheKey, _Entry]] = []
         try:
             for stop, own in sorted(set(stores)):
                 if stop <= start:
                     continue
                 body += array("I", self._encode(text, scan, start, stop))
-                entry = _Entry(array("I", body), derived=own or base is not None)
+                entry = _Entry(array("I", body), derived=own or base is not None, family=family)
                 made.append(((stop, digests[stop]), entry))
                 start = stop
-            body += array("I", self._encode(text, scan, start, len(text)))
+            if start < len(text):
+                body += array("I", self._encode(text, scan, start, len(text)))
         except _CutMismatchError:  # impossible if the module docstring's argument holds; stay exact
             self.stats.whole_encodes += 1
             body = array("I", self._encode(text, scan, 0, len(text)))
             return _Prompt(head, body, tail, truncated)
-        if len(made) == 2:
-            made[0][1].sibling, made[1][1].sibling = made[1][0], made[0][0]
         with self._cache.lock:
+            if base is not None and made and base.derived and not join:
+                # The conversation moved on: the turn it extends is replaced by this one.
+                for key in base.family:
+                    old = self._cache.peek(key)
+                    if old is not None and old.derived and old.family is base.family:
+                        self._cache.drop(key, old)
             for key, entry in made:
+                family.append(key)
                 self._cache.put(key, entry)
-            if base is not None and base_key is not None and made and base.derived:
-                # The conversation moved on: its previous turn's entries are replaced.
-                self._cache.drop(base_key, base)
-                sibling = self._cache.get(base.sibling) if base.sibling is not None else None
-                if sibling is not None and sibling.derived and base.sibling is not None:
-                    self._cache.drop(base.sibling, sibling)
         return _Prompt(head, body, tail, truncated, base, [entry for _, entry in made])
 
     def _encode(
@@ -1293,19 +1373,40 @@ class _CutMismatchError(Exception):
     pass
 
 
+@dataclass
+class _Rendered:
+    text: str
+    spans: list[tuple[int, int]]  # where the messages' text was found in it, in order
+    final: tuple[int, int] | None  # the final message's span, if found
+    specials: bool  # encoded with the post-processor's special tokens
+
+
+def _span_cuts(scan: _Cuts, spans: list[tuple[int, int]]) -> list[int]:
+    """Where to look a chat's prefixes up: the last cut before each message's text and the
+    first after it (where a remembered reply's prefix ends)."""
+    cuts: set[int] = set()
+    for start, end in spans:
+        for cut in (scan.at_or_before(start), scan.at_or_after(end)):
+            if cut is not None:
+                cuts.add(cut[0])
+    return sorted(cuts)
+
+
 def _content_chars(messages: Any) -> int:
     """The characters of text a chat body carries, counted before anything is rendered."""
     if not isinstance(messages, list):
         return 0
     total = 0
     for message in messages:
-        content = message.get("content") if isinstance(message, Mapping) else None
-        parts = content if isinstance(content, list) else [content]
-        for part in parts:
-            if isinstance(part, str):
-                total += len(part)
-            elif isinstance(part, Mapping):
-                total += sum(len(v) for v in part.values() if isinstance(v, str))
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, str):
+                    total += len(part)
+                elif isinstance(part, dict):
+                    total += sum(len(v) for v in part.values() if isinstance(v, str))
     return total
 
 

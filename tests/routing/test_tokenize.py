@@ -30,12 +30,7 @@ from tokenizers import (
 from fleetpilot.engine.reference.hf_tokenizer import SHIPPED
 from fleetpilot.engine.reference.tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, ByteTokenizer
 from fleetpilot.routing.policies.kv_index import MAX_MATCH_BLOCKS, KVIndex, chain_keys
-from fleetpilot.routing.tokenize import (
-    DEFAULT_MAX_CHARS,
-    RequestTokenizer,
-    TokenizerError,
-    load_tokenizer,
-)
+from fleetpilot.routing.tokenize import RequestTokenizer, TokenizerError, load_tokenizer
 
 SHIPPED_CONFIG = json.loads((SHIPPED / "tokenizer_config.json").read_text())
 BYTES = ByteTokenizer()
@@ -346,9 +341,10 @@ def test_a_completions_prompt_extending_a_cached_one_has_whole_encode_ids(
 def test_a_growing_conversation_has_whole_encode_ids_and_keys_every_turn(
     style: str, data: st.DataObject
 ) -> None:
-    """Turn after turn (the earlier turns cached), a conversation's ids equal one whole encode
-    of its rendered text and its keys equal chain_keys of those ids, at two block sizes, with
-    and without a LoRA name; special names inside the content included."""
+    """Turn after turn (the earlier turns cached, the replies sometimes remembered, sometimes
+    sent back otherwise than remembered), a conversation's ids equal one whole encode of its
+    rendered text and its keys equal chain_keys of those ids, at two block sizes, with and
+    without a LoRA name; special names inside the content included."""
     t = make(style)
     system = data.draw(st.one_of(st.none(), text_with(style)))
     contents: list[str] = []
@@ -360,7 +356,10 @@ def test_a_growing_conversation_has_whole_encode_ids_and_keys_every_turn(
         for block_size, lora in ((16, None), (4, "adapter")):
             keys = t.keys("chat", body, block_size, lora)
             assert keys == chain_keys(expected, block_size, lora)
-        contents += [data.draw(text_with(style)) * data.draw(st.integers(1, 20))]
+        reply = data.draw(text_with(style)) * data.draw(st.integers(1, 20))
+        if data.draw(st.booleans()):
+            t.remember_reply(body, data.draw(st.sampled_from([reply, reply + "!", "x" + reply])))
+        contents += [reply]
 
 
 @pytest.mark.parametrize("style", ["shipped", "bytelevel", "metaspace"])
@@ -378,6 +377,51 @@ def test_a_follow_up_turn_tokenizes_only_its_new_tail(style: str) -> None:
     assert keys == chain_keys(whole(t, "chat", second), 16)
     assert t.stats.encoded_chars - before < len(reply) + len(question) + 150 < len(system) // 10
     assert t.stats.hits >= 1
+
+
+@pytest.mark.parametrize("style", ["shipped", "bytelevel", "metaspace"])
+def test_a_remembered_reply_leaves_only_the_new_question_to_tokenize(style: str) -> None:
+    """The router hands the engine's reply back (remember_reply): the next turn tokenizes its
+    new question and the template's framing, not the reply again, and stays exact."""
+    t = make(style)
+    system = "You are a helpful assistant. " * 200
+    first = chat("What is the capital of France?", system=system)
+    t.keys("chat", first, 16)
+    reply = "Paris is the capital of France, and its largest city. " * 5
+    t.remember_reply(first, reply)
+    before = t.stats.encoded_chars
+    question = "And of Italy?"
+    second = chat("What is the capital of France?", reply, question, system=system)
+    assert t.keys("chat", second, 16) == chain_keys(whole(t, "chat", second), 16)
+    assert t.stats.encoded_chars - before < len(question) + 100 < len(reply)
+
+
+def test_remembered_replies_keep_one_turn_per_conversation() -> None:
+    """With every reply remembered, each turn replaces the previous turn's entries (the
+    request's and the reply's): 30 turns hold four entries, and every turn's reply is found."""
+    t = make("bytelevel")
+    contents = ["hello"]
+    for turn in range(30):
+        body = chat(*contents)
+        t.keys("chat", body, 16)
+        reply = f"reply {turn} " * 10
+        t.remember_reply(body, reply)
+        contents += [reply, f"question {turn}"]
+    assert t.stats.entries <= 4
+    assert t.stats.hits == 29 + 30  # each request finds the reply before; each reply its request
+
+
+def test_a_reply_that_continues_a_message_or_is_empty_is_not_remembered() -> None:
+    """continue_final_message replies extend the final message (the next turn's text is not
+    known) and empty replies say nothing: nothing is stored; a non-chat body is refused."""
+    t = make("bytelevel")
+    body = {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}
+    body["add_generation_prompt"] = False
+    t.remember_reply(body, "more")
+    t.remember_reply(chat("hi"), "  ")
+    assert t.stats.entries == 0
+    with pytest.raises(TokenizerError, match="messages"):
+        t.remember_reply({"prompt": "x"}, "reply")
 
 
 def test_another_conversation_with_the_same_system_prompt_reuses_it() -> None:
@@ -459,7 +503,6 @@ def test_input_far_over_the_cap_is_refused_unread() -> None:
         t.keys("chat", chat("x" * 4001), 16)
     with pytest.raises(TokenizerError, match="too large"):
         t.keys("completions", {"prompt": "x" * 4001}, 16)
-    assert DEFAULT_MAX_CHARS >= MAX_MATCH_BLOCKS * 16
 
 
 def test_keys_stop_at_max_match_blocks() -> None:

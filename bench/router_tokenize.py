@@ -1,0 +1,259 @@
+"""What tokenizing a request adds to a routing decision (issue 14, hot-path tokenization): the
+router's ``RequestTokenizer.keys`` (render the chat, tokenize, chain KV-index keys) for a
+~2,000-token conversation, one request at a time.
+
+Tokenizers: ``reference`` (the reference engine's shipped byte tokenizer: a token a byte) and
+``bpe32k`` (a byte-level BPE with a ~32k vocabulary and ChatML special tokens, trained here on
+generated text with Zipf-distributed words, so merges are as long as in real vocabularies).
+
+Scenarios, each over distinct conversations (system prompt, then user/assistant turns, ending
+with a user message, ~2,000 tokens in all):
+
+- ``cached prefix``: the conversation's previous request (everything but the last reply and the
+  new question) was seen; the request tokenizes its new tail (~230 tokens: the reply it has not
+  seen and the question) and chains its keys from the cached ones. The issue's goal: p50 <=
+  0.5 ms.
+- ``cached prefix, reply remembered``: the same, with the previous reply handed to
+  ``remember_reply`` as the router sees it on its way back: only the question (~80 tokens) and
+  the template's framing are new.
+- ``cold``: a conversation never seen: the whole prompt is tokenized (and its prefixes stored).
+- ``baseline``: the uncached whole-prompt path without the module's cache: render, one
+  ``tokenizers`` encode of the whole text, ``chain_keys`` of every block.
+- ``render only``: the Jinja render alone, the part no cache saves.
+- ``cold at the cap``: one unseen user message of ``DEFAULT_MAX_CHARS`` characters: the most
+  one request can cost.
+
+Run: .venv/bin/python bench/router_tokenize.py [--conversations 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import time
+from collections.abc import Callable
+from functools import partial
+from itertools import accumulate
+from pathlib import Path
+from typing import Any
+
+from router_support import ROOT, machine, percentile, save
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from fleetpilot.routing.policies.kv_index import MAX_MATCH_BLOCKS, chain_keys
+from fleetpilot.routing.tokenize import DEFAULT_MAX_CHARS, RequestTokenizer
+
+SHIPPED = ROOT / "fleetpilot" / "engine" / "reference" / "tokenizer"
+BLOCK_SIZE = 16
+TARGET_TOKENS = 2000
+CHATML = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+class Text:
+    """Generated English-like text: ~60k word types from syllables, drawn with Zipf weights."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        vowels = ["a", "e", "i", "o", "u", "ai", "ou"]
+        syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in vowels]
+        seen: set[str] = set()
+        while len(seen) < 60_000:
+            seen.add("".join(self.rng.choices(syllables, k=self.rng.choice([1, 1, 2, 2, 2, 3, 4]))))
+        # Frequent words short, as in English (~4.5 characters a token with a 32k vocabulary).
+        self.words = sorted(seen, key=lambda w: (len(w) + self.rng.random() * 6, w))
+        self.cum_weights = list(accumulate(1 / (i + 1) for i in range(len(self.words))))
+
+    def sentence(self, n: int) -> str:
+        words = self.rng.choices(self.words, cum_weights=self.cum_weights, k=n)
+        words[0] = words[0].capitalize()
+        return " ".join(words) + self.rng.choice([".", ".", "?", "!", ":\n"])
+
+    def paragraph(self, words: int) -> str:
+        out: list[str] = []
+        while words > 0:
+            n = min(words, self.rng.randint(5, 20))
+            out.append(self.sentence(n))
+            words -= n
+        return " ".join(out)
+
+
+def train_bpe(text: Text, vocab_size: int = 32_000) -> RequestTokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator((text.paragraph(200) for _ in range(8_000)), trainer)
+    config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML}
+    return RequestTokenizer(tok.to_str(), config, source="bpe32k")
+
+
+def conversation(
+    text: Text, t: RequestTokenizer, words_per_token: float
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the previous request, this one): a ~TARGET_TOKENS conversation ending with a question
+    (~80 tokens) after a reply (~150 tokens), and the request before that reply."""
+
+    def words(tokens: int) -> int:
+        return max(3, round(tokens * words_per_token))
+
+    messages = [{"role": "system", "content": text.paragraph(words(500))}]
+    while True:
+        messages.append({"role": "user", "content": text.paragraph(words(80))})
+        tokens = len(t.token_ids("chat", {"messages": messages}))
+        if tokens >= TARGET_TOKENS - 60:
+            break
+        messages.append({"role": "assistant", "content": text.paragraph(words(150))})
+    return {"messages": messages[:-2]}, {"messages": messages}
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter_ns()
+    fn()
+    return (time.perf_counter_ns() - start) / 1e6
+
+
+def baseline(t: RequestTokenizer, body: dict[str, Any]) -> list[bytes]:
+    ids = t.tokenizer.encode(t.render_chat(body), add_special_tokens=False).ids
+    return chain_keys(ids, BLOCK_SIZE, max_blocks=MAX_MATCH_BLOCKS)
+
+
+def run(
+    name: str, make: Callable[[], RequestTokenizer], text: Text, n: int
+) -> list[dict[str, Any]]:
+    probe = make()
+    sample = text.paragraph(2000)
+    words_per_token = 2000 / len(probe.token_ids("completions", {"prompt": sample}))
+    pairs = [conversation(text, probe, words_per_token) for _ in range(2 * n + 20)]
+    sizes = [len(probe.token_ids("chat", cur)) for _, cur in pairs]
+    rows: list[dict[str, Any]] = []
+
+    def row(scenario: str, times: list[float], chars: list[int], tokens: int | None = None) -> None:
+        rows.append(
+            {
+                "tokenizer": name,
+                "scenario": scenario,
+                "requests": len(times),
+                "p50_ms": round(percentile(times, 0.5), 4),
+                "p95_ms": round(percentile(times, 0.95), 4),
+                "mean_encoded_chars": round(sum(chars) / len(chars)) if chars else None,
+                "prompt_tokens_p50": int(percentile(sizes, 0.5)) if tokens is None else tokens,
+            }
+        )
+
+    warm, measured, cold_pairs = pairs[:20], pairs[20 : 20 + n], pairs[20 + n :]
+    t = make()
+    for prev, cur in warm:
+        t.keys("chat", prev, BLOCK_SIZE)
+        t.keys("chat", cur, BLOCK_SIZE)
+    gc.collect()
+    times, chars = [], []
+    for prev, cur in measured:
+        t.keys("chat", prev, BLOCK_SIZE)
+        before = t.stats.encoded_chars
+        times.append(timed(partial(t.keys, "chat", cur, BLOCK_SIZE)))
+        chars.append(t.stats.encoded_chars - before)
+    row("cached prefix", times, chars)
+
+    t = make()
+    for prev, cur in warm:
+        t.keys("chat", prev, BLOCK_SIZE)
+        t.keys("chat", cur, BLOCK_SIZE)
+    gc.collect()
+    times, chars = [], []
+    for prev, cur in measured:
+        t.keys("chat", prev, BLOCK_SIZE)
+        t.remember_reply(prev, cur["messages"][-2]["content"])
+        before = t.stats.encoded_chars
+        times.append(timed(partial(t.keys, "chat", cur, BLOCK_SIZE)))
+        chars.append(t.stats.encoded_chars - before)
+    row("cached prefix, reply remembered", times, chars)
+
+    t = make()
+    for _, cur in warm:
+        t.keys("chat", cur, BLOCK_SIZE)
+    gc.collect()
+    times, chars = [], []
+    for _, cur in cold_pairs:
+        before = t.stats.encoded_chars
+        times.append(timed(partial(t.keys, "chat", cur, BLOCK_SIZE)))
+        chars.append(t.stats.encoded_chars - before)
+    row("cold", times, chars)
+
+    gc.collect()
+    for _, cur in warm:
+        baseline(t, cur)
+    times = [timed(partial(baseline, t, cur)) for _, cur in measured]
+    row("baseline (whole prompt, no cache)", times, [len(t.render_chat(c)) for _, c in measured])
+    times = [timed(partial(t.render_chat, cur)) for _, cur in measured]
+    row("render only", times, [])
+
+    huge = []
+    for _ in range(8):
+        content = text.paragraph(DEFAULT_MAX_CHARS // 4)[: DEFAULT_MAX_CHARS - 100]
+        huge.append({"messages": [{"role": "user", "content": content}]})
+    before = t.stats.encoded_chars
+    times = [timed(partial(t.keys, "chat", body, BLOCK_SIZE)) for body in huge]
+    chars = [(t.stats.encoded_chars - before) // len(huge)]
+    row("cold at the cap", times, chars, len(probe.token_ids("chat", huge[0])))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--conversations", type=int, default=300)
+    args = parser.parse_args()
+    text = Text(11)
+    start = time.perf_counter()
+    bpe = train_bpe(text)
+    train_s = time.perf_counter() - start
+    tokenizers: dict[str, Callable[[], RequestTokenizer]] = {
+        "reference": lambda: RequestTokenizer.from_dir(Path(SHIPPED)),
+        "bpe32k": lambda: RequestTokenizer(
+            bpe.tokenizer.to_str(), {"eos_token": "<|im_end|>", "chat_template": CHATML}
+        ),
+    }
+    rows: list[dict[str, Any]] = []
+    for name, make in tokenizers.items():
+        rows += run(name, make, text, args.conversations)
+    header = ("tokenizer", "scenario", "p50 ms", "p95 ms", "chars", "tokens")
+    print("{:<10} {:<36} {:>8} {:>8} {:>7} {:>7}".format(*header))
+    for r in rows:
+        chars = "" if r["mean_encoded_chars"] is None else str(r["mean_encoded_chars"])
+        print(
+            f"{r['tokenizer']:<10} {r['scenario']:<36} {r['p50_ms']:>8.3f} {r['p95_ms']:>8.3f}"
+            f" {chars:>7} {r['prompt_tokens_p50']:>7}"
+        )
+    for r in rows:
+        if r["scenario"].startswith("cached prefix"):
+            met = "met" if r["p50_ms"] <= 0.5 else "not met"
+            print(f"goal p50 <= 0.5 ms, {r['tokenizer']}, {r['scenario']}: {met}")
+    path = save(
+        "router_tokenize",
+        {
+            "benchmark": "router_tokenize",
+            "machine": machine(),
+            "block_size": BLOCK_SIZE,
+            "target_prompt_tokens": TARGET_TOKENS,
+            "bpe32k_vocab": bpe.vocab_size,
+            "bpe32k_train_s": round(train_s, 1),
+            "concurrency": 1,
+            "goal": "added p50 <= 0.5 ms for a 2,000-token prompt with a cached prefix",
+            "rows": rows,
+        },
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
