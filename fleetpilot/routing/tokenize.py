@@ -900,7 +900,10 @@ class RequestTokenizer:
         tokenizer.no_padding()
         tokenizer.no_truncation()
         tokenizer.encode_special_tokens = bool(config.get("split_special_tokens", False))
-        self._add_config_tokens(tokenizer, config)
+        try:
+            self._add_config_tokens(tokenizer, config)
+        except Exception as e:
+            raise TokenizerError(f"{source}: {CONFIG_FILE} names unusable tokens: {e}") from e
         self._tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self._rule = _cut_rule(spec, tokenizer)
@@ -1020,6 +1023,7 @@ class RequestTokenizer:
         at most ``MAX_MATCH_BLOCKS``: what the KV index matches. A prompt over ``max_chars`` gives
         the keys of its head up to its last safe cut before the cap. Raises
         :class:`TokenizerError` for anything the engine would not tokenize this way."""
+        _check_payload(payload)
         if kind == "completions" and not isinstance(payload.get("prompt"), str):
             given = self._token_prompt(payload)
             return chain_keys(given, block_size, lora_name, max_blocks=MAX_MATCH_BLOCKS)
@@ -1095,10 +1099,7 @@ class RequestTokenizer:
     # ---- requests ---------------------------------------------------------------------------
 
     def _prompt(self, kind: Kind, payload: Mapping[str, Any]) -> _Prompt:
-        if not isinstance(payload, Mapping):
-            _bad("the request body must be a JSON object")
-        if payload.get("truncate_prompt_tokens") is not None:
-            _bad("truncate_prompt_tokens is not followed by the router")
+        _check_payload(payload)
         if kind == "chat":
             r = self._render_chat(payload)
             scan = self._rule.scan(r.text)
@@ -1408,6 +1409,13 @@ def _content_chars(messages: Any) -> int:
                 elif isinstance(part, dict):
                     total += sum(len(v) for v in part.values() if isinstance(v, str))
     return total
+
+
+def _check_payload(payload: Any) -> None:
+    if not isinstance(payload, Mapping):
+        _bad("the request body must be a JSON object")
+    if payload.get("truncate_prompt_tokens") is not None:
+        _bad("truncate_prompt_tokens is not followed by the router")
 
 
 def _is_token_id(value: Any) -> bool:

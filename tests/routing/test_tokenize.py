@@ -690,6 +690,7 @@ COMPLETION_ERRORS: list[tuple[dict[str, Any], str]] = [
     ({"prompt": [1, 999]}, "outside the vocabulary"),
     ({"prompt": [-1]}, "outside the vocabulary"),
     ({"prompt": "x", "prompt_embeds": "abc"}, "prompt_embeds"),
+    ({"prompt": [1, 2], "truncate_prompt_tokens": 1}, "truncate"),
 ]
 
 
@@ -709,6 +710,14 @@ def test_a_completions_body_the_engine_would_not_tokenize_so_is_refused(
     """Each bad or unsupported completions body raises TokenizerError naming what is wrong."""
     with pytest.raises(TokenizerError, match=re.escape(message)):
         make("shipped").keys("completions", body, 16)
+
+
+def test_a_body_that_is_not_an_object_is_refused() -> None:
+    """A JSON array or string as the body: TokenizerError for either kind, not a crash."""
+    t = make("shipped")
+    for kind in ("chat", "completions"):
+        with pytest.raises(TokenizerError, match="JSON object"):
+            t.keys(kind, ["not", "an", "object"], 16)  # type: ignore[arg-type]
 
 
 def test_text_that_is_not_unicode_is_refused() -> None:
@@ -734,6 +743,10 @@ FILE_ERRORS: list[tuple[Callable[[Path], object], str]] = [
     (lambda d: (d / "tokenizer_config.json").write_text("[1"), "tokenizer_config.json: not JSON"),
     (lambda d: (d / "tokenizer_config.json").write_text("[1]"), "not a JSON object"),
     (lambda d: (d / "chat_template.jinja").write_text("{% for %}"), "does not compile"),
+    (
+        lambda d: (d / "tokenizer_config.json").write_text('{"added_tokens_decoder": {"x": {}}}'),
+        "names unusable tokens",
+    ),
 ]
 
 
