@@ -152,60 +152,47 @@ def run(
         )
 
     warm, measured, cold_pairs = pairs[:20], pairs[20 : 20 + n], pairs[20 + n :]
-    t = make()
+    # One tokenizer per scenario, the scenarios taking turns conversation by conversation, so
+    # that the machine's drift (this VM's speed varies by 2x over minutes) falls on all alike.
+    cached, remembered, cold = make(), make(), make()
     for prev, cur in warm:
-        t.keys("chat", prev, BLOCK_SIZE)
-        t.keys("chat", cur, BLOCK_SIZE)
+        for t in (cached, remembered, cold):
+            t.keys("chat", prev, BLOCK_SIZE)
+            t.keys("chat", cur, BLOCK_SIZE)
+        baseline(cold, cur)
     gc.collect()
-    times, chars = [], []
-    for prev, cur in measured:
-        t.keys("chat", prev, BLOCK_SIZE)
+    scenarios = ["cached prefix", "cached prefix, reply remembered", "cold"]
+    scenarios += ["baseline (whole prompt, no cache)", "render only"]
+    times: dict[str, list[float]] = {s: [] for s in scenarios}
+    chars: dict[str, list[int]] = {s: [] for s in scenarios}
+
+    def measure(scenario: str, t: RequestTokenizer, body: dict[str, Any]) -> None:
         before = t.stats.encoded_chars
-        times.append(timed(partial(t.keys, "chat", cur, BLOCK_SIZE)))
-        chars.append(t.stats.encoded_chars - before)
-    row("cached prefix", times, chars)
+        times[scenario].append(timed(partial(t.keys, "chat", body, BLOCK_SIZE)))
+        chars[scenario].append(t.stats.encoded_chars - before)
+
+    for (prev, cur), (_, unseen) in zip(measured, cold_pairs, strict=True):
+        cached.keys("chat", prev, BLOCK_SIZE)
+        measure("cached prefix", cached, cur)
+        remembered.keys("chat", prev, BLOCK_SIZE)
+        remembered.remember_reply(prev, cur["messages"][-2]["content"])
+        measure("cached prefix, reply remembered", remembered, cur)
+        measure("cold", cold, unseen)
+        times["baseline (whole prompt, no cache)"].append(timed(partial(baseline, cold, cur)))
+        chars["baseline (whole prompt, no cache)"].append(len(cold.render_chat(cur)))
+        times["render only"].append(timed(partial(cold.render_chat, cur)))
+    for scenario in scenarios:
+        row(scenario, times[scenario], chars[scenario])
 
     t = make()
-    for prev, cur in warm:
-        t.keys("chat", prev, BLOCK_SIZE)
-        t.keys("chat", cur, BLOCK_SIZE)
-    gc.collect()
-    times, chars = [], []
-    for prev, cur in measured:
-        t.keys("chat", prev, BLOCK_SIZE)
-        t.remember_reply(prev, cur["messages"][-2]["content"])
-        before = t.stats.encoded_chars
-        times.append(timed(partial(t.keys, "chat", cur, BLOCK_SIZE)))
-        chars.append(t.stats.encoded_chars - before)
-    row("cached prefix, reply remembered", times, chars)
-
-    t = make()
-    for _, cur in warm:
-        t.keys("chat", cur, BLOCK_SIZE)
-    gc.collect()
-    times, chars = [], []
-    for _, cur in cold_pairs:
-        before = t.stats.encoded_chars
-        times.append(timed(partial(t.keys, "chat", cur, BLOCK_SIZE)))
-        chars.append(t.stats.encoded_chars - before)
-    row("cold", times, chars)
-
-    gc.collect()
-    for _, cur in warm:
-        baseline(t, cur)
-    times = [timed(partial(baseline, t, cur)) for _, cur in measured]
-    row("baseline (whole prompt, no cache)", times, [len(t.render_chat(c)) for _, c in measured])
-    times = [timed(partial(t.render_chat, cur)) for _, cur in measured]
-    row("render only", times, [])
-
     huge = []
     for _ in range(8):
         content = text.paragraph(DEFAULT_MAX_CHARS // 4)[: DEFAULT_MAX_CHARS - 100]
         huge.append({"messages": [{"role": "user", "content": content}]})
     before = t.stats.encoded_chars
-    times = [timed(partial(t.keys, "chat", body, BLOCK_SIZE)) for body in huge]
-    chars = [(t.stats.encoded_chars - before) // len(huge)]
-    row("cold at the cap", times, chars, len(probe.token_ids("chat", huge[0])))
+    at_cap = [timed(partial(t.keys, "chat", body, BLOCK_SIZE)) for body in huge]
+    encoded = [(t.stats.encoded_chars - before) // len(huge)]
+    row("cold at the cap", at_cap, encoded, len(probe.token_ids("chat", huge[0])))
     return rows
 
 
