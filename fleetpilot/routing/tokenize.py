@@ -95,12 +95,12 @@ Kind = Literal["completions", "chat"]
 ContentFormat = Literal["auto", "string", "openai"]
 
 # The most characters tokenized for one request: the bound on what one request costs the router.
-# tokenizers' byte-level BPE runs at ~0.5-1 us a character on one core of the benchmark machine
+# tokenizers' byte-level BPE runs at ~0.6 us a character on one core of the benchmark machine
 # (bench/router_tokenize.py), so a cold prompt at 128k characters (~32k tokens at ~4 characters
-# a token, 2,000 blocks of 16) costs the caller ~60-120 ms, already far less than the engine's
-# prefill of it. A longer prompt is tokenized only up to its last safe cut before the cap: its
-# keys are exact for that head, which is where prompts share prefixes and already tells the
-# replicas apart. Raw input over four times the cap is refused before rendering.
+# a token, 2,000 blocks of 16) costs the caller ~80 ms (~40 ms with the byte tokenizer), far less
+# than the engine's prefill of it. A longer prompt is tokenized only up to its last safe cut
+# before the cap: its keys are exact for that head, which is where prompts share prefixes and
+# already tells the replicas apart. Raw input over four times the cap is refused before rendering.
 DEFAULT_MAX_CHARS = 128 * 1024
 
 # The prefix cache holds, per conversation in flight, the prefix of its latest turn until the
