@@ -46,6 +46,7 @@ from aiohttp import web
 from router_support import ROOT, free_port, machine, percentile, save, wait_port
 
 from fleetpilot.api.router_config import RouterConfig
+from fleetpilot.kv_events import kv_events_config
 from fleetpilot.routing.app import ROUTER_APP, build_app
 from fleetpilot.routing.discovery import StaticSource
 from fleetpilot.routing.policies.load import LoadScorer
@@ -145,8 +146,20 @@ def conversations() -> list[tuple[int, int]]:
 
 
 @contextlib.contextmanager
-def engines() -> Iterator[list[str]]:
+def engines(
+    kv_blocks: int = KV_BLOCKS, kv_ports: Sequence[tuple[int, int]] | None = None
+) -> Iterator[list[str]]:
+    """``REPLICAS`` reference engines; with ``kv_ports`` (publisher, replay) per engine, each
+    publishes vLLM KV events there."""
     ports = [free_port() for _ in range(REPLICAS)]
+
+    def events(i: int) -> list[str]:
+        if kv_ports is None:
+            return []
+        pub, replay = kv_ports[i]
+        config = kv_events_config(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+        return ["--kv-events-config", json.dumps(config)]
+
     procs = [
         subprocess.Popen(
             [
@@ -166,17 +179,18 @@ def engines() -> Iterator[list[str]]:
                 "--max-num-seqs",
                 "4",
                 "--num-gpu-blocks-override",
-                str(KV_BLOCKS),
+                str(kv_blocks),
                 "--max-num-batched-tokens",
                 "2048",
                 "--log-level",
                 "warning",
+                *events(i),
             ],
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        for p in ports
+        for i, p in enumerate(ports)
     ]
     try:
         for p in ports:

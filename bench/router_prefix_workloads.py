@@ -180,23 +180,36 @@ def use_arm(arm: str, router: Any, cfg: Any) -> None:
 # -- one run ---------------------------------------------------------------------------------
 
 
-async def run_arm(arm: str, trace: Sequence[Conversation], addresses: list[str]) -> dict[str, Any]:
-    cfg = config(addresses)
-    runner, app, url = await start_router(cfg)
-    router = app[ROUTER_APP].router
-    use_arm(arm, router, cfg)
+@dataclass
+class Driven:
+    """What the client saw of one trace."""
+
+    ttfts: list[float]
+    statuses: dict[int, int]
+    wall_s: float
+    hits: float  # the engines' prefix-cache hits and queries over the trace, in tokens
+    queries: float
+
+
+async def drive(trace: Sequence[Conversation], urls: Sequence[str], addresses: list[str]) -> Driven:
+    """Play the trace open loop; request i goes to ``urls[i % len(urls)]`` (a client
+    alternating between router replicas)."""
     ttfts: list[float] = []
     statuses: dict[int, int] = {}
+    sent = 0
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         before = [await engine_counters(session, a) for a in addresses]
         started = time.perf_counter()
 
         async def converse(c: Conversation) -> None:
+            nonlocal sent
             await asyncio.sleep(max(0.0, c.start_s - (time.perf_counter() - started)))
             messages = [{"role": "system", "content": c.system}]
             for question, think in zip(c.questions, c.think_s, strict=True):
                 messages.append({"role": "user", "content": question})
+                url = urls[sent % len(urls)]
+                sent += 1
                 status, ttft, answer = await stream_ttft(session, url, messages)
                 statuses[status] = statuses.get(status, 0) + 1
                 if ttft is not None:
@@ -207,31 +220,52 @@ async def run_arm(arm: str, trace: Sequence[Conversation], addresses: list[str])
         await asyncio.gather(*(converse(c) for c in trace))
         wall = time.perf_counter() - started
         after = [await engine_counters(session, a) for a in addresses]
-    registry = app[ROUTER_APP].metrics.registry
-    per_replica = sorted(
-        int(
-            registry.get_sample_value(
-                "fleetpilot_router_requests_total",
-                {"tier": "only", "replica": r.id, "status": "200"},
-            )
-            or 0
-        )
-        for r in router.replicas()
-    )
-    await runner.cleanup()
     hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
     queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
-    requests = sum(statuses.values())
+    return Driven(ttfts, statuses, wall, hits, queries)
+
+
+def summary(arm: str, driven: Driven, per_replica: list[int]) -> dict[str, Any]:
+    requests = sum(driven.statuses.values())
+    ttfts = driven.ttfts
     return {
         "arm": arm,
         "requests": requests,
-        "statuses": {str(k): v for k, v in statuses.items()},
-        "hit_rate": hits / queries if queries else 0.0,
+        "statuses": {str(k): v for k, v in driven.statuses.items()},
+        "hit_rate": driven.hits / driven.queries if driven.queries else 0.0,
         "ttft_p50_ms": percentile(ttfts, 0.5) * 1e3 if ttfts else None,
         "ttft_p95_ms": percentile(ttfts, 0.95) * 1e3 if ttfts else None,
-        "req_per_s": requests / wall,
+        "req_per_s": requests / driven.wall_s,
         "requests_per_replica": per_replica,
     }
+
+
+def served_per_replica(apps: Sequence[Any], replica_ids: Sequence[str]) -> list[int]:
+    """Requests each replica answered with 200, over every router replica, sorted."""
+    return sorted(
+        sum(
+            int(
+                app[ROUTER_APP].metrics.registry.get_sample_value(
+                    "fleetpilot_router_requests_total",
+                    {"tier": "only", "replica": rid, "status": "200"},
+                )
+                or 0
+            )
+            for app in apps
+        )
+        for rid in replica_ids
+    )
+
+
+async def run_arm(arm: str, trace: Sequence[Conversation], addresses: list[str]) -> dict[str, Any]:
+    cfg = config(addresses)
+    runner, app, url = await start_router(cfg)
+    router = app[ROUTER_APP].router
+    use_arm(arm, router, cfg)
+    driven = await drive(trace, [url], addresses)
+    per_replica = served_per_replica([app], [r.id for r in router.replicas()])
+    await runner.cleanup()
+    return summary(arm, driven, per_replica)
 
 
 def oracle_hit_rate(trace: Sequence[Conversation]) -> float:

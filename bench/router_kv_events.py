@@ -1,0 +1,230 @@
+"""Routing on the engines' KV events vs the router's guess, with one and two router replicas.
+
+Issue 14: a router that guesses each engine's cache from its own record of what it sent where
+is wrong when two router replicas each see half the traffic, and when an engine evicts. This
+benchmark plays the traces of ``router_prefix_workloads`` (multi-tenant Zipf chat at a low and a
+high rate; one shared system prompt) and the high-rate multi-tenant trace again on engines
+whose KV pool is too small for the working set (evictions), each arm on freshly started
+engines that publish vLLM KV events, and reports the engines' own prefix hit rate and client
+TTFT (first content chunk).
+
+Arms (router replicas in this process; with two, the client alternates request by request):
+- ``events xN``: the router's defaults, with the reference engine's tokenizer: the prefill-cost
+  scorer reads the KV index built from the engines' events (``prefix-source=events``);
+- ``guessed xN``: the same router without a tokenizer, so it falls back to its guessed index
+  (what it sent where), as before issue 14's part 2;
+- ``longest-prefix xN``: pure longest-prefix match on the guessed index, least load only to
+  break ties (production-stack's ``prefixaware`` idea);
+- ``round-robin``; ``oracle`` (multi-tenant): each tenant pinned to one replica.
+
+Engines: 4 reference engines (preset 'small', max-num-seqs 4, 16-token blocks), 512 KV blocks
+each, or 128 in the eviction scenario (two tenants' system prompts). The machine has 2 shared
+cores: compare arms within one run, not across runs.
+
+Run: .venv/bin/python bench/router_kv_events.py [--quick] [--seed N] [--arms a,b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from aiohttp import web
+from router_affinity import KV_BLOCKS, REPLICAS, config, engines
+from router_prefix_workloads import (
+    Conversation,
+    drive,
+    multi_tenant_trace,
+    oracle_hit_rate,
+    served_per_replica,
+    shared_prompt_trace,
+    summary,
+    use_arm,
+)
+from router_support import free_port, machine, save
+
+from fleetpilot.api.router_config import RouterConfig
+from fleetpilot.routing.app import ROUTER_APP, build_app
+from fleetpilot.routing.discovery import FileSource
+from fleetpilot.runtime.reference_argv import REFERENCE_TOKENIZER
+
+EVICTION_KV_BLOCKS = 128
+
+
+def kv_config(tokenizer: bool) -> RouterConfig:
+    """The benchmark's router config without addresses (the endpoints file lists them), with
+    or without the reference engine's tokenizer."""
+    data = config([]).to_wire()
+    data["tiers"][0]["tokenizer"] = str(REFERENCE_TOKENIZER) if tokenizer else None
+    return RouterConfig.model_validate(data)
+
+
+async def start_routers(
+    cfg: RouterConfig, endpoints: Path, count: int, events: bool
+) -> list[tuple[web.AppRunner, web.Application, str]]:
+    """``count`` router replicas on free ports; with ``events``, each has heard every engine's
+    publisher and loaded its tokenizer before the trace starts."""
+    started = []
+    for i in range(count):
+        app = build_app(cfg, FileSource(endpoints), seed=i)
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/chat/completions"
+        started.append((runner, app, url))
+    if events:
+        deadline = time.monotonic() + 60
+        for _, app, _ in started:
+            state = app[ROUTER_APP]
+            while not (
+                state.kv_events is not None
+                and all(state.kv_events.has_events(r.id) for r in state.router.replicas())
+                and "only" in state.router.tokenizers
+            ):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("routers did not hear every engine's KV events")
+                await asyncio.sleep(0.05)
+    return started
+
+
+async def run_arm(
+    arm: str, trace: Sequence[Conversation], addresses: list[str], endpoints: Path
+) -> dict[str, Any]:
+    policy, _, replicas = arm.partition(" x")
+    count = int(replicas or 1)
+    events = policy == "events"
+    cfg = kv_config(tokenizer=events)
+    routers = await start_routers(cfg, endpoints, count, events)
+    for _, app, _ in routers:
+        if policy not in ("events", "guessed"):
+            use_arm(policy, app[ROUTER_APP].router, cfg)
+    apps = [app for _, app, _ in routers]
+    driven = await drive(trace, [url for _, _, url in routers], addresses)
+    ids = [r.id for r in apps[0][ROUTER_APP].router.replicas()]
+    row = summary(arm, driven, served_per_replica(apps, ids))
+    decided = {
+        source: sum(
+            app[ROUTER_APP].metrics.registry.get_sample_value(
+                "fleetpilot_router_prefix_source_total", {"tier": "only", "source": source}
+            )
+            or 0
+            for app in apps
+        )
+        for source in ("events", "guessed")
+    }
+    row["decided_by_events"] = decided["events"] / max(1.0, sum(decided.values()))
+    for runner, _, _ in routers:
+        await runner.cleanup()
+    return row
+
+
+@dataclass(frozen=True)
+class Scenario:
+    key: str  # what --scenarios names
+    name: str
+    trace: list[Conversation]
+    arms: tuple[str, ...]
+    kv_blocks: int = KV_BLOCKS
+
+
+def scenarios(quick: bool, seed: int) -> list[Scenario]:
+    n = 24 if quick else 48
+    base = ("events x1", "events x2", "guessed x1", "guessed x2", "longest-prefix x1",
+            "longest-prefix x2", "round-robin")  # fmt: skip
+    high = multi_tenant_trace(8.0, n, seed)
+    return [
+        Scenario(
+            "low", "multi-tenant, low rate", multi_tenant_trace(2.0, n, seed), (*base, "oracle")
+        ),
+        Scenario("high", "multi-tenant, high rate", high, (*base, "oracle")),
+        Scenario("shared", "shared-prompt", shared_prompt_trace(4.0, seed), base),
+        Scenario(
+            "evicting",
+            "multi-tenant, high rate, evicting",
+            high,
+            (*base, "oracle"),
+            EVICTION_KV_BLOCKS,
+        ),
+    ]
+
+
+def run_scenario(scenario: Scenario, wanted: set[str] | None, workdir: Path) -> list[Any]:
+    rows = []
+    for arm in scenario.arms:
+        if wanted is not None and arm not in wanted:
+            continue
+        kv_ports = [(free_port(), free_port()) for _ in range(REPLICAS)]
+        with engines(scenario.kv_blocks, kv_ports) as addresses:
+            endpoints = workdir / "endpoints.yaml"
+            listed = [
+                {"tier": "only", "address": a, "kvEventsPort": pub, "kvReplayPort": replay}
+                for a, (pub, replay) in zip(addresses, kv_ports, strict=True)
+            ]
+            endpoints.write_text(yaml.safe_dump({"endpoints": listed}))
+            rows.append(asyncio.run(run_arm(arm, scenario.trace, addresses, endpoints)))
+        print(f"  {scenario.name}: {arm} done", file=sys.stderr)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="half the conversations")
+    parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--arms", help="comma-separated subset of arms")
+    parser.add_argument("--scenarios", help="comma-separated subset of low,high,shared,evicting")
+    args = parser.parse_args()
+    wanted = set(args.arms.split(",")) if args.arms else None
+    only = set(args.scenarios.split(",")) if args.scenarios else None
+    started = time.monotonic()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for scenario in scenarios(args.quick, args.seed):
+            if only is not None and scenario.key not in only:
+                continue
+            rows = run_scenario(scenario, wanted, Path(tmp))
+            results.append(
+                {
+                    "scenario": scenario.name,
+                    "kv_blocks": scenario.kv_blocks,
+                    "unbounded_cache_hit_rate": oracle_hit_rate(scenario.trace),
+                    "rows": rows,
+                }
+            )
+    for result in results:
+        ceiling = result["unbounded_cache_hit_rate"]
+        print(f"\n{result['scenario']} ({result['kv_blocks']} KV blocks an engine; "
+              f"one unbounded cache: {ceiling:.3f})")  # fmt: skip
+        head = ("arm", "hit rate", "TTFT p50", "TTFT p95", "events", "per replica")
+        print("{:18} {:>8} {:>9} {:>9} {:>6} {:>18}".format(*head))
+        for r in result["rows"]:
+            p50 = f"{r['ttft_p50_ms']:.0f}ms" if r["ttft_p50_ms"] is not None else "-"
+            p95 = f"{r['ttft_p95_ms']:.0f}ms" if r["ttft_p95_ms"] is not None else "-"
+            print(
+                f"{r['arm']:18} {r['hit_rate']:>8.3f} {p50:>9} {p95:>9} "
+                f"{r['decided_by_events']:>6.2f} {r['requests_per_replica']!s:>18}"
+            )
+    path = save(
+        "router_kv_events",
+        {
+            "benchmark": "router_kv_events",
+            "machine": machine(),
+            "seed": args.seed,
+            "engines": f"{REPLICAS} reference engines, preset 'small', max-num-seqs 4, "
+            "16-token KV blocks, publishing vLLM KV events",
+            "results": results,
+            "wall_s": time.monotonic() - started,
+        },
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
