@@ -43,7 +43,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from router_support import ROOT, free_port, machine, percentile, save, wait_port
+from router_support import ROOT, free_ports, machine, percentile, save, wait_port
 
 from fleetpilot.api.router_config import RouterConfig
 from fleetpilot.kv_events import kv_events_config
@@ -147,11 +147,13 @@ def conversations() -> list[tuple[int, int]]:
 
 @contextlib.contextmanager
 def engines(
-    kv_blocks: int = KV_BLOCKS, kv_ports: Sequence[tuple[int, int]] | None = None
+    kv_blocks: int = KV_BLOCKS,
+    kv_ports: Sequence[tuple[int, int]] | None = None,
+    ports: Sequence[int] | None = None,
 ) -> Iterator[list[str]]:
-    """``REPLICAS`` reference engines; with ``kv_ports`` (publisher, replay) per engine, each
-    publishes vLLM KV events there."""
-    ports = [free_port() for _ in range(REPLICAS)]
+    """``REPLICAS`` reference engines (on ``ports``, else free ones); with ``kv_ports``
+    (publisher, replay) per engine, each publishes vLLM KV events there."""
+    ports = list(ports) if ports is not None else free_ports(REPLICAS)
 
     def events(i: int) -> list[str]:
         if kv_ports is None:

@@ -49,7 +49,7 @@ from router_prefix_workloads import (
     summary,
     use_arm,
 )
-from router_support import free_port, machine, save
+from router_support import free_ports, machine, save
 
 from fleetpilot.api.router_config import RouterConfig
 from fleetpilot.routing.app import ROUTER_APP, build_app
@@ -90,6 +90,8 @@ async def start_routers(
                 and "only" in state.router.tokenizers
             ):
                 if time.monotonic() > deadline:
+                    for runner, _, _ in started:
+                        await runner.cleanup()
                     raise RuntimeError("routers did not hear every engine's KV events")
                 await asyncio.sleep(0.05)
     return started
@@ -161,8 +163,9 @@ def run_scenario(scenario: Scenario, wanted: set[str] | None, workdir: Path) -> 
     for arm in scenario.arms:
         if wanted is not None and arm not in wanted:
             continue
-        kv_ports = [(free_port(), free_port()) for _ in range(REPLICAS)]
-        with engines(scenario.kv_blocks, kv_ports) as addresses:
+        ports = free_ports(3 * REPLICAS)
+        kv_ports = list(zip(ports[REPLICAS::2], ports[REPLICAS + 1 :: 2], strict=True))
+        with engines(scenario.kv_blocks, kv_ports, ports[:REPLICAS]) as addresses:
             endpoints = workdir / "endpoints.yaml"
             listed = [
                 {"tier": "only", "address": a, "kvEventsPort": pub, "kvReplayPort": replay}
@@ -185,6 +188,7 @@ def main() -> None:
     only = set(args.scenarios.split(",")) if args.scenarios else None
     started = time.monotonic()
     results = []
+    path = None
     with tempfile.TemporaryDirectory() as tmp:
         for scenario in scenarios(args.quick, args.seed):
             if only is not None and scenario.key not in only:
@@ -198,6 +202,7 @@ def main() -> None:
                     "rows": rows,
                 }
             )
+            path = save_results(args.seed, results, time.monotonic() - started)
     for result in results:
         ceiling = result["unbounded_cache_hit_rate"]
         print(f"\n{result['scenario']} ({result['kv_blocks']} KV blocks an engine; "
@@ -211,19 +216,23 @@ def main() -> None:
                 f"{r['arm']:18} {r['hit_rate']:>8.3f} {p50:>9} {p95:>9} "
                 f"{r['decided_by_events']:>6.2f} {r['requests_per_replica']!s:>18}"
             )
-    path = save(
-        "router_kv_events",
+    print(f"wrote {path}")
+
+
+def save_results(seed: int, results: list[Any], wall_s: float) -> Path:
+    """Written after every scenario, so a run cut short keeps what it measured."""
+    return save(
+        "router_kv_events" if seed == 11 else f"router_kv_events_seed{seed}",
         {
             "benchmark": "router_kv_events",
             "machine": machine(),
-            "seed": args.seed,
+            "seed": seed,
             "engines": f"{REPLICAS} reference engines, preset 'small', max-num-seqs 4, "
             "16-token KV blocks, publishing vLLM KV events",
             "results": results,
-            "wall_s": time.monotonic() - started,
+            "wall_s": wall_s,
         },
     )
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -296,9 +296,17 @@ def pin(cpus: set[int]) -> set[int]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free loopback ports, all held open while they are chosen (picked one
+    at a time, the OS may hand the same port out twice)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
 
 
 def wait_port(port: int, timeout_s: float = 30.0) -> None:
