@@ -68,7 +68,8 @@ def test_example_serves_every_tier_locally(example: Path, tmp_path: Path) -> Non
         max_replicas_per_role=MAX_REPLICAS_PER_ROLE,
     )
     ports = fleet.ports()
-    assert len(ports) == len(set(ports.values())) == 1 + sum(engines.values())
+    # The router, and per engine its HTTP port and its KV-event publisher and replay ports.
+    assert len(ports) == len(set(ports.values())) == 1 + 3 * sum(engines.values())
     with (
         fleet,
         openai.OpenAI(base_url=fleet.endpoint, api_key="unused", max_retries=0) as client,
