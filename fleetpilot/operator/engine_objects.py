@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fleetpilot.api import InferenceService, ResolvedRole
+from fleetpilot.api.spec import HuggingFaceSource
 from fleetpilot.engine.vllm_args import (
     ENGINE_PORT,
     MODEL_MOUNT,
@@ -36,18 +37,18 @@ def engine_labels(service: InferenceService, role: ResolvedRole) -> dict[str, st
     }
 
 
+def hub_token_env(hub: HuggingFaceSource | None) -> list[K8sObject]:
+    """``HF_TOKEN`` from the source's Secret, if it names one (never the token itself)."""
+    if hub is None or hub.token_secret_ref is None:
+        return []
+    ref = hub.token_secret_ref
+    return [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+
+
 def _env(service: InferenceService, role: ResolvedRole) -> list[K8sObject]:
     tier = role.tier
     env: list[K8sObject] = [{"name": "HF_HOME", "value": f"{CACHE_MOUNT}/huggingface"}]
-    hf = tier.model.source.huggingface
-    if hf is not None and hf.token_secret_ref is not None:
-        ref = hf.token_secret_ref
-        env.append(
-            {
-                "name": "HF_TOKEN",
-                "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
-            }
-        )
+    env += hub_token_env(tier.model.source.huggingface)
     if role.disaggregated:
         # The KV connector advertises this address to its peers for the block hand-off.
         env.append(

@@ -16,6 +16,7 @@ from fleetpilot.api.router_config import (
 from fleetpilot.api.spec import Tier
 from fleetpilot.engine.vllm_args import ENGINE_PORT, launch_for
 from fleetpilot.kube import names
+from fleetpilot.operator.engine_objects import hub_token_env
 from fleetpilot.operator.plan_types import K8sObject, PlanOptions, object_meta
 
 ROUTER_PORT = 8000
@@ -66,21 +67,14 @@ def tokenizer_ref(tier: Tier) -> str | None:
     return f"hf://{tier.model.name}@{revision or 'main'}"
 
 
-def tokenizer_env(service: InferenceService) -> list[dict[str, object]]:
+def tokenizer_env(service: InferenceService) -> list[K8sObject]:
     """The Hub cache directory, and the Hub token of the first tier that names one (from its
     Secret, never in the config): tiers of one service are expected to share a token."""
-    env: list[dict[str, object]] = [{"name": "HF_HUB_CACHE", "value": TOKENIZER_CACHE}]
+    env: list[K8sObject] = [{"name": "HF_HUB_CACHE", "value": TOKENIZER_CACHE}]
     for tier in service.spec.tiers:
-        hub = tier.model.source.huggingface
-        if hub is not None and hub.token_secret_ref is not None:
-            ref = hub.token_secret_ref
-            env.append(
-                {
-                    "name": "HF_TOKEN",
-                    "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
-                }
-            )
-            break
+        token = hub_token_env(tier.model.source.huggingface)
+        if token:
+            return env + token
     return env
 
 
