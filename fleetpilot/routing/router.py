@@ -116,16 +116,24 @@ class Route:
     prefix_match: float = 0.0
     score: float | None = None
     spilled_from: str | None = None
-    hashes: list[int] = field(default_factory=list)
     # Prompt blocks the prefilling replica (unified, or the P/D prefill one) is predicted not
     # to cache: the prefill work this request adds there until its first token.
     prefill_blocks: int = 0
-    # What judged the prefilling replica's cache: "events" (its engine's KV events) or
-    # "guessed" (this router's record of what it sent there).
-    prefix_source: str = "guessed"
     # The tier has a tokenizer but this prompt could not be tokenized (counted by the proxy).
     tokenizer_failed: bool = False
+    # What the prefilling replica's pick knew of the prompt (a retry picks with it again).
     request: PickRequest = field(default_factory=PickRequest)
+
+    @property
+    def hashes(self) -> Sequence[int]:
+        """The prompt's guessed-index block hashes."""
+        return self.request.hashes
+
+    @property
+    def prefix_source(self) -> str:
+        """What judged the prefilling replica's cache: "events" (its engine's KV events) or
+        "guessed" (this router's record of what it sent there)."""
+        return "events" if self.request.known else "guessed"
 
     @property
     def disaggregated(self) -> bool:
@@ -390,9 +398,7 @@ class Router:
                 prefix_match=matched / len(hashes) if hashes else 0.0,
                 score=target.score,
                 spilled_from=spilled,
-                hashes=hashes,
                 prefill_blocks=round(len(hashes) - matched),
-                prefix_source="events" if request.known else "guessed",
                 tokenizer_failed=keys.failed,
                 request=request,
             )
@@ -411,9 +417,7 @@ class Router:
             prefix_match=matched / len(hashes) if hashes else 0.0,
             score=target.score,
             spilled_from=spilled,
-            hashes=hashes,
             prefill_blocks=round(len(hashes) - matched),
-            prefix_source="events" if request.known else "guessed",
             tokenizer_failed=keys.failed,
             request=request,
         )
