@@ -69,9 +69,13 @@ class Endpoint:
     kv: KVPorts | None = None
 
     @property
+    def url_host(self) -> str:
+        """The host as it stands before ``:port`` in an address (IPv6 bracketed)."""
+        return f"[{self.host}]" if ":" in self.host else self.host
+
+    @property
     def id(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
+        return f"{self.url_host}:{self.port}"
 
     @property
     def base_url(self) -> str:
@@ -82,7 +86,7 @@ class Endpoint:
         a replica that publishes no events."""
         if self.kv is None:
             return {}
-        host = f"[{self.host}]" if ":" in self.host else self.host
+        host = self.url_host
         replay = self.kv.replay
         return {
             kv_stream_id(self.id, r): (
