@@ -44,6 +44,7 @@ from router_prefix_workloads import (
     drive,
     multi_tenant_trace,
     oracle_hit_rate,
+    print_rows,
     served_per_replica,
     shared_prompt_trace,
     summary,
@@ -207,15 +208,7 @@ def main() -> None:
         ceiling = result["unbounded_cache_hit_rate"]
         print(f"\n{result['scenario']} ({result['kv_blocks']} KV blocks an engine; "
               f"one unbounded cache: {ceiling:.3f})")  # fmt: skip
-        head = ("arm", "hit rate", "TTFT p50", "TTFT p95", "events", "per replica")
-        print("{:18} {:>8} {:>9} {:>9} {:>6} {:>18}".format(*head))
-        for r in result["rows"]:
-            p50 = f"{r['ttft_p50_ms']:.0f}ms" if r["ttft_p50_ms"] is not None else "-"
-            p95 = f"{r['ttft_p95_ms']:.0f}ms" if r["ttft_p95_ms"] is not None else "-"
-            print(
-                f"{r['arm']:18} {r['hit_rate']:>8.3f} {p50:>9} {p95:>9} "
-                f"{r['decided_by_events']:>6.2f} {r['requests_per_replica']!s:>18}"
-            )
+        print_rows(result["rows"], "events", "decided_by_events", 18)
     print(f"wrote {path}")
 
 

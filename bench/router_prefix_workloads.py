@@ -268,6 +268,19 @@ async def run_arm(arm: str, trace: Sequence[Conversation], addresses: list[str])
     return summary(arm, driven, per_replica)
 
 
+def print_rows(rows: Sequence[dict[str, Any]], extra: str, key: str, arm_width: int) -> None:
+    """One scenario's arms as a table; ``extra`` heads the column of each row's ``key``."""
+    head = ("arm", "hit rate", "TTFT p50", "TTFT p95", extra, "per replica")
+    print(f"{{:{arm_width}}} {{:>8}} {{:>9}} {{:>9}} {{:>6}} {{:>18}}".format(*head))
+    for r in rows:
+        p50 = f"{r['ttft_p50_ms']:.0f}ms" if r["ttft_p50_ms"] is not None else "-"
+        p95 = f"{r['ttft_p95_ms']:.0f}ms" if r["ttft_p95_ms"] is not None else "-"
+        print(
+            f"{r['arm']:{arm_width}} {r['hit_rate']:>8.3f} {p50:>9} {p95:>9} {r[key]:>6.2f} "
+            f"{r['requests_per_replica']!s:>18}"
+        )
+
+
 def oracle_hit_rate(trace: Sequence[Conversation]) -> float:
     """The hit rate of one unbounded cache: every prompt block seen before is a hit."""
     seen: set[int] = set()
@@ -332,15 +345,7 @@ def main() -> None:
     for result in results:
         ceiling = result["unbounded_cache_hit_rate"]
         print(f"\n{result['scenario']} (one unbounded cache: {ceiling:.3f})")
-        head = ("arm", "hit rate", "TTFT p50", "TTFT p95", "req/s", "per replica")
-        print("{:15} {:>8} {:>9} {:>9} {:>6} {:>18}".format(*head))
-        for r in result["rows"]:
-            p50 = f"{r['ttft_p50_ms']:.0f}ms" if r["ttft_p50_ms"] is not None else "-"
-            p95 = f"{r['ttft_p95_ms']:.0f}ms" if r["ttft_p95_ms"] is not None else "-"
-            print(
-                f"{r['arm']:15} {r['hit_rate']:>8.3f} {p50:>9} {p95:>9} {r['req_per_s']:>6.2f} "
-                f"{r['requests_per_replica']!s:>18}"
-            )
+        print_rows(result["rows"], "req/s", "req_per_s", 15)
     path = save(
         "router_prefix_workloads",
         {
