@@ -261,15 +261,14 @@ async def stream_ttft(
     session: aiohttp.ClientSession, url: str, messages: list[dict[str, str]]
 ) -> tuple[int, float | None, str]:
     """One streamed chat request: its status, TTFT (the first token's chunk, not a role-only
-    chunk some servers send at once) and the answer's text."""
+    chunk some servers send at once) and the answer's text (an error's body)."""
     body = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, "stream": True}  # fmt: skip
     sent = time.perf_counter()
     ttft, answer = None, []
     async with session.post(url, json=body) as resp:
         if resp.status != 200:
-            await resp.read()
-            return resp.status, None, ""
+            return resp.status, None, (await resp.read()).decode(errors="replace")
         async for raw in resp.content:
             line = raw.strip()
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -330,7 +329,7 @@ async def run_policy(policy: str, addresses: list[str]) -> dict[str, Any]:
                 statuses[status] = statuses.get(status, 0) + 1
                 if ttft is not None:
                     ttfts.append(ttft)
-                messages.append({"role": "assistant", "content": answer})
+                messages.append({"role": "assistant", "content": answer if status == 200 else ""})
 
         async def worker() -> None:
             while queue:

@@ -189,6 +189,7 @@ class Driven:
     wall_s: float
     hits: float  # the engines' prefix-cache hits and queries over the trace, in tokens
     queries: float
+    errors: dict[int, str]  # the first error body per status, to say what failed
 
 
 async def drive(trace: Sequence[Conversation], urls: Sequence[str], addresses: list[str]) -> Driven:
@@ -196,6 +197,7 @@ async def drive(trace: Sequence[Conversation], urls: Sequence[str], addresses: l
     alternating between router replicas)."""
     ttfts: list[float] = []
     statuses: dict[int, int] = {}
+    errors: dict[int, str] = {}
     sent = 0
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -212,6 +214,9 @@ async def drive(trace: Sequence[Conversation], urls: Sequence[str], addresses: l
                 sent += 1
                 status, ttft, answer = await stream_ttft(session, url, messages)
                 statuses[status] = statuses.get(status, 0) + 1
+                if status != 200:
+                    errors.setdefault(status, answer[:300])
+                    answer = ""
                 if ttft is not None:
                     ttfts.append(ttft)
                 messages.append({"role": "assistant", "content": answer})
@@ -222,7 +227,7 @@ async def drive(trace: Sequence[Conversation], urls: Sequence[str], addresses: l
         after = [await engine_counters(session, a) for a in addresses]
     hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
     queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
-    return Driven(ttfts, statuses, wall, hits, queries)
+    return Driven(ttfts, statuses, wall, hits, queries, errors)
 
 
 def summary(arm: str, driven: Driven, per_replica: list[int]) -> dict[str, Any]:
@@ -237,6 +242,7 @@ def summary(arm: str, driven: Driven, per_replica: list[int]) -> dict[str, Any]:
         "ttft_p95_ms": percentile(ttfts, 0.95) * 1e3 if ttfts else None,
         "req_per_s": requests / driven.wall_s,
         "requests_per_replica": per_replica,
+        **({"errors": {str(k): v for k, v in driven.errors.items()}} if driven.errors else {}),
     }
 
 

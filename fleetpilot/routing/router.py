@@ -46,7 +46,6 @@ from fleetpilot.routing.policies.load import (
 )
 from fleetpilot.routing.policies.picker import (
     CapacityFilter,
-    HeadroomFilter,
     HealthFilter,
     Pick,
     WeightedScorer,
@@ -229,11 +228,10 @@ class Router:
             )
         self._health_filter = HealthFilter()
         self._capacity_filter = CapacityFilter(config.backpressure.max_waiting_per_replica)
-        self._filters: list[Filter] = [
-            self._health_filter,
-            self._capacity_filter,
-            HeadroomFilter(),
-        ]
+        # No headroom filter: the prefill-cost scorer weighs a replica's queue against what
+        # its cache saves, where a filter dropped the caching replica at its first queued
+        # request and, on evicting engines, spread every tenant over every cache.
+        self._filters: list[Filter] = [self._health_filter, self._capacity_filter]
         load = LoadScorer(config.spillover.queue_threshold)
         prefix = PrefillCostScorer(self.prefix_index)
         self._affinity_scorers = [
@@ -449,12 +447,16 @@ class Router:
             return PickRequest(hashes, known), []
         held = self.kv_index.match_keys(chained)
         cached = {}
+        pressure = {}
         for r in group:
             blocks = max((held.get(s, 0) for s in r.kv_streams), default=0)
             blocks = max(blocks, self.recent.matched(r.id, chained, now))
             if blocks:
                 cached[r.id] = blocks / len(chained)
-        return PickRequest(hashes, known, cached), chained
+            evicting = max(map(self.kv_index.eviction_pressure, r.kv_streams))
+            if evicting:
+                pressure[r.id] = evicting
+        return PickRequest(hashes, known, cached, pressure), chained
 
     def _pick(
         self,

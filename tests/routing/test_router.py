@@ -8,7 +8,7 @@ import random
 import pytest
 
 from fleetpilot.api.router_config import EndpointGroup, RouterTier
-from fleetpilot.kv_events import BlockStored
+from fleetpilot.kv_events import BlockRemoved, BlockStored
 from fleetpilot.routing.discovery import StaticSource
 from fleetpilot.routing.errors import OverloadedError, UnavailableError
 from fleetpilot.routing.features import extract_features
@@ -266,3 +266,26 @@ def test_a_second_request_follows_the_first_before_the_engine_reports_it() -> No
     router.recent.confirm(first.replica.id, keys)  # stored, then evicted: the index is empty
     third = router.decide(features)
     assert third.prefix_match == 0.0
+
+
+def test_a_queued_request_leaves_its_cache_for_one_with_room_but_not_for_evicting_ones() -> None:
+    """Replica 1 caches the prompt and its engine reports a request waiting: with room
+    elsewhere the prompt is computed afresh there (a cold prefill beats waiting behind a whole
+    one); when the others' engines are evicting (their events pair every store with a removal),
+    a miss there would push other prefixes out too, so the prompt waits where it is cached."""
+    streams = ("10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1")
+    features = extract_features({"messages": CHAT}, "chat")
+    roomy = kv_router(Live(*streams))
+    engine_caches(roomy, streams[0], CHAT)
+    scrape(roomy, streams[0], waiting=1.0, at=roomy.clock())
+    assert roomy.decide(features).replica.id != streams[0]
+
+    pressed = kv_router(Live(*streams))
+    for n, stream in enumerate(streams[1:]):
+        base = 10_000 * (n + 1)
+        churn = [BlockStored([base + i], None, [i] * BS, BS, None, "GPU", None) for i in range(300)]
+        pressed.kv_index.apply(stream, churn)
+        pressed.kv_index.apply(stream, [BlockRemoved([base + i], "GPU") for i in range(300)])
+    engine_caches(pressed, streams[0], CHAT)
+    scrape(pressed, streams[0], waiting=1.0, at=pressed.clock())
+    assert pressed.decide(features).replica.id == streams[0]

@@ -59,9 +59,17 @@ MAX_MATCH_BLOCKS = 8192
 # outside the LRU's reach.
 MAX_ALIASES = 4
 
+# The memory of a replica's eviction pressure, in block events: each stored or removed block
+# moves it this fraction towards 0 or 1. A few prompts' worth of blocks, so the pressure says
+# what the engine does now (evicting or still filling), not what it did an hour ago; counted in
+# events rather than seconds, so a replica nobody sends to keeps the pressure it had - its cache
+# is as full as when it went quiet.
+EVICTION_MEMORY_BLOCKS = 256
+
 KEY_BYTES = 16
 # The parent key of a prompt's first block.
 ROOT = bytes(KEY_BYTES)
+_KEEP = 1.0 - 1.0 / EVICTION_MEMORY_BLOCKS
 _NO_LORA = (0xFFFFFFFF).to_bytes(4, "little")
 _BIG_ENDIAN = sys.byteorder == "big"
 
@@ -123,6 +131,8 @@ class _Replica:
     hashes: dict[BlockHash, bytes] = field(default_factory=dict)  # engine hash -> key
     keys: dict[bytes, list[BlockHash]] = field(default_factory=dict)  # key -> engine hashes
     block_size: int | None = None
+    # Moving share of removals among the replica's recent block events, in [0, 1).
+    removals: float = 0.0
 
 
 @dataclass
@@ -203,6 +213,17 @@ class KVIndex:
         rep = self._replicas.get(replica)
         return rep.block_size if rep is not None else None
 
+    def eviction_pressure(self, replica: str) -> float:
+        """How hard the replica's engine is evicting now, in [0, 1]: 0 while its cache still has
+        free blocks (it only stores), 1 once every block it stores displaces a cached one (as
+        many removals as stores). An engine emits ``BlockRemoved`` only when it reuses a cached
+        block for new content, so removals are evictions, never a finished request's free.
+
+        What a prompt sent where it is not cached costs beyond its own prefill: on a replica
+        under pressure its blocks evict other prompts' prefixes, whose next requests miss."""
+        rep = self._replicas.get(replica)
+        return min(1.0, 2.0 * rep.removals) if rep is not None else 0.0
+
     def snapshot(self) -> dict[str, frozenset[bytes]]:
         """Per replica, the content keys it holds (tests compare indexes built two ways)."""
         return {rid: frozenset(rep.keys) for rid, rep in self._replicas.items() if rep.keys}
@@ -280,6 +301,7 @@ class KVIndex:
                 f"{count} blocks of {event.block_size} tokens carry {len(event.token_ids)} tokens"
             )
         rep = self._replica(replica)
+        rep.removals *= _KEEP**count
         if event.parent_block_hash is None:
             parent = ROOT
         else:
@@ -307,6 +329,8 @@ class KVIndex:
         if rep is None:
             self.stats.unknown_removed += len(event.block_hashes)
             return
+        keep = _KEEP ** len(event.block_hashes)
+        rep.removals = rep.removals * keep + 1.0 - keep
         for engine_hash in event.block_hashes:
             key = rep.hashes.get(engine_hash)
             if key is None:
@@ -330,6 +354,7 @@ class KVIndex:
         self._blocks -= len(rep.hashes)
         rep.hashes = {}
         rep.keys = {}
+        rep.removals = 0.0  # an empty cache has room
 
     def drop(self, replica: str) -> None:
         """Forget a replica that left (its cache went with it); its slot is reused."""
@@ -411,6 +436,7 @@ class KVIndex:
 
 __all__ = [
     "DEFAULT_MAX_BLOCKS",
+    "EVICTION_MEMORY_BLOCKS",
     "MAX_ALIASES",
     "MAX_MATCH_BLOCKS",
     "ROOT",

@@ -135,17 +135,23 @@ class PrefixScorer:
 
 class PrefillCostScorer:
     """Scorer: how soon the replica could start this request's first token, relative to the
-    others - the prefill work ahead of it there (``pending_prefill``) plus the part of its
-    prompt the replica does not cache, in blocks. The cheapest scores 1; each other replica
-    loses what it costs more, measured in this request's prompt (a whole prompt more: 0), so a
-    block's difference is a small nudge that load can outweigh, not a verdict.
+    others, in blocks of prefill: the work ahead of it there plus the part of its prompt the
+    replica does not cache. The cheapest scores 1; each other replica loses what it costs
+    more, measured in this request's prompt (a whole prompt more: 0), so a block's difference
+    is a small nudge that load can outweigh, not a verdict.
 
-    Cache affinity and prefill load in one currency: a replica caching the prompt wins while
-    its queue of prefills is short, and loses to an idle one once the prefills it would wait
-    behind cost more than computing the prompt afresh elsewhere. So a hot tenant's concurrent
-    requests stay where their prefix is (each costs little there), and one system prompt
-    shared by every user spreads as soon as its replica's prefill queue outgrows the shared
-    part - without a cap on any replica's share of the traffic.
+    The work ahead is the larger of this router's own prefills still running there
+    (``pending_prefill``, exact but blind to other router replicas) and the engine's queue
+    (``ReplicaView.ahead``: every client's, a scrape old) at about one prompt like this one a
+    request. Uncached blocks cost ``1 + pressure``: on a replica whose engine is evicting
+    (``PickRequest.pressure``, from its KV events) a miss also pushes other prompts' prefixes
+    out, and their next requests pay for it again.
+
+    Cache affinity and load in one currency, without a hard filter: a hot tenant's concurrent
+    requests stay where their prefix is while the queue there costs less than computing the
+    prompt afresh elsewhere, and spread once it costs more - sooner onto a replica with room,
+    later onto one that would have to evict for it; one system prompt shared by every user
+    spreads as soon as its replica's queue outgrows the shared part.
     """
 
     name = "prefill-cost"
@@ -155,8 +161,10 @@ class PrefillCostScorer:
 
     def score(self, request: PickRequest, replicas: Sequence[ReplicaView]) -> dict[str, float]:
         total = len(request.hashes)
+        pressure = request.pressure
         costs = {
-            v.id: v.pending_prefill + total - matched_blocks(self.index, request, v.id)
+            v.id: max(v.pending_prefill, v.ahead * total)
+            + (1.0 + pressure.get(v.id, 0.0)) * (total - matched_blocks(self.index, request, v.id))
             for v in replicas
         }
         best = min(costs.values(), default=0.0)

@@ -33,6 +33,12 @@ class ReplicaView:
         """Requests waiting for a batch slot, by the engine's count or by ours."""
         return max(self.waiting, float(self.in_flight - self.max_num_seqs))
 
+    @property
+    def ahead(self) -> float:
+        """Requests a new one would wait behind before it runs: the queue, or one when the
+        batch is full (it waits for a running request to finish)."""
+        return max(self.queued, self.demand + 1.0 - self.max_num_seqs, 0.0)
+
 
 @dataclass(frozen=True, slots=True)
 class PickRequest:
@@ -45,6 +51,9 @@ class PickRequest:
     # ``hashes``.
     known: frozenset[str] = frozenset()
     cached: Mapping[str, float] = field(default_factory=dict)
+    # Of the known replicas, how hard each engine is evicting now, in [0, 1]
+    # (``KVIndex.eviction_pressure``; absent: not evicting, or not known).
+    pressure: Mapping[str, float] = field(default_factory=dict)
 
 
 class Filter(Protocol):

@@ -213,3 +213,22 @@ def test_chain_keys_are_stable_and_only_full_blocks_count() -> None:
     assert first.hexdigest() == "0f731fdc1a733926c0f35e0194e92227"
     with pytest.raises(ValueError, match="block_size"):
         chain_keys([1], 0)
+
+
+def test_eviction_pressure_rises_only_while_stores_displace_cached_blocks() -> None:
+    """A replica that only stores (its cache still has room) has no pressure; one whose every
+    stored block comes with a removal (a full cache evicting) nears 1; a clear (an empty cache)
+    resets it, and an unknown replica has none."""
+    index = KVIndex()
+    filling = [stored([i], [i, i, i, i]) for i in range(1, 400)]
+    index.apply("a", filling)
+    assert index.eviction_pressure("a") == 0.0
+    for i in range(400, 1000):
+        index.apply("a", [stored([i], [i, i, i, i]), BlockRemoved([i - 399], "GPU")])
+    assert index.eviction_pressure("a") > 0.95
+    for i in range(1000, 1256):  # room again: stores without removals
+        index.apply("a", [stored([i], [i, i, i, i])])
+    assert 0.2 < index.eviction_pressure("a") < 0.8
+    index.apply("a", [AllBlocksCleared()])
+    assert index.eviction_pressure("a") == 0.0
+    assert index.eviction_pressure("never-seen") == 0.0

@@ -125,6 +125,26 @@ def test_prefill_cost_prefers_the_cached_replica_while_its_prefill_queue_is_shor
     assert loaded["b"] > loaded["a"]
 
 
+def test_prefill_cost_weighs_the_engines_queue_against_what_the_cache_saves() -> None:
+    """Another router's requests queued at the caching replica are seen only in its scraped
+    queue: one request ahead (about one prompt of prefill) still costs less than computing 9
+    of 10 blocks afresh only when the idle replica would have to evict for it; a full batch
+    counts as one ahead."""
+    index = PrefixIndex(100)
+    hashes = list(range(10))
+    index.record("a", hashes[:9])
+    scorer = PrefillCostScorer(index)
+    queued = [ReplicaView("a", 4, waiting=1.0, running=1.0), ReplicaView("b", 4)]
+    roomy = scorer.score(PickRequest(hashes), queued)
+    assert roomy["b"] > roomy["a"]  # 10 blocks ahead + 1 uncached vs 10 uncached
+    evicting = scorer.score(PickRequest(hashes, pressure={"b": 1.0}), queued)
+    assert evicting["a"] > evicting["b"]  # 11 vs 20: a miss on b evicts another prefix
+    full = [ReplicaView("a", 4, running=4.0), ReplicaView("b", 4)]
+    assert [v.ahead for v in full] == [1.0, 0.0]
+    scores = scorer.score(PickRequest(hashes), full)
+    assert scores["b"] > scores["a"]
+
+
 def test_prefill_cost_scores_lie_in_the_unit_interval_and_tie_when_all_are_free() -> None:
     """Scores stay in [0, 1] (the picker's contract), the cheapest gets 1; with no prompt and
     nothing pending every replica ties, so load and the tie-break decide."""
