@@ -43,7 +43,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from router_support import ROOT, free_ports, machine, percentile, save, wait_port
+from router_support import ROOT, free_ports, machine, percentile, save, wait_healthy
 
 from fleetpilot.api.router_config import RouterConfig
 from fleetpilot.kv_events import kv_events_config
@@ -196,7 +196,7 @@ def engines(
     ]
     try:
         for p in ports:
-            wait_port(p, 120)
+            wait_healthy(p, 120)
         yield [f"127.0.0.1:{p}" for p in ports]
     finally:
         for proc in procs:

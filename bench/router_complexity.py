@@ -33,7 +33,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from router_support import ROOT, free_port, machine, percentile, save, wait_port
+from router_support import ROOT, free_port, machine, percentile, save, wait_healthy
 
 from fleetpilot.api.router_config import RouterConfig
 from fleetpilot.routing.app import ROUTER_APP, build_app
@@ -81,7 +81,7 @@ def engine(model: str, preset: str, *extra: str) -> Iterator[str]:
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        wait_port(port, 120)
+        wait_healthy(port, 120)
         yield f"127.0.0.1:{port}"
     finally:
         proc.terminate()

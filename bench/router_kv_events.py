@@ -21,13 +21,18 @@ Engines: 4 reference engines (preset 'small', max-num-seqs 4, 16-token blocks), 
 each, or 128 in the eviction scenario (two tenants' system prompts). The machine has 2 shared
 cores: compare arms within one run, not across runs.
 
-Run: .venv/bin/python bench/router_kv_events.py [--quick] [--seed N] [--arms a,b]
+``--busy``: the same with another process spinning on one of the two cores, so the engines
+fall behind the arrivals and queue: where the choice between a replica's queue and a cold
+prefill elsewhere matters most. Saved apart (``router_kv_events_busy*.json``).
+
+Run: .venv/bin/python bench/router_kv_events.py [--quick] [--seed N] [--arms a,b] [--busy]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 import tempfile
 import time
@@ -50,7 +55,7 @@ from router_prefix_workloads import (
     summary,
     use_arm,
 )
-from router_support import free_ports, machine, save
+from router_support import busy_core, free_ports, machine, save
 
 from fleetpilot.api.router_config import RouterConfig
 from fleetpilot.routing.app import ROUTER_APP, build_app
@@ -184,6 +189,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--arms", help="comma-separated subset of arms")
     parser.add_argument("--scenarios", help="comma-separated subset of low,high,shared,evicting")
+    parser.add_argument("--busy", action="store_true", help="another process spins on a core")
     args = parser.parse_args()
     wanted = set(args.arms.split(",")) if args.arms else None
     only = set(args.scenarios.split(",")) if args.scenarios else None
@@ -194,7 +200,8 @@ def main() -> None:
         for scenario in scenarios(args.quick, args.seed):
             if only is not None and scenario.key not in only:
                 continue
-            rows = run_scenario(scenario, wanted, Path(tmp))
+            with busy_core() if args.busy else contextlib.nullcontext():
+                rows = run_scenario(scenario, wanted, Path(tmp))
             results.append(
                 {
                     "scenario": scenario.name,
@@ -203,7 +210,7 @@ def main() -> None:
                     "rows": rows,
                 }
             )
-            path = save_results(args.seed, results, time.monotonic() - started)
+            path = save_results(args.seed, args.busy, results, time.monotonic() - started)
     for result in results:
         ceiling = result["unbounded_cache_hit_rate"]
         print(f"\n{result['scenario']} ({result['kv_blocks']} KV blocks an engine; "
@@ -212,13 +219,15 @@ def main() -> None:
     print(f"wrote {path}")
 
 
-def save_results(seed: int, results: list[Any], wall_s: float) -> Path:
+def save_results(seed: int, busy: bool, results: list[Any], wall_s: float) -> Path:
     """Written after every scenario, so a run cut short keeps what it measured."""
+    name = "router_kv_events_busy" if busy else "router_kv_events"
     return save(
-        "router_kv_events" if seed == 11 else f"router_kv_events_seed{seed}",
+        name if seed == 11 else f"{name}_seed{seed}",
         {
             "benchmark": "router_kv_events",
             "machine": machine(),
+            "busy_core": busy,
             "seed": seed,
             "engines": f"{REPLICAS} reference engines, preset 'small', max-num-seqs 4, "
             "16-token KV blocks, publishing vLLM KV events",

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -318,6 +319,20 @@ def wait_port(port: int, timeout_s: float = 30.0) -> None:
     raise RuntimeError(f"nothing listens on port {port}")
 
 
+def wait_healthy(port: int, timeout_s: float = 120.0) -> None:
+    """Until the server on ``port`` answers ``/health`` with 200: an engine listens before
+    its model is loaded, and answers 503 ("starting") until then."""
+    deadline = time.monotonic() + timeout_s
+    wait_port(port, timeout_s)
+    while time.monotonic() < deadline:
+        url = f"http://127.0.0.1:{port}/health"
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as resp:
+            if resp.status == 200:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"the server on port {port} did not become healthy")
+
+
 @contextlib.contextmanager
 def process(argv: list[str], cpus: set[int] | None, port: int) -> Iterator[subprocess.Popen[bytes]]:
     """A child process pinned to ``cpus``, waited for on ``port``, killed afterwards."""
@@ -343,6 +358,18 @@ def process(argv: list[str], cpus: set[int] | None, port: int) -> Iterator[subpr
 
 def echo_process(port: int, cpus: set[int] | None) -> contextlib.AbstractContextManager[Any]:
     return process([sys.executable, str(Path(__file__)), "echo", "--port", str(port)], cpus, port)
+
+
+@contextlib.contextmanager
+def busy_core() -> Iterator[None]:
+    """Another process spinning on one core for the duration: the engines run slower than
+    the trace's arrivals, so replicas queue (a fleet at its limit, or a noisy neighbour)."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait(10)
 
 
 def save(name: str, data: dict[str, Any]) -> Path:
