@@ -20,9 +20,9 @@ Arms (the same router process; only the replica-choice plugins change):
   bounded-load cap (c = 1.25);
 - ``headroom``: the cap replaced by a filter that bites on what hurts a request (waiting
   requests, KV pressure, a batch at ``max_num_seqs``), the same prefix + load scorers;
-- ``prefill-cost``: the router's defaults now - the headroom filter, and instead of the prefix
-  scorer one that weighs the blocks a replica would have to prefill (its uncached part of the
-  prompt plus the prefills it is still working on) against the others';
+- ``prefill-cost``: the router's defaults now - no filter beyond health and capacity, and
+  instead of the prefix scorer one that weighs the blocks a replica would have to prefill (its
+  uncached part of the prompt plus the work queued ahead there) against the others';
 - ``longest-prefix``: pure longest-prefix match, least load only to break ties
   (production-stack's ``prefixaware`` idea, the strongest simple baseline);
 - ``round-robin``;
