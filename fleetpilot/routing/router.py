@@ -64,6 +64,14 @@ from fleetpilot.routing.tokenize import TokenizerError
 log = logging.getLogger(__name__)
 
 
+# A tie is broken by the key of a block this far past the deepest match in the fleet: far
+# enough to clear a chat template's header, which every prompt shares (the reference
+# template's is one 16-token block, Llama 3's about two) and a cold fleet caches nowhere
+# yet, and near enough to stay inside a tenant's system prompt or a user's own history, so
+# the requests that will share a prefix break their ties alike.
+TIE_KEY_LOOKAHEAD_BLOCKS = 4
+
+
 class PromptKeys(Protocol):
     """A tier model's tokenizer as the router uses it (``tokenize.RequestTokenizer``)."""
 
@@ -448,15 +456,20 @@ class Router:
         held = self.kv_index.match_keys(chained)
         cached = {}
         pressure = {}
+        deepest = 0
         for r in group:
             blocks = max((held.get(s, 0) for s in r.kv_streams), default=0)
             blocks = max(blocks, self.recent.matched(r.id, chained, now))
+            deepest = max(deepest, blocks)
             if blocks:
                 cached[r.id] = blocks / len(chained)
             evicting = max(map(self.kv_index.eviction_pressure, r.kv_streams))
             if evicting:
                 pressure[r.id] = evicting
-        return PickRequest(hashes, known, cached, pressure), chained
+        # The KV-index keys are content hashes, the same in every router replica (the guessed
+        # index's are salted per process), so only here can a tie be broken alike everywhere.
+        tie_key = chained[min(deepest + TIE_KEY_LOOKAHEAD_BLOCKS, len(chained) - 1)]
+        return PickRequest(hashes, known, cached, pressure, tie_key), chained
 
     def _pick(
         self,

@@ -158,7 +158,7 @@ class Live:
         return stream in self.streams
 
 
-def kv_router(live: Live, *, kv: bool = True, data_parallel: int = 1) -> Router:
+def kv_router(live: Live, *, kv: bool = True, data_parallel: int = 1, seed: int = 0) -> Router:
     """Three unified replicas whose engines publish KV events, with the reference tokenizer."""
     group = grp("unified", "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1", seqs=8)
     if kv:
@@ -169,7 +169,7 @@ def kv_router(live: Live, *, kv: bool = True, data_parallel: int = 1) -> Router:
         [RouterTier(name="small", model="sm", up_to=1.0, mode="unified", endpoints=[group],
                     tokenizer=str(REFERENCE_TOKENIZER))]
     )  # fmt: skip
-    router = Router(config, StaticSource(config), rng=random.Random(0), kv_live=live)
+    router = Router(config, StaticSource(config), rng=random.Random(seed), kv_live=live)
     router.tokenizers["small"] = TOKENIZER
     return router
 
@@ -289,3 +289,38 @@ def test_a_queued_request_leaves_its_cache_for_one_with_room_but_not_for_evictin
     engine_caches(pressed, streams[0], CHAT)
     scrape(pressed, streams[0], waiting=1.0, at=pressed.clock())
     assert pressed.decide(features).replica.id == streams[0]
+
+
+def test_router_replicas_break_ties_alike_by_the_first_block_no_engine_holds() -> None:
+    """Two router replicas (different random seeds) on the same events: a cold tenant's prompt
+    lands on the same replica in both, keyed by its own first block, so its next request finds
+    it cached whichever router takes it; users sharing one cached system prompt spread by
+    their own first private block rather than piling onto one replica."""
+    streams = ("10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1")
+    routers = [kv_router(Live(*streams), seed=seed) for seed in (1, 2)]
+
+    def tenant(n: int) -> list[dict[str, str]]:
+        return [{"role": "system", "content": f"Tenant {n} desk. " * 12},
+                {"role": "user", "content": "hello"}]  # fmt: skip
+
+    def sent(router: Router, messages: list[dict[str, str]]) -> str:
+        """Route and count the request in flight, as the proxy does."""
+        route = router.decide(extract_features({"messages": messages}, "chat"))
+        route.replica.in_flight += 1
+        route.replica.pending_prefill += route.prefill_blocks
+        return route.replica.id
+
+    cold = [[sent(r, tenant(n)) for r in routers] for n in range(12)]
+    assert all(a == b for a, b in cold)
+    assert len({a for a, _ in cold}) > 1
+
+    routers = [kv_router(Live(*streams), seed=seed) for seed in (3, 4)]
+    for router in routers:
+        for stream in streams:
+            engine_caches(router, stream, CHAT[:1])
+    users = [
+        [sent(r, [CHAT[0], user]) for r in routers]
+        for user in ({"role": "user", "content": f"order {n} " * 20} for n in range(12))
+    ]
+    assert all(a == b for a, b in users)
+    assert len({a for a, _ in users}) > 1

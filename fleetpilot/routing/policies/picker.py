@@ -1,10 +1,12 @@
-"""Replica choice as a pipeline: filters, then weighted scorers in [0, 1], then the maximum
-with a random tie-break. Purely computational: the caller passes the plugin instances and the
-random generator, so the same inputs and seed always give the same pick.
+"""Replica choice as a pipeline: filters, then weighted scorers in [0, 1], then the maximum;
+a tie goes by the request's tie key (alike in every router replica) or at random. Purely
+computational: the caller passes the plugin instances and the random generator, so the same
+inputs and seed always give the same pick.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from collections.abc import Sequence
@@ -97,6 +99,14 @@ class BoundedLoadFilter:
         return kept if kept else list(replicas)
 
 
+def rendezvous_weight(key: bytes, replica_id: str) -> int:
+    """Highest-random-weight hashing: the replica with the largest weight for a key takes it.
+    Stable across processes (unlike ``hash``, salted per process), so every router replica
+    breaks a tie the same way; a replica leaving moves only the keys it held."""
+    digest = hashlib.blake2b(replica_id.encode() + b"\0" + key, digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
 @dataclass(frozen=True, slots=True)
 class WeightedScorer:
     scorer: Scorer
@@ -138,7 +148,12 @@ def pick(
                 totals[rid] += weighted.weight * min(1.0, max(0.0, value))
     best = max(totals.values())
     ties = [v for v in candidates if totals[v.id] >= best - TIE_EPSILON]
-    chosen = ties[0] if len(ties) == 1 else rng.choice(ties)
+    if len(ties) == 1:
+        chosen = ties[0]
+    elif request.tie_key is not None:
+        chosen = max(ties, key=lambda v: rendezvous_weight(request.tie_key or b"", v.id))
+    else:
+        chosen = rng.choice(ties)
     return Pick(
         replica=chosen,
         total=totals[chosen.id],

@@ -77,6 +77,25 @@ def test_ties_are_broken_at_random_over_all_tied() -> None:
     assert 200 < counts["a"] < 400
 
 
+def test_a_tie_key_breaks_ties_alike_whatever_the_random_state() -> None:
+    """With a tie key, the tied replica with the highest rendezvous weight wins in every
+    process; different keys still spread over all the tied replicas, and a replica leaving
+    moves only the keys it held."""
+    scorer = [WeightedScorer(Fixed("s", dict.fromkeys("abcd", 0.5)), 1.0)]
+
+    def chosen(key: bytes, ids: str, seed: int) -> str:
+        p = pick(PickRequest(tie_key=key), views(*ids), [], scorer, random.Random(seed))
+        assert p is not None
+        return p.replica.id
+
+    keys = [bytes([n]) * 16 for n in range(200)]
+    placed = {key: chosen(key, "abcd", 0) for key in keys}
+    assert all(chosen(key, "abcd", seed) == placed[key] for key in keys[:20] for seed in (1, 2))
+    assert all(30 < n < 70 for n in Counter(placed.values()).values())
+    without_d = {key: chosen(key, "abc", 0) for key in keys}
+    assert all(without_d[k] == placed[k] for k in keys if placed[k] != "d")
+
+
 def test_same_seed_same_pick() -> None:
     """Pure: the same inputs and seed give the same choice."""
     scorer = [WeightedScorer(Fixed("s", dict.fromkeys("abcd", 0.5)), 1.0)]
