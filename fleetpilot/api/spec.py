@@ -22,8 +22,11 @@ from fleetpilot.api.units import Duration, Quantity
 DNS_LABEL_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 DnsLabel = Annotated[str, StringConstraints(pattern=DNS_LABEL_PATTERN, max_length=63)]
 
-# The pinned engine release. Never `latest`: a rollout must be a spec change, not a pull.
-DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.33.0"
+# The pinned engine release. Never `latest`: a rollout must be a spec change, not a pull. The
+# pyproject's `vllm` extra (the contract tests' judge) and the engine Dockerfile pin the same
+# release; tests hold them to this constant.
+VLLM_VERSION = "0.33.0"
+DEFAULT_VLLM_IMAGE = f"vllm/vllm-openai:v{VLLM_VERSION}"
 MAX_TIERS = 8
 MAX_GPUS_PER_ENGINE = 64
 
