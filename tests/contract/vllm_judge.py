@@ -10,6 +10,19 @@ stdin, one JSON answer a line on stdout:
   serve subcommand's parser, its ``validate``, the positional model tag taking precedence), then
   build ``AsyncEngineArgs.from_cli_args``. Answer ``{"ok": true, "engine_args": {...}}`` (every
   field, nested configs as objects) or ``{"ok": false, "error": "<vLLM's message>"}``.
+- ``{"op": "metrics", "argv": [...], "num_gpu_blocks": N}``: the metric families vLLM's
+  Prometheus logger (``vllm/v1/metrics/loggers.py``, ``PrometheusStatLogger``) registers for
+  an engine started
+  with these ``vllm serve`` arguments (a local checkpoint folder the caller wrote: the config is
+  built as ``vllm serve`` builds it, ``EngineArgs.create_engine_config``; no weights are read),
+  with the cache-config info metric an engine registers once it found ``N`` KV blocks.
+  Answer ``{"ok": true, "families": {name: {"type", "labels", "buckets", "samples"}}}``.
+- ``{"op": "kv_decode", "payload": "<base64>"}``: a KV-event batch payload decoded with vLLM's
+  own structs (``vllm/distributed/kv_events.py``, ``KVEventBatch``) as its subscribers decode
+  it; answer the batch as builtins (each event with its ``type`` tag).
+- ``{"op": "kv_encode", "ts": ..., "events": [{"type": "BlockStored", ...}], "rank": ...}``:
+  the batch vLLM's publisher would send, built from vLLM's structs and encoded with its
+  encoder; answer ``{"ok": true, "payload": "<base64>"}``.
 - ``{"op": "version"}``: the installed vLLM's version.
 
 Nothing here is fleetpilot's: the script imports only vLLM and the standard library, so what it
@@ -19,6 +32,7 @@ answers is what the pinned vLLM release says.
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import dataclasses
 import io
@@ -47,6 +61,8 @@ def _jsonable(value: Any) -> Any:
         return [_jsonable(v) for v in value]
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if isinstance(value, bytes):  # block hashes
+        return value.hex()
     if hasattr(value, "value") and isinstance(value.value, (str, int)):  # enums
         return value.value
     return repr(value)
@@ -93,6 +109,89 @@ def serve(parser: _ServeParser, argv: list[str]) -> dict[str, Any]:
     return {"ok": True, "engine_args": _jsonable(engine_args)}
 
 
+def metrics(parser: _ServeParser, argv: list[str], num_gpu_blocks: int) -> dict[str, Any]:
+    """Every ``vllm:`` family the logger registers: type, label names (without ``le``),
+    histogram bucket bounds (without +Inf) and the sample names it exposes."""
+    from prometheus_client import REGISTRY
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    try:
+        config = AsyncEngineArgs.from_cli_args(parser.parse(argv)).create_engine_config()
+        stat_logger = PrometheusStatLogger(config, engine_indexes=[0])
+        # What the engine does once it has profiled memory: the info metric of the cache
+        # config, with the block count it found (given here: nothing is profiled).
+        config.cache_config.num_gpu_blocks = num_gpu_blocks
+        stat_logger.log_engine_initialized()
+    except Exception as error:
+        return {"ok": False, "error": f"{type(error).__name__}: {error}"}
+    families: dict[str, Any] = {}
+    for family in REGISTRY.collect():
+        if not family.name.startswith("vllm:"):
+            continue
+        labels: set[str] = set()
+        buckets: set[float] = set()
+        samples: set[str] = set()
+        for sample in family.samples:
+            if sample.name.endswith("_created"):  # prometheus_client's, not vLLM's
+                continue
+            samples.add(sample.name)
+            labels.update(k for k in sample.labels if k != "le")
+            if sample.name.endswith("_bucket") and sample.labels.get("le") != "+Inf":
+                buckets.add(float(sample.labels["le"]))
+        families[family.name] = {
+            "type": family.type,
+            "labels": sorted(labels),
+            "buckets": sorted(buckets),
+            "samples": sorted(samples),
+        }
+    return {"ok": True, "families": families}
+
+
+def kv_decode(payload_b64: str) -> dict[str, Any]:
+    import msgspec
+    from vllm.distributed.kv_events import KVEventBatch
+
+    try:
+        batch = msgspec.msgpack.Decoder(type=KVEventBatch).decode(base64.b64decode(payload_b64))
+    except Exception as error:
+        return {"ok": False, "error": f"{type(error).__name__}: {error}"}
+    builtins = msgspec.to_builtins(batch, builtin_types=(bytes,))  # [ts, events, rank?]
+    return {"ok": True, "batch": _jsonable(builtins)}
+
+
+def kv_encode(request: dict[str, Any]) -> dict[str, Any]:
+    import msgspec
+    from vllm.distributed import kv_events
+
+    kinds = {"BlockStored": kv_events.BlockStored, "BlockRemoved": kv_events.BlockRemoved,
+             "AllBlocksCleared": kv_events.AllBlocksCleared}  # fmt: skip
+    try:
+        events = []
+        for event in request["events"]:
+            fields = dict(event)
+            kind = kinds[fields.pop("type")]
+            for key in ("block_hashes", "parent_block_hash"):
+                if key in fields:  # JSON carries bytes hashes as hex strings
+                    fields[key] = _hashes_from_json(fields[key])
+            events.append(kind(**fields))
+        batch = kv_events.KVEventBatch(
+            ts=request["ts"], events=events, data_parallel_rank=request.get("rank")
+        )
+        payload = msgspec.msgpack.Encoder().encode(batch)
+    except Exception as error:
+        return {"ok": False, "error": f"{type(error).__name__}: {error}"}
+    return {"ok": True, "payload": base64.b64encode(payload).decode()}
+
+
+def _hashes_from_json(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_hashes_from_json(v) for v in value]
+    if isinstance(value, str):
+        return bytes.fromhex(value)
+    return value
+
+
 def main() -> None:
     logging.disable(logging.WARNING)
     import vllm
@@ -106,6 +205,12 @@ def main() -> None:
         op = request.get("op")
         if op == "serve":
             answer = serve(parser, list(request["argv"]))
+        elif op == "metrics":
+            answer = metrics(parser, list(request["argv"]), int(request["num_gpu_blocks"]))
+        elif op == "kv_decode":
+            answer = kv_decode(request["payload"])
+        elif op == "kv_encode":
+            answer = kv_encode(request)
         elif op == "version":
             answer = {"ok": True, "version": vllm.__version__}
         else:

@@ -14,8 +14,9 @@ Counters are declared without ``_total``: the exposition format appends it, so w
 shows is exactly vLLM's name (``vllm:prompt_tokens_total``). Every server has its own
 ``CollectorRegistry``: several servers share a process in tests and in the local fleet.
 
-Deviations from vLLM, on purpose: ``vllm:cache_config_info`` also carries ``model_name`` (vLLM
-labels it with the cache config and ``engine`` only); the ``vllm:spec_decode_*`` counters are
+Deviations from vLLM, on purpose: ``vllm:cache_config_info`` carries only the cache-config
+labels the reference engine has (vLLM labels it with every ``CacheConfig`` field; the contract
+test holds ours to a subset of vLLM's); the ``vllm:spec_decode_*`` counters are
 exposed (as 0) even without speculation, so every scrape has the same series; the
 ``fleetpilot:kv_transfer_*`` series are ours (vLLM's NIXL connector has its own, different ones).
 """
@@ -309,12 +310,13 @@ class _EngineStatsCollector(Collector):
         )
         info = m.cache_info()
         if info is not None:
-            # An info-style gauge fixed at 1, as vLLM emulates Info (multiprocess-safe).
-            names = ["model_name", "engine", *sorted(info)]
+            # An info-style gauge fixed at 1, as vLLM emulates Info (multiprocess-safe),
+            # labelled with the engine and (some of) the cache config, no model name.
+            names = ["engine", *sorted(info)]
             g = GaugeMetricFamily(
                 "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=names
             )
-            g.add_metric([*labels, *(info[k] for k in sorted(info))], 1)
+            g.add_metric([m.engine_index, *(info[k] for k in sorted(info))], 1)
             yield g
         fallbacks = CounterMetricFamily(
             "fleetpilot:kv_transfer_fallbacks",

@@ -25,18 +25,17 @@ from fleetpilot.engine.reference.kv_publisher import KVEventPublisher, KVEventsC
 from fleetpilot.engine.reference.settings import ConfigError, add_arguments, settings_from_args
 from fleetpilot.engine.reference.tokenizer import BOS_TOKEN_ID, ByteTokenizer
 from fleetpilot.kv_events import (
-    END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
     decode_batch,
     kv_events_config,
-    seq_bytes,
     seq_of,
 )
 from fleetpilot.runtime.processes import free_port
 from fleetpilot.testing.engine_server import BackgroundServer
+from tests.support.kv_replay import DEADLINE_S, connectable, replay
 
 BLOCK = 16
 TOPIC = "kv@test"
@@ -50,7 +49,6 @@ PROMPT_A = (
 PROMPT_B = (
     "Pack my box with five dozen liquor jugs, said the sphinx of black quartz to the judge, twice"
 )
-DEADLINE_S = 20.0
 
 
 def events_config(endpoint: str = "tcp://127.0.0.1:0", **extra: Any) -> str:
@@ -72,11 +70,6 @@ def publisher(bg: BackgroundServer) -> KVEventPublisher:
 def engine(bg: BackgroundServer) -> LLMEngine:
     assert bg.server.engine is not None
     return bg.server.engine
-
-
-def connectable(endpoint: str) -> str:
-    """A bound endpoint as a client reaches it (``tcp://0.0.0.0:P`` -> loopback)."""
-    return endpoint.replace("0.0.0.0", "127.0.0.1")
 
 
 def complete(bg: BackgroundServer, prompt: str, max_tokens: int = 2) -> dict[str, Any]:
@@ -149,33 +142,6 @@ def subscribe(ctx: zmq.Context[zmq.Socket[bytes]]) -> Iterator[Callable[[str], S
     yield make
     for sub in made:
         sub.sock.close(linger=0)
-
-
-def replay(
-    ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, start_seq: int
-) -> list[tuple[bytes, int, bytes]]:
-    """Ask the ROUTER socket for every batch from ``start_seq``: (topic, seq, payload) each,
-    up to (not including) the end marker."""
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(connectable(endpoint))
-    dealer.send_multipart([b"", seq_bytes(start_seq)])
-    out: list[tuple[bytes, int, bytes]] = []
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            assert left > 0, "the replay never ended"
-            if not dealer.poll(int(min(left, 0.2) * 1000)):
-                continue
-            empty, topic, seq, payload = dealer.recv_multipart()
-            assert empty == b""
-            if seq == END_SEQ:
-                assert (topic, payload) == (b"", b"")
-                return out
-            out.append((topic, seq_of(seq), payload))
-    finally:
-        dealer.close()
 
 
 def stored(events: list[Any]) -> list[BlockStored]:

@@ -1,0 +1,177 @@
+"""The metrics fleetpilot reads are vLLM's, and the reference engine exports them as vLLM does.
+
+vLLM's side is taken from its own Prometheus logger (``PrometheusStatLogger``), registered for
+an engine configured the way ``vllm serve`` configures one (a local checkpoint the test
+writes), not from a list kept here. fleetpilot's side is every ``vllm:`` name its readers hold
+(the router's scrape, the autoscaler's PromQL), found in their source. The reference engine's
+side is its live ``/metrics`` after real requests.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import fleetpilot
+from fleetpilot.engine.reference.checkpoint import save_checkpoint
+from fleetpilot.engine.reference.model import LlamaModel
+from fleetpilot.engine.reference.settings import MODEL_PRESETS
+from fleetpilot.runtime.reference_argv import REFERENCE_TOKENIZER
+from fleetpilot.testing.engine_server import BackgroundServer
+from tests.contract.conftest import VllmJudge
+
+PACKAGE = Path(fleetpilot.__file__).resolve().parent
+MODEL = "tiny-model"
+MAX_MODEL_LEN = "256"
+NUM_GPU_BLOCKS = 64
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4}
+# Names read only as a fallback for engines older than the pinned release; each must be gone
+# from the pinned vLLM (else the fallback is the name to read) and its successor read too.
+OLDER_VLLM_NAMES = {"vllm:gpu_cache_usage_perc": "vllm:kv_cache_usage_perc"}  # renamed in v0.10
+_METRIC_NAME = re.compile(r"^vllm:[a-z_]+$")
+Families = dict[str, dict[str, Any]]
+
+
+def names_fleetpilot_reads() -> set[str]:
+    """Every string constant that is a whole ``vllm:`` metric name in fleetpilot's source,
+    outside the reference engine (which writes them; it does not read them)."""
+    names: set[str] = set()
+    exporter = PACKAGE / "engine" / "reference"
+    for path in PACKAGE.rglob("*.py"):
+        if exporter in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            value = node.value if isinstance(node, ast.Constant) else None
+            if isinstance(value, str) and _METRIC_NAME.match(value):
+                names.add(value)
+    return names
+
+
+def family_of(name: str, families: Families) -> str | None:
+    """The family a read series belongs to: itself, or the family exposing it as a sample
+    (``_total`` of a counter, ``_bucket``/``_count``/``_sum`` of a histogram)."""
+    if name in families:
+        return name
+    return next((f for f, info in families.items() if name in info["samples"]), None)
+
+
+def exposed_families(text: str) -> Families:
+    """The reference engine's ``/metrics`` in the judge's shape."""
+    families: Families = {}
+    for family in text_string_to_metric_families(text):
+        # prometheus_client writes a ``_created`` gauge beside every counter and histogram;
+        # an exposition artifact, not part of vLLM's contract (the judge drops them too).
+        if not family.name.startswith("vllm:") or family.name.endswith("_created"):
+            continue
+        labels: set[str] = set()
+        buckets: set[float] = set()
+        for sample in family.samples:
+            labels.update(k for k in sample.labels if k != "le")
+            if sample.name.endswith("_bucket") and sample.labels.get("le") != "+Inf":
+                buckets.add(float(sample.labels["le"]))
+        families[family.name] = {
+            "type": family.type,
+            "labels": sorted(labels),
+            "buckets": sorted(buckets),
+            "samples": sorted({s.name for s in family.samples}),
+        }
+    return families
+
+
+@pytest.fixture(scope="module")
+def vllm_families(vllm_judge: VllmJudge, tmp_path_factory: pytest.TempPathFactory) -> Families:
+    """What vLLM registers for an engine like the reference one: a tiny Llama checkpoint with
+    the reference tokenizer, served under one name, with ngram speculation (its counters)."""
+    checkpoint = tmp_path_factory.mktemp("tiny-llama")
+    save_checkpoint(LlamaModel(MODEL_PRESETS["tiny"]), checkpoint)
+    for file in REFERENCE_TOKENIZER.glob("*.json"):
+        shutil.copy(file, checkpoint / file.name)
+    argv = [str(checkpoint), "--served-model-name", MODEL, "--max-model-len", MAX_MODEL_LEN,
+            "--speculative-config", json.dumps(SPECULATIVE)]  # fmt: skip
+    answer = vllm_judge.ask({"op": "metrics", "argv": argv, "num_gpu_blocks": NUM_GPU_BLOCKS})
+    assert answer["ok"], answer["error"]
+    families: Families = answer["families"]
+    return families
+
+
+@pytest.fixture(scope="module")
+def reference_families() -> Iterator[Families]:
+    """The reference engine's families after two completions (the second hits the cache)."""
+    server = BackgroundServer.from_argv(
+        ["--host", "127.0.0.1", "--port", "0", "--model-config", "tiny",
+         "--max-model-len", MAX_MODEL_LEN, "--served-model-name", MODEL,
+         "--num-gpu-blocks-override", str(NUM_GPU_BLOCKS),
+         "--speculative-config", '{"num_speculative_tokens": 2, "draft_num_layers": 1}']
+    ).start()  # fmt: skip
+    try:
+        prompt = "The quick brown fox jumps over the lazy dog, again and again and again."
+        for _ in range(2):
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+            httpx.post(server.url + "/v1/completions", json=body, timeout=30).raise_for_status()
+        yield exposed_families(httpx.get(server.url + "/metrics", timeout=30).text)
+    finally:
+        server.stop()
+
+
+def test_fleetpilot_reads_metrics_of_its_own(vllm_families: Families) -> None:
+    """The scan finds the readers' names (a moved module would make the tests below vacuous)."""
+    read = names_fleetpilot_reads()
+    assert {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+            "vllm:time_to_first_token_seconds", "vllm:prefix_cache_hits_total"} <= read  # fmt: skip
+    assert len(vllm_families) > 20
+
+
+def test_every_metric_fleetpilot_reads_is_one_vllm_exports(vllm_families: Families) -> None:
+    """A name the router or the autoscaler reads that the pinned vLLM does not export would
+    leave a fleet blind (no scaling, no load-aware routing) without any error."""
+    missing = sorted(
+        name
+        for name in names_fleetpilot_reads()
+        if name not in OLDER_VLLM_NAMES and family_of(name, vllm_families) is None
+    )
+    assert not missing, f"fleetpilot reads metrics the pinned vLLM lacks: {missing}"
+    for old, new in OLDER_VLLM_NAMES.items():
+        assert family_of(old, vllm_families) is None, f"{old} is exported again: read it"
+        assert family_of(new, vllm_families) is not None
+
+
+def test_the_reference_engine_exports_them_with_vllms_type_labels_and_buckets(
+    vllm_families: Families, reference_families: Families
+) -> None:
+    """For every metric fleetpilot reads, the reference engine has vLLM's family: the same
+    type, label names and histogram buckets, so what is tested on a CPU reads a GPU fleet."""
+    for name in sorted(names_fleetpilot_reads() - OLDER_VLLM_NAMES.keys()):
+        family = family_of(name, vllm_families)
+        assert family is not None
+        theirs = vllm_families[family]
+        ours = reference_families.get(family)
+        assert ours is not None, f"the reference engine does not export {family}"
+        for key in ("type", "labels", "buckets"):
+            assert ours[key] == theirs[key], (family, key, ours[key], theirs[key])
+
+
+def test_whatever_the_reference_engine_exports_under_vllms_names_is_vllms(
+    vllm_families: Families, reference_families: Families
+) -> None:
+    """The reference engine claims vLLM's names for all it exports (dashboards read them
+    too): each such family is vLLM's, with its type, labels and buckets."""
+    assert reference_families
+    for family, ours in sorted(reference_families.items()):
+        theirs = vllm_families.get(family)
+        assert theirs is not None, f"the reference engine exports {family}, vLLM does not"
+        assert (ours["type"], ours["buckets"]) == (theirs["type"], theirs["buckets"]), family
+        if family.endswith("_info"):
+            # An info gauge labelled with a config: vLLM's has every field of it, ours those
+            # the reference engine has, each under vLLM's name.
+            assert set(ours["labels"]) <= set(theirs["labels"]), (family, ours, theirs)
+        else:
+            assert ours["labels"] == theirs["labels"], (family, ours, theirs)
