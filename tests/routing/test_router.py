@@ -268,27 +268,32 @@ def test_a_second_request_follows_the_first_before_the_engine_reports_it() -> No
     assert third.prefix_match == 0.0
 
 
-def test_a_queued_request_leaves_its_cache_for_one_with_room_but_not_for_evicting_ones() -> None:
-    """Replica 1 caches the prompt and its engine reports a request waiting: with room
-    elsewhere the prompt is computed afresh there (a cold prefill beats waiting behind a whole
-    one); when the others' engines are evicting (their events pair every store with a removal),
-    a miss there would push other prefixes out too, so the prompt waits where it is cached."""
+def test_a_long_queue_sends_a_prompt_off_its_cache_to_room_but_not_to_evicting_ones() -> None:
+    """Replica 1 caches the prompt. One request waiting there keeps it: most queued requests
+    hit the cache, so waiting behind one costs less than computing the prompt afresh. A queue
+    longer than the prompt's blocks sends it to a replica with room; when the others' engines
+    are evicting (their events pair every store with a removal), a miss there would push other
+    prefixes out too, so the prompt waits where it is cached."""
     streams = ("10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1")
     features = extract_features({"messages": CHAT}, "chat")
-    roomy = kv_router(Live(*streams))
-    engine_caches(roomy, streams[0], CHAT)
-    scrape(roomy, streams[0], waiting=1.0, at=roomy.clock())
-    assert roomy.decide(features).replica.id != streams[0]
 
-    pressed = kv_router(Live(*streams))
-    for n, stream in enumerate(streams[1:]):
-        base = 10_000 * (n + 1)
-        churn = [BlockStored([base + i], None, [i] * BS, BS, None, "GPU", None) for i in range(300)]
-        pressed.kv_index.apply(stream, churn)
-        pressed.kv_index.apply(stream, [BlockRemoved([base + i], "GPU") for i in range(300)])
-    engine_caches(pressed, streams[0], CHAT)
-    scrape(pressed, streams[0], waiting=1.0, at=pressed.clock())
-    assert pressed.decide(features).replica.id == streams[0]
+    def routed(waiting: float, pressed: bool = False) -> str:
+        router = kv_router(Live(*streams))
+        if pressed:
+            for n, stream in enumerate(streams[1:]):
+                base = 10_000 * (n + 1)
+                churn = [BlockStored([base + i], None, [i] * BS, BS, None, "GPU", None)
+                         for i in range(300)]  # fmt: skip
+                router.kv_index.apply(stream, churn)
+                router.kv_index.apply(stream, [BlockRemoved([base + i], "GPU") for i in range(300)])
+        engine_caches(router, streams[0], CHAT)
+        scrape(router, streams[0], waiting=waiting, at=router.clock())
+        return router.decide(features).replica.id
+
+    blocks = len(kv_router(Live(*streams)).decide(features).request.hashes)
+    assert routed(1.0) == streams[0]
+    assert routed(1.5 * blocks) != streams[0]
+    assert routed(1.5 * blocks, pressed=True) == streams[0]
 
 
 def test_router_replicas_break_ties_alike_by_the_first_block_no_engine_holds() -> None:

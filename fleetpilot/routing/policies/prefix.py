@@ -140,12 +140,21 @@ class PrefillCostScorer:
     more, measured in this request's prompt (a whole prompt more: 0), so a block's difference
     is a small nudge that load can outweigh, not a verdict.
 
-    The work ahead is the larger of this router's own prefills still running there
-    (``pending_prefill``, exact but blind to other router replicas) and the engine's queue
-    (``ReplicaView.ahead``: every client's, a scrape old) at about one prompt like this one a
-    request. Uncached blocks cost ``1 + pressure``: on a replica whose engine is evicting
+    The work ahead is this router's own prompt blocks still to be prefilled there
+    (``pending_prefill``: exact, the uncached part of each request it sent that has no first
+    token yet) plus a block for each request the new one would wait behind
+    (``ReplicaView.ahead``: the engine's queue, every client's, a scrape old; or one while the
+    batch is full). Not a whole prompt a queued request: most queued requests hit the cache,
+    so pricing each at a full prompt sent a hot tenant off its replica at its first queued
+    request and, once replicas share a machine's compute or their KV pool is small, paid for
+    it in recomputed and evicted prefixes (``bench/router_kv_events.py --busy``: hit rate
+    0.37 against longest-prefix match's 0.58 when evicting). Other router replicas' queued
+    prefills count only as their requests: each router sees its own exactly.
+
+    An uncached block costs ``1 + pressure + ahead``: on a replica whose engine is evicting
     (``PickRequest.pressure``, from its KV events) a miss also pushes other prompts' prefixes
-    out, and their next requests pay for it again.
+    out, and their next requests pay for it again; on one with requests waiting, computing
+    it delays every one of them.
 
     Cache affinity and load in one currency, without a hard filter: a hot tenant's concurrent
     requests stay where their prefix is while the queue there costs less than computing the
@@ -163,8 +172,9 @@ class PrefillCostScorer:
         total = len(request.hashes)
         pressure = request.pressure
         costs = {
-            v.id: max(v.pending_prefill, v.ahead * total)
-            + (1.0 + pressure.get(v.id, 0.0)) * (total - matched_blocks(self.index, request, v.id))
+            v.id: v.pending_prefill + v.ahead
+            + (1.0 + pressure.get(v.id, 0.0) + v.ahead)
+            * (total - matched_blocks(self.index, request, v.id))
             for v in replicas
         }
         best = min(costs.values(), default=0.0)

@@ -127,22 +127,26 @@ def test_prefill_cost_prefers_the_cached_replica_while_its_prefill_queue_is_shor
 
 def test_prefill_cost_weighs_the_engines_queue_against_what_the_cache_saves() -> None:
     """Another router's requests queued at the caching replica are seen only in its scraped
-    queue: one request ahead (about one prompt of prefill) still costs less than computing 9
-    of 10 blocks afresh only when the idle replica would have to evict for it; a full batch
-    counts as one ahead."""
+    queue, a block each (most queued requests hit the cache; a full batch counts as one ahead),
+    and a miss there costs a block more per request waiting: one or two ahead keep the prompt
+    where 9 of its 10 blocks are cached, five waiting send it to the idle replica, unless that one
+    would have to evict for it."""
     index = PrefixIndex(100)
     hashes = list(range(10))
     index.record("a", hashes[:9])
     scorer = PrefillCostScorer(index)
-    queued = [ReplicaView("a", 4, waiting=1.0, running=1.0), ReplicaView("b", 4)]
-    roomy = scorer.score(PickRequest(hashes), queued)
-    assert roomy["b"] > roomy["a"]  # 10 blocks ahead + 1 uncached vs 10 uncached
-    evicting = scorer.score(PickRequest(hashes, pressure={"b": 1.0}), queued)
-    assert evicting["a"] > evicting["b"]  # 11 vs 20: a miss on b evicts another prefix
+
+    def scores(waiting: float, **kwargs: dict[str, float]) -> dict[str, float]:
+        views = [ReplicaView("a", 4, waiting=waiting, running=4.0), ReplicaView("b", 4)]
+        return scorer.score(PickRequest(hashes, **kwargs), views)
+
     full = [ReplicaView("a", 4, running=4.0), ReplicaView("b", 4)]
     assert [v.ahead for v in full] == [1.0, 0.0]
-    scores = scorer.score(PickRequest(hashes), full)
-    assert scores["b"] > scores["a"]
+    assert scores(0.0)["a"] > scores(0.0)["b"]  # 1 ahead + 2 x 1 uncached = 3 vs 10
+    assert scores(2.0)["a"] > scores(2.0)["b"]  # 3 ahead + 4 = 7 vs 10
+    assert scores(5.0)["b"] > scores(5.0)["a"]  # 6 ahead + 7 = 13 vs 10
+    evicting = scores(5.0, pressure={"b": 1.0})
+    assert evicting["a"] > evicting["b"]  # 13 vs 20: a miss on b evicts another prefix
 
 
 def test_prefill_cost_scores_lie_in_the_unit_interval_and_tie_when_all_are_free() -> None:
