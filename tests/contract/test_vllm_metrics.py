@@ -28,6 +28,7 @@ from fleetpilot.engine.reference.settings import MODEL_PRESETS
 from fleetpilot.runtime.reference_argv import REFERENCE_TOKENIZER
 from fleetpilot.testing.engine_server import BackgroundServer
 from tests.contract.conftest import VllmJudge
+from tests.contract.metric_families import summarize
 
 PACKAGE = Path(fleetpilot.__file__).resolve().parent
 MODEL = "tiny-model"
@@ -66,25 +67,7 @@ def family_of(name: str, families: Families) -> str | None:
 
 def exposed_families(text: str) -> Families:
     """The reference engine's ``/metrics`` in the judge's shape."""
-    families: Families = {}
-    for family in text_string_to_metric_families(text):
-        # prometheus_client writes a ``_created`` gauge beside every counter and histogram;
-        # an exposition artifact, not part of vLLM's contract (the judge drops them too).
-        if not family.name.startswith("vllm:") or family.name.endswith("_created"):
-            continue
-        labels: set[str] = set()
-        buckets: set[float] = set()
-        for sample in family.samples:
-            labels.update(k for k in sample.labels if k != "le")
-            if sample.name.endswith("_bucket") and sample.labels.get("le") != "+Inf":
-                buckets.add(float(sample.labels["le"]))
-        families[family.name] = {
-            "type": family.type,
-            "labels": sorted(labels),
-            "buckets": sorted(buckets),
-            "samples": sorted({s.name for s in family.samples}),
-        }
-    return families
+    return summarize(text_string_to_metric_families(text))
 
 
 @pytest.fixture(scope="module")

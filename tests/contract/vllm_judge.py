@@ -25,8 +25,9 @@ stdin, one JSON answer a line on stdout:
   encoder; answer ``{"ok": true, "payload": "<base64>"}``.
 - ``{"op": "version"}``: the installed vLLM's version.
 
-Nothing here is fleetpilot's: the script imports only vLLM and the standard library, so what it
-answers is what the pinned vLLM release says.
+Nothing here is fleetpilot's: the script imports only vLLM, the standard library and
+``metric_families`` beside it (plain code shared with the tests), so what it answers is what the
+pinned vLLM release says.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ def serve(parser: _ServeParser, argv: list[str]) -> dict[str, Any]:
 def metrics(parser: _ServeParser, argv: list[str], num_gpu_blocks: int) -> dict[str, Any]:
     """Every ``vllm:`` family the logger registers: type, label names (without ``le``),
     histogram bucket bounds (without +Inf) and the sample names it exposes."""
+    from metric_families import summarize  # beside this script
     from prometheus_client import REGISTRY
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.metrics.loggers import PrometheusStatLogger
@@ -125,26 +127,7 @@ def metrics(parser: _ServeParser, argv: list[str], num_gpu_blocks: int) -> dict[
         stat_logger.log_engine_initialized()
     except Exception as error:
         return {"ok": False, "error": f"{type(error).__name__}: {error}"}
-    families: dict[str, Any] = {}
-    for family in REGISTRY.collect():
-        if not family.name.startswith("vllm:"):
-            continue
-        labels: set[str] = set()
-        buckets: set[float] = set()
-        samples: set[str] = set()
-        for sample in family.samples:
-            if sample.name.endswith("_created"):  # prometheus_client's, not vLLM's
-                continue
-            samples.add(sample.name)
-            labels.update(k for k in sample.labels if k != "le")
-            if sample.name.endswith("_bucket") and sample.labels.get("le") != "+Inf":
-                buckets.add(float(sample.labels["le"]))
-        families[family.name] = {
-            "type": family.type,
-            "labels": sorted(labels),
-            "buckets": sorted(buckets),
-            "samples": sorted(samples),
-        }
+    families = summarize(REGISTRY.collect())
     return {"ok": True, "families": families}
 
 
