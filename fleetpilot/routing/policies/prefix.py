@@ -172,7 +172,8 @@ class PrefillCostScorer:
         total = len(request.hashes)
         pressure = request.pressure
         costs = {
-            v.id: v.pending_prefill + v.ahead
+            v.id: v.pending_prefill
+            + v.ahead
             + (1.0 + pressure.get(v.id, 0.0) + v.ahead)
             * (total - matched_blocks(self.index, request, v.id))
             for v in replicas
