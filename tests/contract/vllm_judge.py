@@ -3,7 +3,8 @@
 The contract tests (``tests/contract``) run in the project's virtualenv, whose torch differs
 from the one vLLM pins, so they cannot import vLLM; they start this script with
 ``.venv-vllm/bin/python`` once per session and ask it questions, one JSON object a line on
-stdin, one JSON answer a line on stdout:
+stdin, one JSON answer a line on stdout, after a first line saying it is ready and which
+vLLM version it runs:
 
 - ``{"op": "serve", "argv": [...]}``: parse the arguments after ``vllm serve`` exactly as the
   ``vllm`` command does (``vllm/entrypoints/cli/main.py``: a ``FlexibleArgumentParser`` with the
@@ -23,7 +24,6 @@ stdin, one JSON answer a line on stdout:
 - ``{"op": "kv_encode", "ts": ..., "events": [{"type": "BlockStored", ...}], "rank": ...}``:
   the batch vLLM's publisher would send, built from vLLM's structs and encoded with its
   encoder; answer ``{"ok": true, "payload": "<base64>"}``.
-- ``{"op": "version"}``: the installed vLLM's version.
 
 Nothing here is fleetpilot's: the script imports only vLLM, the standard library and
 ``metric_families`` beside it (plain code shared with the tests), so what it answers is what the
@@ -194,8 +194,6 @@ def main() -> None:
             answer = kv_decode(request["payload"])
         elif op == "kv_encode":
             answer = kv_encode(request)
-        elif op == "version":
-            answer = {"ok": True, "version": vllm.__version__}
         else:
             answer = {"ok": False, "error": f"unknown op {op!r}"}
         print(json.dumps(answer), flush=True)

@@ -150,8 +150,8 @@ def pick(
     ties = [v for v in candidates if totals[v.id] >= best - TIE_EPSILON]
     if len(ties) == 1:
         chosen = ties[0]
-    elif request.tie_key is not None:
-        chosen = max(ties, key=lambda v: rendezvous_weight(request.tie_key or b"", v.id))
+    elif (tie_key := request.tie_key) is not None:
+        chosen = max(ties, key=lambda v: rendezvous_weight(tie_key, v.id))
     else:
         chosen = rng.choice(ties)
     return Pick(

@@ -54,9 +54,10 @@ class PickRequest:
     # Of the known replicas, how hard each engine is evicting now, in [0, 1]
     # (``KVIndex.eviction_pressure``; absent: not evicting, or not known).
     pressure: Mapping[str, float] = field(default_factory=dict)
-    # Breaks ties alike in every router replica (``picker.pick``): the KV-index key of the
-    # first prompt block no replica holds, so a cold tenant's requests land together and the
-    # users of one shared prefix spread by their own next block. ``None``: break at random.
+    # Breaks ties alike in every router replica (``picker.pick``): the KV-index key of a
+    # prompt block a few past the deepest one any replica holds
+    # (``router.TIE_KEY_LOOKAHEAD_BLOCKS``), so a cold tenant's requests land together and the
+    # users of one shared prefix spread by their own next blocks. ``None``: break at random.
     tie_key: bytes | None = None
 
 
