@@ -162,14 +162,18 @@ def kv_transfer_config(launch: EngineLaunch) -> dict[str, object] | None:
     }
 
 
-def vllm_serve_args(launch: EngineLaunch) -> list[str]:
-    """Arguments after ``vllm serve``: the model first, then flags in a fixed order."""
+def vllm_serve_args(launch: EngineLaunch, host: str | None = None) -> list[str]:
+    """Arguments after ``vllm serve``: the model first, then flags in a fixed order.
+
+    ``host``: the one address the HTTP server and the KV-event sockets bind; None (a pod):
+    every interface. A local fleet binds loopback, as its other processes do.
+    """
     args = [
         launch.model,
         "--served-model-name",
         launch.served_name,
         "--host",
-        "0.0.0.0",
+        host or "0.0.0.0",
         "--port",
         str(launch.port),
         "--tensor-parallel-size",
@@ -220,7 +224,7 @@ def vllm_serve_args(launch: EngineLaunch) -> list[str]:
     transfer = kv_transfer_config(launch)
     if transfer is not None:
         args += ["--kv-transfer-config", _compact_json(transfer)]
-    events = kv_events_json(launch)
+    events = kv_events_json(launch, host or "*")
     if events is not None:
         args += ["--kv-events-config", events]
     args += list(launch.extra_args)

@@ -121,15 +121,21 @@ class Route:
     reason: str | None = None
 
 
+def route_fields(value: str | None) -> dict[str, str]:
+    """Every ``key=value`` of an ``x-fleetpilot-route`` header (none for a missing one)."""
+    fields: dict[str, str] = {}
+    for part in (value or "").split(";"):
+        key, sep, val = part.partition("=")
+        if sep:
+            fields[key.strip()] = val.strip()
+    return fields
+
+
 def parse_route(value: str | None) -> Route:
     """``tier=small; replica=...; prefix-match=0.50; reason=...`` (unknown keys ignored)."""
     if not value:
         return Route()
-    fields: dict[str, str] = {}
-    for part in value.split(";"):
-        key, sep, val = part.partition("=")
-        if sep:
-            fields[key.strip()] = val.strip()
+    fields = route_fields(value)
     match: float | None
     try:
         match = float(fields["prefix-match"])

@@ -1,13 +1,14 @@
-"""A service realized as local processes on loopback: reference engines and the router.
+"""A service realized as local processes on loopback: engines and the router.
 
 The same planner code decides what runs (tiers, roles, initial replicas, each role's engine
 launch, the router's config); only the realization differs from Kubernetes: each engine
-replica is a CPU reference-engine process with a tiny random model, started from its role's
-launch (:mod:`fleetpilot.runtime.reference_argv` says what of it a CPU keeps), publishing its
-KV events on two ports of its own, and the router finds them through an endpoints file
-(address and KV-event ports of every serving engine) beside its config file, and tokenizes with
-the reference engine's shipped tokenizer to read those events. GPU, image and resource settings
-of the service are ignored.
+replica is a process its backend (:mod:`fleetpilot.runtime.engines`) starts from its role's
+launch - by default a CPU reference engine with a tiny random model
+(:mod:`fleetpilot.runtime.reference_argv` says what of the launch a CPU keeps), or ``vllm
+serve`` on a GPU machine - publishing its KV events on two ports of its own, and the router
+finds them through an endpoints file (address and KV-event ports of every serving engine)
+beside its config file, and tokenizes with the engines' tokenizer to read those events. Image
+and resource settings of the service are ignored.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import contextlib
 import os
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from fleetpilot.api import InferenceService, ResolvedRole, RoleName
 from fleetpilot.api.router_config import ROUTER_CONFIG_FILE, RouterConfig
 from fleetpilot.engine.vllm_args import launch_for
 from fleetpilot.operator.router_objects import router_config
+from fleetpilot.runtime.engines import EngineBackend, ReferenceBackend
 from fleetpilot.runtime.processes import (
     Child,
     ChildFailedError,
@@ -32,11 +35,6 @@ from fleetpilot.runtime.processes import (
     free_port,
     port_in_use,
     require_free_ports,
-)
-from fleetpilot.runtime.reference_argv import (
-    CPU_MAX_NUM_SEQS,
-    REFERENCE_TOKENIZER,
-    reference_argv,
 )
 
 HOST = "127.0.0.1"
@@ -60,6 +58,10 @@ class Replica:
     serving: bool = False
     # The KV-event publisher and replay ports; None: the engine publishes no events.
     kv_ports: tuple[int, int] | None = None
+    # The ports the backend asked for besides these (EngineBackend.extra_ports).
+    extra_ports: tuple[int, ...] = ()
+    # Added to the fleet's environment for this engine (the backend's).
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -83,20 +85,6 @@ class StatusRow:
     ports: list[int] = field(default_factory=list)
 
 
-def engine_argv(
-    role: ResolvedRole,
-    port: int,
-    python: str = sys.executable,
-    kv_ports: tuple[int, int] | None = None,
-) -> list[str]:
-    """The reference-engine command line for one replica of ``role`` on a CPU: the planner's
-    launch of the role (what a pod runs), on this host and port, publishing KV events on
-    ``kv_ports`` (publisher, replay) if given (see reference_argv)."""
-    events, replay = kv_ports if kv_ports is not None else (None, None)
-    launch = replace(launch_for(role), port=port, kv_events_port=events, kv_replay_port=replay)
-    return reference_argv(launch, HOST, python)
-
-
 def _log_name(name: str) -> str:
     return name.replace("/", "-").replace("#", "-")
 
@@ -113,7 +101,9 @@ class LocalFleet:
         max_replicas_per_role: int = DEFAULT_MAX_REPLICAS_PER_ROLE,
         health_timeout_s: float = 120.0,
         python: str = sys.executable,
+        backend: EngineBackend | None = None,
     ) -> None:
+        """``python`` runs the router (and the reference engines of the default backend)."""
         if max_replicas_per_role < 1:
             raise ValueError("max_replicas_per_role must be at least 1")
         self.service = service
@@ -134,6 +124,7 @@ class LocalFleet:
         self.router_port = next_port(-1) if base_port == 0 else base_port
         self.health_timeout_s = health_timeout_s
         self.python = python
+        self.backend = backend if backend is not None else ReferenceBackend(python)
         self.supervisor = Supervisor(workdir / "logs")
         self.replicas: list[Replica] = []
         port = base_port
@@ -144,16 +135,49 @@ class LocalFleet:
                 for i in range(count):
                     port = next_port(port)
                     planned.append((role, i, port))
-        # KV-event ports after every engine's HTTP port, so those stay consecutive.
+        # KV-event (and the backend's) ports after every engine's HTTP port, so those stay
+        # consecutive.
         for role, i, engine_port in planned:
-            port = next_port(port)
-            kv_ports = (port, next_port(port))
-            port = kv_ports[1]
-            argv = engine_argv(role, engine_port, python, kv_ports)
+            more = []
+            for _ in range(2 + len(self.backend.extra_ports)):
+                port = next_port(port)
+                more.append(port)
             self.replicas.append(
-                Replica(role.tier.name, role.name, i, engine_port, argv, kv_ports=kv_ports)
+                self._replica(role, i, engine_port, (more[0], more[1]), tuple(more[2:]))
             )
         self.router: Child | None = None
+
+    def _replica(
+        self,
+        role: ResolvedRole,
+        index: int,
+        port: int,
+        kv_ports: tuple[int, int],
+        extra_ports: Sequence[int],
+    ) -> Replica:
+        """Replica ``index`` of ``role``: the planner's launch of the role (what a pod runs)
+        on these ports, as the backend runs it."""
+        events, replay = kv_ports
+        launch = replace(launch_for(role), port=port, kv_events_port=events, kv_replay_port=replay)
+        command = self.backend.command(launch, HOST, extra_ports)
+        return Replica(
+            role.tier.name,
+            role.name,
+            index,
+            port,
+            command.argv,
+            kv_ports=kv_ports,
+            extra_ports=tuple(extra_ports),
+            env=command.env,
+        )
+
+    def _start_engine(self, replica: Replica) -> Child:
+        return self.supervisor.start(
+            _log_name(replica.name),
+            replica.argv,
+            health_url=f"http://{replica.address}/health",
+            env={"PYTHONUNBUFFERED": "1", **replica.env},
+        )
 
     @property
     def endpoint(self) -> str:
@@ -175,19 +199,20 @@ class LocalFleet:
             ports[r.name] = r.port
             if r.kv_ports is not None:
                 ports[f"{r.name} kv-events"], ports[f"{r.name} kv-replay"] = r.kv_ports
+            for name, port in zip(self.backend.extra_ports, r.extra_ports, strict=True):
+                ports[f"{r.name} {name}"] = port
         return ports
 
     def router_config(self) -> RouterConfig:
-        """The planner's router config for this machine: the CPU batch limit, the reference
-        engine's tokenizer, and no addresses (the endpoints file lists them)."""
+        """The planner's router config for this machine: the engines' batch limit and
+        tokenizer, and no addresses (the endpoints file lists them)."""
         config = router_config(self.service)
         tiers = []
         for tier in config.tiers:
             groups = [
                 group.model_copy(
                     update={
-                        # The engines run with the CPU batch limit: saturation comes sooner.
-                        "max_num_seqs": min(group.max_num_seqs, CPU_MAX_NUM_SEQS),
+                        "max_num_seqs": self.backend.max_num_seqs(group.max_num_seqs),
                         # Each local engine has KV-event ports of its own (the endpoints file).
                         "kv_events_port": None,
                         "kv_replay_port": None,
@@ -197,7 +222,9 @@ class LocalFleet:
                 for group in tier.endpoints
             ]
             tiers.append(
-                tier.model_copy(update={"endpoints": groups, "tokenizer": str(REFERENCE_TOKENIZER)})
+                tier.model_copy(
+                    update={"endpoints": groups, "tokenizer": self.backend.router_tokenizer()}
+                )
             )
         return config.model_copy(update={"port": self.router_port, "tiers": tiers})
 
@@ -227,12 +254,9 @@ class LocalFleet:
         self.workdir.mkdir(parents=True, exist_ok=True)
         try:
             for replica in self.replicas:
-                replica.child = self.supervisor.start(
-                    _log_name(replica.name),
-                    replica.argv,
-                    health_url=f"http://{replica.address}/health",
-                    env={"PYTHONUNBUFFERED": "1"},
-                )
+                replica.child = self._start_engine(replica)
+                if self.backend.one_at_a_time:
+                    self.supervisor.wait_healthy(replica.child, self.health_timeout_s)
             for replica in self.replicas:
                 assert replica.child is not None
                 self.supervisor.wait_healthy(replica.child, self.health_timeout_s)
@@ -303,16 +327,12 @@ class LocalFleet:
         if resolved is None:
             raise KeyError(f"no role {role!r} in tier {tier!r}")
         taken = set(self.ports().values())
-        port, events, replay = (self._free_port(taken) for _ in range(3))
-        index = max((r.index for r in self.role_replicas(tier, role)), default=-1) + 1
-        argv = engine_argv(resolved, port, self.python, (events, replay))
-        replica = Replica(tier, resolved.name, index, port, argv, kv_ports=(events, replay))
-        replica.child = self.supervisor.start(
-            _log_name(replica.name),
-            replica.argv,
-            health_url=f"http://{replica.address}/health",
-            env={"PYTHONUNBUFFERED": "1"},
+        port, events, replay, *extra = (
+            self._free_port(taken) for _ in range(3 + len(self.backend.extra_ports))
         )
+        index = max((r.index for r in self.role_replicas(tier, role)), default=-1) + 1
+        replica = self._replica(resolved, index, port, (events, replay), extra)
+        replica.child = self._start_engine(replica)
         self.replicas.append(replica)
         return replica
 
@@ -401,7 +421,6 @@ __all__ = [
     "LocalFleet",
     "Replica",
     "StatusRow",
-    "engine_argv",
 ]
 
 

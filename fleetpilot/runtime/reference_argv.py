@@ -45,13 +45,19 @@ CPU_DRAIN_GRACE_S = 2
 REFERENCE_TOKENIZER = Path(fleetpilot.__file__).resolve().parent / "engine/reference/tokenizer"
 
 
-def reference_argv(launch: EngineLaunch, host: str, python: str = sys.executable) -> list[str]:
-    """``python -m fleetpilot engine --backend reference ...`` for ``launch`` on ``host``."""
+def reference_argv(
+    launch: EngineLaunch,
+    host: str,
+    python: str = sys.executable,
+    model_config: str = CPU_MODEL_CONFIG,
+) -> list[str]:
+    """``python -m fleetpilot engine --backend reference ...`` for ``launch`` on ``host``;
+    ``model_config`` is the random model's architecture (a preset name or ModelConfig JSON)."""
     max_len = min(launch.max_model_len or CPU_MAX_MODEL_LEN, CPU_MAX_MODEL_LEN)
     argv = [
         *(python, "-m", "fleetpilot", "engine", "--backend", "reference"),
         *("--host", host, "--port", str(launch.port)),
-        *("--model-config", CPU_MODEL_CONFIG),
+        *("--model-config", model_config),
         *("--served-model-name", launch.served_name),
         *("--max-num-seqs", str(min(launch.max_num_seqs, CPU_MAX_NUM_SEQS))),
         *("--max-model-len", str(max_len)),

@@ -177,3 +177,16 @@ def test_kv_events_json_binds_a_given_host_and_can_be_off() -> None:
     assert kv_events_json(off) is None
     assert "--kv-events-config" not in vllm_serve_args(off)
     assert kv_event_ports(off) == []
+
+
+def test_a_host_binds_the_server_and_the_kv_event_sockets() -> None:
+    """Given a host (a local fleet's loopback), the HTTP server and both KV-event sockets bind
+    it, and nothing else of the line changes; without one (a pod) they bind every interface."""
+    launch = EngineLaunch(model="m", served_name="m", kv_events_port=6001, kv_replay_port=6002)
+    pod, local = vllm_serve_args(launch), vllm_serve_args(launch, "127.0.0.1")
+    assert pod[pod.index("--host") + 1] == "0.0.0.0"
+    assert local[local.index("--host") + 1] == "127.0.0.1"
+    events = local[local.index("--kv-events-config") + 1]
+    assert events == kv_events_json(launch, "127.0.0.1")
+    changed = [i for i, (a, b) in enumerate(zip(pod, local, strict=True)) if a != b]
+    assert changed == [pod.index("--host") + 1, pod.index("--kv-events-config") + 1]

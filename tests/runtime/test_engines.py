@@ -1,0 +1,132 @@
+"""A local fleet's engine backends: what each engine process runs, on which ports, with what env.
+
+Protects the default (the reference engine, argv exactly as before backends existed) and the
+vLLM backend of the GPU check: the launcher's own ``vllm serve`` line with the local
+checkpoint, loopback binds, a share of the GPU, a NIXL side channel of its own per engine,
+and the router told the checkpoint's tokenizer and the planned batch limit.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from fleetpilot.api import InferenceService, parse_service
+from fleetpilot.engine.vllm_args import EngineLaunch, launch_for, vllm_serve_args
+from fleetpilot.runtime.engines import (
+    NIXL_SIDE_CHANNEL,
+    SHARED_GPU_MEMORY_UTILIZATION,
+    VllmBackend,
+)
+from fleetpilot.runtime.local import HOST, LocalFleet, Replica
+from fleetpilot.runtime.reference_argv import (
+    CPU_MAX_NUM_SEQS,
+    REFERENCE_TOKENIZER,
+    reference_argv,
+)
+from tests.factories import make_manifest, make_tier
+
+MODEL_DIR = Path("/models/check")
+
+
+def two_tier() -> InferenceService:
+    """A unified tier and a P/D tier, one engine per role, batch limit 64."""
+    unified = make_tier("small", up_to=0.4, engine={"maxNumSeqs": 64})
+    unified["serving"] = {"replicas": {"min": 1, "max": 1}}
+    pd = make_tier("pd", mode="disaggregated", engine={"maxNumSeqs": 64})
+    return parse_service(make_manifest(tiers=[unified, pd]))
+
+
+def launch_of(service: InferenceService, replica: Replica) -> EngineLaunch:
+    """The planner's launch of the replica's role, on the replica's ports."""
+    tier = next(t for t in service.spec.tiers if t.name == replica.tier)
+    role = tier.role(replica.role)
+    assert role is not None
+    assert replica.kv_ports is not None
+    events, replay = replica.kv_ports
+    return replace(
+        launch_for(role), port=replica.port, kv_events_port=events, kv_replay_port=replay
+    )
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_the_default_backend_runs_the_reference_engine_as_before(tmp_path: Path) -> None:
+    """Without a backend every engine is the reference engine of its role's launch on its
+    own ports, byte for byte what reference_argv gives, and the router tokenizes with the
+    shipped tokenizer at the CPU batch limit; no port beyond HTTP and KV events is taken."""
+    service = two_tier()
+    fleet = LocalFleet(service, tmp_path, 9100, python="py")
+    assert len(fleet.replicas) == 3
+    for replica in fleet.replicas:
+        assert replica.argv == reference_argv(launch_of(service, replica), HOST, "py")
+        assert replica.env == {}
+    # Engines on 9101-9103, then each one's two KV-event ports.
+    assert sorted(fleet.ports().values()) == list(range(9100, 9110))
+    config = fleet.router_config()
+    for tier in config.tiers:
+        assert tier.tokenizer == str(REFERENCE_TOKENIZER)
+        assert {g.max_num_seqs for g in tier.endpoints} == {CPU_MAX_NUM_SEQS}
+
+
+def test_the_vllm_backend_runs_the_launchers_serve_line_on_loopback(tmp_path: Path) -> None:
+    """Each engine runs ``vllm serve`` with the launcher's flags for its role, serving the
+    local checkpoint with a share of the GPU, binding HTTP and KV events on loopback; each
+    has a NIXL side channel of its own, listed among the fleet's ports; the router reads the
+    checkpoint's tokenizer and the planned batch limit."""
+    service = two_tier()
+    fleet = LocalFleet(service, tmp_path, 0, backend=VllmBackend("/v/bin/vllm", MODEL_DIR))
+    side_channels = set()
+    for replica in fleet.replicas:
+        launch = replace(
+            launch_of(service, replica),
+            model=str(MODEL_DIR),
+            gpu_memory_utilization=SHARED_GPU_MEMORY_UTILIZATION,
+        )
+        assert replica.argv == ["/v/bin/vllm", "serve", *vllm_serve_args(launch, HOST)]
+        assert flag(replica.argv, "--host") == HOST
+        assert replica.kv_ports is not None
+        assert json.loads(flag(replica.argv, "--kv-events-config"))["endpoint"] == (
+            f"tcp://{HOST}:{replica.kv_ports[0]}"
+        )
+        assert flag(replica.argv, "--gpu-memory-utilization") == "0.2"
+        (side_channel,) = replica.extra_ports
+        assert replica.env == {
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": HOST,
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel),
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+        }
+        assert fleet.ports()[f"{replica.name} {NIXL_SIDE_CHANNEL}"] == side_channel
+        side_channels.add(side_channel)
+    assert len(side_channels) == 3
+    ports = list(fleet.ports().values())
+    assert len(ports) == len(set(ports)) == 1 + 3 * 4
+    config = fleet.router_config()
+    for tier in config.tiers:
+        assert tier.tokenizer == str(MODEL_DIR)
+        assert {g.max_num_seqs for g in tier.endpoints} == {64}
+
+
+def test_a_scaled_up_vllm_engine_gets_ports_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine the autoscaler adds takes free ports for HTTP, KV events and its NIXL side
+    channel, none of them another engine's (it is not started here: no vllm to run)."""
+    fleet = LocalFleet(two_tier(), tmp_path, 0, backend=VllmBackend("/v/bin/vllm", MODEL_DIR))
+    taken = set(fleet.ports().values())
+    started: list[Replica] = []
+    monkeypatch.setattr(fleet, "_start_engine", started.append)
+    replica = fleet.add_replica("pd", "decode")
+    assert started == [replica]
+    assert replica.name == "pd/decode#1"
+    assert replica.kv_ports is not None
+    new = {replica.port, *replica.kv_ports, *replica.extra_ports}
+    assert len(new) == 4
+    assert not new & taken
+    assert replica.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(replica.extra_ports[0])
