@@ -228,6 +228,8 @@ class RouterApp:
             await self.kv_events.stop()
             self.kv_events = None
         await self.source.stop()
+        if self.proxy is not None:
+            self.proxy.close()
         if self.session is not None:
             await self.session.close()
             self.session = None

@@ -16,6 +16,8 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +45,7 @@ from fleetpilot.routing.policies.pd import (
     kv_params_of,
     prefill_request,
 )
+from fleetpilot.routing.replies import REPLY_CAPTURE_TOTAL_BYTES, CaptureBudget, ReplyCapture
 from fleetpilot.routing.router import ReplicaState, Route, Router
 
 log = logging.getLogger(__name__)
@@ -62,6 +65,11 @@ STATUS_CLIENT_CLOSED = "499"  # nginx's code for "client closed the request"
 # The cause of an attempt that got no first byte within its budget from a replica that then
 # failed its liveness probe: frozen (SIGSTOP), wedged, or its node gone without a RST.
 FIRST_BYTE_TIMEOUT = "first-byte-timeout"
+# Threads computing the KV-index keys of long prompts off the event loop (router.PreparedKeys):
+# the encode itself releases the GIL, the template render and key chaining hold it, so more
+# workers than the two a router pod's CPU gives would queue on the GIL; two let a second long
+# prompt start while one encodes.
+TOKENIZE_WORKERS = 2
 
 
 @dataclass
@@ -120,6 +128,16 @@ class Proxy:
         self.debug_route_header = debug_route_header
         self.in_flight = 0
         self._client_timeout: aiohttp.ClientTimeout | None = None
+        self._tokenize_pool = ThreadPoolExecutor(
+            TOKENIZE_WORKERS, thread_name_prefix="fleetpilot-tokenize"
+        )
+        self._remember_pool = ThreadPoolExecutor(1, thread_name_prefix="fleetpilot-remember")
+        self._capture_budget = CaptureBudget(REPLY_CAPTURE_TOTAL_BYTES)
+
+    def close(self) -> None:
+        """Stop the worker threads (a prompt being tokenized finishes; queued work is dropped)."""
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self._remember_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- entry -------------------------------------------------------------------------------
     async def handle(self, request: web.Request, kind: Kind) -> web.StreamResponse:
@@ -245,16 +263,29 @@ class Proxy:
             raise InvalidRequestError(
                 "the request body is nested too deeply", reason="invalid_json"
             ) from None
-        return await self._send(
-            request, exchange, route, path, payload, headers, features.stream, prefill_id
-        )
+        capture = self._reply_capture(kind, route, body, len(raw))
+        try:
+            return await self._send(
+                request,
+                exchange,
+                route,
+                path,
+                payload,
+                headers,
+                features.stream,
+                prefill_id,
+                capture,
+            )
+        finally:
+            if capture is not None:
+                capture.drop()  # not handed to the tokenizer: its budget back
 
     async def _decide(self, features: RequestFeatures) -> Route:
         """The route; while no tier in reach has a replica, the request is held (counted as
         pending for its tier's roles, which the autoscaler scales from zero on) for up to the
         config's ``cold_start_wait``, then refused with 503."""
         try:
-            return self.router.decide(features)
+            return await self._route(features)
         except NoReplicaError as exc:
             wait_s = self.router.config.cold_start_wait.total_seconds()
             if wait_s <= 0:
@@ -268,7 +299,7 @@ class Proxy:
             while True:
                 await asyncio.sleep(COLD_START_POLL_S)
                 try:
-                    return self.router.decide(features)
+                    return await self._route(features)
                 except NoReplicaError:
                     if time.monotonic() >= deadline:
                         raise NoReplicaError(
@@ -280,6 +311,35 @@ class Proxy:
         finally:
             for gauge in pending:
                 gauge.dec()
+
+    async def _route(self, features: RequestFeatures) -> Route:
+        """The router's decision. A prompt whose tokenizing would stall the loop (a long cold
+        one) has its KV-index keys computed in a worker thread first, while the loop relays
+        other streams; a cheap one (a conversation's next turn) inline, as a thread hop would
+        cost more than it moves."""
+        prepared = self.router.prepare_keys(features)
+        if prepared is not None and prepared.off_loop:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._tokenize_pool, prepared.compute)
+        return self.router.decide(features, prepared)
+
+    def _reply_capture(
+        self, kind: Kind, route: Route, body: Mapping[str, Any], body_bytes: int
+    ) -> ReplyCapture | None:
+        """A capture of the reply for the tier's tokenizer, where the next turn can use it: a
+        chat with one choice whose keys this decision computed (the tokenizer holds its
+        prefix), within the capture budget."""
+        tokenizer = self.router.tokenizers.get(route.tier.name)
+        if (
+            kind != "chat"
+            or tokenizer is None
+            or route.prefix_source != "events"
+            or route.tokenizer_failed
+            or body.get("n") not in (None, 1)
+            or not self._capture_budget.take(body_bytes)
+        ):
+            return None
+        return ReplyCapture(tokenizer, body, self._capture_budget, body_bytes)
 
     async def _prefill_hop(
         self, route: Route, body: dict[str, Any], path: str, headers: dict[str, str]
@@ -367,6 +427,7 @@ class Proxy:
         headers: dict[str, str],
         stream: bool,
         prefill_id: str | None,
+        capture: ReplyCapture | None = None,
     ) -> web.StreamResponse:
         """Send to the route's replica; on a connect error, a disconnect before the answer, or
         a 5xx, try another replica of the same group, up to ``retries`` more times."""
@@ -440,7 +501,7 @@ class Proxy:
                     self.router.record_success(replica)
                 assert response is not None
                 return await self._relay(
-                    request, exchange, route, replica, response, stream, prefill_id
+                    request, exchange, route, replica, response, stream, prefill_id, capture
                 )
             finally:
                 attempt.in_flight -= 1
@@ -455,8 +516,10 @@ class Proxy:
         response: aiohttp.ClientResponse,
         stream: bool,
         prefill_id: str | None,
+        capture: ReplyCapture | None = None,
     ) -> web.StreamResponse:
-        """Pass the upstream answer through, status and all."""
+        """Pass the upstream answer through, status and all (a successful chat reply also to
+        ``capture``)."""
         out_headers = {h: v for h in RELAYED_HEADERS if (v := response.headers.get(h))}
         out_headers[ROUTE_HEADER] = self._route_header(route, replica, prefill_id)
         out_headers[REQUEST_ID_HEADER] = exchange.request_id
@@ -475,6 +538,9 @@ class Proxy:
                         data = fixed
                         out_headers["Content-Type"] = "application/json"
                 self._count(exchange, status)
+                if capture is not None and response.status == 200:
+                    capture.feed(data)
+                    capture.remember(self._remember_pool, streamed=False)
                 return web.Response(status=response.status, body=data, headers=out_headers)
             out = web.StreamResponse(status=response.status, headers=out_headers)
             out.enable_chunked_encoding()
@@ -496,6 +562,8 @@ class Proxy:
                     return out
                 if not chunk:
                     break
+                if capture is not None:
+                    capture.feed(chunk)
                 if first:
                     first = False
                     exchange.end_prefill()
@@ -511,6 +579,8 @@ class Proxy:
                     return out
             done = True
             self._count(exchange, status)  # the client has every byte of the answer now
+            if capture is not None and response.status == 200:
+                capture.remember(self._remember_pool, streamed=True)
             try:
                 await out.write_eof()
             except ConnectionError:

@@ -10,6 +10,10 @@ Which index judges a group's replicas: the KV index when the tier has a tokenize
 replica of the group publishes live events (then N router processes, reading the same streams,
 score a prompt alike); otherwise the guessed index for the whole group, so one silent publisher
 never sets a truthful "nothing cached" against a guess of "cached".
+
+Tokenizing a long cold prompt for those keys costs tens of milliseconds: ``prepare_keys`` says
+which keys ``decide`` would compute and whether that is over ``OFF_LOOP_TOKENIZE_CHARS``, so the
+proxy can compute them in a worker thread and hand them to ``decide``.
 """
 
 from __future__ import annotations
@@ -26,11 +30,18 @@ from yarl import URL
 from fleetpilot.api.router_config import RouterConfig, RouterTier
 from fleetpilot.api.spec import RoleName, ServingMode
 from fleetpilot.routing.discovery import Endpoint, EndpointSource
-from fleetpilot.routing.errors import NoReplicaError, OverloadedError, UnavailableError
+from fleetpilot.routing.errors import (
+    NoReplicaError,
+    OverloadedError,
+    RouterError,
+    UnavailableError,
+)
 from fleetpilot.routing.features import Kind, RequestFeatures
 from fleetpilot.routing.policies.complexity import (
     DEFAULT_WEIGHTS,
     ComplexityWeights,
+    Target,
+    TierChoice,
     TierSpec,
     TierState,
     choose_tier,
@@ -72,13 +83,40 @@ log = logging.getLogger(__name__)
 TIE_KEY_LOOKAHEAD_BLOCKS = 4
 
 
+# A request whose tokenizing would encode more characters than this (past what the tokenizer's
+# prefix cache holds) has its KV-index keys computed in a worker thread (``PreparedKeys``), not on
+# the proxy's event loop, where it would stall every stream the router relays. Encoding runs at
+# ~0.6 us a character (bench/router_tokenize.py, byte-level BPE), so 2,048 characters stall the
+# loop ~1.2 ms at most, a tenth of an engine's ~10-30 ms between two tokens of a stream, and the
+# thread hop (~50-100 us) would add a tenth to that. A conversation's next turn (a few hundred
+# new characters, ~0.3-0.9 ms) stays inline; a cold 2,000-token conversation (~8k characters,
+# ~5 ms) or a cold prompt at the 128k-character cap (~40-80 ms) goes to the thread.
+OFF_LOOP_TOKENIZE_CHARS = 2048
+
+
+class PromptPlan(Protocol):
+    """A request's keys, looked up and not yet encoded (``tokenize.KeysPlan``)."""
+
+    @property
+    def pending_chars(self) -> int:
+        """The characters ``keys`` will encode (past the tokenizer's cached prefix)."""
+        ...
+
+    def keys(self, block_size: int, lora_name: str | None = None) -> list[bytes]:
+        """The chained KV-index keys of the request's prompt; ``TokenizerError`` if it cannot.
+        Runs on any thread."""
+        ...
+
+
 class PromptKeys(Protocol):
     """A tier model's tokenizer as the router uses it (``tokenize.RequestTokenizer``)."""
 
-    def keys(
-        self, kind: Kind, payload: Mapping[str, Any], block_size: int, lora_name: str | None = None
-    ) -> list[bytes]:
-        """The chained KV-index keys of the request's prompt; ``TokenizerError`` if it cannot."""
+    def plan(self, kind: Kind, payload: Mapping[str, Any]) -> PromptPlan:
+        """The request looked up in the tokenizer's cache; ``TokenizerError`` if it cannot."""
+        ...
+
+    def remember_reply(self, payload: Mapping[str, Any], reply: str) -> None:
+        """Cache the chat's prefix with the engine's reply for its next turn (any thread)."""
         ...
 
 
@@ -338,44 +376,56 @@ class Router:
         )
 
     # -- decisions ---------------------------------------------------------------------------
-    def decide(self, features: RequestFeatures) -> Route:
-        """Tier, then replica(s).
+    def prepare_keys(self, features: RequestFeatures) -> PreparedKeys | None:
+        """The KV-index keys ``decide`` would compute for this request now - with its tier's
+        tokenizer, at the block sizes of the groups whose events would judge it - looked up in
+        the tokenizer's prefix cache but not yet computed; None when ``decide`` would compute
+        none. A caller may compute them (``PreparedKeys.compute``, on any thread: the proxy does
+        so in a worker when ``off_loop``) and hand them to ``decide``, which uses them if it
+        chooses the same tier, and computes any block size they lack itself."""
+        if features.payload is None or not self.tokenizers:
+            return None
+        self.sync()
+        try:
+            tier, _, _ = self._choose_tier(features, self.clock())
+        except RouterError:
+            return None  # decide raises it
+        tokenizer = self.tokenizers.get(tier.name)
+        if tokenizer is None:
+            return None
+        hashed = 0 < self.config.affinity.block_chars <= len(features.prompt_text)
+        roles = (
+            (RoleName.DECODE, RoleName.PREFILL)
+            if tier.mode is ServingMode.DISAGGREGATED
+            else (RoleName.UNIFIED,)
+        )
+        sizes = [b for role in roles if (b := self._events_block_size(tier, role, hashed))]
+        if not sizes:
+            return None
+        return PreparedKeys(tier.name, _KeysOnce(tokenizer, features), tuple(dict.fromkeys(sizes)))
+
+    def decide(self, features: RequestFeatures, prepared: PreparedKeys | None = None) -> Route:
+        """Tier, then replica(s). ``prepared``: the request's keys from ``prepare_keys``, used
+        if this decision chooses the tier they were prepared for (a decision without them
+        computes the keys it needs itself, as one with them does for another tier).
 
         Raises ``UnknownModelError``/``InvalidRequestError`` for a bad target,
         ``OverloadedError`` (429) when every eligible replica is full, and
         ``NoReplicaError`` (503) when no eligible tier has a Ready replica.
         """
         self.sync()
-        target = resolve_target(features, self.tier_specs, self.config.service, self.weights)
         now = self.clock()
-        choice = choose_tier(
-            target,
-            len(self.tiers),
-            lambda i: self.tier_state(self.tiers[i], now),
-            self.config.spillover.enabled,
-        )
-        if choice.index is None:
-            if choice.reason == "saturated":
-                retry = self.config.backpressure.retry_after.total_seconds()
-                raise OverloadedError(
-                    "every replica that could serve this request is at capacity; retry later",
-                    reason="overloaded",
-                    headers={"Retry-After": str(max(1, round(retry)))},
-                )
-            wanted = self.tiers[target.index]
-            raise NoReplicaError(
-                "no ready replica can serve this request",
-                tier=wanted.name,
-                roles=tuple(group.role for group in wanted.endpoints),
-            )
-        tier = self.tiers[choice.index]
+        tier, choice, target = self._choose_tier(features, now)
         spilled = self.tiers[choice.spilled_from].name if choice.spilled_from is not None else None
         hashes: list[int] = []
         if self.config.affinity.weight > 0:
             hashes = block_hashes(
                 features.prompt_text, tier.model, self.config.affinity.block_chars
             )
-        keys = _KeysOnce(self, tier, features)
+        if prepared is not None and prepared.tier == tier.name:
+            keys = prepared.keys
+        else:
+            keys = _KeysOnce(self.tokenizers.get(tier.name), features)
         if tier.mode is ServingMode.DISAGGREGATED:
             # The decode role's events count too: a decode replica that already holds the
             # prompt's blocks pulls fewer of them from the prefill replica.
@@ -428,6 +478,49 @@ class Router:
             request=request,
         )
 
+    def _choose_tier(
+        self, features: RequestFeatures, now: float
+    ) -> tuple[RouterTier, TierChoice, Target]:
+        """The tier (and why) for this request now; raises as ``decide`` does."""
+        target = resolve_target(features, self.tier_specs, self.config.service, self.weights)
+        choice = choose_tier(
+            target,
+            len(self.tiers),
+            lambda i: self.tier_state(self.tiers[i], now),
+            self.config.spillover.enabled,
+        )
+        if choice.index is None:
+            if choice.reason == "saturated":
+                retry = self.config.backpressure.retry_after.total_seconds()
+                raise OverloadedError(
+                    "every replica that could serve this request is at capacity; retry later",
+                    reason="overloaded",
+                    headers={"Retry-After": str(max(1, round(retry)))},
+                )
+            wanted = self.tiers[target.index]
+            raise NoReplicaError(
+                "no ready replica can serve this request",
+                tier=wanted.name,
+                roles=tuple(group.role for group in wanted.endpoints),
+            )
+        return self.tiers[choice.index], choice, target
+
+    def _events_block_size(self, tier: RouterTier, role: RoleName, hashed: bool) -> int | None:
+        """The block size at which the prompt's KV-index keys are matched against a group's
+        events, or None when its events do not judge the prompt: no replicas, no full block of
+        prompt text (``hashed`` false) or no affinity, or a replica without live events."""
+        group = self._groups.get((tier.name, role), ())
+        if not group or not hashed or self.config.affinity.weight <= 0:
+            return None
+        streams = [s for r in group for s in r.kv_streams]
+        if not all(r.kv_streams for r in group) or not all(map(self.kv_live, streams)):
+            return None
+        # The engines' block size once they reported one, the planned one before.
+        return next(
+            (b for s in streams if (b := self.kv_index.block_size(s)) is not None),
+            self._block_sizes[(tier.name, role)],
+        )
+
     def _pick_request(
         self, tier: RouterTier, role: RoleName, hashes: list[int], keys: _KeysOnce, now: float
     ) -> tuple[PickRequest, list[bytes]]:
@@ -436,17 +529,10 @@ class Router:
         router sent there in the last moments, which the events cannot have reported yet -
         when every replica of the group publishes live events and the prompt could be
         tokenized; else only the guessed index's hashes."""
-        group = self._groups.get((tier.name, role), ())
-        if not group or not hashes or self.config.affinity.weight <= 0:
+        block_size = self._events_block_size(tier, role, bool(hashes))
+        if block_size is None:
             return PickRequest(hashes), []
-        streams = [s for r in group for s in r.kv_streams]
-        if not all(r.kv_streams for r in group) or not all(map(self.kv_live, streams)):
-            return PickRequest(hashes), []
-        # The engines' block size once they reported one, the planned one before.
-        block_size = next(
-            (b for s in streams if (b := self.kv_index.block_size(s)) is not None),
-            self._block_sizes[(tier.name, role)],
-        )
+        group = self._groups[(tier.name, role)]
         chained = keys.get(block_size)
         if chained is None:
             return PickRequest(hashes), []
@@ -528,24 +614,65 @@ class Router:
         return readmitted
 
 
+@dataclass(frozen=True)
+class PreparedKeys:
+    """A request's KV-index keys for one tier at the block sizes ``decide`` would match them at
+    (``Router.prepare_keys``), to compute ahead of ``decide`` with ``compute``."""
+
+    tier: str
+    keys: _KeysOnce
+    block_sizes: tuple[int, ...]
+
+    @property
+    def off_loop(self) -> bool:
+        """Whether computing them costs more than an event loop should stall for: the
+        tokenizer would encode over ``OFF_LOOP_TOKENIZE_CHARS`` characters (or, for a request
+        too long to look up cheaply, carries that many)."""
+        return self.keys.pending_chars() > OFF_LOOP_TOKENIZE_CHARS
+
+    def compute(self) -> None:
+        """Compute the keys at every block size, on any thread: the tokenizer is thread-safe,
+        and ``decide`` reads them only after this returned."""
+        for block_size in self.block_sizes:
+            self.keys.get(block_size)
+
+
 class _KeysOnce:
     """A request's KV-index keys, computed at most once per block size and only when some
     group's events could use them (tokenizing costs more than the rest of a decision)."""
 
-    def __init__(self, router: Router, tier: RouterTier, features: RequestFeatures) -> None:
-        self.tokenizer = router.tokenizers.get(tier.name)
+    def __init__(self, tokenizer: PromptKeys | None, features: RequestFeatures) -> None:
+        self.tokenizer = tokenizer
         self.features = features
         self.failed = False
+        self._plan: PromptPlan | None = None
         self._keys: dict[int, list[bytes] | None] = {}
+
+    def _planned(self) -> PromptPlan | None:
+        """The tokenizer's plan of the request (made once), or None where there is none."""
+        if self._plan is None and not self.failed:
+            if self.tokenizer is None or self.features.payload is None:
+                return None
+            try:
+                self._plan = self.tokenizer.plan(self.features.kind, self.features.payload)
+            except TokenizerError:
+                self.failed = True
+        return self._plan
+
+    def pending_chars(self) -> int:
+        """The characters tokenizing the request would encode (0 when it will not be)."""
+        plan = self._planned()
+        return 0 if plan is None else plan.pending_chars
 
     def get(self, block_size: int) -> list[bytes] | None:
         """The keys, or None without a tokenizer or for a prompt it cannot tokenize."""
         if block_size in self._keys:
             return self._keys[block_size]
         keys: list[bytes] | None = None
-        if self.tokenizer is not None and self.features.payload is not None:
+        plan = self._planned()
+        if plan is not None:
             try:
-                keys = self.tokenizer.keys(self.features.kind, self.features.payload, block_size)
+                keys = plan.keys(block_size)
             except TokenizerError:
                 self.failed = True
         self._keys[block_size] = keys

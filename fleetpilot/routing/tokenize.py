@@ -102,6 +102,14 @@ ContentFormat = Literal["auto", "string", "openai"]
 # before the cap: its keys are exact for that head, which is where prompts share prefixes and
 # already tells the replicas apart. Raw input over four times the cap is refused before rendering.
 DEFAULT_MAX_CHARS = 128 * 1024
+# RequestTokenizer.plan looks a request up in the prefix cache (render, find the cuts, digest the
+# prefixes) at once only when its text is at most this long, so that a caller learns what is left
+# to encode before deciding where to encode it. That pass is linear in the whole text: ~3 ns a
+# character for render, digest and an ``added``-mode scan (BPE tokenizers), but ~0.08 us for a
+# ``chars``-mode scan (the byte tokenizer: a lookahead at every character), so ~1.3 ms here at
+# worst. A longer request costs milliseconds even when its prefix is cached (a 100k-character
+# next turn took 4-7 ms here), so it is not probed: its whole pass belongs off the caller's loop.
+PLAN_INLINE_MAX_CHARS = 16 * 1024
 
 # The prefix cache holds, per conversation in flight, the prefix of its latest turn until the
 # next turn arrives, plus prefixes many requests share (a system prompt). 2**23 tokens are ~1,000
@@ -809,6 +817,30 @@ class _Prompt:
     stored: list[_Entry] = field(default_factory=list)
 
 
+@dataclass
+class _Lookup:
+    """A text prompt looked up in the prefix cache and not yet encoded: ``text`` from ``start``
+    follows the cached prefix ``base``; ``stores`` (cut, conversation-specific) are the prefixes
+    to cache once encoded, ``digests`` their keys'."""
+
+    text: str
+    scan: _Cuts
+    stores: list[tuple[int, bool]]
+    digests: dict[int, bytes]
+    head: tuple[int, ...]
+    tail: tuple[int, ...]
+    truncated: bool = False
+    join: bool = False  # a remembered reply: joins the family of the prefix found
+    # A post-processor whose specials depend on the text: one whole encode, nothing cached.
+    whole_with_specials: bool = False
+    start: int = 0
+    base: _Entry | None = None
+
+    @property
+    def pending_chars(self) -> int:
+        return len(self.text) - self.start
+
+
 # ---- the tokenizer ------------------------------------------------------------------------------
 
 
@@ -872,8 +904,15 @@ class RequestTokenizer:
 
     ``chat_template``, ``content_format`` and ``default_template_kwargs`` mirror ``vllm serve``'s
     ``--chat-template``, ``--chat-template-content-format`` and
-    ``--default-chat-template-kwargs``. Thread-safe: the cache is behind a lock and the
-    ``tokenizers`` object is immutable once built.
+    ``--default-chat-template-kwargs``.
+
+    Thread-safe, for the router's worker threads: the prefix cache (and the stats) are behind one
+    lock, held only to look prefixes up, store them and read or extend an entry's keys, never
+    across an encode or a render, so a caller on an event loop waits at most for another thread's
+    dictionary operations, never for its tokenizing. Entries' ids are never changed once stored
+    (readers copy them outside the lock); two threads encoding the same new prefix both store it,
+    the later replacing the earlier with the same ids. The ``tokenizers`` object is immutable once
+    built and releases the GIL while it encodes; Jinja templates render per call.
     """
 
     def __init__(
@@ -1023,13 +1062,22 @@ class RequestTokenizer:
         at most ``MAX_MATCH_BLOCKS``: what the KV index matches. A prompt over ``max_chars`` gives
         the keys of its head up to its last safe cut before the cap. Raises
         :class:`TokenizerError` for anything the engine would not tokenize this way."""
+        return self.plan(kind, payload).keys(block_size, lora_name)
+
+    def plan(self, kind: Kind, payload: Mapping[str, Any]) -> KeysPlan:
+        """:meth:`keys` in two steps: this one looks the request up in the prefix cache (for a
+        text of at most ``PLAN_INLINE_MAX_CHARS``), so that ``pending_chars`` says what the
+        second, :meth:`KeysPlan.keys`, will encode, which may then run on another thread. Raises
+        :class:`TokenizerError` as :meth:`keys` does (a longer text: from ``KeysPlan.keys``)."""
         _check_payload(payload)
         if kind == "completions" and not isinstance(payload.get("prompt"), str):
-            given = self._token_prompt(payload)
-            return chain_keys(given, block_size, lora_name, max_blocks=MAX_MATCH_BLOCKS)
-        prompt = self._prompt(kind, payload)
-        tail = () if prompt.truncated else prompt.tail
-        return self._chain(prompt, (block_size, lora_name, prompt.head), tail)
+            return KeysPlan(self, kind, payload, 0, given=self._token_prompt(payload))
+        size = _input_chars(kind, payload)
+        if size > PLAN_INLINE_MAX_CHARS:
+            return KeysPlan(self, kind, payload, size)
+        found = self._plan_prompt(kind, payload)
+        pending = found.pending_chars if isinstance(found, _Lookup) else 0
+        return KeysPlan(self, kind, payload, pending, found=found)
 
     def _chain(self, prompt: _Prompt, variant: _Variant, tail: Sequence[int] = ()) -> list[bytes]:
         """The keys of ``head + body + tail`` for ``variant``, chained on from the keys of the
@@ -1099,6 +1147,11 @@ class RequestTokenizer:
     # ---- requests ---------------------------------------------------------------------------
 
     def _prompt(self, kind: Kind, payload: Mapping[str, Any]) -> _Prompt:
+        found = self._plan_prompt(kind, payload)
+        return found if isinstance(found, _Prompt) else self._finish(found)
+
+    def _plan_prompt(self, kind: Kind, payload: Mapping[str, Any]) -> _Prompt | _Lookup:
+        """The request's prompt looked up in the cache (a token-id prompt: its ids at once)."""
         _check_payload(payload)
         if kind == "chat":
             r = self._render_chat(payload)
@@ -1111,7 +1164,7 @@ class RequestTokenizer:
             whole = scan.at_or_before(len(r.text))
             stores = [(before_final[0], False)] if before_final is not None else []
             stores += [(whole[0], True)] if whole is not None else []
-            return self._text_prompt(r.text, scan, _span_cuts(scan, r.spans), stores, r.specials)
+            return self._look_up(r.text, scan, _span_cuts(scan, r.spans), stores, r.specials)
         if kind != "completions":
             _bad(f"unknown request kind {kind!r}")
         prompt = self._single_prompt(payload)
@@ -1122,7 +1175,7 @@ class RequestTokenizer:
         scan = self._rule.scan(prompt)
         cuts = scan.plain_cuts(len(prompt))
         specials = _flag(payload, "add_special_tokens", True)
-        return self._text_prompt(prompt, scan, cuts, [(cuts[-1], False)] if cuts else [], specials)
+        return self._look_up(prompt, scan, cuts, [(cuts[-1], False)] if cuts else [], specials)
 
     def _single_prompt(self, payload: Mapping[str, Any]) -> str | list[int]:
         if payload.get("prompt_embeds") is not None:
@@ -1286,13 +1339,24 @@ class RequestTokenizer:
         """Ids of ``text`` from the longest cached prefix ending at one of ``cuts``; the prefixes
         ending at ``stores`` (cut, conversation-specific) are cached for later requests, as one
         turn's family (``join``: the family of the prefix found, for a remembered reply)."""
+        return self._finish(self._look_up(text, scan, cuts, stores, specials, join=join))
+
+    def _look_up(
+        self,
+        text: str,
+        scan: _Cuts,
+        cuts: list[int],
+        stores: list[tuple[int, bool]],
+        specials: bool,
+        *,
+        join: bool = False,
+    ) -> _Lookup:
+        """The first half of :meth:`_text_prompt`: the longest cached prefix, nothing encoded."""
         if specials and self._affixes is None:
             # A post-processor whose specials depend on the text: encode whole, no cache.
             if len(text) > self.max_chars:
                 _bad(f"the prompt is longer than {self.max_chars} characters")
-            ids = self._encode(text, scan, 0, len(text), specials=True)
-            self.stats.whole_encodes += 1
-            return _Prompt((), array("I", ids), ())
+            return _Lookup(text, scan, [], {}, (), (), join=join, whole_with_specials=True)
         head, tail = self._affixes if specials and self._affixes is not None else ((), ())
         truncated = False
         if len(text) > self.max_chars:
@@ -1306,34 +1370,43 @@ class RequestTokenizer:
         if len(cuts) > _MAX_CANDIDATES:
             cuts = cuts[:_FIRST_CANDIDATES] + cuts[-(_MAX_CANDIDATES - _FIRST_CANDIDATES) :]
         digests = _prefix_digests(text, sorted({*cuts, *(c for c, _ in stores)}))
-        start, base = 0, None
+        found = _Lookup(text, scan, stores, digests, head, tail, truncated, join)
         with self._cache.lock:
             for c in reversed(cuts):
                 entry = self._cache.get((c, digests[c]))
                 if entry is not None:
-                    start, base = c, entry
+                    found.start, found.base = c, entry
                     break
-        if base is None:
-            self.stats.misses += 1
-        else:
-            self.stats.hits += 1
+            if found.base is None:
+                self.stats.misses += 1
+            else:
+                self.stats.hits += 1
+        return found
+
+    def _finish(self, found: _Lookup) -> _Prompt:
+        """The second half of :meth:`_text_prompt`: encode what follows the prefix found and
+        store the new prefixes. Runs on any thread; the lock is taken only to store."""
+        text, scan, base, start = found.text, found.scan, found.base, found.start
+        if found.whole_with_specials:
+            ids = self._encode(text, scan, 0, len(text), specials=True, whole=True)
+            return _Prompt((), array("I", ids), ())
         body = array("I", base.ids) if base is not None else array("I")
+        join = found.join
         family: list[_CacheKey] = base.family if join and base is not None else []
         made: list[tuple[_CacheKey, _Entry]] = []
         try:
-            for stop, own in sorted(set(stores)):
+            for stop, own in sorted(set(found.stores)):
                 if stop <= start:
                     continue
                 body += array("I", self._encode(text, scan, start, stop))
                 entry = _Entry(array("I", body), derived=own or base is not None, family=family)
-                made.append(((stop, digests[stop]), entry))
+                made.append(((stop, found.digests[stop]), entry))
                 start = stop
             if start < len(text):
                 body += array("I", self._encode(text, scan, start, len(text)))
         except _CutMismatchError:  # impossible if the module docstring's argument holds; stay exact
-            self.stats.whole_encodes += 1
-            body = array("I", self._encode(text, scan, 0, len(text)))
-            return _Prompt(head, body, tail, truncated)
+            body = array("I", self._encode(text, scan, 0, len(text), whole=True))
+            return _Prompt(found.head, body, found.tail, found.truncated)
         with self._cache.lock:
             if base is not None and made and base.derived and not join:
                 # The conversation moved on: the turn it extends is replaced by this one.
@@ -1344,13 +1417,22 @@ class RequestTokenizer:
             for key, entry in made:
                 family.append(key)
                 self._cache.put(key, entry)
-        return _Prompt(head, body, tail, truncated, base, [entry for _, entry in made])
+        stored = [entry for _, entry in made]
+        return _Prompt(found.head, body, found.tail, found.truncated, base, stored)
 
     def _encode(
-        self, text: str, scan: _Cuts, start: int, stop: int, *, specials: bool = False
+        self,
+        text: str,
+        scan: _Cuts,
+        start: int,
+        stop: int,
+        *,
+        specials: bool = False,
+        whole: bool = False,
     ) -> list[int]:
         """The ids of ``text[start:stop]`` as part of ``text`` (``start`` a cut): in ``added``
-        mode encoded after the added token that ends at ``start``, whose id is dropped."""
+        mode encoded after the added token that ends at ``start``, whose id is dropped
+        (``whole``: counted as a whole encode)."""
         lead = 0
         if start > 0:
             cut = scan.at_or_before(start)
@@ -1358,7 +1440,9 @@ class RequestTokenizer:
                 raise _CutMismatchError
             lead = cut[1]
         segment = text[start - lead : stop]
-        self.stats.encoded_chars += len(segment)
+        with self._cache.lock:  # counters shared with other threads' requests
+            self.stats.encoded_chars += len(segment)
+            self.stats.whole_encodes += whole
         try:
             ids = self._tokenizer.encode_batch_fast([segment], add_special_tokens=specials)[0].ids
         except Exception as e:
@@ -1443,6 +1527,60 @@ def _prefix_digests(text: str, points: Sequence[int]) -> dict[int, bytes]:
         prev = p
         digests[p] = h.copy().digest()
     return digests
+
+
+class KeysPlan:
+    """A request's :meth:`RequestTokenizer.keys`, split where the cheap part ends: made by
+    :meth:`RequestTokenizer.plan`, then :meth:`keys` (any thread) encodes what the prefix cache
+    lacks and chains the keys, per block size.
+
+    ``pending_chars``: the characters :meth:`keys` will encode (past the longest cached prefix)
+    when the plan looked the request up; for a request over ``PLAN_INLINE_MAX_CHARS``, left whole
+    to :meth:`keys`, the size of its text; 0 for a token-id prompt. One plan is for one thread at
+    a time; its tokenizer serves many at once."""
+
+    def __init__(
+        self,
+        tokenizer: RequestTokenizer,
+        kind: Kind,
+        payload: Mapping[str, Any],
+        pending_chars: int,
+        *,
+        found: _Prompt | _Lookup | None = None,
+        given: list[int] | None = None,
+    ) -> None:
+        self.pending_chars = pending_chars
+        self._tokenizer = tokenizer
+        self._kind: Kind = kind
+        self._payload = payload
+        self._found = found
+        self._given = given
+        self._prompt: _Prompt | None = found if isinstance(found, _Prompt) else None
+
+    def keys(self, block_size: int, lora_name: str | None = None) -> list[bytes]:
+        """As :meth:`RequestTokenizer.keys`; the prompt is encoded once for all block sizes."""
+        if self._given is not None:
+            return chain_keys(self._given, block_size, lora_name, max_blocks=MAX_MATCH_BLOCKS)
+        tokenizer = self._tokenizer
+        prompt = self._prompt
+        if prompt is None:
+            found = self._found
+            if found is None:
+                found = tokenizer._plan_prompt(self._kind, self._payload)
+            prompt = found if isinstance(found, _Prompt) else tokenizer._finish(found)
+            self._prompt = prompt
+        tail = () if prompt.truncated else prompt.tail
+        return tokenizer._chain(prompt, (block_size, lora_name, prompt.head), tail)
+
+
+def _input_chars(kind: Kind, payload: Mapping[str, Any]) -> int:
+    """The characters of text a request carries, counted without rendering it."""
+    if kind == "chat":
+        return _content_chars(payload.get("messages"))
+    prompt = payload.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(p) for p in prompt if isinstance(p, str)) if isinstance(prompt, list) else 0
 
 
 def load_tokenizer(
