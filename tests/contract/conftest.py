@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import selectors
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from fleetpilot.runtime.reference_argv import REFERENCE_TOKENIZER
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -84,3 +87,19 @@ def vllm_judge() -> Iterator[VllmJudge]:
         judge.process.wait()
     assert judge.process.stdout is not None
     judge.process.stdout.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A local checkpoint folder vLLM configures an engine from, as ``vllm serve`` does (no
+    weights are read): the reference engine's tiny Llama and its shipped tokenizer."""
+    # The engine package imports torch: only the tests that need a checkpoint pay for it.
+    from fleetpilot.engine.reference.checkpoint import save_checkpoint
+    from fleetpilot.engine.reference.model import LlamaModel
+    from fleetpilot.engine.reference.settings import MODEL_PRESETS
+
+    checkpoint = tmp_path_factory.mktemp("tiny-llama")
+    save_checkpoint(LlamaModel(MODEL_PRESETS["tiny"]), checkpoint)
+    for file in REFERENCE_TOKENIZER.glob("*.json"):
+        shutil.copy(file, checkpoint / file.name)
+    return checkpoint

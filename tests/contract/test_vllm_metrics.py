@@ -12,7 +12,6 @@ from __future__ import annotations
 import ast
 import json
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,10 +21,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import fleetpilot
-from fleetpilot.engine.reference.checkpoint import save_checkpoint
-from fleetpilot.engine.reference.model import LlamaModel
-from fleetpilot.engine.reference.settings import MODEL_PRESETS
-from fleetpilot.runtime.reference_argv import REFERENCE_TOKENIZER
 from fleetpilot.testing.engine_server import BackgroundServer
 from tests.contract.conftest import VllmJudge
 from tests.contract.metric_families import summarize
@@ -71,14 +66,10 @@ def exposed_families(text: str) -> Families:
 
 
 @pytest.fixture(scope="module")
-def vllm_families(vllm_judge: VllmJudge, tmp_path_factory: pytest.TempPathFactory) -> Families:
+def vllm_families(vllm_judge: VllmJudge, tiny_checkpoint: Path) -> Families:
     """What vLLM registers for an engine like the reference one: a tiny Llama checkpoint with
     the reference tokenizer, served under one name, with ngram speculation (its counters)."""
-    checkpoint = tmp_path_factory.mktemp("tiny-llama")
-    save_checkpoint(LlamaModel(MODEL_PRESETS["tiny"]), checkpoint)
-    for file in REFERENCE_TOKENIZER.glob("*.json"):
-        shutil.copy(file, checkpoint / file.name)
-    argv = [str(checkpoint), "--served-model-name", MODEL, "--max-model-len", MAX_MODEL_LEN,
+    argv = [str(tiny_checkpoint), "--served-model-name", MODEL, "--max-model-len", MAX_MODEL_LEN,
             "--speculative-config", json.dumps(SPECULATIVE)]  # fmt: skip
     answer = vllm_judge.ask({"op": "metrics", "argv": argv, "num_gpu_blocks": NUM_GPU_BLOCKS})
     assert answer["ok"], answer["error"]

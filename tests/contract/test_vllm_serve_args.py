@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fleetpilot.api import load_services, parse_service
+from fleetpilot.api import RoleName, load_services, parse_service
 from fleetpilot.api.spec import (
     DEFAULT_VLLM_IMAGE,
     VLLM_VERSION,
@@ -35,6 +35,8 @@ from fleetpilot.engine.vllm_args import (
     model_location,
     vllm_serve_args,
 )
+from fleetpilot.runtime.engines import VllmBackend
+from fleetpilot.runtime.local import LocalFleet
 from tests.contract.conftest import VllmJudge
 from tests.factories import make_manifest, make_tier
 
@@ -224,3 +226,27 @@ def test_a_renamed_flag_fails_with_vllms_own_message(vllm_judge: VllmJudge) -> N
     verdict = vllm_judge.serve(bad_events)
     assert not verdict["ok"]
     assert "publisherr" in verdict["error"]
+
+
+def test_the_gpu_checks_engines_run_lines_vllm_reads(vllm_judge: VllmJudge, tmp_path: Path) -> None:
+    """The GPU check (``bench/gpu/vllm_check.py``) starts each engine with the launcher's line
+    on a local checkpoint, loopback and its own ports, plus the flag that makes vLLM report
+    cached tokens: every one of those lines parses as ``vllm serve`` reads it, so a lent GPU
+    machine's minutes are not lost to a flag this vLLM does not have."""
+    from bench.gpu import vllm_check
+
+    model = vllm_check.write_checkpoint(tmp_path / "model")
+    manifest = vllm_check.check_manifest(with_pd=True)
+    fleet = LocalFleet(
+        parse_service(manifest), tmp_path / "fleet", 0, backend=VllmBackend("vllm", model)
+    )
+    assert {r.role for r in fleet.replicas} == {RoleName.UNIFIED, RoleName.PREFILL, RoleName.DECODE}
+    for replica in fleet.replicas:
+        assert replica.argv[:2] == ["vllm", "serve"]
+        answer = vllm_judge.serve(replica.argv[2:])
+        assert answer["ok"], (replica.name, answer["error"])
+        engine_args = answer["engine_args"]
+        assert engine_args["model"] == str(model)
+        assert engine_args["block_size"] == vllm_check.BLOCK_SIZE
+        assert engine_args["max_model_len"] == vllm_check.MAX_MODEL_LEN
+        assert engine_args["kv_events_config"]["endpoint"].startswith("tcp://127.0.0.1:")

@@ -24,6 +24,20 @@ vLLM version it runs:
 - ``{"op": "kv_encode", "ts": ..., "events": [{"type": "BlockStored", ...}], "rank": ...}``:
   the batch vLLM's publisher would send, built from vLLM's structs and encoded with its
   encoder; answer ``{"ok": true, "payload": "<base64>"}``.
+- ``{"op": "pd_prefill", "argv": [...], "kind": "completions"|"chat", "body": {...},
+  "prompt_token_ids": [...], "block_ids": [...]}``: vLLM as the prefill side of the NIXL
+  hand-off. The hop-1 body is read by vLLM's own request model (``CompletionRequest`` or
+  ``ChatCompletionRequest``) into its ``SamplingParams``, a ``Request`` is made from them, and
+  the NIXL connector's scheduler side (``NixlConnectorScheduler``, built from the config of
+  ``vllm serve <argv>``) sees it arrive and finish holding ``block_ids``: answer the
+  ``kv_transfer_params`` its ``request_finished`` returns (what a vLLM prefill engine puts
+  in its response).
+- ``{"op": "pd_decode", "argv": [...], "kind": ..., "body": {...}, "prompt_token_ids": [...],
+  "local_block_ids": [...]}``: vLLM as the decode side. The hop-2 body is read the same way;
+  the scheduler side is asked how many tokens to load from the remote prefill
+  (``get_num_new_matched_tokens``), is given the local blocks (``update_state_after_alloc``)
+  and builds the metadata its workers would pull by (``build_connector_meta``): answer the
+  pull it plans (remote engine, request, host, port, block ids; local blocks; TP size).
 
 Nothing here is fleetpilot's: the script imports only vLLM, the standard library and
 ``metric_families`` beside it (plain code shared with the tests), so what it answers is what the
@@ -175,6 +189,110 @@ def _hashes_from_json(value: Any) -> Any:
     return value
 
 
+# Block ids a scheduler test hands the connector are vLLM's ``BlockIds``: one list per KV-cache
+# group. A dense Llama has one group (full attention).
+_ENGINE_ID = {"prefill": "judge-prefill-engine", "decode": "judge-decode-engine"}
+
+
+class _Nixl:
+    """vLLM's NIXL connector, scheduler side, for an engine configured by ``vllm serve argv``."""
+
+    def __init__(self, parser: _ServeParser, argv: list[str], side: str) -> None:
+        import torch
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.scheduler import (
+            NixlConnectorScheduler,
+        )
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+        self.config = AsyncEngineArgs.from_cli_args(parser.parse(argv)).create_engine_config()
+        model = self.config.model_config
+        self.block_size = self.config.cache_config.block_size
+        spec = FullAttentionSpec(
+            block_size=self.block_size,
+            num_kv_heads=model.get_num_kv_heads(self.config.parallel_config),
+            head_size=model.get_head_size(),
+            dtype=torch.float16,
+        )
+        kv_cache_config = KVCacheConfig(
+            num_blocks=1024,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
+        )
+        self.scheduler = NixlConnectorScheduler(self.config, _ENGINE_ID[side], kv_cache_config)
+
+    def request(self, kind: str, body: dict[str, Any], prompt: list[int], rid: str) -> Any:
+        """The engine's ``Request`` for an HTTP body, through vLLM's own request models (the
+        server would also render a chat and tokenize; the test gives the prompt's ids)."""
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+        from vllm.v1.request import Request
+
+        parsed: ChatCompletionRequest | CompletionRequest
+        if kind == "chat":
+            parsed = ChatCompletionRequest.model_validate(body)
+            requested = parsed.max_completion_tokens
+            requested = parsed.max_tokens if requested is None else requested
+        else:
+            parsed = CompletionRequest.model_validate(body)
+            requested = parsed.max_tokens
+        # As vLLM's chat and completion servers size the request before the engine sees it.
+        limit = self.config.model_config.max_model_len
+        max_tokens = get_max_tokens(limit, requested, len(prompt), {})
+        params = parsed.to_sampling_params(max_tokens, {})
+        return Request(rid, list(prompt), params, None)
+
+
+def pd_prefill(parser: _ServeParser, request: dict[str, Any]) -> dict[str, Any]:
+    from vllm.v1.request import RequestStatus
+
+    try:
+        nixl = _Nixl(parser, list(request["argv"]), "prefill")
+        prompt = list(request["prompt_token_ids"])
+        engine_request = nixl.request(request["kind"], request["body"], prompt, "cmpl-judge-p")
+        nixl.scheduler.on_new_request(engine_request)
+        engine_request.num_computed_tokens = engine_request.num_prompt_tokens
+        engine_request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        delay_free, params = nixl.scheduler.request_finished(
+            engine_request, (list(request["block_ids"]),)
+        )
+    except Exception as error:
+        return {"ok": False, "error": f"{type(error).__name__}: {error}"}
+    return {
+        "ok": True,
+        "max_tokens": engine_request.max_tokens,
+        "delay_free_blocks": delay_free,
+        "kv_transfer_params": _jsonable(params),
+    }
+
+
+def pd_decode(parser: _ServeParser, request: dict[str, Any]) -> dict[str, Any]:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    try:
+        nixl = _Nixl(parser, list(request["argv"]), "decode")
+        prompt = list(request["prompt_token_ids"])
+        engine_request = nixl.request(request["kind"], request["body"], prompt, "cmpl-judge-d")
+        nixl.scheduler.on_new_request(engine_request)
+        tokens, load_async = nixl.scheduler.get_num_new_matched_tokens(engine_request, 0)
+        local = [KVCacheBlock(b) for b in request["local_block_ids"]]
+        nixl.scheduler.update_state_after_alloc(engine_request, KVCacheBlocks((local,)), tokens)
+        meta = nixl.scheduler.build_connector_meta(None)  # type: ignore[arg-type]
+    except Exception as error:
+        return {"ok": False, "error": f"{type(error).__name__}: {error}"}
+    pulls = {
+        rid: {
+            "local_block_ids": _jsonable(req.local_block_ids),
+            "tp_size": req.tp_size,
+            "remote": _jsonable(req.remote),
+        }
+        for rid, req in meta.reqs_to_recv.items()
+    }
+    return {"ok": True, "tokens_to_load": tokens, "load_async": load_async, "pulls": pulls}
+
+
 def main() -> None:
     logging.disable(logging.WARNING)
     import vllm
@@ -194,6 +312,10 @@ def main() -> None:
             answer = kv_decode(request["payload"])
         elif op == "kv_encode":
             answer = kv_encode(request)
+        elif op == "pd_prefill":
+            answer = pd_prefill(parser, request)
+        elif op == "pd_decode":
+            answer = pd_decode(parser, request)
         else:
             answer = {"ok": False, "error": f"unknown op {op!r}"}
         print(json.dumps(answer), flush=True)

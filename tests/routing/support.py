@@ -168,7 +168,7 @@ class FakeEngine:
                     "do_remote_prefill": True,
                     "do_remote_decode": False,
                     "remote_engine_id": self.name,
-                    "remote_block_ids": [1, 2, 3],
+                    "remote_block_ids": [[1, 2, 3]],
                     "remote_host": "127.0.0.1",
                     "remote_port": self.port,
                 },

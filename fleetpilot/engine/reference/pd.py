@@ -76,16 +76,25 @@ def remote_prefill_params(
     """
     if pin is None:
         return None  # nothing pinned (aborted, or evicted at once): decode prefills
+    # Every field vLLM's NIXL prefill side answers (``request_finished`` of its connector's
+    # scheduler, checked by tests/contract/test_vllm_pd_wire.py), with its types: block ids
+    # per KV-cache group (one group: full attention), one TP/DCP/PP rank, a pull ("READ")
+    # producer, no D-side expiry. ``expires_at`` is ours: the pin's end in unix seconds.
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
+        "remote_block_ids": [list(pin.block_ids)],
         "remote_engine_id": kv.engine_id,
-        "remote_block_ids": list(pin.block_ids),
         "remote_request_id": rid,
         "remote_host": kv.advertise_host or reached_at[0],
         "remote_port": reached_at[1],
-        "remote_num_tokens": pin.num_tokens,
         "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_num_tokens": pin.num_tokens,
+        "remote_blocks_expiry_time": None,
+        "remote_registration_generation": 0,
+        "transfer_mode": "pull",
         "expires_at": pin.expires_at,
     }
 

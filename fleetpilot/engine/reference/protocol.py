@@ -8,8 +8,9 @@ ignored. Errors have OpenAI's shape, with vLLM's ``type`` names and an integer `
 ``{"error": {"message", "type", "param", "code"}}``.
 
 ``kv_transfer_params`` follows vLLM's NIXL connector (``do_remote_decode``/``do_remote_prefill``,
-``remote_engine_id``, ``remote_block_ids``, ``remote_request_id``, ``remote_host``,
-``remote_port``, ``tp_size``); ``expires_at`` (unix seconds) is our addition.
+``remote_engine_id``, ``remote_block_ids`` (one list per KV-cache group), ``remote_request_id``,
+``remote_host``, ``remote_port``, ``tp_size`` and the rest its prefill side answers);
+``expires_at`` (unix seconds) is our addition.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ class KVTransferParams(_Request):
     do_remote_decode: bool = False
     do_remote_prefill: bool = False
     remote_engine_id: str | None = None
-    # Flat, as this engine returns it; newer vLLM nests one list per KV-cache group.
+    # One list per KV-cache group, as vLLM's prefill side and this engine answer; flat, as
+    # vLLM before hybrid KV-cache groups sent it, is read too.
     remote_block_ids: list[int] | list[list[int]] | None = None
     remote_request_id: str | None = None
     remote_host: str | None = None

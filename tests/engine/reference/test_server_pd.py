@@ -131,7 +131,9 @@ def test_two_hops_equal_one_unified_server_and_skip_the_prefill(
     assert params["remote_request_id"] == first["id"]
     assert params["remote_host"] == "127.0.0.1"
     assert params["remote_port"] == httpx.URL(prefill.url).port
-    assert len(params["remote_block_ids"]) == math.ceil(prompt_len / 16)
+    # One list of block ids per KV-cache group (a dense model has one), as vLLM answers.
+    [block_ids] = params["remote_block_ids"]
+    assert len(block_ids) == math.ceil(prompt_len / 16)
     assert params["remote_num_tokens"] == prompt_len
     assert time.time() < params["expires_at"] <= time.time() + 60.0  # the default TTL
     exported_before = value(prefill.url, "fleetpilot:kv_transfer_exported_blocks_total")
@@ -163,7 +165,7 @@ def test_two_hops_equal_one_unified_server_and_skip_the_prefill(
     wait_until(
         lambda: (
             value(prefill.url, "fleetpilot:kv_transfer_exported_blocks_total") - exported_before
-            == len(params["remote_block_ids"])
+            == len(block_ids)
         ),
         "the prefill server never counted the exported blocks",
     )
@@ -179,8 +181,8 @@ def test_two_hops_equal_one_unified_server_and_skip_the_prefill(
 def test_chat_two_hops(
     unified: BackgroundServer, prefill: BackgroundServer, decode: BackgroundServer
 ) -> None:
-    """Chat completions hand KV over too, also with block ids nested per KV-cache group (as
-    newer vLLM sends them), and answer as the unified server does."""
+    """Chat completions hand KV over too, also with block ids in one flat list (as vLLM
+    before hybrid KV-cache groups sent them), and answer as the unified server does."""
     chat = {
         "model": MODEL,
         "messages": [{"role": "user", "content": PROMPT}],
@@ -195,8 +197,8 @@ def test_chat_two_hops(
         "/v1/chat/completions",
     )
     params = first["kv_transfer_params"]
-    # Newer vLLM nests block ids per KV-cache group; one group is accepted as well.
-    params["remote_block_ids"] = [params["remote_block_ids"]]
+    # vLLM before hybrid KV-cache groups sent one flat list of block ids: read as well.
+    [params["remote_block_ids"]] = params["remote_block_ids"]
     out = post(decode, {**chat, "kv_transfer_params": params}, "/v1/chat/completions")
     assert out["choices"][0]["message"] == reference["choices"][0]["message"]
     prompt_len = out["usage"]["prompt_tokens"]
@@ -218,7 +220,7 @@ def test_unknown_and_expired_pins_fall_back_to_local_prefill(
     assert fallbacks(decode.url, "not_found") == before + 1
 
     stale_blocks = {**do_prefill(prefill)}
-    stale_blocks["remote_block_ids"] = [b + 1 for b in stale_blocks["remote_block_ids"]]
+    stale_blocks["remote_block_ids"] = [[b + 1 for b in stale_blocks["remote_block_ids"][0]]]
     out = post(decode, {**REQUEST, "kv_transfer_params": stale_blocks})
     assert out["choices"][0]["token_ids"] == reference
     assert fallbacks(decode.url, "not_found") == before + 2
