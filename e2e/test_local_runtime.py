@@ -243,7 +243,9 @@ def test_up_refuses_an_invalid_file_before_starting(tmp_path: Path) -> None:
 
 def test_a_disaggregated_tier_serves_through_both_hops(tmp_path: Path) -> None:
     """A P/D tier runs a prefill and a decode engine, both with the planner's kv_both for
-    NIXL, and a chat goes through both: prefill first, then the decode that pulls its KV."""
+    NIXL, and a chat goes through both: prefill first, then the decode that pulls its KV. The
+    same chat again is the decode engine's alone: it holds the prompt (its KV events say so)
+    and computes the last few tokens itself."""
     (service,) = load_services(ROOT / "examples" / "disaggregated.yaml")
     local = LocalFleet(service, tmp_path, 0, max_replicas_per_role=1)
     local.start()
@@ -256,14 +258,24 @@ def test_a_disaggregated_tier_serves_through_both_hops(tmp_path: Path) -> None:
         for replica in (prefill, decode):
             config = replica.argv[replica.argv.index("--kv-transfer-config") + 1]
             assert json.loads(config)["kv_role"] == "kv_both"  # what the planner gives vLLM
+        # Longer than a few blocks: a prompt the decode engine would compute in a moment goes
+        # to it alone (router.PD_LOCAL_PREFILL_TOKENS).
+        question = [{"role": "user", "content": "How do prefill and decode share KV? " * 6}]
         with openai.OpenAI(base_url=local.endpoint, api_key="unused", max_retries=0) as api:
             raw = api.chat.completions.with_raw_response.create(
-                model="llama-70b", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+                model="llama-70b", messages=question, max_tokens=4
             )
-        assert raw.parse().choices[0].message.content
-        route = raw.headers["x-fleetpilot-route"]
+            assert raw.parse().choices[0].message.content
+            route = raw.headers["x-fleetpilot-route"]
+            assert f"replica={decode.address}" in route
+            assert f"prefill={prefill.address}" in route
+            again = api.chat.completions.with_raw_response.create(
+                model="llama-70b", messages=question, max_tokens=4
+            )
+        assert again.parse().choices[0].message.content
+        route = again.headers["x-fleetpilot-route"]
         assert f"replica={decode.address}" in route
-        assert f"prefill={prefill.address}" in route
+        assert "prefill=local" in route
     finally:
         local.stop()
         assert local.leftovers() == []

@@ -103,6 +103,13 @@ class RouterMetrics:
             ["replica"],
             registry=r,
         )
+        self.pd_local_prefills = Counter(
+            p + "pd_local_prefills",
+            "Disaggregated requests sent to a decode replica that holds all but a few of the "
+            "prompt's tokens, which it computes itself (no prefill hop).",
+            ["tier"],
+            registry=r,
+        )
         self.pd_fallbacks = Counter(
             p + "pd_fallbacks",
             "Disaggregated requests served unified on the decode replica (prefill hop failed).",

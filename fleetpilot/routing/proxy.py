@@ -247,7 +247,10 @@ class Proxy:
         path = PATHS[kind]
         prefill_id: str | None = None
         try:
-            if route.disaggregated:
+            if route.local_prefill:  # the decode replica holds the prompt: no hop
+                self.metrics.pd_local_prefills.labels(tier.name).inc()
+                payload = _json_bytes(client_body(body, tier.model))
+            elif route.disaggregated:
                 params, cause = await self._prefill_hop(route, body, path, headers)
                 if params is not None:
                     prefill_id = route.prefill.id if route.prefill else None
@@ -440,7 +443,9 @@ class Proxy:
             exchange.replica = replica
             attempt = replica  # `replica` moves on for a retry; this attempt's count stays here
             attempt.in_flight += 1
-            if not route.disaggregated:  # a P/D decode replica prefills nothing (pulled KV)
+            # A P/D decode replica prefills nothing (it pulls the KV), unless it was sent the
+            # request to prefill the few tokens it lacks itself.
+            if not route.disaggregated or route.local_prefill:
                 exchange.begin_prefill(attempt, route.prefill_blocks)
             try:
                 response: aiohttp.ClientResponse | None = None

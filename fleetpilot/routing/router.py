@@ -48,7 +48,7 @@ from fleetpilot.routing.policies.complexity import (
     resolve_target,
 )
 from fleetpilot.routing.policies.ejection import HealthTracker
-from fleetpilot.routing.policies.kv_index import KVIndex
+from fleetpilot.routing.policies.kv_index import MAX_MATCH_BLOCKS, KVIndex
 from fleetpilot.routing.policies.load import (
     EngineMetrics,
     LoadScorer,
@@ -82,6 +82,15 @@ log = logging.getLogger(__name__)
 # the requests that will share a prefix break their ties alike.
 TIE_KEY_LOOKAHEAD_BLOCKS = 4
 
+# A P/D request whose prompt the chosen decode replica holds in its KV cache but for at most
+# this many tokens (its engine's events say so) skips the prefill hop: the decode replica
+# computes those few tokens itself. The hop is a round trip to a prefill replica, a forward
+# pass there and a KV pull back; vLLM's NIXL decode side makes the same trade with the same
+# number, recomputing rather than pulling fewer remote tokens than its kv_recompute_threshold
+# (64 by default). A conversation's next turn on the replica that decoded the last one is the
+# common case: its prompt is the last prompt and reply plus a short new message.
+PD_LOCAL_PREFILL_TOKENS = 64
+
 
 # A request whose tokenizing would encode more characters than this (past what the tokenizer's
 # prefix cache holds) has its KV-index keys computed in a worker thread (``PreparedKeys``), not on
@@ -100,6 +109,12 @@ class PromptPlan(Protocol):
     @property
     def pending_chars(self) -> int:
         """The characters ``keys`` will encode (past the tokenizer's cached prefix)."""
+        ...
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        """The prompt's length in tokens once ``keys`` ran; None for a prompt whose keys cover
+        only a head cut at a length cap."""
         ...
 
     def keys(self, block_size: int, lora_name: str | None = None) -> list[bytes]:
@@ -166,6 +181,9 @@ class Route:
     prefill_blocks: int = 0
     # The tier has a tokenizer but this prompt could not be tokenized (counted by the proxy).
     tokenizer_failed: bool = False
+    # P/D: the decode replica holds all but a few of the prompt's tokens and computes them
+    # itself, without a prefill hop (PD_LOCAL_PREFILL_TOKENS).
+    local_prefill: bool = False
     # What the prefilling replica's pick knew of the prompt (a retry picks with it again).
     request: PickRequest = field(default_factory=PickRequest)
 
@@ -205,7 +223,9 @@ class Route:
         if self.spilled_from is not None:
             parts.append(f"spilled-from={self.spilled_from}")
         if self.disaggregated:
-            if prefill is None:
+            if self.local_prefill:
+                parts.append("prefill=local")
+            elif prefill is None:
                 parts.append("prefill=none")
             else:
                 parts.append(f"prefill={prefill if addresses else 'yes'}")
@@ -437,6 +457,20 @@ class Router:
             if decode is None:  # tier_state said available; only a race could get here
                 raise UnavailableError("no decode replica available", reason="no_ready_replicas")
             self.recent.record(decode.replica.id, decode_keys, now)
+            local = self._local_prefill_tokens(tier, decode_request, decode.replica.id, keys)
+            if local is not None and local <= PD_LOCAL_PREFILL_TOKENS:
+                return Route(
+                    tier=tier,
+                    reason=choice.reason,
+                    replica=self._replicas[decode.replica.id],
+                    prefix_match=decode_request.cached.get(decode.replica.id, 0.0),
+                    score=target.score,
+                    spilled_from=spilled,
+                    prefill_blocks=-(-local // self._block_sizes[(tier.name, RoleName.DECODE)]),
+                    tokenizer_failed=keys.failed,
+                    request=decode_request,
+                    local_prefill=True,
+                )
             request, chained = self._pick_request(tier, RoleName.PREFILL, hashes, keys, now)
             prefill = self._pick(tier, RoleName.PREFILL, request, now, self._affinity_scorers)
             prefill_state = None
@@ -520,6 +554,24 @@ class Router:
             (b for s in streams if (b := self.kv_index.block_size(s)) is not None),
             self._block_sizes[(tier.name, role)],
         )
+
+    def _local_prefill_tokens(
+        self, tier: RouterTier, request: PickRequest, replica: str, keys: _KeysOnce
+    ) -> int | None:
+        """The prompt tokens a decode replica would compute itself if sent the request without
+        a prefill hop: known only when its group's events judged the prompt and its keys cover
+        the whole prompt."""
+        if replica not in request.known:
+            return None
+        block_size = self._events_block_size(tier, RoleName.DECODE, bool(request.hashes))
+        chained = keys.get(block_size) if block_size is not None else None
+        if block_size is None or chained is None:
+            return None
+        total = keys.prompt_tokens(chained)
+        if total is None:
+            return None
+        held = round(request.cached.get(replica, 0.0) * len(chained))
+        return total - held * block_size
 
     def _pick_request(
         self, tier: RouterTier, role: RoleName, hashes: list[int], keys: _KeysOnce, now: float
@@ -663,6 +715,14 @@ class _KeysOnce:
         """The characters tokenizing the request would encode (0 when it will not be)."""
         plan = self._planned()
         return 0 if plan is None else plan.pending_chars
+
+    def prompt_tokens(self, keys: Sequence[bytes]) -> int | None:
+        """The prompt's length in tokens, when ``keys`` (as :meth:`get` gave them) cover the
+        whole prompt; None for a head cut at the tokenizer's length cap or at the KV index's
+        ``MAX_MATCH_BLOCKS``."""
+        if self._plan is None or len(keys) >= MAX_MATCH_BLOCKS:
+            return None
+        return self._plan.prompt_tokens
 
     def get(self, block_size: int) -> list[bytes] | None:
         """The keys, or None without a tokenizer or for a prompt it cannot tokenize."""

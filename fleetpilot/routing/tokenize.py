@@ -1557,6 +1557,18 @@ class KeysPlan:
         self._given = given
         self._prompt: _Prompt | None = found if isinstance(found, _Prompt) else None
 
+    @property
+    def prompt_tokens(self) -> int | None:
+        """The prompt's length in tokens once :meth:`keys` ran; None for a prompt cut at the
+        tokenizer's ``max_chars``, whose keys cover only its head (keys are also cut at
+        ``MAX_MATCH_BLOCKS``: a caller that needs the whole prompt checks their number too)."""
+        if self._given is not None:
+            return len(self._given)
+        prompt = self._prompt
+        if prompt is None or prompt.truncated:
+            return None
+        return len(prompt.head) + len(prompt.body) + len(prompt.tail)
+
     def keys(self, block_size: int, lora_name: str | None = None) -> list[bytes]:
         """As :meth:`RequestTokenizer.keys`; the prompt is encoded once for all block sizes."""
         if self._given is not None:

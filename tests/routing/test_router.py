@@ -329,3 +329,62 @@ def test_router_replicas_break_ties_alike_by_the_first_block_no_engine_holds() -
     ]
     assert all(a == b for a, b in users)
     assert len({a for a, _ in users}) > 1
+
+
+def pd_kv_router(tokenizer: RequestTokenizer = TOKENIZER) -> Router:
+    """A P/D tier whose prefill and decode engines publish KV events, every stream live."""
+    kv = {"kv_events_port": 5557, "kv_replay_port": 5559}
+    prefill = grp("prefill", "10.0.2.1:1", "10.0.2.2:1", seqs=8).model_copy(update=kv)
+    decode = grp("decode", "10.0.3.1:1", "10.0.3.2:1", seqs=8).model_copy(update=kv)
+    config = make_config(
+        [RouterTier(name="large", model="lg", up_to=1.0, mode="disaggregated",
+                    endpoints=[prefill, decode], tokenizer=str(REFERENCE_TOKENIZER))]
+    )  # fmt: skip
+    live = Live("10.0.2.1:1", "10.0.2.2:1", "10.0.3.1:1", "10.0.3.2:1")
+    router = Router(config, StaticSource(config), rng=random.Random(0), kv_live=live)
+    router.tokenizers["large"] = tokenizer
+    return router
+
+
+def test_a_decode_replica_holding_the_prompt_prefills_the_rest_itself() -> None:
+    """P/D: when a decode replica's engine holds all of a prompt but its last partial block,
+    the request goes to it alone (no prefill hop, no KV pull), and the route says so; a
+    prompt no decode replica holds takes the prefill hop."""
+    router = pd_kv_router()
+    engine_caches(router, "10.0.3.2:1", CHAT)
+    held = router.decide(extract_features({"messages": CHAT}, "chat"))
+    assert held.local_prefill
+    assert held.prefill is None
+    assert held.replica.id == "10.0.3.2:1"
+    assert held.prefix_source == "events"
+    assert held.prefix_match > 0.9
+    assert 0 < held.prefill_blocks <= 64 // BS
+    assert "prefill=local" in held.header()
+    other = [CHAT[0], {"role": "user", "content": "a question nobody asked before. " * 8}]
+    cold = router.decide(extract_features({"messages": other}, "chat"))
+    assert not cold.local_prefill
+    assert cold.prefill is not None
+    assert "prefill=local" not in cold.header()
+
+
+def test_a_prompt_held_but_for_more_than_a_few_tokens_takes_the_prefill_hop() -> None:
+    """A decode replica holding the system prompt but not a long new message is not sent the
+    whole prefill: the hop computes it on a prefill replica."""
+    router = pd_kv_router()
+    engine_caches(router, "10.0.3.1:1", CHAT[:1])
+    longer = [CHAT[0], {"role": "user", "content": "where is my order, and the other one? " * 3}]
+    route = router.decide(extract_features({"messages": longer}, "chat"))
+    assert route.replica.id == "10.0.3.1:1"  # the decode pick went where its share is cached
+    assert not route.local_prefill
+    assert route.prefill is not None
+
+
+def test_a_prompt_cut_at_the_tokenizers_cap_never_skips_the_hop() -> None:
+    """Keys of a prompt's head (a prompt over the tokenizer's character cap) say nothing of
+    the rest: a decode replica holding that head still gets the KV from a prefill."""
+    capped = RequestTokenizer.from_dir(REFERENCE_TOKENIZER, max_chars=200)
+    router = pd_kv_router(capped)
+    engine_caches(router, "10.0.3.1:1", CHAT)
+    route = router.decide(extract_features({"messages": CHAT}, "chat"))
+    assert not route.local_prefill
+    assert route.prefill is not None

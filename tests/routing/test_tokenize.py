@@ -822,3 +822,22 @@ def test_an_unresolvable_ref_names_what_is_missing(
     cache_dir = hub_cache(tmp_path, shipped_files() if files is None else files)
     with pytest.raises(TokenizerError, match=re.escape(message)):
         load_tokenizer(ref, cache_dir=cache_dir, local_files_only=True)
+
+
+def test_a_plan_knows_the_prompts_length_once_keyed_unless_it_was_cut() -> None:
+    """What the router compares with the blocks an engine holds (the tokens a P/D decode
+    replica would compute itself): the whole prompt's length as the engine tokenizes it, for
+    chats, text and token-id prompts; none for a prompt cut at the character cap, whose keys
+    say nothing of the rest."""
+    tokenizer = RequestTokenizer.from_dir(SHIPPED)
+    chat = {"messages": [{"role": "user", "content": "how long is this prompt? " * 9}]}
+    text = {"prompt": "a completion prompt of some length " * 7}
+    ids = {"prompt": list(range(5, 60))}
+    for kind, payload in (("chat", chat), ("completions", text), ("completions", ids)):
+        plan = tokenizer.plan(kind, payload)
+        plan.keys(16)
+        assert plan.prompt_tokens == len(tokenizer.token_ids(kind, payload))
+    capped = RequestTokenizer.from_dir(SHIPPED, max_chars=100)
+    plan = capped.plan("completions", text)
+    assert len(plan.keys(16)) > 0
+    assert plan.prompt_tokens is None

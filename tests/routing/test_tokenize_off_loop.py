@@ -44,6 +44,10 @@ class RecordingPlan:
     def pending_chars(self) -> int:
         return self.inner.pending_chars
 
+    @property
+    def prompt_tokens(self) -> int | None:
+        return self.inner.prompt_tokens
+
     def keys(self, block_size: int, lora_name: str | None = None) -> list[bytes]:
         self.owner.threads.append(threading.current_thread().name)
         if self.owner.hold:
