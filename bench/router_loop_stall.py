@@ -1,7 +1,8 @@
 """How long a cold long prompt stalls the router's event loop while it relays other streams
-(issue 14: tokenizing off the loop), with the router's keys computed in its worker thread
-(``off-loop``, as shipped) against forced inline (``inline``: ``OFF_LOOP_TOKENIZE_CHARS`` set
-out of reach, the path before the change).
+(issue 14: tokenizing off the loop), with the body parsed, its features read and its keys
+computed in the router's worker threads (``off-loop``, as shipped) against forced inline
+(``inline``: ``PARSE_OFF_LOOP_BYTES`` and ``OFF_LOOP_TOKENIZE_CHARS`` set out of reach, the
+path before the change).
 
 One process, one event loop, as the router runs: the router app (one tier with the reference
 engine's byte tokenizer, its replica's KV events taken as live so every prompt is tokenized),
@@ -12,7 +13,7 @@ at a time and records how late it wakes: the loop's stall. Also reported: the lo
 between two chunks any short stream saw, and the long prompts' end-to-end latency.
 
 What stays on the loop in both modes is the rest of the request's handling of a 100k-character
-body: JSON parsing, the complexity features' regexes and the guessed index's block hashes.
+body: reading it, the guessed index's block hashes, the decision and the relay.
 
 Run: .venv/bin/python bench/router_loop_stall.py [--streams 8] [--prompts 6] [--chars 100000]
 """
@@ -30,6 +31,7 @@ import aiohttp
 from aiohttp import web
 from router_support import machine, percentile, save
 
+import fleetpilot.routing.proxy as proxy_module
 import fleetpilot.routing.router as router_module
 from fleetpilot.api.router_config import EndpointGroup, RouterConfig, RouterTier
 from fleetpilot.routing.app import ROUTER_APP, build_app
@@ -132,9 +134,10 @@ async def run(mode: str, streams: int, prompts: int, chars: int, seed: int) -> d
 
     # Long enough to cover every long prompt (~0.1-0.5 s each) and the pauses between them.
     chunks = int((0.6 + prompts * 0.8) / CHUNK_INTERVAL_S)
-    saved = router_module.OFF_LOOP_TOKENIZE_CHARS
+    saved = router_module.OFF_LOOP_TOKENIZE_CHARS, proxy_module.PARSE_OFF_LOOP_BYTES
     if mode == "inline":
         router_module.OFF_LOOP_TOKENIZE_CHARS = 1 << 62
+        proxy_module.PARSE_OFF_LOOP_BYTES = 1 << 62
     tick = asyncio.create_task(ticker())
     try:
         async with aiohttp.ClientSession() as session:
@@ -143,7 +146,7 @@ async def run(mode: str, streams: int, prompts: int, chars: int, seed: int) -> d
                 long_prompts(session),
             )
     finally:
-        router_module.OFF_LOOP_TOKENIZE_CHARS = saved
+        router_module.OFF_LOOP_TOKENIZE_CHARS, proxy_module.PARSE_OFF_LOOP_BYTES = saved
         stop.set()
         await tick
         await router_runner.cleanup()
@@ -192,6 +195,7 @@ def main() -> None:
             "tokenizer": "reference (byte)",
             "chunk_interval_ms": CHUNK_INTERVAL_S * 1e3,
             "off_loop_tokenize_chars": router_module.OFF_LOOP_TOKENIZE_CHARS,
+            "parse_off_loop_bytes": proxy_module.PARSE_OFF_LOOP_BYTES,
             "rows": rows,
         },
     )

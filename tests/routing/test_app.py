@@ -9,6 +9,7 @@ import json
 import logging
 import random
 import socket
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -460,7 +461,12 @@ BAD_INPUTS: list[tuple[str, bytes, int, str]] = [
     ("/v1/completions", b"[" * 3000 + b"]" * 3000, 400, "invalid_json"),
     ("/v1/completions", b'{"prompt": "x", "model": "nope"}', 404, "model_not_found"),
     ("/v1/completions", b'{"prompt": "' + b"x" * 9000 + b'"}', 413, "request_too_large"),
-]
+    # Over PARSE_OFF_LOOP_BYTES: parsed in a worker thread, refused alike.
+    ("/v1/completions", b"{not json" + b" " * 5000, 400, "invalid_json"),
+    ("/v1/completions", b'{"prompt": "' + b"x" * 5000 + b'", "max_tokens": "lots"}', 400,
+     "invalid_type"),
+    ("/v1/chat/completions", b'{"messages": "' + b"x" * 5000 + b'"}', 400, "invalid_value"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("path", "data", "status", "code"), BAD_INPUTS)
@@ -477,6 +483,33 @@ async def test_bad_input_is_an_openai_shaped_4xx(
             assert_openai_error(got, body, status)
             assert headers["x-fleetpilot-error"] == code
             assert engine.requests == []
+
+
+async def test_a_long_body_is_parsed_off_the_loop_and_served(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A body over PARSE_OFF_LOOP_BYTES is parsed and its features read in a worker thread (the
+    marker regexes cost milliseconds on a long prompt), a short one on the loop; both are
+    routed and answered alike."""
+    threads: list[str] = []
+    extract = proxy_module.extract_features
+
+    def recording(*args: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return extract(*args)
+
+    monkeypatch.setattr(proxy_module, "extract_features", recording)
+    engine = FakeEngine("e")
+    async with engines(engine):
+        config = make_config([tier("only", 1.0, [engine])])
+        async with running_router(config) as router:
+            long = "why does the build fail? " * 400
+            for content in ("hi", long):
+                body = {"model": "chat", "messages": [{"role": "user", "content": content}]}
+                assert (await post(router, body, "/v1/chat/completions"))[0] == 200
+    assert threads[0] == "MainThread"
+    assert threads[1].startswith("fleetpilot-tokenize")
+    assert len(engine.requests) == 2
 
 
 async def test_fuzzed_bodies_never_get_a_5xx() -> None:
