@@ -174,6 +174,29 @@ class ModelDtype(StrEnum):
     FLOAT32 = "float32"
 
 
+class ModelArchitecture(ApiModel):
+    """The shape of the model, for sizing its KV cache and weights (the planner knows common
+    models by name; set this for others)."""
+
+    layers: int = Field(ge=1, le=1024, description="Transformer layers (num_hidden_layers).")
+    kv_heads: int = Field(
+        ge=1, le=1024, description="Key/value heads per layer (num_key_value_heads)."
+    )
+    head_dim: int = Field(ge=1, le=4096, description="Dimension of one attention head.")
+    parameters: int | None = Field(
+        None, ge=1, description="Parameters of the checkpoint (all experts of a MoE model)."
+    )
+    kv_lora_rank: int | None = Field(
+        None,
+        ge=1,
+        le=65536,
+        description="Multi-head latent attention (DeepSeek-V2/V3): rank of the cached latent.",
+    )
+    qk_rope_head_dim: int | None = Field(
+        None, ge=0, le=4096, description="Multi-head latent attention: rotary part cached too."
+    )
+
+
 class ModelSpec(ApiModel):
     """The model a tier serves."""
 
@@ -197,6 +220,10 @@ class ModelSpec(ApiModel):
     )
     dtype: ModelDtype = Field(ModelDtype.AUTO, description="Activation/weight dtype.")
     source: ModelSource = nested(ModelSource, "Where the weights come from.")
+    architecture: ModelArchitecture | None = Field(
+        None,
+        description="Shape of the model for capacity planning (common models are known by name).",
+    )
 
     @property
     def alias(self) -> str:
@@ -370,6 +397,11 @@ class Resources(ApiModel):
     )
     gpus_per_node: int = Field(
         8, ge=1, le=64, description="GPUs on one node: a replica must fit on one node."
+    )
+    gpu_memory: Quantity | None = Field(
+        None,
+        description="Memory of one GPU (e.g. 80Gi), for capacity planning; common gpuProduct "
+        "values are known.",
     )
     cpu: Quantity = Field("8", description="CPU request per engine pod.")
     memory: Quantity = Field("64Gi", description="Memory request and limit per engine pod.")

@@ -13,6 +13,12 @@ from fleetpilot.api import InferenceService, ResolvedRole
 from fleetpilot.api.spec import PodMonitorMode
 from fleetpilot.api.units import format_duration
 from fleetpilot.kube import names
+from fleetpilot.operator.capacity import (
+    RESERVE_BYTES_PER_GPU,
+    format_bytes,
+    role_capacity,
+    smallest_fitting_tensor,
+)
 from fleetpilot.operator.engine_objects import engine_deployment, engine_pdb, engine_service
 from fleetpilot.operator.network_policy import network_policies
 from fleetpilot.operator.plan_types import (
@@ -92,6 +98,7 @@ def check(service: InferenceService) -> None:
                 f"(tensor x pipeline x data) but resources.gpusPerNode is {per_node}; "
                 "multi-node replicas are not supported yet",
             )
+        _check_capacity(role, where)
         for i, arg in enumerate(tier.engine.extra_args):
             flag = arg.split("=", 1)[0]
             if flag in MANAGED_FLAGS:
@@ -100,6 +107,40 @@ def check(service: InferenceService) -> None:
                     f"{flag} is set by fleetpilot from the spec; change the matching "
                     "spec field instead",
                 )
+
+
+def _check_capacity(role: ResolvedRole, where: str) -> None:
+    """Refuse a role whose weights leave its GPUs no room for a KV cache, naming the numbers
+    and the smallest tensor-parallel size that fits (roles the planner cannot size pass)."""
+    sized = role_capacity(role)
+    if sized is None or sized.fits:
+        return
+    tier, p = role.tier, role.parallelism
+    budget = sized.gpu_memory_bytes * tier.engine.gpu_memory_utilization - RESERVE_BYTES_PER_GPU
+    smallest = smallest_fitting_tensor(role, sized)
+    remedy = (
+        f"tensor {smallest} fits"
+        if smallest is not None
+        else f"no tensor size within resources.gpusPerNode {tier.resources.gpus_per_node} fits"
+    )
+    raise PlanError(
+        f"{where}.parallelism.tensor",
+        f"tier {tier.name!r} role {role.name}: {format_bytes(sized.weights_per_gpu_bytes)} of "
+        f"weights per GPU (tensor {p.tensor} x pipeline {p.pipeline}) leave no room for a KV "
+        f"cache in {format_bytes(budget)} ({format_bytes(sized.gpu_memory_bytes)} x "
+        f"gpuMemoryUtilization {tier.engine.gpu_memory_utilization:g}, less "
+        f"{format_bytes(RESERVE_BYTES_PER_GPU)} for activations); {remedy}",
+    )
+
+
+def capacity_warnings(service: InferenceService) -> list[str]:
+    """What a user should know about each role's KV capacity before deploying."""
+    warnings = []
+    for role in all_roles(service):
+        sized = role_capacity(role)
+        if sized is not None:
+            warnings += [f"tier {role.tier.name} / {role.name}: {w}" for w in sized.warnings()]
+    return warnings
 
 
 def pod_monitor(service: InferenceService) -> K8sObject:

@@ -6,7 +6,7 @@ from datetime import timedelta
 
 import yaml
 
-from fleetpilot.api import InferenceService
+from fleetpilot.api import InferenceService, RoleName
 from fleetpilot.api.router_config import (
     ROUTER_CONFIG_FILE,
     EndpointGroup,
@@ -16,8 +16,10 @@ from fleetpilot.api.router_config import (
 from fleetpilot.api.spec import Tier
 from fleetpilot.engine.vllm_args import ENGINE_PORT, launch_for
 from fleetpilot.kube import names
+from fleetpilot.operator.capacity import role_capacity
 from fleetpilot.operator.engine_objects import hub_token_env
 from fleetpilot.operator.plan_types import K8sObject, PlanOptions, object_meta
+from fleetpilot.routing.features import CHARS_PER_TOKEN
 
 ROUTER_PORT = 8000
 CONFIG_DIR = "/etc/fleetpilot"
@@ -114,6 +116,7 @@ def router_config(service: InferenceService) -> RouterConfig:
     # A tier allowed to sit at zero replicas gets its first one on demand: the router holds
     # such a request (as long as any request may take) instead of answering 503.
     may_be_zero = any(role.replicas.min == 0 for tier in spec.tiers for role in tier.roles())
+    index = prefix_index_blocks(service)
     return RouterConfig(
         service=service.name,
         namespace=service.namespace,
@@ -126,7 +129,25 @@ def router_config(service: InferenceService) -> RouterConfig:
         request_timeout=routing.request_timeout,
         max_body_bytes=routing.max_body_bytes,
         cold_start_wait=routing.request_timeout if may_be_zero else timedelta(0),
+        **({"prefix_index_blocks": index} if index is not None else {}),
     )
+
+
+def prefix_index_blocks(service: InferenceService) -> int | None:
+    """Per replica, how many prompt blocks the router's guessed index remembers: the KV cache
+    of the largest sized replica that prefills (unified or prefill role), in the router's
+    blocks of ``affinity.blockChars`` characters at ~``CHARS_PER_TOKEN`` characters a token.
+    Remembering more than a cache holds predicts hits its engine has evicted; fewer forgets
+    hits it still has. None when no such role can be sized (the router's default then)."""
+    tokens = [
+        sized.kv_tokens
+        for tier in service.spec.tiers
+        for role in tier.roles()
+        if role.name is not RoleName.DECODE and (sized := role_capacity(role)) and sized.fits
+    ]
+    if not tokens:
+        return None
+    return max(1, max(tokens) * CHARS_PER_TOKEN // service.spec.routing.affinity.block_chars)
 
 
 def router_objects(service: InferenceService, options: PlanOptions) -> list[K8sObject]:

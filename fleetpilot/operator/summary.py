@@ -1,14 +1,39 @@
-"""A readable account of a plan: per tier and role, replicas, GPUs and the engine command."""
+"""A readable account of a plan: per tier and role, replicas, GPUs, capacity and the engine
+command."""
 
 from __future__ import annotations
 
 import shlex
 
-from fleetpilot.api import InferenceService
+from fleetpilot.api import InferenceService, ResolvedRole
+from fleetpilot.operator.capacity import architecture_of, format_bytes, gpu_memory_of, role_capacity
 from fleetpilot.operator.engine_objects import engine_command
 from fleetpilot.operator.plan_types import K8sObject
-from fleetpilot.operator.planner import all_roles
+from fleetpilot.operator.planner import all_roles, capacity_warnings
 from fleetpilot.operator.router_objects import endpoint_url
+
+
+def capacity_lines(role: ResolvedRole) -> list[str]:
+    """A replica's weights and KV cache (``capacity``), or why it is not sized."""
+    sized = role_capacity(role)
+    if sized is None:
+        unknown = []
+        if architecture_of(role) is None:
+            unknown.append("the model's architecture (set model.architecture)")
+        if gpu_memory_of(role) is None:
+            unknown.append("the GPU's memory (set resources.gpuProduct or resources.gpuMemory)")
+        if not unknown:
+            unknown.append("the size of its weights (quantization)")
+        return [f"    capacity: not sized: unknown {' and '.join(unknown)}"]
+    seqs = sized.sequences_at_max_len
+    at_len = f", {seqs} sequences of {sized.max_model_len}" if seqs is not None else ""
+    return [
+        f"    weights per GPU: {format_bytes(sized.weights_per_gpu_bytes)} of "
+        f"{format_bytes(sized.gpu_memory_bytes)}"
+        f"  (architecture from the {sized.architecture_source})",
+        f"    KV cache per replica: {max(0, sized.kv_tokens):,} tokens{at_len}"
+        f"  ({format_bytes(sized.kv_bytes_per_token)} a token); maxNumSeqs {sized.max_num_seqs}",
+    ]
 
 
 def summarize(service: InferenceService, objects: list[K8sObject]) -> str:
@@ -32,12 +57,14 @@ def summarize(service: InferenceService, objects: list[K8sObject]) -> str:
             f" ({tier.autoscaling.mode.value})",
             f"    GPUs per replica: {gpus} x {product}"
             f"  (tensor {p.tensor} x pipeline {p.pipeline} x data {p.data})",
+            *capacity_lines(role),
             f"    image: {tier.engine.image}",
             f"    command: {shlex.join(engine_command(role))}",
         ]
     lines += [
         "",
         f"  GPUs: {total_start} at start, up to {total_max} at max scale",
+        *(f"  warning: {w}" for w in capacity_warnings(service)),
         "",
         f"  objects ({len(objects)}):",
     ]

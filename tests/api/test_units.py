@@ -7,8 +7,9 @@ from datetime import timedelta
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from kubernetes.utils.quantity import parse_quantity as kubernetes_quantity
 
-from fleetpilot.api.units import format_duration, parse_duration, parse_quantity
+from fleetpilot.api.units import format_duration, parse_duration, parse_quantity, quantity_decimal
 
 
 @pytest.mark.parametrize(
@@ -66,3 +67,21 @@ def test_quantity_refuses_what_kubernetes_refuses(bad: object) -> None:
     cluster."""
     with pytest.raises(ValueError, match="invalid quantity"):
         parse_quantity(bad)
+
+
+@given(
+    st.from_regex(
+        r"\A[+-]?([0-9]{1,6}(\.[0-9]{0,3})?|\.[0-9]{1,3})([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]{1,2})?\Z"
+    )
+)
+def test_quantity_values_are_kubernetes_own(text: str) -> None:
+    """The planner's quantity value (it may not import the Kubernetes client) equals the
+    client's parse_quantity on every string of the API server's grammar."""
+    assert quantity_decimal(text) == kubernetes_quantity(text)
+
+
+def test_a_string_outside_the_grammar_has_no_value() -> None:
+    """What the API server would refuse is refused here too, not read as Decimal reads it."""
+    for text in ("1K", "Gi", "1_000", " 1", "NaN", "1Gi\n"):
+        with pytest.raises(ValueError, match="invalid quantity"):
+            quantity_decimal(text)
