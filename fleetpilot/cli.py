@@ -18,7 +18,7 @@ from fleetpilot.api import InvalidManifestError, load_services
 from fleetpilot.api.crd import CRD_FILENAME, render_crd
 from fleetpilot.argtypes import port_number
 from fleetpilot.operator.plan_types import DEFAULT_FLEETPILOT_IMAGE, PlanError, PlanOptions
-from fleetpilot.operator.planner import plan
+from fleetpilot.operator.planner import capacity_warnings, plan
 from fleetpilot.operator.summary import summarize
 
 EXIT_INVALID = 2
@@ -70,9 +70,13 @@ def _plan(args: argparse.Namespace) -> int:
             print(f"error: {args.file}: {service.name}: {exc}", file=sys.stderr)
             return EXIT_INVALID
         outputs.append((service, objects))
-    if args.output == "summary":
+    if args.output == "summary":  # the summary lists them itself
         print("\n\n".join(summarize(service, objects) for service, objects in outputs))
-    elif args.output == "json":
+        return 0
+    for service, _ in outputs:
+        for warning in capacity_warnings(service):
+            print(f"warning: {args.file}: {service.name}: {warning}", file=sys.stderr)
+    if args.output == "json":
         items = [obj for _, objects in outputs for obj in objects]
         print(json.dumps({"apiVersion": "v1", "kind": "List", "items": items}, indent=2))
     else:

@@ -48,6 +48,28 @@ def test_plan_summary_shows_roles_gpus_and_command(capsys: pytest.CaptureFixture
     assert "command: vllm serve /models/llama-3.1-70b-instruct" in out
 
 
+def test_plan_warns_on_stderr_and_refuses_what_does_not_fit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Capacity in the plan a user applies: a batch limit the KV cache cannot fill is a
+    warning on stderr (the YAML on stdout stays applyable); weights no GPU holds are refused
+    with the numbers and the tensor size that fits."""
+    h100 = {"gpuProduct": "NVIDIA-H100-80GB-HBM3"}
+    tier = make_tier("main", model="meta-llama/Llama-3.1-70B-Instruct", tensor=2, resources=h100,
+                     engine={"maxNumSeqs": 1024})  # fmt: skip
+    tier["model"]["maxModelLen"] = 8192
+    assert main(["plan", "-f", _write(tmp_path, make_manifest(tiers=[tier]))]) == 0
+    out, err = capsys.readouterr()
+    assert list(yaml.safe_load_all(out))
+    assert "warning:" in err
+    assert "tier main / unified: maxNumSeqs 1024 is over 32x" in err
+    alone = make_tier("main", model="meta-llama/Llama-3.1-70B-Instruct", resources=h100)
+    assert main(["plan", "-f", _write(tmp_path, make_manifest(tiers=[alone]))]) == 2
+    err = capsys.readouterr().err
+    assert "spec.tiers[0].parallelism.tensor: tier 'main' role unified: 132 GiB" in err
+    assert "tensor 2 fits" in err
+
+
 def test_invalid_file_names_field_and_rule(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -22,12 +22,16 @@ class ConditionType(StrEnum):
     PROGRESSING = "Progressing"
     DEGRADED = "Degraded"
     SCALING_ACTIVE = "ScalingActive"
+    CAPACITY_SUFFICIENT = "CapacitySufficient"
 
 
 class Condition(ApiModel):
     """A status condition in the shape of metav1.Condition, so generic tools understand it."""
 
-    type: str = Field(max_length=316, description="Ready, Progressing, Degraded, ScalingActive.")
+    type: str = Field(
+        max_length=316,
+        description="Ready, Progressing, Degraded, ScalingActive, CapacitySufficient.",
+    )
     status: ConditionStatus = Field(description="True, False or Unknown.")
     reason: str = Field(
         max_length=1024,
@@ -105,7 +109,7 @@ class InferenceServiceStatus(ApiModel):
     )
     conditions: list[Condition] = Field(
         default_factory=list,
-        description="Ready, Progressing, Degraded, ScalingActive.",
+        description="Ready, Progressing, Degraded, ScalingActive, CapacitySufficient.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     tiers: list[TierStatus] = Field(default_factory=list, description="Per-tier replicas.")

@@ -24,7 +24,8 @@ from fleetpilot.api.status import (
     set_condition,
 )
 from fleetpilot.kube import names
-from fleetpilot.operator.planner import all_roles
+from fleetpilot.operator.capacity import role_capacity
+from fleetpilot.operator.planner import all_roles, capacity_warnings
 from fleetpilot.operator.router_objects import endpoint_url
 
 Obj = dict[str, Any]
@@ -38,7 +39,12 @@ _WAITING_REASONS = {
     "CreateContainerError": "ContainerConfigError",
 }
 MAX_PROBLEMS_IN_MESSAGE = 3
-_OPERATOR_CONDITIONS = {ConditionType.READY, ConditionType.PROGRESSING, ConditionType.DEGRADED}
+_OPERATOR_CONDITIONS = {
+    ConditionType.READY,
+    ConditionType.PROGRESSING,
+    ConditionType.DEGRADED,
+    ConditionType.CAPACITY_SUFFICIENT,
+}
 
 
 @dataclass(frozen=True)
@@ -192,10 +198,12 @@ def compute_status(
     else:
         degraded = cond(ConditionType.DEGRADED, False, "Healthy", "no problem observed")
 
+    capacity = _capacity_condition(service, now)
+
     # The operator's own conditions, each keeping its lastTransitionTime unless it flipped;
     # ScalingActive is the autoscaler's and is kept as it was.
     conditions = [c for c in old_conditions if c.type in _OPERATOR_CONDITIONS]
-    for fresh in (ready, progressing, degraded):
+    for fresh in (ready, progressing, degraded, capacity):
         conditions = set_condition(conditions, fresh)
     conditions += [c for c in old_conditions if c.type == ConditionType.SCALING_ACTIVE.value]
     unready_tiers = {r.tier for r in pending if r.tier is not None}
@@ -206,4 +214,35 @@ def compute_status(
         tiers_ready=f"{ready_tiers}/{len(tiers)}",
         conditions=conditions,
         tiers=[TierStatus(name=name, roles=roles) for name, roles in tiers.items()],
+    )
+
+
+def _capacity_condition(service: InferenceService, now: datetime) -> Condition:
+    """CapacitySufficient: True when every role is sized and its KV cache holds what the spec
+    asks (operator.capacity), False with the planner's warnings, Unknown naming the roles it
+    could not size (an architecture or GPU it does not know: the spec can say them)."""
+    warnings = capacity_warnings(service)
+    unsized = [
+        f"tier {role.tier.name} / {role.name}"
+        for role in all_roles(service)
+        if role_capacity(role) is None
+    ]
+    if warnings:
+        status, reason, message = ConditionStatus.FALSE, "CapacityWarning", "; ".join(warnings)
+    elif unsized:
+        status, reason = ConditionStatus.UNKNOWN, "NotSized"
+        message = (
+            f"not sized: {', '.join(unsized)} (set model.architecture and resources.gpuMemory "
+            "for a model or GPU the planner does not know)"
+        )
+    else:
+        status, reason = ConditionStatus.TRUE, "Sized"
+        message = "every role's KV cache holds its maxModelLen and maxNumSeqs"
+    return Condition(
+        type=ConditionType.CAPACITY_SUFFICIENT.value,
+        status=status,
+        reason=reason,
+        message=message,
+        last_transition_time=now,
+        observed_generation=service.metadata.generation,
     )

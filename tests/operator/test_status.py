@@ -10,7 +10,7 @@ import pytest
 from fleetpilot.api import InferenceService
 from fleetpilot.api.status import Condition, InferenceServiceStatus, RoleStatus, TierStatus
 from fleetpilot.operator.status import Observed, compute_status
-from tests.factories import make_service
+from tests.factories import make_service, make_tier
 
 NOW = datetime(2026, 11, 29, 10, 0, tzinfo=UTC)
 
@@ -230,3 +230,33 @@ def test_tiers_ready_counts_tiers_not_roles() -> None:
         _deployment("chat-router", 1, 0),
     )
     assert compute_status(two, observed, None, NOW).tiers_ready == "1/2"
+
+
+@pytest.mark.parametrize(
+    ("model", "engine", "status", "reason", "words"),
+    [
+        ("meta-llama/Llama-3.1-8B-Instruct", {}, "True", "Sized",
+         "holds its maxModelLen and maxNumSeqs"),
+        # Two H100s leave ~26k tokens of KV: three 8k sequences, far from 512.
+        ("meta-llama/Llama-3.1-70B-Instruct", {"maxNumSeqs": 512}, "False", "CapacityWarning",
+         "maxNumSeqs 512 is over 32x the 3 sequences"),
+        ("acme/secret-13b", {}, "Unknown", "NotSized", "not sized: tier small / unified"),
+    ],
+)  # fmt: skip
+def test_capacity_sufficient_says_what_the_planner_computed(
+    model: str, engine: dict[str, Any], status: str, reason: str, words: str
+) -> None:
+    """CapacitySufficient: True for a role whose KV cache holds what the spec asks, False with
+    the planner's warning for one whose batch limit it cannot fill, Unknown naming a role of
+    a model the planner does not know (the same numbers as `fleetpilot plan -o summary`)."""
+    tier = make_tier(
+        model=model,
+        tensor=2,
+        engine=engine,
+        resources={"gpuProduct": "NVIDIA-H100-80GB-HBM3"},
+    )
+    tier["model"]["maxModelLen"] = 8192
+    svc = make_service(tiers=[tier])
+    capacity = _conditions(compute_status(svc, _observed(), None, NOW))["CapacitySufficient"]
+    assert (capacity.status, capacity.reason) == (status, reason)
+    assert words in capacity.message
