@@ -1,4 +1,5 @@
-"""The InferenceService API: pydantic models that are the single source of truth of the CRD."""
+"""The InferenceService API: pydantic models that are the single source of truth of the CRD,
+and what a spec means in bytes (``capacity``)."""
 
 from fleetpilot.api.loading import FieldProblem, InvalidManifestError, load_services, parse_service
 from fleetpilot.api.service import API_VERSION, GROUP, KIND, VERSION, InferenceService, ObjectMeta

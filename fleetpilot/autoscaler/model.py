@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from fleetpilot.api.spec import AutoscalingMode, RoleName, Tier
+from fleetpilot.api.capacity import role_capacity
+from fleetpilot.api.spec import AutoscalingMode, ResolvedRole, RoleName, Tier
 
 # Ratios beyond this are the same emergency; capping keeps ceil() of them finite.
 _MAX_RATIO = 1e6
@@ -118,6 +119,26 @@ class History:
         return self.panic_until_s is not None and now_s < self.panic_until_s
 
 
+# The KV-usage target never drops below this for headroom: a cache so small that one
+# full-length sequence takes half of it is a capacity problem (CapacitySufficient says so),
+# which scaling out at low usage would only hide.
+MIN_KV_USAGE_TARGET = 0.5
+
+
+def kv_usage_target(role: ResolvedRole) -> float:
+    """The role's KV-cache usage target: the spec's, lowered where the cache is small enough
+    that at that usage one more sequence of maxModelLen would not fit (vLLM would preempt to
+    admit it): 1 - maxModelLen / KV tokens of a replica (``api.capacity``), not under
+    ``MIN_KV_USAGE_TARGET``. Roles the planner cannot size keep the spec's."""
+    target = role.tier.autoscaling.kv_cache_usage_target
+    sized = role_capacity(role)
+    max_len = role.tier.model.max_model_len
+    if sized is None or not sized.fits or max_len is None:
+        return target
+    headroom = 1 - max_len / sized.kv_tokens
+    return max(min(target, headroom), min(target, MIN_KV_USAGE_TARGET))
+
+
 @dataclass(frozen=True)
 class RolePolicy:
     """The autoscaling settings of one role, flattened from the spec into seconds and ratios.
@@ -200,7 +221,7 @@ class RolePolicy:
             "interval_s": scaling.interval.total_seconds(),
             "ttft_p95_slo_s": slo.ttft_p95.total_seconds() if slo.ttft_p95 else None,
             "tpot_p95_slo_s": slo.tpot_p95.total_seconds() if slo.tpot_p95 else None,
-            "kv_cache_usage_target_frac": scaling.kv_cache_usage_target,
+            "kv_cache_usage_target_frac": kv_usage_target(resolved),
             "queue_target": scaling.queue_target,
             "tolerance": scaling.tolerance,
             "scale_up_stabilization_s": scaling.scale_up.stabilization.total_seconds(),

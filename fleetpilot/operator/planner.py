@@ -10,15 +10,15 @@ so nothing is ever half-applied.
 from __future__ import annotations
 
 from fleetpilot.api import InferenceService, ResolvedRole
-from fleetpilot.api.spec import PodMonitorMode
-from fleetpilot.api.units import format_duration
-from fleetpilot.kube import names
-from fleetpilot.operator.capacity import (
+from fleetpilot.api.capacity import (
     RESERVE_BYTES_PER_GPU,
     format_bytes,
     role_capacity,
     smallest_fitting_tensor,
 )
+from fleetpilot.api.spec import PodMonitorMode
+from fleetpilot.api.units import format_duration
+from fleetpilot.kube import names
 from fleetpilot.operator.engine_objects import engine_deployment, engine_pdb, engine_service
 from fleetpilot.operator.network_policy import network_policies
 from fleetpilot.operator.plan_types import (

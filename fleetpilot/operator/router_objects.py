@@ -7,6 +7,7 @@ from datetime import timedelta
 import yaml
 
 from fleetpilot.api import InferenceService, RoleName
+from fleetpilot.api.capacity import role_capacity
 from fleetpilot.api.router_config import (
     ROUTER_CONFIG_FILE,
     EndpointGroup,
@@ -16,7 +17,6 @@ from fleetpilot.api.router_config import (
 from fleetpilot.api.spec import Tier
 from fleetpilot.engine.vllm_args import ENGINE_PORT, launch_for
 from fleetpilot.kube import names
-from fleetpilot.operator.capacity import role_capacity
 from fleetpilot.operator.engine_objects import hub_token_env
 from fleetpilot.operator.plan_types import K8sObject, PlanOptions, object_meta
 from fleetpilot.routing.features import CHARS_PER_TOKEN

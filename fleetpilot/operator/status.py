@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from fleetpilot.api import InferenceService
+from fleetpilot.api.capacity import role_capacity
 from fleetpilot.api.status import (
     Condition,
     ConditionStatus,
@@ -24,7 +25,6 @@ from fleetpilot.api.status import (
     set_condition,
 )
 from fleetpilot.kube import names
-from fleetpilot.operator.capacity import role_capacity
 from fleetpilot.operator.planner import all_roles, capacity_warnings
 from fleetpilot.operator.router_objects import endpoint_url
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shlex
 
 from fleetpilot.api import InferenceService, ResolvedRole
-from fleetpilot.operator.capacity import architecture_of, format_bytes, gpu_memory_of, role_capacity
+from fleetpilot.api.capacity import architecture_of, format_bytes, gpu_memory_of, role_capacity
 from fleetpilot.operator.engine_objects import engine_command
 from fleetpilot.operator.plan_types import K8sObject
 from fleetpilot.operator.planner import all_roles, capacity_warnings

@@ -486,6 +486,31 @@ def test_for_role_reads_the_tier() -> None:
 
 
 @pytest.mark.parametrize(
+    ("model", "tensor", "max_len", "target"),
+    [
+        # ~1.1M tokens of KV: one 8k sequence is under 1% of it, the spec's 0.8 stands.
+        ("meta-llama/Llama-3.1-8B-Instruct", 1, 8192, 0.8),
+        # ~26k tokens over two H100s: at 0.8 an 8k sequence no longer fits; 1 - 8192/26k.
+        ("meta-llama/Llama-3.1-70B-Instruct", 2, 8192, 0.69),
+        # a 16k context in the same cache would mean scaling out at 38%: held at 0.5.
+        ("meta-llama/Llama-3.1-70B-Instruct", 2, 16384, 0.5),
+        # a model the planner does not know: the spec's.
+        ("acme/secret-13b", 1, 8192, 0.8),
+    ],
+)
+def test_the_kv_target_keeps_room_for_one_full_length_sequence(
+    model: str, tensor: int, max_len: int, target: float
+) -> None:
+    """A decode role's KV-usage target is the spec's unless its cache (api.capacity) is so
+    small that at that usage one more sequence of maxModelLen would not fit; never under 0.5."""
+    tier = make_tier(model=model, tensor=tensor, resources={"gpuProduct": "NVIDIA-H100-80GB-HBM3"})
+    tier["model"]["maxModelLen"] = max_len
+    (resolved,) = make_service(tiers=[tier]).spec.tiers[0].roles()
+    policy = RolePolicy.for_role(resolved.tier, "unified")
+    assert policy.kv_cache_usage_target_frac == pytest.approx(target, abs=0.01)
+
+
+@pytest.mark.parametrize(
     ("overrides", "message"),
     [
         ({"min_replicas": 5, "max_replicas": 2}, "min <= max"),

@@ -9,10 +9,7 @@ from typing import Any
 import pytest
 
 from fleetpilot.api import parse_service
-from fleetpilot.api.spec import KvCacheDtype, ModelArchitecture, ModelDtype, Quantization
-from fleetpilot.engine.reference.blocks import KVPool
-from fleetpilot.engine.reference.settings import MODEL_PRESETS
-from fleetpilot.operator.capacity import (
+from fleetpilot.api.capacity import (
     GIB,
     GPU_MEMORY,
     KIB,
@@ -23,6 +20,9 @@ from fleetpilot.operator.capacity import (
     role_capacity,
     weight_bytes,
 )
+from fleetpilot.api.spec import KvCacheDtype, ModelArchitecture, ModelDtype, Quantization
+from fleetpilot.engine.reference.blocks import KVPool
+from fleetpilot.engine.reference.settings import MODEL_PRESETS
 from fleetpilot.operator.plan_types import PlanError
 from fleetpilot.operator.planner import capacity_warnings, plan
 from fleetpilot.operator.router_objects import router_config
