@@ -12,7 +12,7 @@ from fleetpilot.api import load_services
 from fleetpilot.api.router_config import ROUTER_CONFIG_FILE, RouterConfig
 from fleetpilot.operator.plan_types import PlanOptions
 from fleetpilot.operator.planner import plan
-from fleetpilot.operator.router_objects import router_config
+from fleetpilot.operator.router_objects import prefix_index_blocks, router_config
 from fleetpilot.routing.config import ConfigError, ConfigWatcher, load_config, parse_config
 from fleetpilot.routing.discovery import StaticSource
 from fleetpilot.routing.router import Router
@@ -25,7 +25,8 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 @pytest.mark.parametrize("example", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
 def test_the_planners_configmaps_load(example: Path) -> None:
     """Every example's router ConfigMap, as the planner writes it, is a config the router
-    loads, with the new tuning fields at their defaults."""
+    loads, with its prefix index sized from the KV caches the planner computed (the default
+    where it could size none)."""
     for service in load_services(example):
         (config_map,) = [
             o
@@ -34,7 +35,8 @@ def test_the_planners_configmaps_load(example: Path) -> None:
         ]
         config = parse_config(config_map["data"][ROUTER_CONFIG_FILE])
         assert config.tiers
-        assert config.prefix_index_blocks == 32768
+        sized = prefix_index_blocks(service)
+        assert config.prefix_index_blocks == (sized if sized is not None else 32768)
 
 
 def test_configs_written_before_the_tuning_fields_still_parse() -> None:
