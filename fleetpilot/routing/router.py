@@ -457,8 +457,8 @@ class Router:
             if decode is None:  # tier_state said available; only a race could get here
                 raise UnavailableError("no decode replica available", reason="no_ready_replicas")
             self.recent.record(decode.replica.id, decode_keys, now)
-            local = self._local_prefill_tokens(tier, decode_request, decode.replica.id, keys)
-            if local is not None and local <= PD_LOCAL_PREFILL_TOKENS:
+            local = self._local_prefill(tier, decode_request, decode.replica.id, decode_keys, keys)
+            if local is not None and local[0] <= PD_LOCAL_PREFILL_TOKENS:
                 return Route(
                     tier=tier,
                     reason=choice.reason,
@@ -466,7 +466,7 @@ class Router:
                     prefix_match=decode_request.cached.get(decode.replica.id, 0.0),
                     score=target.score,
                     spilled_from=spilled,
-                    prefill_blocks=-(-local // self._block_sizes[(tier.name, RoleName.DECODE)]),
+                    prefill_blocks=local[1],
                     tokenizer_failed=keys.failed,
                     request=decode_request,
                     local_prefill=True,
@@ -555,23 +555,27 @@ class Router:
             self._block_sizes[(tier.name, role)],
         )
 
-    def _local_prefill_tokens(
-        self, tier: RouterTier, request: PickRequest, replica: str, keys: _KeysOnce
-    ) -> int | None:
-        """The prompt tokens a decode replica would compute itself if sent the request without
-        a prefill hop: known only when its group's events judged the prompt and its keys cover
-        the whole prompt."""
+    def _local_prefill(
+        self,
+        tier: RouterTier,
+        request: PickRequest,
+        replica: str,
+        chained: Sequence[bytes],
+        keys: _KeysOnce,
+    ) -> tuple[int, int] | None:
+        """The prompt tokens, and blocks, a decode replica would compute itself if sent the
+        request without a prefill hop; ``request`` and ``chained`` are the decode pick's.
+        Known only when its group's events judged the prompt and its keys cover the whole
+        prompt."""
         if replica not in request.known:
             return None
         block_size = self._events_block_size(tier, RoleName.DECODE, bool(request.hashes))
-        chained = keys.get(block_size) if block_size is not None else None
-        if block_size is None or chained is None:
-            return None
         total = keys.prompt_tokens(chained)
-        if total is None:
+        if block_size is None or total is None:
             return None
         held = round(request.cached.get(replica, 0.0) * len(chained))
-        return total - held * block_size
+        tokens = total - held * block_size
+        return tokens, -(-tokens // block_size)
 
     def _pick_request(
         self, tier: RouterTier, role: RoleName, hashes: list[int], keys: _KeysOnce, now: float
