@@ -179,6 +179,9 @@ class RoleCapacity:
 
     architecture_source: str  # "spec", "built-in table" or "config.json"
     gpu_memory_bytes: int
+    # GPU memory x gpuMemoryUtilization less the reserve: what weights and KV cache share.
+    budget_per_gpu_bytes: float
+    weights_bytes: int  # the whole checkpoint, over every GPU of a data-parallel rank
     weights_per_gpu_bytes: int
     kv_bytes_per_token: int
     kv_tokens: int  # <= 0: the weights leave no room for a KV cache
@@ -255,13 +258,16 @@ def role_capacity(
         return None
     gpus_per_rank = p.tensor * p.pipeline
     weights_per_gpu = math.ceil(weights / gpus_per_rank)
-    usable = memory * tier.engine.gpu_memory_utilization - weights_per_gpu - RESERVE_BYTES_PER_GPU
+    budget = memory * tier.engine.gpu_memory_utilization - RESERVE_BYTES_PER_GPU
+    usable = budget - weights_per_gpu
     element = kv_element_bytes(tier.engine.kv_cache.dtype, tier.model.dtype)
     per_token = kv_bytes_per_token(arch, element, p.tensor)
     tokens_per_rank = math.floor(usable * gpus_per_rank / per_token)
     return RoleCapacity(
         architecture_source=source,
         gpu_memory_bytes=memory,
+        budget_per_gpu_bytes=budget,
+        weights_bytes=weights,
         weights_per_gpu_bytes=weights_per_gpu,
         kv_bytes_per_token=per_token,
         kv_tokens=tokens_per_rank * p.data if tokens_per_rank > 0 else tokens_per_rank,
@@ -273,12 +279,10 @@ def role_capacity(
 def smallest_fitting_tensor(role: ResolvedRole, capacity: RoleCapacity) -> int | None:
     """The smallest tensor-parallel size (a power of two, within the node) at which the
     weights leave room for a KV cache, or None when none does."""
-    tier = role.tier
-    total = capacity.weights_per_gpu_bytes * role.parallelism.tensor * role.parallelism.pipeline
-    budget = capacity.gpu_memory_bytes * tier.engine.gpu_memory_utilization - RESERVE_BYTES_PER_GPU
+    pipeline = role.parallelism.pipeline
     tensor = 1
-    while tensor * role.parallelism.pipeline <= tier.resources.gpus_per_node:
-        if total / (tensor * role.parallelism.pipeline) < budget:
+    while tensor * pipeline <= role.tier.resources.gpus_per_node:
+        if capacity.weights_bytes / (tensor * pipeline) < capacity.budget_per_gpu_bytes:
             return tensor
         tensor *= 2
     return None

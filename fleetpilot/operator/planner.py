@@ -116,7 +116,6 @@ def _check_capacity(role: ResolvedRole, where: str) -> None:
     if sized is None or sized.fits:
         return
     tier, p = role.tier, role.parallelism
-    budget = sized.gpu_memory_bytes * tier.engine.gpu_memory_utilization - RESERVE_BYTES_PER_GPU
     smallest = smallest_fitting_tensor(role, sized)
     remedy = (
         f"tensor {smallest} fits"
@@ -127,7 +126,8 @@ def _check_capacity(role: ResolvedRole, where: str) -> None:
         f"{where}.parallelism.tensor",
         f"tier {tier.name!r} role {role.name}: {format_bytes(sized.weights_per_gpu_bytes)} of "
         f"weights per GPU (tensor {p.tensor} x pipeline {p.pipeline}) leave no room for a KV "
-        f"cache in {format_bytes(budget)} ({format_bytes(sized.gpu_memory_bytes)} x "
+        f"cache in {format_bytes(sized.budget_per_gpu_bytes)} "
+        f"({format_bytes(sized.gpu_memory_bytes)} x "
         f"gpuMemoryUtilization {tier.engine.gpu_memory_utilization:g}, less "
         f"{format_bytes(RESERVE_BYTES_PER_GPU)} for activations); {remedy}",
     )
