@@ -218,6 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="load an OpenAI-compatible URL (Poisson, schedule or concurrency)",
         add_help=False,
     )
+    sub.add_parser(
+        "simulate",
+        help="simulate a service's fleet under a load with the real router and autoscaler "
+        "policies ('simulate calibrate' measures the reference engine)",
+        add_help=False,
+    )
     return parser
 
 
@@ -251,9 +257,26 @@ _DELEGATED = [
         "bench", "fleetpilot.loadgen.cli", "Load an OpenAI-compatible endpoint and report."
     ),
 ]
+
+
+def _simulate(argv: Sequence[str]) -> int:
+    if argv[:1] == ["calibrate"]:
+        return _DelegatedCommand(
+            "simulate calibrate",
+            "fleetpilot.simulate.calibrate",
+            "Measure the reference engine's step costs into a simulator profile.",
+        )(argv[1:])
+    return _DelegatedCommand(
+        "simulate",
+        "fleetpilot.simulate.cli",
+        "Simulate a service's fleet with its real router and autoscaler policies.",
+    )(argv)
+
+
 # Commands whose modules are heavy (aiohttp, torch): imported only when run.
 LAZY_COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "engine": _engine,
+    "simulate": _simulate,
     **{command.name: command for command in _DELEGATED},
 }
 

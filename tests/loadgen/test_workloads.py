@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 
-from fleetpilot.loadgen.workloads import WORKLOADS, RequestSpec, make_workload
+from fleetpilot.loadgen.workloads import _WORDS, WORKLOADS, RequestSpec, make_workload, words
 
 
 def take(name: str, seed: int, n: int = 50) -> list[RequestSpec]:
@@ -89,3 +90,25 @@ def test_unknown_workload_and_bad_options_are_refused() -> None:
         make_workload("mixed", 0, hard_fraction=1.5)
     with pytest.raises(ValueError, match="at least 1"):
         make_workload("shared-prefix", 0, tenants=0)
+
+
+def _words_by_choice(rng: random.Random, chars: int) -> str:
+    """``words`` as it was written, one ``rng.choice`` a word: the oracle of its fast draw."""
+    out: list[str] = []
+    size = 0
+    while True:
+        word = rng.choice(_WORDS)
+        if size + len(word) + 1 > chars:
+            return " ".join(out)
+        out.append(word)
+        size += len(word) + 1
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_words_draw_as_random_choice_does(seed: int) -> None:
+    """The fast word draw gives the texts (and leaves the generator in the state) that
+    ``random.choice`` would, so a seed names the same requests as before it."""
+    fast, oracle = random.Random(seed), random.Random(seed)
+    for chars in (0, 1, 7, 80, 1200, 6000):
+        assert words(fast, chars) == _words_by_choice(oracle, chars)
+    assert fast.random() == oracle.random()

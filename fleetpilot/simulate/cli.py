@@ -1,0 +1,140 @@
+"""``fleetpilot simulate``: run a service's real router and autoscaler policies over simulated
+engines, and report; ``fleetpilot simulate calibrate``: measure the reference engine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from fleetpilot.api import InvalidManifestError, load_services
+from fleetpilot.api.units import parse_duration
+from fleetpilot.loadgen.cli import _positive, _schedule
+from fleetpilot.loadgen.report import matplotlib_available, write_json
+from fleetpilot.loadgen.runner import Schedule
+from fleetpilot.loadgen.workloads import WORKLOADS, make_workload
+from fleetpilot.simulate import report
+from fleetpilot.simulate.fleet import PREFIX_SOURCES, Fleet, Progress, SimSettings
+from fleetpilot.simulate.profile import AUTO, GPUS, ProfileError, load_profile
+
+
+def _duration(text: str) -> float:
+    """``1h``, ``90s``, ``2m30s`` or plain seconds."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        try:
+            seconds = parse_duration(text).total_seconds()
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be greater than 0")
+    return seconds
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("-f", "--file", type=Path, required=True, help="InferenceService YAML file")
+    a("--workload", choices=sorted(WORKLOADS), default="shared-prefix", help="what to send")
+    load = parser.add_mutually_exclusive_group(required=True)
+    load.add_argument("--rate", type=_positive(float), help="Poisson arrivals at this many req/s")
+    load.add_argument(
+        "--schedule", type=_schedule, help="a rate schedule, as fleetpilot bench's: '0:50,600:500'"
+    )
+    a("--duration", type=_duration, required=True, help="simulated time: '1h', '10m', '90s'")
+    a("--seed", type=int, default=0, help="seeds the workload, the arrivals and the routers")
+    a(
+        "--profile",
+        default=AUTO,
+        help=f"engine timing: {AUTO} (each tier's gpuProduct), a GPU "
+        f"({', '.join(sorted(GPUS))}), or a profile file from 'fleetpilot simulate calibrate'",
+    )
+    a(
+        "--prefix-source",
+        choices=PREFIX_SOURCES,
+        default="events",
+        help="what the routers match prompts against: the engines' KV events (as planned), or "
+        "their own record of what they sent where",
+    )
+    a("--no-autoscale", action="store_true", help="hold every role at its starting replicas")
+    a("--replicas", type=_positive(int), help="replicas each role starts with (default: spec)")
+    a("--max-replicas", type=_positive(int), help="replace every role's replicas.max")
+    a("--max-tokens", type=_positive(int), help="override the workload's max_tokens")
+    a("--price-per-gpu-hour", type=_positive(float), help="report the cost at this price")
+    a("--json", type=Path, help="write the report as JSON")
+    a("--plot", type=Path, help="write a PNG: TTFT, replicas and load over time")
+    a("--quiet", action="store_true", help="no progress line")
+
+
+def _progress(stream: TextIO, duration_s: float) -> Progress:
+    started = time.perf_counter()
+
+    def show(sim_s: float, requests: int) -> None:
+        wall = time.perf_counter() - started
+        done = min(1.0, sim_s / duration_s)
+        bar = "#" * round(done * 30)
+        stream.write(
+            f"\r[{bar:<30}] {done:4.0%}  {sim_s:7.0f}/{duration_s:.0f} s simulated  "
+            f"{requests} requests  {wall:5.0f} s wall "
+        )
+        stream.flush()
+
+    return show
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        services = load_services(args.file)
+    except (OSError, InvalidManifestError) as e:
+        print(f"fleetpilot simulate: {e}", file=sys.stderr)
+        return 2
+    if len(services) != 1:
+        print(f"fleetpilot simulate: {args.file} holds {len(services)} services; give one")
+        return 2
+    service = services[0]
+    if args.plot is not None and not matplotlib_available():
+        print("fleetpilot simulate: --plot needs matplotlib (pip install matplotlib)")
+        return 2
+    schedule: Schedule = args.schedule or Schedule.constant(args.rate)
+    options = {}
+    if args.max_tokens is not None:
+        if args.workload == "mixed":
+            options = {"easy_max_tokens": args.max_tokens, "hard_max_tokens": args.max_tokens}
+        else:
+            options = {"max_tokens": args.max_tokens}
+    settings = SimSettings(
+        schedule=schedule,
+        duration_s=args.duration,
+        seed=args.seed,
+        prefix_source=args.prefix_source,
+        autoscale=not args.no_autoscale,
+        start_replicas=args.replicas,
+        max_replicas=args.max_replicas,
+    )
+    try:
+        fleet = Fleet(
+            service,
+            load_profile(args.profile),
+            make_workload(args.workload, args.seed, **options),
+            settings,
+        )
+    except ProfileError as e:
+        print(f"fleetpilot simulate: {e}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    progress = None if args.quiet else _progress(sys.stderr, args.duration)
+    outcome = fleet.run(progress, progress_every_s=max(args.duration / 100, 1.0))
+    outcome.wall_s = time.perf_counter() - started
+    if progress is not None:
+        progress(args.duration, len(outcome.requests))
+        sys.stderr.write("\n")
+    summary = report.summarize(outcome, service, args.price_per_gpu_hour)
+    print(report.format_table(summary))
+    if args.json is not None:
+        write_json(args.json, summary.to_json())
+    if args.plot is not None:
+        report.write_plot(args.plot, outcome)
+        print(f"plot: {args.plot}")
+    return 0

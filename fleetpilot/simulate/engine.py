@@ -1,0 +1,290 @@
+"""One simulated engine replica: continuous batching with chunked prefill and a prefix cache.
+
+The engine runs in steps (``profile.EngineCosts``), but the simulator does not visit each step:
+between two events of a replica (an arrival, a prompt finished, a sequence finished) its batch
+does not change, so every step of the interval costs the same and the interval is advanced in
+one go - every running sequence gains ``interval / step`` tokens, the prefill queue
+``interval / step x chunk`` prompt tokens, first come first served. A replica is visited about
+three times a request, whatever its output length. The KV tokens of a long decode grow between
+events; a replica is revisited at least every :data:`REFRESH_STEPS` steps so that the step cost
+follows them.
+
+What it models as vLLM does: a step batches every running sequence's next token with as many
+waiting prompt tokens as ``max_num_batched_tokens`` leaves; a prompt is admitted while the batch
+has a free sequence slot and the KV cache room for the whole prompt; its leading blocks that
+the prefix cache holds (the same content keys the router's KV index uses,
+:func:`~fleetpilot.routing.policies.kv_index.chain_keys`) are not computed, and its blocks are
+cached once computed, least recently used ones evicted past the cache's size, each change
+published as a KV event. Not modelled: preemption (a batch whose decodes outgrow the cache keeps
+running), speculative decoding, and the cached blocks of generated text.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetpilot.kv_events import BlockRemoved, BlockStored, Event
+from fleetpilot.simulate.profile import EngineCosts, EngineShape
+
+# Revisit a busy replica at least this often, in steps, so the KV-token term of the step cost
+# follows the running sequences' growth (64 steps add 64 tokens a sequence: a few percent of a
+# chat's context).
+REFRESH_STEPS = 64
+_EPS = 1e-9
+
+
+@dataclass(eq=False, slots=True)
+class Seq:
+    """One request on one engine."""
+
+    request: Any  # the fleet's record, opaque here
+    prompt_tokens: int
+    keys: Sequence[bytes]  # the prompt's chained block keys at the engine's block size
+    token_ids: Sequence[int]  # for the KV events' BlockStored
+    output_tokens: int  # tokens to generate here (1: a prefill-only hop)
+    prefill: bool = True  # False: the KV arrives from a prefill replica (P/D decode)
+    cached_tokens: int = 0
+    remaining_prefill: float = 0.0
+    finish_v: float = 0.0
+    join_v: float = 0.0
+    context: int = 0  # KV tokens when it joined the decode batch
+    admitted_s: float | None = None
+    first_token_s: float | None = None
+    done_s: float | None = None
+
+
+# The fleet's callbacks: a sequence's first token (its time), and its end.
+FirstToken = Callable[[Seq, float], None]
+Done = Callable[[Seq, float], None]
+Publish = Callable[[list[Event]], None]
+
+
+@dataclass(eq=False)
+class Engine:
+    """One replica's batch, queue and prefix cache, advanced event to event."""
+
+    name: str
+    costs: EngineCosts
+    shape: EngineShape
+    on_first_token: FirstToken
+    on_done: Done
+    publish: Publish | None = None  # KV events, when the router reads them
+    now: float = 0.0
+    waiting: deque[Seq] = field(default_factory=deque)
+    prefilling: deque[Seq] = field(default_factory=deque)
+    # (finish_v, tie, sequence): the running batch by the virtual token at which each ends.
+    running: list[tuple[float, int, Seq]] = field(default_factory=list)
+    # Tokens each running sequence has decoded since the engine started (all alike).
+    v: float = 0.0
+    # KV tokens of the running batch = k_base + len(running) x v.
+    k_base: float = 0.0
+    prefill_left: float = 0.0  # prompt tokens still to compute, over the prefill queue
+    prefill_held: int = 0  # KV tokens the prefill queue's prompts take
+    cache: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    step_s: float = 0.0
+    chunk: float = 0.0
+    version: int = 0  # bumped whenever the next event time changes (lazy heap deletion)
+    # Counters for the autoscaler's and the report's view.
+    prompt_total: int = 0
+    cached_total: int = 0
+    _tie: int = 0
+
+    @property
+    def cache_blocks(self) -> int:
+        return self.shape.kv_tokens // self.shape.block_size
+
+    @property
+    def kv_tokens_used(self) -> float:
+        return self.k_base + len(self.running) * self.v + self.prefill_held
+
+    @property
+    def kv_usage(self) -> float:
+        return min(1.0, self.kv_tokens_used / self.shape.kv_tokens)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + len(self.prefilling)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.running or self.prefilling or self.waiting)
+
+    # -- the fleet's entry points ------------------------------------------------------------
+    def submit(self, seq: Seq, now: float) -> float | None:
+        """Queue a sequence; returns the replica's next event time (None: idle)."""
+        self._advance(now)
+        self.waiting.append(seq)
+        return self._settle(now)
+
+    def wake(self, now: float) -> float | None:
+        """The event the replica asked for: finish what is due, admit, re-plan."""
+        self._advance(now)
+        return self._settle(now)
+
+    # -- the model -----------------------------------------------------------------------------
+    def _advance(self, now: float) -> None:
+        dt = now - self.now
+        self.now = now
+        if dt <= 0 or self.step_s <= 0:
+            return
+        steps = dt / self.step_s
+        if self.running:
+            self.v += steps
+        if self.prefilling:
+            budget = steps * self.chunk
+            self.prefill_left = max(0.0, self.prefill_left - budget)
+            for seq in self.prefilling:
+                take = min(seq.remaining_prefill, budget)
+                seq.remaining_prefill -= take
+                budget -= take
+                if budget <= 0:
+                    break
+
+    def _settle(self, now: float) -> float | None:
+        """Complete due prompts and sequences, admit waiting ones, and plan the next event."""
+        while True:
+            progressed = False
+            while self.prefilling and self.prefilling[0].remaining_prefill <= _EPS:
+                self._prompt_done(self.prefilling.popleft(), now)
+                progressed = True
+            while self.running and self.running[0][0] <= self.v + _EPS:
+                _, _, seq = heapq.heappop(self.running)
+                self.k_base -= seq.context - seq.join_v
+                seq.done_s = now
+                self.on_done(seq, now)
+                progressed = True
+            progressed |= self._admit(now)
+            if not progressed:
+                break
+        return self._plan(now)
+
+    def _admit(self, now: float) -> bool:
+        admitted = False
+        shape = self.shape
+        while self.waiting and self.num_running < shape.max_num_seqs:
+            seq = self.waiting[0]
+            busy = self.running or self.prefilling
+            if busy and self.kv_tokens_used + seq.prompt_tokens > shape.kv_tokens:
+                break  # no room for its KV until a running sequence ends
+            self.waiting.popleft()
+            seq.admitted_s = now
+            admitted = True
+            if not seq.prefill:
+                self._join(seq, now, first_token_after=self.costs.decode_base_s)
+                self._store(seq)
+                continue
+            hit = self._match(seq.keys) * shape.block_size
+            # vLLM computes at least the prompt's last token to sample the first output token.
+            seq.cached_tokens = min(hit, seq.prompt_tokens - 1)
+            seq.remaining_prefill = float(seq.prompt_tokens - seq.cached_tokens)
+            self.prompt_total += seq.prompt_tokens
+            self.cached_total += seq.cached_tokens
+            self.prefill_left += seq.remaining_prefill
+            self.prefill_held += seq.prompt_tokens
+            self.prefilling.append(seq)
+        return admitted
+
+    def _prompt_done(self, seq: Seq, now: float) -> None:
+        self.prefill_held -= seq.prompt_tokens
+        self._store(seq)
+        self._join(seq, now, first_token_after=self.costs.prefill_base_s)
+
+    def _join(self, seq: Seq, now: float, first_token_after: float) -> None:
+        """The sequence's first token is out; it decodes its others in the running batch."""
+        seq.first_token_s = now + first_token_after
+        self.on_first_token(seq, seq.first_token_s)
+        if seq.output_tokens <= 1:
+            seq.done_s = seq.first_token_s
+            self.on_done(seq, seq.first_token_s)
+            return
+        seq.join_v = self.v
+        seq.context = seq.prompt_tokens
+        seq.finish_v = self.v + seq.output_tokens - 1
+        self.k_base += seq.context - seq.join_v
+        self._tie += 1
+        heapq.heappush(self.running, (seq.finish_v, self._tie, seq))
+
+    def _plan(self, now: float) -> float | None:
+        self.version += 1
+        n = len(self.running)
+        if not n and not self.prefilling:
+            self.step_s = 0.0
+            self.chunk = 0.0
+            return None
+        chunk = 0.0
+        if self.prefilling:
+            chunk = min(float(max(1, self.shape.max_num_batched_tokens - n)), self.prefill_left)
+        self.chunk = chunk
+        costs = self.costs
+        step = costs.step_s(n, self.k_base + n * self.v, 0) + costs.prefill_per_token_s * chunk
+        self.step_s = step
+        horizon = REFRESH_STEPS * step
+        if n:
+            horizon = min(horizon, (self.running[0][0] - self.v) * step)
+        if chunk > 0:
+            # A prompt is done at the end of the step that computes its last token: the
+            # prompts one step's chunk covers finish together, as in vLLM. A prompt of several
+            # chunks is revisited before its last, smaller one (a cheaper step).
+            steps = math.ceil(self.prefilling[0].remaining_prefill / chunk - _EPS)
+            horizon = min(horizon, (steps - 1 if steps > 1 else 1) * step)
+        return now + max(horizon, 0.0)
+
+    # -- prefix cache --------------------------------------------------------------------------
+    def _match(self, keys: Sequence[bytes]) -> int:
+        """Leading blocks of the prompt the cache holds (touched: most recently used)."""
+        cache = self.cache
+        matched = 0
+        for key in keys:
+            if key not in cache:
+                break
+            cache.move_to_end(key)
+            matched += 1
+        return matched
+
+    def _store(self, seq: Seq) -> None:
+        """Cache the prompt's blocks; publish what was stored and what it evicted."""
+        cache = self.cache
+        keys = seq.keys
+        first_new = len(keys)
+        for i, key in enumerate(keys):
+            if key in cache:
+                cache.move_to_end(key)
+            elif first_new == len(keys):
+                first_new = i
+                cache[key] = None
+            else:
+                cache[key] = None
+        if first_new == len(keys):
+            return
+        evicted: list[bytes] = []
+        limit = self.cache_blocks
+        while len(cache) > limit:
+            evicted.append(cache.popitem(last=False)[0])
+        if self.publish is None:
+            return
+        size = self.shape.block_size
+        events: list[Event] = []
+        if evicted:
+            events.append(BlockRemoved(block_hashes=list(evicted), medium=None))
+        new = list(keys[first_new:])
+        events.append(
+            BlockStored(
+                block_hashes=list(new),
+                parent_block_hash=keys[first_new - 1] if first_new else None,
+                token_ids=list(seq.token_ids[first_new * size : len(keys) * size]),
+                block_size=size,
+                lora_id=None,
+                medium=None,
+                lora_name=None,
+            )
+        )
+        self.publish(events)

@@ -1,0 +1,279 @@
+"""How fast a simulated engine runs: per-replica cost coefficients, from a GPU's published
+figures (a roofline over the role's capacity) or measured on the reference engine (``calibrate``).
+
+The engine model (:mod:`fleetpilot.simulate.engine`) runs continuous batching in steps. One step
+costs
+
+    decode_base_s + decode_per_seq_s x running sequences + decode_per_kv_token_s x their KV tokens
+    + prefill_per_token_s x prompt tokens computed in the step
+
+and a prompt's first token comes ``prefill_base_s`` after its last prompt token was computed
+(the sampling and the response's first write). A disaggregated tier pays
+``transfer_per_token_s`` per uncached prompt token to move KV from prefill to decode, and a new
+replica serves ``cold_start_s`` after it was asked for. Purely computational.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from fleetpilot.api import ResolvedRole
+from fleetpilot.api.capacity import architecture_of, role_capacity
+
+# Tokens per character of English text with Llama/Qwen-style BPE vocabularies (the router's
+# features assume the same: fleetpilot.routing.features.CHARS_PER_TOKEN).
+GPU_CHARS_PER_TOKEN = 4.0
+
+
+@dataclass(frozen=True)
+class EngineCosts:
+    """The timing model of one replica of one role. Seconds, per the module docstring."""
+
+    prefill_base_s: float
+    prefill_per_token_s: float
+    decode_base_s: float
+    decode_per_seq_s: float
+    decode_per_kv_token_s: float
+    transfer_per_token_s: float = 0.0
+    cold_start_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{f.name} must be a finite number >= 0, not {value}")
+        if self.decode_base_s + self.decode_per_seq_s <= 0:
+            raise ValueError("a decode step must take some time (decode_base_s > 0)")
+
+    def step_s(self, running: int, kv_tokens: float, prefill_tokens: int = 0) -> float:
+        """One engine step: every running sequence decodes a token, ``prefill_tokens`` prompt
+        tokens are computed alongside."""
+        return (
+            self.decode_base_s
+            + self.decode_per_seq_s * running
+            + self.decode_per_kv_token_s * kv_tokens
+            + self.prefill_per_token_s * prefill_tokens
+        )
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """What a replica holds and batches: its KV cache and step limits."""
+
+    kv_tokens: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    chars_per_token: float = GPU_CHARS_PER_TOKEN
+
+    def __post_init__(self) -> None:
+        if self.kv_tokens < self.block_size or self.block_size < 1:
+            raise ValueError("an engine needs at least one KV block")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        if self.chars_per_token <= 0:
+            raise ValueError("chars_per_token must be positive")
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """Published peak figures of one GPU, and the fractions of them vLLM achieves."""
+
+    name: str
+    dense_bf16_flops: float
+    memory_bandwidth: float  # bytes/s
+    # Achieved fractions. Prefill is compute-bound: ~40% of peak (model FLOPs utilisation) for
+    # large matmuls with attention and sampling around them. Decode is bandwidth-bound: each
+    # step reads every weight and the batch's KV once, at ~70% of the HBM peak.
+    prefill_mfu: float = 0.4
+    bandwidth_efficiency: float = 0.7
+    # The CPU's share of a step (scheduling, sampling, detokenizing): vLLM's own profile of
+    # Llama 3 8B on one H100 found the CPU side the bottleneck before v0.6 (blog, 2024-09-05).
+    step_overhead_s: float = 0.0015
+    # KV moved between a prefill and a decode pod: one 400 Gb/s RDMA NIC, ~80% achieved.
+    transfer_bandwidth: float = 40e9
+    # Pod start to ready: image pull (cached on the node), CUDA init, graph capture; the
+    # weights' load time is added at ``weights_load_bandwidth``.
+    start_overhead_s: float = 60.0
+    weights_load_bandwidth: float = 2e9  # bytes/s from a PVC or node-local cache
+
+
+# Dense BF16 peak and memory bandwidth from NVIDIA's datasheets (sparsity figures halved away).
+# The H100 SXM5: 989 TFLOPS, 3.35 TB/s. With these, Llama 3 8B (bf16, one GPU) decodes a step in
+# ~8.4 ms at batch 1 and ~10-11k tokens/s at batch 256 with 300-500 tokens of context each, and
+# prefills ~25k tokens/s (tests/simulate/test_profile.py), against vLLM's published ~6-8 ms TPOT
+# at low load (vLLM blog "vLLM v0.6.0: 2.7x Throughput Improvement and 5x Latency Reduction",
+# 2024-09-05, Llama 3 8B on one H100) and ~12.5k output tokens/s for Llama 3.1 8B on one H100
+# (third-party benchmarks collected at morphllm.com/vllm-benchmarks, 2026).
+H100 = Gpu("h100", dense_bf16_flops=989e12, memory_bandwidth=3.35e12)
+H200 = Gpu("h200", dense_bf16_flops=989e12, memory_bandwidth=4.8e12)
+A100 = Gpu("a100", dense_bf16_flops=312e12, memory_bandwidth=2.039e12)
+A100_PCIE = Gpu("a100-pcie", dense_bf16_flops=312e12, memory_bandwidth=1.935e12)
+L40S = Gpu("l40s", dense_bf16_flops=362e12, memory_bandwidth=0.864e12)
+L4 = Gpu("l4", dense_bf16_flops=121e12, memory_bandwidth=0.3e12)
+GPUS: dict[str, Gpu] = {g.name: g for g in (H100, H200, A100, A100_PCIE, L40S, L4)}
+# By the nvidia.com/gpu.product label, as api.capacity.GPU_MEMORY.
+GPU_BY_PRODUCT: dict[str, Gpu] = {
+    "NVIDIA-H100-80GB-HBM3": H100,
+    "NVIDIA-H200": H200,
+    "NVIDIA-A100-SXM4-80GB": A100,
+    "NVIDIA-A100-SXM4-40GB": A100,
+    "NVIDIA-A100-80GB-PCIe": A100_PCIE,
+    "NVIDIA-L40S": L40S,
+    "NVIDIA-L4": L4,
+}
+
+# Mixture-of-experts models compute with their active parameters only (their model cards).
+_ACTIVE_PARAMETERS: tuple[tuple[re.Pattern[str], float], ...] = (
+    (re.compile(r"mixtral-8x7b"), 12.9e9),
+    (re.compile(r"deepseek-(v3|r1)"), 37e9),
+)
+
+
+def active_parameters(model_name: str, parameters: int) -> float:
+    """Parameters a forward pass computes with: all of a dense model's, a MoE's active ones."""
+    name = model_name.lower()
+    return next((p for pattern, p in _ACTIVE_PARAMETERS if pattern.search(name)), parameters)
+
+
+class ProfileError(ValueError):
+    """A role this profile cannot time, with the reason."""
+
+
+@dataclass(frozen=True)
+class RoleModel:
+    """One role's replicas as the simulator runs them."""
+
+    costs: EngineCosts
+    shape: EngineShape
+    gpus: int  # per replica, for GPU-hours
+
+
+def roofline(gpu: Gpu, role: ResolvedRole) -> RoleModel:
+    """Costs of ``role`` on ``gpu`` from its capacity (``api.capacity``): a decode step reads
+    the weights once (base) and each sequence's KV (per KV token) and computes 2 x active
+    parameters FLOPs per token (per sequence and per prefill token), over the replica's tensor
+    x pipeline GPUs; data-parallel ranks multiply what it holds and batches."""
+    capacity = role_capacity(role)
+    found = architecture_of(role)
+    if capacity is None or found is None or found[0].parameters is None:
+        raise ProfileError(
+            f"tier {role.tier.name!r} ({role.name}): the planner cannot size it; set "
+            "model.architecture (with parameters) and resources.gpuProduct or gpuMemory"
+        )
+    if not capacity.fits:
+        raise ProfileError(f"tier {role.tier.name!r} ({role.name}): the weights do not fit")
+    p = role.parallelism
+    per_rank = p.tensor * p.pipeline
+    flops = 2 * active_parameters(role.tier.model.name, found[0].parameters)
+    compute = gpu.dense_bf16_flops * gpu.prefill_mfu * per_rank
+    bandwidth = gpu.memory_bandwidth * gpu.bandwidth_efficiency * per_rank
+    # Data-parallel ranks step side by side: per-sequence and per-token costs divide by them.
+    ranks = p.data
+    costs = EngineCosts(
+        prefill_base_s=gpu.step_overhead_s,
+        prefill_per_token_s=flops / compute / ranks,
+        decode_base_s=gpu.step_overhead_s + capacity.weights_bytes / bandwidth,
+        decode_per_seq_s=flops / compute / ranks,
+        decode_per_kv_token_s=capacity.kv_bytes_per_token / bandwidth / ranks,
+        transfer_per_token_s=capacity.kv_bytes_per_token / gpu.transfer_bandwidth,
+        cold_start_s=gpu.start_overhead_s
+        + capacity.weights_per_gpu_bytes / gpu.weights_load_bandwidth,
+    )
+    engine = role.tier.engine
+    shape = EngineShape(
+        kv_tokens=capacity.kv_tokens,
+        block_size=engine.kv_cache.block_size,
+        max_num_seqs=engine.max_num_seqs * ranks,
+        max_num_batched_tokens=(engine.max_num_batched_tokens or 8192) * ranks,
+    )
+    return RoleModel(costs, shape, per_rank * ranks)
+
+
+@dataclass(frozen=True)
+class MeasuredProfile:
+    """Costs measured on one engine (``fleetpilot simulate calibrate``): every role of every
+    tier runs as that engine did, with its KV cache and limits (``shape``), since the
+    measurement times one model, not the tier's."""
+
+    name: str
+    source: str  # what was measured, where and when
+    costs: EngineCosts
+    shape: EngineShape
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "source": self.source,
+            "costs": asdict(self.costs),
+            "shape": asdict(self.shape),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> MeasuredProfile:
+        try:
+            return cls(
+                name=str(data["name"]),
+                source=str(data.get("source", "")),
+                costs=EngineCosts(**data["costs"]),
+                shape=EngineShape(**data["shape"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProfileError(f"not a measured profile: {e}") from None
+
+    def role_model(self, role: ResolvedRole) -> RoleModel:
+        engine = role.tier.engine
+        shape = EngineShape(
+            kv_tokens=self.shape.kv_tokens,
+            block_size=self.shape.block_size,
+            max_num_seqs=min(engine.max_num_seqs, self.shape.max_num_seqs),
+            max_num_batched_tokens=self.shape.max_num_batched_tokens,
+            chars_per_token=self.shape.chars_per_token,
+        )
+        return RoleModel(self.costs, shape, role.parallelism.gpus)
+
+
+# None: each tier's own GPU, by its resources.gpuProduct.
+Profile = Gpu | MeasuredProfile | None
+
+AUTO = "auto"
+
+
+def load_profile(text: str) -> Profile:
+    """``auto`` (each tier's GPU by its product label), a GPU's name (``h100``) or the path of
+    a measured profile's JSON file."""
+    if text == AUTO:
+        return None
+    if text in GPUS:
+        return GPUS[text]
+    path = Path(text)
+    if not path.is_file():
+        known = ", ".join(sorted(GPUS))
+        raise ProfileError(f"profile {text!r}: not auto, a GPU ({known}) or a profile file")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ProfileError(f"profile {text!r}: {e}") from None
+    return MeasuredProfile.from_json(data)
+
+
+def role_model(profile: Profile, role: ResolvedRole) -> RoleModel:
+    """How ``role``'s replicas run under ``profile``; ``ProfileError`` if it cannot say."""
+    if isinstance(profile, MeasuredProfile):
+        return profile.role_model(role)
+    if profile is None:
+        product = role.tier.resources.gpu_product
+        found = GPU_BY_PRODUCT.get(product or "")
+        if found is None:
+            known = ", ".join(sorted(GPU_BY_PRODUCT))
+            raise ProfileError(
+                f"tier {role.tier.name!r}: no timing profile for resources.gpuProduct "
+                f"{product!r} (known: {known}); pass --profile with a GPU or a measured profile"
+            )
+        profile = found
+    return roofline(profile, role)

@@ -1,0 +1,177 @@
+"""The simulated engine: step costs, batching limits, the prefix cache and its KV events."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from fleetpilot.kv_events import Event
+from fleetpilot.routing.policies.kv_index import KVIndex, chain_keys
+from fleetpilot.simulate.engine import Engine, Seq
+from fleetpilot.simulate.profile import EngineCosts, EngineShape
+
+COSTS = EngineCosts(
+    prefill_base_s=0.002,
+    prefill_per_token_s=0.0001,
+    decode_base_s=0.01,
+    decode_per_seq_s=0.001,
+    decode_per_kv_token_s=0.0,
+)
+SHAPE = EngineShape(kv_tokens=4096, block_size=16, max_num_seqs=8, max_num_batched_tokens=512)
+
+
+@dataclass
+class Driver:
+    """Runs one engine's events in time order, as the fleet does."""
+
+    engine: Engine
+    firsts: dict[int, float] = field(default_factory=dict)
+    ends: dict[int, float] = field(default_factory=dict)
+    heap: list[tuple[float, int, Callable[[float], None]]] = field(default_factory=list)
+    tie: itertools.count[int] = field(default_factory=itertools.count)
+
+    def at(self, when: float, action: Callable[[float], None]) -> None:
+        heapq.heappush(self.heap, (when, next(self.tie), action))
+
+    def submit(self, when: float, seq: Seq) -> None:
+        self.at(when, lambda now: self._wake(self.engine.submit(seq, now)))
+
+    def _wake(self, when: float | None) -> None:
+        if when is None:
+            return
+        version = self.engine.version
+
+        def wake(now: float) -> None:
+            if self.engine.version == version:
+                self._wake(self.engine.wake(now))
+
+        self.at(when, wake)
+
+    def run(self) -> None:
+        while self.heap:
+            when, _, action = heapq.heappop(self.heap)
+            action(when)
+
+
+def make(
+    costs: EngineCosts = COSTS,
+    shape: EngineShape = SHAPE,
+    publish: Callable[[list[Event]], None] | None = None,
+) -> Driver:
+    driver: Driver
+
+    def first(seq: Seq, when: float) -> None:
+        driver.firsts[seq.request] = when
+
+    def done(seq: Seq, when: float) -> None:
+        driver.ends[seq.request] = when
+
+    driver = Driver(Engine("e", costs, shape, first, done, publish))
+    return driver
+
+
+def seq(name: int, tokens: list[int], output: int, block_size: int = 16) -> Seq:
+    return Seq(
+        request=name,
+        prompt_tokens=len(tokens),
+        keys=chain_keys(tokens, block_size),
+        token_ids=tokens,
+        output_tokens=output,
+    )
+
+
+def test_one_request_costs_one_prefill_step_then_one_step_a_token() -> None:
+    """Alone on an idle engine, a 100-token prompt is one step of 100 prompt tokens, and each
+    further token one decode step of a batch of one."""
+    d = make()
+    d.submit(0.0, seq(1, list(range(100)), output=11))
+    d.run()
+    prefill_step = COSTS.decode_base_s + COSTS.prefill_per_token_s * 100
+    assert d.firsts[1] == pytest.approx(prefill_step + COSTS.prefill_base_s)
+    decode_step = COSTS.decode_base_s + COSTS.decode_per_seq_s
+    assert d.ends[1] == pytest.approx(prefill_step + 10 * decode_step)
+
+
+def test_long_prompt_is_chunked_by_the_batched_token_budget() -> None:
+    """A prompt over max_num_batched_tokens takes one step per chunk."""
+    d = make()
+    d.submit(0.0, seq(1, list(range(1200)), output=1))
+    d.run()
+    steps = [512, 512, 176]
+    expected = sum(COSTS.decode_base_s + COSTS.prefill_per_token_s * n for n in steps)
+    assert d.firsts[1] == pytest.approx(expected + COSTS.prefill_base_s)
+
+
+def test_prompts_in_one_step_finish_together() -> None:
+    """Two prompts the step's budget covers both finish at that step's end, as in vLLM."""
+    d = make()
+    d.submit(0.0, seq(1, list(range(100)), output=1))
+    d.submit(0.0, seq(2, list(range(1000, 1100)), output=1))
+    d.run()
+    assert d.firsts[1] == pytest.approx(d.firsts[2])
+
+
+def test_decoding_batch_slows_with_its_size() -> None:
+    """Two sequences decoding together pay the per-sequence cost twice per step."""
+    d = make(shape=EngineShape(4096, 16, 8, 4096))
+    d.submit(0.0, seq(1, list(range(16)), output=101))
+    d.submit(0.0, seq(2, list(range(100, 116)), output=101))
+    d.run()
+    prefill_step = COSTS.decode_base_s + COSTS.prefill_per_token_s * 32
+    two = COSTS.decode_base_s + 2 * COSTS.decode_per_seq_s
+    assert d.ends[1] == pytest.approx(prefill_step + 100 * two)
+
+
+def test_batch_limit_queues_the_next_request_until_one_ends() -> None:
+    d = make(shape=EngineShape(4096, 16, 2, 512))
+    for i in range(3):
+        d.submit(0.0, seq(i, list(range(i * 100, i * 100 + 32)), output=5))
+    d.run()
+    assert d.firsts[2] > min(d.ends[0], d.ends[1]) - 1e-9
+
+
+def test_kv_room_is_needed_to_admit_a_prompt() -> None:
+    """A prompt that does not fit beside the running ones waits for one of them to end."""
+    d = make(
+        shape=EngineShape(kv_tokens=256, block_size=16, max_num_seqs=8, max_num_batched_tokens=512)
+    )
+    d.submit(0.0, seq(1, list(range(200)), output=20))
+    d.submit(0.0, seq(2, list(range(1000, 1100)), output=2))
+    d.run()
+    assert d.firsts[2] > d.ends[1] - 1e-9
+
+
+def test_a_repeated_prompt_hits_the_prefix_cache_but_for_its_last_token() -> None:
+    d = make()
+    tokens = list(range(64))
+    d.submit(0.0, first := seq(1, tokens, output=2))
+    d.submit(1.0, again := seq(2, tokens, output=2))
+    d.submit(2.0, longer := seq(3, tokens + list(range(500, 540)), output=2))
+    d.run()
+    assert first.cached_tokens == 0
+    # All four blocks are cached; vLLM still computes the last token to sample from it.
+    assert again.cached_tokens == 63
+    assert longer.cached_tokens == 64
+    assert d.firsts[2] - 1.0 < d.firsts[1]
+
+
+def test_kv_events_tell_the_index_exactly_what_the_cache_holds() -> None:
+    """Under evictions the router's KV index, fed only the engine's events, holds exactly the
+    blocks the engine's prefix cache holds."""
+    index = KVIndex()
+    d = make(
+        shape=EngineShape(kv_tokens=320, block_size=16, max_num_seqs=4, max_num_batched_tokens=512),
+        publish=lambda events: index.apply("e", events),
+    )
+    for i in range(40):
+        shared = list(range(48))  # three shared blocks, then a private tail
+        d.submit(i * 0.5, seq(i, shared + list(range(1000 + 40 * i, 1040 + 40 * i)), output=3))
+    d.run()
+    cache = d.engine.cache
+    assert len(cache) == d.engine.cache_blocks  # it evicted
+    assert index.replica_blocks("e") == len(cache)
+    assert all(index.holds("e", key) for key in cache)

@@ -1,0 +1,185 @@
+"""The simulated fleet: fleetpilot's own router and autoscaler over simulated engines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleetpilot.api import InferenceService, load_services, parse_service
+from fleetpilot.cli import main
+from fleetpilot.loadgen.runner import Schedule, parse_schedule
+from fleetpilot.loadgen.workloads import make_workload
+from fleetpilot.simulate.fleet import Fleet, Outcome, SimSettings
+from fleetpilot.simulate.profile import H100
+from fleetpilot.simulate.report import summarize
+
+EXAMPLES = Path(__file__).parents[2] / "examples"
+
+
+def example(name: str) -> InferenceService:
+    return load_services(EXAMPLES / name)[0]
+
+
+def simulate(
+    service: InferenceService, workload: str, rate: float | Schedule, duration_s: float, **kw: Any
+) -> Outcome:
+    schedule = rate if isinstance(rate, Schedule) else Schedule.constant(rate)
+    settings = SimSettings(schedule, duration_s, **kw)
+    return Fleet(service, H100, make_workload(workload, kw.get("seed", 0)), settings).run()
+
+
+def one_tier(**autoscaling: Any) -> InferenceService:
+    return parse_service(
+        {
+            "apiVersion": "fleetpilot.dev/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": "chat", "namespace": "ns"},
+            "spec": {
+                "tiers": [
+                    {
+                        "name": "main",
+                        "model": {"name": "meta-llama/Llama-3.1-8B-Instruct", "maxModelLen": 8192},
+                        "resources": {"gpuProduct": "NVIDIA-H100-80GB-HBM3"},
+                        "engine": {"maxNumSeqs": 8},
+                        "serving": {"replicas": {"min": 1, "max": 6}},
+                        "autoscaling": {
+                            "interval": "5s",
+                            "window": "20s",
+                            "slo": {"ttftP95": "300ms", "tpotP95": "40ms"},
+                            "scaleDown": {"stabilization": "30s"},
+                            **autoscaling,
+                        },
+                    }
+                ]
+            },
+        }
+    )
+
+
+def test_every_request_ends_answered_or_refused() -> None:
+    """Nothing is lost: over capacity the real router answers 429, every other request
+    gets its first token and its end, in order."""
+    out = simulate(one_tier(mode="disabled"), "shared-prefix", 400.0, 20.0)
+    assert out.requests
+    refused = [r for r in out.requests if r.error is not None]
+    answered = [r for r in out.requests if r.error is None]
+    assert refused, "one replica of 8 sequences cannot take 400 req/s"
+    assert {r.error for r in refused} == {"HTTP 429"}
+    for r in answered:
+        assert r.first_token_s is not None
+        assert r.end_s is not None
+        assert r.arrival_s < r.first_token_s <= r.end_s
+
+
+def test_same_seed_same_run() -> None:
+    def ttfts(seed: int) -> list[float | None]:
+        out = simulate(example("two-tier.yaml"), "mixed", 30.0, 20.0, seed=seed)
+        return [r.first_token_s for r in out.requests]
+
+    assert ttfts(3) == ttfts(3)
+    assert ttfts(3) != ttfts(4)
+
+
+def test_complexity_routing_sends_hard_prompts_to_the_large_tier() -> None:
+    out = simulate(example("two-tier.yaml"), "mixed", 20.0, 30.0)
+    tiers = {(r.kind, r.tier) for r in out.requests if r.error is None}
+    assert tiers == {("easy", "small"), ("hard", "large")}
+
+
+@pytest.mark.parametrize("source", ["events", "guessed"])
+def test_prefix_affinity_keeps_tenants_on_their_cached_replicas(source: str) -> None:
+    """Twelve tenants' long system prompts over eight replicas: the router's prefix scoring
+    (on the engines' events, or on its own guesses) keeps most of each prompt cached."""
+    service = one_tier(mode="disabled")
+    out = simulate(
+        service,
+        "shared-prefix",
+        40.0,
+        30.0,
+        start_replicas=8,
+        prefix_source=source,
+        autoscale=False,
+    )
+    report = summarize(out, service)
+    assert report.prefix_hit_rate is not None
+    assert report.prefix_hit_rate > 0.6
+    used = {r.route.replica.id for r in out.requests if r.route is not None}
+    assert len(used) >= 4  # the tenants spread, not one hot replica
+
+
+def test_autoscaler_scales_up_on_a_load_step_and_back_down_after_it() -> None:
+    """The real policy: a 10x step breaks the TTFT objective, replicas are added (serving
+    only after their cold start), and after the step the role shrinks again."""
+    service = one_tier()
+    schedule = parse_schedule("0:4,20:60,110:4")
+    out = simulate(service, "shared-prefix", schedule, 230.0)
+    counts = [c["main/unified"] for _, c in out.samples]
+    assert max(counts) >= 3
+    assert counts[-1] < max(counts)
+    decisions = out.roles[0].decisions
+    assert any(to > frm for _, frm, to, _ in decisions)
+    assert any(to < frm for _, frm, to, _ in decisions)
+    cold = out.roles[0].model.costs.cold_start_s
+    started = {r.endpoint.id: r.ready_at for r in out.roles[0].replicas}
+    for r in out.requests:
+        if r.route is not None:
+            assert r.arrival_s >= started[r.route.replica.id] - 1e-9
+    assert any(t >= cold for t in started.values())
+
+
+def test_disaggregated_tier_prefills_then_decodes_on_other_replicas() -> None:
+    service = example("disaggregated.yaml")
+    out = simulate(service, "long-context", 4.0, 30.0, autoscale=False)
+    answered = [r for r in out.requests if r.error is None]
+    assert answered
+    hops = [r for r in answered if r.route is not None and r.route.prefill is not None]
+    assert hops, "cold prompts take the prefill hop"
+    for r in hops:
+        assert r.route is not None
+        assert r.route.prefill is not None
+        assert r.route.prefill.endpoint.role == "prefill"
+        assert r.route.replica.endpoint.role == "decode"
+    # Repeated documents are cached by the prefill replicas.
+    assert (summarize(out, service).prefix_hit_rate or 0) > 0.3
+
+
+def test_gpu_hours_count_every_replica_for_the_whole_run() -> None:
+    service = example("two-tier.yaml")  # small: 1 GPU a replica, large: 4
+    out = simulate(service, "mixed", 5.0, 600.0, autoscale=False, start_replicas=2)
+    assert summarize(out, service).gpu_hours == pytest.approx(2 * (1 + 4) * 600 / 3600)
+
+
+def test_cli_writes_table_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    code = main(
+        [
+            *("simulate", "-f", str(EXAMPLES / "two-tier.yaml")),
+            *("--workload", "mixed", "--rate", "20", "--duration", "1m", "--quiet"),
+            *("--price-per-gpu-hour", "2.5", "--json", str(out_json), "--plot", str(out_png)),
+        ]
+    )
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "small" in table
+    assert "GPU-hours" in table
+    doc = json.loads(out_json.read_text())
+    assert doc["duration_s"] == 60
+    assert doc["requests"] > 0
+    assert doc["cost"] == pytest.approx(doc["gpu_hours"] * 2.5)
+    assert set(doc["tiers"]) == {"small", "large"}
+    assert out_png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_cli_refuses_a_gpu_it_has_no_profile_for(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "svc.yaml"
+    path.write_text(
+        (EXAMPLES / "single-tier.yaml").read_text().replace("NVIDIA-L40S", "NVIDIA-B200")
+    )
+    code = main(["simulate", "-f", str(path), "--rate", "1", "--duration", "10s", "--quiet"])
+    assert code == 2
+    assert "gpuProduct 'NVIDIA-B200'" in capsys.readouterr().err
