@@ -148,13 +148,13 @@ class ReplicaState:
     _urls: dict[str, URL] = field(default_factory=dict)
     # The KV index's names of the replica's event streams (one per data-parallel rank).
     kv_streams: tuple[str, ...] = ()
+    # The endpoint's "host:port", formatted once: a decision reads it several times for every
+    # replica of a group (a thousand-replica group: millions of times a second).
+    id: str = field(init=False)
 
     def __post_init__(self) -> None:
         self.kv_streams = tuple(self.endpoint.kv_streams())
-
-    @property
-    def id(self) -> str:
-        return self.endpoint.id
+        self.id = self.endpoint.id
 
     def url(self, path: str) -> URL:
         """The replica's URL for a path, parsed once (URL parsing is a visible share of the
@@ -272,6 +272,8 @@ class Router:
         self._replicas: dict[str, ReplicaState] = {}
         self._groups: dict[tuple[str, str], list[ReplicaState]] = {}
         self._seen_version = -1
+        # The views of one decision (``views``); None outside ``decide``.
+        self._views_memo: dict[tuple[str, str], list[ReplicaView]] | None = None
         self.apply_config(config)
 
     # -- configuration and endpoints ---------------------------------------------------------
@@ -367,6 +369,17 @@ class Router:
 
     # -- views -------------------------------------------------------------------------------
     def views(self, tier: str, role: str, now: float) -> list[ReplicaView]:
+        """The group's replicas as the policies see them now; within one ``decide``, built
+        once per group (the tier's state and the pick read the same views)."""
+        memo = self._views_memo
+        if memo is not None:
+            found = memo.get((tier, role))
+            if found is None:
+                found = memo[(tier, role)] = self._build_views(tier, role, now)
+            return found
+        return self._build_views(tier, role, now)
+
+    def _build_views(self, tier: str, role: str, now: float) -> list[ReplicaView]:
         stale = self.config.scrape.stale_after.total_seconds()
         return [
             make_view(
@@ -433,6 +446,13 @@ class Router:
         ``OverloadedError`` (429) when every eligible replica is full, and
         ``NoReplicaError`` (503) when no eligible tier has a Ready replica.
         """
+        self._views_memo = {}
+        try:
+            return self._decide(features, prepared)
+        finally:
+            self._views_memo = None
+
+    def _decide(self, features: RequestFeatures, prepared: PreparedKeys | None) -> Route:
         self.sync()
         now = self.clock()
         tier, choice, target = self._choose_tier(features, now)
