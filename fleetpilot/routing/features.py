@@ -22,24 +22,164 @@ CHARS_PER_TOKEN = 4
 # and scanning a 1 MB prompt on every request would cost more than the rest of the routing.
 MARKER_SCAN_CHARS = 32_768
 
-_CODE = re.compile(
-    r"```|\bdef \w+\s*\(|\bclass \w+\s*[:({]|\bfunction\s*\w*\s*\(|#include\s*<|\bimport \w+|"
-    r"\bSELECT\b[^;]{0,200}\bFROM\b|\bpublic static\b|=>|\bfn \w+\s*\(|\bconsole\.log\b|"
-    r"\b(?:refactor|debug|stack trace|traceback|compile error|segfault|unit tests?)\b",
-    re.IGNORECASE,
+# The markers: three case-insensitive alternations of cues. Python's `re` tries every alternative
+# at every position (~0.5 us a character for the three), so each alternative is its own regex here,
+# behind the literals any match of it contains (its needles, lowercase): the text is folded once,
+# a needle is a substring test (~1 ns a character), and a cue's regex runs only where one of its
+# needles occurs. An alternation has a match iff one of its alternatives has, so the flags are the
+# single regexes' (one alternative is rewritten to the same effect, below), which
+# tests/routing/test_features_prefilter.py keeps and checks them against.
+
+
+@dataclass(frozen=True, slots=True)
+class _Cue:
+    """One alternative of a marker regex, and the literals every match of it contains."""
+
+    regex: re.Pattern[str]
+    needles: tuple[str, ...]
+    # Every match starts where one of the needles starts: the regex is tried at those places.
+    anchored: bool
+
+
+def _cue(pattern: str, *needles: str, anchored: bool = True) -> _Cue:
+    return _Cue(re.compile(pattern, re.IGNORECASE), needles, anchored)
+
+
+def _words(*words: tuple[str, str]) -> tuple[_Cue, ...]:
+    r"""``\b(?:a|b|...)\b`` as a cue a word: (the word's pattern, its literal start)."""
+    return tuple(_cue(rf"\b{pattern}\b", needle) for pattern, needle in words)
+
+
+_CODE_CUES = (
+    _cue(r"```", "```"),
+    _cue(r"\bdef \w+\s*\(", "def "),
+    _cue(r"\bclass \w+\s*[:({]", "class "),
+    _cue(r"\bfunction\s*\w*\s*\(", "function"),
+    _cue(r"#include\s*<", "#include"),
+    _cue(r"\bimport \w+", "import "),
+    _cue(r"\bSELECT\b[^;]{0,200}\bFROM\b", "select"),
+    _cue(r"\bpublic static\b", "public static"),
+    _cue(r"=>", "=>"),
+    _cue(r"\bfn \w+\s*\(", "fn "),
+    _cue(r"\bconsole\.log\b", "console.log"),
+    *_words(
+        ("refactor", "refactor"),
+        ("debug", "debug"),
+        ("stack trace", "stack trace"),
+        ("traceback", "traceback"),
+        ("compile error", "compile error"),
+        ("segfault", "segfault"),
+        ("unit tests?", "unit test"),
+    ),
 )
-_MATH = re.compile(
-    r"\\(?:frac|int|sum|sqrt|prod|lim|begin\{(?:equation|align))|\$[^$\n]{1,200}\$|[∫∑√∏∞≤≥≠±]|"
-    r"\b(?:prove|proof|theorem|lemma|integral|derivative|differentiate|equation|eigen\w*|"
-    r"matrix|polynomial|probability|combinatori\w*|modulo)\b|\b\d+\s*[\^*/]\s*\d+",
-    re.IGNORECASE,
+_MATH_CUES = (
+    _cue(r"\\(?:frac|int|sum|sqrt|prod|lim|begin\{(?:equation|align))", "\\"),
+    _cue(r"\$[^$\n]{1,200}\$", "$"),
+    _cue(r"[∫∑√∏∞≤≥≠±]", *"∫∑√∏∞≤≥≠±"),
+    *_words(
+        ("prove", "prove"),
+        ("proof", "proof"),
+        ("theorem", "theorem"),
+        ("lemma", "lemma"),
+        ("integral", "integral"),
+        ("derivative", "derivative"),
+        ("differentiate", "differentiate"),
+        ("equation", "equation"),
+        (r"eigen\w*", "eigen"),
+        ("matrix", "matrix"),
+        ("polynomial", "polynomial"),
+        ("probability", "probability"),
+        (r"combinatori\w*", "combinatori"),
+        ("modulo", "modulo"),
+    ),
+    # \b\d+\s*[\^*/]\s*\d+, led by its first digit so that `re` skips to digits: \b before a
+    # digit (a \w) is "no \w before it", what the lookbehind asks once the digit is read.
+    _cue(r"\d(?<!\w\d)\d*\s*[\^*/]\s*\d", "^", "*", "/", anchored=False),
 )
-_REASONING = re.compile(
-    r"\b(?:step[- ]by[- ]step|think (?:carefully|through)|explain why|reason(?:ing)? about|"
-    r"analy[sz]e|compare and contrast|trade-?offs?|justify|pros and cons|root cause|"
-    r"design (?:a|an|the)|plan (?:a|an|the)|evaluate|critique|derive)\b",
-    re.IGNORECASE,
+_REASONING_CUES = _words(
+    ("step[- ]by[- ]step", "step"),
+    ("think (?:carefully|through)", "think "),
+    ("explain why", "explain why"),
+    ("reason(?:ing)? about", "reason"),
+    ("analy[sz]e", "analy"),
+    ("compare and contrast", "compare and contrast"),
+    ("trade-?offs?", "trade"),
+    ("justify", "justify"),
+    ("pros and cons", "pros and cons"),
+    ("root cause", "root cause"),
+    ("design (?:a|an|the)", "design "),
+    ("plan (?:a|an|the)", "plan "),
+    ("evaluate", "evaluate"),
+    ("critique", "critique"),
+    ("derive", "derive"),
 )
+_CUES = (_CODE_CUES, _MATH_CUES, _REASONING_CUES)
+# Each marker's (needle, cue) pairs, a cue's needles together; and those for ASCII text, which
+# holds no non-ASCII needle.
+_NEEDLES = tuple(tuple((n, cue) for cue in cues for n in cue.needles) for cues in _CUES)
+_ASCII_NEEDLES = tuple(tuple((n, cue) for n, cue in pairs if n.isascii()) for pairs in _NEEDLES)
+# re.IGNORECASE equates characters whose simple lowercase mappings are equal, and adds a few
+# pairs (re._casefix). Of the needles' characters: 'i' matches U+0131 (dotless i) and U+0130
+# (capital I with dot above), 's' matches U+017F (long s), 'k' matches U+212A (Kelvin sign).
+# str.lower() leaves U+0131 and U+017F as they are and makes U+0130 'i' + U+0307 (str.casefold()
+# does no better: U+0131 stays, U+0130 becomes two characters); U+212A it lowers to 'k'. So those
+# three are replaced first, then the text lowered: each character that matches a needle's
+# character becomes that character, and, U+0130 gone, the folded text is as long as the text (a
+# needle's index is where a match would start). The tests check this for every code point.
+_FOLD_FIRST = (("\u0130", "i"), ("\u0131", "i"), ("\u017f", "s"))
+_MIN_TRIES = 8
+
+
+def _fold(text: str) -> str:
+    """``text`` in lowercase, each character as the needles spell what it matches."""
+    if text.isascii():
+        return text.lower()
+    for char, plain in _FOLD_FIRST:
+        text = text.replace(char, plain)
+    return text.lower()
+
+
+def _found(needles: tuple[tuple[str, _Cue], ...], text: str, folded: str, aligned: bool) -> bool:
+    """Whether a cue of ``needles`` matches in ``text`` (``folded`` is ``_fold(text)``)."""
+    # Trying a regex at a place (~0.3 us) costs what its search spends on ~30 characters: past
+    # this many places a cue searches the rest instead, so a literal everywhere costs at most
+    # about two searches of that cue alone.
+    budget = _MIN_TRIES + len(text) // 32
+    searched = None
+    for needle, cue in needles:
+        if needle not in folded or cue is searched:
+            continue
+        if not (cue.anchored and aligned):
+            # One search looks at every place, this needle's and the cue's other needles'.
+            if cue.regex.search(text) is not None:
+                return True
+            searched = cue
+            continue
+        at = folded.find(needle)
+        tries = budget
+        while at >= 0:
+            if not tries:
+                # Every match from here on (\b and lookbehinds still see what precedes).
+                if cue.regex.search(text, at) is not None:
+                    return True
+                break
+            if cue.regex.match(text, at) is not None:
+                return True
+            at = folded.find(needle, at + 1)
+            tries -= 1
+    return False
+
+
+def _markers(text: str) -> tuple[bool, bool, bool]:
+    """``(has_code, has_math, has_reasoning)`` of ``text``."""
+    folded = _fold(text)
+    aligned = len(folded) == len(text)
+    code, math, reasoning = _ASCII_NEEDLES if text.isascii() else _NEEDLES
+    return (
+        _found(code, text, folded, aligned),
+        _found(math, text, folded, aligned),
+        _found(reasoning, text, folded, aligned),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +318,7 @@ def extract_features(
         tokens = len(text) // CHARS_PER_TOKEN
         completion = _optional_int(body, "max_completion_tokens")
         max_tokens = completion if completion is not None else _optional_int(body, "max_tokens")
-    recent = text[-MARKER_SCAN_CHARS:]
+    has_code, has_math, has_reasoning = _markers(text[-MARKER_SCAN_CHARS:])
     tier = None
     if headers is not None:
         tier = headers.get(TIER_HEADER) or None
@@ -190,9 +330,9 @@ def extract_features(
         max_tokens=max_tokens,
         turns=turns,
         system_chars=system_chars,
-        has_code=_CODE.search(recent) is not None,
-        has_math=_MATH.search(recent) is not None,
-        has_reasoning=_REASONING.search(recent) is not None,
+        has_code=has_code,
+        has_math=has_math,
+        has_reasoning=has_reasoning,
         stream=stream,
         tier_header=tier.strip() if tier else None,
         payload=body,
