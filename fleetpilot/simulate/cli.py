@@ -7,7 +7,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from fleetpilot.api import InvalidManifestError, load_services
 from fleetpilot.api.units import parse_duration
@@ -16,6 +16,7 @@ from fleetpilot.loadgen.report import matplotlib_available, write_json
 from fleetpilot.loadgen.runner import Schedule
 from fleetpilot.loadgen.workloads import WORKLOADS, make_workload
 from fleetpilot.simulate import report
+from fleetpilot.simulate.baselines import FLEETPILOT, ROUTING_POLICIES
 from fleetpilot.simulate.fleet import PREFIX_SOURCES, Fleet, Progress, SimSettings
 from fleetpilot.simulate.profile import AUTO, GPUS, ProfileError, load_profile
 
@@ -58,10 +59,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="what the routers match prompts against: the engines' KV events (as planned), or "
         "their own record of what they sent where",
     )
+    a(
+        "--routing",
+        choices=ROUTING_POLICIES,
+        default=FLEETPILOT,
+        help="the routers' replica choice: fleetpilot's, or a baseline to compare it with",
+    )
     a("--no-autoscale", action="store_true", help="hold every role at its starting replicas")
     a("--replicas", type=_positive(int), help="replicas each role starts with (default: spec)")
     a("--max-replicas", type=_positive(int), help="replace every role's replicas.max")
     a("--max-tokens", type=_positive(int), help="override the workload's max_tokens")
+    a("--tenants", type=_positive(int), help="shared-prefix: tenants (system prompts)")
+    a("--documents", type=_positive(int), help="long-context: documents asked about")
+    a("--context-chars", type=_positive(int), help="long-context: characters a document")
     a("--price-per-gpu-hour", type=_positive(float), help="report the cost at this price")
     a("--json", type=Path, help="write the report as JSON")
     a("--plot", type=Path, help="write a PNG: TTFT, replicas and load over time")
@@ -84,6 +94,31 @@ def _progress(stream: TextIO, duration_s: float) -> Progress:
     return show
 
 
+# Each workload option, and the workload it shapes.
+_OPTIONS = {
+    "tenants": "shared-prefix",
+    "documents": "long-context",
+    "context_chars": "long-context",
+}
+
+
+def _workload_options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for name, workload in _OPTIONS.items():
+        value = getattr(args, name)
+        if value is not None:
+            if args.workload != workload:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} applies to --workload {workload} only")
+            options[name] = value
+    if args.max_tokens is not None:
+        if args.workload == "mixed":
+            options.update(easy_max_tokens=args.max_tokens, hard_max_tokens=args.max_tokens)
+        else:
+            options["max_tokens"] = args.max_tokens
+    return options
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         services = load_services(args.file)
@@ -98,17 +133,17 @@ def run(args: argparse.Namespace) -> int:
         print("fleetpilot simulate: --plot needs matplotlib (pip install matplotlib)")
         return 2
     schedule: Schedule = args.schedule or Schedule.constant(args.rate)
-    options = {}
-    if args.max_tokens is not None:
-        if args.workload == "mixed":
-            options = {"easy_max_tokens": args.max_tokens, "hard_max_tokens": args.max_tokens}
-        else:
-            options = {"max_tokens": args.max_tokens}
+    try:
+        options = _workload_options(args)
+    except ValueError as e:
+        print(f"fleetpilot simulate: {e}", file=sys.stderr)
+        return 2
     settings = SimSettings(
         schedule=schedule,
         duration_s=args.duration,
         seed=args.seed,
         prefix_source=args.prefix_source,
+        routing=args.routing,
         autoscale=not args.no_autoscale,
         start_replicas=args.replicas,
         max_replicas=args.max_replicas,

@@ -39,6 +39,7 @@ from fleetpilot.routing.features import extract_features
 from fleetpilot.routing.policies.kv_index import KVIndex
 from fleetpilot.routing.policies.load import EngineMetrics
 from fleetpilot.routing.router import Route, Router
+from fleetpilot.simulate.baselines import FLEETPILOT, ROUTING_POLICIES, use_routing
 from fleetpilot.simulate.engine import Engine, Seq
 from fleetpilot.simulate.profile import Profile, RoleModel, role_model
 from fleetpilot.simulate.tokens import Prompt, SimPromptKeys, SimTokenizer
@@ -64,8 +65,12 @@ class SimSettings:
     # How often the replicas of each role are sampled for the report, in simulated seconds.
     sample_every_s: float = 10.0
     model: str | None = None  # the request's model field (default: the service's name)
+    # The routers' replica choice: fleetpilot's, or a baseline (``baselines.ROUTING_POLICIES``).
+    routing: str = FLEETPILOT
 
     def __post_init__(self) -> None:
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}")
         if self.prefix_source not in PREFIX_SOURCES:
             raise ValueError(f"prefix source must be one of {', '.join(PREFIX_SOURCES)}")
         if not (self.duration_s > 0 and math.isfinite(self.duration_s)):
@@ -217,6 +222,8 @@ class Fleet:
             )
             for i in range(service.spec.routing.replicas)
         ]
+        for router in self.routers:
+            use_routing(router, settings.routing)
         self.prompt_keys: dict[str, SimPromptKeys] = {}
         self.roles: dict[tuple[str, str], RoleState] = {}
         scrape_s = self.config.scrape.interval.total_seconds()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,6 @@ from fleetpilot.cli import main
 from fleetpilot.loadgen.runner import Schedule, parse_schedule
 from fleetpilot.loadgen.workloads import make_workload
 from fleetpilot.simulate.fleet import Fleet, Outcome, SimSettings
-from fleetpilot.simulate.profile import H100
 from fleetpilot.simulate.report import summarize
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
@@ -24,14 +24,20 @@ def example(name: str) -> InferenceService:
 
 
 def simulate(
-    service: InferenceService, workload: str, rate: float | Schedule, duration_s: float, **kw: Any
+    service: InferenceService,
+    workload: str,
+    rate: float | Schedule,
+    duration_s: float,
+    options: dict[str, Any] | None = None,
+    **kw: Any,
 ) -> Outcome:
     schedule = rate if isinstance(rate, Schedule) else Schedule.constant(rate)
     settings = SimSettings(schedule, duration_s, **kw)
-    return Fleet(service, H100, make_workload(workload, kw.get("seed", 0)), settings).run()
+    load = make_workload(workload, kw.get("seed", 0), **(options or {}))
+    return Fleet(service, None, load, settings).run()
 
 
-def one_tier(**autoscaling: Any) -> InferenceService:
+def one_tier(gpu: str = "NVIDIA-H100-80GB-HBM3", **autoscaling: Any) -> InferenceService:
     return parse_service(
         {
             "apiVersion": "fleetpilot.dev/v1alpha1",
@@ -42,7 +48,7 @@ def one_tier(**autoscaling: Any) -> InferenceService:
                     {
                         "name": "main",
                         "model": {"name": "meta-llama/Llama-3.1-8B-Instruct", "maxModelLen": 8192},
-                        "resources": {"gpuProduct": "NVIDIA-H100-80GB-HBM3"},
+                        "resources": {"gpuProduct": gpu},
                         "engine": {"maxNumSeqs": 8},
                         "serving": {"replicas": {"min": 1, "max": 6}},
                         "autoscaling": {
@@ -183,3 +189,42 @@ def test_cli_refuses_a_gpu_it_has_no_profile_for(
     code = main(["simulate", "-f", str(path), "--rate", "1", "--duration", "10s", "--quiet"])
     assert code == 2
     assert "gpuProduct 'NVIDIA-B200'" in capsys.readouterr().err
+
+
+def test_round_robin_baseline_spreads_and_loses_the_cache_prefix_routing_keeps() -> None:
+    """The baselines replace only the replica choice: round-robin takes the replicas in turn
+    and, on more documents than one cache holds (150 of ~1,500 tokens; an 8B model on an
+    L40S caches ~170k tokens), misses where prefix routing hits."""
+    service = one_tier("NVIDIA-L40S", mode="disabled")
+    runs = {
+        routing: simulate(
+            service,
+            "long-context",
+            8.0,
+            60.0,
+            {"documents": 150},
+            start_replicas=4,
+            autoscale=False,
+            routing=routing,
+        )
+        for routing in ("round-robin", "fleetpilot")
+    }
+    turns = Counter(r.route.replica.id for r in runs["round-robin"].requests if r.route)
+    assert len(turns) == 4
+    # In rotation, but past a replica the capacity filter drops while its batch is full.
+    assert max(turns.values()) <= 1.2 * min(turns.values())
+    hits = {k: summarize(out, service).prefix_hit_rate or 0.0 for k, out in runs.items()}
+    assert hits["fleetpilot"] > hits["round-robin"] + 0.2
+
+
+def test_cli_refuses_a_workload_option_of_another_workload(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = main(
+        [
+            *("simulate", "-f", str(EXAMPLES / "two-tier.yaml"), "--workload", "mixed"),
+            *("--documents", "10", "--rate", "1", "--duration", "10s", "--quiet"),
+        ]
+    )
+    assert code == 2
+    assert "--documents applies to --workload long-context only" in capsys.readouterr().err

@@ -1,0 +1,101 @@
+"""How fast ``fleetpilot simulate`` runs, and how that scales with the fleet: simulated requests
+per second of one core, by the number of replicas the router chooses among.
+
+The fleet: one tier of Llama 3.1 8B on H100s (``examples/single-tier.yaml`` on the ``h100``
+profile), ``--replicas`` fixed (no autoscaling), the ``shared-prefix`` workload with 12 tenants,
+Poisson arrivals at ``--per-replica`` requests/s a replica (a busy but unsaturated fleet), the
+routers on the engines' KV events (the planned setup). Each size simulates about ``--requests``
+requests. Measured with ``time.process_time`` (this process's CPU, one core: the simulator is
+single-threaded), best of ``--repeats``.
+
+Reported per size: requests simulated per CPU second, microseconds a request, simulated seconds
+per CPU second, and the CPU time the issue's target run would take at that speed - 1,000 replicas
+x 1 h x 2,000 req/s, 7.2 million requests - where the size is 1,000.
+
+Run: .venv/bin/python bench/simulate_speed.py [--sizes 10,100,1000] [--requests 6000] [--save]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from router_support import machine, save
+
+from fleetpilot.api import load_services
+from fleetpilot.loadgen.runner import Schedule
+from fleetpilot.loadgen.workloads import make_workload
+from fleetpilot.simulate.fleet import Fleet, SimSettings
+from fleetpilot.simulate.profile import H100
+
+EXAMPLE = Path(__file__).parents[1] / "examples" / "single-tier.yaml"
+TARGET_REQUESTS = 1000 * 3600 * 2  # 1,000 replicas at 2 req/s each for one hour
+
+
+def run_once(replicas: int, per_replica: float, requests: int, seed: int) -> dict[str, float]:
+    service = load_services(EXAMPLE)[0]
+    rate = replicas * per_replica
+    duration = max(requests / rate, 2.0)
+    settings = SimSettings(
+        Schedule.constant(rate),
+        duration,
+        seed=seed,
+        autoscale=False,
+        start_replicas=replicas,
+        max_replicas=replicas,
+    )
+    fleet = Fleet(service, H100, make_workload("shared-prefix", seed, tenants=12), settings)
+    started = time.process_time()
+    outcome = fleet.run()
+    cpu = time.process_time() - started
+    done = len(outcome.requests)
+    return {
+        "requests": done,
+        "simulated_s": duration,
+        "cpu_s": cpu,
+        "requests_per_cpu_s": done / cpu,
+        "us_per_request": cpu / done * 1e6,
+        "simulated_s_per_cpu_s": duration / cpu,
+        "refused": sum(r.error is not None for r in outcome.requests),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", default="10,100,1000")
+    parser.add_argument("--per-replica", type=float, default=2.0)
+    parser.add_argument("--requests", type=int, default=6000)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save", action="store_true")
+    args = parser.parse_args()
+    rows: list[dict[str, Any]] = []
+    print(
+        f"{'replicas':>8} {'req/s':>8} {'requests':>9} {'req per CPU s':>14} {'us/req':>8} "
+        f"{'sim s/CPU s':>12} {'target run':>11}"
+    )
+    for size in (int(s) for s in args.sizes.split(",")):
+        runs = [
+            run_once(size, args.per_replica, args.requests, args.seed) for _ in range(args.repeats)
+        ]
+        best = max(runs, key=lambda r: r["requests_per_cpu_s"])
+        target_h = TARGET_REQUESTS / best["requests_per_cpu_s"] / 3600
+        rows.append({"replicas": size, **best, "target_run_cpu_h_at_this_speed": target_h})
+        print(
+            f"{size:>8} {size * args.per_replica:>8.0f} {best['requests']:>9.0f} "
+            f"{best['requests_per_cpu_s']:>14.0f} {best['us_per_request']:>8.0f} "
+            f"{best['simulated_s_per_cpu_s']:>12.2f} {target_h:>10.1f}h"
+        )
+    print(
+        "target run: 1,000 replicas x 1 h x 2,000 req/s (7.2M requests) at each row's speed; "
+        "the issue asks for under 5 minutes"
+    )
+    if args.save:
+        path = save("simulate_speed", {"machine": machine(), "args": vars(args), "rows": rows})
+        print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""Does the simulator predict the local fleet? ``fleetpilot simulate`` against ``fleetpilot up`` +
+``fleetpilot bench`` on the same service, workload, rate, duration and seed.
+
+The simulated engines run on a profile measured here (``fleetpilot simulate calibrate``: the
+reference engine's step costs, KV pool and tokenizer), so the question is whether the engine
+model (continuous batching, chunked prefill, prefix cache) and the fleet around it (the real
+router and its prefix choice) reproduce what the real processes do. Both sides run the service
+at fixed replicas (``--no-autoscale``) and decode every request's ``max_tokens``
+(``--ignore-eos``). Compared: TTFT p50 and p95 (the client's first content chunk in the bench;
+the engine's first token in the simulation) and the prefix hit rate (cached over prompt tokens,
+from the engines' usage in the bench). The issue asks for each within 25%.
+
+What the simulation leaves out and the local fleet has: the router's and the HTTP stack's own
+milliseconds, and the engines sharing this machine's cores with each other, the router and the
+load generator (the profile times one engine alone).
+
+Run: .venv/bin/python bench/simulate_validation.py [--profile profile.json] [--duration 60]
+     [--save]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from router_support import machine, save
+
+ROOT = Path(__file__).parents[1]
+SERVICE = ROOT / "examples" / "local-two-tier.yaml"
+SERVICE_NAME = "local"
+ENGINES = 2  # one replica of each of its two tiers
+# (workload, rate req/s): a light and a busier load of each shape the local fleet can hold.
+CASES = (("shared-prefix", 2.0), ("shared-prefix", 6.0), ("mixed", 4.0), ("multi-turn", 4.0))
+FLEETPILOT = [sys.executable, "-m", "fleetpilot"]
+
+
+def calibrate(path: Path) -> None:
+    subprocess.run([*FLEETPILOT, "simulate", "calibrate", "-o", str(path)], check=True)
+
+
+def wait_for(url: str, endpoints: int, timeout_s: float = 180.0) -> None:
+    """Until the router at ``url`` routes to ``endpoints`` ready engines."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            resp = httpx.get(url, timeout=2.0)
+            if resp.status_code == 200 and resp.json().get("endpoints", 0) >= endpoints:
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not report {endpoints} engines within {timeout_s} s")
+
+
+def local_run(workload: str, rate: float, duration: float, seed: int, port: int) -> dict[str, Any]:
+    """``fleetpilot up`` (fixed replicas) and ``fleetpilot bench`` against its router."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "bench.json"
+        up = subprocess.Popen(
+            [
+                *FLEETPILOT,
+                *("up", "-f", str(SERVICE), "--port", str(port), "--no-autoscale"),
+                *("--no-prometheus", "--workdir", tmp, "--status-interval", "3600"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            wait_for(f"http://127.0.0.1:{port}/health", ENGINES)
+            subprocess.run(
+                [
+                    *FLEETPILOT,
+                    *("bench", "--url", f"http://127.0.0.1:{port}/v1", "--model", SERVICE_NAME),
+                    *("--workload", workload, "--rate", str(rate), "--duration", str(duration)),
+                    *("--seed", str(seed), "--ignore-eos", "--out", str(out)),
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
+        finally:
+            up.terminate()
+            up.wait(timeout=60)
+        summary = json.loads(out.read_text())["summary"]
+    return {
+        "ttft_p50_s": summary["ttft_s"]["p50"],
+        "ttft_p95_s": summary["ttft_s"]["p95"],
+        "hit_rate": summary["prefix_hit_rate"],
+        "requests": summary["requests"],
+        "errors": summary["errors"],
+    }
+
+
+def simulated(
+    workload: str, rate: float, duration: float, seed: int, profile: Path
+) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "sim.json"
+        subprocess.run(
+            [
+                *FLEETPILOT,
+                *("simulate", "-f", str(SERVICE), "--profile", str(profile), "--no-autoscale"),
+                *("--workload", workload, "--rate", str(rate), "--duration", str(duration)),
+                *("--seed", str(seed), "--json", str(out), "--quiet"),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        report = json.loads(out.read_text())
+    return {
+        "ttft_p50_s": report["ttft_s"]["p50"],
+        "ttft_p95_s": report["ttft_s"]["p95"],
+        "hit_rate": report["prefix_hit_rate"],
+        "requests": report["requests"],
+        "errors": report["errors"],
+    }
+
+
+def error(sim: float | None, real: float | None) -> float | None:
+    if sim is None or not real:
+        return None
+    return (sim - real) / real
+
+
+def pair(row: dict[str, Any], key: str, scale: float) -> str:
+    real, sim = row["local"][key], row["simulated"][key]
+    return f"{(real or 0) * scale:.1f} / {(sim or 0) * scale:.1f}"
+
+
+def pct(row: dict[str, Any], key: str) -> str:
+    e = row[f"{key}_error"]
+    return "-" if e is None else f"{e:+.0%}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--profile", type=Path, help="a measured profile (default: calibrate)")
+    parser.add_argument("--duration", type=float, default=60.0)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--port", type=int, default=18400)
+    parser.add_argument("--save", action="store_true")
+    args = parser.parse_args()
+    profile = args.profile
+    if profile is None:
+        profile = Path(tempfile.mkdtemp()) / "profile.json"
+        calibrate(profile)
+    rows = []
+    print(
+        f"{'workload':14} {'req/s':>5}  {'TTFT p50 real/sim (ms)':>24} {'err':>6}  "
+        f"{'TTFT p95 real/sim (ms)':>24} {'err':>6}  {'hit rate real/sim':>18} {'err':>6}"
+    )
+    for workload, rate in CASES:
+        real = local_run(workload, rate, args.duration, args.seed, args.port)
+        sim = simulated(workload, rate, args.duration, args.seed, profile)
+        row: dict[str, Any] = {"workload": workload, "rate": rate, "local": real, "simulated": sim}
+        for key in ("ttft_p50_s", "ttft_p95_s", "hit_rate"):
+            row[f"{key}_error"] = error(sim[key], real[key])
+        rows.append(row)
+
+        print(
+            f"{workload:14} {rate:>5.1f}  {pair(row, 'ttft_p50_s', 1000):>24} "
+            f"{pct(row, 'ttft_p50_s'):>6}  {pair(row, 'ttft_p95_s', 1000):>24} "
+            f"{pct(row, 'ttft_p95_s'):>6}  {pair(row, 'hit_rate', 1):>18} "
+            f"{pct(row, 'hit_rate'):>6}",
+            flush=True,
+        )
+    if args.save:
+        doc = {"machine": machine(), "args": {**vars(args), "profile": str(profile)}, "rows": rows}
+        doc["profile"] = json.loads(profile.read_text())
+        print(f"saved {save('simulate_validation', doc)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""What-if questions answered with ``fleetpilot simulate`` (the real router and autoscaler over
+simulated H100 engines): the numbers in the README's simulator section.
+
+- ``complexity``: complexity routing over two tiers (``examples/two-tier.yaml``: Qwen2.5-7B AWQ
+  on one GPU, Qwen2.5-72B on four) against the same service with only its large tier, on the
+  ``mixed`` workload (30% hard prompts), both autoscaled on their SLOs (replicas.max raised to
+  ``--max-replicas`` so neither is capped): GPU-hours, cost and SLO attainment.
+- ``prefix``: the replica choice over 100 replicas of Llama 3.1 8B (``examples/single-tier.yaml``
+  on H100s, fixed replicas), on documents asked about repeatedly - ``long-context`` with
+  ``--documents`` documents of 6,000 characters (~1,500 tokens): more than one replica's KV cache
+  holds, far less than the fleet's - fleetpilot's choice on the engines' KV events, the same on
+  the router's own guesses, longest-prefix match on the events, and round-robin.
+- ``step``: the autoscaler's reaction to a 10x load step (``--step-from`` to ten times that) at up
+  to ``--step-max`` replicas of Llama 3.1 70B on 4 x H100 each (``examples/disaggregated.yaml``'s
+  tier, run unified).
+
+Run: .venv/bin/python bench/simulate_whatifs.py [complexity|prefix|step ...] [--save]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from router_support import machine, save
+
+ROOT = Path(__file__).parents[1]
+FLEETPILOT = [sys.executable, "-m", "fleetpilot", "simulate"]
+PRICE = 2.5  # $ per H100-hour: the relative cost is what matters
+
+
+def simulate(service: Path, *args: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "r.json"
+        started = time.monotonic()
+        subprocess.run(
+            [*FLEETPILOT, "-f", str(service), *args, "--json", str(out), "--quiet"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        doc: dict[str, Any] = json.loads(out.read_text())
+        doc["wall_s"] = time.monotonic() - started
+        return doc
+
+
+def summary(doc: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "requests": doc["requests"],
+        "errors": doc["errors"],
+        "ttft_p50_ms": (doc["ttft_s"]["p50"] or 0) * 1000,
+        "ttft_p95_ms": (doc["ttft_s"]["p95"] or 0) * 1000,
+        "tpot_p95_ms": (doc["tpot_s"]["p95"] or 0) * 1000,
+        "hit_rate": doc["prefix_hit_rate"],
+        "slo_attainment": doc["slo_attainment"],
+        "gpu_hours": doc["gpu_hours"],
+        "cost": doc["cost"],
+        "peak_replicas": {t: s["peak_replicas"] for t, s in doc["tiers"].items()},
+        "wall_s": doc["wall_s"],
+    }
+
+
+def large_only(tmp: Path) -> Path:
+    data = yaml.safe_load((ROOT / "examples/two-tier.yaml").read_text())
+    data["spec"]["tiers"] = [t for t in data["spec"]["tiers"] if t["name"] == "large"]
+    path = tmp / "large-only.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def complexity(args: argparse.Namespace) -> dict[str, Any]:
+    load = [
+        *("--workload", "mixed", "--rate", str(args.rate), "--duration", args.duration),
+        *("--max-replicas", str(args.max_replicas), "--price-per-gpu-hour", str(PRICE)),
+        *("--seed", str(args.seed)),
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        arms = {
+            "two tiers, complexity routing": ROOT / "examples/two-tier.yaml",
+            "large tier only": large_only(Path(tmp)),
+        }
+        rows = {name: summary(simulate(path, *load)) for name, path in arms.items()}
+    print(f"\ncomplexity: mixed at {args.rate} req/s for {args.duration}, autoscaled")
+    print(f"{'arm':30} {'GPU-h':>7} {'cost $':>8} {'SLO met':>8} {'TTFT p95':>9} {'peak':>24}")
+    for name, r in rows.items():
+        peak = ", ".join(f"{t} {sum(p.values())}" for t, p in r["peak_replicas"].items())
+        print(
+            f"{name:30} {r['gpu_hours']:>7.1f} {r['cost']:>8.0f} {r['slo_attainment']:>8.3f} "
+            f"{r['ttft_p95_ms']:>8.0f}ms {peak:>24}"
+        )
+    return rows
+
+
+def prefix(args: argparse.Namespace) -> dict[str, Any]:
+    service = ROOT / "examples/single-tier.yaml"
+    base = [
+        *("--profile", "h100", "--workload", "long-context", "--rate", str(args.prefix_rate)),
+        *("--duration", args.prefix_duration, "--replicas", "100", "--no-autoscale"),
+        *("--documents", str(args.documents), "--seed", str(args.seed)),
+    ]
+    arms = {
+        "fleetpilot, KV events": ["--prefix-source", "events"],
+        "fleetpilot, guessed": ["--prefix-source", "guessed"],
+        "longest-prefix, KV events": ["--routing", "longest-prefix"],
+        "round-robin": ["--routing", "round-robin"],
+    }
+    rows = {name: summary(simulate(service, *base, *extra)) for name, extra in arms.items()}
+    print(
+        f"\nprefix: 100 replicas, long-context ({args.documents} documents) at "
+        f"{args.prefix_rate} req/s for {args.prefix_duration}"
+    )
+    print(f"{'arm':28} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p95':>9} {'errors':>8}")
+    for name, r in rows.items():
+        print(
+            f"{name:28} {r['hit_rate']:>8.3f} {r['ttft_p50_ms']:>7.0f}ms "
+            f"{r['ttft_p95_ms']:>7.0f}ms {sum(r['errors'].values()):>8}"
+        )
+    return rows
+
+
+def step(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        data = yaml.safe_load((ROOT / "examples/disaggregated.yaml").read_text())
+        tier = data["spec"]["tiers"][0]
+        tier["serving"] = {"replicas": {"min": 1, "max": args.step_max}}
+        path = Path(tmp) / "step.yaml"
+        path.write_text(yaml.safe_dump(data))
+        low, high = args.step_from, args.step_from * 10
+        schedule = f"0:{low},{args.step_at}:{high}"
+        doc = simulate(
+            path,
+            *("--workload", "shared-prefix", "--schedule", schedule),
+            *("--duration", args.step_duration, "--replicas", str(args.step_start)),
+            *("--seed", str(args.seed)),
+        )
+    print(f"\nstep: {low} -> {high} req/s at {args.step_at} s, up to {args.step_max} replicas")
+    for sample in doc["replicas"][:: max(1, len(doc["replicas"]) // 30)]:
+        counts = ", ".join(f"{k} {v}" for k, v in sample.items() if k != "t")
+        print(f"  t={sample['t']:>6.0f} s  {counts}")
+    return summary(doc) | {"replicas": doc["replicas"], "decisions": doc["decisions"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("which", nargs="*", default=["complexity", "prefix", "step"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rate", type=float, default=100.0)
+    parser.add_argument("--duration", default="30m")
+    parser.add_argument("--max-replicas", type=int, default=64)
+    parser.add_argument("--prefix-rate", type=float, default=300.0)
+    parser.add_argument("--prefix-duration", default="5m")
+    parser.add_argument("--documents", type=int, default=2000)
+    parser.add_argument("--step-from", type=float, default=50.0)
+    parser.add_argument("--step-at", type=float, default=300.0)
+    parser.add_argument("--step-duration", default="20m")
+    parser.add_argument("--step-start", type=int, default=50)
+    parser.add_argument("--step-max", type=int, default=500)
+    parser.add_argument("--save", action="store_true")
+    args = parser.parse_args()
+    results = {name: globals()[name](args) for name in args.which}
+    if args.save:
+        doc = {"machine": machine(), "args": vars(args), **results}
+        print(f"saved {save('simulate_whatifs', doc)}")
+
+
+if __name__ == "__main__":
+    main()
