@@ -128,19 +128,19 @@ class Request:
     kind: str
     arrival_s: float
     max_tokens: int
-    prompt: Prompt
+    # Until the request ends (its engines read it); then only its length is kept.
+    prompt: Prompt | None
+    prompt_tokens: int = 0
     tier: str = ""
-    route: Route | None = None
-    router: Router | None = None
+    # Where it went (replica ids): the answering replica, and a P/D tier's prefill one.
+    replica: str | None = None
+    prefill_replica: str | None = None
+    route: Route | None = None  # the router's decision, until the request ends
     decode: Replica | None = None
     first_token_s: float | None = None
     end_s: float | None = None
     cached_tokens: int = 0
     error: str | None = None
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt.token_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,7 +317,7 @@ class Fleet:
         self._index += 1
         router = self.routers[index % len(self.routers)]
         features = extract_features(body, "chat")
-        request = Request(index, spec.kind, now, spec.max_tokens, _EMPTY_PROMPT)
+        request = Request(index, spec.kind, now, spec.max_tokens, None)
         self.requests.append(request)
         for keys in self.prompt_keys.values():
             keys.begin(spec.messages)
@@ -328,9 +328,11 @@ class Fleet:
             request.end_s = now
             return
         request.prompt = self.prompt_keys[route.tier.name].prompt()
+        request.prompt_tokens = len(request.prompt.token_ids)
         request.route = route
-        request.router = router
         request.tier = route.tier.name
+        request.replica = route.replica.id
+        request.prefill_replica = route.prefill.id if route.prefill is not None else None
         route.replica.in_flight += 1
         prefilling = route.prefill or route.replica
         prefilling.pending_prefill += route.prefill_blocks
@@ -348,11 +350,13 @@ class Fleet:
     def _submit(
         self, replica: Replica, request: Request, *, prefill: bool, output: int, hop: bool = False
     ) -> None:
+        prompt = request.prompt
+        assert prompt is not None
         seq = Seq(
             request=_Job(request, hop),
             prompt_tokens=request.prompt_tokens,
-            keys=request.prompt.keys,
-            token_ids=request.prompt.token_ids,
+            keys=prompt.keys,
+            token_ids=prompt.token_ids,
             output_tokens=output,
             prefill=prefill,
         )
@@ -401,12 +405,15 @@ class Fleet:
             self.at(arrive, handoff)
             return
         request.end_s = when
+        request.prompt = None
         route.replica.in_flight -= 1
         state = self.roles[(request.tier, decode.endpoint.role)]
         if request.first_token_s is not None:
             ttft = request.first_token_s - request.arrival_s
             self._observe(request, ttft, when)
         state.completions.append(when)
+        request.route = None
+        request.decode = None
 
     def _observe(self, request: Request, ttft: float, when: float) -> None:
         """Feed the autoscaler's windows: TTFT to the role that made the first token (prefill
@@ -578,5 +585,4 @@ def _with_max(policy: RolePolicy, ceiling: int) -> RolePolicy:
     return replace(policy, max_replicas=ceiling, min_replicas=min(policy.min_replicas, ceiling))
 
 
-_EMPTY_PROMPT = Prompt([], 1, [])
 __all__ = ["Fleet", "Outcome", "Request", "SimSettings"]

@@ -16,6 +16,7 @@ real fleet.
 from __future__ import annotations
 
 import zlib
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,8 +27,9 @@ from fleetpilot.routing.policies.kv_index import chain_keys
 # Role header tokens per message: Llama 3's <|start_header_id|>role<|end_header_id|>\n\n and
 # <|eot_id|> are five; ChatML's <|im_start|>role\n ... <|im_end|>\n about as many.
 HEADER_TOKENS = 5
-# Memoised messages before the memo starts over (a long run's conversations are many).
-_MEMO_MESSAGES = 200_000
+# Tokens of memoised messages before the memo starts over (4 bytes each): a long run's
+# conversations are many, and a document with its question is new in every request.
+_MEMO_TOKENS = 8_000_000
 
 
 class SimTokenizer:
@@ -37,36 +39,41 @@ class SimTokenizer:
         if chars_per_token <= 0:
             raise ValueError("chars_per_token must be positive")
         self.chars_per_token = chars_per_token
-        self._memo: dict[tuple[str, str], tuple[int, ...]] = {}
-        self._headers: dict[str, tuple[int, ...]] = {}
+        self._memo: dict[tuple[str, str], array[int]] = {}
+        self._memo_tokens = 0
+        self._headers: dict[str, array[int]] = {}
 
-    def text(self, text: str) -> tuple[int, ...]:
+    def text(self, text: str) -> array[int]:
         """The ids of ``text``: one per ``chars_per_token`` characters (at least one for any
         non-empty text), each a checksum of its characters."""
         if not text:
-            return ()
+            return array("I")
         data = text.encode("utf-8", "surrogatepass")
         count = max(1, round(len(data) / self.chars_per_token))
         step = len(data) / count
         crc = zlib.crc32
-        return tuple(crc(data[int(i * step) : int((i + 1) * step)]) for i in range(count))
+        return array("I", [crc(data[int(i * step) : int((i + 1) * step)]) for i in range(count)])
 
-    def message(self, role: str, content: str) -> tuple[int, ...]:
+    def message(self, role: str, content: str) -> array[int]:
         key = (role, content)
         ids = self._memo.get(key)
         if ids is None:
-            if len(self._memo) >= _MEMO_MESSAGES:
-                self._memo.clear()
             header = self._headers.get(role)
             if header is None:
                 seed = zlib.crc32(role.encode())
-                header = self._headers[role] = tuple(seed + i for i in range(HEADER_TOKENS))
-            ids = self._memo[key] = header + self.text(content)
+                header = array("I", [seed + i for i in range(HEADER_TOKENS)])
+                self._headers[role] = header
+            ids = header + self.text(content)
+            if self._memo_tokens + len(ids) > _MEMO_TOKENS:
+                self._memo.clear()
+                self._memo_tokens = 0
+            self._memo[key] = ids
+            self._memo_tokens += len(ids)
         return ids
 
-    def chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def chat(self, messages: Sequence[Mapping[str, Any]]) -> array[int]:
         """A conversation's prompt ids, with the assistant header that asks for the answer."""
-        ids: list[int] = []
+        ids = array("I")
         for m in messages:
             content = m.get("content")
             ids += self.message(str(m.get("role", "")), content if isinstance(content, str) else "")
@@ -78,12 +85,12 @@ class SimTokenizer:
 class Prompt:
     """A request's prompt as the engines and the router's KV index see it."""
 
-    token_ids: list[int]
+    token_ids: array[int]  # 4 bytes a token: a run holds millions of prompts in flight
     block_size: int
     keys: list[bytes]
 
     @classmethod
-    def of(cls, token_ids: list[int], block_size: int) -> Prompt:
+    def of(cls, token_ids: array[int], block_size: int) -> Prompt:
         return cls(token_ids, block_size, chain_keys(token_ids, block_size))
 
     def keys_at(self, block_size: int) -> list[bytes]:

@@ -112,7 +112,7 @@ def test_prefix_affinity_keeps_tenants_on_their_cached_replicas(source: str) -> 
     report = summarize(out, service)
     assert report.prefix_hit_rate is not None
     assert report.prefix_hit_rate > 0.6
-    used = {r.route.replica.id for r in out.requests if r.route is not None}
+    used = {r.replica for r in out.requests if r.replica is not None}
     assert len(used) >= 4  # the tenants spread, not one hot replica
 
 
@@ -131,8 +131,8 @@ def test_autoscaler_scales_up_on_a_load_step_and_back_down_after_it() -> None:
     cold = out.roles[0].model.costs.cold_start_s
     started = {r.endpoint.id: r.ready_at for r in out.roles[0].replicas}
     for r in out.requests:
-        if r.route is not None:
-            assert r.arrival_s >= started[r.route.replica.id] - 1e-9
+        if r.replica is not None:
+            assert r.arrival_s >= started[r.replica] - 1e-9
     assert any(t >= cold for t in started.values())
 
 
@@ -141,13 +141,14 @@ def test_disaggregated_tier_prefills_then_decodes_on_other_replicas() -> None:
     out = simulate(service, "long-context", 4.0, 30.0, autoscale=False)
     answered = [r for r in out.requests if r.error is None]
     assert answered
-    hops = [r for r in answered if r.route is not None and r.route.prefill is not None]
+    roles = {r.endpoint.id: r.endpoint.role for s in out.roles for r in s.replicas}
+    hops = [r for r in answered if r.prefill_replica is not None]
     assert hops, "cold prompts take the prefill hop"
     for r in hops:
-        assert r.route is not None
-        assert r.route.prefill is not None
-        assert r.route.prefill.endpoint.role == "prefill"
-        assert r.route.replica.endpoint.role == "decode"
+        assert r.prefill_replica is not None
+        assert r.replica is not None
+        assert roles[r.prefill_replica] == "prefill"
+        assert roles[r.replica] == "decode"
     # Repeated documents are cached by the prefill replicas.
     assert (summarize(out, service).prefix_hit_rate or 0) > 0.3
 
@@ -209,7 +210,7 @@ def test_round_robin_baseline_spreads_and_loses_the_cache_prefix_routing_keeps()
         )
         for routing in ("round-robin", "fleetpilot")
     }
-    turns = Counter(r.route.replica.id for r in runs["round-robin"].requests if r.route)
+    turns = Counter(r.replica for r in runs["round-robin"].requests if r.replica)
     assert len(turns) == 4
     # In rotation, but past a replica the capacity filter drops while its batch is full.
     assert max(turns.values()) <= 1.2 * min(turns.values())
