@@ -239,7 +239,9 @@ class Fleet:
                     policy = _with_max(policy, settings.max_replicas)
                 state = RoleState(role, model, policy)
                 self.roles[state.key] = state
-            keys = SimPromptKeys(SimTokenizer(model.shape.chars_per_token), _block_size(tier))
+            shape = model.shape
+            tokenizer = SimTokenizer(shape.chars_per_token, shape.message_tokens)
+            keys = SimPromptKeys(tokenizer, _block_size(tier))
             self.prompt_keys[tier.name] = keys
             if events:
                 for router in self.routers:

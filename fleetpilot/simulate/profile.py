@@ -70,14 +70,16 @@ class EngineShape:
     max_num_seqs: int
     max_num_batched_tokens: int
     chars_per_token: float = GPU_CHARS_PER_TOKEN
+    # Tokens the chat template adds a message (Llama 3's header and end-of-turn: five).
+    message_tokens: int = 5
 
     def __post_init__(self) -> None:
         if self.kv_tokens < self.block_size or self.block_size < 1:
             raise ValueError("an engine needs at least one KV block")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
-        if self.chars_per_token <= 0:
-            raise ValueError("chars_per_token must be positive")
+        if self.chars_per_token <= 0 or self.message_tokens < 0:
+            raise ValueError("chars_per_token must be positive, message_tokens not negative")
 
 
 @dataclass(frozen=True)
@@ -234,6 +236,7 @@ class MeasuredProfile:
             max_num_seqs=min(engine.max_num_seqs, self.shape.max_num_seqs),
             max_num_batched_tokens=self.shape.max_num_batched_tokens,
             chars_per_token=self.shape.chars_per_token,
+            message_tokens=self.shape.message_tokens,
         )
         return RoleModel(self.costs, shape, role.parallelism.gpus)
 

@@ -4,8 +4,9 @@ A real tokenizer costs tens of microseconds per hundred characters, more than th
 simulated request. What the simulator needs from one is only what the engines and the router
 do with it: how many tokens a prompt is, and equal ids for equal text so that shared prefixes
 make shared KV blocks. So a chat renders as a chat template does - per message a header of
-:data:`HEADER_TOKENS` naming the role, then the content - and content becomes one token per
-``chars_per_token`` characters, its id a checksum of those characters. Messages are memoised:
+``message_tokens`` naming the role (Llama 3's header and end-of-turn are five; the reference
+engine's template about twelve), then the content - and content becomes one token per
+``chars_per_token`` bytes, its id a checksum of those bytes. Messages are memoised:
 a tenant's system prompt or a conversation's history is cut once, not per request.
 
 The same ids feed the engines' prefix caches and the router's KV index
@@ -24,9 +25,6 @@ from typing import Any
 from fleetpilot.routing.features import Kind
 from fleetpilot.routing.policies.kv_index import chain_keys
 
-# Role header tokens per message: Llama 3's <|start_header_id|>role<|end_header_id|>\n\n and
-# <|eot_id|> are five; ChatML's <|im_start|>role\n ... <|im_end|>\n about as many.
-HEADER_TOKENS = 5
 # Tokens of memoised messages before the memo starts over (4 bytes each): a long run's
 # conversations are many, and a document with its question is new in every request.
 _MEMO_TOKENS = 8_000_000
@@ -35,10 +33,11 @@ _MEMO_TOKENS = 8_000_000
 class SimTokenizer:
     """Text to token ids at ``chars_per_token`` characters a token."""
 
-    def __init__(self, chars_per_token: float) -> None:
+    def __init__(self, chars_per_token: float, message_tokens: int = 5) -> None:
         if chars_per_token <= 0:
             raise ValueError("chars_per_token must be positive")
         self.chars_per_token = chars_per_token
+        self.message_tokens = message_tokens
         self._memo: dict[tuple[str, str], array[int]] = {}
         self._memo_tokens = 0
         self._headers: dict[str, array[int]] = {}
@@ -61,7 +60,7 @@ class SimTokenizer:
             header = self._headers.get(role)
             if header is None:
                 seed = zlib.crc32(role.encode())
-                header = array("I", [seed + i for i in range(HEADER_TOKENS)])
+                header = array("I", [seed + i for i in range(self.message_tokens)])
                 self._headers[role] = header
             ids = header + self.text(content)
             if self._memo_tokens + len(ids) > _MEMO_TOKENS:
