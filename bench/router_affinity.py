@@ -58,6 +58,7 @@ from fleetpilot.routing.policies.picker import (
 )
 from fleetpilot.routing.policies.prefix import PrefixScorer, block_hashes
 from fleetpilot.routing.policies.types import PickRequest, ReplicaView
+from fleetpilot.simulate.baselines import RoundRobin
 
 REPLICAS = 4
 TENANTS = 12
@@ -72,21 +73,6 @@ MAX_TOKENS = 8
 
 
 # -- baseline policies (bench-only plugins) --------------------------------------------------
-
-
-class RoundRobin:
-    """Scores the next replica in rotation 1, the rest 0."""
-
-    name = "round-robin"
-
-    def __init__(self) -> None:
-        self.turn = 0
-
-    def score(self, request: PickRequest, replicas: Sequence[ReplicaView]) -> dict[str, float]:
-        ids = sorted(v.id for v in replicas)
-        chosen = ids[self.turn % len(ids)]
-        self.turn += 1
-        return {i: float(i == chosen) for i in ids}
 
 
 class HashRing:

@@ -11,7 +11,7 @@ from typing import Any, TextIO
 
 from fleetpilot.loadgen import report
 from fleetpilot.loadgen.runner import Progress, RunConfig, Runner, Schedule, parse_schedule
-from fleetpilot.loadgen.workloads import WORKLOADS, make_workload
+from fleetpilot.loadgen.workloads import WORKLOADS, make_workload, workload_options
 
 
 def _schedule(text: str) -> Schedule:
@@ -82,17 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _workload_options(args: argparse.Namespace) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    if args.context_chars is not None:
-        if args.workload != "long-context":
-            raise ValueError("--context-chars applies to --workload long-context only")
-        options["context_chars"] = args.context_chars
-    if args.max_tokens is not None:
-        if args.workload == "mixed":
-            options.update(easy_max_tokens=args.max_tokens, hard_max_tokens=args.max_tokens)
-        else:
-            options["max_tokens"] = args.max_tokens
-    return options
+    return workload_options(args.workload, args.max_tokens, context_chars=args.context_chars)
 
 
 def _progress_printer(stream: TextIO) -> Callable[[Progress, float], None]:

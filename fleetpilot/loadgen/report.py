@@ -16,19 +16,26 @@ from fleetpilot.loadgen.runner import RequestRecord, RunResult
 
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The q-th percentile (0-100), linear between closest ranks (numpy's default)."""
+    return sorted_percentile(sorted(values), q)
+
+
+def sorted_percentile(ordered: Sequence[float], q: float) -> float | None:
+    """``percentile`` of values already in ascending order (no sort: several percentiles of
+    millions of values sort once)."""
     if not 0 <= q <= 100:
         raise ValueError(f"percentile {q} is outside 0..100")
-    if not values:
+    if not ordered:
         return None
-    ordered = sorted(values)
     pos = (len(ordered) - 1) * q / 100
     lo = math.floor(pos)
     hi = math.ceil(pos)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def _pcts(values: Sequence[float], qs: Sequence[int]) -> dict[str, float | None]:
-    return {f"p{q}": percentile(values, q) for q in qs}
+def percentiles(values: Sequence[float], qs: Sequence[int]) -> dict[str, float | None]:
+    """``{"p50": ..., "p95": ...}`` of ``values`` for each of ``qs``."""
+    ordered = sorted(values)
+    return {f"p{q}": sorted_percentile(ordered, q) for q in qs}
 
 
 @dataclass(frozen=True)
@@ -67,9 +74,9 @@ def summarize(records: Sequence[RequestRecord], elapsed_s: float) -> Summary:
         succeeded=len(ok),
         errors=dict(sorted(errors.items())),
         elapsed_s=elapsed_s,
-        ttft_s=_pcts([r.ttft_s for r in ok if r.ttft_s is not None], (50, 95, 99)),
-        tpot_s=_pcts([r.tpot_s for r in ok if r.tpot_s is not None], (50, 95, 99)),
-        e2e_s=_pcts([r.e2e_s for r in ok if r.e2e_s is not None], (50, 95)),
+        ttft_s=percentiles([r.ttft_s for r in ok if r.ttft_s is not None], (50, 95, 99)),
+        tpot_s=percentiles([r.tpot_s for r in ok if r.tpot_s is not None], (50, 95, 99)),
+        e2e_s=percentiles([r.e2e_s for r in ok if r.e2e_s is not None], (50, 95)),
         throughput_rps=len(ok) / span if elapsed_s > 0 else 0.0,
         output_tokens_per_s=output / span if elapsed_s > 0 else 0.0,
         prompt_tokens=prompt,

@@ -267,6 +267,34 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
 }
 
 
+# The command lines' options that shape one workload, by the workload they shape.
+SHAPE_OPTIONS: dict[str, str] = {
+    "tenants": SharedSystemPrompt.name,
+    "documents": LongContext.name,
+    "context_chars": LongContext.name,
+}
+
+
+def workload_options(name: str, max_tokens: int | None = None, **shape: Any) -> dict[str, Any]:
+    """``make_workload``'s options for the command-line flags given (None: not given):
+    ``max_tokens`` for any workload (both of ``mixed``'s answers), ``SHAPE_OPTIONS`` for the
+    workload they shape; ValueError naming the flag for one of another workload."""
+    options: dict[str, Any] = {}
+    for option, value in shape.items():
+        if value is None:
+            continue
+        if SHAPE_OPTIONS.get(option) != name:
+            flag = "--" + option.replace("_", "-")
+            raise ValueError(f"{flag} applies to --workload {SHAPE_OPTIONS[option]} only")
+        options[option] = value
+    if max_tokens is not None:
+        if name == MixedEasyHard.name:
+            options.update(easy_max_tokens=max_tokens, hard_max_tokens=max_tokens)
+        else:
+            options["max_tokens"] = max_tokens
+    return options
+
+
 def make_workload(name: str, seed: int, **options: Any) -> Workload:
     """The workload called ``name``; unknown names are refused with the known ones listed."""
     try:

@@ -14,7 +14,12 @@ from fleetpilot.api.units import parse_duration
 from fleetpilot.loadgen.cli import _positive, _schedule
 from fleetpilot.loadgen.report import matplotlib_available, write_json
 from fleetpilot.loadgen.runner import Schedule
-from fleetpilot.loadgen.workloads import WORKLOADS, make_workload
+from fleetpilot.loadgen.workloads import (
+    SHAPE_OPTIONS,
+    WORKLOADS,
+    make_workload,
+    workload_options,
+)
 from fleetpilot.simulate import report
 from fleetpilot.simulate.baselines import FLEETPILOT, ROUTING_POLICIES
 from fleetpilot.simulate.fleet import PREFIX_SOURCES, Fleet, Progress, SimSettings
@@ -75,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--price-per-gpu-hour", type=_positive(float), help="report the cost at this price")
     a("--json", type=Path, help="write the report as JSON")
     a("--plot", type=Path, help="write a PNG: TTFT, replicas and load over time")
-    a("--quiet", action="store_true", help="no progress line")
+    a("--quiet", action="store_true", help="no progress line (shown on a terminal)")
 
 
 def _progress(stream: TextIO, duration_s: float) -> Progress:
@@ -94,29 +99,9 @@ def _progress(stream: TextIO, duration_s: float) -> Progress:
     return show
 
 
-# Each workload option, and the workload it shapes.
-_OPTIONS = {
-    "tenants": "shared-prefix",
-    "documents": "long-context",
-    "context_chars": "long-context",
-}
-
-
 def _workload_options(args: argparse.Namespace) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    for name, workload in _OPTIONS.items():
-        value = getattr(args, name)
-        if value is not None:
-            if args.workload != workload:
-                flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag} applies to --workload {workload} only")
-            options[name] = value
-    if args.max_tokens is not None:
-        if args.workload == "mixed":
-            options.update(easy_max_tokens=args.max_tokens, hard_max_tokens=args.max_tokens)
-        else:
-            options["max_tokens"] = args.max_tokens
-    return options
+    shape = {option: getattr(args, option) for option in SHAPE_OPTIONS}
+    return workload_options(args.workload, args.max_tokens, **shape)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -159,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"fleetpilot simulate: {e}", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    progress = None if args.quiet else _progress(sys.stderr, args.duration)
+    shown = sys.stderr.isatty() and not args.quiet
+    progress = _progress(sys.stderr, args.duration) if shown else None
     outcome = fleet.run(progress, progress_every_s=max(args.duration / 100, 1.0))
     outcome.wall_s = time.perf_counter() - started
     if progress is not None:

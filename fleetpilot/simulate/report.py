@@ -4,7 +4,6 @@ GPU-hours and cost - as a table, JSON and a PNG."""
 from __future__ import annotations
 
 import importlib
-import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -12,24 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from fleetpilot.api import InferenceService
-from fleetpilot.loadgen.report import percentile
+from fleetpilot.loadgen.report import percentile, percentiles
 from fleetpilot.simulate.fleet import Outcome, Request
 
 QUANTILES = (50, 90, 95, 99)
 
 
 def _pcts(values: Sequence[float]) -> dict[str, float | None]:
-    ordered = sorted(values)
-    return {f"p{q}": _sorted_percentile(ordered, q) for q in QUANTILES}
-
-
-def _sorted_percentile(ordered: Sequence[float], q: float) -> float | None:
-    """``loadgen.report.percentile`` over values already sorted (millions of them)."""
-    if not ordered:
-        return None
-    pos = (len(ordered) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    return percentiles(values, QUANTILES)
 
 
 @dataclass(frozen=True)
