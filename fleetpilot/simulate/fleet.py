@@ -34,7 +34,7 @@ from fleetpilot.loadgen.runner import Schedule, arrival_times
 from fleetpilot.loadgen.workloads import Workload
 from fleetpilot.operator.router_objects import router_config
 from fleetpilot.routing.discovery import Endpoint, KVPorts, kv_stream_id
-from fleetpilot.routing.errors import RouterError
+from fleetpilot.routing.errors import NoReplicaError, RouterError
 from fleetpilot.routing.features import extract_features
 from fleetpilot.routing.policies.kv_index import KVIndex
 from fleetpilot.routing.policies.load import EngineMetrics
@@ -164,6 +164,8 @@ class RoleState:
     ttfts: deque[tuple[float, float]] = field(default_factory=deque)
     tpots: deque[tuple[float, float]] = field(default_factory=deque)
     completions: deque[float] = field(default_factory=deque)
+    # Requests refused for want of any replica (the tier at zero), since the last decision.
+    unserved: list[float] = field(default_factory=list)
     decisions: list[tuple[float, int, int, str]] = field(default_factory=list)
 
     @property
@@ -328,6 +330,11 @@ class Fleet:
         except RouterError as e:
             request.error = f"HTTP {e.status}"
             request.end_s = now
+            if isinstance(e, NoReplicaError):
+                # The demand a tier at zero replicas shows the autoscaler (the router's
+                # pending-requests gauge), so it scales from zero.
+                for role in e.roles:
+                    self.roles[(e.tier, role)].unserved.append(now)
             return
         request.prompt = self.prompt_keys[route.tier.name].prompt()
         request.prompt_tokens = len(request.prompt.token_ids)
@@ -338,16 +345,13 @@ class Fleet:
         route.replica.in_flight += 1
         prefilling = route.prefill or route.replica
         prefilling.pending_prefill += route.prefill_blocks
-        decode = self._replica(route.tier.name, route.replica.endpoint)
+        decode = self.by_id[route.replica.id]
         request.decode = decode
         if route.prefill is None:
             self._submit(decode, request, prefill=True, output=request.max_tokens)
             return
-        first = self._replica(route.tier.name, route.prefill.endpoint)
+        first = self.by_id[route.prefill.id]
         self._submit(first, request, prefill=True, output=1, hop=True)
-
-    def _replica(self, tier: str, endpoint: Endpoint) -> Replica:
-        return self.by_id[endpoint.id]
 
     def _submit(
         self, replica: Replica, request: Request, *, prefill: bool, output: int, hop: bool = False
@@ -533,7 +537,9 @@ class Fleet:
             state.completions.popleft()
         live = state.live
         ready = [r for r in live if r.ready]
-        observation = Observation(len(live), len(ready), _metrics(state, ready, window))
+        metrics = _metrics(state, ready, window)
+        observation = Observation(len(live), len(ready), metrics)
+        state.unserved.clear()
         decision = autoscale(observation, state.policy, state.history, now)
         state.history = decision.history
         if decision.dry_run or decision.replicas == len(live):
@@ -562,7 +568,7 @@ def _metrics(state: RoleState, ready: list[Replica], window_s: float) -> Metrics
         tpot_p95_s=_p95(tpots),
         tpot_samples=float(len(tpots)),
         kv_cache_usage_frac=(sum(e.kv_usage for e in engines) / len(engines)) if engines else None,
-        waiting_requests=float(sum(e.num_waiting for e in engines)),
+        waiting_requests=float(sum(e.num_waiting for e in engines) + len(state.unserved)),
         running_requests=float(sum(e.num_running for e in engines)),
         reporting_engines=len(engines),
         arrival_rate_rps=len(state.completions) / window_s,

@@ -37,7 +37,11 @@ def simulate(
     return Fleet(service, None, load, settings).run()
 
 
-def one_tier(gpu: str = "NVIDIA-H100-80GB-HBM3", **autoscaling: Any) -> InferenceService:
+def one_tier(
+    gpu: str = "NVIDIA-H100-80GB-HBM3",
+    replicas: dict[str, int] | None = None,
+    **autoscaling: Any,
+) -> InferenceService:
     return parse_service(
         {
             "apiVersion": "fleetpilot.dev/v1alpha1",
@@ -50,7 +54,7 @@ def one_tier(gpu: str = "NVIDIA-H100-80GB-HBM3", **autoscaling: Any) -> Inferenc
                         "model": {"name": "meta-llama/Llama-3.1-8B-Instruct", "maxModelLen": 8192},
                         "resources": {"gpuProduct": gpu},
                         "engine": {"maxNumSeqs": 8},
-                        "serving": {"replicas": {"min": 1, "max": 6}},
+                        "serving": {"replicas": replicas or {"min": 1, "max": 6}},
                         "autoscaling": {
                             "interval": "5s",
                             "window": "20s",
@@ -134,6 +138,23 @@ def test_autoscaler_scales_up_on_a_load_step_and_back_down_after_it() -> None:
         if r.replica is not None:
             assert r.arrival_s >= started[r.replica] - 1e-9
     assert any(t >= cold for t in started.values())
+
+
+def test_a_tier_at_zero_replicas_scales_from_zero_on_the_requests_it_refuses() -> None:
+    """No replica, no engine metrics: the refused requests are the demand the autoscaler
+    sees (the router's pending requests), so the tier gets a replica, which serves once its
+    cold start is over. The router's hold of those first requests is not simulated: 503."""
+    service = one_tier(replicas={"min": 0, "max": 2, "initial": 0})
+    out = simulate(service, "shared-prefix", 2.0, 150.0)
+    state = out.roles[0]
+    assert state.decisions[0][1:3] == (0, 1)
+    ready = state.replicas[0].ready_at
+    early = [r for r in out.requests if r.arrival_s < ready]
+    late = [r for r in out.requests if r.arrival_s > ready]
+    assert early
+    assert {r.error for r in early} == {"HTTP 503"}
+    assert late
+    assert all(r.error is None for r in late)
 
 
 def test_disaggregated_tier_prefills_then_decodes_on_other_replicas() -> None:
