@@ -258,11 +258,9 @@ class Engine:
         for i, key in enumerate(keys):
             if key in cache:
                 cache.move_to_end(key)
-            elif first_new == len(keys):
-                first_new = i
-                cache[key] = None
             else:
                 cache[key] = None
+                first_new = min(first_new, i)
         if first_new == len(keys):
             return
         evicted: list[bytes] = []

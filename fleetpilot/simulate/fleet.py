@@ -23,7 +23,7 @@ import math
 import random
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fleetpilot.api import InferenceService, ResolvedRole, RoleName, Tier
@@ -142,6 +142,13 @@ class Request:
     cached_tokens: int = 0
     error: str | None = None
 
+    @property
+    def tpot_s(self) -> float | None:
+        """Seconds per output token after the first, once the request has ended."""
+        if self.first_token_s is None or self.end_s is None or self.max_tokens <= 1:
+            return None
+        return (self.end_s - self.first_token_s) / (self.max_tokens - 1)
+
 
 @dataclass(frozen=True, slots=True)
 class _Job:
@@ -165,7 +172,7 @@ class RoleState:
     tpots: deque[tuple[float, float]] = field(default_factory=deque)
     completions: deque[float] = field(default_factory=deque)
     # Requests refused for want of any replica (the tier at zero), since the last decision.
-    unserved: list[float] = field(default_factory=list)
+    unserved: int = 0
     decisions: list[tuple[float, int, int, str]] = field(default_factory=list)
 
     @property
@@ -205,7 +212,6 @@ class Fleet:
         self.service = service
         self.settings = settings
         self.workload = workload
-        self.rng = random.Random(settings.seed)
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable[[float], None]]] = []
         self._seq = itertools.count()
@@ -334,7 +340,7 @@ class Fleet:
                 # The demand a tier at zero replicas shows the autoscaler (the router's
                 # pending-requests gauge), so it scales from zero.
                 for role in e.roles:
-                    self.roles[(e.tier, role)].unserved.append(now)
+                    self.roles[(e.tier, role)].unserved += 1
             return
         request.prompt = self.prompt_keys[route.tier.name].prompt()
         request.prompt_tokens = len(request.prompt.token_ids)
@@ -430,8 +436,8 @@ class Fleet:
         assert decode is not None
         first_role = RoleName.PREFILL if route.prefill is not None else decode.endpoint.role
         self.roles[(request.tier, first_role)].ttfts.append((when, ttft))
-        if request.max_tokens > 1 and request.first_token_s is not None:
-            tpot = (when - request.first_token_s) / (request.max_tokens - 1)
+        tpot = request.tpot_s
+        if tpot is not None:
             self.roles[(request.tier, decode.endpoint.role)].tpots.append((when, tpot))
 
     # -- replicas ------------------------------------------------------------------------------
@@ -494,8 +500,6 @@ class Fleet:
     # -- periodic: scrape, autoscale, sample ---------------------------------------------------
     def _scrape(self, now: float) -> None:
         """Every router reads every replica's gauges (``vllm:num_requests_*``, KV usage)."""
-        for router in self.routers:
-            router.sync()
         metrics: dict[str, EngineMetrics] = {}
         for state in self.roles.values():
             for r in state.replicas:
@@ -539,7 +543,7 @@ class Fleet:
         ready = [r for r in live if r.ready]
         metrics = _metrics(state, ready, window)
         observation = Observation(len(live), len(ready), metrics)
-        state.unserved.clear()
+        state.unserved = 0
         decision = autoscale(observation, state.policy, state.history, now)
         state.history = decision.history
         if decision.dry_run or decision.replicas == len(live):
@@ -568,7 +572,7 @@ def _metrics(state: RoleState, ready: list[Replica], window_s: float) -> Metrics
         tpot_p95_s=_p95(tpots),
         tpot_samples=float(len(tpots)),
         kv_cache_usage_frac=(sum(e.kv_usage for e in engines) / len(engines)) if engines else None,
-        waiting_requests=float(sum(e.num_waiting for e in engines) + len(state.unserved)),
+        waiting_requests=float(sum(e.num_waiting for e in engines) + state.unserved),
         running_requests=float(sum(e.num_running for e in engines)),
         reporting_engines=len(engines),
         arrival_rate_rps=len(state.completions) / window_s,
@@ -588,8 +592,6 @@ def _p95(values: list[float]) -> float | None:
 
 
 def _with_max(policy: RolePolicy, ceiling: int) -> RolePolicy:
-    from dataclasses import replace
-
     return replace(policy, max_replicas=ceiling, min_replicas=min(policy.min_replicas, ceiling))
 
 

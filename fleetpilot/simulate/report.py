@@ -57,18 +57,12 @@ class SimReport:
         return asdict(self)
 
 
-def _tpot(r: Request) -> float | None:
-    if r.first_token_s is None or r.end_s is None or r.max_tokens <= 1:
-        return None
-    return (r.end_s - r.first_token_s) / (r.max_tokens - 1)
-
-
 def _met(r: Request, ttft_slo: float | None, tpot_slo: float | None) -> bool:
     if r.error is not None or r.first_token_s is None:
         return False
     if ttft_slo is not None and r.first_token_s - r.arrival_s > ttft_slo:
         return False
-    tpot = _tpot(r)
+    tpot = r.tpot_s
     return tpot_slo is None or tpot is None or tpot <= tpot_slo
 
 
@@ -78,7 +72,7 @@ def _latencies(rs: Sequence[Request]) -> tuple[list[float], list[float], list[fl
         if r.error is None and r.first_token_s is not None and r.end_s is not None:
             ttft.append(r.first_token_s - r.arrival_s)
             e2e.append(r.end_s - r.arrival_s)
-            t = _tpot(r)
+            t = r.tpot_s
             if t is not None:
                 tpot.append(t)
     return ttft, tpot, e2e
