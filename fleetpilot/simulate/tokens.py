@@ -43,15 +43,23 @@ class SimTokenizer:
         self._headers: dict[str, array[int]] = {}
 
     def text(self, text: str) -> array[int]:
-        """The ids of ``text``: one per ``chars_per_token`` characters (at least one for any
-        non-empty text), each a checksum of its characters."""
+        """The ids of ``text``: one per ``chars_per_token`` bytes (at least one for any
+        non-empty text), each a checksum of its bytes.
+
+        Token ``i`` starts at byte ``int(i x chars_per_token)`` whatever follows, and only the
+        last token takes the remainder, so a text's ids are a prefix of the ids of any longer
+        text that starts with it (but for its last token), as with a real tokenizer: a
+        document asked about with different questions in one message shares its blocks.
+        """
         if not text:
             return array("I")
         data = text.encode("utf-8", "surrogatepass")
-        count = max(1, round(len(data) / self.chars_per_token))
-        step = len(data) / count
+        per = self.chars_per_token
+        count = max(1, round(len(data) / per))
+        starts = [int(i * per) for i in range(count)]
+        starts.append(len(data))
         crc = zlib.crc32
-        return array("I", [crc(data[int(i * step) : int((i + 1) * step)]) for i in range(count)])
+        return array("I", [crc(data[starts[i] : starts[i + 1]]) for i in range(count)])
 
     def message(self, role: str, content: str) -> array[int]:
         key = (role, content)
