@@ -10,13 +10,19 @@ simulated H100 engines): the numbers in the README's simulator section.
   ``--documents`` documents of 6,000 characters (~1,500 tokens): more than one replica's KV cache
   holds, far less than the fleet's - fleetpilot's choice on the engines' KV events, the same on
   the router's own guesses, longest-prefix match on the events, and round-robin.
+- ``hot-tenants``: the replica choice where a few tenants are hot (``shared-prefix`` with
+  ``--tenant-skew``: Zipf popularity, ~1,000-token system prompts) on a few H100 replicas of
+  Llama 3.1 8B, fixed, over a sweep of fleet sizes, rates, tenant counts, skews and seeds:
+  fleetpilot's choice against longest-prefix match (both on the KV events) and round-robin.
+  The hottest tenant's traffic outgrows one replica: pure affinity piles it there, a load
+  bound spreads it at the price of computing its prompt again elsewhere.
 - ``step``: the autoscaler's reaction to a 10x load step (``--step-from`` to ten times that
   req/s of shared-prefix chats answered in ``--step-tokens`` tokens) at up to ``--step-max``
   replicas of Llama 3.1 70B on 4 x H100 each (``examples/disaggregated.yaml``'s tier, run
   unified). The issue asks for 500 replicas; at the simulator's speed there (see the README) a
   load that needs them is hours of CPU, so this runs at a tenth of that.
 
-Run: .venv/bin/python bench/simulate_whatifs.py [complexity|prefix|step ...] [--save]
+Run: .venv/bin/python bench/simulate_whatifs.py [complexity|prefix|hot-tenants|step ...] [--save]
 """
 
 from __future__ import annotations
@@ -126,6 +132,52 @@ def prefix(args: argparse.Namespace) -> dict[str, Any]:
     return rows
 
 
+# (replicas, req/s, tenants, Zipf skew, seed): the hottest tenant takes 19-44% of the load.
+HOT_TENANT_CASES = (
+    (4, 100.0, 12, 1.1, 5),
+    (8, 200.0, 24, 1.1, 0),
+    (8, 400.0, 24, 1.1, 1),
+    (8, 400.0, 12, 1.1, 2),
+    (8, 400.0, 48, 0.8, 3),
+    (16, 800.0, 48, 1.2, 4),
+)
+
+
+def hot_tenants(args: argparse.Namespace) -> list[dict[str, Any]]:
+    service = ROOT / "examples/single-tier.yaml"
+    arms = {
+        "fleetpilot": ["--routing", "fleetpilot"],
+        "longest-prefix": ["--routing", "longest-prefix"],
+        "round-robin": ["--routing", "round-robin"],
+    }
+    rows = []
+    print(f"\nhot tenants: shared-prefix, Zipf tenants, {args.hot_duration} a case")
+    print(
+        f"{'replicas':>8} {'req/s':>6} {'tenants':>7} {'skew':>5} {'seed':>4}  {'arm':15} "
+        f"{'hit rate':>8} {'TTFT p50':>9} {'TTFT p95':>9} {'p99':>9}"
+    )
+    for replicas, rate, tenants, skew, seed in HOT_TENANT_CASES:
+        base = [
+            *("--profile", "h100", "--workload", "shared-prefix", "--rate", str(rate)),
+            *("--duration", args.hot_duration, "--replicas", str(replicas), "--no-autoscale"),
+            *("--tenants", str(tenants), "--tenant-skew", str(skew), "--system-chars", "4000"),
+            *("--max-tokens", "64", "--seed", str(seed)),
+        ]
+        case = {"replicas": replicas, "rate": rate, "tenants": tenants, "skew": skew}
+        for name, extra in arms.items():
+            doc = simulate(service, *base, *extra)
+            row = case | {"seed": seed, "arm": name} | summary(doc)
+            row["ttft_p99_ms"] = (doc["ttft_s"]["p99"] or 0) * 1000
+            rows.append(row)
+            print(
+                f"{replicas:>8} {rate:>6.0f} {tenants:>7} {skew:>5} {seed:>4}  {name:15} "
+                f"{row['hit_rate']:>8.3f} {row['ttft_p50_ms']:>7.1f}ms "
+                f"{row['ttft_p95_ms']:>7.1f}ms {row['ttft_p99_ms']:>7.1f}ms",
+                flush=True,
+            )
+    return rows
+
+
 def step(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         data = yaml.safe_load((ROOT / "examples/disaggregated.yaml").read_text())
@@ -151,7 +203,7 @@ def step(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("which", nargs="*", default=["complexity", "prefix", "step"])
+    parser.add_argument("which", nargs="*", default=["complexity", "prefix", "hot-tenants", "step"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rate", type=float, default=100.0)
     parser.add_argument("--duration", default="30m")
@@ -159,6 +211,7 @@ def main() -> None:
     parser.add_argument("--prefix-rate", type=float, default=300.0)
     parser.add_argument("--prefix-duration", default="5m")
     parser.add_argument("--documents", type=int, default=2000)
+    parser.add_argument("--hot-duration", default="40s")
     parser.add_argument("--step-from", type=float, default=20.0)
     parser.add_argument("--step-at", type=float, default=300.0)
     parser.add_argument("--step-duration", default="20m")
@@ -167,9 +220,12 @@ def main() -> None:
     parser.add_argument("--step-tokens", type=int, default=256)
     parser.add_argument("--save", action="store_true")
     args = parser.parse_args()
-    results = {name: globals()[name](args) for name in args.which}
+    results = {name: globals()[name.replace("-", "_")](args) for name in args.which}
     if args.save:
-        doc = {"machine": machine(), "args": vars(args), **results}
+        # The what-ifs run apart (each is minutes): a run updates its own, keeps the others.
+        path = ROOT / "bench/results/simulate_whatifs.json"
+        doc = json.loads(path.read_text()) if path.is_file() else {}
+        doc.update({"machine": machine(), "args": vars(args), **results})
         print(f"saved {save('simulate_whatifs', doc)}")
 
 

@@ -119,9 +119,12 @@ class SharedSystemPrompt:
         system_chars: int = 1200,
         user_chars: int = 120,
         max_tokens: int = 32,
+        tenant_skew: float = 0.0,
     ) -> None:
         if tenants < 1 or users < 1:
             raise ValueError("tenants and users must be at least 1")
+        if not 0.0 <= tenant_skew <= 10.0:
+            raise ValueError("tenant skew must be between 0 (uniform) and 10")
         self._rng = random.Random(seed)
         self._systems = [
             f"You are the assistant of tenant {t}. " + words(self._rng, system_chars)
@@ -130,9 +133,25 @@ class SharedSystemPrompt:
         self._users = users
         self._user_chars = user_chars
         self._max_tokens = max_tokens
+        # Zipf popularity of the tenants (rank k weighs 1 / k^skew): a few hot tenants whose
+        # traffic outgrows one replica, the case that tests a prefix router's load bound. Which
+        # tenant is hottest is part of the seed. Skew 0 keeps every user equally likely.
+        self._skew = tenant_skew
+        self._tenant_order = list(range(tenants))
+        self._tenant_weights = [1.0 / (rank + 1) ** tenant_skew for rank in range(tenants)]
+        if tenant_skew > 0:
+            self._rng.shuffle(self._tenant_order)
+
+    def _user(self) -> int:
+        if self._skew == 0:
+            return self._rng.randrange(self._users)
+        tenants = len(self._systems)
+        tenant = self._rng.choices(self._tenant_order, self._tenant_weights)[0]
+        # A user of that tenant (user % tenants names the tenant, as for uniform draws).
+        return tenant + tenants * self._rng.randrange(max(1, -(-self._users // tenants)))
 
     def next(self) -> RequestSpec:
-        user = self._rng.randrange(self._users)
+        user = self._user()
         tenant = user % len(self._systems)  # each user belongs to one tenant, always
         question = f"user {user} asks: " + words(self._rng, self._user_chars)
         return RequestSpec(
@@ -270,6 +289,8 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
 # The command lines' options that shape one workload, by the workload they shape.
 SHAPE_OPTIONS: dict[str, str] = {
     "tenants": SharedSystemPrompt.name,
+    "tenant_skew": SharedSystemPrompt.name,
+    "system_chars": SharedSystemPrompt.name,
     "documents": LongContext.name,
     "context_chars": LongContext.name,
 }

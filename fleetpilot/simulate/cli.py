@@ -75,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-replicas", type=_positive(int), help="replace every role's replicas.max")
     a("--max-tokens", type=_positive(int), help="override the workload's max_tokens")
     a("--tenants", type=_positive(int), help="shared-prefix: tenants (system prompts)")
+    a(
+        "--tenant-skew",
+        type=float,
+        help="shared-prefix: Zipf exponent of the tenants' popularity (default 0: uniform)",
+    )
+    a("--system-chars", type=_positive(int), help="shared-prefix: characters a system prompt")
     a("--documents", type=_positive(int), help="long-context: documents asked about")
     a("--context-chars", type=_positive(int), help="long-context: characters a document")
     a("--price-per-gpu-hour", type=_positive(float), help="report the cost at this price")
@@ -120,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
     schedule: Schedule = args.schedule or Schedule.constant(args.rate)
     try:
         options = _workload_options(args)
+        workload = make_workload(args.workload, args.seed, **options)
     except ValueError as e:
         print(f"fleetpilot simulate: {e}", file=sys.stderr)
         return 2
@@ -137,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         fleet = Fleet(
             service,
             load_profile(args.profile),
-            make_workload(args.workload, args.seed, **options),
+            workload,
             settings,
         )
     except ProfileError as e:

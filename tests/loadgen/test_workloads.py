@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections import Counter
 
 import pytest
 
@@ -48,6 +49,40 @@ def test_shared_prefix_reuses_a_few_system_prompts() -> None:
     tenant_of: dict[str, str] = {}
     for s in specs:
         assert tenant_of.setdefault(s.tags["user"], s.tags["tenant"]) == s.tags["tenant"]
+
+
+def test_shared_prefix_tenant_skew_makes_a_few_tenants_hot() -> None:
+    """With a Zipf skew the hottest tenant takes about 1 / H(tenants, s) of the requests (12
+    tenants at s = 1.1: ~0.30), which tenant that is depends on the seed, users still stick to
+    their tenant, and the system prompts take the length asked for."""
+    hottest: set[str] = set()
+    for seed in range(4):
+        workload = make_workload(
+            "shared-prefix", seed, tenants=12, tenant_skew=1.1, system_chars=4000
+        )
+        specs = [workload.next() for _ in range(3000)]
+        counts = Counter(s.tags["tenant"] for s in specs)
+        (top, n), *_ = counts.most_common()
+        hottest.add(top)
+        expected = 1.0 / sum(1.0 / (k + 1) ** 1.1 for k in range(12))
+        assert abs(n / len(specs) - expected) < 0.04
+        assert len(counts) == 12
+        tenant_of: dict[str, str] = {}
+        system_of: dict[str, str] = {}
+        for s in specs:
+            assert tenant_of.setdefault(s.tags["user"], s.tags["tenant"]) == s.tags["tenant"]
+            system = s.messages[0]["content"]
+            assert system_of.setdefault(s.tags["tenant"], system) == system
+        assert all(4000 <= len(system) <= 4100 for system in system_of.values())
+    assert len(hottest) > 1  # the hot tenant is drawn, not always tenant 0
+
+
+def test_shared_prefix_without_skew_weighs_tenants_alike() -> None:
+    specs = take("shared-prefix", 3, 4000)
+    counts = Counter(s.tags["tenant"] for s in specs)
+    assert max(counts.values()) < 1.15 * min(counts.values())
+    with pytest.raises(ValueError, match="tenant skew"):
+        make_workload("shared-prefix", 0, tenant_skew=-1.0)
 
 
 def test_multi_turn_history_grows_per_user_and_restarts() -> None:

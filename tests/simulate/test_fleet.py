@@ -250,3 +250,46 @@ def test_cli_refuses_a_workload_option_of_another_workload(
     )
     assert code == 2
     assert "--documents applies to --workload long-context only" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_workload_option_out_of_range(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        [
+            *("simulate", "-f", str(EXAMPLES / "single-tier.yaml"), "--workload", "shared-prefix"),
+            *("--tenant-skew", "11", "--rate", "1", "--duration", "10s", "--quiet"),
+        ]
+    )
+    assert code == 2
+    assert "tenant skew must be between 0 (uniform) and 10" in capsys.readouterr().err
+
+
+def test_hot_tenants_spread_under_fleetpilot_and_pile_up_under_longest_prefix() -> None:
+    """One tenant of twelve takes ~30% of the requests (Zipf 1.1), more than its replica of
+    four serves without queueing: longest-prefix match keeps every one of its requests there
+    and they queue; fleetpilot's choice moves some to other replicas once the queue there
+    costs more than the prompt, for as many cache hits and a far shorter TTFT tail."""
+    service = one_tier("NVIDIA-L40S", replicas={"min": 4, "max": 4}, mode="disabled")
+    options = {"tenants": 12, "tenant_skew": 1.1, "system_chars": 4000}
+    shares, reports = {}, {}
+    for routing in ("longest-prefix", "fleetpilot"):
+        out = simulate(
+            service,
+            "shared-prefix",
+            30.0,
+            30.0,
+            options,
+            start_replicas=4,
+            autoscale=False,
+            routing=routing,
+            seed=2,
+        )
+        served = Counter(r.replica for r in out.requests if r.error is None)
+        shares[routing] = max(served.values()) / sum(served.values())
+        reports[routing] = summarize(out, service)
+    assert shares["longest-prefix"] > 0.28
+    assert shares["fleetpilot"] < shares["longest-prefix"] - 0.02
+    ours, theirs = reports["fleetpilot"], reports["longest-prefix"]
+    assert ours.prefix_hit_rate is not None
+    assert theirs.prefix_hit_rate is not None
+    assert ours.prefix_hit_rate > theirs.prefix_hit_rate - 0.01
+    assert (ours.ttft_s["p95"] or 0) < 0.5 * (theirs.ttft_s["p95"] or 0)
