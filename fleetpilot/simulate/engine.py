@@ -11,12 +11,16 @@ follows them.
 
 What it models as vLLM does: a step batches every running sequence's next token with as many
 waiting prompt tokens as ``max_num_batched_tokens`` leaves; a prompt is admitted while the batch
-has a free sequence slot and the KV cache room for the whole prompt; its leading blocks that
-the prefix cache holds (the same content keys the router's KV index uses,
-:func:`~fleetpilot.routing.policies.kv_index.chain_keys`) are not computed, and its blocks are
-cached once computed, least recently used ones evicted past the cache's size, each change
-published as a KV event. Not modelled: preemption (a batch whose decodes outgrow the cache keeps
-running), speculative decoding, and the cached blocks of generated text.
+has a free sequence slot and the KV cache room for what it adds: its full blocks that no
+admitted sequence holds yet, its partial last block and, as it decodes, its output - a prompt
+block that many running sequences share (a tenant's system prompt) takes its room once, as in
+vLLM's block pool; its leading blocks that the prefix cache holds (the same content keys the
+router's KV index uses, :func:`~fleetpilot.routing.policies.kv_index.chain_keys`) are not
+computed, and its blocks are cached once computed, least recently used ones evicted past the
+cache's size (never one a sequence in the batch holds), each change published as a KV event.
+Not modelled: preemption (a batch whose decodes outgrow the cache keeps running), speculative
+decoding, and the cached blocks of generated text. The attention cost of a step still reads
+every sequence's whole context (no cascade attention over shared prefixes).
 """
 
 from __future__ import annotations
@@ -81,10 +85,16 @@ class Engine:
     running: list[tuple[float, int, Seq]] = field(default_factory=list)
     # Tokens each running sequence has decoded since the engine started (all alike).
     v: float = 0.0
-    # KV tokens of the running batch = k_base + len(running) x v.
+    # Context tokens of the running batch = k_base + len(running) x v (what attention reads).
     k_base: float = 0.0
+    # The KV room the admitted sequences take: the full prompt blocks they hold (each once,
+    # however many share it: ``block_refs``), and what is theirs alone - the running batch's
+    # k_private + len(running) x v (partial last blocks and output), the prefill queue's
+    # partial last blocks.
+    block_refs: dict[bytes, int] = field(default_factory=dict)
+    k_private: float = 0.0
+    prefill_private: int = 0
     prefill_left: float = 0.0  # prompt tokens still to compute, over the prefill queue
-    prefill_held: int = 0  # KV tokens the prefill queue's prompts take
     cache: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     step_s: float = 0.0
     chunk: float = 0.0
@@ -100,7 +110,12 @@ class Engine:
 
     @property
     def kv_tokens_used(self) -> float:
-        return self.k_base + len(self.running) * self.v + self.prefill_held
+        return (
+            len(self.block_refs) * self.shape.block_size
+            + self.k_private
+            + len(self.running) * self.v
+            + self.prefill_private
+        )
 
     @property
     def kv_usage(self) -> float:
@@ -159,6 +174,8 @@ class Engine:
             while self.running and self.running[0][0] <= self.v + _EPS:
                 _, _, seq = heapq.heappop(self.running)
                 self.k_base -= seq.context - seq.join_v
+                self.k_private -= self._tail(seq) - seq.join_v
+                self._release(seq)
                 seq.done_s = now
                 self.on_done(seq, now)
                 progressed = True
@@ -173,11 +190,12 @@ class Engine:
         while self.waiting and self.num_running < shape.max_num_seqs:
             seq = self.waiting[0]
             busy = self.running or self.prefilling
-            if busy and self.kv_tokens_used + seq.prompt_tokens > shape.kv_tokens:
+            if busy and self.kv_tokens_used + self._room_needed(seq) > shape.kv_tokens:
                 break  # no room for its KV until a running sequence ends
             self.waiting.popleft()
             seq.admitted_s = now
             admitted = True
+            self._hold(seq)
             if not seq.prefill:
                 self._join(seq, now, first_token_after=self.costs.decode_base_s)
                 self._store(seq)
@@ -189,12 +207,38 @@ class Engine:
             self.prompt_total += seq.prompt_tokens
             self.cached_total += seq.cached_tokens
             self.prefill_left += seq.remaining_prefill
-            self.prefill_held += seq.prompt_tokens
+            self.prefill_private += self._tail(seq)
             self.prefilling.append(seq)
         return admitted
 
+    def _tail(self, seq: Seq) -> int:
+        """The prompt's tokens past its full (keyed) blocks: its alone, never shared."""
+        return seq.prompt_tokens - len(seq.keys) * self.shape.block_size
+
+    def _room_needed(self, seq: Seq) -> int:
+        """KV tokens admitting ``seq`` takes: its blocks no admitted sequence holds, its tail."""
+        if self.kv_tokens_used + seq.prompt_tokens <= self.shape.kv_tokens:
+            return seq.prompt_tokens  # room even unshared: skip the count
+        refs = self.block_refs
+        fresh = sum(1 for key in seq.keys if key not in refs)
+        return fresh * self.shape.block_size + self._tail(seq)
+
+    def _hold(self, seq: Seq) -> None:
+        refs = self.block_refs
+        for key in seq.keys:
+            refs[key] = refs.get(key, 0) + 1
+
+    def _release(self, seq: Seq) -> None:
+        refs = self.block_refs
+        for key in seq.keys:
+            n = refs[key] - 1
+            if n:
+                refs[key] = n
+            else:
+                del refs[key]
+
     def _prompt_done(self, seq: Seq, now: float) -> None:
-        self.prefill_held -= seq.prompt_tokens
+        self.prefill_private -= self._tail(seq)
         self._store(seq)
         self._join(seq, now, first_token_after=self.costs.prefill_base_s)
 
@@ -203,6 +247,7 @@ class Engine:
         seq.first_token_s = now + first_token_after
         self.on_first_token(seq, seq.first_token_s)
         if seq.output_tokens <= 1:
+            self._release(seq)
             seq.done_s = seq.first_token_s
             self.on_done(seq, seq.first_token_s)
             return
@@ -210,6 +255,7 @@ class Engine:
         seq.context = seq.prompt_tokens
         seq.finish_v = self.v + seq.output_tokens - 1
         self.k_base += seq.context - seq.join_v
+        self.k_private += self._tail(seq) - seq.join_v
         self._tie += 1
         heapq.heappush(self.running, (seq.finish_v, self._tie, seq))
 
@@ -265,8 +311,17 @@ class Engine:
             return
         evicted: list[bytes] = []
         limit = self.cache_blocks
-        while len(cache) > limit:
-            evicted.append(cache.popitem(last=False)[0])
+        held = self.block_refs
+        # A block a sequence in the batch holds is not evictable (vLLM frees a block to its
+        # cache only when no request uses it): it goes back to the recent end.
+        passes = len(cache)
+        while len(cache) > limit and passes > 0:
+            passes -= 1
+            key = cache.popitem(last=False)[0]
+            if key in held:
+                cache[key] = None
+            else:
+                evicted.append(key)
         if self.publish is None:
             return
         size = self.shape.block_size

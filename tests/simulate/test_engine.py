@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from fleetpilot.kv_events import Event
+from fleetpilot.kv_events import BlockRemoved, Event
 from fleetpilot.routing.policies.kv_index import KVIndex, chain_keys
 from fleetpilot.simulate.engine import Engine, Seq
 from fleetpilot.simulate.profile import EngineCosts, EngineShape
@@ -175,3 +175,62 @@ def test_kv_events_tell_the_index_exactly_what_the_cache_holds() -> None:
     assert len(cache) == d.engine.cache_blocks  # it evicted
     assert index.replica_blocks("e") == len(cache)
     assert all(index.holds("e", key) for key in cache)
+
+
+def test_running_sequences_hold_a_shared_prompt_block_once() -> None:
+    """Eight requests whose 1,008-token prompts share their first 1,000 tokens fit a 2,048-token
+    pool together (the shared blocks once, as vLLM's block pool holds them); without the
+    sharing each would need the room of a whole prompt and they would run two by two."""
+    shape = EngineShape(kv_tokens=2048, block_size=16, max_num_seqs=8, max_num_batched_tokens=8192)
+    shared = list(range(1000))
+    d = make(shape=shape)
+    # The first computes the shared prefix; the others arrive once it is cached.
+    d.submit(0.0, seq(0, [*shared, *range(5000, 5008)], output=40))
+    for i in range(1, 8):
+        d.submit(0.05, seq(i, [*shared, *range(5000 + 8 * i, 5008 + 8 * i)], output=40))
+    d.run()
+    # All eight decode at once: each later one starts before the first one ends.
+    assert all(d.firsts[i] < d.ends[0] for i in range(1, 8))
+    unshared = make(shape=shape)
+    for i in range(8):
+        tokens = [*range(10_000 * (i + 1), 10_000 * (i + 1) + 1000), *range(8)]
+        unshared.submit(0.0 if i == 0 else 0.05, seq(i, tokens, output=40))
+    unshared.run()
+    assert unshared.firsts[2] > unshared.ends[0] - 1e-9  # two at a time
+
+
+def test_kv_room_is_all_given_back_when_the_engine_is_idle() -> None:
+    d = make(
+        shape=EngineShape(kv_tokens=1024, block_size=16, max_num_seqs=4, max_num_batched_tokens=256)
+    )
+    for i in range(30):
+        tokens = [*range(100), *range(1000 + 30 * i, 1000 + 30 * i + 7 * (i % 5))]
+        d.submit(i * 0.02, seq(i, tokens, output=1 + i % 4))
+    d.run()
+    assert len(d.ends) == 30
+    assert d.engine.block_refs == {}
+    assert d.engine.kv_tokens_used == pytest.approx(0.0, abs=1e-6)
+
+
+def test_a_block_a_running_sequence_holds_is_never_evicted() -> None:
+    """A long decode holds its prompt's blocks while many other prompts churn the cache: they
+    stay cached (no BlockRemoved for them) and a repeat of that prompt hits them."""
+    removed: set[bytes] = set()
+
+    def publish(events: list[Event]) -> None:
+        for event in events:
+            if isinstance(event, BlockRemoved):
+                removed.update(event.block_hashes)
+
+    shape = EngineShape(kv_tokens=640, block_size=16, max_num_seqs=4, max_num_batched_tokens=512)
+    d = make(shape=shape, publish=publish)
+    long_tokens = list(range(64))
+    d.submit(0.0, held := seq(0, long_tokens, output=200))
+    for i in range(1, 40):
+        d.submit(i * 0.05, seq(i, list(range(1000 * i, 1000 * i + 64)), output=2))
+    d.submit(2.05, again := seq(99, [*long_tokens, *range(9000, 9010)], output=2))
+    d.run()
+    assert removed  # the churn evicted
+    assert d.firsts[99] < d.ends[0]  # the repeat came while the long decode still ran
+    assert not removed & set(held.keys)
+    assert again.cached_tokens == 64
