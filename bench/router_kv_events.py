@@ -11,6 +11,8 @@ TTFT (first content chunk).
 Arms (router replicas in this process; with two, the client alternates request by request):
 - ``events xN``: the router's defaults, with the reference engine's tokenizer: the prefill-cost
   scorer reads the KV index built from the engines' events (``prefix-source=events``);
+- ``events-once xN``: the same, but an uncached block priced once (its own prefill), as
+  before the scorer counted the requests behind it too;
 - ``guessed xN``: the same router without a tokenizer, so it falls back to its guessed index
   (what it sent where), as before issue 14's part 2;
 - ``longest-prefix xN``: pure longest-prefix match on the guessed index, least load only to
@@ -108,11 +110,13 @@ async def run_arm(
 ) -> dict[str, Any]:
     policy, _, replicas = arm.partition(" x")
     count = int(replicas or 1)
-    events = policy == "events"
+    events = policy in ("events", "events-once")
     cfg = kv_config(tokenizer=events)
     routers = await start_routers(cfg, endpoints, count, events)
     for _, app, _ in routers:
-        if policy not in ("events", "guessed"):
+        if policy == "events-once":
+            use_arm("prefill-cost-once", app[ROUTER_APP].router, cfg)
+        elif policy not in ("events", "guessed"):
             use_arm(policy, app[ROUTER_APP].router, cfg)
     apps = [app for _, app, _ in routers]
     driven = await drive(trace, [url for _, _, url in routers], addresses)
@@ -145,8 +149,8 @@ class Scenario:
 
 def scenarios(quick: bool, seed: int) -> list[Scenario]:
     n = 24 if quick else 48
-    base = ("events x1", "events x2", "guessed x1", "guessed x2", "longest-prefix x1",
-            "longest-prefix x2", "round-robin")  # fmt: skip
+    base = ("events x1", "events x2", "events-once x1", "guessed x1", "guessed x2",
+            "longest-prefix x1", "longest-prefix x2", "round-robin")  # fmt: skip
     high = multi_tenant_trace(8.0, n, seed)
     return [
         Scenario(

@@ -74,7 +74,7 @@ from fleetpilot.routing.policies.picker import (
     HealthFilter,
     WeightedScorer,
 )
-from fleetpilot.routing.policies.prefix import PrefixScorer, block_hashes
+from fleetpilot.routing.policies.prefix import PrefillCostScorer, PrefixScorer, block_hashes
 
 TENANTS = 12
 ZIPF_S = 1.1
@@ -150,6 +150,17 @@ def use_arm(arm: str, router: Any, cfg: Any) -> None:
     prefix = PrefixScorer(router.prefix_index)
     if arm == "prefill-cost":
         return  # the router's defaults
+    if arm == "prefill-cost-once":
+        # The defaults before an uncached block was priced twice (its own wait and the wait
+        # of the requests behind it): for comparison.
+        router.use_policies(
+            filters=[health, capacity],
+            scorers=[
+                WeightedScorer(PrefillCostScorer(router.prefix_index, 1.0), cfg.affinity.weight),
+                WeightedScorer(load, cfg.load_weight),
+            ],
+        )
+        return
     if arm == "headroom":
         router.use_policies(
             filters=[health, capacity, HeadroomFilter()],

@@ -13,7 +13,8 @@ simulated H100 engines): the numbers in the README's simulator section.
 - ``hot-tenants``: the replica choice where a few tenants are hot (``shared-prefix`` with
   ``--tenant-skew``: Zipf popularity, ~1,000-token system prompts) on a few H100 replicas of
   Llama 3.1 8B, fixed, over a sweep of fleet sizes, rates, tenant counts, skews and seeds:
-  fleetpilot's choice against longest-prefix match (both on the KV events) and round-robin.
+  fleetpilot's choice against the same priced as before (an uncached block at its own
+  prefill only), longest-prefix match (all on the KV events) and round-robin.
   The hottest tenant's traffic outgrows one replica: pure affinity piles it there, a load
   bound spreads it at the price of computing its prompt again elsewhere.
 - ``step``: the autoscaler's reaction to a 10x load step (``--step-from`` to ten times that
@@ -39,8 +40,20 @@ from typing import Any
 import yaml
 from router_support import machine, save
 
+from fleetpilot.api import load_services
+from fleetpilot.loadgen.runner import Schedule
+from fleetpilot.loadgen.workloads import make_workload
+from fleetpilot.routing.policies.load import LoadScorer
+from fleetpilot.routing.policies.picker import WeightedScorer
+from fleetpilot.routing.policies.prefix import PrefillCostScorer
+from fleetpilot.routing.router import Router
+from fleetpilot.simulate import report
+from fleetpilot.simulate.baselines import FLEETPILOT, LONGEST_PREFIX, ROUND_ROBIN
+from fleetpilot.simulate.fleet import Fleet, SimSettings
+from fleetpilot.simulate.profile import load_profile
+
 ROOT = Path(__file__).parents[1]
-FLEETPILOT = [sys.executable, "-m", "fleetpilot", "simulate"]
+SIMULATE = [sys.executable, "-m", "fleetpilot", "simulate"]
 PRICE = 2.5  # $ per H100-hour: the relative cost is what matters
 
 
@@ -49,7 +62,7 @@ def simulate(service: Path, *args: str) -> dict[str, Any]:
         out = Path(tmp) / "r.json"
         started = time.monotonic()
         subprocess.run(
-            [*FLEETPILOT, "-f", str(service), *args, "--json", str(out), "--quiet"],
+            [*SIMULATE, "-f", str(service), *args, "--json", str(out), "--quiet"],
             check=True,
             stdout=subprocess.DEVNULL,
         )
@@ -132,45 +145,85 @@ def prefix(args: argparse.Namespace) -> dict[str, Any]:
     return rows
 
 
-# (replicas, req/s, tenants, Zipf skew, seed): the hottest tenant takes 19-44% of the load.
+# (replicas, req/s, tenants, Zipf skew, seed): a few hot tenants whose prompts every replica
+# can cache (12-48 tenants), then working sets that span the replicas' caches (200-1,000).
 HOT_TENANT_CASES = (
     (4, 100.0, 12, 1.1, 5),
     (8, 200.0, 24, 1.1, 0),
-    (8, 400.0, 24, 1.1, 1),
     (8, 400.0, 12, 1.1, 2),
     (8, 400.0, 48, 0.8, 3),
     (16, 800.0, 48, 1.2, 4),
+    (8, 400.0, 200, 1.2, 6),
+    (8, 400.0, 400, 1.0, 0),
+    (8, 300.0, 1000, 0.8, 7),
 )
+# fleetpilot's choice as it was before an uncached block cost its own prefill and the wait of
+# the requests behind it (2): priced at its own prefill only.
+ONCE = "fleetpilot, block cost 1"
+
+
+def price_blocks_once(router: Router) -> None:
+    config = router.config
+    router.use_policies(
+        scorers=[
+            WeightedScorer(PrefillCostScorer(router.prefix_index, 1.0), config.affinity.weight),
+            WeightedScorer(LoadScorer(config.spillover.queue_threshold), config.load_weight),
+        ]
+    )
+
+
+def simulate_here(
+    service: Path, settings: SimSettings, workload: Any, once: bool
+) -> dict[str, Any]:
+    """One run in this process, where a variant of the router's scorers can be installed."""
+    spec = load_services(service)[0]
+    fleet = Fleet(spec, load_profile("h100"), workload, settings)
+    if once:
+        for router in fleet.routers:
+            price_blocks_once(router)
+    started = time.monotonic()
+    doc = report.summarize(fleet.run(), spec).to_json()
+    doc["wall_s"] = time.monotonic() - started
+    return doc
 
 
 def hot_tenants(args: argparse.Namespace) -> list[dict[str, Any]]:
     service = ROOT / "examples/single-tier.yaml"
-    arms = {
-        "fleetpilot": ["--routing", "fleetpilot"],
-        "longest-prefix": ["--routing", "longest-prefix"],
-        "round-robin": ["--routing", "round-robin"],
-    }
+    arms = {"fleetpilot": FLEETPILOT, ONCE: FLEETPILOT, "longest-prefix": LONGEST_PREFIX}
+    if not args.hot_skip_round_robin:
+        arms["round-robin"] = ROUND_ROBIN
+    duration = args.hot_duration_s
     rows = []
-    print(f"\nhot tenants: shared-prefix, Zipf tenants, {args.hot_duration} a case")
+    print(f"\nhot tenants: shared-prefix, Zipf tenants, {duration:.0f} s a case")
     print(
-        f"{'replicas':>8} {'req/s':>6} {'tenants':>7} {'skew':>5} {'seed':>4}  {'arm':15} "
+        f"{'replicas':>8} {'req/s':>6} {'tenants':>7} {'skew':>5} {'seed':>4}  {'arm':26} "
         f"{'hit rate':>8} {'TTFT p50':>9} {'TTFT p95':>9} {'p99':>9}"
     )
     for replicas, rate, tenants, skew, seed in HOT_TENANT_CASES:
-        base = [
-            *("--profile", "h100", "--workload", "shared-prefix", "--rate", str(rate)),
-            *("--duration", args.hot_duration, "--replicas", str(replicas), "--no-autoscale"),
-            *("--tenants", str(tenants), "--tenant-skew", str(skew), "--system-chars", "4000"),
-            *("--max-tokens", "64", "--seed", str(seed)),
-        ]
         case = {"replicas": replicas, "rate": rate, "tenants": tenants, "skew": skew}
-        for name, extra in arms.items():
-            doc = simulate(service, *base, *extra)
+        for name, routing in arms.items():
+            settings = SimSettings(
+                Schedule.constant(rate),
+                duration,
+                seed=seed,
+                autoscale=False,
+                start_replicas=replicas,
+                routing=routing,
+            )
+            workload = make_workload(
+                "shared-prefix",
+                seed,
+                tenants=tenants,
+                tenant_skew=skew,
+                system_chars=4000,
+                max_tokens=64,
+            )
+            doc = simulate_here(service, settings, workload, once=name == ONCE)
             row = case | {"seed": seed, "arm": name} | summary(doc)
             row["ttft_p99_ms"] = (doc["ttft_s"]["p99"] or 0) * 1000
             rows.append(row)
             print(
-                f"{replicas:>8} {rate:>6.0f} {tenants:>7} {skew:>5} {seed:>4}  {name:15} "
+                f"{replicas:>8} {rate:>6.0f} {tenants:>7} {skew:>5} {seed:>4}  {name:26} "
                 f"{row['hit_rate']:>8.3f} {row['ttft_p50_ms']:>7.1f}ms "
                 f"{row['ttft_p95_ms']:>7.1f}ms {row['ttft_p99_ms']:>7.1f}ms",
                 flush=True,
@@ -211,7 +264,8 @@ def main() -> None:
     parser.add_argument("--prefix-rate", type=float, default=300.0)
     parser.add_argument("--prefix-duration", default="5m")
     parser.add_argument("--documents", type=int, default=2000)
-    parser.add_argument("--hot-duration", default="40s")
+    parser.add_argument("--hot-duration-s", type=float, default=40.0)
+    parser.add_argument("--hot-skip-round-robin", action="store_true")
     parser.add_argument("--step-from", type=float, default=20.0)
     parser.add_argument("--step-at", type=float, default=300.0)
     parser.add_argument("--step-duration", default="20m")

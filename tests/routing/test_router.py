@@ -271,7 +271,8 @@ def test_a_second_request_follows_the_first_before_the_engine_reports_it() -> No
 def test_a_long_queue_sends_a_prompt_off_its_cache_to_room_but_not_to_evicting_ones() -> None:
     """Replica 1 caches the prompt. One request waiting there keeps it: most queued requests
     hit the cache, so waiting behind one costs less than computing the prompt afresh. A queue
-    longer than the prompt's blocks sends it to a replica with room; when the others' engines
+    longer than twice the prompt's blocks (computing them costs this request and the ones behind
+    it) sends it to a replica with room; when the others' engines
     are evicting (their events pair every store with a removal), a miss there would push other
     prefixes out too, so the prompt waits where it is cached."""
     streams = ("10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1")
@@ -292,8 +293,9 @@ def test_a_long_queue_sends_a_prompt_off_its_cache_to_room_but_not_to_evicting_o
 
     blocks = len(kv_router(Live(*streams)).decide(features).request.hashes)
     assert routed(1.0) == streams[0]
-    assert routed(1.5 * blocks) != streams[0]
-    assert routed(1.5 * blocks, pressed=True) == streams[0]
+    assert routed(1.5 * blocks) == streams[0]
+    assert routed(2.5 * blocks) != streams[0]
+    assert routed(2.5 * blocks, pressed=True) == streams[0]
 
 
 def test_router_replicas_break_ties_alike_by_the_first_block_no_engine_holds() -> None:

@@ -22,6 +22,10 @@ from collections.abc import Iterable, Sequence
 
 from fleetpilot.routing.policies.types import PickRequest, ReplicaView
 
+# What a prompt block a replica must compute costs, in blocks of waiting (``PrefillCostScorer``):
+# this request's wait for it and that of the requests behind it.
+UNCACHED_BLOCK_COST = 2.0
+
 # A 256k-character prompt (~64k tokens) is 4096 blocks of 64; hashing is ~0.2 us a block, so
 # the cap bounds the router's work per request at about a millisecond.
 MAX_BLOCKS = 4096
@@ -151,10 +155,17 @@ class PrefillCostScorer:
     0.37 against longest-prefix match's 0.58 when evicting). Other router replicas' queued
     prefills count only as their requests: each router sees its own exactly.
 
-    An uncached block costs ``1 + pressure + ahead``: on a replica whose engine is evicting
-    (``PickRequest.pressure``, from its KV events) a miss also pushes other prompts' prefixes
-    out, and their next requests pay for it again; on one with requests waiting, computing
-    it delays every one of them.
+    An uncached block costs ``2 + pressure + ahead`` (``UNCACHED_BLOCK_COST`` is the 2): once
+    for this request, which waits for it, and once for the requests that arrive behind it
+    there, which wait for it too - a prefill computed twice in the fleet is work the fleet
+    does instead of serving; on a replica whose engine is evicting (``PickRequest.pressure``,
+    from its KV events) a miss also pushes other prompts' prefixes out, and their next
+    requests pay for it again; on one with requests waiting, computing it delays every one
+    of them. Priced at 1, a prompt left its cached replica whenever the prefill queued there
+    outgrew it by one prompt - on a fleet whose working set spans the replicas' caches, every
+    cold prompt somewhere sent the next ones elsewhere to be computed again, which made more
+    cold prompts (``fleetpilot simulate``, 8 H100s, 400 tenants: TTFT p95 351 ms against
+    longest-prefix match's 178; at 2, 73 ms; ``bench/simulate_whatifs.py hot-tenants``).
 
     Cache affinity and load in one currency, without a hard filter: a hot tenant's concurrent
     requests stay where their prefix is while the queue there costs less than computing the
@@ -165,8 +176,11 @@ class PrefillCostScorer:
 
     name = "prefill-cost"
 
-    def __init__(self, index: PrefixIndex) -> None:
+    def __init__(self, index: PrefixIndex, block_cost: float = UNCACHED_BLOCK_COST) -> None:
+        if block_cost < 1.0:
+            raise ValueError("an uncached block costs at least its own prefill (1)")
         self.index = index
+        self.block_cost = block_cost
 
     def score(self, request: PickRequest, replicas: Sequence[ReplicaView]) -> dict[str, float]:
         total = len(request.hashes)
@@ -174,7 +188,7 @@ class PrefillCostScorer:
         costs = {
             v.id: v.pending_prefill
             + v.ahead
-            + (1.0 + pressure.get(v.id, 0.0) + v.ahead)
+            + (self.block_cost + pressure.get(v.id, 0.0) + v.ahead)
             * (total - matched_blocks(self.index, request, v.id))
             for v in replicas
         }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -112,24 +113,34 @@ def test_index_never_exceeds_capacity(batches: list[list[int]], capacity: int) -
 
 def test_prefill_cost_prefers_the_cached_replica_while_its_prefill_queue_is_short() -> None:
     """A replica caching 9 of 10 blocks with nothing pending beats an idle one that caches
-    nothing (cost 1 vs 10); once 12 blocks of other prompts wait to be prefilled there, the
-    idle replica computes the whole prompt sooner and wins."""
+    nothing (cost 2 x 1 vs 2 x 10: a block computed costs this request and those behind it);
+    12 blocks of other prompts waiting to be prefilled there do not move it (14 vs 20), 20 do
+    (22 vs 20): only a wait longer than computing the prompt twice sends it elsewhere."""
     index = PrefixIndex(100)
     hashes = list(range(10))
     index.record("a", hashes[:9])
     scorer = PrefillCostScorer(index)
-    quiet = scorer.score(PickRequest(hashes), [ReplicaView("a", 4), ReplicaView("b", 4)])
-    assert quiet["a"] > quiet["b"]
+
+    def scores(pending: float) -> dict[str, float]:
+        views = [ReplicaView("a", 4, pending_prefill=pending), ReplicaView("b", 4)]
+        return scorer.score(PickRequest(hashes), views)
+
+    assert scores(0.0)["a"] > scores(0.0)["b"]
+    assert scores(12.0)["a"] > scores(12.0)["b"]
+    assert scores(20.0)["b"] > scores(20.0)["a"]
+    # Priced at its own prefill only, 12 pending blocks were enough (13 vs 10).
+    once = PrefillCostScorer(index, block_cost=1.0)
     busy = [ReplicaView("a", 4, pending_prefill=12.0), ReplicaView("b", 4)]
-    loaded = scorer.score(PickRequest(hashes), busy)
-    assert loaded["b"] > loaded["a"]
+    assert once.score(PickRequest(hashes), busy)["b"] > once.score(PickRequest(hashes), busy)["a"]
+    with pytest.raises(ValueError, match="at least its own prefill"):
+        PrefillCostScorer(index, block_cost=0.5)
 
 
 def test_prefill_cost_weighs_the_engines_queue_against_what_the_cache_saves() -> None:
     """Another router's requests queued at the caching replica are seen only in its scraped
     queue, a block each (most queued requests hit the cache; a full batch counts as one ahead),
-    and a miss there costs a block more per request waiting: one or two ahead keep the prompt
-    where 9 of its 10 blocks are cached, five waiting send it to the idle replica, unless that one
+    and a miss there costs a block more per request waiting: one to five ahead keep the prompt
+    where 9 of its 10 blocks are cached, nine waiting send it to the idle replica, unless that one
     would have to evict for it."""
     index = PrefixIndex(100)
     hashes = list(range(10))
@@ -142,11 +153,12 @@ def test_prefill_cost_weighs_the_engines_queue_against_what_the_cache_saves() ->
 
     full = [ReplicaView("a", 4, running=4.0), ReplicaView("b", 4)]
     assert [v.ahead for v in full] == [1.0, 0.0]
-    assert scores(0.0)["a"] > scores(0.0)["b"]  # 1 ahead + 2 x 1 uncached = 3 vs 10
-    assert scores(2.0)["a"] > scores(2.0)["b"]  # 3 ahead + 4 = 7 vs 10
-    assert scores(5.0)["b"] > scores(5.0)["a"]  # 6 ahead + 7 = 13 vs 10
-    evicting = scores(5.0, pressure={"b": 1.0})
-    assert evicting["a"] > evicting["b"]  # 13 vs 20: a miss on b evicts another prefix
+    assert scores(0.0)["a"] > scores(0.0)["b"]  # 1 ahead + (2 + 1) x 1 uncached = 4 vs 20
+    assert scores(2.0)["a"] > scores(2.0)["b"]  # 3 ahead + 5 = 8 vs 20
+    assert scores(5.0)["a"] > scores(5.0)["b"]  # 6 ahead + 8 = 14 vs 20
+    assert scores(9.0)["b"] > scores(9.0)["a"]  # 10 ahead + 12 = 22 vs 20
+    evicting = scores(9.0, pressure={"b": 1.0})
+    assert evicting["a"] > evicting["b"]  # 22 vs 30: a miss on b evicts another prefix
 
 
 def test_prefill_cost_scores_lie_in_the_unit_interval_and_tie_when_all_are_free() -> None:
