@@ -74,7 +74,7 @@ from fleetpilot.routing.policies.picker import (
     HealthFilter,
     WeightedScorer,
 )
-from fleetpilot.routing.policies.prefix import PrefillCostScorer, PrefixScorer, block_hashes
+from fleetpilot.routing.policies.prefix import PrefixScorer, block_hashes
 
 TENANTS = 12
 ZIPF_S = 1.1
@@ -153,13 +153,7 @@ def use_arm(arm: str, router: Any, cfg: Any) -> None:
     if arm == "prefill-cost-once":
         # The defaults before an uncached block was priced twice (its own wait and the wait
         # of the requests behind it): for comparison.
-        router.use_policies(
-            filters=[health, capacity],
-            scorers=[
-                WeightedScorer(PrefillCostScorer(router.prefix_index, 1.0), cfg.affinity.weight),
-                WeightedScorer(load, cfg.load_weight),
-            ],
-        )
+        router.use_policies(scorers=router.affinity_scorers(block_cost=1.0))
         return
     if arm == "headroom":
         router.use_policies(

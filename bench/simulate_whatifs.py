@@ -43,10 +43,6 @@ from router_support import machine, save
 from fleetpilot.api import load_services
 from fleetpilot.loadgen.runner import Schedule
 from fleetpilot.loadgen.workloads import make_workload
-from fleetpilot.routing.policies.load import LoadScorer
-from fleetpilot.routing.policies.picker import WeightedScorer
-from fleetpilot.routing.policies.prefix import PrefillCostScorer
-from fleetpilot.routing.router import Router
 from fleetpilot.simulate import report
 from fleetpilot.simulate.baselines import FLEETPILOT, LONGEST_PREFIX, ROUND_ROBIN
 from fleetpilot.simulate.fleet import Fleet, SimSettings
@@ -162,16 +158,6 @@ HOT_TENANT_CASES = (
 ONCE = "fleetpilot, block cost 1"
 
 
-def price_blocks_once(router: Router) -> None:
-    config = router.config
-    router.use_policies(
-        scorers=[
-            WeightedScorer(PrefillCostScorer(router.prefix_index, 1.0), config.affinity.weight),
-            WeightedScorer(LoadScorer(config.spillover.queue_threshold), config.load_weight),
-        ]
-    )
-
-
 def simulate_here(
     service: Path, settings: SimSettings, workload: Any, once: bool
 ) -> dict[str, Any]:
@@ -180,7 +166,7 @@ def simulate_here(
     fleet = Fleet(spec, load_profile("h100"), workload, settings)
     if once:
         for router in fleet.routers:
-            price_blocks_once(router)
+            router.use_policies(scorers=router.affinity_scorers(block_cost=1.0))
     started = time.monotonic()
     doc = report.summarize(fleet.run(), spec).to_json()
     doc["wall_s"] = time.monotonic() - started

@@ -63,6 +63,7 @@ from fleetpilot.routing.policies.picker import (
     pick,
 )
 from fleetpilot.routing.policies.prefix import (
+    UNCACHED_BLOCK_COST,
     PrefillCostScorer,
     PrefixIndex,
     block_hashes,
@@ -300,13 +301,9 @@ class Router:
         # its cache saves, where a filter dropped the caching replica at its first queued
         # request and, on evicting engines, spread every tenant over every cache.
         self._filters: list[Filter] = [self._health_filter, self._capacity_filter]
-        load = LoadScorer(config.spillover.queue_threshold)
-        prefix = PrefillCostScorer(self.prefix_index)
-        self._affinity_scorers = [
-            WeightedScorer(prefix, config.affinity.weight),
-            WeightedScorer(load, config.load_weight),
-        ]
+        self._affinity_scorers = self.affinity_scorers()
         # Decode replicas hold no prompt blocks sent by us: the KV arrives from prefill.
+        load = LoadScorer(config.spillover.queue_threshold)
         self._load_scorers = [WeightedScorer(load, max(config.load_weight, 1e-6))]
         self._max_seqs: dict[tuple[str, str], int] = {
             (t.name, g.role): g.max_num_seqs for t in config.tiers for g in t.endpoints
@@ -317,6 +314,18 @@ class Router:
         self.source.configure(config)
         self._seen_version = -1
         self.sync()
+
+    def affinity_scorers(self, block_cost: float = UNCACHED_BLOCK_COST) -> list[WeightedScorer]:
+        """The scorers of unified and prefill picks as the config weighs them, an uncached
+        prompt block priced at ``block_cost`` (benchmarks compare prices with
+        ``use_policies(scorers=router.affinity_scorers(1.0))``)."""
+        config = self.config
+        return [
+            WeightedScorer(
+                PrefillCostScorer(self.prefix_index, block_cost), config.affinity.weight
+            ),
+            WeightedScorer(LoadScorer(config.spillover.queue_threshold), config.load_weight),
+        ]
 
     def use_policies(
         self,

@@ -13,9 +13,7 @@ from fleetpilot.api import InferenceService, load_services, parse_service
 from fleetpilot.cli import main
 from fleetpilot.loadgen.runner import Schedule, parse_schedule
 from fleetpilot.loadgen.workloads import make_workload
-from fleetpilot.routing.policies.load import LoadScorer
-from fleetpilot.routing.policies.picker import WeightedScorer
-from fleetpilot.routing.policies.prefix import UNCACHED_BLOCK_COST, PrefillCostScorer
+from fleetpilot.routing.policies.prefix import UNCACHED_BLOCK_COST
 from fleetpilot.simulate.fleet import Fleet, Outcome, SimSettings
 from fleetpilot.simulate.profile import load_profile
 from fleetpilot.simulate.report import summarize
@@ -314,15 +312,7 @@ def test_an_uncached_block_priced_twice_keeps_prompts_where_they_are_cached() ->
         load = make_workload("shared-prefix", 1, tenants=400, tenant_skew=1.0, system_chars=4000)
         fleet = Fleet(service, load_profile("h100"), load, settings)
         for router in fleet.routers:
-            config = router.config
-            cost = PrefillCostScorer(router.prefix_index, block_cost)
-            load_scorer = LoadScorer(config.spillover.queue_threshold)
-            router.use_policies(
-                scorers=[
-                    WeightedScorer(cost, config.affinity.weight),
-                    WeightedScorer(load_scorer, config.load_weight),
-                ]
-            )
+            router.use_policies(scorers=router.affinity_scorers(block_cost))
         reports[block_cost] = summarize(fleet.run(), service)
     once, twice = reports[1.0], reports[UNCACHED_BLOCK_COST]
     assert once.prefix_hit_rate is not None
