@@ -8,7 +8,7 @@ SRC := fleetpilot
 
 CLUSTER_DIR := .cache/cluster
 
-.PHONY: setup vllm test lint typecheck imports unit controlplane prometheus cluster-up cluster-down demo crds clean
+.PHONY: setup vllm baselines test lint typecheck imports unit controlplane prometheus cluster-up cluster-down demo crds clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,12 +32,25 @@ $(VLLM_STAMP): pyproject.toml
 
 vllm: $(VLLM_STAMP)
 
+# Established routers the benchmarks measure ours against (bench/router_kv_events.py): the
+# pyproject's `baselines` extra in a virtualenv of its own. Not needed by the tests.
+BASELINES_VENV := .venv-baselines
+BASELINES_STAMP := $(BASELINES_VENV)/.installed
+BASELINES_REQUIREMENT = $(shell $(PYTHON) -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['baselines'][0])")
+
+$(BASELINES_STAMP): pyproject.toml
+	@test -x $(BASELINES_VENV)/bin/python || $(PYTHON) -m venv $(BASELINES_VENV)
+	$(BASELINES_VENV)/bin/python -m pip install --quiet --disable-pip-version-check '$(BASELINES_REQUIREMENT)'
+	@touch $(BASELINES_STAMP)
+
+baselines: $(BASELINES_STAMP)
+
 lint: setup
 	$(BIN)/ruff check $(SRC) tests e2e bench
 	$(BIN)/ruff format --check $(SRC) tests e2e bench
 
 typecheck: setup
-	$(BIN)/mypy $(SRC)
+	$(BIN)/mypy $(SRC) bench
 
 imports: setup
 	$(BIN)/lint-imports

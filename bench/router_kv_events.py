@@ -17,7 +17,11 @@ Arms (router replicas in this process; with two, the client alternates request b
   (what it sent where), as before issue 14's part 2;
 - ``longest-prefix xN``: pure longest-prefix match on the guessed index, least load only to
   break ties (production-stack's ``prefixaware`` idea);
-- ``round-robin``; ``oracle`` (multi-tenant): each tenant pinned to one replica.
+- ``round-robin``; ``oracle`` (multi-tenant): each tenant pinned to one replica;
+- ``vllm-router-cache xN`` and ``vllm-router-kv xN``: the vLLM project's own router
+  (``bench/vllm_router.py``, ``make baselines``) with its defaults, ``cache_aware`` (an
+  approximate prefix tree of the text it sent where, SGLang's policy) and ``kv_aware`` (the
+  same engines' KV events and each engine's ``/tokenize``): the established routers.
 
 Engines: 4 reference engines (preset 'small', max-num-seqs 4, 16-token blocks), 512 KV blocks
 each, or 128 in the eviction scenario (two tenants' system prompts). The machine has 2 shared
@@ -28,6 +32,7 @@ fall behind the arrivals and queue: where the choice between a replica's queue a
 prefill elsewhere matters most. Saved apart (``router_kv_events_busy*.json``).
 
 Run: .venv/bin/python bench/router_kv_events.py [--quick] [--seed N] [--arms a,b] [--busy]
+     [--scenarios low,high,shared,evicting] [--repeat N] [--name FILE]
 """
 
 from __future__ import annotations
@@ -35,17 +40,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import vllm_router
 import yaml
 from aiohttp import web
-from router_affinity import KV_BLOCKS, REPLICAS, config, engines
+from router_affinity import KV_BLOCKS, MODEL, REPLICAS, config, engines
 from router_prefix_workloads import (
     Conversation,
     drive,
@@ -105,6 +113,36 @@ async def start_routers(
     return started
 
 
+def engine_successes(address: str) -> int:
+    """Requests the engine at ``address`` finished (its ``vllm:request_success_total``)."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return int(
+        sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:request_success_total")
+        )
+    )
+
+
+async def run_external_arm(
+    arm: str,
+    trace: Sequence[Conversation],
+    addresses: list[str],
+    kv_ports: Sequence[tuple[int, int]],
+    workdir: Path,
+) -> dict[str, Any]:
+    """An arm played through the vLLM project's router (``bench/vllm_router.py``) over the
+    same fresh engines; requests per replica from the engines' own counters."""
+    policy, _, replicas = arm.partition(" x")
+    with vllm_router.routers(
+        policy, int(replicas or 1), addresses, kv_ports, MODEL, workdir
+    ) as urls:
+        driven = await drive(trace, urls, addresses)
+    return summary(arm, driven, sorted(engine_successes(a) for a in addresses))
+
+
 async def run_arm(
     arm: str, trace: Sequence[Conversation], addresses: list[str], endpoints: Path
 ) -> dict[str, Any]:
@@ -150,7 +188,9 @@ class Scenario:
 def scenarios(quick: bool, seed: int) -> list[Scenario]:
     n = 24 if quick else 48
     base = ("events x1", "events x2", "events-once x1", "guessed x1", "guessed x2",
-            "longest-prefix x1", "longest-prefix x2", "round-robin")  # fmt: skip
+            "longest-prefix x1", "longest-prefix x2", "round-robin",
+            "vllm-router-cache x1", "vllm-router-cache x2",
+            "vllm-router-kv x1", "vllm-router-kv x2")  # fmt: skip
     high = multi_tenant_trace(8.0, n, seed)
     return [
         Scenario(
@@ -168,23 +208,70 @@ def scenarios(quick: bool, seed: int) -> list[Scenario]:
     ]
 
 
-def run_scenario(scenario: Scenario, wanted: set[str] | None, workdir: Path) -> list[Any]:
+def run_scenario(
+    scenario: Scenario, wanted: set[str] | None, workdir: Path, repeat: int
+) -> list[Any]:
+    """Every wanted arm on fresh engines, ``repeat`` rounds; each round starts one arm later
+    in the list, so a drift in the machine's speed over the run falls on every arm alike."""
+    arms = [a for a in scenario.arms if wanted is None or a in wanted]
     rows = []
-    for arm in scenario.arms:
-        if wanted is not None and arm not in wanted:
-            continue
-        ports = free_ports(3 * REPLICAS)
-        kv_ports = list(zip(ports[REPLICAS::2], ports[REPLICAS + 1 :: 2], strict=True))
-        with engines(scenario.kv_blocks, kv_ports, ports[:REPLICAS]) as addresses:
-            endpoints = workdir / "endpoints.yaml"
-            listed = [
-                {"tier": "only", "address": a, "kvEventsPort": pub, "kvReplayPort": replay}
-                for a, (pub, replay) in zip(addresses, kv_ports, strict=True)
-            ]
-            endpoints.write_text(yaml.safe_dump({"endpoints": listed}))
-            rows.append(asyncio.run(run_arm(arm, scenario.trace, addresses, endpoints)))
-        print(f"  {scenario.name}: {arm} done", file=sys.stderr)
+    for round_ in range(repeat):
+        for arm in arms[round_ % len(arms) :] + arms[: round_ % len(arms)]:
+            rows.append({**play_arm(scenario, arm, workdir), "round": round_})
+            print(f"  {scenario.name}: {arm} done (round {round_ + 1}/{repeat})", file=sys.stderr)
     return rows
+
+
+def play_arm(scenario: Scenario, arm: str, workdir: Path) -> dict[str, Any]:
+    ports = free_ports(3 * REPLICAS)
+    kv_ports = list(zip(ports[REPLICAS::2], ports[REPLICAS + 1 :: 2], strict=True))
+    with engines(scenario.kv_blocks, kv_ports, ports[:REPLICAS]) as addresses:
+        endpoints = workdir / "endpoints.yaml"
+        listed = [
+            {"tier": "only", "address": a, "kvEventsPort": pub, "kvReplayPort": replay}
+            for a, (pub, replay) in zip(addresses, kv_ports, strict=True)
+        ]
+        endpoints.write_text(yaml.safe_dump({"endpoints": listed}))
+        if arm.partition(" x")[0] in vllm_router.POLICIES:
+            played = run_external_arm(arm, scenario.trace, addresses, kv_ports, workdir)
+        else:
+            played = run_arm(arm, scenario.trace, addresses, endpoints)
+        return asyncio.run(played)
+
+
+def by_arm(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each arm over its rounds: the median of the rounds' hit rates and TTFT percentiles,
+    and the range of their p95s (what one round's spread is)."""
+    arms: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        arms.setdefault(row["arm"], []).append(row)
+    merged = []
+    for arm, runs in arms.items():
+        p95s = [r["ttft_p95_ms"] for r in runs if r["ttft_p95_ms"] is not None]
+        p50s = [r["ttft_p50_ms"] for r in runs if r["ttft_p50_ms"] is not None]
+        merged.append(
+            {
+                "arm": arm,
+                "rounds": len(runs),
+                "hit_rate": statistics.median(r["hit_rate"] for r in runs),
+                "ttft_p50_ms": statistics.median(p50s) if p50s else None,
+                "ttft_p95_ms": statistics.median(p95s) if p95s else None,
+                "ttft_p95_range_ms": [min(p95s), max(p95s)] if p95s else None,
+                "errors": sum(r["requests"] - r["statuses"].get("200", 0) for r in runs),
+            }
+        )
+    return merged
+
+
+def print_by_arm(merged: Sequence[dict[str, Any]]) -> None:
+    print(f"{'arm':20} {'rounds':>6} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p95':>9} "
+          f"{'p95 range':>15} {'errors':>6}")  # fmt: skip
+    for m in merged:
+        p50 = f"{m['ttft_p50_ms']:.0f}ms" if m["ttft_p50_ms"] is not None else "-"
+        p95 = f"{m['ttft_p95_ms']:.0f}ms" if m["ttft_p95_ms"] is not None else "-"
+        low, high = m["ttft_p95_range_ms"] or (0.0, 0.0)
+        print(f"{m['arm']:20} {m['rounds']:>6} {m['hit_rate']:>8.3f} {p50:>9} {p95:>9} "
+              f"{f'{low:.0f}-{high:.0f}ms':>15} {m['errors']:>6}")  # fmt: skip
 
 
 def main() -> None:
@@ -194,45 +281,54 @@ def main() -> None:
     parser.add_argument("--arms", help="comma-separated subset of arms")
     parser.add_argument("--scenarios", help="comma-separated subset of low,high,shared,evicting")
     parser.add_argument("--busy", action="store_true", help="another process spins on a core")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of every arm (medians)")
+    parser.add_argument("--name", help="the results file's name (default by seed and --busy)")
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     wanted = set(args.arms.split(",")) if args.arms else None
     only = set(args.scenarios.split(",")) if args.scenarios else None
     started = time.monotonic()
-    results = []
+    results: list[dict[str, Any]] = []
     path = None
     with tempfile.TemporaryDirectory() as tmp:
         for scenario in scenarios(args.quick, args.seed):
             if only is not None and scenario.key not in only:
                 continue
             with busy_core() if args.busy else contextlib.nullcontext():
-                rows = run_scenario(scenario, wanted, Path(tmp))
+                rows = run_scenario(scenario, wanted, Path(tmp), args.repeat)
             results.append(
                 {
                     "scenario": scenario.name,
                     "kv_blocks": scenario.kv_blocks,
                     "unbounded_cache_hit_rate": oracle_hit_rate(scenario.trace),
                     "rows": rows,
+                    **({"by_arm": by_arm(rows)} if args.repeat > 1 else {}),
                 }
             )
-            path = save_results(args.seed, args.busy, results, time.monotonic() - started)
+            path = save_results(args, results, time.monotonic() - started)
     for result in results:
         ceiling = result["unbounded_cache_hit_rate"]
         print(f"\n{result['scenario']} ({result['kv_blocks']} KV blocks an engine; "
               f"one unbounded cache: {ceiling:.3f})")  # fmt: skip
-        print_rows(result["rows"], "events", "decided_by_events", 18)
+        if "by_arm" in result:
+            print_by_arm(result["by_arm"])
+        else:
+            print_rows(result["rows"], "events", "decided_by_events", 20)
     print(f"wrote {path}")
 
 
-def save_results(seed: int, busy: bool, results: list[Any], wall_s: float) -> Path:
+def save_results(args: argparse.Namespace, results: list[Any], wall_s: float) -> Path:
     """Written after every scenario, so a run cut short keeps what it measured."""
-    name = "router_kv_events_busy" if busy else "router_kv_events"
+    name = "router_kv_events_busy" if args.busy else "router_kv_events"
     return save(
-        name if seed == 11 else f"{name}_seed{seed}",
+        args.name or (name if args.seed == 11 else f"{name}_seed{args.seed}"),
         {
             "benchmark": "router_kv_events",
             "machine": machine(),
-            "busy_core": busy,
-            "seed": seed,
+            "busy_core": args.busy,
+            "seed": args.seed,
+            "repeat": args.repeat,
             "engines": f"{REPLICAS} reference engines, preset 'small', max-num-seqs 4, "
             "16-token KV blocks, publishing vLLM KV events",
             "results": results,

@@ -169,10 +169,10 @@ def main() -> None:
         ),
     }
     started = time.monotonic()
-    results = []
+    results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, trace in traces.items():
-            rows = []
+            rows: list[dict[str, Any]] = []
             for arm in ARMS:
                 with engines(Path(tmp) / f"{len(results)}-{len(rows)}") as fleet:
                     rows.append(asyncio.run(run_arm(arm, trace, fleet)))

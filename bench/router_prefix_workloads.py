@@ -54,7 +54,6 @@ from router_affinity import (
     MAX_TOKENS,
     MODEL,
     REPLICAS,
-    RoundRobin,
     TenantPartition,
     config,
     engine_counters,
@@ -75,6 +74,7 @@ from fleetpilot.routing.policies.picker import (
     WeightedScorer,
 )
 from fleetpilot.routing.policies.prefix import PrefixScorer, block_hashes
+from fleetpilot.simulate.baselines import RoundRobin
 
 TENANTS = 12
 ZIPF_S = 1.1
@@ -280,14 +280,16 @@ async def run_arm(arm: str, trace: Sequence[Conversation], addresses: list[str])
 
 
 def print_rows(rows: Sequence[dict[str, Any]], extra: str, key: str, arm_width: int) -> None:
-    """One scenario's arms as a table; ``extra`` heads the column of each row's ``key``."""
+    """One scenario's arms as a table; ``extra`` heads the column of each row's ``key`` (a
+    dash where a row has none)."""
     head = ("arm", "hit rate", "TTFT p50", "TTFT p95", extra, "per replica")
     print(f"{{:{arm_width}}} {{:>8}} {{:>9}} {{:>9}} {{:>6}} {{:>18}}".format(*head))
     for r in rows:
         p50 = f"{r['ttft_p50_ms']:.0f}ms" if r["ttft_p50_ms"] is not None else "-"
         p95 = f"{r['ttft_p95_ms']:.0f}ms" if r["ttft_p95_ms"] is not None else "-"
+        value = f"{r[key]:.2f}" if r.get(key) is not None else "-"
         print(
-            f"{r['arm']:{arm_width}} {r['hit_rate']:>8.3f} {p50:>9} {p95:>9} {r[key]:>6.2f} "
+            f"{r['arm']:{arm_width}} {r['hit_rate']:>8.3f} {p50:>9} {p95:>9} {value:>6} "
             f"{r['requests_per_replica']!s:>18}"
         )
 
@@ -337,7 +339,7 @@ def main() -> None:
     args = parser.parse_args()
     wanted = set(args.arms.split(",")) if args.arms else None
     started = time.monotonic()
-    results = []
+    results: list[dict[str, Any]] = []
     for scenario in scenarios(args.quick, args.seed):
         rows = []
         for arm in scenario.arms:
