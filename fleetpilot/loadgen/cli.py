@@ -118,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             ignore_eos=args.ignore_eos,
         )
-        workload = make_workload(args.workload, args.seed, **_workload_options(args))
+        options = _workload_options(args)
+        workload = make_workload(args.workload, args.seed, **options)
     except ValueError as e:
         print(f"fleetpilot bench: {e}", file=sys.stderr)
         return 2
@@ -141,6 +142,9 @@ def run(args: argparse.Namespace) -> int:
             "model": args.model,
             "workload": args.workload,
             "seed": args.seed,
+            # With the workload and the seed, what regenerates every request (``fleetpilot
+            # simulate --trace`` replays the run from them).
+            "workload_options": options,
             "mode": "closed" if schedule is None else "open",
             "rate": args.rate,
             "schedule": [vars(s) for s in schedule.steps] if schedule else None,

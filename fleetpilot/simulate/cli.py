@@ -7,7 +7,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 from fleetpilot.api import InvalidManifestError, load_services
 from fleetpilot.api.units import parse_duration
@@ -17,6 +17,7 @@ from fleetpilot.loadgen.runner import Schedule
 from fleetpilot.loadgen.workloads import (
     SHAPE_OPTIONS,
     WORKLOADS,
+    Workload,
     make_workload,
     workload_options,
 )
@@ -24,6 +25,9 @@ from fleetpilot.simulate import report
 from fleetpilot.simulate.baselines import FLEETPILOT, ROUTING_POLICIES
 from fleetpilot.simulate.fleet import PREFIX_SOURCES, Fleet, Progress, SimSettings
 from fleetpilot.simulate.profile import AUTO, GPUS, ProfileError, load_profile
+from fleetpilot.simulate.trace import Trace, load_trace
+
+DEFAULT_WORKLOAD = "shared-prefix"
 
 
 def _duration(text: str) -> float:
@@ -43,13 +47,27 @@ def _duration(text: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("-f", "--file", type=Path, required=True, help="InferenceService YAML file")
-    a("--workload", choices=sorted(WORKLOADS), default="shared-prefix", help="what to send")
+    a(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        help=f"what to send (default {DEFAULT_WORKLOAD}; a trace names its own)",
+    )
     load = parser.add_mutually_exclusive_group(required=True)
     load.add_argument("--rate", type=_positive(float), help="Poisson arrivals at this many req/s")
     load.add_argument(
         "--schedule", type=_schedule, help="a rate schedule, as fleetpilot bench's: '0:50,600:500'"
     )
-    a("--duration", type=_duration, required=True, help="simulated time: '1h', '10m', '90s'")
+    load.add_argument(
+        "--trace",
+        type=Path,
+        help="replay a 'fleetpilot bench --out' file: its requests at their send times, each "
+        "answer as long as it was",
+    )
+    a(
+        "--duration",
+        type=_duration,
+        help="simulated time: '1h', '10m', '90s' (with --trace, default: the run's duration)",
+    )
     a("--seed", type=int, default=0, help="seeds the workload, the arrivals and the routers")
     a(
         "--profile",
@@ -105,9 +123,30 @@ def _progress(stream: TextIO, duration_s: float) -> Progress:
     return show
 
 
-def _workload_options(args: argparse.Namespace) -> dict[str, Any]:
-    shape = {option: getattr(args, option) for option in SHAPE_OPTIONS}
-    return workload_options(args.workload, args.max_tokens, **shape)
+def _load(args: argparse.Namespace) -> tuple[Schedule | Trace, Workload, float]:
+    """The load, the workload its requests come from and the simulated duration;
+    ``ValueError`` (a ``TraceError`` for a bad trace) naming what is wrong."""
+    if args.trace is None:
+        if args.duration is None:
+            raise ValueError("--duration is required with --rate or --schedule")
+        name = args.workload or DEFAULT_WORKLOAD
+        shape = {option: getattr(args, option) for option in SHAPE_OPTIONS}
+        options = workload_options(name, args.max_tokens, **shape)
+        schedule: Schedule = args.schedule or Schedule.constant(args.rate)
+        return schedule, make_workload(name, args.seed, **options), args.duration
+    given = [
+        "--" + name.replace("_", "-")
+        for name in ("workload", "max_tokens", *SHAPE_OPTIONS)
+        if getattr(args, name) is not None
+    ]
+    if given:
+        raise ValueError(f"--trace replays its own workload; drop {', '.join(given)}")
+    trace = load_trace(args.trace)
+    try:
+        workload = make_workload(trace.workload, trace.seed, **trace.options)
+    except TypeError as e:  # an option the workload does not take
+        raise ValueError(f"{args.trace}: config.workload_options: {e}") from None
+    return trace, workload, args.duration or trace.duration_s
 
 
 def run(args: argparse.Namespace) -> int:
@@ -123,16 +162,14 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None and not matplotlib_available():
         print("fleetpilot simulate: --plot needs matplotlib (pip install matplotlib)")
         return 2
-    schedule: Schedule = args.schedule or Schedule.constant(args.rate)
     try:
-        options = _workload_options(args)
-        workload = make_workload(args.workload, args.seed, **options)
+        load, workload, duration = _load(args)
     except ValueError as e:
         print(f"fleetpilot simulate: {e}", file=sys.stderr)
         return 2
     settings = SimSettings(
-        schedule=schedule,
-        duration_s=args.duration,
+        load=load,
+        duration_s=duration,
         seed=args.seed,
         prefix_source=args.prefix_source,
         routing=args.routing,
@@ -152,11 +189,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     started = time.perf_counter()
     shown = sys.stderr.isatty() and not args.quiet
-    progress = _progress(sys.stderr, args.duration) if shown else None
-    outcome = fleet.run(progress, progress_every_s=max(args.duration / 100, 1.0))
+    progress = _progress(sys.stderr, duration) if shown else None
+    outcome = fleet.run(progress, progress_every_s=max(duration / 100, 1.0))
     outcome.wall_s = time.perf_counter() - started
     if progress is not None:
-        progress(args.duration, len(outcome.requests))
+        progress(duration, len(outcome.requests))
         sys.stderr.write("\n")
     summary = report.summarize(outcome, service, args.price_per_gpu_hour)
     print(report.format_table(summary))

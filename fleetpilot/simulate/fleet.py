@@ -12,7 +12,9 @@ reads exact windowed percentiles of what the engines did) and Kubernetes (a repl
 finishes what it holds).
 
 Requests come from the load generator's workloads (``fleetpilot bench``'s), open loop, Poisson
-at a rate or a schedule; every request decodes its ``max_tokens`` (as ``bench --ignore-eos``).
+at a rate or a schedule, every request decoding its ``max_tokens`` (as ``bench --ignore-eos``);
+or from a recorded bench run (:mod:`~fleetpilot.simulate.trace`): its requests at their send
+times, each decoding as many tokens as its answer had.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from fleetpilot.api.router_config import RouterConfig
 from fleetpilot.autoscaler.model import History, Metrics, Observation, RolePolicy
 from fleetpilot.autoscaler.policy import decide as autoscale
 from fleetpilot.loadgen.runner import Schedule, arrival_times
-from fleetpilot.loadgen.workloads import Workload
+from fleetpilot.loadgen.workloads import RequestSpec, Workload
 from fleetpilot.operator.router_objects import router_config
 from fleetpilot.routing.discovery import Endpoint, KVPorts, kv_stream_id
 from fleetpilot.routing.errors import NoReplicaError, RouterError
@@ -43,6 +45,7 @@ from fleetpilot.simulate.baselines import FLEETPILOT, ROUTING_POLICIES, use_rout
 from fleetpilot.simulate.engine import Engine, Seq
 from fleetpilot.simulate.profile import Profile, RoleModel, role_model
 from fleetpilot.simulate.tokens import Prompt, SimPromptKeys, SimTokenizer
+from fleetpilot.simulate.trace import Trace
 
 PREFIX_SOURCES = ("events", "guessed")
 
@@ -51,7 +54,9 @@ PREFIX_SOURCES = ("events", "guessed")
 class SimSettings:
     """What to simulate besides the service: the load, the time, the knobs of a what-if."""
 
-    schedule: Schedule
+    # The load: Poisson arrivals at a rate schedule, or a recorded run replayed (its requests
+    # at their send times, each answer as long as it was; ``simulate.trace``).
+    load: Schedule | Trace
     duration_s: float
     seed: int = 0
     # "events": engines publish KV events and the router matches them (what the planner sets
@@ -264,7 +269,8 @@ class Fleet:
         self._gpu_since = 0.0
         self._gpus_now = 0
         self._arrivals: Iterator[float] = iter(())
-        self._index = 0
+        self._index = 0  # arrivals so far
+        self._drawn = 0  # requests drawn from the workload so far (a trace skips some)
 
     # -- the event loop ------------------------------------------------------------------------
     def _clock(self) -> float:
@@ -284,9 +290,13 @@ class Fleet:
                 self._add_replica(state, ready_at=0.0)
             if settings.autoscale:
                 self.at(state.policy.interval_s, self._autoscaler(state))
-        self._arrivals = arrival_times(
-            settings.schedule, settings.duration_s, random.Random(settings.seed)
-        )
+        load = settings.load
+        if isinstance(load, Trace):
+            # A recorded run longer than the simulation is cut where it ends.
+            end = settings.duration_s
+            self._arrivals = iter([r.start_s for r in load.requests if r.start_s <= end])
+        else:
+            self._arrivals = arrival_times(load, settings.duration_s, random.Random(settings.seed))
         self._next_arrival()
         self.at(0.0, self._scrape)
         self.at(0.0, self._sample)
@@ -320,14 +330,14 @@ class Fleet:
 
     def _arrive(self, now: float) -> None:
         self._next_arrival()
-        spec = self.workload.next()
-        model = self.settings.model or self.service.name
-        body = spec.body(model, ignore_eos=True)
         index = self._index
         self._index += 1
+        spec, output_tokens = self._request_spec(index)
+        model = self.settings.model or self.service.name
+        body = spec.body(model, ignore_eos=True)
         router = self.routers[index % len(self.routers)]
         features = extract_features(body, "chat")
-        request = Request(index, spec.kind, now, spec.max_tokens, None)
+        request = Request(index, spec.kind, now, output_tokens, None)
         self.requests.append(request)
         for keys in self.prompt_keys.values():
             keys.begin(spec.messages)
@@ -358,6 +368,22 @@ class Fleet:
             return
         first = self.by_id[route.prefill.id]
         self._submit(first, request, prefill=True, output=1, hop=True)
+
+    def _request_spec(self, index: int) -> tuple[RequestSpec, int]:
+        """The ``index``-th arrival's request and how many tokens it decodes: the workload's
+        next, or a trace's recorded request (the workload drawn up to its place in the
+        sequence) with the length its answer had."""
+        load = self.settings.load
+        if not isinstance(load, Trace):
+            spec = self.workload.next()
+            return spec, spec.max_tokens
+        traced = load.requests[index]
+        while self._drawn < traced.index:  # the ones its client never sent
+            self.workload.next()
+            self._drawn += 1
+        spec = self.workload.next()
+        self._drawn += 1
+        return spec, traced.output_tokens or spec.max_tokens
 
     def _submit(
         self, replica: Replica, request: Request, *, prefill: bool, output: int, hop: bool = False

@@ -8,7 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from fleetpilot.api import load_services
 from fleetpilot.loadgen import cli
+from fleetpilot.loadgen.workloads import make_workload
+from fleetpilot.simulate.fleet import Fleet, SimSettings
+from fleetpilot.simulate.trace import load_trace
 from fleetpilot.testing.engine_server import BackgroundServer
 
 ENGINE = [
@@ -89,3 +93,30 @@ def test_bad_flags_are_refused_before_any_load(capsys: pytest.CaptureFixture[str
     assert "--context-chars applies to --workload long-context" in capsys.readouterr().err
     assert cli.main(["--rate", "2", "--requests", "3"]) == 2
     assert "needs a --duration" in capsys.readouterr().err
+
+
+def test_a_bench_run_replays_in_the_simulator(
+    engine: BackgroundServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`fleetpilot simulate --trace` reads what `fleetpilot bench --out` wrote: the same
+    requests (kinds, in order), sent at the same times, each answer as long as it was."""
+    out = tmp_path / "bench.json"
+    argv = [
+        "--url", f"{engine.url}/v1", "--model", "m", "--rate", "20", "--duration", "1.5",
+        "--workload", "mixed", "--seed", "5", "--max-tokens", "6", "--out", str(out),
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    records = json.loads(out.read_text())["requests"]
+    sent = [r for r in records if r["error"] != "dropped"]
+    assert len(sent) >= 10
+
+    trace = load_trace(out)
+    assert trace.options == {"easy_max_tokens": 6, "hard_max_tokens": 6}
+    service = load_services(Path(__file__).parents[2] / "examples" / "two-tier.yaml")[0]
+    workload = make_workload(trace.workload, trace.seed, **trace.options)
+    settings = SimSettings(trace, trace.duration_s, autoscale=False)
+    replayed = Fleet(service, None, workload, settings).run().requests
+    assert [r.kind for r in replayed] == [r["kind"] for r in sent]
+    assert [r.arrival_s for r in replayed] == pytest.approx([r["start_s"] for r in sent])
+    assert [r.max_tokens for r in replayed] == [r["completion_tokens"] for r in sent]
