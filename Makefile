@@ -68,7 +68,7 @@ prometheus:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
 	@prometheus --version 2>&1 | head -1
 
-unit: setup vllm controlplane prometheus
+unit: setup vllm baselines controlplane prometheus
 	$(BIN)/pytest
 
 cluster-up: setup controlplane

@@ -22,22 +22,24 @@ class ReplicaView:
     # Prompt blocks this router has sent to the replica that it has not yet seen a first token
     # for: the prefill work queued ahead of a new request there (our requests only).
     pending_prefill: float = 0.0
+    # Derived once, at construction: every filter and scorer of a pick reads them, several
+    # times a replica, and a pick over hundreds of replicas spent a fifth of its time
+    # recomputing them (``bench/simulate_speed.py``).
+    # Requests on the replica: our own in-flight, or the engine's count if it sees more.
+    demand: float = field(init=False)
+    # Requests waiting for a batch slot, by the engine's count or by ours.
+    queued: float = field(init=False)
+    # Requests a new one would wait behind before it runs: the queue, or one when the batch is
+    # full (it waits for a running request to finish).
+    ahead: float = field(init=False)
 
-    @property
-    def demand(self) -> float:
-        """Requests on the replica: our own in-flight, or the engine's count if it sees more."""
-        return max(float(self.in_flight), self.running + self.waiting)
-
-    @property
-    def queued(self) -> float:
-        """Requests waiting for a batch slot, by the engine's count or by ours."""
-        return max(self.waiting, float(self.in_flight - self.max_num_seqs))
-
-    @property
-    def ahead(self) -> float:
-        """Requests a new one would wait behind before it runs: the queue, or one when the
-        batch is full (it waits for a running request to finish)."""
-        return max(self.queued, self.demand + 1.0 - self.max_num_seqs, 0.0)
+    def __post_init__(self) -> None:
+        demand = max(float(self.in_flight), self.running + self.waiting)
+        queued = max(self.waiting, float(self.in_flight - self.max_num_seqs))
+        setter = object.__setattr__  # frozen
+        setter(self, "demand", demand)
+        setter(self, "queued", queued)
+        setter(self, "ahead", max(queued, demand + 1.0 - self.max_num_seqs, 0.0))
 
 
 @dataclass(frozen=True, slots=True)
