@@ -11,6 +11,7 @@ import yaml
 from pydantic import ValidationError
 
 from fleetpilot.api.service import InferenceService
+from fleetpilot.files import TooLargeError, read_limited
 
 # An InferenceService manifest is a few KiB; even a file of many services stays far below this.
 # Reading stops here, so `-f /dev/zero` or a wrong multi-GB file is refused, not swallowed.
@@ -112,15 +113,14 @@ def read_manifest(path: Path, limit: int = MAX_MANIFEST_BYTES) -> str:
         return InvalidManifestError(source, [FieldProblem("", message)])
 
     try:
-        with path.open("rb") as file:
-            data = file.read(limit + 1)
+        data = read_limited(path, limit)
     except OSError as exc:
         raise refuse(f"cannot read file: {exc.strerror or exc}") from None
-    if len(data) > limit:
+    except TooLargeError:
         raise refuse(
             f"larger than {limit} bytes ({limit / (1 << 20):g} MiB), the most a manifest "
             "file may be: is it the right file?"
-        )
+        ) from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

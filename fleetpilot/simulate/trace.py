@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from fleetpilot.files import TooLargeError, read_limited
 from fleetpilot.loadgen.workloads import WORKLOADS
 
-# A bench run of an hour at 2,000 req/s is ~7M records of ~500 bytes: far beyond this, which
-# bounds what a mistaken path (a disk image, /dev/zero) makes us read.
-MAX_TRACE_BYTES = 1 << 32
+# A record is ~600 bytes as the bench writes it (indented JSON), so this is ~1.7 million
+# requests (half an hour at 1,000 req/s); decoded, such a file takes a few GB of memory.
+MAX_TRACE_BYTES = 1 << 30
 
 
 class TraceError(ValueError):
@@ -54,12 +55,14 @@ class Trace:
 def load_trace(path: Path) -> Trace:
     """The trace in ``path``; :class:`TraceError` when it is not a readable bench output."""
     try:
-        with path.open("rb") as f:
-            raw = f.read(MAX_TRACE_BYTES + 1)
+        raw = read_limited(path, MAX_TRACE_BYTES)
     except OSError as e:
         raise TraceError(f"trace {path}: {e.strerror or e}") from None
-    if len(raw) > MAX_TRACE_BYTES:
-        raise TraceError(f"trace {path}: over {MAX_TRACE_BYTES >> 30} GiB")
+    except TooLargeError:
+        raise TraceError(
+            f"trace {path}: over {MAX_TRACE_BYTES >> 30} GiB, more than a trace this simulator "
+            "replays (about 1.7 million requests): is it the right file?"
+        ) from None
     try:
         doc = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as e:
