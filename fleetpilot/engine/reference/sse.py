@@ -33,15 +33,20 @@ async def stream_events(
     )
     await resp.prepare(request)
     writer = SSEWriter(resp, p, rid)
+    # A chat stream's role chunk goes out with the request's first output, after its prefill,
+    # as vLLM's serving_chat sends it (inside its loop over the engine's outputs), not at once:
+    # the router takes an answer's first chunk as the end of its prefill.
+    role_due = p.kind == "chat"
     try:
-        if p.kind == "chat":
-            await writer.send_role()
         while True:
             try:
                 item = await stream.next()
             except EngineDeadError as e:
                 await writer.send_error(503, str(e))
                 break
+            if role_due:
+                await writer.send_role()
+                role_due = False
             await writer.send_output(item.output)
             if item.output.finished:
                 await writer.send_usage(item.output)

@@ -180,6 +180,41 @@ def test_chat_streaming_with_usage_reports_cached_tokens(client: openai.OpenAI) 
     assert last.prompt_tokens_details.cached_tokens % 16 == 0
 
 
+def test_a_chat_stream_opens_only_once_its_prompt_is_computed(
+    server: BackgroundServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The role chunk comes with the first output, as vLLM's serving_chat sends it, not at once:
+    with the engine's steps each taking a second, no byte of the stream arrives before the
+    prefill step is over (a router takes the first chunk as the end of the request's
+    prefill)."""
+    runner = server.server.runner
+    assert runner is not None
+    engine = runner.engine
+    step = engine.step
+    step_s = 1.0
+
+    def slow_step() -> Any:
+        time.sleep(step_s)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": LONG_PROMPT}],
+            "max_tokens": 2, "stream": True}  # fmt: skip
+    started = time.monotonic()
+    with (
+        httpx.Client(base_url=server.url, timeout=30) as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as resp,
+    ):
+        assert resp.status_code == 200
+        lines = (line for line in resp.iter_lines() if line)
+        first = next(lines)
+        waited = time.monotonic() - started
+        rest = list(lines)
+    assert waited >= 0.9 * step_s, f"the stream opened {waited:.2f} s in, before the prefill"
+    assert json.loads(first[5:])["choices"][0]["delta"]["role"] == "assistant"
+    assert rest[-1] == "data: [DONE]"
+
+
 def test_chat_content_parts_and_max_tokens_alias(client: openai.OpenAI) -> None:
     """Chat content given as text parts is the same prompt as a plain string, and the legacy
     max_tokens limits a chat answer as max_completion_tokens does."""
