@@ -17,13 +17,21 @@ simulated H100 engines): the numbers in the README's simulator section.
   prefill only), longest-prefix match (all on the KV events) and round-robin.
   The hottest tenant's traffic outgrows one replica: pure affinity piles it there, a load
   bound spreads it at the price of computing its prompt again elsewhere.
+- ``candidates``: the router's pick in a group of 100 replicas, among a few candidates (the
+  holders of the prompt's deepest cached blocks, its home on a consistent-hash ring, a random
+  few more when those are busy: ``routing.policies.candidates``) against a scan of every
+  replica, with longest-prefix match scanning every replica as the baseline; on the prefix
+  what-if's documents and on hot tenants at the hot-tenants cases' load per replica, over
+  several seeds. Speed aside (``bench/simulate_speed.py``), the bound must not cost hit rate
+  or TTFT.
 - ``step``: the autoscaler's reaction to a 10x load step (``--step-from`` to ten times that
   req/s of shared-prefix chats answered in ``--step-tokens`` tokens) at up to ``--step-max``
   replicas of Llama 3.1 70B on 4 x H100 each (``examples/disaggregated.yaml``'s tier, run
   unified). The issue asks for 500 replicas; at the simulator's speed there (see the README) a
   load that needs them is hours of CPU, so this runs at a tenth of that.
 
-Run: .venv/bin/python bench/simulate_whatifs.py [complexity|prefix|hot-tenants|step ...] [--save]
+Run: .venv/bin/python bench/simulate_whatifs.py [complexity|prefix|hot-tenants|candidates|step ...]
+[--save]
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from router_support import machine, save
 from fleetpilot.api import load_services
 from fleetpilot.loadgen.runner import Schedule
 from fleetpilot.loadgen.workloads import make_workload
+from fleetpilot.routing.policies.candidates import FULL_SCAN_MAX
 from fleetpilot.simulate import report
 from fleetpilot.simulate.baselines import FLEETPILOT, LONGEST_PREFIX, ROUND_ROBIN
 from fleetpilot.simulate.fleet import Fleet, SimSettings
@@ -159,7 +168,7 @@ ONCE = "fleetpilot, block cost 1"
 
 
 def simulate_here(
-    service: Path, settings: SimSettings, workload: Any, once: bool
+    service: Path, settings: SimSettings, workload: Any, once: bool = False
 ) -> dict[str, Any]:
     """One run in this process, where a variant of the router's scorers can be installed."""
     spec = load_services(service)[0]
@@ -217,6 +226,59 @@ def hot_tenants(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+# (label, workload, its options, req/s, seed) over 100 replicas of Llama 3.1 8B on H100s.
+CANDIDATE_CASES = (
+    ("documents", "long-context", {"documents": 2000}, 300.0, 0),
+    ("documents", "long-context", {"documents": 2000}, 300.0, 1),
+    ("hot tenants", "shared-prefix", {"tenants": 200, "tenant_skew": 1.2}, 5000.0, 6),
+    ("hot tenants", "shared-prefix", {"tenants": 200, "tenant_skew": 1.2}, 5000.0, 2),
+    ("many tenants", "shared-prefix", {"tenants": 1000, "tenant_skew": 0.8}, 4000.0, 7),
+    ("few hot tenants", "shared-prefix", {"tenants": 48, "tenant_skew": 1.1}, 5000.0, 3),
+)
+EVERY_REPLICA = 1 << 30  # a full_scan_max no group reaches
+
+
+def candidates(args: argparse.Namespace) -> list[dict[str, Any]]:
+    service = ROOT / "examples/single-tier.yaml"
+    arms = {
+        "fleetpilot, candidates": (FLEETPILOT, FULL_SCAN_MAX),
+        "fleetpilot, every replica": (FLEETPILOT, EVERY_REPLICA),
+        "longest-prefix, every replica": (LONGEST_PREFIX, EVERY_REPLICA),
+    }
+    duration = args.candidates_duration_s
+    rows = []
+    print(f"\ncandidates: 100 replicas, {duration:.0f} s a case")
+    print(
+        f"{'case':16} {'req/s':>6} {'seed':>4}  {'arm':30} {'hit rate':>8} {'TTFT p50':>9} "
+        f"{'TTFT p95':>9} {'p99':>9} {'wall':>6}"
+    )
+    for label, name, options, rate, seed in CANDIDATE_CASES:
+        shape = {"system_chars": 4000, "max_tokens": 64} if name == "shared-prefix" else {}
+        for arm, (routing, full_scan_max) in arms.items():
+            settings = SimSettings(
+                Schedule.constant(rate),
+                duration,
+                seed=seed,
+                autoscale=False,
+                start_replicas=100,
+                routing=routing,
+                full_scan_max=full_scan_max,
+            )
+            workload = make_workload(name, seed, **options, **shape)
+            doc = simulate_here(service, settings, workload)
+            row = {"case": label, "workload": name, **options, "rate": rate, "seed": seed}
+            row |= {"arm": arm} | summary(doc)
+            row["ttft_p99_ms"] = (doc["ttft_s"]["p99"] or 0) * 1000
+            rows.append(row)
+            print(
+                f"{label:16} {rate:>6.0f} {seed:>4}  {arm:30} {row['hit_rate']:>8.3f} "
+                f"{row['ttft_p50_ms']:>7.1f}ms {row['ttft_p95_ms']:>7.1f}ms "
+                f"{row['ttft_p99_ms']:>7.1f}ms {row['wall_s']:>5.0f}s",
+                flush=True,
+            )
+    return rows
+
+
 def step(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         data = yaml.safe_load((ROOT / "examples/disaggregated.yaml").read_text())
@@ -252,6 +314,7 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=2000)
     parser.add_argument("--hot-duration-s", type=float, default=40.0)
     parser.add_argument("--hot-skip-round-robin", action="store_true")
+    parser.add_argument("--candidates-duration-s", type=float, default=20.0)
     parser.add_argument("--step-from", type=float, default=20.0)
     parser.add_argument("--step-at", type=float, default=300.0)
     parser.add_argument("--step-duration", default="20m")

@@ -19,6 +19,7 @@ proxy can compute them in a worker thread and hand them to ``decide``.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -37,6 +38,14 @@ from fleetpilot.routing.errors import (
     UnavailableError,
 )
 from fleetpilot.routing.features import Kind, RequestFeatures
+from fleetpilot.routing.policies.candidates import (
+    FULL_SCAN_MAX,
+    HOME_CANDIDATES,
+    SAMPLED_CANDIDATES,
+    HashRing,
+    holder_candidates,
+    sample,
+)
 from fleetpilot.routing.policies.complexity import (
     DEFAULT_WEIGHTS,
     ComplexityWeights,
@@ -53,6 +62,7 @@ from fleetpilot.routing.policies.load import (
     EngineMetrics,
     LoadScorer,
     group_saturated,
+    has_headroom,
     make_view,
 )
 from fleetpilot.routing.policies.picker import (
@@ -102,6 +112,13 @@ PD_LOCAL_PREFILL_TOKENS = 64
 # new characters, ~0.3-0.9 ms) stays inline; a cold 2,000-token conversation (~8k characters,
 # ~5 ms) or a cold prompt at the 128k-character cap (~40-80 ms) goes to the thread.
 OFF_LOOP_TOKENIZE_CHARS = 2048
+
+# How long a group of over ``candidates.FULL_SCAN_MAX`` replicas keeps its tier state (is any
+# replica open, is the group saturated) before reading every replica again: that read is the one
+# part of a decision still proportional to the group, and spill-over and 429s turn on the
+# group's mean queue, which a few milliseconds do not change (a scraped queue is up to a
+# second old anyway). A pick never sends to a full replica: it reads its candidates now.
+TIER_STATE_MAX_AGE_S = 0.05
 
 
 class PromptPlan(Protocol):
@@ -255,8 +272,11 @@ class Router:
         kv_index: KVIndex | None = None,
         kv_live: Callable[[str], bool] | None = None,
         on_replicas: Callable[[Mapping[str, ReplicaState]], None] | None = None,
+        full_scan_max: int = FULL_SCAN_MAX,
     ) -> None:
         self.source = source
+        # Groups of more replicas than this are picked among candidates (``_Large``).
+        self.full_scan_max = full_scan_max
         self.rng = rng or random.Random()
         self.clock = clock
         self.weights = weights
@@ -275,6 +295,9 @@ class Router:
         self._seen_version = -1
         # The views of one decision (``views``); None outside ``decide``.
         self._views_memo: dict[tuple[str, str], list[ReplicaView]] | None = None
+        # Per group of over FULL_SCAN_MAX replicas: its ids, its consistent-hash ring, which
+        # replica each KV stream is, and its tier state as last read (``_Large``).
+        self._large: dict[tuple[str, str], _Large] = {}
         self.apply_config(config)
 
     # -- configuration and endpoints ---------------------------------------------------------
@@ -360,6 +383,9 @@ class Router:
             groups.setdefault((ep.tier, ep.role), []).append(state)
         self._replicas = replicas
         self._groups = groups
+        self._large = {
+            key: _Large(group) for key, group in groups.items() if len(group) > self.full_scan_max
+        }
         self.prefix_index.retain(replicas)
         self.recent.retain(replicas)
         self.health.retain(set(replicas))
@@ -406,6 +432,15 @@ class Router:
         ]
 
     def tier_state(self, tier: RouterTier, now: float) -> TierState:
+        large = self._large.get((tier.name, serving_role(tier)))
+        if large is None:
+            return self._tier_state(tier, now)
+        if large.state is None or not 0.0 <= now - large.state_at <= TIER_STATE_MAX_AGE_S:
+            large.state = self._tier_state(tier, now)
+            large.state_at = now
+        return large.state
+
+    def _tier_state(self, tier: RouterTier, now: float) -> TierState:
         views = self.views(tier.name, serving_role(tier), now)
         if not views:
             return TierState(has_replicas=False, available=False, saturated=True)
@@ -483,8 +518,8 @@ class Router:
             )
             decode_scorers = self._affinity_scorers if decode_request.known else self._load_scorers
             decode = self._pick(tier, RoleName.DECODE, decode_request, now, decode_scorers)
-            if decode is None:  # tier_state said available; only a race could get here
-                raise UnavailableError("no decode replica available", reason="no_ready_replicas")
+            if decode is None:
+                raise self._none_open(tier, "no decode replica available")
             self.recent.record(decode.replica.id, decode_keys, now)
             local = self._local_prefill(tier, decode_request, decode.replica.id, decode_keys, keys)
             if local is not None and local[0] <= PD_LOCAL_PREFILL_TOKENS:
@@ -524,7 +559,7 @@ class Router:
         request, chained = self._pick_request(tier, RoleName.UNIFIED, hashes, keys, now)
         chosen = self._pick(tier, RoleName.UNIFIED, request, now, self._affinity_scorers)
         if chosen is None:
-            raise UnavailableError("no replica available", reason="no_ready_replicas")
+            raise self._none_open(tier, "no replica available")
         state = self._replicas[chosen.replica.id]
         matched = matched_blocks(self.prefix_index, request, state.id)
         self.prefix_index.record(state.id, hashes)
@@ -554,12 +589,7 @@ class Router:
         )
         if choice.index is None:
             if choice.reason == "saturated":
-                retry = self.config.backpressure.retry_after.total_seconds()
-                raise OverloadedError(
-                    "every replica that could serve this request is at capacity; retry later",
-                    reason="overloaded",
-                    headers={"Retry-After": str(max(1, round(retry)))},
-                )
+                raise self._overloaded()
             wanted = self.tiers[target.index]
             raise NoReplicaError(
                 "no ready replica can serve this request",
@@ -568,6 +598,23 @@ class Router:
             )
         return self.tiers[choice.index], choice, target
 
+    def _none_open(self, tier: RouterTier, message: str) -> RouterError:
+        """The error for a pick that found no replica after ``tier_state`` said one was open:
+        they filled in between (a race, or the tier state of a large group, read up to
+        ``TIER_STATE_MAX_AGE_S`` ago), so the tier is at capacity - retry later."""
+        if self._large.get((tier.name, serving_role(tier))) is None:
+            return UnavailableError(message, reason="no_ready_replicas")
+        return self._overloaded()
+
+    def _overloaded(self) -> OverloadedError:
+        """429: every replica that could serve the request is at capacity."""
+        retry = self.config.backpressure.retry_after.total_seconds()
+        return OverloadedError(
+            "every replica that could serve this request is at capacity; retry later",
+            reason="overloaded",
+            headers={"Retry-After": str(max(1, round(retry)))},
+        )
+
     def _events_block_size(self, tier: RouterTier, role: RoleName, hashed: bool) -> int | None:
         """The block size at which the prompt's KV-index keys are matched against a group's
         events, or None when its events do not judge the prompt: no replicas, no full block of
@@ -575,6 +622,20 @@ class Router:
         group = self._groups.get((tier.name, role), ())
         if not group or not hashed or self.config.affinity.weight <= 0:
             return None
+        large = self._large.get((tier.name, role))
+        if large is None:
+            return self._group_block_size(tier, role, group)
+        # Every stream's liveness, read again at most every TIER_STATE_MAX_AGE_S: a stream
+        # that falls silent is noticed after seconds (kv_events_client), not milliseconds.
+        now = self.clock()
+        if not 0.0 <= now - large.block_size_at <= TIER_STATE_MAX_AGE_S:
+            large.block_size = self._group_block_size(tier, role, group)
+            large.block_size_at = now
+        return large.block_size
+
+    def _group_block_size(
+        self, tier: RouterTier, role: RoleName, group: Sequence[ReplicaState]
+    ) -> int | None:
         streams = [s for r in group for s in r.kv_streams]
         if not all(r.kv_streams for r in group) or not all(map(self.kv_live, streams)):
             return None
@@ -621,10 +682,13 @@ class Router:
         chained = keys.get(block_size)
         if chained is None:
             return PickRequest(hashes), []
-        known = frozenset(r.id for r in group)
+        large = self._large.get((tier.name, role))
+        known = large.ids if large is not None else frozenset(r.id for r in group)
         if not chained:
             return PickRequest(hashes, known), []
         held = self.kv_index.match_keys(chained)
+        if large is not None:
+            return self._large_pick_request(large, hashes, chained, held, now), chained
         cached = {}
         pressure = {}
         deepest = 0
@@ -642,6 +706,52 @@ class Router:
         tie_key = chained[min(deepest + TIE_KEY_LOOKAHEAD_BLOCKS, len(chained) - 1)]
         return PickRequest(hashes, known, cached, pressure, tie_key), chained
 
+    def _large_pick_request(
+        self,
+        large: _Large,
+        hashes: list[int],
+        chained: list[bytes],
+        held: Mapping[str, int],
+        now: float,
+    ) -> PickRequest:
+        """``_pick_request`` for a group of over ``FULL_SCAN_MAX`` replicas: the same
+        knowledge of the prompt, read for the replicas a pick looks at (``candidates``)
+        rather than for every replica of the group."""
+        depths: dict[str, int] = {}
+        owner = large.stream_owner
+        for stream, blocks in held.items():
+            rid = owner.get(stream)
+            if rid is not None and blocks > depths.get(rid, 0):
+                depths[rid] = blocks
+        deepest = max(depths.values(), default=0)
+        recent = self.recent
+        for rid in recent.holders(chained, now, above=deepest):
+            if rid in large.ids:
+                blocks = recent.matched(rid, chained, now)
+                if blocks > depths.get(rid, 0):
+                    depths[rid] = blocks
+        deepest = max(depths.values(), default=0)
+        tie_key = chained[min(deepest + TIE_KEY_LOOKAHEAD_BLOCKS, len(chained) - 1)]
+        replicas = self._replicas
+
+        def demand(rid: str) -> float:
+            state = replicas[rid]
+            m = state.metrics
+            return max(float(state.in_flight), m.running + m.waiting if m is not None else 0.0)
+
+        chosen = dict.fromkeys(holder_candidates(depths, demand))
+        chosen.update(dict.fromkeys(large.ring.successors(tie_key, HOME_CANDIDATES)))
+        cached = {}
+        pressure = {}
+        for rid in chosen:
+            blocks = depths.get(rid, 0)
+            if blocks:
+                cached[rid] = blocks / len(chained)
+            evicting = max(map(self.kv_index.eviction_pressure, replicas[rid].kv_streams))
+            if evicting:
+                pressure[rid] = evicting
+        return PickRequest(hashes, large.ids, cached, pressure, tie_key, tuple(chosen))
+
     def _pick(
         self,
         tier: RouterTier,
@@ -651,10 +761,61 @@ class Router:
         scorers: list[WeightedScorer],
         exclude: frozenset[str] = frozenset(),
     ) -> Pick | None:
+        if request.candidates is not None:
+            chosen = self._pick_candidates(tier, role, request, now, scorers, exclude)
+            if chosen is not None:
+                return chosen
         views = self.views(tier.name, role, now)
         if exclude:
             views = [v for v in views if v.id not in exclude]
         return pick(request, views, self._filters, scorers, self.rng)
+
+    def _pick_candidates(
+        self,
+        tier: RouterTier,
+        role: RoleName,
+        request: PickRequest,
+        now: float,
+        scorers: list[WeightedScorer],
+        exclude: frozenset[str],
+    ) -> Pick | None:
+        """The pick among the request's candidates - and, when none of them has room for it
+        at once, a random sample of the rest of the group too; ``None`` when none passes the
+        filters (the caller then scans the whole group)."""
+        assert request.candidates is not None
+        large = self._large.get((tier.name, role))
+        if large is None:  # the group shrank since the request was made, or another role's
+            return None
+        ids = [rid for rid in request.candidates if rid in large.ids and rid not in exclude]
+        views = self._views_of(ids, now)
+        if not any(has_headroom(v) for v in views):
+            drawn = sample(large.order, [*ids, *exclude], SAMPLED_CANDIDATES, self.rng)
+            views += self._views_of(drawn, now)
+        if not views:
+            return None
+        return pick(request, views, self._filters, scorers, self.rng)
+
+    def _views_of(self, replica_ids: Sequence[str], now: float) -> list[ReplicaView]:
+        stale = self.config.scrape.stale_after.total_seconds()
+        replicas = self._replicas
+        is_ejected = self.health.is_ejected
+        views = []
+        for rid in replica_ids:
+            r = replicas[rid]
+            views.append(
+                make_view(
+                    rid,
+                    r.max_num_seqs,
+                    r.in_flight,
+                    r.metrics,
+                    r.scraped_at,
+                    now,
+                    stale,
+                    is_ejected(rid),
+                    r.pending_prefill,
+                )
+            )
+        return views
 
     def alternative(self, route: Route, exclude: set[str]) -> ReplicaState | None:
         """Another replica of the route's serving group for a retry, or ``None``."""
@@ -697,6 +858,21 @@ class Router:
         if readmitted:
             log.info("replica readmitted", extra={"replica": replica_id})
         return readmitted
+
+
+class _Large:
+    """What a pick needs of a group of over ``FULL_SCAN_MAX`` replicas, kept from one
+    discovery change to the next."""
+
+    def __init__(self, group: Sequence[ReplicaState]) -> None:
+        self.order = [r.id for r in group]
+        self.ids = frozenset(self.order)
+        self.ring = HashRing(self.order)
+        self.stream_owner = {s: r.id for r in group for s in r.kv_streams}
+        self.state: TierState | None = None
+        self.state_at = -math.inf
+        self.block_size: int | None = None
+        self.block_size_at = -math.inf
 
 
 @dataclass(frozen=True)

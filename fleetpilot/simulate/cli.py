@@ -21,6 +21,7 @@ from fleetpilot.loadgen.workloads import (
     make_workload,
     workload_options,
 )
+from fleetpilot.routing.policies.candidates import FULL_SCAN_MAX
 from fleetpilot.simulate import report
 from fleetpilot.simulate.baselines import FLEETPILOT, ROUTING_POLICIES
 from fleetpilot.simulate.fleet import PREFIX_SOURCES, Fleet, Progress, SimSettings
@@ -87,6 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=ROUTING_POLICIES,
         default=FLEETPILOT,
         help="the routers' replica choice: fleetpilot's, or a baseline to compare it with",
+    )
+    a(
+        "--full-scan-max",
+        type=_positive(int),
+        default=FULL_SCAN_MAX,
+        help="the largest group whose every replica a router scores; a larger one is picked "
+        "among a few candidates (default: %(default)s)",
     )
     a("--no-autoscale", action="store_true", help="hold every role at its starting replicas")
     a("--replicas", type=_positive(int), help="replicas each role starts with (default: spec)")
@@ -173,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         prefix_source=args.prefix_source,
         routing=args.routing,
+        full_scan_max=args.full_scan_max,
         autoscale=not args.no_autoscale,
         start_replicas=args.replicas,
         max_replicas=args.max_replicas,

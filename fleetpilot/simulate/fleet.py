@@ -38,6 +38,7 @@ from fleetpilot.operator.router_objects import router_config
 from fleetpilot.routing.discovery import Endpoint, KVPorts, kv_stream_id
 from fleetpilot.routing.errors import NoReplicaError, RouterError
 from fleetpilot.routing.features import extract_features
+from fleetpilot.routing.policies.candidates import FULL_SCAN_MAX
 from fleetpilot.routing.policies.kv_index import KVIndex
 from fleetpilot.routing.policies.load import EngineMetrics
 from fleetpilot.routing.router import Route, Router
@@ -72,6 +73,9 @@ class SimSettings:
     model: str | None = None  # the request's model field (default: the service's name)
     # The routers' replica choice: fleetpilot's, or a baseline (``baselines.ROUTING_POLICIES``).
     routing: str = FLEETPILOT
+    # The largest group a router scores every replica of (``Router.full_scan_max``); a
+    # what-if sets it high to compare the candidate-bounded pick with a scan of every replica.
+    full_scan_max: int = FULL_SCAN_MAX
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_POLICIES:
@@ -232,6 +236,7 @@ class Fleet:
                 clock=self._clock,
                 kv_index=self.kv_index,
                 kv_live=(lambda _stream: True) if events else None,
+                full_scan_max=settings.full_scan_max,
             )
             for i in range(service.spec.routing.replicas)
         ]

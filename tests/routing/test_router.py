@@ -12,8 +12,9 @@ from fleetpilot.kv_events import BlockRemoved, BlockStored
 from fleetpilot.routing.discovery import StaticSource
 from fleetpilot.routing.errors import OverloadedError, UnavailableError
 from fleetpilot.routing.features import extract_features
+from fleetpilot.routing.policies.candidates import HOLDER_CANDIDATES, HOME_CANDIDATES
 from fleetpilot.routing.policies.load import EngineMetrics
-from fleetpilot.routing.router import Router
+from fleetpilot.routing.router import TIER_STATE_MAX_AGE_S, Router
 from fleetpilot.routing.tokenize import RequestTokenizer
 from fleetpilot.runtime.reference_argv import REFERENCE_TOKENIZER
 from tests.routing.support import make_config
@@ -390,3 +391,134 @@ def test_a_prompt_cut_at_the_tokenizers_cap_never_skips_the_hop() -> None:
     route = router.decide(extract_features({"messages": CHAT}, "chat"))
     assert not route.local_prefill
     assert route.prefill is not None
+
+
+# -- groups too large to score every replica (policies.candidates) --------------------------
+
+
+def large_kv_router(
+    replicas: int,
+    *,
+    seed: int = 0,
+    full_scan_max: int | None = None,
+    now: list[float] | None = None,
+) -> Router:
+    """``replicas`` unified replicas publishing live KV events, the reference tokenizer; the
+    clock reads ``now[0]``."""
+    addresses = [f"10.1.{i // 200}.{i % 200 + 1}:1" for i in range(replicas)]
+    group = grp("unified", *addresses, seqs=8).model_copy(
+        update={"kv_events_port": 5557, "kv_replay_port": 5559}
+    )
+    config = make_config(
+        [RouterTier(name="small", model="sm", up_to=1.0, mode="unified", endpoints=[group],
+                    tokenizer=str(REFERENCE_TOKENIZER))]
+    )  # fmt: skip
+    clock = now if now is not None else [100.0]
+    extra = {} if full_scan_max is None else {"full_scan_max": full_scan_max}
+    router = Router(config, StaticSource(config), rng=random.Random(seed),
+                    kv_live=Live(*addresses), clock=lambda: clock[0], **extra)  # fmt: skip
+    router.tokenizers["small"] = TOKENIZER
+    return router
+
+
+LARGE = 200
+FEATURES = extract_features({"messages": CHAT}, "chat")
+
+
+def test_a_large_group_sends_a_cached_prompt_to_its_holder_scoring_a_few_replicas() -> None:
+    """Of 200 replicas one caches the prompt: the pick scores a handful (the holder and the
+    prompt's home on the ring) and chooses the holder, as a scan of all 200 does."""
+    bounded, full = large_kv_router(LARGE), large_kv_router(LARGE, full_scan_max=10_000)
+    holder = bounded.replicas()[137].id
+    for router in (bounded, full):
+        engine_caches(router, holder, CHAT)
+    route = bounded.decide(FEATURES)
+    assert route.replica.id == holder == full.decide(FEATURES).replica.id
+    assert route.request.candidates is not None
+    assert holder in route.request.candidates
+    assert len(route.request.candidates) <= HOLDER_CANDIDATES + HOME_CANDIDATES
+    assert full.decide(FEATURES).request.candidates is None
+
+
+def test_large_groups_in_two_router_replicas_send_a_cold_tenant_to_the_same_home() -> None:
+    """Each router scores only a few replicas, yet two of them (other random seeds) place
+    every cold tenant alike: its home on the ring comes from its tie key, the same in both;
+    and the tenants spread over the fleet."""
+    routers = [large_kv_router(LARGE, seed=seed) for seed in (1, 2)]
+
+    def sent(router: Router, n: int) -> str:
+        messages = [{"role": "system", "content": f"Tenant {n} desk. " * 12},
+                    {"role": "user", "content": "hello"}]  # fmt: skip
+        route = router.decide(extract_features({"messages": messages}, "chat"))
+        route.replica.in_flight += 1
+        route.replica.pending_prefill += route.prefill_blocks
+        return route.replica.id
+
+    placed = [[sent(r, n) for r in routers] for n in range(20)]
+    assert all(a == b for a, b in placed)
+    assert len({a for a, _ in placed}) >= 15
+
+
+def test_a_large_groups_next_request_follows_the_first_before_the_engine_reports_it() -> None:
+    """Nothing reported yet: a tenant's second request finds the first one's replica among
+    its candidates through what this router just sent there, though that replica is busier."""
+    router = large_kv_router(LARGE)
+    first = router.decide(FEATURES)
+    first.replica.in_flight = 2
+    second = router.decide(FEATURES)
+    assert second.replica.id == first.replica.id
+    assert second.prefix_match > 0.9
+
+
+def test_a_busy_neighbourhood_looks_further_and_a_full_one_scans_the_group() -> None:
+    """Every replica a prompt's pick looks at first is busy (a request waiting): it also
+    scores a random few of the rest and goes to one with room. With every replica full but
+    one, the candidates all fail the capacity filter and the whole group is scanned."""
+    now = [100.0]
+    first = large_kv_router(LARGE, now=now).decide(FEATURES).request.candidates
+    assert first is not None
+    router = large_kv_router(LARGE, now=now)  # nothing sent yet: the same candidates
+    for rid in first:
+        scrape(router, rid, waiting=1.0, at=now[0])
+    route = router.decide(FEATURES)
+    assert route.replica.id not in first
+
+    full = large_kv_router(LARGE, now=now)
+    limit = full.config.backpressure.max_waiting_per_replica
+    spare = full.replicas()[61].id
+    for r in full.replicas():
+        if r.id != spare:
+            scrape(full, r.id, waiting=float(limit), at=now[0])
+    route = full.decide(FEATURES)
+    assert route.replica.id == spare
+    assert spare not in (route.request.candidates or ())
+
+
+def test_a_large_groups_tier_state_is_read_again_after_its_max_age() -> None:
+    """Every replica full: 429. Freed, the group's tier state (read once per
+    TIER_STATE_MAX_AGE_S, not every request) answers 429 until it is that old, then routes."""
+    now = [100.0]
+    router = large_kv_router(LARGE, now=now)
+    limit = router.config.backpressure.max_waiting_per_replica
+    for r in router.replicas():
+        scrape(router, r.id, waiting=float(limit), at=now[0])
+    with pytest.raises(OverloadedError):
+        router.decide(FEATURES)
+    for r in router.replicas():
+        scrape(router, r.id, waiting=0.0, at=now[0])
+    now[0] += TIER_STATE_MAX_AGE_S / 2
+    with pytest.raises(OverloadedError):
+        router.decide(FEATURES)
+    now[0] += TIER_STATE_MAX_AGE_S
+    assert router.decide(FEATURES).replica is not None
+
+
+def test_a_retry_in_a_large_group_goes_to_another_replica() -> None:
+    router = large_kv_router(LARGE)
+    route = router.decide(FEATURES)
+    tried = {route.replica.id}
+    for _ in range(HOLDER_CANDIDATES + HOME_CANDIDATES + 2):
+        other = router.alternative(route, tried)
+        assert other is not None
+        assert other.id not in tried
+        tried.add(other.id)

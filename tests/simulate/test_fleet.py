@@ -13,6 +13,7 @@ from fleetpilot.api import InferenceService, load_services, parse_service
 from fleetpilot.cli import main
 from fleetpilot.loadgen.runner import Schedule, parse_schedule
 from fleetpilot.loadgen.workloads import make_workload
+from fleetpilot.routing.policies.candidates import FULL_SCAN_MAX
 from fleetpilot.routing.policies.prefix import UNCACHED_BLOCK_COST
 from fleetpilot.simulate.fleet import Fleet, Outcome, SimSettings
 from fleetpilot.simulate.profile import load_profile
@@ -319,3 +320,34 @@ def test_an_uncached_block_priced_twice_keeps_prompts_where_they_are_cached() ->
     assert twice.prefix_hit_rate is not None
     assert twice.prefix_hit_rate > once.prefix_hit_rate + 0.02
     assert (twice.ttft_s["p95"] or 0) < 0.85 * (once.ttft_s["p95"] or 0)
+
+
+def test_a_large_fleet_picked_among_candidates_routes_as_well_as_a_scan_of_every_replica() -> None:
+    """80 replicas, above the bound where a router scores every replica: picking among a few
+    candidates (the prompt's holders, its home on the ring, a sample when those are busy)
+    must keep as many prompts cached as scoring all 80 does, with no longer a TTFT tail (it is
+    shorter: a hot tenant's overflow lands on its home, where its next overflow finds it
+    cached, not on whichever replica is least loaded at the time)."""
+    service = example("single-tier.yaml")
+    reports = {}
+    for full_scan_max in (FULL_SCAN_MAX, 1 << 30):
+        settings = SimSettings(
+            Schedule.constant(3000.0),
+            2.0,
+            start_replicas=80,
+            autoscale=False,
+            seed=1,
+            full_scan_max=full_scan_max,
+        )
+        load = make_workload(
+            "shared-prefix", 1, tenants=200, tenant_skew=1.2, system_chars=4000, max_tokens=64
+        )
+        reports[full_scan_max] = summarize(
+            Fleet(service, load_profile("h100"), load, settings).run(), service
+        )
+    bounded, every = reports[FULL_SCAN_MAX], reports[1 << 30]
+    assert bounded.errors == every.errors == {}
+    assert bounded.prefix_hit_rate is not None
+    assert every.prefix_hit_rate is not None
+    assert bounded.prefix_hit_rate > every.prefix_hit_rate - 0.005
+    assert (bounded.ttft_s["p95"] or 0) <= (every.ttft_s["p95"] or 0)

@@ -35,6 +35,9 @@ class RecentSends:
         self.ttl_s = ttl_s
         self.max_keys = max_keys
         self._sent: dict[str, OrderedDict[bytes, float]] = {}
+        # key -> the replicas it is held for: which replicas to look at for a prompt
+        # (``holders``) without asking every replica of a thousand-replica group.
+        self._where: dict[bytes, dict[str, None]] = {}
 
     def record(self, replica: str, keys: Sequence[bytes], now: float) -> None:
         """The prompt with these keys was sent to ``replica`` at ``now``."""
@@ -43,10 +46,14 @@ class RecentSends:
         sent = self._sent.setdefault(replica, OrderedDict())
         expiry = now + self.ttl_s
         move = sent.move_to_end
+        where = self._where
         for key in reversed(keys):  # the head last: the most recent, trimmed last
+            if key in sent:
+                move(key)
+            else:
+                where.setdefault(key, {})[replica] = None
             sent[key] = expiry
-            move(key)
-        self._trim(sent, now)
+        self._trim(replica, sent, now)
 
     def matched(self, replica: str, keys: Sequence[bytes], now: float) -> int:
         """How many leading ``keys`` were sent to ``replica`` within the TTL."""
@@ -61,28 +68,57 @@ class RecentSends:
             n += 1
         return n
 
+    def holders(self, keys: Sequence[bytes], now: float, above: int = 0) -> dict[str, int]:
+        """The replicas some of ``keys`` were sent to within the TTL, each with the depth of
+        the deepest such key (1-based), looking only at depths over ``above``: where to ask
+        ``matched`` in a group too large to ask every replica (``matched`` is the exact
+        count; a replica sent a later key but since trimmed of an earlier one shows here
+        deeper than it matches)."""
+        found: dict[str, int] = {}
+        where = self._where
+        sent = self._sent
+        for depth in range(len(keys), above, -1):
+            replicas = where.get(keys[depth - 1])
+            if not replicas:
+                continue
+            key = keys[depth - 1]
+            for replica in replicas:
+                if replica not in found and sent[replica][key] > now:
+                    found[replica] = depth
+        return found
+
     def confirm(self, replica: str, keys: Iterable[bytes]) -> None:
         """The replica's engine reported these blocks stored: its events speak for them now."""
         sent = self._sent.get(replica)
         if sent:
             for key in keys:
-                sent.pop(key, None)
+                if sent.pop(key, None) is not None:
+                    self._unwhere(key, replica)
 
     def retain(self, replicas: Iterable[str]) -> None:
         """Forget every replica not in ``replicas``."""
         keep = set(replicas)
         for replica in [r for r in self._sent if r not in keep]:
-            del self._sent[replica]
+            for key in self._sent.pop(replica):
+                self._unwhere(key, replica)
 
     def size(self, replica: str) -> int:
         sent = self._sent.get(replica)
         return len(sent) if sent else 0
 
-    def _trim(self, sent: OrderedDict[bytes, float], now: float) -> None:
+    def _trim(self, replica: str, sent: OrderedDict[bytes, float], now: float) -> None:
         # Entries are in refresh order and every refresh adds the same TTL, so the oldest
         # expires first: expired ones are all at the front.
         while sent and (len(sent) > self.max_keys or next(iter(sent.values())) <= now):
-            sent.popitem(last=False)
+            key, _ = sent.popitem(last=False)
+            self._unwhere(key, replica)
+
+    def _unwhere(self, key: bytes, replica: str) -> None:
+        replicas = self._where.get(key)
+        if replicas is not None:
+            replicas.pop(replica, None)
+            if not replicas:
+                del self._where[key]
 
 
 __all__ = ["DEFAULT_MAX_KEYS", "DEFAULT_TTL_S", "RecentSends"]

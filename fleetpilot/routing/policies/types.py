@@ -61,6 +61,9 @@ class PickRequest:
     # (``router.TIE_KEY_LOOKAHEAD_BLOCKS``), so a cold tenant's requests land together and the
     # users of one shared prefix spread by their own next blocks. ``None``: break at random.
     tie_key: bytes | None = None
+    # The replicas worth scoring in a group too large to score every one
+    # (``policies.candidates``); ``None``: every replica of the group.
+    candidates: tuple[str, ...] | None = None
 
 
 class Filter(Protocol):

@@ -50,3 +50,25 @@ def test_the_bound_holds_and_departed_replicas_are_forgotten() -> None:
     assert (recent.size("a"), recent.size("b")) == (0, 1)
     with pytest.raises(ValueError, match="ttl_s"):
         RecentSends(ttl_s=0)
+
+
+def test_holders_name_the_replicas_sent_a_prompts_keys_at_the_deepest_they_were_sent() -> None:
+    """Where to look for a prompt in a large group: every replica sent some of its keys within
+    the TTL, with the deepest such key; only depths over ``above``; confirmed, expired,
+    trimmed and dropped replicas' keys leave it."""
+    recent = RecentSends(ttl_s=2.0, max_keys=4)
+    recent.record("a", KEYS[:4], now=0.0)
+    recent.record("b", KEYS[:2], now=0.5)
+    recent.record("c", KEYS[5:6], now=0.5)
+    assert recent.holders(KEYS, now=1.0) == {"a": 4, "b": 2, "c": 6}
+    assert recent.holders(KEYS[:5], now=1.0, above=2) == {"a": 4}
+    assert recent.holders(KEYS, now=2.2) == {"b": 2, "c": 6}  # a's expired
+    recent.confirm("b", KEYS[1:2])
+    assert recent.holders(KEYS[:3], now=1.0) == {"a": 3, "b": 1}
+    recent.record("a", KEYS[4:6], now=1.0)  # over max_keys: a's oldest (the tail first) go
+    assert recent.size("a") == 4
+    assert recent.holders(KEYS[2:4], now=1.5) == {}
+    assert recent.holders(KEYS[:2], now=1.5) == {"a": 2, "b": 1}
+    assert recent.holders(KEYS, now=1.5) == {"a": 6, "b": 1, "c": 6}
+    recent.retain(["a"])
+    assert recent.holders(KEYS, now=1.5) == {"a": 6}
