@@ -22,7 +22,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -415,7 +415,11 @@ class Router:
         return self._build_views(tier, role, now)
 
     def _build_views(self, tier: str, role: str, now: float) -> list[ReplicaView]:
+        return self._views_of(self._groups.get((tier, role), ()), now)
+
+    def _views_of(self, states: Iterable[ReplicaState], now: float) -> list[ReplicaView]:
         stale = self.config.scrape.stale_after.total_seconds()
+        is_ejected = self.health.is_ejected
         return [
             make_view(
                 r.id,
@@ -425,10 +429,10 @@ class Router:
                 r.scraped_at,
                 now,
                 stale,
-                self.health.is_ejected(r.id),
+                is_ejected(r.id),
                 r.pending_prefill,
             )
-            for r in self._groups.get((tier, role), ())
+            for r in states
         ]
 
     def tier_state(self, tier: RouterTier, now: float) -> TierState:
@@ -687,70 +691,61 @@ class Router:
         if not chained:
             return PickRequest(hashes, known), []
         held = self.kv_index.match_keys(chained)
-        if large is not None:
-            return self._large_pick_request(large, hashes, chained, held, now), chained
-        cached = {}
-        pressure = {}
-        deepest = 0
-        for r in group:
-            blocks = max((held.get(s, 0) for s in r.kv_streams), default=0)
-            blocks = max(blocks, self.recent.matched(r.id, chained, now))
-            deepest = max(deepest, blocks)
-            if blocks:
-                cached[r.id] = blocks / len(chained)
-            evicting = max(map(self.kv_index.eviction_pressure, r.kv_streams))
-            if evicting:
-                pressure[r.id] = evicting
+        if large is None:
+            depths = {}
+            for r in group:
+                blocks = max((held.get(s, 0) for s in r.kv_streams), default=0)
+                blocks = max(blocks, self.recent.matched(r.id, chained, now))
+                if blocks:
+                    depths[r.id] = blocks
+        else:
+            depths = self._large_depths(large, held, chained, now)
         # The KV-index keys are content hashes, the same in every router replica (the guessed
         # index's are salted per process), so only here can a tie be broken alike everywhere.
+        deepest = max(depths.values(), default=0)
         tie_key = chained[min(deepest + TIE_KEY_LOOKAHEAD_BLOCKS, len(chained) - 1)]
-        return PickRequest(hashes, known, cached, pressure, tie_key), chained
+        candidates = None
+        if large is not None:
+            holders = holder_candidates(depths, self._demand)
+            home = large.ring.successors(tie_key, HOME_CANDIDATES)
+            candidates = tuple(dict.fromkeys([*holders, *home]))
+        cached = {}
+        pressure = {}
+        for rid in candidates if candidates is not None else (r.id for r in group):
+            blocks = depths.get(rid, 0)
+            if blocks:
+                cached[rid] = blocks / len(chained)
+            evicting = max(map(self.kv_index.eviction_pressure, self._replicas[rid].kv_streams))
+            if evicting:
+                pressure[rid] = evicting
+        return PickRequest(hashes, known, cached, pressure, tie_key, candidates), chained
 
-    def _large_pick_request(
-        self,
-        large: _Large,
-        hashes: list[int],
-        chained: list[bytes],
-        held: Mapping[str, int],
-        now: float,
-    ) -> PickRequest:
-        """``_pick_request`` for a group of over ``FULL_SCAN_MAX`` replicas: the same
-        knowledge of the prompt, read for the replicas a pick looks at (``candidates``)
-        rather than for every replica of the group."""
+    def _large_depths(
+        self, large: _Large, held: Mapping[str, int], chained: list[bytes], now: float
+    ) -> dict[str, int]:
+        """Per replica of a large group that holds some of the prompt, its leading blocks held
+        (by the KV index's ``held`` per stream, or by what this router just sent there): read
+        from the holders, not from every replica."""
         depths: dict[str, int] = {}
         owner = large.stream_owner
         for stream, blocks in held.items():
             rid = owner.get(stream)
             if rid is not None and blocks > depths.get(rid, 0):
                 depths[rid] = blocks
-        deepest = max(depths.values(), default=0)
         recent = self.recent
-        for rid in recent.holders(chained, now, above=deepest):
+        for rid in recent.holders(chained, now, above=max(depths.values(), default=0)):
             if rid in large.ids:
                 blocks = recent.matched(rid, chained, now)
                 if blocks > depths.get(rid, 0):
                     depths[rid] = blocks
-        deepest = max(depths.values(), default=0)
-        tie_key = chained[min(deepest + TIE_KEY_LOOKAHEAD_BLOCKS, len(chained) - 1)]
-        replicas = self._replicas
+        return depths
 
-        def demand(rid: str) -> float:
-            state = replicas[rid]
-            m = state.metrics
-            return max(float(state.in_flight), m.running + m.waiting if m is not None else 0.0)
-
-        chosen = dict.fromkeys(holder_candidates(depths, demand))
-        chosen.update(dict.fromkeys(large.ring.successors(tie_key, HOME_CANDIDATES)))
-        cached = {}
-        pressure = {}
-        for rid in chosen:
-            blocks = depths.get(rid, 0)
-            if blocks:
-                cached[rid] = blocks / len(chained)
-            evicting = max(map(self.kv_index.eviction_pressure, replicas[rid].kv_streams))
-            if evicting:
-                pressure[rid] = evicting
-        return PickRequest(hashes, large.ids, cached, pressure, tie_key, tuple(chosen))
+    def _demand(self, replica_id: str) -> float:
+        """A replica's requests (``ReplicaView.demand``, scraped gauges however old): how the
+        holders of a prompt in a large group are ranked before their views are made."""
+        state = self._replicas[replica_id]
+        m = state.metrics
+        return max(float(state.in_flight), m.running + m.waiting if m is not None else 0.0)
 
     def _pick(
         self,
@@ -787,35 +782,14 @@ class Router:
         if large is None:  # the group shrank since the request was made, or another role's
             return None
         ids = [rid for rid in request.candidates if rid in large.ids and rid not in exclude]
-        views = self._views_of(ids, now)
+        replicas = self._replicas
+        views = self._views_of((replicas[rid] for rid in ids), now)
         if not any(has_headroom(v) for v in views):
             drawn = sample(large.order, [*ids, *exclude], SAMPLED_CANDIDATES, self.rng)
-            views += self._views_of(drawn, now)
+            views += self._views_of((replicas[rid] for rid in drawn), now)
         if not views:
             return None
         return pick(request, views, self._filters, scorers, self.rng)
-
-    def _views_of(self, replica_ids: Sequence[str], now: float) -> list[ReplicaView]:
-        stale = self.config.scrape.stale_after.total_seconds()
-        replicas = self._replicas
-        is_ejected = self.health.is_ejected
-        views = []
-        for rid in replica_ids:
-            r = replicas[rid]
-            views.append(
-                make_view(
-                    rid,
-                    r.max_num_seqs,
-                    r.in_flight,
-                    r.metrics,
-                    r.scraped_at,
-                    now,
-                    stale,
-                    is_ejected(rid),
-                    r.pending_prefill,
-                )
-            )
-        return views
 
     def alternative(self, route: Route, exclude: set[str]) -> ReplicaState | None:
         """Another replica of the route's serving group for a retry, or ``None``."""
