@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from router_support import machine, save
 
 ROOT = Path(__file__).parents[1]
@@ -99,17 +101,40 @@ def local_run(
                 check=True,
                 stdout=subprocess.DEVNULL,
             )
+            engines = [engine_ttft(port + 1 + i) for i in range(ENGINES)]
         finally:
             up.terminate()
             up.wait(timeout=60)
-        summary = json.loads(out.read_text())["summary"]
+        doc = json.loads(out.read_text())
+    summary = doc["summary"]
+    ttfts = [r["ttft_s"] for r in doc["requests"] if r.get("ttft_s") is not None]
+    engine_sum = sum(total for total, _ in engines)
+    engine_count = sum(count for _, count in engines)
     return {
         "ttft_p50_s": summary["ttft_s"]["p50"],
         "ttft_p95_s": summary["ttft_s"]["p95"],
+        "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
+        # The engines' own vllm:time_to_first_token_seconds (arrival to first token, as vLLM
+        # counts it), over every request they served: what the client's TTFT has beyond it is
+        # HTTP, SSE, the router and held-back bytes.
+        "engine_ttft_mean_s": engine_sum / engine_count if engine_count else None,
         "hit_rate": summary["prefix_hit_rate"],
         "requests": summary["requests"],
         "errors": summary["errors"],
     }
+
+
+def engine_ttft(port: int) -> tuple[float, float]:
+    """Sum and count of an engine's ``vllm:time_to_first_token_seconds`` histogram."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10.0).text
+    total = count = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vllm:time_to_first_token_seconds_sum":
+                total += sample.value
+            elif sample.name == "vllm:time_to_first_token_seconds_count":
+                count += sample.value
+    return total, count
 
 
 def simulated(
@@ -161,6 +186,14 @@ def direct(row: dict[str, Any]) -> str:
     return f"{found['ttft_p50_s'] * 1000:.1f} / {found['ttft_p95_s'] * 1000:.1f}"
 
 
+def means(real: dict[str, Any]) -> str:
+    """The client's mean TTFT and the engines' own (ms)."""
+    client, engine = real["ttft_mean_s"], real["engine_ttft_mean_s"]
+    if client is None or engine is None:
+        return "-"
+    return f"{client * 1000:.1f} / {engine * 1000:.1f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--profile", type=Path, help="a measured profile (default: calibrate)")
@@ -177,7 +210,7 @@ def main() -> None:
     print(
         f"{'workload':14} {'req/s':>5}  {'TTFT p50 real/sim (ms)':>24} {'err':>6}  "
         f"{'TTFT p95 real/sim (ms)':>24} {'err':>6}  {'hit rate real/sim':>18} {'err':>6}  "
-        f"{'engine direct':>14}"
+        f"{'engine direct':>14}  {'TTFT mean client/engines':>24}"
     )
     for workload, rate in CASES:
         real = local_run(workload, rate, args.duration, args.seed, args.port)
@@ -195,7 +228,7 @@ def main() -> None:
             f"{workload:14} {rate:>5.1f}  {pair(row, 'ttft_p50_s', 1000):>24} "
             f"{pct(row, 'ttft_p50_s'):>6}  {pair(row, 'ttft_p95_s', 1000):>24} "
             f"{pct(row, 'ttft_p95_s'):>6}  {pair(row, 'hit_rate', 1):>18} "
-            f"{pct(row, 'hit_rate'):>6}  {direct(row):>14}",
+            f"{pct(row, 'hit_rate'):>6}  {direct(row):>14}  {means(real):>24}",
             flush=True,
         )
     if args.save:
