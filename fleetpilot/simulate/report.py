@@ -4,6 +4,7 @@ GPU-hours and cost - as a table, JSON and a PNG."""
 from __future__ import annotations
 
 import importlib
+import statistics
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -18,7 +19,9 @@ QUANTILES = (50, 90, 95, 99)
 
 
 def _pcts(values: Sequence[float]) -> dict[str, float | None]:
-    return percentiles(values, QUANTILES)
+    """The percentiles and the mean (what an engine's histogram sum over count gives, to
+    compare with a real fleet's ``vllm:time_to_first_token_seconds``)."""
+    return {**percentiles(values, QUANTILES), "mean": statistics.fmean(values) if values else None}
 
 
 @dataclass(frozen=True)
