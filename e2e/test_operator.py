@@ -259,12 +259,15 @@ def test_removed_tier_is_pruned_and_added_tier_created(
     manifest["spec"]["tiers"].pop()
     del manifest["spec"]["tiers"][0]["complexity"]
     apply_service(kube, manifest)
+    # The prune deletes one object after another (the Deployment before its PodDisruptionBudget),
+    # so all three are waited for: the Deployment gone says nothing yet of the PDB.
+    pruned = ("Service", "Deployment", "PodDisruptionBudget")
     eventually(
         "large tier pruned",
-        lambda: True if get(kube, "Deployment", namespace, "chat-large") is None else None,
+        lambda: (
+            True if all(get(kube, k, namespace, "chat-large") is None for k in pruned) else None
+        ),
     )
-    for kind in ("Service", "PodDisruptionBudget"):
-        assert get(kube, kind, namespace, "chat-large") is None
     assert get(kube, "Deployment", namespace, "chat-small") is not None
 
 
