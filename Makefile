@@ -8,7 +8,7 @@ SRC := fleetpilot
 
 CLUSTER_DIR := .cache/cluster
 
-.PHONY: setup vllm baselines test lint typecheck imports unit controlplane prometheus cluster-up cluster-down demo crds clean
+.PHONY: setup vllm baselines test lint typecheck imports unit controlplane kstatus prometheus cluster-up cluster-down demo crds clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -62,13 +62,18 @@ controlplane:
 
 # A real Prometheus server for the autoscaler tests: Debian's package, installed when missing
 # (CI and developer machines run as root; elsewhere install it yourself).
+# Flux's kstatus (sigs.k8s.io/cli-utils, pinned in e2e/kstatus/go.mod) as a small checker the
+# e2e tests pipe live objects through (the first build takes ~2 minutes).
+kstatus:
+	e2e/kstatus/build.sh
+
 prometheus:
 	@command -v prometheus >/dev/null || { \
 		echo "installing Debian's prometheus package for the autoscaler tests"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
 	@prometheus --version 2>&1 | head -1
 
-unit: setup vllm baselines controlplane prometheus
+unit: setup vllm baselines controlplane kstatus prometheus
 	$(BIN)/pytest
 
 cluster-up: setup controlplane

@@ -23,6 +23,10 @@ class ConditionType(StrEnum):
     DEGRADED = "Degraded"
     SCALING_ACTIVE = "ScalingActive"
     CAPACITY_SUFFICIENT = "CapacitySufficient"
+    # kstatus' two conditions (sigs.k8s.io/cli-utils), the only ones Flux reads on a custom
+    # resource: Reconciling=True is "in progress", Stalled=True is "failed".
+    RECONCILING = "Reconciling"
+    STALLED = "Stalled"
 
 
 class Condition(ApiModel):
@@ -30,7 +34,9 @@ class Condition(ApiModel):
 
     type: str = Field(
         max_length=316,
-        description="Ready, Progressing, Degraded, ScalingActive, CapacitySufficient.",
+        description=(
+            "Ready, Progressing, Degraded, ScalingActive, CapacitySufficient, Reconciling, Stalled."
+        ),
     )
     status: ConditionStatus = Field(description="True, False or Unknown.")
     reason: str = Field(
@@ -109,7 +115,9 @@ class InferenceServiceStatus(ApiModel):
     )
     conditions: list[Condition] = Field(
         default_factory=list,
-        description="Ready, Progressing, Degraded, ScalingActive, CapacitySufficient.",
+        description=(
+            "Ready, Progressing, Degraded, ScalingActive, CapacitySufficient, Reconciling, Stalled."
+        ),
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     tiers: list[TierStatus] = Field(default_factory=list, description="Per-tier replicas.")

@@ -5,6 +5,11 @@ has all its replicas ready, the router included - not "the objects were created"
 carries the reason a person would otherwise dig out of pods: crash loops, image pulls that
 fail, pods no node can take (with the scheduler's words), rollouts past their deadline, or a
 plan the operator refused.
+
+Reconciling and Stalled are kstatus' conditions (sigs.k8s.io/cli-utils), which Flux and other
+GitOps tools read on a custom resource: Reconciling=True while a rollout is under way,
+Stalled=True when it cannot finish without someone's help (a refused plan, a rollout past its
+deadline, pods the API refuses to create). Never both True: kstatus takes the first it finds.
 """
 
 from __future__ import annotations
@@ -44,7 +49,11 @@ _OPERATOR_CONDITIONS = {
     ConditionType.PROGRESSING,
     ConditionType.DEGRADED,
     ConditionType.CAPACITY_SUFFICIENT,
+    ConditionType.RECONCILING,
+    ConditionType.STALLED,
 }
+# Problems no amount of waiting fixes: the service is Stalled on them.
+_STALLING_REASONS = {"PlanRefused", "RolloutStuck", "ReplicaFailure"}
 
 
 @dataclass(frozen=True)
@@ -182,13 +191,27 @@ def compute_status(
         ready = cond(
             ConditionType.READY, True, "AllReplicasReady", "every role and the router are ready"
         )
-    if pending and plan_error is None:
+    stalls = [(reason, message) for reason, message in problems if reason in _STALLING_REASONS]
+    if stalls:
+        stall_message = "; ".join(m for _, m in stalls[:MAX_PROBLEMS_IN_MESSAGE])
+        stalled = cond(ConditionType.STALLED, True, stalls[0][0], stall_message)
+        progressing = cond(ConditionType.PROGRESSING, False, stalls[0][0], stall_message)
+    elif pending:
         rolling = ", ".join(r.label for r in pending)
         progressing = cond(ConditionType.PROGRESSING, True, "RollingOut", f"rolling out: {rolling}")
+        stalled = cond(ConditionType.STALLED, False, "NotStalled", "nothing stands in the way")
     else:
         progressing = cond(
             ConditionType.PROGRESSING, False, "RolloutComplete", "no rollout under way"
         )
+        stalled = cond(ConditionType.STALLED, False, "NotStalled", "nothing stands in the way")
+    # Reconciling says what Progressing says, under the name kstatus reads.
+    reconciling = cond(
+        ConditionType.RECONCILING,
+        progressing.status == ConditionStatus.TRUE,
+        progressing.reason,
+        progressing.message,
+    )
     if problems:
         reason = problems[0][0]
         message = "; ".join(m for _, m in problems[:MAX_PROBLEMS_IN_MESSAGE])
@@ -203,7 +226,7 @@ def compute_status(
     # The operator's own conditions, each keeping its lastTransitionTime unless it flipped;
     # ScalingActive is the autoscaler's and is kept as it was.
     conditions = [c for c in old_conditions if c.type in _OPERATOR_CONDITIONS]
-    for fresh in (ready, progressing, degraded, capacity):
+    for fresh in (ready, progressing, degraded, capacity, reconciling, stalled):
         conditions = set_condition(conditions, fresh)
     conditions += [c for c in old_conditions if c.type == ConditionType.SCALING_ACTIVE.value]
     unready_tiers = {r.tier for r in pending if r.tier is not None}

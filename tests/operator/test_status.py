@@ -6,11 +6,14 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+import yaml
 
 from fleetpilot.api import InferenceService
 from fleetpilot.api.status import Condition, InferenceServiceStatus, RoleStatus, TierStatus
 from fleetpilot.operator.status import Observed, compute_status
 from tests.factories import make_service, make_tier
+from tests.support.argocd import CUSTOMIZATION, argocd_health
+from tests.support.kstatus import kstatus
 
 NOW = datetime(2026, 11, 29, 10, 0, tzinfo=UTC)
 
@@ -260,3 +263,129 @@ def test_capacity_sufficient_says_what_the_planner_computed(
     capacity = _conditions(compute_status(svc, _observed(), None, NOW))["CapacitySufficient"]
     assert (capacity.status, capacity.reason) == (status, reason)
     assert words in capacity.message
+
+
+def _as_written(service: InferenceService, status: InferenceServiceStatus) -> dict[str, Any]:
+    """The object as the API server would return it after the operator's status write."""
+    return {
+        "apiVersion": "fleetpilot.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": service.name, "generation": service.metadata.generation},
+        "status": status.model_dump(mode="json", by_alias=True, exclude_none=True),
+    }
+
+
+_STUCK = [
+    {
+        "type": "Progressing",
+        "status": "False",
+        "reason": "ProgressDeadlineExceeded",
+        "message": 'ReplicaSet "chat-small-6d4" has timed out progressing.',
+    }
+]
+_QUOTA = [
+    {
+        "type": "ReplicaFailure",
+        "status": "True",
+        "reason": "FailedCreate",
+        "message": 'pods "chat-small-x" is forbidden: exceeded quota: no-pods',
+    }
+]
+
+
+_CRASH = {
+    "metadata": {"name": "chat-small-abc"},
+    "status": {"containerStatuses": [{"state": {"waiting": {"reason": "CrashLoopBackOff"}}}]},
+}
+# Each phase of a service's life: (what the cluster shows, the planner's refusal).
+PHASES: dict[str, tuple[Observed, str | None]] = {
+    "ready": (_observed(_deployment("chat-small"), _deployment("chat-router")), None),
+    "rolling out": (_observed(_deployment("chat-small", 2, 1), _deployment("chat-router")), None),
+    "refused": (_observed(), "spec.tiers[0].parallelism.tensor: 16 GPUs, a node has 8"),
+    "stuck": (
+        _observed(_deployment("chat-small", 1, 0, conditions=_STUCK), _deployment("chat-router")),
+        None,
+    ),
+    "quota": (
+        _observed(_deployment("chat-small", 1, 0, conditions=_QUOTA), _deployment("chat-router")),
+        None,
+    ),
+    "crash looping mid-rollout": (
+        _observed(_deployment("chat-small", 1, 0), _deployment("chat-router"), pods=[_CRASH]),
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("case", "kstatus_status", "reconciling", "stalled"),
+    [
+        ("ready", "Current", "False", "False"),
+        ("rolling out", "InProgress", "True", "False"),
+        ("refused", "Failed", "False", "True"),
+        ("stuck", "Failed", "False", "True"),
+        ("quota", "Failed", "False", "True"),
+        ("crash looping mid-rollout", "InProgress", "True", "False"),
+    ],
+)
+def test_flux_kstatus_reads_each_phase_right(
+    service: InferenceService, case: str, kstatus_status: str, reconciling: str, stalled: str
+) -> None:
+    """Reconciling and Stalled are what Flux's kstatus reads on a custom resource: the real
+    library (cli-utils, pinned) says InProgress while a rollout is under way, Current when
+    ready, Failed on a refused plan or a rollout that cannot finish - never both True."""
+    observed, plan_error = PHASES[case]
+    status = compute_status(service, observed, None, NOW, plan_error=plan_error)
+    conditions = _conditions(status)
+    assert conditions["Reconciling"].status == reconciling
+    assert conditions["Stalled"].status == stalled
+    assert conditions["Reconciling"].status == conditions["Progressing"].status
+    (computed,) = kstatus([_as_written(service, status)])
+    assert computed["status"] == kstatus_status, computed
+    if stalled == "True":
+        assert computed["message"] == conditions["Stalled"].message
+
+
+@pytest.mark.parametrize(
+    ("case", "health"),
+    [
+        ("ready", "Healthy"),
+        ("rolling out", "Progressing"),
+        ("refused", "Degraded"),
+        ("stuck", "Degraded"),
+        ("quota", "Degraded"),
+        ("crash looping mid-rollout", "Progressing"),
+    ],
+)
+def test_argocd_health_lua_reads_each_phase_right(
+    service: InferenceService, case: str, health: str
+) -> None:
+    """The shipped health.lua, in a real Lua 5.1 as Argo CD runs it, over each phase."""
+    observed, plan_error = PHASES[case]
+    status = compute_status(service, observed, None, NOW, plan_error=plan_error)
+    result = argocd_health(_as_written(service, status))
+    assert result["status"] == health, result
+    if health == "Degraded":
+        assert _conditions(status)["Stalled"].message in result["message"]
+
+
+def test_argocd_health_waits_for_a_status_of_the_latest_spec(service: InferenceService) -> None:
+    """No status yet, or one computed from an older generation, is Progressing - never the
+    old Healthy (the window right after an apply, before the operator has written)."""
+    written = _as_written(service, compute_status(service, PHASES["ready"][0], None, NOW))
+    assert argocd_health(written)["status"] == "Healthy"
+    assert argocd_health({**written, "status": None})["status"] == "Progressing"
+    newer = {**written, "metadata": {**written["metadata"], "generation": 5}}
+    assert argocd_health(newer) == {
+        "status": "Progressing",
+        "message": "Waiting for the operator to see generation 5",
+    }
+
+
+def test_argocd_health_test_cases_pass() -> None:
+    """health_test.yaml, in the layout of Argo CD's resource_customizations, passes."""
+    cases = yaml.safe_load((CUSTOMIZATION / "health_test.yaml").read_text())["tests"]
+    assert len(cases) >= 5
+    for case in cases:
+        obj = yaml.safe_load((CUSTOMIZATION / case["inputPath"]).read_text())
+        assert argocd_health(obj) == case["healthStatus"], case["inputPath"]
