@@ -1,6 +1,8 @@
 """kopf handlers: the thin shell that feeds cluster events to the reconciler.
 
-InferenceService create/update/resume runs a full reconcile. Changes of child Deployments
+InferenceService create/update/resume runs a full reconcile; its watch events also feed the
+autoscaler's loop (operator.autoscaling: a loop, not a kopf timer, so no finalizer holds a
+service's deletion hostage to the operator running). Changes of child Deployments
 and Pods (selected by label, so the operator never watches unrelated objects) refresh only the
 owning service's status. Errors the API server may get over (409, 429, 5xx) are retried by
 kopf with backoff; anything else is reported on the object and left until its next change.
@@ -8,8 +10,11 @@ kopf with backoff; anything else is reported on the object and left until its ne
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -24,6 +29,7 @@ from fleetpilot.kube import names
 from fleetpilot.kube.client import Kube, KubeError
 from fleetpilot.kube.connect import connect
 from fleetpilot.operator import metrics
+from fleetpilot.operator.autoscaling import ServiceTicker
 from fleetpilot.operator.plan_types import DEFAULT_FLEETPILOT_IMAGE, PlanOptions
 from fleetpilot.operator.reconcile import Reconciler
 
@@ -47,7 +53,7 @@ def _plain(body: Any) -> dict[str, Any]:
     return {key: _plain(value) if hasattr(value, "keys") else value for key, value in body.items()}
 
 
-# The timer fires often; each service's roles are decided only when their own
+# The loop ticks often; each service's roles are decided only when their own
 # autoscaling.interval has passed (loop.tick skips roles not yet due).
 AUTOSCALE_TICK_S = 5.0
 
@@ -66,8 +72,7 @@ def build_registry(
         # kopf's own login handler lives in its global registry, which this one replaces.
         return kopf.login_via_client(**kwargs)
 
-    @kopf.on.startup(registry=registry)
-    def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    def prepare(settings: kopf.OperatorSettings, memo: kopf.Memo) -> None:
         # Explicit Events only (created/updated/pruned/refused); kopf would otherwise post
         # one for every log line of a handler.
         settings.posting.level = logging.WARNING
@@ -88,8 +93,31 @@ def build_registry(
         memo["actuator"] = kubernetes_actuator(kube)
         memo["histories"] = {}
 
+        def autoscale(body: Mapping[str, Any]) -> None:
+            """Decide and scale every due role of the service from its Prometheus metrics."""
+            monitoring = body.get("spec", {}).get("monitoring", {}) or {}
+            source = memo["prometheus"].for_url(monitoring.get("prometheusUrl"))
+            if source is None:
+                return  # no Prometheus for the operator or the service: nothing to read
+            tick(body, source, memo["actuator"], memo["histories"])
+
+        memo["ticker"] = ServiceTicker(autoscale, AUTOSCALE_TICK_S)
+
+    @kopf.on.startup(registry=registry)
+    async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        await asyncio.to_thread(prepare, settings, memo)  # blocking API calls
+        memo["ticker_task"] = asyncio.create_task(memo["ticker"].run(), name="autoscaler")
+
     @kopf.on.cleanup(registry=registry)
-    def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+        task: asyncio.Task[None] | None = memo.get("ticker_task")
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        ticker: ServiceTicker | None = memo.get("ticker")
+        if ticker is not None:
+            ticker.close()
         sources: PrometheusSources | None = memo.get("prometheus")
         if sources is not None:
             sources.close()
@@ -125,14 +153,10 @@ def build_registry(
             },
         )
 
-    @kopf.timer(GROUP, VERSION, PLURAL, interval=AUTOSCALE_TICK_S, registry=registry)
-    def autoscale(body: kopf.Body, spec: kopf.Spec, memo: kopf.Memo, **_: Any) -> None:
-        """Decide and scale every due role of the service from its Prometheus metrics."""
-        monitoring = spec.get("monitoring", {}) or {}
-        source = memo["prometheus"].for_url(monitoring.get("prometheusUrl"))
-        if source is None:
-            return  # no Prometheus configured for the operator or the service: nothing to read
-        tick(_plain(body), source, memo["actuator"], memo["histories"])
+    @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
+    def service_event(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        ticker: ServiceTicker = memo["ticker"]
+        ticker.observe(event.get("type"), _plain(body))
 
     def refresh_owner(namespace: str | None, labels: Any, memo: kopf.Memo) -> None:
         service_name = labels.get(names.LABEL_SERVICE)

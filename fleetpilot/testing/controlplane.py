@@ -59,9 +59,11 @@ CONTROLLERS = "*,-node-lifecycle-controller"
 #: TaintNodesByCondition puts node.kubernetes.io/not-ready:NoSchedule on every new Node, and only
 #: a kubelet's status update would remove it, so the scheduler would never place a pod on a fake
 #: node. ServiceAccount admission stays on: the controller-manager runs the service-account and
-#: token controllers, as in a real cluster.
+#: token controllers, as in a real cluster. OwnerReferencesPermissionEnforcement is on, as in
+#: OpenShift: an ownerReference with blockOwnerDeletion needs `update` on the owner's
+#: `finalizers` subresource, so the chart's RBAC is tested against the stricter clusters.
 DISABLED_ADMISSION_PLUGINS = "TaintNodesByCondition"
-ENABLED_ADMISSION_PLUGINS = "NodeRestriction"
+ENABLED_ADMISSION_PLUGINS = "NodeRestriction,OwnerReferencesPermissionEnforcement"
 
 STATE_FILE = "state.json"
 ADMIN_KUBECONFIG = "admin.kubeconfig"

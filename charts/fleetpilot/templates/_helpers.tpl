@@ -85,11 +85,16 @@ ClusterRole and the per-namespace Roles cannot drift apart. tests/charts/test_ch
 the same table: a change here must change it there too.
 */}}
 {{- define "fleetpilot.namespacedRules" -}}
-# The InferenceService API: kopf watches and patches (finalizers, progress annotations); the
-# reconciler reads a service when one of its children changes.
+# The InferenceService API: kopf watches and patches (progress annotations, and removes the
+# finalizer older releases added); the reconciler reads a service when a child changes.
 - apiGroups: [fleetpilot.dev]
   resources: [inferenceservices]
   verbs: [get, list, watch, patch]
+# Every child's ownerReference has blockOwnerDeletion, which clusters enforcing owner-reference
+# permissions (OwnerReferencesPermissionEnforcement: OpenShift) allow only with this.
+- apiGroups: [fleetpilot.dev]
+  resources: [inferenceservices/finalizers]
+  verbs: [update]
 # Status is written with a merge patch to the status subresource.
 - apiGroups: [fleetpilot.dev]
   resources: [inferenceservices/status]
@@ -116,7 +121,7 @@ the same table: a change here must change it there too.
 - apiGroups: [monitoring.coreos.com]
   resources: [podmonitors]
   verbs: [get, list, watch, create, patch, delete]
-# The operator's autoscaler timer scales engine Deployments through the scale subresource,
+# The operator's autoscaler loop scales engine Deployments through the scale subresource,
 # under its own field manager (fleetpilot-autoscaler), so re-applied specs leave replicas alone.
 - apiGroups: [apps]
   resources: [deployments/scale]
