@@ -664,6 +664,14 @@ class Routing(ApiModel):
     )
     cpu: Quantity = Field("1", description="CPU request per router pod.")
     memory: Quantity = Field("1Gi", description="Memory request and limit per router pod.")
+    priority_class_name: str | None = Field(
+        None,
+        max_length=253,
+        description=(
+            "PriorityClass of router pods: the fleet's front door, worth more than the pods "
+            "a node evicts first (the chart can create one: routerPriorityClass)."
+        ),
+    )
 
 
 class PodMonitorMode(StrEnum):

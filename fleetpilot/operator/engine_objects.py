@@ -15,6 +15,7 @@ from fleetpilot.engine.vllm_args import (
 )
 from fleetpilot.kube import names
 from fleetpilot.operator.plan_types import K8sObject, object_meta
+from fleetpilot.operator.pod_policy import container_security, pod_security, spread
 
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 # GPU nodes are commonly tainted so only GPU pods land there; engine pods tolerate it.
@@ -47,7 +48,12 @@ def hub_token_env(hub: HuggingFaceSource | None) -> list[K8sObject]:
 
 def _env(service: InferenceService, role: ResolvedRole) -> list[K8sObject]:
     tier = role.tier
-    env: list[K8sObject] = [{"name": "HF_HOME", "value": f"{CACHE_MOUNT}/huggingface"}]
+    env: list[K8sObject] = [
+        # Not root (pod_policy): vLLM's, torch's and triton's caches under ~ go to the
+        # writable emptyDir, as the image's own home is root's.
+        {"name": "HOME", "value": CACHE_MOUNT},
+        {"name": "HF_HOME", "value": f"{CACHE_MOUNT}/huggingface"},
+    ]
     env += hub_token_env(tier.model.source.huggingface)
     if role.disaggregated:
         # The KV connector advertises this address to its peers for the block hand-off.
@@ -151,6 +157,8 @@ def engine_deployment(service: InferenceService, role: ResolvedRole) -> K8sObjec
         "readinessProbe": _probe("/health", 5, 3),
         "livenessProbe": _probe("/health", 15, 4),
         "volumeMounts": mounts,
+        # Not read-only: torch and triton write JIT artefacts beside their packages' caches.
+        "securityContext": container_security(read_only_root=False),
     }
     return {
         "apiVersion": "apps/v1",
@@ -182,6 +190,10 @@ def engine_deployment(service: InferenceService, role: ResolvedRole) -> K8sObjec
                 "spec": {
                     "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
                     "enableServiceLinks": False,
+                    "securityContext": pod_security(),
+                    "topologySpreadConstraints": spread(
+                        names.engine_selector(service.name, tier.name, role.name)
+                    ),
                     **_placement(service, role),
                     "containers": [container],
                     "volumes": volumes,

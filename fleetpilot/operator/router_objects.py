@@ -19,6 +19,7 @@ from fleetpilot.engine.vllm_args import ENGINE_PORT, launch_for
 from fleetpilot.kube import names
 from fleetpilot.operator.engine_objects import hub_token_env
 from fleetpilot.operator.plan_types import K8sObject, PlanOptions, object_meta
+from fleetpilot.operator.pod_policy import container_security, pod_security, spread
 from fleetpilot.routing.features import CHARS_PER_TOKEN
 
 ROUTER_PORT = 8000
@@ -158,13 +159,6 @@ def router_objects(service: InferenceService, options: PlanOptions) -> list[K8sO
     meta = object_meta(service, name, labels)
     routing = service.spec.routing
     config_text = yaml.safe_dump(router_config(service).to_wire(), sort_keys=False)
-    security = {
-        "runAsNonRoot": True,
-        "readOnlyRootFilesystem": True,
-        "allowPrivilegeEscalation": False,
-        "capabilities": {"drop": ["ALL"]},
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
     probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5}
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
@@ -225,6 +219,13 @@ def router_objects(service: InferenceService, options: PlanOptions) -> list[K8sO
                     "spec": {
                         "serviceAccountName": name,
                         "enableServiceLinks": False,
+                        "securityContext": pod_security(),
+                        "topologySpreadConstraints": spread(selector),
+                        **(
+                            {"priorityClassName": routing.priority_class_name}
+                            if routing.priority_class_name
+                            else {}
+                        ),
                         "containers": [
                             {
                                 "name": "router",
@@ -249,7 +250,7 @@ def router_objects(service: InferenceService, options: PlanOptions) -> list[K8sO
                                 },
                                 "readinessProbe": probe,
                                 "livenessProbe": {**probe, "periodSeconds": 10},
-                                "securityContext": security,
+                                "securityContext": container_security(read_only_root=True),
                                 "env": tokenizer_env(service),
                                 "volumeMounts": [
                                     {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
