@@ -23,6 +23,8 @@ from fleetpilot.operator.summary import summarize
 
 EXIT_INVALID = 2
 EXIT_STALE = 1
+# A leader that could not renew its Lease: the process stops so that only one replica acts.
+EXIT_LOST_LEADERSHIP = 3
 
 
 class _Parser(argparse.ArgumentParser):
@@ -87,6 +89,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _operator(args: argparse.Namespace) -> int:
     import os
+    import time
 
     if args.kubeconfig:
         # Before the kubernetes client is imported: it reads KUBECONFIG once, at import.
@@ -104,6 +107,23 @@ def _operator(args: argparse.Namespace) -> int:
     kopf.configure(verbose=args.verbose, log_format=log_format)
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.bind)
+    priority = 0
+    if args.leader_election:
+        lease_namespace = (
+            args.leader_election_namespace
+            or os.environ.get("POD_NAMESPACE")
+            or (args.namespace[0] if args.namespace else None)
+        )
+        if not lease_namespace:
+            print("error: --leader-election needs --leader-election-namespace", file=sys.stderr)
+            return EXIT_INVALID
+        if args.lease_duration < 3:
+            print("error: --lease-duration must be at least 3 seconds", file=sys.stderr)
+            return EXIT_INVALID
+        _wait_for_leadership(args, lease_namespace)
+        # A newer leader outranks an older one in kopf's peering: a killed leader's peering
+        # record never pauses its successor, and an operator outside the election yields.
+        priority = int(time.time())
     registry = build_registry(
         fleetpilot_image=args.image,
         kubeconfig=args.kubeconfig,
@@ -119,8 +139,44 @@ def _operator(args: argparse.Namespace) -> int:
         namespaces=args.namespace or (),
         clusterwide=args.all_namespaces,
         liveness_endpoint=liveness,
+        priority=priority,
     )
     return 0
+
+
+def _wait_for_leadership(args: argparse.Namespace, lease_namespace: str) -> None:
+    """Block as a standby (serving /healthz) until this process holds the Lease."""
+    import logging
+    import os
+
+    from fleetpilot.kube.connect import connect
+    from fleetpilot.operator.leadership import (
+        Leadership,
+        LeaseSettings,
+        StandbyHealth,
+        default_identity,
+    )
+
+    log = logging.getLogger("fleetpilot.operator")
+
+    def lost() -> None:
+        log.error("lost the lease: exiting so that no two replicas act at once")
+        os._exit(EXIT_LOST_LEADERSHIP)
+
+    settings = LeaseSettings(
+        name=args.leader_election_name,
+        namespace=lease_namespace,
+        identity=args.identity or default_identity(),
+        lease_duration_s=args.lease_duration,
+        renew_deadline_s=max(1, args.lease_duration * 2 // 3),
+        retry_period_s=max(1, args.lease_duration // 7),
+    )
+    leadership = Leadership(connect(args.kubeconfig), settings, lost)
+    standby = StandbyHealth(args.bind, args.liveness_port) if args.liveness_port else None
+    leadership.start()
+    leadership.wait()
+    if standby is not None:
+        standby.close()
 
 
 ENGINE_BACKENDS = {
@@ -178,7 +234,32 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument(
         "--standalone", action="store_true", help="no leader election (one replica only)"
     )
-    op.add_argument("--peering", default="fleetpilot", help="kopf peering object for leadership")
+    op.add_argument(
+        "--peering",
+        default="fleetpilot",
+        help="kopf peering object: operators sharing it never act at once (default: fleetpilot)",
+    )
+    op.add_argument(
+        "--leader-election",
+        action="store_true",
+        help="run as one of several replicas: act only while holding a Lease, stand by before",
+    )
+    op.add_argument(
+        "--leader-election-namespace",
+        help="namespace of the Lease (default: $POD_NAMESPACE, else the first --namespace)",
+    )
+    op.add_argument(
+        "--leader-election-name", default="fleetpilot", help="the Lease (default: fleetpilot)"
+    )
+    op.add_argument(
+        "--lease-duration",
+        type=int,
+        default=15,
+        help="seconds a standby waits on an unrenewed Lease before taking over (default: 15)",
+    )
+    op.add_argument(
+        "--identity", help="this replica's name in the Lease (default: $POD_NAME or host, unique)"
+    )
     op.add_argument("--image", default=DEFAULT_FLEETPILOT_IMAGE, help="router image to deploy")
     op.add_argument(
         "--prometheus-url",

@@ -53,6 +53,8 @@ APPLIED = verbs("get list watch create patch delete")  # server-side apply, prun
 NAMESPACED_RULES: RuleTable = {
     ("fleetpilot.dev", "inferenceservices"): verbs("get list watch patch"),
     ("fleetpilot.dev", "inferenceservices/status"): verbs("get patch"),
+    # blockOwnerDeletion on the children (OwnerReferencesPermissionEnforcement, OpenShift)
+    ("fleetpilot.dev", "inferenceservices/finalizers"): verbs("update"),
     ("apps", "deployments"): APPLIED,
     ("", "services"): APPLIED,
     ("", "configmaps"): APPLIED,
@@ -62,11 +64,13 @@ NAMESPACED_RULES: RuleTable = {
     ("policy", "poddisruptionbudgets"): APPLIED,
     ("networking.k8s.io", "networkpolicies"): APPLIED,
     ("monitoring.coreos.com", "podmonitors"): APPLIED,
-    ("apps", "deployments/scale"): verbs("get patch"),  # the in-operator autoscaler timer
+    ("apps", "deployments/scale"): verbs("get patch"),  # the in-operator autoscaler
     ("", "pods"): verbs("get list watch"),
     ("", "events"): verbs("create patch"),
     ("discovery.k8s.io", "endpointslices"): verbs("get list watch"),  # granted on to routers
 }
+# The leader election's Lease (the kubernetes client's LeaseLock reads, creates, replaces).
+LEASE_RULES: RuleTable = {("coordination.k8s.io", "leases"): verbs("get create update")}
 # kopf's cluster-scoped reads: CRDs in either scope, namespaces only when serving a list of them.
 KOPF_CRD_RULES: RuleTable = {
     ("apiextensions.k8s.io", "customresourcedefinitions"): verbs("list watch"),
@@ -206,6 +210,8 @@ def test_default_values_render_a_cluster_wide_operator(chart: helm.Chart) -> Non
         "ClusterRole",
         "ClusterRoleBinding",
         "Deployment",
+        "Role",  # the leader election's Lease, in the release's namespace
+        "RoleBinding",
         "Service",
         "ServiceAccount",
     ]
@@ -215,11 +221,19 @@ def test_default_values_render_a_cluster_wide_operator(chart: helm.Chart) -> Non
         "namespace": RELEASE_NAMESPACE,
     }
     assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    # A new pod stands by until the old one's Lease lapses: no need to stop the old first.
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
     assert operator_args(objects) == [
         "operator",
         "--all-namespaces",
         f"--peering={FULLNAME}",
+        "--leader-election",
+        f"--leader-election-namespace={RELEASE_NAMESPACE}",
+        f"--leader-election-name={FULLNAME}",
+        "--lease-duration=15",
         f"--image={DEFAULT_FLEETPILOT_IMAGE}",
         "--bind=0.0.0.0",
         "--liveness-port=8080",
@@ -269,6 +283,10 @@ def test_non_default_values_reach_the_objects(chart: helm.Chart) -> None:
         "--namespace=ml-prod",
         "--namespace=ml-staging",
         "--peering=fleet.prod",
+        "--leader-election",
+        f"--leader-election-namespace={RELEASE_NAMESPACE}",
+        f"--leader-election-name={FULLNAME}",
+        "--lease-duration=15",
         "--image=registry.example.com/fleetpilot/router:0.1.0",
         "--prometheus-url=http://prometheus-operated.monitoring:9090",
         "--bind=0.0.0.0",
@@ -342,7 +360,31 @@ def test_operator_cli_accepts_the_chart_args(chart: helm.Chart, values: Obj) -> 
     assert args.command == "operator"
     assert args.all_namespaces == (not values.get("watchNamespaces"))
     assert args.namespace == values.get("watchNamespaces", [])
-    assert args.standalone is False  # peering is what keeps two operators from both acting
+    assert args.standalone is False  # peering keeps an operator outside the election idle
+    assert args.leader_election is True  # the Lease is what keeps two replicas from both acting
+
+
+def test_several_replicas_stand_by_for_one_lease(chart: helm.Chart) -> None:
+    """replicas > 1 with leader election: each pod knows its name and namespace (the Lease's
+    holder and place), and may only get, create and update Leases in the release namespace."""
+    objects = render(chart, {"replicas": 3, "leaderElection": {"leaseDuration": 30}})
+    deployment = only(objects, "Deployment")
+    assert deployment["spec"]["replicas"] == 3
+    assert "--lease-duration=30" in operator_args(objects)
+    env = {e["name"]: e for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    role = only(objects, "Role", RELEASE_NAMESPACE)
+    assert rule_table(role) == LEASE_RULES
+    binding = only(objects, "RoleBinding", RELEASE_NAMESPACE)
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+
+
+def test_without_leader_election_one_replica_recreated(chart: helm.Chart) -> None:
+    objects = render(chart, {"leaderElection": {"enabled": False}})
+    assert only(objects, "Deployment")["spec"]["strategy"] == {"type": "Recreate"}
+    assert not any(a.startswith("--leader-election") for a in operator_args(objects))
+    assert not [obj for obj in objects if obj["kind"] in {"Role", "RoleBinding"}]
 
 
 # -- RBAC ------------------------------------------------------------------------------------
@@ -364,7 +406,10 @@ def test_cluster_wide_rbac_is_exactly_the_table(chart: helm.Chart) -> None:
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": FULLNAME, "namespace": RELEASE_NAMESPACE}
     ]
-    assert not [obj for obj in objects if obj["kind"] in {"Role", "RoleBinding"}]
+    # The only Role: the leader election's, in the release namespace.
+    (role,) = [obj for obj in objects if obj["kind"] == "Role"]
+    assert role["metadata"]["namespace"] == RELEASE_NAMESPACE
+    assert rule_table(role) == LEASE_RULES
 
 
 def test_namespaced_rbac_is_exactly_the_table(chart: helm.Chart) -> None:
@@ -420,7 +465,6 @@ def chart_without_schema(tmp_path_factory: pytest.TempPathFactory) -> Iterator[h
 # checks must hold on their own.
 INVALID_VALUES = [
     pytest.param({"replicas": 0}, "replicas must be at least 1 (got 0)", id="no-replicas"),
-    pytest.param({"replicas": 2}, "replicas must be 1 (got 2)", id="two-replicas"),
     pytest.param({"image": {"tag": "latest"}}, 'image.tag "latest" is not allowed', id="latest"),
     pytest.param({"image": {"digest": "sha256:abc"}}, "image.digest must look like", id="digest"),
     pytest.param({"logFormat": "xml"}, "logFormat must be json or plain (got xml)", id="log"),
@@ -437,6 +481,11 @@ INVALID_VALUES = [
 
 # Rules no schema can state (cross-field, derived names): refused by the real chart too.
 INVALID_BEYOND_SCHEMA = [
+    pytest.param(
+        {"replicas": 2, "leaderElection": {"enabled": False}},
+        "replicas must be 1 without leaderElection.enabled (got 2)",
+        id="two-replicas",
+    ),
     pytest.param(
         {"healthPort": 9090}, "healthPort and metrics.port must differ (both 9090)", id="ports"
     ),
@@ -475,7 +524,8 @@ def test_chart_refuses_values_the_schema_cannot_judge(
     ("values", "where"),
     [
         pytest.param({"replicas": "two"}, "/replicas", id="replicas-string"),
-        pytest.param({"replicas": 2}, "/replicas", id="replicas-two"),
+        pytest.param({"replicas": 6}, "/replicas", id="replicas-six"),
+        pytest.param({"leaderElection": {"leaseDuration": 2}}, "/leaseDuration", id="lease"),
         pytest.param({"watchNamespaces": "ml"}, "/watchNamespaces", id="namespaces-string"),
         pytest.param({"logFormat": "xml"}, "/logFormat", id="log-enum"),
         pytest.param({"image": {"tag": "latest"}}, "/image/tag", id="latest"),

@@ -9,8 +9,8 @@ Every message starts with "fleetpilot:" so tests and users can tell it from Helm
 {{- if lt $replicas 1 }}
 {{- fail (printf "fleetpilot: replicas must be at least 1 (got %d); uninstall the release to stop the operator" $replicas) }}
 {{- end }}
-{{- if gt $replicas 1 }}
-{{- fail (printf "fleetpilot: replicas must be 1 (got %d): kopf peering pauses every operator replica that sees a peer of the same priority, so a second replica would stop the operator instead of standing by" $replicas) }}
+{{- if and (gt $replicas 1) (not .Values.leaderElection.enabled) }}
+{{- fail (printf "fleetpilot: replicas must be 1 without leaderElection.enabled (got %d): kopf peering pauses every operator replica that sees a peer of the same priority, so a second replica would stop the operator instead of standing by" $replicas) }}
 {{- end }}
 {{- if eq (toString .Values.image.tag) "latest" }}
 {{- fail "fleetpilot: image.tag \"latest\" is not allowed: pin a release tag (default: the chart's appVersion) or set image.digest" }}
