@@ -247,6 +247,63 @@ def test_autoscaled_replicas_survive_a_reapplied_spec(
     assert deployment["spec"]["replicas"] == 3
 
 
+def test_a_real_hpa_owns_the_replicas_of_an_external_tier(
+    kube: Kube, namespace: str, operator: Any, gpu_node: None
+) -> None:
+    """autoscaling.mode external: the controller-manager's own HPA controller scales the
+    role's Deployment (to its minReplicas: no metrics are needed for that), and a re-applied,
+    changed spec leaves the HPA's replicas alone."""
+    manifest = small_service(namespace)
+    manifest["spec"]["tiers"][0]["autoscaling"] = {"mode": "external"}
+    apply_service(kube, manifest)
+    eventually("engine Deployment", lambda: get(kube, "Deployment", namespace, "chat-small"))
+    kube.request(
+        "POST",
+        f"/apis/autoscaling/v2/namespaces/{namespace}/horizontalpodautoscalers",
+        body={
+            "apiVersion": "autoscaling/v2",
+            "kind": "HorizontalPodAutoscaler",
+            "metadata": {"name": "chat-small"},
+            "spec": {
+                "scaleTargetRef": {
+                    "apiVersion": "apps/v1",
+                    "kind": "Deployment",
+                    "name": "chat-small",
+                },
+                "minReplicas": 3,
+                "maxReplicas": 5,
+                "metrics": [
+                    {
+                        "type": "Resource",
+                        "resource": {
+                            "name": "cpu",
+                            "target": {"type": "Utilization", "averageUtilization": 80},
+                        },
+                    }
+                ],
+            },
+        },
+    )
+
+    def replicas() -> int:
+        deployment = get(kube, "Deployment", namespace, "chat-small")
+        assert deployment is not None
+        return int(deployment["spec"]["replicas"])
+
+    eventually("the HPA's scale to its minimum", lambda: replicas() == 3 or None, timeout=90)
+    changed = copy.deepcopy(manifest)
+    changed["spec"]["tiers"][0]["engine"] = {"env": [{"name": "EXTRA", "value": "1"}]}
+    apply_service(kube, changed)
+
+    def rolled() -> Obj | None:
+        deployment = get(kube, "Deployment", namespace, "chat-small")
+        env = deployment["spec"]["template"]["spec"]["containers"][0]["env"] if deployment else []
+        return deployment if any(e["name"] == "EXTRA" for e in env) else None
+
+    deployment = eventually("spec change applied", rolled)
+    assert deployment["spec"]["replicas"] == 3
+
+
 def test_removed_tier_is_pruned_and_added_tier_created(
     kube: Kube, namespace: str, operator: Any, gpu_node: None
 ) -> None:

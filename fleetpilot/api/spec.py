@@ -530,6 +530,9 @@ class AutoscalingMode(StrEnum):
     AUTO = "auto"
     RECOMMEND = "recommend"
     DISABLED = "disabled"
+    # An HPA or a KEDA ScaledObject on the role's Deployment owns its replicas: fleetpilot's
+    # autoscaler stays out and the operator never changes replicas after creating it.
+    EXTERNAL = "external"
 
 
 class Autoscaling(ApiModel):
@@ -546,7 +549,10 @@ class Autoscaling(ApiModel):
 
     mode: AutoscalingMode = Field(
         AutoscalingMode.AUTO,
-        description="auto scales; recommend only records decisions; disabled keeps spec replicas.",
+        description=(
+            "auto scales; recommend only records decisions; disabled keeps spec replicas; "
+            "external leaves replicas to an HPA or KEDA on the role's Deployment."
+        ),
     )
     interval: Duration = Field(
         timedelta(seconds=15), description="How often to decide (at least one scrape interval)."

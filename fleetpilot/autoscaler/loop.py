@@ -55,12 +55,16 @@ class RoleKey:
 Histories = MutableMapping[RoleKey, History]
 
 
+# Modes fleetpilot's autoscaler does not decide for: fixed replicas, or someone else's.
+NOT_OURS = {AutoscalingMode.DISABLED, AutoscalingMode.EXTERNAL}
+
+
 def autoscaled_roles(service: InferenceService) -> list[tuple[Tier, str]]:
-    """Every (tier, role) whose autoscaling is not disabled, in spec order."""
+    """Every (tier, role) fleetpilot's autoscaler decides for (auto, recommend), in spec order."""
     return [
         (tier, role)
         for tier in service.spec.tiers
-        if tier.autoscaling.mode is not AutoscalingMode.DISABLED
+        if tier.autoscaling.mode not in NOT_OURS
         for role in tier.role_names
     ]
 

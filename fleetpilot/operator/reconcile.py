@@ -59,6 +59,8 @@ def _key(obj: Obj) -> tuple[str, str]:
 
 
 def _autoscaled_deployments(service: InferenceService) -> set[str]:
+    """Engine Deployments whose replicas a scaler owns once created: fleetpilot's autoscaler
+    (auto, recommend) or an HPA/KEDA (external) - every mode but disabled."""
     return {
         names.engine_name(service.name, role.tier.name, role.name)
         for role in all_roles(service)

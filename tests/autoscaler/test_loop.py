@@ -184,11 +184,13 @@ def test_recommend_mode_records_and_never_scales() -> None:
     assert actuator.events[0][0] == "ScaleRecommended"
 
 
-def test_disabled_tiers_and_missing_deployments_are_skipped() -> None:
-    """mode disabled: not observed at all; no Deployment yet: nothing to decide."""
+@pytest.mark.parametrize("mode", ["disabled", "external"])
+def test_disabled_and_external_tiers_and_missing_deployments_are_skipped(mode: str) -> None:
+    """mode disabled or external (an HPA's): not observed at all; no Deployment yet: nothing
+    to decide."""
     service = make_service(
         tiers=[
-            make_tier("small", up_to=0.3, autoscaling={"mode": "disabled"}),
+            make_tier("small", up_to=0.3, autoscaling={"mode": mode}),
             make_tier("large", mode="disaggregated"),
         ]
     )

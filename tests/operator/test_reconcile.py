@@ -19,7 +19,7 @@ from fleetpilot.autoscaler.actuator import (
     scaling_active_condition,
 )
 from fleetpilot.autoscaler.model import Decision, History, ReasonKind
-from fleetpilot.kube.client import Obj
+from fleetpilot.kube.client import MERGE_CONTENT_TYPE, Obj
 from fleetpilot.kube.managers import AUTOSCALER_MANAGER, OPERATOR_MANAGER, owns_field
 from fleetpilot.operator.reconcile import Reconciler
 from tests.factories import make_manifest, make_tier
@@ -203,6 +203,29 @@ def test_replicas_the_autoscaler_set_survive_a_reapplied_spec(
     assert updated["spec"]["replicas"] == 3
     assert owns_field(updated, AUTOSCALER_MANAGER, ("spec", "replicas"))
     assert not owns_field(updated, OPERATOR_MANAGER, ("spec", "replicas"))
+
+
+@pytest.mark.parametrize(("mode", "kept"), [("external", 3), ("disabled", 1)])
+def test_an_external_scalers_replicas_survive_a_reapplied_spec(
+    kube: FakeKube, reconciler: Reconciler, mode: str, kept: int
+) -> None:
+    """mode external: an HPA (or KEDA) scales the Deployment through /scale under its own
+    manager, and a changed spec leaves its replicas alone - where mode disabled writes the
+    planned replicas back."""
+    tier = make_tier("small", autoscaling={"mode": mode})
+    kube.apply(manifest(tier), USER)
+    reconciler.reconcile(service(kube))
+    kube.request(
+        "PATCH",
+        f"/apis/apps/v1/namespaces/{NS}/deployments/chat-small/scale",
+        body={"spec": {"replicas": 3}},
+        content_type=MERGE_CONTENT_TYPE,
+        query=[("fieldManager", "horizontal-pod-autoscaler")],
+    )
+    assert deployment(kube, "chat-small")["spec"]["replicas"] == 3
+    kube.apply(manifest(dict(tier, engine={"env": [{"name": "EXTRA", "value": "1"}]})), USER)
+    reconciler.reconcile(service(kube))
+    assert deployment(kube, "chat-small")["spec"]["replicas"] == kept
 
 
 def test_a_status_write_that_loses_the_race_is_retried_on_a_fresh_read(
