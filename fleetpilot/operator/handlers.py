@@ -156,7 +156,12 @@ def build_registry(
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
     def service_event(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         ticker: ServiceTicker = memo["ticker"]
-        ticker.observe(event.get("type"), _plain(body))
+        plain = _plain(body)
+        ticker.observe(event.get("type"), plain)
+        if event.get("type") == "DELETED":
+            metrics.forget(body.metadata.namespace or "", body.metadata.name or "")
+        else:
+            metrics.export_status(plain)
 
     def refresh_owner(namespace: str | None, labels: Any, memo: kopf.Memo) -> None:
         service_name = labels.get(names.LABEL_SERVICE)
