@@ -84,7 +84,9 @@ def to_json_schema(node: Any, strict: bool) -> Any:
     for key in ("exclusiveMinimum", "exclusiveMaximum"):
         if node.get(key) is True:
             out.pop("minimum" if key == "exclusiveMinimum" else "maximum", None)
-    if strict and "properties" in node and "additionalProperties" not in node:
+    # The API server keeps (never refuses) the unknown fields of a preserve-unknown-fields node.
+    preserved = node.get("x-kubernetes-preserve-unknown-fields") is True
+    if strict and "properties" in node and "additionalProperties" not in node and not preserved:
         out["additionalProperties"] = False
     if node.get("nullable"):
         return {"anyOf": [out, {"type": "null"}]}

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleetpilot.api import Rule
+from fleetpilot.api.pod_template import OverlayRule
 from tests.factories import make_manifest, make_tier
 
 Manifest = dict[str, Any]
@@ -178,6 +179,48 @@ RULE_CASES = [
         ),
         Rule.SCALE_DOWN_WINDOW,
         "spec.tiers[0].autoscaling",
+    ),
+    *[
+        RuleCase(
+            f"pod-template-{name}",
+            _set([*T0, "podTemplate"], overlay),
+            message,
+            "spec.tiers[0].podTemplate",
+        )
+        for name, overlay, message in [
+            ("owned-label", {"labels": {"fleetpilot.dev/tier": "x"}}, OverlayRule.LABELS),
+            ("app-label", {"labels": {"app.kubernetes.io/name": "x"}}, OverlayRule.LABELS),
+            (
+                "scrape-annotation",
+                {"annotations": {"prometheus.io/port": "9"}},
+                OverlayRule.ANNOTATIONS,
+            ),
+            ("owned-env", {"env": [{"name": "HF_TOKEN", "value": "x"}]}, OverlayRule.ENV),
+            (
+                "owned-volume",
+                {"volumes": [{"name": "cache", "emptyDir": {}}]},
+                OverlayRule.VOLUMES,
+            ),
+            (
+                "owned-mount",
+                {"volumeMounts": [{"name": "x", "mountPath": "/dev/shm"}]},
+                OverlayRule.MOUNTS,
+            ),
+            (
+                "gpu-product",
+                {"nodeSelector": {"nvidia.com/gpu.product": "A100"}},
+                OverlayRule.GPU_PRODUCT,
+            ),
+            ("command", {"command": ["sh"]}, OverlayRule.CONTAINER),
+            ("ports", {"ports": [{"containerPort": 9000}]}, OverlayRule.CONTAINER),
+            ("resources", {"resources": {"limits": {"cpu": "1"}}}, OverlayRule.CONTAINER),
+        ]
+    ],
+    RuleCase(
+        "role-pod-template-image",
+        _set([*T1, "serving", "decode", "podTemplate"], {"image": "other:1"}),
+        OverlayRule.CONTAINER,
+        "spec.tiers[1].serving.decode.podTemplate",
     ),
     RuleCase(
         "name-not-dns-label",

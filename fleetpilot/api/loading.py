@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,16 +105,32 @@ def load_documents(text: str, source: str) -> list[Any]:
         ) from None
 
 
+# `-f -`: the manifest comes on standard input (kubectl's convention).
+STDIN = "-"
+
+
+def _source(path: Path) -> str:
+    return "<stdin>" if str(path) == STDIN else str(path)
+
+
+def _read_stdin(limit: int) -> bytes:
+    data = sys.stdin.buffer.read(limit + 1)
+    if len(data) > limit:
+        raise TooLargeError(Path(STDIN), limit)
+    return data
+
+
 def read_manifest(path: Path, limit: int = MAX_MANIFEST_BYTES) -> str:
-    """The text of a manifest file, refused (naming why) when unreadable, larger than
-    ``limit`` bytes or not UTF-8. Reads at most ``limit + 1`` bytes, whatever the file is."""
-    source = str(path)
+    """The text of a manifest file (``-``: standard input), refused (naming why) when
+    unreadable, larger than ``limit`` bytes or not UTF-8. Reads at most ``limit + 1`` bytes,
+    whatever the file is."""
+    source = _source(path)
 
     def refuse(message: str) -> InvalidManifestError:
         return InvalidManifestError(source, [FieldProblem("", message)])
 
     try:
-        data = read_limited(path, limit)
+        data = _read_stdin(limit) if str(path) == STDIN else read_limited(path, limit)
     except OSError as exc:
         raise refuse(f"cannot read file: {exc.strerror or exc}") from None
     except TooLargeError:
@@ -129,7 +146,7 @@ def read_manifest(path: Path, limit: int = MAX_MANIFEST_BYTES) -> str:
 
 def load_services(path: Path) -> list[InferenceService]:
     """Every InferenceService in a YAML file (other kinds are refused, not skipped)."""
-    source = str(path)
+    source = _source(path)
     text = read_manifest(path)
     documents = load_documents(text, source)
     if not documents:

@@ -16,6 +16,7 @@ from typing import Annotated, Self
 from pydantic import Field, StringConstraints, model_validator
 
 from fleetpilot.api.base import ApiModel, cel_rules, nested
+from fleetpilot.api.pod_template import PodTemplateOverlay, combine
 from fleetpilot.api.units import Duration, Quantity
 
 # A DNS-1035 label: usable in Service names and as a label value.
@@ -430,6 +431,9 @@ class RoleSpec(ApiModel):
     parallelism: Parallelism | None = Field(
         None, description="Overrides the tier's parallelism for this role."
     )
+    pod_template: PodTemplateOverlay | None = Field(
+        None, description="Added to this role's engine pods, over the tier's podTemplate."
+    )
 
 
 class KvConnector(StrEnum):
@@ -595,6 +599,13 @@ class Tier(ApiModel):
     serving: Serving = nested(Serving, "Unified or disaggregated serving.")
     complexity: Complexity = nested(Complexity, "Share of requests this tier takes.")
     autoscaling: Autoscaling = nested(Autoscaling, "Scaling policy.")
+    pod_template: PodTemplateOverlay | None = Field(
+        None,
+        description=(
+            "Added to the tier's engine pods: labels, annotations, placement, ServiceAccount, "
+            "pull secrets, env, volumes, mounts, securityContext (never what fleetpilot owns)."
+        ),
+    )
 
     def roles(self) -> list[ResolvedRole]:
         """The roles this tier runs, resolved: one unified role, or prefill then decode, each
@@ -607,7 +618,7 @@ class Tier(ApiModel):
         for name, spec in ((RoleName.PREFILL, serving.prefill), (RoleName.DECODE, serving.decode)):
             assert spec is not None  # guaranteed by Serving's validator
             parallelism = spec.parallelism or self.parallelism
-            roles.append(ResolvedRole(self, name, spec.replicas, parallelism))
+            roles.append(ResolvedRole(self, name, spec.replicas, parallelism, spec.pod_template))
         return roles
 
     @property
@@ -627,6 +638,12 @@ class ResolvedRole:
     name: RoleName
     replicas: ReplicaBounds
     parallelism: Parallelism
+    role_pod_template: PodTemplateOverlay | None = None
+
+    @property
+    def pod_template(self) -> PodTemplateOverlay:
+        """The tier's overlay with this role's over it."""
+        return combine(self.tier.pod_template, self.role_pod_template)
 
     @property
     def engine(self) -> EngineSettings:

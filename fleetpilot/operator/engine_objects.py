@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fleetpilot.api import InferenceService, ResolvedRole
+from fleetpilot.api.pod_template import PodTemplateOverlay
 from fleetpilot.api.spec import HuggingFaceSource
 from fleetpilot.engine.vllm_args import (
     ENGINE_PORT,
@@ -14,6 +15,7 @@ from fleetpilot.engine.vllm_args import (
     vllm_serve_args,
 )
 from fleetpilot.kube import names
+from fleetpilot.operator.overlay import apply_overlay
 from fleetpilot.operator.plan_types import K8sObject, object_meta
 from fleetpilot.operator.pod_policy import container_security, pod_security, spread
 
@@ -27,6 +29,7 @@ STARTUP_FAILURES = 180
 # vLLM finishes in-flight requests on SIGTERM; two minutes covers long generations.
 TERMINATION_GRACE_S = 120
 CACHE_MOUNT = "/cache"
+EMPTY_OVERLAY = PodTemplateOverlay()
 
 
 def engine_labels(service: InferenceService, role: ResolvedRole) -> dict[str, str]:
@@ -160,7 +163,7 @@ def engine_deployment(service: InferenceService, role: ResolvedRole) -> K8sObjec
         # Not read-only: torch and triton write JIT artefacts beside their packages' caches.
         "securityContext": container_security(read_only_root=False),
     }
-    return {
+    deployment: K8sObject = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {
@@ -201,6 +204,15 @@ def engine_deployment(service: InferenceService, role: ResolvedRole) -> K8sObjec
             },
         },
     }
+    overlay = role.pod_template
+    if overlay != EMPTY_OVERLAY:
+        index = service.spec.tiers.index(tier)
+        field = f"spec.tiers[{index}].podTemplate"
+        if role.role_pod_template is not None:
+            field = f"spec.tiers[{index}].podTemplate (with serving.{role.name.value}.podTemplate)"
+        spec = deployment["spec"]
+        spec["template"] = apply_overlay(spec["template"], overlay, field)
+    return deployment
 
 
 def engine_service(service: InferenceService, role: ResolvedRole) -> K8sObject:
