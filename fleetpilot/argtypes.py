@@ -17,3 +17,21 @@ def port_number(text: str) -> int:
     if not 0 <= port <= MAX_PORT:
         raise argparse.ArgumentTypeError(f"{port} is not a port (0 to {MAX_PORT})")
     return port
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help that shows each flag's default, unless its text already says it or there is none
+    worth showing (None, False, an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or "%(default)" in text
+            or default in (None, False, argparse.SUPPRESS)
+            or default == []
+            or action.option_strings == []
+        ):
+            return action.help
+        return f"{text} (default: %(default)s)"

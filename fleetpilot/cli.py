@@ -9,14 +9,14 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import yaml
 
 from fleetpilot import __version__
 from fleetpilot.api import InvalidManifestError, load_services
 from fleetpilot.api.crd import CRD_FILENAME, render_crd
-from fleetpilot.argtypes import port_number
+from fleetpilot.argtypes import DefaultsHelpFormatter, port_number
 from fleetpilot.operator.plan_types import DEFAULT_FLEETPILOT_IMAGE, PlanError, PlanOptions
 from fleetpilot.operator.planner import capacity_warnings, plan
 from fleetpilot.operator.summary import summarize
@@ -33,6 +33,10 @@ class _Parser(argparse.ArgumentParser):
     argparse prints the whole usage block before the error; in a terminal or a CI log the one
     line that matters then hides below a screenful of flags.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_INVALID, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -194,6 +198,13 @@ def _engine(argv: Sequence[str]) -> int:
         prog=f"fleetpilot engine --backend {known.backend}",
         description="Run an inference engine: vLLM (GPU) or the CPU reference engine.",
     )
+    # Shown in --help (and accepted again) so `fleetpilot engine --help` names both backends.
+    parser.add_argument(
+        "--backend",
+        choices=sorted(ENGINE_BACKENDS),
+        default=known.backend,
+        help="vllm: exec `vllm serve` (GPU); reference: the CPU reference engine",
+    )
     # Imported on demand: the reference backend pulls in torch, the vLLM one must not.
     backend = importlib.import_module(ENGINE_BACKENDS[known.backend])
     backend.add_arguments(parser)
@@ -213,7 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     crds.set_defaults(func=_crds)
 
     plan_cmd = sub.add_parser("plan", help="print the objects an InferenceService becomes")
-    plan_cmd.add_argument("-f", "--file", required=True, help="InferenceService YAML file")
+    plan_cmd.add_argument(
+        "-f", "--file", required=True, help="InferenceService YAML file (- for standard input)"
+    )
     plan_cmd.add_argument(
         "-o", "--output", choices=["yaml", "json", "summary"], default="yaml", help="format"
     )
@@ -271,8 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--liveness-port", type=port_number, default=8080, help="/healthz port (0: off)"
     )
     op.add_argument("--metrics-port", type=port_number, default=9090, help="/metrics port (0: off)")
-    op.add_argument("--log-format", choices=["plain", "json"], default="json")
-    op.add_argument("--verbose", action="store_true")
+    op.add_argument(
+        "--log-format", choices=["plain", "json"], default="json", help="log line format"
+    )
+    op.add_argument("--verbose", action="store_true", help="debug logging (every handler step)")
     op.set_defaults(func=_operator)
 
     # Listed for --help; `main` hands these to their own parsers.

@@ -110,6 +110,30 @@ def test_yaml_error_names_the_line_without_traceback(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_plan_reads_standard_input_with_dash() -> None:
+    """`kubectl get fpsvc chat -o yaml | fleetpilot plan -f -`: the manifest on stdin, and an
+    error in it names <stdin>."""
+    manifest = (REPO / "examples" / "two-tier.yaml").read_text()
+    result = subprocess.run(
+        [sys.executable, "-m", "fleetpilot", "plan", "-f", "-", "-o", "summary"],
+        input=manifest,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("InferenceService ml/chat")
+    refused = subprocess.run(
+        [sys.executable, "-m", "fleetpilot", "plan", "-f", "-"],
+        input="kind: Foo\n",
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert refused.returncode == 2
+    assert refused.stderr.startswith("error: <stdin> (document 1): invalid InferenceService")
+
+
 def test_missing_file_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     """A missing file exits 2 with 'cannot read file', not a FileNotFoundError traceback."""
     assert main(["plan", "-f", "/nonexistent/service.yaml"]) == 2
@@ -239,3 +263,22 @@ def test_up_with_a_taken_control_port_starts_nothing(tmp_path: Path) -> None:
         "pick other ports"
     )
     assert not list((workdir / "logs").glob("*.log"))  # no child was ever started
+
+
+@pytest.mark.parametrize(
+    ("argv", "shown"),
+    [
+        (["operator", "--help"], "/healthz port (0: off) (default: 8080)"),
+        (["engine", "--help"], "--backend {reference,vllm}"),
+        (["bench", "--help"], "(default: 60 when neither it nor"),
+        (["router", "--help"], "(default:"),
+        (["up", "--help"], "(default:"),
+    ],
+)
+def test_help_shows_defaults_and_choices(
+    argv: list[str], shown: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What a new user reads first: every flag's default, and both engine backends."""
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert shown in " ".join(capsys.readouterr().out.split())

@@ -22,7 +22,7 @@ import time
 from types import FrameType
 
 from fleetpilot.api import InferenceService
-from fleetpilot.argtypes import port_number
+from fleetpilot.argtypes import DefaultsHelpFormatter, port_number
 from fleetpilot.autoscaler.actuator import default_metrics
 from fleetpilot.autoscaler.direct import EngineMetricsSource
 from fleetpilot.autoscaler.fallback import FallbackSource
@@ -140,7 +140,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fleetpilot autoscaler", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="fleetpilot autoscaler", description=__doc__, formatter_class=DefaultsHelpFormatter
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from fleetpilot.argtypes import DefaultsHelpFormatter
 from fleetpilot.loadgen import report
 from fleetpilot.loadgen.runner import Progress, RunConfig, Runner, Schedule, parse_schedule
 from fleetpilot.loadgen.workloads import WORKLOADS, make_workload, workload_options
@@ -52,7 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument(
         "--concurrency", type=_positive(int), help="closed loop: this many clients (default 4)"
     )
-    a("--duration", type=_positive(float), help="seconds to send for (open loop: required)")
+    a(
+        "--duration",
+        type=_positive(float),
+        help="seconds to send for (default: 60 when neither it nor --requests bounds the run)",
+    )
     a("--requests", type=_positive(int), help="stop after sending this many requests")
     a("--workload", choices=sorted(WORKLOADS), default="shared-prefix", help="what to send")
     a("--seed", type=int, default=0, help="seeds the workload and the arrivals")
@@ -85,13 +90,41 @@ def _workload_options(args: argparse.Namespace) -> dict[str, Any]:
     return workload_options(args.workload, args.max_tokens, context_chars=args.context_chars)
 
 
-def _progress_printer(stream: TextIO) -> Callable[[Progress, float], None]:
+BAR_WIDTH = 20
+
+
+def progress_line(
+    p: Progress, elapsed: float, duration_s: float | None, max_requests: int | None
+) -> str:
+    """One progress line: counters and rate, and - when the run has a bound - a bar and the
+    time left (by the clock for --duration, by the send rate for --requests)."""
+    rate = p.done / elapsed if elapsed > 0 else 0.0
+    line = (
+        f"{elapsed:6.1f} s  sent {p.sent}  done {p.done}  errors {p.errors}  "
+        f"in flight {p.in_flight}  {rate:.1f} req/s"
+    )
+    fractions, lefts = [], []
+    if duration_s:
+        fractions.append(elapsed / duration_s)
+        lefts.append(max(0.0, duration_s - elapsed))
+    if max_requests:
+        fractions.append(p.sent / max_requests)
+        send_rate = p.sent / elapsed if elapsed > 0 else 0.0
+        if send_rate > 0:
+            lefts.append(max(0.0, (max_requests - p.sent) / send_rate))
+    if not fractions:
+        return line
+    done = min(1.0, max(fractions))
+    filled = int(done * BAR_WIDTH)
+    eta = f"ETA {min(lefts):.0f} s" if lefts else "ETA ?"
+    return f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {done:4.0%}  {eta}  {line}"
+
+
+def _progress_printer(
+    stream: TextIO, duration_s: float | None, max_requests: int | None
+) -> Callable[[Progress, float], None]:
     def show(p: Progress, elapsed: float) -> None:
-        rate = p.done / elapsed if elapsed > 0 else 0.0
-        stream.write(
-            f"\r{elapsed:6.1f} s  sent {p.sent}  done {p.done}  errors {p.errors}  "
-            f"in flight {p.in_flight}  {rate:.1f} req/s   "
-        )
+        stream.write(f"\r{progress_line(p, elapsed, duration_s, max_requests)}   ")
         stream.flush()
 
     return show
@@ -124,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"fleetpilot bench: {e}", file=sys.stderr)
         return 2
     show = args.progress or sys.stderr.isatty()
-    runner = Runner(config, workload, on_progress=_progress_printer(sys.stderr) if show else None)
+    printer = _progress_printer(sys.stderr, duration, args.requests) if show else None
+    runner = Runner(config, workload, on_progress=printer)
     try:
         result = asyncio.run(runner.run())
     except KeyboardInterrupt:
@@ -170,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="fleetpilot bench",
         description="Load an OpenAI-compatible server and summarize TTFT, TPOT, hits and tiers.",
     )

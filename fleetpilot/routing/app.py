@@ -20,7 +20,7 @@ import aiohttp
 from aiohttp import web
 
 from fleetpilot.api.router_config import RouterConfig
-from fleetpilot.argtypes import port_number
+from fleetpilot.argtypes import DefaultsHelpFormatter, port_number
 from fleetpilot.httpserver import run_app
 from fleetpilot.logs import add_log_arguments, configure_logging
 from fleetpilot.routing.config import ConfigError, ConfigWatcher, load_config
@@ -449,7 +449,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fleetpilot router", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="fleetpilot router", description=__doc__, formatter_class=DefaultsHelpFormatter
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -17,7 +17,8 @@ import contextlib
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -102,8 +103,10 @@ class LocalFleet:
         health_timeout_s: float = 120.0,
         python: str = sys.executable,
         backend: EngineBackend | None = None,
+        say: Callable[[str], None] | None = None,
     ) -> None:
-        """``python`` runs the router (and the reference engines of the default backend)."""
+        """``python`` runs the router (and the reference engines of the default backend);
+        ``say`` hears each engine's readiness while the fleet starts (k of N)."""
         if max_replicas_per_role < 1:
             raise ValueError("max_replicas_per_role must be at least 1")
         self.service = service
@@ -123,6 +126,7 @@ class LocalFleet:
 
         self.router_port = next_port(-1) if base_port == 0 else base_port
         self.health_timeout_s = health_timeout_s
+        self.say = say
         self.python = python
         self.backend = backend if backend is not None else ReferenceBackend(python)
         self.supervisor = Supervisor(workdir / "logs")
@@ -257,10 +261,17 @@ class LocalFleet:
                 replica.child = self._start_engine(replica)
                 if self.backend.one_at_a_time:
                     self.supervisor.wait_healthy(replica.child, self.health_timeout_s)
-            for replica in self.replicas:
+            started = time.monotonic()
+            for ready, replica in enumerate(self.replicas, 1):
                 assert replica.child is not None
                 self.supervisor.wait_healthy(replica.child, self.health_timeout_s)
                 replica.serving = True
+                if self.say is not None:
+                    waited = time.monotonic() - started
+                    self.say(
+                        f"engines ready: {ready} of {len(self.replicas)} "
+                        f"({replica.name}, {waited:.0f} s)"
+                    )
             self.write_router_config()
             router_argv = [
                 *(self.python, "-m", "fleetpilot", "router"),

@@ -141,7 +141,12 @@ class LocalStack:
         python: str = sys.executable,
     ) -> None:
         self.fleet = LocalFleet(
-            service, workdir, port, max_replicas_per_role=max_replicas_per_role, python=python
+            service,
+            workdir,
+            port,
+            max_replicas_per_role=max_replicas_per_role,
+            python=python,
+            say=say,
         )
         self.service = service
         self.workdir = workdir

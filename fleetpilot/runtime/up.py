@@ -18,7 +18,7 @@ from pathlib import Path
 from types import FrameType
 
 from fleetpilot.api import InvalidManifestError, load_services
-from fleetpilot.argtypes import port_number
+from fleetpilot.argtypes import DefaultsHelpFormatter, port_number
 from fleetpilot.runtime.local import DEFAULT_MAX_REPLICAS_PER_ROLE
 from fleetpilot.runtime.processes import ChildFailedError, PortInUseError
 from fleetpilot.runtime.prometheus import PrometheusError
@@ -164,7 +164,9 @@ def _serve(stack: LocalStack, args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fleetpilot up", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="fleetpilot up", description=__doc__, formatter_class=DefaultsHelpFormatter
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -9,9 +9,14 @@ operator code makes. e2e/test_chart.py sends the same objects to a real API serv
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +24,12 @@ import helm_python as helm
 import kubernetes_validate
 import pytest
 import yaml
+from prometheus_client import generate_latest
 
 from fleetpilot import __version__
 from fleetpilot.cli import build_parser
 from fleetpilot.kube.client import RESOURCES
+from fleetpilot.operator import metrics as operator_metrics
 from fleetpilot.operator.plan_types import DEFAULT_FLEETPILOT_IMAGE, PlanOptions
 from fleetpilot.operator.planner import plan
 from fleetpilot.operator.reconcile import MANAGED_KINDS
@@ -210,6 +217,7 @@ def test_default_values_render_a_cluster_wide_operator(chart: helm.Chart) -> Non
         "ClusterRole",
         "ClusterRoleBinding",
         "Deployment",
+        "Pod",  # the `helm test` hook
         "Role",  # the leader election's Lease, in the release's namespace
         "RoleBinding",
         "Service",
@@ -246,6 +254,48 @@ def test_default_values_render_a_cluster_wide_operator(chart: helm.Chart) -> Non
         {"name": "metrics", "port": 9090, "targetPort": "metrics", "protocol": "TCP"}
     ]
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+
+
+def _serve(text: str) -> tuple[ThreadingHTTPServer, str]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(text.encode())
+
+        def log_message(self, format: str, *args: object) -> None:
+            return
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}/metrics"
+
+
+def test_helm_test_hook_checks_the_operators_metrics(chart: helm.Chart) -> None:
+    """`helm test` runs a hook Pod (restricted like the operator) whose script passes against
+    the operator's real metrics and fails against an endpoint without them."""
+    hook = only(render(chart), "Pod")
+    assert hook["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    (container,) = hook["spec"]["containers"]
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["METRICS_URL"] == f"http://{FULLNAME}-metrics.{RELEASE_NAMESPACE}.svc:9090/metrics"
+    assert operator_metrics.RECONCILES is not None
+    for text, passes in ((generate_latest().decode(), True), ("# nothing here\n", False)):
+        server, url = _serve(text)
+        try:
+            done = subprocess.run(
+                [sys.executable, *container["command"][1:]],
+                env={**os.environ, "METRICS_URL": url},
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+        finally:
+            server.shutdown()
+            server.server_close()
+        assert (done.returncode == 0) is passes, done.stderr
 
 
 def test_operator_pod_is_locked_down(chart: helm.Chart) -> None:

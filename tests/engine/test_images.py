@@ -83,3 +83,38 @@ def test_base_images_are_pinned_build_args(path: Path) -> None:
             assert (arg[1] or arg[2]) in args, f"{path.name}: FROM {image}: no such ARG *_IMAGE"
         if match["stage"]:
             stages.add(match["stage"])
+
+
+def test_reference_image_takes_the_engine_extras_torch_from_the_cpu_index() -> None:
+    """The reference image installs the very torch the engine extra pins, CPU build first."""
+    import tomllib
+
+    engine = tomllib.loads((IMAGES.parent / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]["engine"]
+    (pin,) = [r for r in engine if r.startswith("torch==")]
+    dockerfile = (IMAGES / "Dockerfile.reference").read_text()
+    assert _arg(dockerfile, "TORCH_VERSION") == pin.removeprefix("torch==")
+    assert _arg(dockerfile, "TORCH_CPU_INDEX") == "https://download.pytorch.org/whl/cpu"
+    assert dockerfile.index('"torch==${TORCH_VERSION}"') < dockerfile.index("'.[engine]'")
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_every_image_has_a_dockerignore_letting_in_exactly_what_it_copies(
+    dockerfile: Path,
+) -> None:
+    """A .dockerignore beside each Dockerfile (BuildKit reads <Dockerfile>.dockerignore) that
+    ignores everything but the paths its COPY lines name - no virtualenv in the context."""
+    ignore = dockerfile.with_name(dockerfile.name + ".dockerignore")
+    assert ignore.exists(), f"{ignore.name} is missing"
+    lines = [
+        line.strip()
+        for line in ignore.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert lines[0] == "*"
+    allowed = {line[1:] for line in lines if line.startswith("!")}
+    copied = set()
+    for match in re.finditer(r"^COPY (?!--from)(.+) \S+$", dockerfile.read_text(), re.MULTILINE):
+        copied |= set(match.group(1).split())
+    assert copied == allowed
