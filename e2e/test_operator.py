@@ -220,6 +220,22 @@ def test_service_becomes_ready_only_when_pods_are(
         assert item["observedGeneration"] == current["metadata"]["generation"]
 
 
+def reapply_changed(kube: Kube, manifest: Obj) -> Obj:
+    """Re-apply ``manifest`` with an engine env var added, as a GitOps sync of a changed spec
+    would; the engine Deployment once the operator has applied the change."""
+    namespace = manifest["metadata"]["namespace"]
+    changed = copy.deepcopy(manifest)
+    changed["spec"]["tiers"][0]["engine"] = {"env": [{"name": "EXTRA", "value": "1"}]}
+    apply_service(kube, changed)
+
+    def rolled() -> Obj | None:
+        deployment = get(kube, "Deployment", namespace, "chat-small")
+        env = deployment["spec"]["template"]["spec"]["containers"][0]["env"] if deployment else []
+        return deployment if any(e["name"] == "EXTRA" for e in env) else None
+
+    return eventually("spec change applied", rolled)
+
+
 def test_autoscaled_replicas_survive_a_reapplied_spec(
     kube: Kube, namespace: str, operator: Any, gpu_node: None
 ) -> None:
@@ -234,16 +250,7 @@ def test_autoscaled_replicas_survive_a_reapplied_spec(
         body={"spec": {"replicas": 3}},
         content_type="application/merge-patch+json",
     )
-    changed = copy.deepcopy(manifest)
-    changed["spec"]["tiers"][0]["engine"] = {"env": [{"name": "EXTRA", "value": "1"}]}
-    apply_service(kube, changed)
-
-    def rolled() -> Obj | None:
-        deployment = get(kube, "Deployment", namespace, "chat-small")
-        env = deployment["spec"]["template"]["spec"]["containers"][0]["env"] if deployment else []
-        return deployment if any(e["name"] == "EXTRA" for e in env) else None
-
-    deployment = eventually("spec change applied", rolled)
+    deployment = reapply_changed(kube, manifest)
     assert deployment["spec"]["replicas"] == 3
 
 
@@ -291,16 +298,7 @@ def test_a_real_hpa_owns_the_replicas_of_an_external_tier(
         return int(deployment["spec"]["replicas"])
 
     eventually("the HPA's scale to its minimum", lambda: replicas() == 3 or None, timeout=90)
-    changed = copy.deepcopy(manifest)
-    changed["spec"]["tiers"][0]["engine"] = {"env": [{"name": "EXTRA", "value": "1"}]}
-    apply_service(kube, changed)
-
-    def rolled() -> Obj | None:
-        deployment = get(kube, "Deployment", namespace, "chat-small")
-        env = deployment["spec"]["template"]["spec"]["containers"][0]["env"] if deployment else []
-        return deployment if any(e["name"] == "EXTRA" for e in env) else None
-
-    deployment = eventually("spec change applied", rolled)
+    deployment = reapply_changed(kube, manifest)
     assert deployment["spec"]["replicas"] == 3
 
 

@@ -32,30 +32,26 @@ if obj.metadata.generation ~= nil and obj.status.observedGeneration < obj.metada
   return hs
 end
 
-local stalled = condition("Stalled")
-if stalled ~= nil and stalled.status == "True" then
-  hs.status = "Degraded"
-  hs.message = stalled.reason .. ": " .. (stalled.message or "")
-  return hs
+local function when_true(kind, status, with_reason)
+  local item = condition(kind)
+  if item == nil or item.status ~= "True" then
+    return nil
+  end
+  local message = item.message or item.reason
+  if with_reason then
+    message = item.reason .. ": " .. (item.message or "")
+  end
+  return {status = status, message = message}
 end
-local reconciling = condition("Reconciling")
-if reconciling ~= nil and reconciling.status == "True" then
-  hs.status = "Progressing"
-  hs.message = reconciling.message or reconciling.reason
-  return hs
+
+local verdict = when_true("Stalled", "Degraded", true)
+  or when_true("Reconciling", "Progressing", false)
+  or when_true("Ready", "Healthy", false)
+  or when_true("Degraded", "Degraded", true)
+if verdict ~= nil then
+  return verdict
 end
 local ready = condition("Ready")
-if ready ~= nil and ready.status == "True" then
-  hs.status = "Healthy"
-  hs.message = ready.message or ready.reason
-  return hs
-end
-local degraded = condition("Degraded")
-if degraded ~= nil and degraded.status == "True" then
-  hs.status = "Degraded"
-  hs.message = degraded.reason .. ": " .. (degraded.message or "")
-  return hs
-end
 hs.status = "Progressing"
 if ready ~= nil then
   hs.message = ready.message or ready.reason
