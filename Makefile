@@ -8,7 +8,7 @@ SRC := fleetpilot
 
 CLUSTER_DIR := .cache/cluster
 
-.PHONY: setup vllm baselines test lint typecheck imports unit controlplane kstatus prometheus cluster-up cluster-down demo crds clean
+.PHONY: setup vllm baselines test lint typecheck imports unit controlplane kstatus prometheus chart-readme cluster-up cluster-down demo crds clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -83,6 +83,10 @@ cluster-down: setup
 	@$(BIN)/python -m fleetpilot.testing.cli down --dir $(CLUSTER_DIR)
 
 test: lint typecheck imports unit
+
+# charts/fleetpilot/README.md from values.yaml's `# --` comments (a test fails when stale).
+chart-readme: setup
+	$(BIN)/python charts/values_doc.py
 
 crds: setup
 	$(BIN)/fleetpilot crds
