@@ -370,7 +370,13 @@ def test_non_default_values_reach_the_objects(chart: helm.Chart) -> None:
     )
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [RELEASE_NAMESPACE]}
     assert monitor["spec"]["podMetricsEndpoints"] == [
-        {"port": "metrics", "path": "/metrics", "interval": "15s", "scrapeTimeout": "10s"}
+        {
+            "port": "metrics",
+            "path": "/metrics",
+            "honorLabels": True,  # the services' namespace, not the operator pod's
+            "interval": "15s",
+            "scrapeTimeout": "10s",
+        }
     ]
 
 
