@@ -30,6 +30,7 @@ from fleetpilot.kube.client import Kube, KubeError
 from fleetpilot.kube.connect import connect
 from fleetpilot.operator import metrics
 from fleetpilot.operator.autoscaling import ServiceTicker
+from fleetpilot.operator.coalesce import Coalescer
 from fleetpilot.operator.plan_types import DEFAULT_FLEETPILOT_IMAGE, PlanOptions
 from fleetpilot.operator.reconcile import Reconciler
 
@@ -92,6 +93,7 @@ def build_registry(
         memo["prometheus"] = PrometheusSources(prometheus_url)
         memo["actuator"] = kubernetes_actuator(kube)
         memo["histories"] = {}
+        memo["refreshes"] = Coalescer()
 
         def autoscale(body: Mapping[str, Any]) -> None:
             """Decide and scale every due role of the service from its Prometheus metrics."""
@@ -167,6 +169,12 @@ def build_registry(
         service_name = labels.get(names.LABEL_SERVICE)
         if not service_name or not namespace:
             return
+        # A burst of child events (a rollout, a thousand services at once) is one refresh
+        # running and at most one behind it, reading the final state.
+        refreshes: Coalescer = memo["refreshes"]
+        refreshes.run((namespace, service_name), lambda: refresh(namespace, service_name, memo))
+
+    def refresh(namespace: str, service_name: str, memo: kopf.Memo) -> None:
         reconciler: Reconciler = memo["reconciler"]
         body = reconciler.kube.get("InferenceService", namespace, service_name)
         if body is None:
