@@ -1,0 +1,318 @@
+"""The operator at scale, on the real control plane: N InferenceServices applied at once.
+
+For each N (default 200 and 1,000), on a fresh control plane (etcd, kube-apiserver,
+controller-manager, scheduler built from Go modules; no kubelet, so the pods stay Pending):
+
+- **settle time**: from the first apply until every service has its engine and router
+  Deployments and a status of its generation;
+- **operator memory**: the `fleetpilot operator` process's resident set when settled, and its
+  peak (VmHWM);
+- **API writes of a settled resync**: the operator is restarted (kopf resumes every service,
+  a full reconcile each) and the API server's own `apiserver_request_total` counts the writes
+  (POST/PUT/PATCH/APPLY/DELETE) to the kinds the operator manages, from the restart until
+  every service has been reconciled again. Goal: 0 - an unchanged service costs no write.
+  The controller-manager and scheduler write too (pods, events, leases), so only the
+  operator's kinds are counted; Events are reported apart.
+
+Goals (issue 17): 1,000 services settled in under 2 minutes; memory under 500 MB.
+
+Run: .venv/bin/python bench/operator_scale.py [--services 200 1000] [--save]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fleetpilot.kube.client import Kube, KubeError
+from fleetpilot.runtime.processes import free_ports
+from fleetpilot.testing.controlplane import ControlPlane
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+NAMESPACE = "scale"
+MANAGER = "bench"
+POLL_S = 5.0
+ALL_VERBS = {"GET", "LIST", "WATCH", "POST", "PUT", "PATCH", "APPLY", "DELETE"}
+WRITE_VERBS = {"POST", "PUT", "PATCH", "APPLY", "DELETE"}
+# What the operator writes (and kopf, on InferenceServices); Events are counted apart.
+OPERATOR_KINDS = {
+    "inferenceservices",
+    "deployments",
+    "services",
+    "configmaps",
+    "serviceaccounts",
+    "roles",
+    "rolebindings",
+    "poddisruptionbudgets",
+    "networkpolicies",
+}
+# What the chart's operator Deployment sets in the environment (templates/deployment.yaml).
+CHART_ENV = {"PYTHONUNBUFFERED": "1", "MALLOC_ARENA_MAX": "2"}
+CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+SAMPLE = re.compile(r"^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<value>\S+)$")
+LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def service(index: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "fleetpilot.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": f"svc-{index:04d}", "namespace": NAMESPACE},
+        "spec": {
+            "routing": {"replicas": 1},
+            "tiers": [
+                {
+                    "name": "small",
+                    "model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
+                    "resources": {"gpuProduct": "NVIDIA-H100-80GB-HBM3"},
+                    "serving": {"replicas": {"min": 1, "max": 4}},
+                }
+            ],
+        },
+    }
+
+
+def api_writes(kube: Kube, verbs: set[str] | None = None) -> Counter[str]:
+    """The API server's request counts by resource[/subresource], from its /metrics: the
+    writes, or the requests of ``verbs``."""
+    response = kube.api.call_api(
+        "GET", f"{kube.api.configuration.host}/metrics", header_params={"Accept": "text/plain"}
+    )
+    text = response.read().decode()  # type: ignore[no-untyped-call]
+    counts: Counter[str] = Counter()
+    for line in text.splitlines():
+        match = SAMPLE.match(line)
+        if not match:
+            continue
+        labels = dict(LABEL.findall(match["labels"]))
+        if labels.get("verb") not in (verbs or WRITE_VERBS):
+            continue
+        resource = labels.get("resource", "")
+        if labels.get("subresource"):
+            resource += "/" + labels["subresource"]
+        counts[resource] += int(float(match["value"]))
+    return counts
+
+
+def _operators(resource: str) -> bool:
+    """A write the operator (or kopf) makes: its kinds, and of subresources only its status
+    (a Deployment's or PDB's status is the controller-manager's)."""
+    kind, _, sub = resource.partition("/")
+    return kind in OPERATOR_KINDS and (not sub or resource == "inferenceservices/status")
+
+
+def wait_quiet(kube: Kube, timeout_s: float, window_s: float = 10.0) -> float:
+    """Seconds until a ``window_s`` passes with no write but Events and Leases (the
+    controllers' heartbeats); gives up after ``timeout_s``."""
+    started = time.monotonic()
+    last = api_writes(kube)
+    while time.monotonic() - started < timeout_s:
+        time.sleep(window_s)
+        now = api_writes(kube)
+        busy = {k for k in now if now[k] != last[k] and k.split("/")[0] not in ("events", "leases")}
+        if not busy:
+            break
+        last = now
+    return time.monotonic() - started
+
+
+def rss_mb(pid: int) -> tuple[float, float]:
+    """(resident, peak resident) of a process, in MB."""
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    return (
+        int(fields["VmRSS"].split()[0]) / 1024,
+        int(fields["VmHWM"].split()[0]) / 1024,
+    )
+
+
+def start_operator(kubeconfig: Path, metrics_port: int, log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [
+                sys.executable, "-m", "fleetpilot", "operator",
+                "--kubeconfig", str(kubeconfig), "--namespace", NAMESPACE, "--standalone",
+                "--bind", "127.0.0.1", "--liveness-port", "0",
+                "--metrics-port", str(metrics_port), "--log-format", "json",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **CHART_ENV},
+        )  # fmt: skip
+
+
+def reconciles(metrics_port: int) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return 0
+    return sum(
+        int(float(line.rsplit(" ", 1)[1]))
+        for line in text.splitlines()
+        if line.startswith("fleetpilot_operator_reconciles_total{")
+    )
+
+
+def settled(kube: Kube, count: int) -> int:
+    """How many services have both Deployments and a status of their generation."""
+    services = kube.request(
+        "GET", f"/apis/fleetpilot.dev/v1alpha1/namespaces/{NAMESPACE}/inferenceservices"
+    )["items"]
+    deployments = {
+        d["metadata"]["name"]
+        for d in kube.request("GET", f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments")["items"]
+    }
+    done = 0
+    for item in services:
+        name = item["metadata"]["name"]
+        status = item.get("status") or {}
+        if (
+            status.get("observedGeneration") == item["metadata"]["generation"]
+            and f"{name}-small" in deployments
+            and f"{name}-router" in deployments
+        ):
+            done += 1
+    return done
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, 15)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+            process.wait()
+
+
+def run(count: int, workdir: Path, timeout_s: float) -> dict[str, Any]:
+    plane = ControlPlane(workdir / "plane")
+    plane.start()
+    operator: subprocess.Popen[bytes] | None = None
+    try:
+        with plane.api_client() as api:
+            kube = Kube(api)
+            for crd in sorted((REPO / "crds").glob("*.yaml")):
+                body = yaml.safe_load(crd.read_text())
+                kube.request(
+                    "PATCH",
+                    f"{CRDS}/{body['metadata']['name']}",
+                    query=[("fieldManager", MANAGER), ("force", "true")],
+                    body=body,
+                    content_type="application/apply-patch+yaml",
+                )
+            kube.request(
+                "POST",
+                "/api/v1/namespaces",
+                body={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}},
+            )
+            time.sleep(3)  # the CRD served
+            (metrics_port,) = free_ports(1)
+            log = workdir / "operator.log"
+            operator = start_operator(plane.kubeconfig, metrics_port, log)
+            time.sleep(3)
+            requests_before = api_writes(kube, ALL_VERBS)
+            started = time.monotonic()
+            with ThreadPoolExecutor(16) as pool:
+                list(pool.map(lambda i: kube.apply(service(i), MANAGER), range(count)))
+            applied_s = time.monotonic() - started
+            done = 0
+            while done < count and time.monotonic() - started < timeout_s:
+                # Every few seconds: listing a thousand services costs the API server too.
+                time.sleep(POLL_S)
+                try:
+                    done = settled(kube, count)
+                except KubeError:
+                    continue
+            settle_s = time.monotonic() - started
+            rss, peak = rss_mb(operator.pid)
+            requests_after = api_writes(kube, ALL_VERBS)
+            settle_requests = {
+                k: requests_after[k] - requests_before[k]
+                for k in requests_after
+                if requests_after[k] > requests_before[k]
+            }
+            print(f"{count}: applied in {applied_s:.1f} s, {done} settled in {settle_s:.1f} s, "
+                  f"operator RSS {rss:.0f} MB (peak {peak:.0f}); API requests meanwhile "
+                  f"{sum(settle_requests.values())}", flush=True)  # fmt: skip
+
+            # A settled resync: once the cluster is quiet (the controller-manager has made
+            # every ReplicaSet and pod, the scheduler has tried them), restart the operator and
+            # count writes until every service is reconciled again (and 5 s more).
+            quiet_s = wait_quiet(kube, timeout_s)
+            stop(operator)
+            before = api_writes(kube)
+            operator = start_operator(plane.kubeconfig, metrics_port, log)
+            restarted = time.monotonic()
+            while reconciles(metrics_port) < count and time.monotonic() - restarted < timeout_s:
+                time.sleep(1.0)  # the operator's own /metrics: no load on the API server
+            resync_s = time.monotonic() - restarted
+            resumed = reconciles(metrics_port)
+            time.sleep(5.0)
+            after = api_writes(kube)
+            writes = {k: after[k] - before[k] for k in after if after[k] - before[k] > 0}
+            ours = {k: v for k, v in writes.items() if _operators(k)}
+            resync_rss, resync_peak = rss_mb(operator.pid)
+            print(f"{count}: resync of {resumed} services in {resync_s:.1f} s: writes to the "
+                  f"operator's kinds {ours or 0}; events {writes.get('events', 0)}; "
+                  f"RSS {resync_rss:.0f} MB (peak {resync_peak:.0f})", flush=True)  # fmt: skip
+            return {
+                "services": count,
+                "applied_s": round(applied_s, 1),
+                "settled": done,
+                "settle_s": round(settle_s, 1),
+                "operator_rss_mb": round(rss),
+                "operator_peak_rss_mb": round(peak),
+                "settle_api_requests_total": sum(settle_requests.values()),
+                "settle_api_requests": dict(sorted(settle_requests.items(), key=lambda kv: -kv[1])),
+                "cluster_quiet_after_s": round(quiet_s, 1),
+                "resync_services": resumed,
+                "resync_s": round(resync_s, 1),
+                "resync_writes_operator_kinds": ours,
+                "resync_writes_all": writes,
+                "resync_peak_rss_mb": round(resync_peak),
+            }
+    finally:
+        if operator is not None:
+            stop(operator)
+        plane.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--services", type=int, nargs="+", default=[200, 1000])
+    parser.add_argument("--timeout", type=float, default=900.0, help="per phase, seconds")
+    parser.add_argument(
+        "--save", action="store_true", help="write bench/results/operator_scale.json"
+    )
+    args = parser.parse_args()
+    results = []
+    for count in args.services:
+        with tempfile.TemporaryDirectory(prefix="fp-scale-") as tmp:
+            results.append(run(count, Path(tmp), args.timeout))
+    report = {"machine": {"cpus": os.cpu_count(), "loadavg": os.getloadavg()}, "runs": results}
+    print(json.dumps(report, indent=2))
+    if args.save:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "operator_scale.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
