@@ -12,6 +12,7 @@ or run e2e/controlplane/build.sh beforehand.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -60,6 +61,10 @@ def k8s_api(control_plane: Cluster) -> Iterator[k8s.ApiClient]:
         yield api
 
 
+# How long a test namespace's teardown keeps deleting pods a ReplicaSet may still be making.
+NAMESPACE_DRAIN_S = 30.0
+
+
 @pytest.fixture
 def namespace(k8s_api: k8s.ApiClient) -> Iterator[str]:
     """A fresh namespace per test, deleted afterwards, so tests never see each other's objects."""
@@ -69,8 +74,19 @@ def namespace(k8s_api: k8s.ApiClient) -> Iterator[str]:
     yield name
     # Without a kubelet, a bound pod's graceful deletion never completes, and the scheduler
     # keeps counting its GPUs: the fake nodes would fill up test by test. Delete the
-    # namespace's pods at once, as a kubelet would after their containers stopped.
-    core.delete_collection_namespaced_pod(name, grace_period_seconds=0)
+    # namespace's pods at once, as a kubelet would after their containers stopped - after
+    # their Deployments and ReplicaSets, or these make new pods that the namespace's own
+    # (graceful) deletion then leaves holding GPUs for good (it filled the 8-GPU node in a
+    # full run once tests scaled roles to 3 replicas).
+    apps = k8s.AppsV1Api(k8s_api)
+    apps.delete_collection_namespaced_deployment(name)
+    apps.delete_collection_namespaced_replica_set(name)
+    deadline = time.monotonic() + NAMESPACE_DRAIN_S
+    while True:
+        core.delete_collection_namespaced_pod(name, grace_period_seconds=0)
+        if not core.list_namespaced_pod(name).items or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
     core.delete_namespace(name)
 
 
