@@ -184,7 +184,7 @@ def build_registry(
         except InvalidManifestError:
             return  # the service handler reports it; a child event cannot fix it
         try:
-            reconciler.write_status(service, body)
+            reconciler.refresh_status(service, body)
         except KubeError as exc:
             if not exc.conflict:  # a conflict means a newer write; the next event retries
                 raise

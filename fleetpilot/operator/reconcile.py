@@ -159,6 +159,16 @@ class Reconciler:
         result.status_written = self.write_status(service, body)
         return result
 
+    def refresh_status(self, service: InferenceService, body: Obj) -> bool:
+        """The status again after a child changed, still saying whether the latest spec's plan
+        was refused (planning is pure and cheap): a refresh that forgot it would report the
+        old children as the service's state and clear Stalled and Degraded."""
+        try:
+            plan(service, self.options)
+        except PlanError as exc:
+            return self.write_status(service, body, str(exc))
+        return self.write_status(service, body)
+
     def observe(self, service: InferenceService) -> Observed:
         selector = {names.LABEL_SERVICE: service.name, names.LABEL_MANAGED_BY: names.MANAGER}
         deployments = {

@@ -310,6 +310,29 @@ def test_a_refused_plan_writes_no_child_and_reports_degraded(
     assert ("Warning", "PlanRefused") in [(kind, reason) for kind, reason, _ in events.seen]
 
 
+def test_a_child_event_after_a_refused_plan_keeps_the_refusal_in_status(
+    kube: FakeKube, reconciler: Reconciler
+) -> None:
+    """The old children still report (a pod turns ready, a Deployment's status moves): the
+    status refreshed from them still says the latest spec was refused - Stalled and Degraded
+    True - instead of reporting the old children as the service (seen in a CI run: Flux
+    then read Current where it should read Failed)."""
+    kube.apply(manifest(), USER)
+    reconciler.reconcile(service(kube))
+    kube.apply(manifest(make_tier("small", engine={"extraArgs": ["--port=9000"]})), USER)
+    reconciler.reconcile(service(kube))
+    body = service(kube)
+    assert reconciler.refresh_status(parse_service(body), body) is False  # nothing changed
+    stalled, degraded = condition(kube, "Stalled"), condition(kube, "Degraded")
+    assert (stalled["status"], stalled["reason"]) == ("True", "PlanRefused")
+    assert (degraded["status"], degraded["reason"]) == ("True", "PlanRefused")
+    # A spec the planner accepts again: the same refresh clears it.
+    kube.apply(manifest(), USER)
+    body = service(kube)
+    reconciler.refresh_status(parse_service(body), body)
+    assert condition(kube, "Stalled")["status"] == "False"
+
+
 def test_a_new_service_with_a_refused_plan_creates_nothing(
     kube: FakeKube, reconciler: Reconciler
 ) -> None:
