@@ -12,8 +12,9 @@ resources say those).
 
 from __future__ import annotations
 
-from enum import StrEnum
-from typing import Any, Self
+from collections.abc import Callable, Hashable, Sequence
+from operator import attrgetter
+from typing import Any, Self, TypeVar
 
 from pydantic import ConfigDict, Field, model_validator
 from pydantic.config import JsonDict
@@ -31,6 +32,17 @@ OWNED_VOLUMES = ("cache", "dshm", "models")
 OWNED_MOUNT_PATHS = ("/cache", "/dev/shm", "/models")
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 CONTAINER_FIELDS = ("command", "args", "ports", "resources", "image")
+
+
+T = TypeVar("T")
+
+
+def merged_by(items: Sequence[T], newer: Sequence[T], key: Callable[[T], Hashable]) -> list[T]:
+    """A strategic merge of a list keyed by ``key``: ``items`` with each of ``newer`` in place
+    of the item of the same key, appended when there is none."""
+    merged = {key(item): item for item in items}
+    merged.update({key(item): item for item in newer})
+    return list(merged.values())
 
 
 def _cel_list(items: tuple[str, ...]) -> str:
@@ -62,11 +74,6 @@ class OverlayRule:
         "podTemplate may not set command, args, ports, resources or image: fleetpilot owns "
         "them (engine.extraArgs, resources and engine.image say them)"
     )
-
-
-class OverlayTolerationOperator(StrEnum):
-    EXISTS = "Exists"
-    EQUAL = "Equal"
 
 
 class OverlayEnvVar(ApiModel):
@@ -226,11 +233,6 @@ def combine(tier: PodTemplateOverlay | None, role: PodTemplateOverlay | None) ->
     if tier is None or role is None:
         return tier or role  # type: ignore[return-value]
 
-    def by(items: list[Any], key: str, newer: list[Any]) -> list[Any]:
-        kept = {getattr(item, key): item for item in items}
-        kept.update({getattr(item, key): item for item in newer})
-        return list(kept.values())
-
     return PodTemplateOverlay(
         labels={**tier.labels, **role.labels},
         annotations={**tier.annotations, **role.annotations},
@@ -238,10 +240,12 @@ def combine(tier: PodTemplateOverlay | None, role: PodTemplateOverlay | None) ->
         tolerations=[*tier.tolerations, *role.tolerations],
         affinity=role.affinity if role.affinity is not None else tier.affinity,
         service_account_name=role.service_account_name or tier.service_account_name,
-        image_pull_secrets=by(tier.image_pull_secrets, "name", role.image_pull_secrets),
-        env=by(tier.env, "name", role.env),
-        volumes=by(tier.volumes, "name", role.volumes),
-        volume_mounts=by(tier.volume_mounts, "mount_path", role.volume_mounts),
+        image_pull_secrets=merged_by(
+            tier.image_pull_secrets, role.image_pull_secrets, attrgetter("name")
+        ),
+        env=merged_by(tier.env, role.env, attrgetter("name")),
+        volumes=merged_by(tier.volumes, role.volumes, attrgetter("name")),
+        volume_mounts=merged_by(tier.volume_mounts, role.volume_mounts, attrgetter("mount_path")),
         security_context=(
             {**(tier.security_context or {}), **(role.security_context or {})}
             if tier.security_context or role.security_context

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fleetpilot.api import InferenceService, ResolvedRole
-from fleetpilot.api.pod_template import PodTemplateOverlay
+from fleetpilot.api.pod_template import GPU_PRODUCT_LABEL, PodTemplateOverlay
 from fleetpilot.api.spec import HuggingFaceSource
 from fleetpilot.engine.vllm_args import (
     ENGINE_PORT,
@@ -19,7 +19,6 @@ from fleetpilot.operator.overlay import apply_overlay
 from fleetpilot.operator.plan_types import K8sObject, object_meta
 from fleetpilot.operator.pod_policy import container_security, pod_security, spread
 
-GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 # GPU nodes are commonly tainted so only GPU pods land there; engine pods tolerate it.
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 # Weights download and load take minutes for large models: allow 30 minutes (180 x 10s)

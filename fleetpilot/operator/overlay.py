@@ -5,19 +5,11 @@ Purely computational."""
 
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import Any
 
-from fleetpilot.api.pod_template import PodTemplateOverlay
+from fleetpilot.api.pod_template import PodTemplateOverlay, merged_by
 from fleetpilot.operator.plan_types import K8sObject, PlanError
-
-
-def _merged_by(items: list[K8sObject], key: str, newer: list[K8sObject]) -> list[K8sObject]:
-    """``items`` with each of ``newer`` in place of the item of the same ``key`` (appended
-    when there is none): a strategic merge of a list keyed by ``key``."""
-    merged = {item[key]: item for item in items}
-    for item in newer:
-        merged[item[key]] = item
-    return list(merged.values())
 
 
 def apply_overlay(template: K8sObject, overlay: PodTemplateOverlay, field: str) -> K8sObject:
@@ -44,7 +36,7 @@ def apply_overlay(template: K8sObject, overlay: PodTemplateOverlay, field: str) 
         spec["securityContext"] = {**spec.get("securityContext", {}), **overlay.security_context}
     volumes = [v.to_wire() for v in overlay.volumes]
     if volumes:
-        spec["volumes"] = _merged_by(spec.get("volumes", []), "name", volumes)
+        spec["volumes"] = merged_by(spec.get("volumes", []), volumes, itemgetter("name"))
     declared = {v["name"] for v in spec.get("volumes", [])}
     for i, mount in enumerate(overlay.volume_mounts):
         if mount.name not in declared:
@@ -54,11 +46,10 @@ def apply_overlay(template: K8sObject, overlay: PodTemplateOverlay, field: str) 
             )
     if overlay.volume_mounts:
         mounts = [m.to_wire() for m in overlay.volume_mounts]
-        container["volumeMounts"] = _merged_by(
-            container.get("volumeMounts", []), "mountPath", mounts
-        )
+        owned = container.get("volumeMounts", [])
+        container["volumeMounts"] = merged_by(owned, mounts, itemgetter("mountPath"))
     if overlay.env:
         env = [e.to_wire() for e in overlay.env]
-        container["env"] = _merged_by(container.get("env", []), "name", env)
+        container["env"] = merged_by(container.get("env", []), env, itemgetter("name"))
     spec["containers"] = [container]
     return {**template, "metadata": metadata, "spec": spec}

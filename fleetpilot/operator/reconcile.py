@@ -120,11 +120,10 @@ class Reconciler:
         objects: list[Obj] = []
         try:
             service = parse_service(body, f"{namespace}/{name}")
-            objects = plan(service, self.options)
         except InvalidManifestError as exc:
             result.plan_error = "; ".join(str(p) for p in exc.problems)
-        except PlanError as exc:
-            result.plan_error = str(exc)
+        else:
+            objects, result.plan_error = self.plan(service)
         if result.plan_error is not None:
             emit("Warning", "PlanRefused", result.plan_error)
             log.warning(
@@ -159,15 +158,18 @@ class Reconciler:
         result.status_written = self.write_status(service, body)
         return result
 
+    def plan(self, service: InferenceService) -> tuple[list[Obj], str | None]:
+        """The service's objects, or none and the planner's refusal."""
+        try:
+            return plan(service, self.options), None
+        except PlanError as exc:
+            return [], str(exc)
+
     def refresh_status(self, service: InferenceService, body: Obj) -> bool:
         """The status again after a child changed, still saying whether the latest spec's plan
         was refused (planning is pure and cheap): a refresh that forgot it would report the
         old children as the service's state and clear Stalled and Degraded."""
-        try:
-            plan(service, self.options)
-        except PlanError as exc:
-            return self.write_status(service, body, str(exc))
-        return self.write_status(service, body)
+        return self.write_status(service, body, self.plan(service)[1])
 
     def observe(self, service: InferenceService) -> Observed:
         selector = {names.LABEL_SERVICE: service.name, names.LABEL_MANAGED_BY: names.MANAGER}

@@ -192,6 +192,7 @@ def compute_status(
             ConditionType.READY, True, "AllReplicasReady", "every role and the router are ready"
         )
     stalls = [(reason, message) for reason, message in problems if reason in _STALLING_REASONS]
+    stalled = cond(ConditionType.STALLED, False, "NotStalled", "nothing stands in the way")
     if stalls:
         stall_message = "; ".join(m for _, m in stalls[:MAX_PROBLEMS_IN_MESSAGE])
         stalled = cond(ConditionType.STALLED, True, stalls[0][0], stall_message)
@@ -199,12 +200,10 @@ def compute_status(
     elif pending:
         rolling = ", ".join(r.label for r in pending)
         progressing = cond(ConditionType.PROGRESSING, True, "RollingOut", f"rolling out: {rolling}")
-        stalled = cond(ConditionType.STALLED, False, "NotStalled", "nothing stands in the way")
     else:
         progressing = cond(
             ConditionType.PROGRESSING, False, "RolloutComplete", "no rollout under way"
         )
-        stalled = cond(ConditionType.STALLED, False, "NotStalled", "nothing stands in the way")
     # Reconciling says what Progressing says, under the name kstatus reads.
     reconciling = cond(
         ConditionType.RECONCILING,

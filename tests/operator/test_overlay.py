@@ -8,6 +8,14 @@ from typing import Any
 import pytest
 
 from fleetpilot.api import parse_service
+from fleetpilot.api.pod_template import (
+    GPU_PRODUCT_LABEL,
+    OWNED_ANNOTATION_PREFIXES,
+    OWNED_ENV,
+    OWNED_LABEL_PREFIXES,
+    OWNED_MOUNT_PATHS,
+    OWNED_VOLUMES,
+)
 from fleetpilot.operator.plan_types import PlanError, PlanOptions
 from fleetpilot.operator.planner import plan
 from tests.factories import make_manifest, make_tier
@@ -105,3 +113,22 @@ def test_a_mount_of_a_volume_nobody_declares_is_refused_naming_it() -> None:
         _pod(manifest, "chat-small")
     assert refused.value.field == "spec.tiers[0].podTemplate.volumeMounts[0].name"
     assert "no volume named 'nope'" in refused.value.message
+
+
+def test_what_the_overlay_rules_call_owned_is_what_the_planner_sets() -> None:
+    """The API's owned names (refused in an overlay) cover every env var, volume, mount path
+    and label prefix the planner puts on an engine pod - a P/D role with several GPUs and a
+    Hub token, which sets them all - so a new one cannot slip past the rules."""
+    tier = make_tier("large", mode="disaggregated", tensor=2)
+    tier["model"]["source"] = {"huggingface": {"tokenSecretRef": {"name": "hf", "key": "t"}}}
+    tier["resources"] = {"gpuProduct": "NVIDIA-H100-80GB-HBM3"}
+    manifest = make_manifest("chat", tiers=[tier])
+    template = _pod(manifest, "chat-large-decode")
+    (container,) = template["spec"]["containers"]
+    assert "HF_TOKEN" in {e["name"] for e in container["env"]}  # the case sets them all
+    assert {e["name"] for e in container["env"]} <= set(OWNED_ENV)
+    assert {v["name"] for v in template["spec"]["volumes"]} <= set(OWNED_VOLUMES)
+    assert {m["mountPath"] for m in container["volumeMounts"]} <= set(OWNED_MOUNT_PATHS)
+    assert all(k.startswith(OWNED_LABEL_PREFIXES) for k in template["metadata"]["labels"])
+    assert all(k.startswith(OWNED_ANNOTATION_PREFIXES) for k in template["metadata"]["annotations"])
+    assert GPU_PRODUCT_LABEL in template["spec"]["nodeSelector"]
