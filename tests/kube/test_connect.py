@@ -9,7 +9,7 @@ import pytest
 import yaml
 from kubernetes import client as k8s
 
-from fleetpilot.kube.connect import connect
+from fleetpilot.kube.connect import CONNECTION_POOL_SIZE, connect
 
 
 def _kubeconfig(path: Path, server: str) -> Path:
@@ -35,6 +35,12 @@ def test_outside_a_cluster_the_kubeconfig_names_the_server(
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     api = connect(str(_kubeconfig(tmp_path / "config", "https://10.1.2.3:6443")))
     assert api.configuration.host == "https://10.1.2.3:6443"
+    assert_pool_holds_every_thread(api)
+
+
+def assert_pool_holds_every_thread(api: k8s.ApiClient) -> None:
+    """The operator's threads share the client: the pool keeps a connection for each."""
+    assert api.rest_client.pool_manager.connection_pool_kw["maxsize"] == CONNECTION_POOL_SIZE
 
 
 @pytest.fixture
@@ -62,3 +68,6 @@ def test_in_a_cluster_the_service_account_wins(
     monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME", str(account / "ca.crt"))
     api = connect(str(_kubeconfig(tmp_path / "config", "https://10.1.2.3:6443")))
     assert api.configuration.host == "https://10.96.0.1:443"
+    assert_pool_holds_every_thread(api)
+    # Bound service-account tokens rotate: the client re-reads the file.
+    assert api.configuration.refresh_api_key_hook is not None
