@@ -102,13 +102,15 @@ def _operator(args: argparse.Namespace) -> int:
     import kopf
     from prometheus_client import start_http_server
 
-    from fleetpilot.operator.handlers import build_registry
+    from fleetpilot.operator.handlers import build_registry, quiet_watch_handlers
 
     if not args.namespace and not args.all_namespaces:
         print("error: give --namespace NS (repeatable) or --all-namespaces", file=sys.stderr)
         return EXIT_INVALID
     log_format = kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.PLAIN
     kopf.configure(verbose=args.verbose, log_format=log_format)
+    if not args.verbose:
+        quiet_watch_handlers()
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.bind)
     priority = 0

@@ -11,6 +11,7 @@ one loop ticks them all. Without a timer kopf also removes the finalizer it adde
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +42,11 @@ class ServiceTicker:
             self._services.pop(key, None)
         else:
             self._services[key] = body
+
+    def latest(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The service's body as its watch last delivered it (a copy), if followed."""
+        body = self._services.get((namespace, name))
+        return copy.deepcopy(dict(body)) if body is not None else None
 
     @property
     def services(self) -> list[tuple[str, str]]:

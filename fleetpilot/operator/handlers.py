@@ -4,8 +4,10 @@ InferenceService create/update/resume runs a full reconcile; its watch events al
 autoscaler's loop (operator.autoscaling: a loop, not a kopf timer, so no finalizer holds a
 service's deletion hostage to the operator running). Changes of child Deployments
 and Pods (selected by label, so the operator never watches unrelated objects) refresh only the
-owning service's status. Errors the API server may get over (409, 429, 5xx) are retried by
-kopf with backoff; anything else is reported on the object and left until its next change.
+owning service's status, through operator.refresh_queue: the child handlers only mark the
+service and return, so kopf's per-object workers never wait on the API server. Errors the API
+server may get over (409, 429, 5xx) are retried by kopf with backoff; anything else is
+reported on the object and left until its next change.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Hashable, Mapping
+from typing import Any, cast
 
 import kopf
 
@@ -30,9 +32,10 @@ from fleetpilot.kube.client import Kube, KubeError
 from fleetpilot.kube.connect import connect
 from fleetpilot.operator import metrics
 from fleetpilot.operator.autoscaling import ServiceTicker
-from fleetpilot.operator.coalesce import Coalescer
+from fleetpilot.operator.children import DEPLOYMENTS_INDEX, PODS_INDEX, Children, index_entry
 from fleetpilot.operator.plan_types import DEFAULT_FLEETPILOT_IMAGE, PlanOptions
 from fleetpilot.operator.reconcile import Reconciler
+from fleetpilot.operator.refresh_queue import RefreshQueue
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,34 @@ ANNOTATION_PREFIX = "operator.fleetpilot.dev"
 # Exponential backoff for retryable API errors: 1s, 2s, 4s ... capped at a minute.
 RETRY_BASE_S = 1.0
 RETRY_MAX_S = 60.0
+
+
+# The watch-event handlers, named: kopf logs "Handler '<id>' succeeded." for every event each
+# handles - a line per pod and Deployment change, ten thousand a minute with a thousand
+# services rolling out - which QuietWatchHandlers drops (unless --verbose).
+SERVICE_EVENT, DEPLOYMENT_CHANGED, POD_CHANGED = (
+    "service-event",
+    "deployment-changed",
+    "pod-changed",
+)
+
+
+class QuietWatchHandlers(logging.Filter):
+    """Drops kopf's success line of the watch-event handlers; their failures still log."""
+
+    _quiet = frozenset(
+        f"Handler '{handler}' succeeded."
+        for handler in (
+            SERVICE_EVENT, DEPLOYMENT_CHANGED, POD_CHANGED, DEPLOYMENTS_INDEX, PODS_INDEX
+        )
+    )  # fmt: skip
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() not in self._quiet
+
+
+def quiet_watch_handlers() -> None:
+    logging.getLogger("kopf.objects").addFilter(QuietWatchHandlers())
 
 
 def retry_delay(retry: int) -> float:
@@ -53,6 +84,15 @@ def _plain(body: Any) -> dict[str, Any]:
         return body
     return {key: _plain(value) if hasattr(value, "keys") else value for key, value in body.items()}
 
+
+# Threads reconciling services at once (kopf's executor; its default is the CPU count + 4). A
+# reconcile is a score of API requests in a row, so with a thousand services created at once
+# a few threads, each waiting on one request at a time, left the API server idle between them.
+RECONCILE_WORKERS = 16
+# Threads refreshing statuses after child events: each refresh waits mostly on the API server.
+REFRESH_WORKERS = 4
+# A child event's refresh waits this long for the rest of its burst (operator.refresh_queue).
+REFRESH_HOLD_S = 1.0
 
 # The loop ticks often; each service's roles are decided only when their own
 # autoscaling.interval has passed (loop.tick skips roles not yet due).
@@ -77,6 +117,7 @@ def build_registry(
         # Explicit Events only (created/updated/pruned/refused); kopf would otherwise post
         # one for every log line of a handler.
         settings.posting.level = logging.WARNING
+        settings.execution.max_workers = RECONCILE_WORKERS
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
             prefix=ANNOTATION_PREFIX
         )
@@ -88,12 +129,15 @@ def build_registry(
         pod_monitors = kube.serves("monitoring.coreos.com/v1", "podmonitors")
         log.info("optional CRDs detected", extra={"podmonitor": pod_monitors})
         options = PlanOptions(fleetpilot_image=fleetpilot_image, pod_monitor_available=pod_monitors)
-        memo["reconciler"] = Reconciler(kube, options)
+        memo["children"] = Children()
+        memo["reconciler"] = Reconciler(kube, options, memo["children"])
         # Shared (not copied) by every service's handlers: kopf copies memo shallowly.
         memo["prometheus"] = PrometheusSources(prometheus_url)
         memo["actuator"] = kubernetes_actuator(kube)
         memo["histories"] = {}
-        memo["refreshes"] = Coalescer()
+        memo["refreshes"] = RefreshQueue(
+            lambda key: refresh(key, memo), REFRESH_WORKERS, "status-refresh", REFRESH_HOLD_S
+        )
 
         def autoscale(body: Mapping[str, Any]) -> None:
             """Decide and scale every due role of the service from its Prometheus metrics."""
@@ -120,6 +164,9 @@ def build_registry(
         ticker: ServiceTicker | None = memo.get("ticker")
         if ticker is not None:
             ticker.close()
+        refreshes: RefreshQueue | None = memo.get("refreshes")
+        if refreshes is not None:
+            refreshes.close()
         sources: PrometheusSources | None = memo.get("prometheus")
         if sources is not None:
             sources.close()
@@ -127,7 +174,8 @@ def build_registry(
     @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry)
-    def reconcile_service(body: kopf.Body, memo: kopf.Memo, retry: int, **_: Any) -> None:
+    def reconcile_service(body: kopf.Body, memo: kopf.Memo, retry: int, **kwargs: Any) -> None:
+        attach_indexes(memo, kwargs)
         reconciler: Reconciler = memo["reconciler"]
 
         def emit(kind: str, reason: str, message: str) -> None:
@@ -155,8 +203,33 @@ def build_registry(
             },
         )
 
-    @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
-    def service_event(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    def attach_indexes(memo: kopf.Memo, kwargs: dict[str, Any]) -> None:
+        # kopf hands its indexes only to handlers; the status refreshes run outside them.
+        children: Children = memo["children"]
+        children.attach(kwargs[DEPLOYMENTS_INDEX], kwargs[PODS_INDEX])
+
+    # Every Deployment and pod of a service, kept by kopf from their watches (operator.children).
+    # Async: an index handler runs on every event of its kind, in kopf's loop.
+    @kopf.index(
+        "apps", "v1", "deployments",
+        labels={names.LABEL_MANAGED_BY: names.MANAGER}, id=DEPLOYMENTS_INDEX, registry=registry,
+    )  # fmt: skip
+    async def deployments_by_service(body: kopf.Body, **_: Any) -> dict[Any, Any]:
+        return index_entry("Deployment", body)
+
+    @kopf.index(
+        "", "v1", "pods",
+        labels={names.LABEL_SERVICE: kopf.PRESENT}, id=PODS_INDEX, registry=registry,
+    )  # fmt: skip
+    async def pods_by_service(body: kopf.Body, **_: Any) -> dict[Any, Any]:
+        return index_entry("Pod", body)
+
+    # The event handlers are async (run in kopf's loop, not its thread pool): they only record
+    # and mark, and must not wait behind reconciles for a thread.
+    @kopf.on.event(GROUP, VERSION, PLURAL, id=SERVICE_EVENT, registry=registry)
+    async def service_event(
+        event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any
+    ) -> None:
         ticker: ServiceTicker = memo["ticker"]
         plain = _plain(body)
         ticker.observe(event.get("type"), plain)
@@ -170,13 +243,19 @@ def build_registry(
         if not service_name or not namespace:
             return
         # A burst of child events (a rollout, a thousand services at once) is one refresh
-        # running and at most one behind it, reading the final state.
-        refreshes: Coalescer = memo["refreshes"]
-        refreshes.run((namespace, service_name), lambda: refresh(namespace, service_name, memo))
+        # queued or running and at most one behind it, reading the final state.
+        refreshes: RefreshQueue = memo["refreshes"]
+        refreshes.mark((namespace, service_name))
 
-    def refresh(namespace: str, service_name: str, memo: kopf.Memo) -> None:
+    def refresh(key: Hashable, memo: kopf.Memo) -> None:
+        namespace, service_name = cast(tuple[str, str], key)
         reconciler: Reconciler = memo["reconciler"]
-        body = reconciler.kube.get("InferenceService", namespace, service_name)
+        # The service as its watch last delivered it, else read: a stale one only costs the
+        # status write a conflict (it carries the resourceVersion) and a fresh read.
+        ticker: ServiceTicker = memo["ticker"]
+        body = ticker.latest(namespace, service_name) or reconciler.kube.get(
+            "InferenceService", namespace, service_name
+        )
         if body is None:
             return
         try:
@@ -191,15 +270,22 @@ def build_registry(
 
     @kopf.on.event(
         "apps", "v1", "deployments",
-        labels={names.LABEL_MANAGED_BY: names.MANAGER}, registry=registry,
+        labels={names.LABEL_MANAGED_BY: names.MANAGER}, id=DEPLOYMENT_CHANGED, registry=registry,
     )  # fmt: skip
-    def deployment_changed(
-        namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any
+    async def deployment_changed(
+        namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **kwargs: Any
     ) -> None:
+        attach_indexes(memo, kwargs)
         refresh_owner(namespace, labels, memo)
 
-    @kopf.on.event("", "v1", "pods", labels={names.LABEL_SERVICE: kopf.PRESENT}, registry=registry)
-    def pod_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+    @kopf.on.event(
+        "", "v1", "pods",
+        labels={names.LABEL_SERVICE: kopf.PRESENT}, id=POD_CHANGED, registry=registry,
+    )  # fmt: skip
+    async def pod_changed(
+        namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **kwargs: Any
+    ) -> None:
+        attach_indexes(memo, kwargs)
         refresh_owner(namespace, labels, memo)
 
     return registry

@@ -19,6 +19,7 @@ from fleetpilot.kube import names
 from fleetpilot.kube.client import Kube, KubeError, Obj
 from fleetpilot.kube.managers import OPERATOR_MANAGER, owns_field
 from fleetpilot.kube.status import StatusWrite, update_status
+from fleetpilot.operator.children import Children
 from fleetpilot.operator.drift import needs_apply, with_hash
 from fleetpilot.operator.plan_types import PlanError, PlanOptions
 from fleetpilot.operator.planner import all_roles, plan
@@ -52,6 +53,27 @@ class ReconcileResult:
     pruned: list[str] = field(default_factory=list)
     plan_error: str | None = None
     status_written: bool = False
+
+
+# kopf truncates an Event's message to 1,024 characters; a summary stays under it.
+EVENT_MESSAGE_MAX = 1000
+
+
+def change_summary(verb: str, keys: list[tuple[str, str]]) -> str:
+    """One Event's message for every object a reconcile changed one way, by kind:
+    "created Deployment chat-small, chat-router; Service chat-small". One Event per
+    reconcile and verb, not one per object: a thousand services created at once would
+    otherwise post a dozen Events each, as many API writes as the objects themselves."""
+    by_kind: dict[str, list[str]] = {}
+    for kind, name in keys:
+        by_kind.setdefault(kind, []).append(name)
+    message = f"{verb} " + "; ".join(
+        f"{kind} {', '.join(names)}" for kind, names in by_kind.items()
+    )
+    if len(message) <= EVENT_MESSAGE_MAX:
+        return message
+    counts = ", ".join(f"{len(names)} {kind}" for kind, names in by_kind.items())
+    return f"{verb} {len(keys)} objects: {counts}"[:EVENT_MESSAGE_MAX]
 
 
 def _key(obj: Obj) -> tuple[str, str]:
@@ -94,9 +116,13 @@ def _owned_by(obj: Obj, uid: str | None) -> bool:
 class Reconciler:
     """Reconciles services through one :class:`Kube` connection."""
 
-    def __init__(self, kube: Kube, options: PlanOptions | None = None) -> None:
+    def __init__(
+        self, kube: Kube, options: PlanOptions | None = None, children: Children | None = None
+    ) -> None:
         self.kube = kube
         self.options = options or PlanOptions()
+        # The watched Deployments and pods (operator.children); without them, listed.
+        self.children = children
 
     def managed_kinds(self) -> tuple[str, ...]:
         if self.options.pod_monitor_available:
@@ -137,6 +163,8 @@ class Reconciler:
         assert service is not None
         live = self.live_children(namespace, name)
         autoscaled = _autoscaled_deployments(service)
+        changed: dict[str, list[tuple[str, str]]] = {"Created": [], "Updated": []}
+        applied_deployments: dict[str, Obj] = {}
         for planned in objects:
             key = _key(planned)
             current = live.get(key)
@@ -145,17 +173,24 @@ class Reconciler:
                 desired = settle_replicas(planned, current, key[1] in autoscaled)
             desired = with_hash(desired)
             if needs_apply(desired, current):
-                self.kube.apply(desired, OPERATOR_MANAGER)
-                verb = "Created" if current is None else "Updated"
+                written = self.kube.apply(desired, OPERATOR_MANAGER)
+                if key[0] == "Deployment":
+                    applied_deployments[key[1]] = written
+                changed["Created" if current is None else "Updated"].append(key)
                 result.applied.append(f"{key[0]}/{key[1]}")
-                emit("Normal", verb, f"{verb.lower()} {key[0]} {key[1]}")
         wanted = {_key(o) for o in objects}
+        pruned: list[tuple[str, str]] = []
         for key, obj in live.items():
             stale = key not in wanted and _owned_by(obj, service.metadata.uid)
             if stale and self.kube.delete(key[0], namespace, key[1]):
+                pruned.append(key)
                 result.pruned.append(f"{key[0]}/{key[1]}")
-                emit("Normal", "Pruned", f"deleted {key[0]} {key[1]}: no longer planned")
-        result.status_written = self.write_status(service, body)
+        for reason, keys in changed.items():
+            if keys:
+                emit("Normal", reason, change_summary(reason.lower(), keys))
+        if pruned:
+            emit("Normal", "Pruned", change_summary("deleted (no longer planned)", pruned))
+        result.status_written = self.write_status(service, body, applied=applied_deployments)
         return result
 
     def plan(self, service: InferenceService) -> tuple[list[Obj], str | None]:
@@ -171,7 +206,13 @@ class Reconciler:
         old children as the service's state and clear Stalled and Degraded."""
         return self.write_status(service, body, self.plan(service)[1])
 
-    def observe(self, service: InferenceService) -> Observed:
+    def observe(self, service: InferenceService, applied: dict[str, Obj] | None = None) -> Observed:
+        """The service's Deployments and pods: as watched, with the Deployments this reconcile
+        just wrote as the API server answered (their watch events may not be in yet), or
+        listed when the operator runs without watches."""
+        watched = self.children.observed(service.namespace, service.name) if self.children else None
+        if watched is not None:
+            return Observed({**watched.deployments, **(applied or {})}, watched.pods)
         selector = {names.LABEL_SERVICE: service.name, names.LABEL_MANAGED_BY: names.MANAGER}
         deployments = {
             d["metadata"]["name"]: d
@@ -181,7 +222,11 @@ class Reconciler:
         return Observed(deployments=deployments, pods=pods)
 
     def write_status(
-        self, service: InferenceService, body: Obj, plan_error: str | None = None
+        self,
+        service: InferenceService,
+        body: Obj,
+        plan_error: str | None = None,
+        applied: dict[str, Obj] | None = None,
     ) -> bool:
         """Patch the status subresource if (and only if) it changed; whether it was written.
 
@@ -194,7 +239,7 @@ class Reconciler:
             previous = _parse_status(live.get("status") or None)
             now = datetime.now(UTC).replace(microsecond=0)
             return compute_status(
-                service, self.observe(service), previous, now, plan_error
+                service, self.observe(service, applied), previous, now, plan_error
             ).to_wire()
 
         outcome = update_status(

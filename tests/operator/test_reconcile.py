@@ -21,7 +21,7 @@ from fleetpilot.autoscaler.actuator import (
 from fleetpilot.autoscaler.model import Decision, History, ReasonKind
 from fleetpilot.kube.client import MERGE_CONTENT_TYPE, Obj
 from fleetpilot.kube.managers import AUTOSCALER_MANAGER, OPERATOR_MANAGER, owns_field
-from fleetpilot.operator.reconcile import Reconciler
+from fleetpilot.operator.reconcile import EVENT_MESSAGE_MAX, Reconciler, change_summary
 from tests.factories import make_manifest, make_tier
 from tests.support.kube import FakeKube
 
@@ -125,6 +125,34 @@ def test_an_unchanged_service_costs_no_write(kube: FakeKube, reconciler: Reconci
     assert kube.writes == writes + 1
 
 
+def test_a_reconcile_posts_one_event_for_everything_it_created(
+    kube: FakeKube, reconciler: Reconciler
+) -> None:
+    """A thousand services created at once would post a dozen Events each if every object had
+    its own: one Event per reconcile names them all, by kind."""
+    kube.apply(manifest(), USER)
+    events = Events()
+    result = reconciler.reconcile(service(kube), events)
+    (created,) = [message for _, reason, message in events.seen if reason == "Created"]
+    assert events.reasons() == ["Created"]
+    for applied in result.applied:
+        kind, name = applied.split("/")
+        assert f"{kind} " in created
+        assert name in created
+    assert "; Deployment chat-router, chat-small;" in created
+
+
+def test_an_event_summary_too_long_for_one_message_counts_by_kind() -> None:
+    keys = [("Deployment", f"service-with-a-long-name-{i:03d}") for i in range(60)]
+    keys.append(("Service", "one"))
+    summary = change_summary("created", keys)
+    assert summary == "created 61 objects: 60 Deployment, 1 Service"
+    assert len(change_summary("created", keys[:5])) <= EVENT_MESSAGE_MAX
+    assert change_summary("created", keys[:2]) == (
+        "created Deployment service-with-a-long-name-000, service-with-a-long-name-001"
+    )
+
+
 def test_a_removed_tier_is_pruned_and_nothing_someone_else_owns(
     kube: FakeKube, reconciler: Reconciler
 ) -> None:
@@ -169,7 +197,12 @@ def test_a_removed_tier_is_pruned_and_nothing_someone_else_owns(
         "PodDisruptionBudget/chat-large",
         "Service/chat-large",
     ]
-    assert events.reasons().count("Pruned") == 3
+    # One Event for the reconcile's prunes, naming each object by kind.
+    (pruned_message,) = [message for _, reason, message in events.seen if reason == "Pruned"]
+    assert pruned_message == (
+        "deleted (no longer planned) Service chat-large; Deployment chat-large; "
+        "PodDisruptionBudget chat-large"
+    )
     assert "chat-large" not in names_of(kube, "Deployment")
     assert "chat-small" in names_of(kube, "Deployment")
     assert "chat-notes" in names_of(kube, "ConfigMap")
