@@ -16,6 +16,12 @@ controller-manager, scheduler built from Go modules; no kubelet, so the pods sta
 
 Goals (issue 17): 1,000 services settled in under 2 minutes; memory under 500 MB.
 
+The baseline arm (`--arms direct`) is the floor no operator can beat on this machine: no
+operator runs, and the bench itself applies each service's planned objects and one status write
+as soon as the service is applied - the same writes, with no reads, no Events, no kopf. What the
+control plane spends on them (and on the ReplicaSets, pods and Events the controllers make in
+turn) is on the same two cores; the CPU seconds each process used are reported.
+
 Run: .venv/bin/python bench/operator_scale.py [--services 200 1000] [--save]
 """
 
@@ -37,7 +43,10 @@ from typing import Any
 
 import yaml
 
+from fleetpilot.api import parse_service
 from fleetpilot.kube.client import Kube, KubeError
+from fleetpilot.kube.managers import OPERATOR_MANAGER
+from fleetpilot.operator.planner import plan
 from fleetpilot.runtime.processes import free_ports
 from fleetpilot.testing.controlplane import ControlPlane
 
@@ -130,6 +139,34 @@ def wait_quiet(kube: Kube, timeout_s: float, window_s: float = 10.0) -> float:
     return time.monotonic() - started
 
 
+def cpu_s(pid: int) -> float:
+    """User plus system CPU seconds a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_by_process(
+    plane: ControlPlane, operator: subprocess.Popen[bytes] | None
+) -> dict[str, float]:
+    writer = {"operator": operator.pid} if operator else {"bench (direct writes)": os.getpid()}
+    return {name: cpu_s(pid) for name, pid in {**plane.pids, **writer}.items()}
+
+
+def write_directly(kube: Kube, index: int) -> None:
+    """The direct arm: what the operator writes for a new service, with nothing else."""
+    live = kube.apply(service(index), MANAGER)
+    for obj in plan(parse_service(live)):
+        kube.apply(obj, OPERATOR_MANAGER)
+    meta = live["metadata"]
+    kube.patch_status(
+        "InferenceService",
+        NAMESPACE,
+        meta["name"],
+        {"observedGeneration": meta["generation"]},
+        OPERATOR_MANAGER,
+    )
+
+
 def rss_mb(pid: int) -> tuple[float, float]:
     """(resident, peak resident) of a process, in MB."""
     fields = dict(
@@ -202,7 +239,9 @@ def stop(process: subprocess.Popen[bytes]) -> None:
             process.wait()
 
 
-def run(count: int, workdir: Path, timeout_s: float) -> dict[str, Any]:
+def run(
+    count: int, workdir: Path, timeout_s: float, arm: str, resync: bool = True
+) -> dict[str, Any]:
     plane = ControlPlane(workdir / "plane")
     plane.start()
     operator: subprocess.Popen[bytes] | None = None
@@ -226,12 +265,17 @@ def run(count: int, workdir: Path, timeout_s: float) -> dict[str, Any]:
             time.sleep(3)  # the CRD served
             (metrics_port,) = free_ports(1)
             log = workdir / "operator.log"
-            operator = start_operator(plane.kubeconfig, metrics_port, log)
-            time.sleep(3)
+            if arm == "operator":
+                operator = start_operator(plane.kubeconfig, metrics_port, log)
+                time.sleep(3)
             requests_before = api_writes(kube, ALL_VERBS)
+            cpu_before = cpu_by_process(plane, operator)
             started = time.monotonic()
             with ThreadPoolExecutor(16) as pool:
-                list(pool.map(lambda i: kube.apply(service(i), MANAGER), range(count)))
+                if operator is not None:
+                    list(pool.map(lambda i: kube.apply(service(i), MANAGER), range(count)))
+                else:
+                    list(pool.map(lambda i: write_directly(kube, i), range(count)))
             applied_s = time.monotonic() - started
             done = 0
             while done < count and time.monotonic() - started < timeout_s:
@@ -242,16 +286,35 @@ def run(count: int, workdir: Path, timeout_s: float) -> dict[str, Any]:
                 except KubeError:
                     continue
             settle_s = time.monotonic() - started
-            rss, peak = rss_mb(operator.pid)
+            rss, peak = rss_mb(operator.pid) if operator else (0.0, 0.0)
+            cpu_after = cpu_by_process(plane, operator)
+            settle_cpu = {k: round(cpu_after[k] - cpu_before[k], 1) for k in cpu_after}
             requests_after = api_writes(kube, ALL_VERBS)
             settle_requests = {
                 k: requests_after[k] - requests_before[k]
                 for k in requests_after
                 if requests_after[k] > requests_before[k]
             }
-            print(f"{count}: applied in {applied_s:.1f} s, {done} settled in {settle_s:.1f} s, "
+            print(f"{count} ({arm}): applied in {applied_s:.1f} s, {done} settled in "
+                  f"{settle_s:.1f} s, "
                   f"operator RSS {rss:.0f} MB (peak {peak:.0f}); API requests meanwhile "
-                  f"{sum(settle_requests.values())}", flush=True)  # fmt: skip
+                  f"{sum(settle_requests.values())}; CPU seconds {settle_cpu}",
+                  flush=True)  # fmt: skip
+
+            settle = {
+                "arm": arm,
+                "services": count,
+                "applied_s": round(applied_s, 1),
+                "settled": done,
+                "settle_s": round(settle_s, 1),
+                "operator_rss_mb": round(rss),
+                "operator_peak_rss_mb": round(peak),
+                "settle_cpu_s": settle_cpu,
+                "settle_api_requests_total": sum(settle_requests.values()),
+                "settle_api_requests": dict(sorted(settle_requests.items(), key=lambda kv: -kv[1])),
+            }
+            if operator is None or not resync:
+                return settle
 
             # A settled resync: once the cluster is quiet (the controller-manager has made
             # every ReplicaSet and pod, the scheduler has tried them), restart the operator and
@@ -274,14 +337,7 @@ def run(count: int, workdir: Path, timeout_s: float) -> dict[str, Any]:
                   f"operator's kinds {ours or 0}; events {writes.get('events', 0)}; "
                   f"RSS {resync_rss:.0f} MB (peak {resync_peak:.0f})", flush=True)  # fmt: skip
             return {
-                "services": count,
-                "applied_s": round(applied_s, 1),
-                "settled": done,
-                "settle_s": round(settle_s, 1),
-                "operator_rss_mb": round(rss),
-                "operator_peak_rss_mb": round(peak),
-                "settle_api_requests_total": sum(settle_requests.values()),
-                "settle_api_requests": dict(sorted(settle_requests.items(), key=lambda kv: -kv[1])),
+                **settle,
                 "cluster_quiet_after_s": round(quiet_s, 1),
                 "resync_services": resumed,
                 "resync_s": round(resync_s, 1),
@@ -300,13 +356,24 @@ def main() -> None:
     parser.add_argument("--services", type=int, nargs="+", default=[200, 1000])
     parser.add_argument("--timeout", type=float, default=900.0, help="per phase, seconds")
     parser.add_argument(
+        "--arms",
+        nargs="+",
+        choices=["operator", "direct"],
+        default=["operator"],
+        help="operator: the fleetpilot operator; direct: the floor (see above)",
+    )
+    parser.add_argument(
+        "--no-resync", action="store_true", help="measure the settle only, not the restart"
+    )
+    parser.add_argument(
         "--save", action="store_true", help="write bench/results/operator_scale.json"
     )
     args = parser.parse_args()
     results = []
     for count in args.services:
-        with tempfile.TemporaryDirectory(prefix="fp-scale-") as tmp:
-            results.append(run(count, Path(tmp), args.timeout))
+        for arm in args.arms:
+            with tempfile.TemporaryDirectory(prefix="fp-scale-") as tmp:
+                results.append(run(count, Path(tmp), args.timeout, arm, not args.no_resync))
     report = {"machine": {"cpus": os.cpu_count(), "loadavg": os.getloadavg()}, "runs": results}
     print(json.dumps(report, indent=2))
     if args.save:
