@@ -4,10 +4,13 @@ The engine runs in steps (``profile.EngineCosts``), but the simulator does not v
 between two events of a replica (an arrival, a prompt finished, a sequence finished) its batch
 does not change, so every step of the interval costs the same and the interval is advanced in
 one go - every running sequence gains ``interval / step`` tokens, the prefill queue
-``interval / step x chunk`` prompt tokens, first come first served. A replica is visited about
-three times a request, whatever its output length. The KV tokens of a long decode grow between
-events; a replica is revisited at least every :data:`REFRESH_STEPS` steps so that the step cost
-follows them.
+``interval / step x chunk`` prompt tokens, first come first served. A prompt finishes and a
+sequence ends at a step's end; a request arrives at any time, and on a busy engine it waits for
+the step under way to end before the scheduler sees it (vLLM schedules between steps): on
+average half a step, which at a few milliseconds a step is a large share of a short prompt's
+TTFT. A replica is visited three to four times a request, whatever its output length. The KV
+tokens of a long decode grow between events; a replica is revisited at least every
+:data:`REFRESH_STEPS` steps so that the step cost follows them.
 
 What it models as vLLM does: a step batches every running sequence's next token with as many
 waiting prompt tokens as ``max_num_batched_tokens`` leaves; a prompt is admitted while the batch
@@ -40,6 +43,8 @@ from fleetpilot.simulate.profile import EngineCosts, EngineShape
 # chat's context).
 REFRESH_STEPS = 64
 _EPS = 1e-9
+# A fraction of a step: an arrival this close to a step's end is taken at it.
+_PHASE_EPS = 1e-6
 
 
 @dataclass(eq=False, slots=True)
@@ -80,6 +85,8 @@ class Engine:
     publish: Publish | None = None  # KV events, when the router reads them
     now: float = 0.0
     waiting: deque[Seq] = field(default_factory=deque)
+    # Arrived during the step under way: the scheduler takes them at its end.
+    arriving: list[Seq] = field(default_factory=list)
     prefilling: deque[Seq] = field(default_factory=deque)
     # (finish_v, tie, sequence): the running batch by the virtual token at which each ends.
     running: list[tuple[float, int, Seq]] = field(default_factory=list)
@@ -98,6 +105,8 @@ class Engine:
     cache: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     step_s: float = 0.0
     chunk: float = 0.0
+    # When the first step of the current plan began: its steps end at anchor_s + k x step_s.
+    anchor_s: float = 0.0
     version: int = 0  # bumped whenever the next event time changes (lazy heap deletion)
     # Counters for the autoscaler's and the report's view.
     prompt_total: int = 0
@@ -127,18 +136,25 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
+        # vLLM's scheduler counts a request once its engine core has taken it from the input
+        # queue, between steps: one that arrived mid-step is not counted yet.
         return len(self.waiting)
 
     @property
     def idle(self) -> bool:
-        return not (self.running or self.prefilling or self.waiting)
+        return not (self.running or self.prefilling or self.waiting or self.arriving)
 
     # -- the fleet's entry points ------------------------------------------------------------
     def submit(self, seq: Seq, now: float) -> float | None:
-        """Queue a sequence; returns the replica's next event time (None: idle)."""
+        """Queue a sequence; returns the replica's next event time (None: idle). Mid-step,
+        the plan stands (the steps keep their phase) and the next event is the step's end."""
         self._advance(now)
-        self.waiting.append(seq)
-        return self._settle(now)
+        step_end = self._step_end(now)
+        if step_end is None:
+            self.waiting.append(seq)
+            return self._settle(now)
+        self.arriving.append(seq)
+        return step_end
 
     def wake(self, now: float) -> float | None:
         """The event the replica asked for: finish what is due, admit, re-plan."""
@@ -164,8 +180,22 @@ class Engine:
                 if budget <= 0:
                     break
 
+    def _step_end(self, now: float) -> float | None:
+        """When the step under way ends; None when idle or between two steps."""
+        if self.step_s <= 0:
+            return None
+        steps = (now - self.anchor_s) / self.step_s
+        done = math.ceil(steps - _PHASE_EPS)
+        if done - steps < _PHASE_EPS:
+            return None
+        return self.anchor_s + done * self.step_s
+
     def _settle(self, now: float) -> float | None:
-        """Complete due prompts and sequences, admit waiting ones, and plan the next event."""
+        """Complete due prompts and sequences, admit waiting ones, and plan the next event.
+        Only ever at a step's end (every planned event is one), so arrivals join the queue."""
+        if self.arriving:
+            self.waiting.extend(self.arriving)
+            self.arriving.clear()
         while True:
             progressed = False
             while self.prefilling and self.prefilling[0].remaining_prefill <= _EPS:
@@ -261,6 +291,7 @@ class Engine:
 
     def _plan(self, now: float) -> float | None:
         self.version += 1
+        self.anchor_s = now
         n = len(self.running)
         if not n and not self.prefilling:
             self.step_s = 0.0

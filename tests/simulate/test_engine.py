@@ -96,6 +96,33 @@ def test_one_request_costs_one_prefill_step_then_one_step_a_token() -> None:
     assert d.ends[1] == pytest.approx(prefill_step + 10 * decode_step)
 
 
+def test_an_arrival_mid_step_waits_for_the_step_under_way() -> None:
+    """vLLM schedules between steps: a request arriving while the batch decodes starts its
+    prefill when the step under way ends, not when it arrives."""
+    d = make()
+    d.submit(0.0, seq(1, list(range(100)), output=101))
+    prefill_step = COSTS.decode_base_s + COSTS.prefill_per_token_s * 100
+    decode_step = COSTS.decode_base_s + COSTS.decode_per_seq_s
+    arrival = prefill_step + 5.4 * decode_step  # 40% into the sixth decode step
+    d.submit(arrival, seq(2, list(range(1000, 1100)), output=2))
+    d.run()
+    step_end = prefill_step + 6 * decode_step
+    batch_with_prompt = decode_step + COSTS.prefill_per_token_s * 100
+    assert d.firsts[2] == pytest.approx(step_end + batch_with_prompt + COSTS.prefill_base_s)
+
+
+def test_an_arrival_at_a_step_end_is_taken_at_once() -> None:
+    d = make()
+    d.submit(0.0, seq(1, list(range(100)), output=101))
+    prefill_step = COSTS.decode_base_s + COSTS.prefill_per_token_s * 100
+    decode_step = COSTS.decode_base_s + COSTS.decode_per_seq_s
+    d.submit(prefill_step + 3 * decode_step, seq(2, list(range(1000, 1100)), output=2))
+    d.run()
+    batch_with_prompt = decode_step + COSTS.prefill_per_token_s * 100
+    expected = prefill_step + 3 * decode_step + batch_with_prompt + COSTS.prefill_base_s
+    assert d.firsts[2] == pytest.approx(expected)
+
+
 def test_long_prompt_is_chunked_by_the_batched_token_budget() -> None:
     """A prompt over max_num_batched_tokens takes one step per chunk."""
     d = make()
