@@ -42,16 +42,17 @@ def _pick(obj: Mapping[str, Any], *paths: tuple[str, ...]) -> Obj:
             target = out
             for part in path[:-1]:
                 target = target.setdefault(part, {})
-            target[path[-1]] = _plain(value)
+            target[path[-1]] = plain(value)
     return out
 
 
-def _plain(value: Any) -> Any:
-    """kopf's bodies are read-only views; the index keeps plain, independent values."""
+def plain(value: Any) -> Any:
+    """A plain, independent copy of ``value``: kopf's bodies (and the mappings in them) are
+    read-only views, and the reconciler, the ticker and the indexes keep plain dicts."""
     if isinstance(value, Mapping):
-        return {key: _plain(item) for key, item in value.items()}
+        return {key: plain(item) for key, item in value.items()}
     if isinstance(value, list):
-        return [_plain(item) for item in value]
+        return [plain(item) for item in value]
     return value
 
 

@@ -32,7 +32,13 @@ from fleetpilot.kube.client import Kube, KubeError
 from fleetpilot.kube.connect import connect
 from fleetpilot.operator import metrics
 from fleetpilot.operator.autoscaling import ServiceTicker
-from fleetpilot.operator.children import DEPLOYMENTS_INDEX, PODS_INDEX, Children, index_entry
+from fleetpilot.operator.children import (
+    DEPLOYMENTS_INDEX,
+    PODS_INDEX,
+    Children,
+    index_entry,
+    plain,
+)
 from fleetpilot.operator.plan_types import DEFAULT_FLEETPILOT_IMAGE, PlanOptions
 from fleetpilot.operator.reconcile import Reconciler
 from fleetpilot.operator.refresh_queue import RefreshQueue
@@ -76,13 +82,6 @@ def quiet_watch_handlers() -> None:
 def retry_delay(retry: int) -> float:
     """Seconds before retry number ``retry`` (0-based) of a failed reconcile."""
     return float(min(RETRY_MAX_S, RETRY_BASE_S * 2**retry))
-
-
-def _plain(body: Any) -> dict[str, Any]:
-    """kopf's Body is a read-only mapping view; the reconciler takes plain dicts."""
-    if isinstance(body, dict):
-        return body
-    return {key: _plain(value) if hasattr(value, "keys") else value for key, value in body.items()}
 
 
 # Threads reconciling services at once (kopf's executor; its default is the CPU count + 4). A
@@ -183,7 +182,7 @@ def build_registry(
 
         started = time.monotonic()
         try:
-            result = reconciler.reconcile(_plain(body), emit)
+            result = reconciler.reconcile(plain(body), emit)
         except KubeError as exc:
             metrics.RECONCILE_ERRORS.inc()
             if exc.retryable:
@@ -231,12 +230,12 @@ def build_registry(
         event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any
     ) -> None:
         ticker: ServiceTicker = memo["ticker"]
-        plain = _plain(body)
-        ticker.observe(event.get("type"), plain)
+        service = plain(body)
+        ticker.observe(event.get("type"), service)
         if event.get("type") == "DELETED":
             metrics.forget(body.metadata.namespace or "", body.metadata.name or "")
         else:
-            metrics.export_status(plain)
+            metrics.export_status(service)
 
     def refresh_owner(namespace: str | None, labels: Any, memo: kopf.Memo) -> None:
         service_name = labels.get(names.LABEL_SERVICE)
@@ -272,17 +271,11 @@ def build_registry(
         "apps", "v1", "deployments",
         labels={names.LABEL_MANAGED_BY: names.MANAGER}, id=DEPLOYMENT_CHANGED, registry=registry,
     )  # fmt: skip
-    async def deployment_changed(
-        namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **kwargs: Any
-    ) -> None:
-        attach_indexes(memo, kwargs)
-        refresh_owner(namespace, labels, memo)
-
     @kopf.on.event(
         "", "v1", "pods",
         labels={names.LABEL_SERVICE: kopf.PRESENT}, id=POD_CHANGED, registry=registry,
     )  # fmt: skip
-    async def pod_changed(
+    async def child_changed(
         namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **kwargs: Any
     ) -> None:
         attach_indexes(memo, kwargs)

@@ -92,16 +92,17 @@ class RefreshQueue:
                     self._pending[key] = time.monotonic() + self.hold_s
                 self._changed.notify_all()
 
+    def _idle(self) -> bool:  # under the lock
+        return not self._pending and not self._running
+
     def idle(self) -> bool:
         with self._changed:
-            return not self._pending and not self._running
+            return self._idle()
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Whether every marked key was worked within ``timeout_s`` (for tests)."""
         with self._changed:
-            return self._changed.wait_for(
-                lambda: not self._pending and not self._running, timeout=timeout_s
-            )
+            return self._changed.wait_for(self._idle, timeout=timeout_s)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop taking work; wait up to ``timeout_s`` for work in progress to finish."""
