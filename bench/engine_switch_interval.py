@@ -22,12 +22,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-from router_support import machine, save
+from router_support import machine, save, wait_healthy
 from simulate_validation import engine_ttft
 
 from fleetpilot.engine.vllm_args import EngineLaunch
@@ -60,16 +58,12 @@ def start_engine(port: int, interval_s: float) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
         [python, "-c", wrapper, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://{HOST}:{port}/health", timeout=2.0).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError(f"the engine on port {port} did not answer /health within 120 s")
+    try:
+        wait_healthy(port)
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc
 
 
 def bench(port: int, load: list[str], duration: float, seed: int) -> dict[str, Any]:

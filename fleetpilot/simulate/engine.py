@@ -146,15 +146,16 @@ class Engine:
 
     # -- the fleet's entry points ------------------------------------------------------------
     def submit(self, seq: Seq, now: float) -> float | None:
-        """Queue a sequence; returns the replica's next event time (None: idle). Mid-step,
-        the plan stands (the steps keep their phase) and the next event is the step's end."""
+        """Queue a sequence; returns the replica's next event time (None: idle, or already
+        asked for). Mid-step, the plan stands (the steps keep their phase) and the next event
+        is the step's end, asked for once however many requests arrive during the step."""
         self._advance(now)
         step_end = self._step_end(now)
         if step_end is None:
             self.waiting.append(seq)
             return self._settle(now)
         self.arriving.append(seq)
-        return step_end
+        return step_end if len(self.arriving) == 1 else None
 
     def wake(self, now: float) -> float | None:
         """The event the replica asked for: finish what is due, admit, re-plan."""
