@@ -21,11 +21,12 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from fleetpilot.runtime.processes import http_ok
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -325,10 +326,8 @@ def wait_healthy(port: int, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     wait_port(port, timeout_s)
     while time.monotonic() < deadline:
-        url = f"http://127.0.0.1:{port}/health"
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as resp:
-            if resp.status == 200:
-                return
+        if http_ok(f"http://127.0.0.1:{port}/health", timeout_s=2):
+            return
         time.sleep(0.05)
     raise RuntimeError(f"the server on port {port} did not become healthy")
 

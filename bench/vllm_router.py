@@ -19,11 +19,12 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from router_support import ROOT, free_ports
+
+from fleetpilot.runtime.processes import http_ok
 
 VLLM_ROUTER = ROOT / ".venv-baselines" / "bin" / "vllm-router"
 POLICIES = {"vllm-router-cache": "cache_aware", "vllm-router-kv": "kv_aware"}
@@ -54,10 +55,7 @@ def argv(
 def _serving(port: int) -> bool:
     """Whether the router on ``port`` answers its ``/health`` (it listens only once every
     worker has answered its own health check)."""
-    url = f"http://127.0.0.1:{port}/health"
-    with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as resp:
-        return bool(resp.status == 200)
-    return False
+    return http_ok(f"http://127.0.0.1:{port}/health", timeout_s=2)
 
 
 @contextlib.contextmanager

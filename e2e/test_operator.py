@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from e2e.support import condition, eventually, mark_pods_ready
 from fleetpilot.kube.client import MERGE_CONTENT_TYPE, RESOURCES, Kube, KubeError, Obj
 from fleetpilot.kube.managers import AUTOSCALER_MANAGER
 from fleetpilot.operator.reconcile import Reconciler
-from fleetpilot.runtime.processes import free_ports
+from fleetpilot.runtime.processes import free_ports, http_ok
 from fleetpilot.runtime.prometheus import PrometheusServer
 from fleetpilot.testing.cluster import Cluster
 from tests.autoscaler.support import Engine, EngineKey, Load
@@ -129,11 +128,7 @@ def start_operator(
         def healthy() -> bool | None:
             if process.poll() is not None:
                 raise AssertionError(f"operator exited:\n{log_path.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1):
-                    return True
-            except OSError:
-                return None
+            return http_ok(f"http://127.0.0.1:{port}/healthz") or None
 
         eventually("operator liveness", healthy, timeout=30)
         return process

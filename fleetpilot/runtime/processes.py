@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import http.client
 import os
 import signal
 import socket
@@ -151,7 +152,10 @@ def http_ok(url: str, timeout_s: float = 1.0, context: ssl.SSLContext | None = N
     """Whether ``url`` answers 2xx; a connection or HTTP error reads as not ready (yet).
 
     Children listen on loopback, so an HTTP(S)_PROXY from the environment must never see the
-    probe; ``context`` verifies a TLS listener (the test control plane's CA).
+    probe; ``context`` verifies a TLS listener (the test control plane's CA). A malformed answer
+    is not ready either: polling a port nobody has bound yet can connect the probe to itself
+    (a TCP self-connect on a free ephemeral port), and its own request comes back as the
+    "status line".
     """
     handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
     if context is not None:
@@ -159,7 +163,7 @@ def http_ok(url: str, timeout_s: float = 1.0, context: ssl.SSLContext | None = N
     try:
         with urllib.request.build_opener(*handlers).open(url, timeout=timeout_s) as response:
             return bool(200 <= response.status < 300)
-    except (urllib.error.URLError, OSError, ValueError):
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError):
         return False
 
 

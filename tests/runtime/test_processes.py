@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,7 @@ from fleetpilot.runtime.processes import (
     free_port,
     free_ports,
     group_members,
+    http_ok,
     port_in_use,
     require_free_ports,
 )
@@ -45,6 +47,29 @@ def test_child_becomes_healthy_and_stops_without_leftovers(tmp_path: Path) -> No
     assert supervisor.leftovers() == []
     assert not child.alive()
     assert supervisor.crashed() == []  # stopped on purpose is not a crash
+
+
+def test_a_probe_answered_with_its_own_request_reads_not_ready() -> None:
+    """A TCP self-connect (the probe polling a free ephemeral port before the child binds it)
+    hands the probe its own request as the answer; that is "not ready yet", never a crash of
+    the supervisor (it once took down ``fleetpilot up`` with BadStatusLine)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        echoed: list[bytes] = []
+
+        def echo_once() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                request = conn.recv(65536)
+                echoed.append(request)
+                conn.sendall(request)
+
+        thread = threading.Thread(target=echo_once, daemon=True)
+        thread.start()
+        assert http_ok(f"http://127.0.0.1:{port}/health", timeout_s=5) is False
+        thread.join(timeout=5)
+    assert len(echoed) == 1
+    assert echoed[0].startswith(b"GET /health HTTP/1.1")
 
 
 def test_grandchildren_are_stopped_with_their_parent(tmp_path: Path) -> None:
