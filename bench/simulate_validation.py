@@ -6,15 +6,18 @@ reference engine's step costs, KV pool and tokenizer), so the question is whethe
 model (continuous batching, chunked prefill, prefix cache) and the fleet around it (the real
 router and its prefix choice) reproduce what the real processes do. Both sides run the service
 at fixed replicas (``--no-autoscale``) and decode every request's ``max_tokens``
-(``--ignore-eos``). Compared: TTFT p50 and p95 (the client's first content chunk in the bench;
-the engine's first token in the simulation) and the prefix hit rate (cached over prompt tokens,
-from the engines' usage in the bench). The issue asks for each within 25%. For the workloads the
-router sends wholly to the small tier, the bench also runs against that engine directly
+(``--ignore-eos``). Compared: TTFT p50, p95 and mean (the client's first content chunk in the
+bench and in the simulation, whose engines add the served path of a first token:
+``prefill_base_s`` and ``first_token_per_stream_s``) and the prefix hit rate (cached over prompt
+tokens, from the engines' usage in the bench). The issue asks for each within 25%. The engine
+model alone is held against the engines' own ``vllm:time_to_first_token_seconds`` (arrival to
+first token) by a second simulation on the profile without the served path. For the workloads
+the router sends wholly to the small tier, the bench also runs against that engine directly
 (``engine direct``): the part of the local fleet's TTFT that is the router's.
 
-What the simulation leaves out and the local fleet has: the router's and the HTTP stack's own
-milliseconds, and the engines sharing this machine's cores with each other, the router and the
-load generator (the profile times one engine alone).
+What the simulation leaves out and the local fleet has: the router's own milliseconds, and the
+engines sharing this machine's cores with each other, the router and the load generator (the
+profile times one engine alone).
 
 Run: .venv/bin/python bench/simulate_validation.py [--profile profile.json] [--duration 60]
      [--save]
@@ -163,6 +166,17 @@ def simulated(
     }
 
 
+def engine_only(profile: Path, into: Path) -> Path:
+    """``profile`` without the served path of a first token (``prefill_base_s`` and
+    ``first_token_per_stream_s`` at 0): the simulated engines' own TTFT, to hold against the
+    engines' ``vllm:time_to_first_token_seconds``, which starts after the template and the
+    tokenizer and stops before the SSE write."""
+    doc = json.loads(profile.read_text())
+    doc["costs"].update(prefill_base_s=0.0, first_token_per_stream_s=0.0)
+    into.write_text(json.dumps(doc))
+    return into
+
+
 def error(sim: float | None, real: float | None) -> float | None:
     if sim is None or not real:
         return None
@@ -187,9 +201,15 @@ def direct(row: dict[str, Any]) -> str:
     return f"{found['ttft_p50_s'] * 1000:.1f} / {found['ttft_p95_s'] * 1000:.1f}"
 
 
-def means(real: dict[str, Any], sim: dict[str, Any]) -> str:
-    """Mean TTFT (ms): the client's, the engines' own, the simulation's."""
-    values = (real["ttft_mean_s"], real["engine_ttft_mean_s"], sim["ttft_mean_s"])
+def means(real: dict[str, Any], sim: dict[str, Any], engines: dict[str, Any]) -> str:
+    """Mean TTFT (ms): the client's, the simulation's, the engines' own, the simulated
+    engines' own."""
+    values = (
+        real["ttft_mean_s"],
+        sim["ttft_mean_s"],
+        real["engine_ttft_mean_s"],
+        engines["ttft_mean_s"],
+    )
     return " / ".join("-" if v is None else f"{v * 1000:.1f}" for v in values)
 
 
@@ -209,29 +229,37 @@ def main() -> None:
     print(
         f"{'workload':14} {'req/s':>5}  {'TTFT p50 real/sim (ms)':>24} {'err':>6}  "
         f"{'TTFT p95 real/sim (ms)':>24} {'err':>6}  {'hit rate real/sim':>18} {'err':>6}  "
-        f"{'engine direct':>14}  {'TTFT mean client/engines/sim':>29} {'err':>6}"
+        f"{'engine direct':>14}  {'TTFT mean client/sim engines/sim':>33} {'err':>6} {'err':>6}"
     )
+    engines_profile = engine_only(profile, Path(tempfile.mkdtemp()) / "engine-only.json")
     for workload, rate in CASES:
         real = local_run(workload, rate, args.duration, args.seed, args.port)
         sim = simulated(workload, rate, args.duration, args.seed, profile)
-        row: dict[str, Any] = {"workload": workload, "rate": rate, "local": real, "simulated": sim}
+        engines = simulated(workload, rate, args.duration, args.seed, engines_profile)
+        row: dict[str, Any] = {
+            "workload": workload,
+            "rate": rate,
+            "local": real,
+            "simulated": sim,
+            "simulated_engines": engines,
+        }
         if workload in SMALL_ONLY:
             row["engine_direct"] = local_run(
                 workload, rate, args.duration, args.seed, args.port, direct=True
             )
         for key in ("ttft_p50_s", "ttft_p95_s", "hit_rate"):
             row[f"{key}_error"] = error(sim[key], real[key])
-        # The engine model against the engines' own TTFT (arrival to first token): the
-        # simulated engines leave out HTTP, SSE and the router, which the client's TTFT has.
-        row["engine_ttft_mean_error"] = error(sim["ttft_mean_s"], real["engine_ttft_mean_s"])
+        row["ttft_mean_error"] = error(sim["ttft_mean_s"], real["ttft_mean_s"])
+        # The engine model alone against the engines' own TTFT (arrival to first token).
+        row["engine_ttft_mean_error"] = error(engines["ttft_mean_s"], real["engine_ttft_mean_s"])
         rows.append(row)
 
         print(
             f"{workload:14} {rate:>5.1f}  {pair(row, 'ttft_p50_s', 1000):>24} "
             f"{pct(row, 'ttft_p50_s'):>6}  {pair(row, 'ttft_p95_s', 1000):>24} "
             f"{pct(row, 'ttft_p95_s'):>6}  {pair(row, 'hit_rate', 1):>18} "
-            f"{pct(row, 'hit_rate'):>6}  {direct(row):>14}  {means(real, sim):>29} "
-            f"{pct(row, 'engine_ttft_mean'):>6}",
+            f"{pct(row, 'hit_rate'):>6}  {direct(row):>14}  {means(real, sim, engines):>33} "
+            f"{pct(row, 'ttft_mean'):>6} {pct(row, 'engine_ttft_mean'):>6}",
             flush=True,
         )
     if args.save:

@@ -17,13 +17,25 @@ step on its event loop (an SSE write per token per stream, on the same GIL as th
   time to the next step's start while the engine stays busy: the step plus the runner's work
   around it (metrics, KV events, handing outputs to the event loop), which is what separates
   two tokens of a stream. Closed-loop loads of 1..16 concurrent chats with short to long
-  prompts and varied answer lengths give decode-only, prefill-only and mixed steps;
-  :func:`fit_step_costs` fits the four step coefficients to them (non-negative least squares
-  on relative error, gross outliers dropped).
-* ``prefill_base_s``: the client's TTFT (first non-empty content, as ``fleetpilot bench``
-  measures it) of lone requests, minus the modeled prefill steps; the median, floored at 0.
-  With a byte tokenizer and a random model the first token is sometimes a held-back partial
-  UTF-8 character, so this also carries the mean delay that causes.
+  prompts and varied answer lengths give decode-only, prefill-only and mixed steps, and loads
+  of short and longer questions after a shared (so cached) prefix give prompts that attend to
+  a cached prefix; :func:`fit_step_costs` fits the six step coefficients to them
+  (non-negative least squares on relative error, gross outliers dropped). Without the two
+  attention terms a 40-token question after a 1,200-token cached prefix was priced as a
+  40-token prompt alone: 4 ms, where the engine took 7.4.
+* ``prefill_base_s``: what the client's TTFT (first non-empty content, as ``fleetpilot bench``
+  measures it) of a lone request has beyond the engine's own (its
+  ``vllm:time_to_first_token_seconds``, read before and after each request): the chat template
+  and tokenizer before the engine's clock starts, the SSE write and the client's read after
+  it; the median, floored at 0. With a byte tokenizer and a random model the first token is
+  sometimes a held-back partial UTF-8 character, so this also carries the mean delay that
+  causes. (It was once the TTFT minus the *modeled* prefill, which let the step fit's error
+  on lone prompts stand in for the served path: 1.1 ms, where the engines' own clock says
+  4-5 ms.)
+* ``first_token_per_stream_s``: that gap grows with the streams the engine serves beside the
+  request (their token writes share the engine's event loop, and the client's): each
+  closed-loop load's mean client TTFT minus the engine's mean over the same requests, beyond
+  ``prefill_base_s``, fitted per other stream (concurrency - 1) through the origin.
 * ``transfer_per_token_s``: the router's P/D hand-off (the prefill hop, then the decode hop,
   which pulls the pinned KV over HTTP); the recorder runs with a P/D role's flags
   (``kv_both``), so it serves both hops. The decode hop's TTFT minus what it costs without a
@@ -112,6 +124,11 @@ class StepRecord:
     kv_tokens: int  # their KV tokens (prompt + output so far)
     prefill_tokens: int  # prompt tokens computed
     seconds: float
+    # The prefilling sequences' tokens already in the KV cache (a cached prefix, earlier
+    # chunks), which their new tokens attend to, and the (new token, attended token) pairs:
+    # new x (prior + new / 2) per sequence.
+    prefill_context: int = 0
+    prefill_pairs: float = 0.0
 
     @property
     def kind(self) -> str:
@@ -133,7 +150,7 @@ class KindResidual:
 
 @dataclass(frozen=True)
 class StepFit:
-    """The four step coefficients (EngineCosts' meaning) and how well they fit."""
+    """The six step coefficients (EngineCosts' meaning) and how well they fit."""
 
     decode_base_s: float
     decode_per_seq_s: float
@@ -143,6 +160,8 @@ class StepFit:
     steps: int  # kept
     dropped: int  # gross outliers
     residuals: tuple[KindResidual, ...]
+    prefill_per_context_token_s: float = 0.0
+    prefill_per_pair_s: float = 0.0
 
     @property
     def coefficients(self) -> np.ndarray:
@@ -152,11 +171,21 @@ class StepFit:
                 self.decode_per_seq_s,
                 self.decode_per_kv_token_s,
                 self.prefill_per_token_s,
+                self.prefill_per_context_token_s,
+                self.prefill_per_pair_s,
             ]
         )
 
-    def step_s(self, running: int, kv_tokens: float, prefill_tokens: int = 0) -> float:
-        return float(self.coefficients @ np.array([1.0, running, kv_tokens, prefill_tokens]))
+    def step_s(
+        self,
+        running: int,
+        kv_tokens: float,
+        prefill_tokens: int = 0,
+        prefill_context: float = 0.0,
+        prefill_pairs: float = 0.0,
+    ) -> float:
+        row = [1.0, running, kv_tokens, prefill_tokens, prefill_context, prefill_pairs]
+        return float(self.coefficients @ np.array(row))
 
 
 def nnls(a: np.ndarray, b: np.ndarray, *, max_iter: int | None = None) -> np.ndarray:
@@ -196,7 +225,12 @@ def nnls(a: np.ndarray, b: np.ndarray, *, max_iter: int | None = None) -> np.nda
 
 
 def _design(records: Sequence[StepRecord]) -> tuple[np.ndarray, np.ndarray]:
-    a = np.array([[1.0, r.running, r.kv_tokens, r.prefill_tokens] for r in records])
+    a = np.array(
+        [
+            [1.0, r.running, r.kv_tokens, r.prefill_tokens, r.prefill_context, r.prefill_pairs]
+            for r in records
+        ]
+    )
     return a, np.array([r.seconds for r in records])
 
 
@@ -210,8 +244,9 @@ def _weighted_nnls(a: np.ndarray, y: np.ndarray, weights: np.ndarray) -> np.ndar
 
 
 def fit_step_costs(records: Sequence[StepRecord], *, outlier_sigmas: float = 5.0) -> StepFit:
-    """Fit ``decode_base + per_seq x running + per_kv x kv_tokens + per_prefill x prefill`` to
-    measured steps, every coefficient >= 0.
+    """Fit ``decode_base + per_seq x running + per_kv x kv_tokens + per_prefill x prefill +
+    per_context x prefill_context + per_pair x prefill_pairs`` to measured steps, every
+    coefficient >= 0.
 
     On relative error (rows weighted by 1/step), since steps span 3 ms decodes to 50 ms
     prefills and the simulator needs both right in proportion, not the big ones in
@@ -245,6 +280,8 @@ def fit_step_costs(records: Sequence[StepRecord], *, outlier_sigmas: float = 5.0
         steps=len(kept),
         dropped=len(records) - len(kept),
         residuals=_residuals(kept, model),
+        prefill_per_context_token_s=float(coef[4]),
+        prefill_per_pair_s=float(coef[5]),
     )
 
 
@@ -290,11 +327,22 @@ def _residuals(records: Sequence[StepRecord], model: np.ndarray) -> tuple[KindRe
 
 @dataclass(frozen=True)
 class TtftSample:
-    """A lone request's time to first content, as the client saw it."""
+    """A lone request's time to first content, as the client saw it, and its first token's
+    time as the engine counted it (arrival to first token)."""
 
     prompt_tokens: int
     cached_tokens: int
     ttft_s: float
+    engine_ttft_s: float
+
+
+@dataclass(frozen=True)
+class LoadGap:
+    """A closed-loop load's mean TTFT as its clients saw it and as the engine counted it."""
+
+    concurrency: int
+    client_mean_s: float
+    engine_mean_s: float
 
 
 @dataclass(frozen=True)
@@ -305,35 +353,55 @@ class PullSample:
     ttft_s: float
 
 
-def prefill_s(fit: StepFit, tokens: int, max_num_batched_tokens: int) -> float:
-    """Modeled time to compute ``tokens`` prompt tokens alone on an idle engine: one step per
-    chunk of the token budget, nothing decoding beside it."""
-    steps = max(1, math.ceil(tokens / max_num_batched_tokens))
-    return steps * fit.decode_base_s + tokens * fit.prefill_per_token_s
+def prefill_s(fit: StepFit, tokens: int, max_num_batched_tokens: int, cached: int = 0) -> float:
+    """Modeled time to compute ``tokens`` prompt tokens after ``cached`` ones alone on an idle
+    engine: one step per chunk of the token budget, each attending to what came before it,
+    nothing decoding beside it."""
+    total, prior = 0.0, cached
+    left = max(1, tokens)
+    while left > 0:
+        take = min(left, max_num_batched_tokens)
+        total += fit.step_s(0, 0, take, prior, take * (prior + take / 2))
+        prior += take
+        left -= take
+    return total
 
 
-def fit_prefill_base(
-    samples: Sequence[TtftSample], fit: StepFit, max_num_batched_tokens: int
-) -> float:
-    """Median of TTFT minus the modeled prefill steps, floored at 0: the first token's cost
-    beyond the steps (sampling, SSE, HTTP, held-back bytes)."""
+def fit_prefill_base(samples: Sequence[TtftSample]) -> float:
+    """Median of the client's TTFT minus the engine's own, floored at 0: the first token's
+    cost outside the engine's clock (template, tokenizer, SSE, HTTP, held-back bytes)."""
     if not samples:
         raise ValueError("no TTFT samples")
-    gaps = [
-        s.ttft_s - prefill_s(fit, s.prompt_tokens - s.cached_tokens, max_num_batched_tokens)
-        for s in samples
-    ]
-    return max(0.0, statistics.median(gaps))
+    return max(0.0, statistics.median(s.ttft_s - s.engine_ttft_s for s in samples))
+
+
+def fit_per_stream(gaps: Sequence[LoadGap], prefill_base_s: float) -> float:
+    """Seconds the client's first token comes later per other stream the engine serves: each
+    load's mean gap beyond ``prefill_base_s`` against its concurrency - 1, least squares
+    through the origin, floored at 0. Loads of one stream carry no slope."""
+    x = np.array([g.concurrency - 1 for g in gaps], dtype=float)
+    if not (x > 0).any():
+        raise ValueError("no closed-loop load with more than one stream")
+    y = np.array([g.client_mean_s - g.engine_mean_s - prefill_base_s for g in gaps])
+    return max(0.0, float(x @ y / (x @ x)))
+
+
+def decode_hop_s(fit: StepFit | EngineCosts, prompt_tokens: int) -> float:
+    """A P/D decode hop's one step once the KV is pulled: the prompt's last token, attending
+    to the rest of it."""
+    prior = max(0, prompt_tokens - 1)
+    return fit.step_s(0, 0, 1, prior, prior + 0.5)
 
 
 def fit_transfer(samples: Sequence[PullSample], fit: StepFit, prefill_base_s: float) -> float:
-    """Seconds per prompt token of a KV pull: what a decode hop's TTFT has beyond a one-token
-    step and ``prefill_base_s``, least squares through the origin, floored at 0."""
+    """Seconds per prompt token of a KV pull: what a decode hop's TTFT has beyond its one step
+    and ``prefill_base_s``, least squares through the origin, floored at 0."""
     if not samples:
         raise ValueError("no P/D samples")
-    without_pull = fit.step_s(0, 0, 1) + prefill_base_s
     x = np.array([s.prompt_tokens for s in samples], dtype=float)
-    extra = np.array([s.ttft_s - without_pull for s in samples])
+    extra = np.array(
+        [s.ttft_s - decode_hop_s(fit, s.prompt_tokens) - prefill_base_s for s in samples]
+    )
     return max(0.0, float(x @ extra / (x @ x)))
 
 
@@ -348,6 +416,9 @@ class Load:
     prompt_chars: int
     max_tokens: int  # the middle of each request's answer length (0.5x..1.5x)
     requests: int
+    # A prefix of this many characters every prompt of the load starts with (cached after the
+    # first few): steps whose prompts attend to a cached prefix.
+    shared_chars: int = 0
 
 
 @dataclass(frozen=True)
@@ -370,6 +441,13 @@ FULL = Plan(
         Load(c, chars, max_tokens, requests=2 * c)
         for c in (1, 2, 4, 8, 12, 16)
         for chars, max_tokens in ((40, 128), (500, 96), (1800, 64))
+    )
+    # Questions after a cached prefix (a system prompt, a chat's history): the bench
+    # workloads' shape. At most 1,300 + 400 characters and 1.5 x 64 answer tokens: under 2048.
+    + tuple(
+        Load(c, chars, 64, requests=3 * c, shared_chars=shared)
+        for c in (1, 4, 12)
+        for chars, shared in ((40, 600), (400, 600), (40, 1300), (400, 1300))
     ),
     # Mostly short and medium prompts, as the bench workloads' uncached parts are: the median
     # gap is what the simulator adds to every first token.
@@ -384,6 +462,7 @@ QUICK = Plan(
         Load(4, 500, 16, 4),
         Load(16, 40, 16, 16),
         Load(4, 1200, 8, 4),
+        Load(2, 40, 8, 4, shared_chars=800),
     ),
     ttft_chars=(40, 500, 1200),
     pull_chars=(500, 1200),
@@ -397,18 +476,25 @@ WARM_UP = Load(2, 500, 8, 2)
 class _Prompts:
     """Chat requests of about ``chars`` characters that share no KV block with any other: a
     random hex tag comes first, inside the first block (steps must compute every prompt
-    token; the prefix cache is the simulator's to model)."""
+    token; the prefix cache is the simulator's to model); with ``shared_chars``, after a
+    prefix of that many characters they all share."""
 
     name = "calibration"
 
-    def __init__(self, rng: random.Random, chars: int, max_tokens: int) -> None:
+    def __init__(
+        self, rng: random.Random, chars: int, max_tokens: int, shared_chars: int = 0
+    ) -> None:
         self._rng = rng
         self._chars = chars
         self._max_tokens = max_tokens
+        self._shared = ""
+        if shared_chars:
+            tag = f"{rng.getrandbits(48):012x} "
+            self._shared = tag + words(rng, max(0, shared_chars - len(tag))) + " "
 
     def next(self) -> RequestSpec:
         tag = f"{self._rng.getrandbits(48):012x} "
-        text = tag + words(self._rng, max(0, self._chars - len(tag)))
+        text = self._shared + tag + words(self._rng, max(0, self._chars - len(tag)))
         low, high = max(1, self._max_tokens // 2), max(1, self._max_tokens * 3 // 2)
         return RequestSpec(
             [{"role": "user", "content": text}], self._rng.randint(low, high), kind="calibration"
@@ -437,6 +523,7 @@ class Calibration:
     profile: MeasuredProfile
     fit: StepFit
     ttft: tuple[TtftSample, ...]
+    gaps: tuple[LoadGap, ...]
     pulls: tuple[PullSample, ...]
     cold_starts_s: tuple[float, ...]
     elapsed_s: float
@@ -461,6 +548,7 @@ class _Session:
     engine: _EngineInfo
     steps: list[StepRecord]
     ttft: tuple[TtftSample, ...]
+    gaps: tuple[LoadGap, ...]
     pulls: tuple[PullSample, ...]
     tokenization: tuple[float, int]  # (chars_per_token, message_tokens)
     launch_s: float  # from its launch to /health answering 200
@@ -504,7 +592,9 @@ def measure(*, seed: int = 0, quick: bool = False, progress: Progress | None = N
     except ValueError as e:  # too few samples, or costs EngineCosts refuses
         raise CalibrationError(f"the measurements make no profile: {e}") from e
     elapsed = time.monotonic() - started
-    return Calibration(profile, fit, session.ttft, session.pulls, cold_starts, elapsed)
+    return Calibration(
+        profile, fit, session.ttft, session.gaps, session.pulls, cold_starts, elapsed
+    )
 
 
 def _profile(
@@ -513,13 +603,16 @@ def _profile(
     """The fits, in order: the base and transfer costs are what remains beyond the step fit."""
     engine = session.engine
     fit = fit_step_costs(session.steps)
-    prefill_base = fit_prefill_base(session.ttft, fit, engine.max_num_batched_tokens)
+    prefill_base = fit_prefill_base(session.ttft)
     costs = EngineCosts(
         prefill_base_s=prefill_base,
+        first_token_per_stream_s=fit_per_stream(session.gaps, prefill_base),
         prefill_per_token_s=fit.prefill_per_token_s,
         decode_base_s=fit.decode_base_s,
         decode_per_seq_s=fit.decode_per_seq_s,
         decode_per_kv_token_s=fit.decode_per_kv_token_s,
+        prefill_per_context_token_s=fit.prefill_per_context_token_s,
+        prefill_per_pair_s=fit.prefill_per_pair_s,
         transfer_per_token_s=fit_transfer(session.pulls, fit, prefill_base),
         cold_start_s=statistics.median(cold_starts),
     )
@@ -592,7 +685,7 @@ def _record(
     say("starting the step recorder (the local fleet's engine, its steps timed)")
     argv = [sys.executable, "-m", RECORDER_MODULE, str(out), *flags]
     child, launch_s = _start(supervisor, "step-recorder", argv, port)
-    since, ttft, pulls, tokenization = asyncio.run(
+    since, ttft, gaps, pulls, tokenization = asyncio.run(
         _session(f"http://{HOST}:{port}", plan, rng, seed, say)
     )
     pool = _kv_pool(port)
@@ -603,7 +696,7 @@ def _record(
         raise CalibrationError(f"the step recorder left no steps ({e}):\n{child.tail()}") from e
     steps = _step_records(data["steps"], since)
     engine = _EngineInfo(**data["engine"])
-    return _Session(engine, steps, ttft, pulls, tokenization, launch_s, pool)
+    return _Session(engine, steps, ttft, gaps, pulls, tokenization, launch_s, pool)
 
 
 def _start(supervisor: Supervisor, name: str, argv: list[str], port: int) -> tuple[Child, float]:
@@ -619,13 +712,16 @@ def _start(supervisor: Supervisor, name: str, argv: list[str], port: int) -> tup
 
 async def _session(
     url: str, plan: Plan, rng: random.Random, seed: int, say: Progress
-) -> tuple[float, tuple[TtftSample, ...], tuple[PullSample, ...], tuple[float, int]]:
+) -> tuple[
+    float, tuple[TtftSample, ...], tuple[LoadGap, ...], tuple[PullSample, ...], tuple[float, int]
+]:
     """The warm-up, then each load followed by its share of lone requests and P/D hand-offs:
     interleaved, because this machine's speed drifts by tens of percent within a minute and
     ``prefill_base_s`` and ``transfer_per_token_s`` are differences against the step fit."""
     await _run_load(url, WARM_UP, rng)
     since = time.time()
     ttft: list[TtftSample] = []
+    gaps: list[LoadGap] = []
     pulls: list[PullSample] = []
     n = len(plan.loads)
     # Loopback only, and never through a proxy from the environment.
@@ -635,17 +731,21 @@ async def _session(
                 f"load {i + 1}/{n}: {load.concurrency} concurrent, ~{load.prompt_chars} prompt "
                 f"chars, ~{load.max_tokens} tokens each"
             )
-            await _run_load(url, load, rng)
-            ttft += await _ttft_samples(url, plan.ttft_chars[i::n], rng)
+            before = await _engine_ttft(client)
+            records = await _run_load(url, load, rng)
+            gaps.append(_load_gap(load, records, before, await _engine_ttft(client)))
+            ttft += await _ttft_samples(client, url, plan.ttft_chars[i::n], rng)
             pulls += await _pull_samples(client, plan.pull_chars[i::n], rng)
         say(f"tokenizing {plan.tokenize_per_workload} requests of each bench workload")
         tokenization = await _tokenization(client, plan.tokenize_per_workload, seed)
         _check_pulls((await client.get("/metrics")).text, len(pulls))
-    return since, tuple(ttft), tuple(pulls), tokenization
+    return since, tuple(ttft), tuple(gaps), tuple(pulls), tokenization
 
 
 async def _run_load(url: str, load: Load, rng: random.Random) -> list[RequestRecord]:
-    prompts = _Prompts(random.Random(rng.getrandbits(64)), load.prompt_chars, load.max_tokens)
+    prompts = _Prompts(
+        random.Random(rng.getrandbits(64)), load.prompt_chars, load.max_tokens, load.shared_chars
+    )
     return await _run(url, prompts.take(load.requests), load.concurrency)
 
 
@@ -674,10 +774,13 @@ def _step_records(raw: Sequence[Sequence[float]], since_wall: float) -> list[Ste
     the engine went idle have no next start and are left out."""
     records = []
     for this, after in itertools.pairwise(raw):
-        wall, start, _end, running, kv, prefill, busy = this
+        wall, start, _end, running, kv, prefill, context, pairs, busy = this
         if wall < since_wall or not busy or running + prefill == 0:
             continue
-        records.append(StepRecord(int(running), int(kv), int(prefill), after[1] - start))
+        seconds = after[1] - start
+        records.append(
+            StepRecord(int(running), int(kv), int(prefill), seconds, int(context), pairs)
+        )
     return records
 
 
@@ -698,15 +801,46 @@ def _cold_starts(
 
 
 async def _ttft_samples(
-    url: str, chars: Sequence[int], rng: random.Random
+    client: httpx.AsyncClient, url: str, chars: Sequence[int], rng: random.Random
 ) -> tuple[TtftSample, ...]:
-    prompts = [_Prompts(rng, c, 16).next() for c in chars]
-    records = await _run(url, prompts, 1)
-    return tuple(
-        TtftSample(r.prompt_tokens or 0, r.cached_tokens or 0, r.ttft_s)
-        for r in records
-        if r.ttft_s is not None and r.prompt_tokens
-    )
+    """One request at a time, the engine's TTFT histogram read around each: its own count."""
+    samples = []
+    for c in chars:
+        before = await _engine_ttft(client)
+        (record,) = await _run(url, [_Prompts(rng, c, 16).next()], 1)
+        total, count = await _engine_ttft(client)
+        if count != before[1] + 1:
+            raise CalibrationError(f"the engine counted {count - before[1]:g} TTFTs for one")
+        if record.ttft_s is not None and record.prompt_tokens:
+            engine_s = total - before[0]
+            samples.append(
+                TtftSample(record.prompt_tokens, record.cached_tokens or 0, record.ttft_s, engine_s)
+            )
+    return tuple(samples)
+
+
+async def _engine_ttft(client: httpx.AsyncClient) -> tuple[float, float]:
+    """Sum and count of the engine's ``vllm:time_to_first_token_seconds``."""
+    metrics = (await client.get("/metrics")).text
+    total = sum(v for _, v in _samples(metrics, "vllm:time_to_first_token_seconds_sum"))
+    count = sum(v for _, v in _samples(metrics, "vllm:time_to_first_token_seconds_count"))
+    return total, count
+
+
+def _load_gap(
+    load: Load,
+    records: Sequence[RequestRecord],
+    before: tuple[float, float],
+    after: tuple[float, float],
+) -> LoadGap:
+    ttfts = [r.ttft_s for r in records if r.ttft_s is not None]
+    count = after[1] - before[1]
+    if not ttfts or count != len(records):
+        raise CalibrationError(
+            f"a load of {len(records)} requests: {len(ttfts)} client TTFTs, {count:g} counted "
+            "by the engine"
+        )
+    return LoadGap(load.concurrency, statistics.fmean(ttfts), (after[0] - before[0]) / count)
 
 
 async def _pull_samples(
@@ -813,9 +947,11 @@ def _kv_pool(port: int) -> tuple[int, int]:
 # ---- the step recorder (runs as ``python -m``, in the engine's process) -----------------------
 
 
-def _composition(plan: SchedulerOutput) -> tuple[int, int, int]:
-    """(decoding sequences, their KV tokens, prompt tokens computed) of a step's plan."""
-    running = kv = prefill = 0
+def _composition(plan: SchedulerOutput) -> tuple[int, int, int, int, float]:
+    """(decoding sequences, their KV tokens, prompt tokens computed, the prefilling
+    sequences' tokens already computed or cached, their attention pairs) of a step's plan."""
+    running = kv = prefill = context = 0
+    pairs = 0.0
     for s in plan.scheduled:
         r = s.request
         decoding = r.num_output_tokens > 0 and r.num_computed_tokens == r.num_tokens - 1
@@ -823,8 +959,11 @@ def _composition(plan: SchedulerOutput) -> tuple[int, int, int]:
             running += 1
             kv += r.num_tokens
         else:
-            prefill += s.num_new_tokens
-    return running, kv, prefill
+            new, prior = s.num_new_tokens, r.num_computed_tokens
+            prefill += new
+            context += prior
+            pairs += new * (prior + new / 2)
+    return running, kv, prefill, context, pairs
 
 
 class _StepRecorder:
@@ -835,7 +974,7 @@ class _StepRecorder:
     def __init__(self) -> None:
         self.steps: list[list[float]] = []
         self.engine: dict[str, Any] = {}
-        self._plan = (0, 0, 0)
+        self._plan: tuple[int, int, int, int, float] = (0, 0, 0, 0, 0.0)
 
     def attach(self, engine: LLMEngine) -> LLMEngine:
         import torch  # the engine process has it loaded already
@@ -848,7 +987,7 @@ class _StepRecorder:
             return plan
 
         def timed() -> list[RequestOutput]:
-            self._plan = (0, 0, 0)
+            self._plan = (0, 0, 0, 0, 0.0)
             wall, start = time.time(), time.perf_counter()
             outputs = step()
             end = time.perf_counter()
@@ -938,6 +1077,8 @@ def report(c: Calibration) -> str:
         f"  decode_per_seq_s       {costs.decode_per_seq_s:.6g}",
         f"  decode_per_kv_token_s  {costs.decode_per_kv_token_s:.6g}",
         f"  prefill_per_token_s    {costs.prefill_per_token_s:.6g}",
+        f"  prefill_per_context_token_s {costs.prefill_per_context_token_s:.6g}",
+        f"  prefill_per_pair_s     {costs.prefill_per_pair_s:.6g}",
         "  step kind   steps  measured ms  model ms  median |error|",
     ]
     for r in fit.residuals:
@@ -947,19 +1088,32 @@ def report(c: Calibration) -> str:
         )
     max_batched = shape.max_num_batched_tokens
     ttft_errors = [
-        abs(prefill_s(fit, s.prompt_tokens - s.cached_tokens, max_batched)
+        abs(prefill_s(fit, s.prompt_tokens - s.cached_tokens, max_batched, s.cached_tokens)
             + costs.prefill_base_s - s.ttft_s) / s.ttft_s
         for s in c.ttft
     ]  # fmt: skip
-    without_pull = fit.step_s(0, 0, 1) + costs.prefill_base_s
     pull_errors = [
-        abs(without_pull + costs.transfer_per_token_s * s.prompt_tokens - s.ttft_s) / s.ttft_s
+        abs(
+            decode_hop_s(fit, s.prompt_tokens)
+            + costs.prefill_base_s
+            + costs.transfer_per_token_s * s.prompt_tokens
+            - s.ttft_s
+        )
+        / s.ttft_s
         for s in c.pulls
     ]
+    by_streams: dict[int, list[float]] = {}
+    for g in c.gaps:
+        by_streams.setdefault(g.concurrency, []).append(g.client_mean_s - g.engine_mean_s)
     lines += [
         "",
-        f"prefill_base_s         {costs.prefill_base_s:.6g}  (median over {len(c.ttft)} lone "
-        f"requests; TTFT median |error| {statistics.median(ttft_errors):.1%})",
+        f"prefill_base_s         {costs.prefill_base_s:.6g}  (client minus engine TTFT, median "
+        f"over {len(c.ttft)} lone requests; TTFT median |error| "
+        f"{statistics.median(ttft_errors):.1%})",
+        f"first_token_per_stream_s {costs.first_token_per_stream_s:.6g}  (client minus engine "
+        "mean TTFT per load, ms, by streams: "
+        + ", ".join(f"{n}: {statistics.fmean(v) * 1e3:.1f}" for n, v in sorted(by_streams.items()))
+        + ")",
         f"transfer_per_token_s   {costs.transfer_per_token_s:.6g}  ({len(c.pulls)} P/D "
         f"hand-offs; decode TTFT median |error| {statistics.median(pull_errors):.1%})",
         f"cold_start_s           {costs.cold_start_s:.3f}  (median of "

@@ -228,7 +228,11 @@ class Engine:
             admitted = True
             self._hold(seq)
             if not seq.prefill:
-                self._join(seq, now, first_token_after=self.costs.decode_base_s)
+                # A decode hop's first token: one step computing the prompt's last token over
+                # the pulled KV, then the served path as any first token.
+                prior = max(0, seq.prompt_tokens - 1)
+                hop = self.costs.step_s(0, 0, 1, prior, prior + 0.5)
+                self._join(seq, now, first_token_after=hop + self._served_s())
                 self._store(seq)
                 continue
             hit = self._match(seq.keys) * shape.block_size
@@ -271,7 +275,11 @@ class Engine:
     def _prompt_done(self, seq: Seq, now: float) -> None:
         self.prefill_private -= self._tail(seq)
         self._store(seq)
-        self._join(seq, now, first_token_after=self.costs.prefill_base_s)
+        self._join(seq, now, first_token_after=self._served_s())
+
+    def _served_s(self) -> float:
+        """The served path of a first token, with the streams this replica serves beside it."""
+        return self.costs.served_s(len(self.running) + len(self.prefilling))
 
     def _join(self, seq: Seq, now: float, first_token_after: float) -> None:
         """The sequence's first token is out; it decodes its others in the running batch."""
@@ -298,12 +306,13 @@ class Engine:
             self.step_s = 0.0
             self.chunk = 0.0
             return None
-        chunk = 0.0
+        chunk = context = pairs = 0.0
         if self.prefilling:
             chunk = min(float(max(1, self.shape.max_num_batched_tokens - n)), self.prefill_left)
+            context, pairs = self._attended(chunk)
         self.chunk = chunk
         costs = self.costs
-        step = costs.step_s(n, self.k_base + n * self.v, 0) + costs.prefill_per_token_s * chunk
+        step = costs.step_s(n, self.k_base + n * self.v, chunk, context, pairs)
         self.step_s = step
         horizon = REFRESH_STEPS * step
         if n:
@@ -313,8 +322,32 @@ class Engine:
             # prompts one step's chunk covers finish together, as in vLLM. A prompt of several
             # chunks is revisited before its last, smaller one (a cheaper step).
             steps = math.ceil(self.prefilling[0].remaining_prefill / chunk - _EPS)
+            if steps > 1 and context + pairs > 0 and self._attends:
+                steps = 2  # each chunk attends to more: re-priced step by step
             horizon = min(horizon, (steps - 1 if steps > 1 else 1) * step)
         return now + max(horizon, 0.0)
+
+    @property
+    def _attends(self) -> bool:
+        return self.costs.prefill_per_context_token_s + self.costs.prefill_per_pair_s > 0
+
+    def _attended(self, chunk: float) -> tuple[float, float]:
+        """What the step's prompt tokens attend to, first come first served as the chunk
+        covers the queue: each prompt's tokens already in the KV cache (its cached prefix and
+        earlier chunks), and the pairs new x (prior + new / 2)."""
+        if not self._attends:
+            return 0.0, 0.0
+        context = pairs = 0.0
+        left = chunk
+        for seq in self.prefilling:
+            take = min(seq.remaining_prefill, left)
+            prior = seq.prompt_tokens - seq.remaining_prefill
+            context += prior
+            pairs += take * (prior + take / 2)
+            left -= take
+            if left <= _EPS:
+                break
+        return context, pairs
 
     # -- prefix cache --------------------------------------------------------------------------
     def _match(self, keys: Sequence[bytes]) -> int:

@@ -24,10 +24,12 @@ from fleetpilot.simulate import calibrate as cal
 from fleetpilot.simulate.calibrate import (
     Calibration,
     CalibrationError,
+    LoadGap,
     PullSample,
     StepFit,
     StepRecord,
     TtftSample,
+    fit_per_stream,
     fit_prefill_base,
     fit_step_costs,
     fit_tokenization,
@@ -40,8 +42,9 @@ from fleetpilot.simulate.profile import MeasuredProfile, load_profile
 if TYPE_CHECKING:
     from fleetpilot.engine.reference.engine import LLMEngine
 
-# decode_base_s, decode_per_seq_s, decode_per_kv_token_s, prefill_per_token_s
-TRUE = (3e-3, 4e-4, 5e-7, 6e-5)
+# decode_base_s, decode_per_seq_s, decode_per_kv_token_s, prefill_per_token_s,
+# prefill_per_context_token_s, prefill_per_pair_s
+TRUE = (3e-3, 4e-4, 5e-7, 6e-5, 1.5e-6, 3e-8)
 
 
 def synthetic(
@@ -56,12 +59,15 @@ def synthetic(
         running = 0 if kind == "prefill" else rng.randint(1, 16)
         kv = sum(rng.randint(20, 1900) for _ in range(running))
         prefill = 0 if kind == "decode" else rng.randint(1, 512)
-        seconds = float(np.array(TRUE) @ [1, running, kv, prefill])
+        # Half the prompts after a cached prefix or an earlier chunk.
+        prior = 0 if kind == "decode" or rng.random() < 0.5 else rng.randint(16, 1500)
+        pairs = prefill * (prior + prefill / 2)
+        seconds = float(np.array(TRUE) @ [1, running, kv, prefill, prior, pairs])
         seconds *= math.exp(rng.gauss(0, noise))
         if rng.random() < outliers:
             seconds *= 10
             injected += 1
-        records.append(StepRecord(running, kv, prefill, seconds))
+        records.append(StepRecord(running, kv, prefill, seconds, prior, pairs))
     return records, injected
 
 
@@ -133,7 +139,9 @@ def test_fit_refuses_too_few_or_bad_steps() -> None:
         fit_step_costs([StepRecord(1, 10, 0, 0.003)] * 8 + [StepRecord(1, 10, 0, 0.0)])
 
 
-def exact_fit(base: float = 3e-3, per_token: float = 5e-5) -> StepFit:
+def exact_fit(
+    base: float = 3e-3, per_token: float = 5e-5, per_context: float = 0.0, per_pair: float = 0.0
+) -> StepFit:
     return StepFit(
         decode_base_s=base,
         decode_per_seq_s=4e-4,
@@ -143,6 +151,8 @@ def exact_fit(base: float = 3e-3, per_token: float = 5e-5) -> StepFit:
         steps=0,
         dropped=0,
         residuals=(),
+        prefill_per_context_token_s=per_context,
+        prefill_per_pair_s=per_pair,
     )
 
 
@@ -153,18 +163,47 @@ def test_modeled_prefill_is_one_step_per_chunk_of_the_token_budget() -> None:
     assert prefill_s(fit, 1300, 512) == pytest.approx(3 * 3e-3 + 1300 * 5e-5)
 
 
-def test_prefill_base_is_the_median_ttft_beyond_the_modeled_prefill() -> None:
-    fit = exact_fit()
+def test_a_modeled_prefill_attends_to_its_cached_prefix_and_earlier_chunks() -> None:
+    fit = exact_fit(per_context=2e-6, per_pair=4e-8)
+    # 100 tokens after 1,000 cached: one step reading 1,000 prior tokens in 100 x 1,050 pairs.
+    one = 3e-3 + 100 * 5e-5 + 1000 * 2e-6 + 100 * 1050 * 4e-8
+    assert prefill_s(fit, 100, 512, cached=1000) == pytest.approx(one)
+    # 600 uncached tokens: a chunk of 512 attending to itself, then 88 after those 512.
+    first = 3e-3 + 512 * 5e-5 + 512 * 256 * 4e-8
+    second = 3e-3 + 88 * 5e-5 + 512 * 2e-6 + 88 * (512 + 44) * 4e-8
+    assert prefill_s(fit, 600, 512) == pytest.approx(first + second)
+
+
+def test_prefill_base_is_the_median_client_ttft_beyond_the_engines_own() -> None:
     rng = random.Random(3)
     samples = []
     for prompt, cached in [(40, 0), (500, 0), (1300, 0), (1100, 1024), (1900, 0)] * 5:
-        ttft = prefill_s(fit, prompt - cached, 512) + 0.007 + rng.gauss(0, 0.0005)
-        samples.append(TtftSample(prompt, cached, ttft))
-    samples.append(TtftSample(40, 0, 5.0))  # one stall does not move a median
-    assert fit_prefill_base(samples, fit, 512) == pytest.approx(0.007, rel=0.1)
-    # TTFTs below the model: no negative overhead.
-    fast = [TtftSample(1000, 0, 0.001)] * 3
-    assert fit_prefill_base(fast, fit, 512) == 0.0
+        engine = 0.002 + prompt * 4e-5
+        ttft = engine + 0.005 + rng.gauss(0, 0.0005)
+        samples.append(TtftSample(prompt, cached, ttft, engine))
+    samples.append(TtftSample(40, 0, 5.0, 0.003))  # one stall does not move a median
+    assert fit_prefill_base(samples) == pytest.approx(0.005, rel=0.1)
+    # A client that saw the token before the engine's clock stopped: no negative overhead.
+    fast = [TtftSample(1000, 0, 0.001, 0.002)] * 3
+    assert fit_prefill_base(fast) == 0.0
+    with pytest.raises(ValueError, match="no TTFT"):
+        fit_prefill_base([])
+
+
+def test_per_stream_is_the_loads_gap_beyond_the_base_per_other_stream() -> None:
+    base, per_stream = 0.005, 0.0007
+    rng = random.Random(4)
+    gaps = [
+        LoadGap(c, engine + base + per_stream * (c - 1) + rng.gauss(0, 0.0002), engine)
+        for c in (1, 2, 4, 8, 12, 16)
+        for engine in (0.01, 0.05)
+    ]
+    assert fit_per_stream(gaps, base) == pytest.approx(per_stream, rel=0.1)
+    # Gaps that shrink with load: no negative share.
+    shrinking = [LoadGap(c, 0.02 - 0.001 * c, 0.01) for c in (2, 4, 8)]
+    assert fit_per_stream(shrinking, base) == 0.0
+    with pytest.raises(ValueError, match="more than one stream"):
+        fit_per_stream([LoadGap(1, 0.02, 0.01)], base)
 
 
 def test_transfer_is_the_decode_hops_extra_time_per_prompt_token() -> None:
@@ -183,19 +222,19 @@ def test_a_steps_cost_is_the_time_to_the_next_steps_start() -> None:
     """What separates two tokens: the step and the runner's work after it. Steps before the
     warm-up ended, steps that ran nothing and steps after which the engine idled are out."""
     raw = [
-        # wall, start, end, running, kv, prefill, busy after
-        [100.0, 1.000, 1.003, 0, 0, 512, 1],  # warm-up
-        [200.0, 1.010, 1.013, 1, 41, 128, 1],
-        [200.1, 1.030, 1.033, 2, 643, 0, 0],  # then idle: the next start is not its cost
-        [200.5, 1.500, 1.500, 0, 0, 0, 1],  # nothing scheduled
-        [200.6, 1.510, 1.514, 1, 602, 0, 1],
-        [200.7, 1.516, 1.519, 1, 603, 0, 1],  # the last: no next start
+        # wall, start, end, running, kv, prefill, prefill context, pairs, busy after
+        [100.0, 1.000, 1.003, 0, 0, 512, 0, 131072, 1],  # warm-up
+        [200.0, 1.010, 1.013, 1, 41, 128, 600, 84992, 1],
+        [200.1, 1.030, 1.033, 2, 643, 0, 0, 0, 0],  # then idle: the next start is not its cost
+        [200.5, 1.500, 1.500, 0, 0, 0, 0, 0, 1],  # nothing scheduled
+        [200.6, 1.510, 1.514, 1, 602, 0, 0, 0, 1],
+        [200.7, 1.516, 1.519, 1, 603, 0, 0, 0, 1],  # the last: no next start
     ]
     records = cal._step_records(raw, 150.0)
-    assert [(r.running, r.kv_tokens, r.prefill_tokens) for r in records] == [
-        (1, 41, 128),
-        (1, 602, 0),
-    ]
+    assert [
+        (r.running, r.kv_tokens, r.prefill_tokens, r.prefill_context, r.prefill_pairs)
+        for r in records
+    ] == [(1, 41, 128, 600, 84992), (1, 602, 0, 0, 0)]
     assert [r.seconds for r in records] == pytest.approx([0.020, 0.006])
 
 
@@ -230,12 +269,14 @@ def test_the_recorder_counts_what_each_step_ran() -> None:
     engine.add_request("b", [2 + i % 200 for i in range(600)], params)
     while engine.has_unfinished_requests():
         engine.step()
-    ran = [(int(s[3]), int(s[4]), int(s[5]), bool(s[6])) for s in recorder.steps]
+    ran = [(*(int(v) for v in s[3:6]), s[6], s[7], bool(s[8])) for s in recorder.steps]
     assert ran == [
-        (0, 0, 512, True),  # a's 40 tokens, b's first 472
-        (1, 41, 128, True),  # a decodes (40 + 1 tokens of KV) beside b's last 128
-        (2, 42 + 601, 0, True),
-        (1, 602, 0, False),  # a is done
+        # a's 40 tokens, b's first 472: each attending to itself
+        (0, 0, 512, 0, 40 * 20 + 472 * 236, True),
+        # a decodes (40 + 1 tokens of KV) beside b's last 128, after its first 472
+        (1, 41, 128, 472, 128 * (472 + 64), True),
+        (2, 42 + 601, 0, 0, 0, True),
+        (1, 602, 0, 0, 0, False),  # a is done
     ]
     assert all(s[1] <= s[2] for s in recorder.steps)
     assert recorder.engine == {
@@ -272,6 +313,11 @@ def test_quick_calibration_of_the_real_engine(quick: Calibration) -> None:
     assert len(quick.ttft) == len(cal.QUICK.ttft_chars)
     assert len(quick.pulls) == len(cal.QUICK.pull_chars)
     assert all(s.cached_tokens == 0 for s in quick.ttft)
+    # Each lone request's own engine TTFT, read around it: inside the client's.
+    assert all(0 < s.engine_ttft_s < s.ttft_s for s in quick.ttft)
+    assert [g.concurrency for g in quick.gaps] == [load.concurrency for load in cal.QUICK.loads]
+    assert all(0 < g.engine_mean_s < g.client_mean_s for g in quick.gaps)
+    assert costs.first_token_per_stream_s >= 0
     assert {r.kind for r in quick.fit.residuals} >= {"decode", "prefill", "mixed"}
     assert "torch threads 1" in profile.source
     assert "--quick" in profile.source
@@ -302,7 +348,7 @@ def test_cli_writes_a_profile_the_simulator_loads(
     assert load_profile(str(out)) == quick.profile
     assert out.read_text().startswith('{\n  "name": ')
     printed = capsys.readouterr().out
-    for name in ("decode_base_s", "decode_per_kv_token_s", "prefill_base_s", "R^2", "mixed"):
+    for name in ("decode_base_s", "prefill_base_s", "first_token_per_stream_s", "R^2", "mixed"):
         assert name in printed
 
 

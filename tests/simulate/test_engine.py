@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 from collections.abc import Callable
@@ -22,6 +23,8 @@ COSTS = EngineCosts(
     decode_per_kv_token_s=0.0,
 )
 SHAPE = EngineShape(kv_tokens=4096, block_size=16, max_num_seqs=8, max_num_batched_tokens=512)
+# Prompts that pay for attending to their cached prefix and earlier chunks.
+ATTENDING = dataclasses.replace(COSTS, prefill_per_context_token_s=2e-6, prefill_per_pair_s=4e-8)
 
 
 @dataclass
@@ -121,6 +124,82 @@ def test_an_arrival_at_a_step_end_is_taken_at_once() -> None:
     batch_with_prompt = decode_step + COSTS.prefill_per_token_s * 100
     expected = prefill_step + 3 * decode_step + batch_with_prompt + COSTS.prefill_base_s
     assert d.firsts[2] == pytest.approx(expected)
+
+
+def test_a_first_token_reaches_the_client_later_for_each_stream_served_beside_it() -> None:
+    """The served path of a first token costs the base plus a share per other stream (their
+    token writes share the engine's event loop); decoding itself is not delayed by it."""
+    per_stream = 0.003
+    costs = dataclasses.replace(COSTS, first_token_per_stream_s=per_stream)
+    d = make(costs)
+    d.submit(0.0, seq(1, list(range(100)), output=101))
+    d.submit(0.0, seq(2, list(range(1000, 1100)), output=101))
+    prefill_step = COSTS.decode_base_s + COSTS.prefill_per_token_s * 200
+    d.submit(prefill_step, seq(3, list(range(2000, 2100)), output=2))
+    d.run()
+    # 1 and 2 finish their prompts in one step: each has the other (1 in the running batch
+    # when 2 joins, 2 still prefilling when 1 joins).
+    assert d.firsts[1] == pytest.approx(prefill_step + COSTS.prefill_base_s + per_stream)
+    assert d.firsts[2] == pytest.approx(prefill_step + COSTS.prefill_base_s + per_stream)
+    batch_with_prompt = COSTS.decode_base_s + 2 * COSTS.decode_per_seq_s
+    batch_with_prompt += COSTS.prefill_per_token_s * 100
+    third = prefill_step + batch_with_prompt + COSTS.prefill_base_s + 2 * per_stream
+    assert d.firsts[3] == pytest.approx(third)
+    # Without the term, the same decode: the stream ends when it would have.
+    plain = make()
+    plain.submit(0.0, seq(1, list(range(100)), output=101))
+    plain.submit(0.0, seq(2, list(range(1000, 1100)), output=101))
+    plain.submit(prefill_step, seq(3, list(range(2000, 2100)), output=2))
+    plain.run()
+    assert d.ends[1] == pytest.approx(plain.ends[1])
+
+
+def test_a_decode_hop_pays_one_step_and_the_served_path() -> None:
+    """A P/D decode hop (its KV pulled) answers after one step computing the prompt's last
+    token over the other 99, and the served path, as calibrate's hand-offs measure it."""
+    d = make(ATTENDING)
+    hop = seq(1, list(range(100)), output=5)
+    hop.prefill = False
+    d.submit(0.0, hop)
+    d.run()
+    step = COSTS.decode_base_s + COSTS.prefill_per_token_s + 99 * 2e-6 + 99.5 * 4e-8
+    assert d.firsts[1] == pytest.approx(step + COSTS.prefill_base_s)
+
+
+def test_a_prompt_after_a_cached_prefix_pays_for_attending_to_it() -> None:
+    """The second prompt shares 96 cached tokens with the first and computes 100 new ones:
+    its step reads the 96 and prices 100 x (96 + 50) pairs; the same prompt on an engine
+    without the prefix computes all 196, attending only to itself."""
+    shared = list(range(96))  # six full blocks
+    d = make(ATTENDING)
+    d.submit(0.0, seq(1, [*shared, *range(1000, 1004)], output=1))
+    d.run()
+    start = max(d.ends.values())
+    d.submit(start, seq(2, [*shared, *range(2000, 2100)], output=1))
+    d.run()
+    step = COSTS.decode_base_s + 100 * COSTS.prefill_per_token_s + 96 * 2e-6 + 100 * 146 * 4e-8
+    assert d.firsts[2] - start == pytest.approx(step + COSTS.prefill_base_s)
+    cold = make(ATTENDING)
+    cold.submit(0.0, seq(2, [*shared, *range(2000, 2100)], output=1))
+    cold.run()
+    alone = COSTS.decode_base_s + 196 * COSTS.prefill_per_token_s + 196 * 98 * 4e-8
+    assert cold.firsts[2] == pytest.approx(alone + COSTS.prefill_base_s)
+
+
+def test_a_long_prompts_later_chunks_attend_to_its_earlier_ones() -> None:
+    d = make(ATTENDING)
+    d.submit(0.0, seq(1, list(range(1200)), output=1))
+    d.run()
+    expected, prior = 0.0, 0
+    for n in (512, 512, 176):
+        expected += (
+            COSTS.decode_base_s
+            + n * COSTS.prefill_per_token_s
+            + prior * 2e-6
+            + n * (prior + n / 2) * 4e-8
+        )
+        prior += n
+    assert d.firsts[1] == pytest.approx(expected + COSTS.prefill_base_s)
 
 
 def test_long_prompt_is_chunked_by_the_batched_token_budget() -> None:
