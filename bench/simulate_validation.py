@@ -15,9 +15,10 @@ first token) by a second simulation on the profile without the served path. For 
 the router sends wholly to the small tier, the bench also runs against that engine directly
 (``engine direct``): the part of the local fleet's TTFT that is the router's.
 
-What the simulation leaves out and the local fleet has: the router's own milliseconds, and the
-engines sharing this machine's cores with each other, the router and the load generator (the
-profile times one engine alone).
+What the simulation leaves out and the local fleet has: the router's cost beyond a lone
+request's hop (``router_s``, measured on an idle router), and the engines sharing this
+machine's cores with each other, the router and the load generator (the profile times one
+engine alone).
 
 Run: .venv/bin/python bench/simulate_validation.py [--profile profile.json] [--duration 60]
      [--save]

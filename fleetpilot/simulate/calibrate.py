@@ -41,6 +41,11 @@ step on its event loop (an SSE write per token per stream, on the same GIL as th
   (``kv_both``), so it serves both hops. The decode hop's TTFT minus what it costs without a
   pull (a one-token step and ``prefill_base_s``), fitted per prompt token through the origin,
   so a pull's fixed cost is spread over typical prompt lengths.
+* ``router_s`` (the profile's, not an engine cost): the local fleet's smallest service (one
+  reference engine, ``fleetpilot router`` before it, started as ``fleetpilot up`` starts
+  them) answers lone requests through the router and straight to the engine, alternately;
+  the median difference of their TTFTs. The simulated routers decide for free; this is their
+  hop on the client's clock.
 * Lone requests and hand-offs run between the loads, not after them: a shared CPU's speed
   drifts by tens of percent within a minute, and both coefficients are differences against the
   step fit, so they must see the same machine.
@@ -80,11 +85,13 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 import fleetpilot
+from fleetpilot.api import API_VERSION, KIND, parse_service
 from fleetpilot.api.spec import KvConnector, RoleName
 from fleetpilot.engine.vllm_args import EngineLaunch
 from fleetpilot.loadgen.runner import RequestRecord, RunConfig, Runner
 from fleetpilot.loadgen.workloads import WORKLOADS, RequestSpec, make_workload, words
 from fleetpilot.routing.policies.pd import decode_request, kv_params_of, prefill_request
+from fleetpilot.runtime.local import LocalFleet
 from fleetpilot.runtime.processes import Child, ChildFailedError, Supervisor, free_ports
 from fleetpilot.runtime.reference_argv import (
     CPU_MAX_MODEL_LEN,
@@ -393,6 +400,21 @@ def decode_hop_s(fit: StepFit | EngineCosts, prompt_tokens: int) -> float:
     return fit.step_s(0, 0, 1, prior, prior + 0.5)
 
 
+@dataclass(frozen=True)
+class RouterSample:
+    """A lone request's TTFT through the router, and a like one's straight to its engine."""
+
+    routed_s: float
+    direct_s: float
+
+
+def fit_router(samples: Sequence[RouterSample]) -> float:
+    """The router's hop: the median of routed minus direct, floored at 0."""
+    if not samples:
+        raise ValueError("no router samples")
+    return max(0.0, statistics.median(s.routed_s - s.direct_s for s in samples))
+
+
 def fit_transfer(samples: Sequence[PullSample], fit: StepFit, prefill_base_s: float) -> float:
     """Seconds per prompt token of a KV pull: what a decode hop's TTFT has beyond its one step
     and ``prefill_base_s``, least squares through the origin, floored at 0."""
@@ -429,6 +451,8 @@ class Plan:
     # One lone request / P/D hand-off each, spread over the gaps between loads.
     ttft_chars: tuple[int, ...]
     pull_chars: tuple[int, ...]
+    # Lone requests through a router and straight to its engine, one of each a size.
+    router_chars: tuple[int, ...]
     tokenize_per_workload: int
     # Launches of the real command; with none, the step recorder's own launch stands in (the
     # same engine, plus this module's imports: ~0.5 s more), to keep quick runs quick.
@@ -453,6 +477,7 @@ FULL = Plan(
     # gap is what the simulator adds to every first token.
     ttft_chars=(40, 120, 240, 500, 960, 1500) * 4,
     pull_chars=(120, 500, 1000, 1500) * 3,
+    router_chars=(40, 240, 500, 960) * 4,
     tokenize_per_workload=200,
     cold_starts=3,
 )
@@ -466,6 +491,7 @@ QUICK = Plan(
     ),
     ttft_chars=(40, 500, 1200),
     pull_chars=(500, 1200),
+    router_chars=(40, 500),
     tokenize_per_workload=5,
     cold_starts=0,
 )
@@ -525,6 +551,7 @@ class Calibration:
     ttft: tuple[TtftSample, ...]
     gaps: tuple[LoadGap, ...]
     pulls: tuple[PullSample, ...]
+    router: tuple[RouterSample, ...]
     cold_starts_s: tuple[float, ...]
     elapsed_s: float
 
@@ -574,6 +601,7 @@ def measure(*, seed: int = 0, quick: bool = False, progress: Progress | None = N
         try:
             session = _record(supervisor, Path(tmp), plan, rng, seed, say)
             starts = _cold_starts(supervisor, plan.cold_starts, say)
+            router = _router_samples(Path(tmp), plan.router_chars, rng, say)
         except (ChildFailedError, httpx.HTTPError) as e:  # an engine died or never started
             raise CalibrationError(f"{type(e).__name__}: {e}") from e
         finally:
@@ -588,17 +616,20 @@ def measure(*, seed: int = 0, quick: bool = False, progress: Progress | None = N
     cold_starts = tuple(s for s, _ in starts) or (session.launch_s,)
     say(f"fitting {len(session.steps)} steps")
     try:
-        fit, profile = _profile(session, cold_starts, quick)
+        fit, profile = _profile(session, router, cold_starts, quick)
     except ValueError as e:  # too few samples, or costs EngineCosts refuses
         raise CalibrationError(f"the measurements make no profile: {e}") from e
     elapsed = time.monotonic() - started
     return Calibration(
-        profile, fit, session.ttft, session.gaps, session.pulls, cold_starts, elapsed
+        profile, fit, session.ttft, session.gaps, session.pulls, router, cold_starts, elapsed
     )
 
 
 def _profile(
-    session: _Session, cold_starts: Sequence[float], quick: bool
+    session: _Session,
+    router: Sequence[RouterSample],
+    cold_starts: Sequence[float],
+    quick: bool,
 ) -> tuple[StepFit, MeasuredProfile]:
     """The fits, in order: the base and transfer costs are what remains beyond the step fit."""
     engine = session.engine
@@ -624,7 +655,10 @@ def _profile(
         chars_per_token=session.tokenization[0],
         message_tokens=session.tokenization[1],
     )
-    return fit, MeasuredProfile(SERVED_NAME, _source(engine, quick), costs, shape)
+    profile = MeasuredProfile(
+        SERVED_NAME, _source(engine, quick), costs, shape, router_s=fit_router(router)
+    )
+    return fit, profile
 
 
 def _source(engine: _EngineInfo, quick: bool) -> str:
@@ -749,11 +783,13 @@ async def _run_load(url: str, load: Load, rng: random.Random) -> list[RequestRec
     return await _run(url, prompts.take(load.requests), load.concurrency)
 
 
-async def _run(url: str, specs: Sequence[RequestSpec], concurrency: int) -> list[RequestRecord]:
+async def _run(
+    url: str, specs: Sequence[RequestSpec], concurrency: int, model: str = SERVED_NAME
+) -> list[RequestRecord]:
     """``specs`` through the load generator (closed loop); every one must succeed."""
     config = RunConfig(
         url + "/v1",
-        SERVED_NAME,
+        model,
         concurrency=concurrency,
         max_requests=len(specs),
         timeout_s=120.0,
@@ -782,6 +818,60 @@ def _step_records(raw: Sequence[Sequence[float]], since_wall: float) -> list[Ste
             StepRecord(int(running), int(kv), int(prefill), seconds, int(context), pairs)
         )
     return records
+
+
+# The local fleet's smallest service: one tier, one reference engine, the router before it.
+_ROUTED_SERVICE = "calibrate"
+
+
+def _router_samples(
+    tmp: Path, chars: Sequence[int], rng: random.Random, say: Progress
+) -> tuple[RouterSample, ...]:
+    """The router's hop as ``fleetpilot up`` runs it: lone requests through the router and
+    straight to its engine, in alternating order (a shared CPU's speed drifts)."""
+    tier = {
+        "name": "main",
+        "model": {"name": SERVED_NAME, "servedName": SERVED_NAME, "maxModelLen": 2048},
+        "engine": {"maxNumSeqs": CPU_MAX_NUM_SEQS},
+        "serving": {"replicas": {"min": 1, "max": 1}},
+    }
+    manifest = {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": _ROUTED_SERVICE, "namespace": "default"},
+        "spec": {"tiers": [tier]},
+    }
+    fleet = LocalFleet(parse_service(manifest, "calibrate's router"), tmp / "routed", 0)
+    say("starting a router in front of a reference engine, as the local fleet runs them")
+    fleet.start()
+    try:
+        routed = f"http://{HOST}:{fleet.router_port}"
+        direct = f"http://{HOST}:{fleet.replicas[0].port}"
+        return asyncio.run(_router_pairs(routed, direct, chars, rng))
+    finally:
+        fleet.stop()
+
+
+async def _router_pairs(
+    routed: str, direct: str, chars: Sequence[int], rng: random.Random
+) -> tuple[RouterSample, ...]:
+    # Warm both paths first: the router's first request opens its connection to the engine.
+    for url, model in ((routed, _ROUTED_SERVICE), (direct, SERVED_NAME)):
+        await _run(url, _Prompts(rng, 200, 4).take(2), 1, model)
+    samples = []
+    for i, c in enumerate(chars):
+        prompts = _Prompts(rng, c, 16).take(2)
+        order = [(routed, _ROUTED_SERVICE), (direct, SERVED_NAME)]
+        if i % 2:
+            order.reverse()
+        ttft: dict[str, float | None] = {}
+        for (url, model), spec in zip(order, prompts, strict=True):
+            (record,) = await _run(url, [spec], 1, model)
+            ttft[url] = record.ttft_s
+        routed_s, direct_s = ttft[routed], ttft[direct]
+        if routed_s is not None and direct_s is not None:
+            samples.append(RouterSample(routed_s, direct_s))
+    return tuple(samples)
 
 
 def _cold_starts(
@@ -1116,6 +1206,8 @@ def report(c: Calibration) -> str:
         + ")",
         f"transfer_per_token_s   {costs.transfer_per_token_s:.6g}  ({len(c.pulls)} P/D "
         f"hand-offs; decode TTFT median |error| {statistics.median(pull_errors):.1%})",
+        f"router_s               {c.profile.router_s:.6g}  (median of {len(c.router)} lone "
+        "requests through the router minus one straight to its engine)",
         f"cold_start_s           {costs.cold_start_s:.3f}  (median of "
         + ", ".join(f"{s:.2f}" for s in c.cold_starts_s)
         + ")",

@@ -44,7 +44,7 @@ from fleetpilot.routing.policies.load import EngineMetrics
 from fleetpilot.routing.router import Route, Router
 from fleetpilot.simulate.baselines import FLEETPILOT, ROUTING_POLICIES, use_routing
 from fleetpilot.simulate.engine import Engine, Seq
-from fleetpilot.simulate.profile import Profile, RoleModel, role_model
+from fleetpilot.simulate.profile import MeasuredProfile, Profile, RoleModel, role_model
 from fleetpilot.simulate.tokens import Prompt, SimPromptKeys, SimTokenizer
 from fleetpilot.simulate.trace import Trace
 
@@ -221,6 +221,8 @@ class Fleet:
         self.service = service
         self.settings = settings
         self.workload = workload
+        # The router's hop, on the client's clock only: the autoscaler reads the engines'.
+        self.router_s = profile.router_s if isinstance(profile, MeasuredProfile) else 0.0
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable[[float], None]]] = []
         self._seq = itertools.count()
@@ -427,7 +429,7 @@ class Fleet:
             request.cached_tokens = seq.cached_tokens
         if hop:
             return
-        request.first_token_s = when
+        request.first_token_s = when + self.router_s
 
     def _done(self, seq: Seq, when: float) -> None:
         job: _Job = seq.request
@@ -447,12 +449,12 @@ class Fleet:
 
             self.at(arrive, handoff)
             return
-        request.end_s = when
+        request.end_s = when + self.router_s
         request.prompt = None
         route.replica.in_flight -= 1
         state = self.roles[(request.tier, decode.endpoint.role)]
         if request.first_token_s is not None:
-            ttft = request.first_token_s - request.arrival_s
+            ttft = request.first_token_s - request.arrival_s - self.router_s
             self._observe(request, ttft, when)
         state.completions.append(when)
         request.route = None

@@ -239,6 +239,14 @@ class MeasuredProfile:
     source: str  # what was measured, where and when
     costs: EngineCosts
     shape: EngineShape
+    # The router's hop: a lone request's TTFT through ``fleetpilot router`` minus the same
+    # engine's directly (its parse, features, pick and relay). A GPU profile has none: the
+    # router runs on CPUs whatever the engines run on, and a simulated router decides free.
+    router_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.router_s) and self.router_s >= 0):
+            raise ValueError(f"router_s must be a finite number >= 0, not {self.router_s}")
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -246,6 +254,7 @@ class MeasuredProfile:
             "source": self.source,
             "costs": asdict(self.costs),
             "shape": asdict(self.shape),
+            "router_s": self.router_s,
         }
 
     @classmethod
@@ -256,6 +265,7 @@ class MeasuredProfile:
                 source=str(data.get("source", "")),
                 costs=EngineCosts(**data["costs"]),
                 shape=EngineShape(**data["shape"]),
+                router_s=float(data.get("router_s", 0.0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ProfileError(f"not a measured profile: {e}") from None

@@ -26,11 +26,13 @@ from fleetpilot.simulate.calibrate import (
     CalibrationError,
     LoadGap,
     PullSample,
+    RouterSample,
     StepFit,
     StepRecord,
     TtftSample,
     fit_per_stream,
     fit_prefill_base,
+    fit_router,
     fit_step_costs,
     fit_tokenization,
     fit_transfer,
@@ -206,6 +208,15 @@ def test_per_stream_is_the_loads_gap_beyond_the_base_per_other_stream() -> None:
         fit_per_stream([LoadGap(1, 0.02, 0.01)], base)
 
 
+def test_router_hop_is_the_median_of_routed_minus_direct() -> None:
+    samples = [RouterSample(0.008 + d, 0.008) for d in (0.001, 0.002, 0.003, 0.5)]
+    samples.append(RouterSample(0.009, 0.010))  # one drifted the other way
+    assert fit_router(samples) == pytest.approx(0.002)
+    assert fit_router([RouterSample(0.005, 0.006)]) == 0.0
+    with pytest.raises(ValueError, match="no router"):
+        fit_router([])
+
+
 def test_transfer_is_the_decode_hops_extra_time_per_prompt_token() -> None:
     fit = exact_fit()
     base, per_token = 0.007, 2e-5
@@ -318,6 +329,10 @@ def test_quick_calibration_of_the_real_engine(quick: Calibration) -> None:
     assert [g.concurrency for g in quick.gaps] == [load.concurrency for load in cal.QUICK.loads]
     assert all(0 < g.engine_mean_s < g.client_mean_s for g in quick.gaps)
     assert costs.first_token_per_stream_s >= 0
+    # The router's hop, paired with direct requests: some milliseconds, not seconds.
+    assert len(quick.router) == len(cal.QUICK.router_chars)
+    assert all(0 < s.direct_s < 5 and 0 < s.routed_s < 5 for s in quick.router)
+    assert 0 <= profile.router_s < 1
     assert {r.kind for r in quick.fit.residuals} >= {"decode", "prefill", "mixed"}
     assert "torch threads 1" in profile.source
     assert "--quick" in profile.source

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from pathlib import Path
@@ -16,10 +17,13 @@ from fleetpilot.loadgen.workloads import make_workload
 from fleetpilot.routing.policies.candidates import FULL_SCAN_MAX
 from fleetpilot.routing.policies.prefix import UNCACHED_BLOCK_COST
 from fleetpilot.simulate.fleet import Fleet, Outcome, SimSettings
-from fleetpilot.simulate.profile import load_profile
+from fleetpilot.simulate.profile import MeasuredProfile, load_profile
 from fleetpilot.simulate.report import summarize
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
+REFERENCE_PROFILE = (
+    Path(__file__).parents[2] / "bench" / "results" / "simulate_profile_reference.json"
+)
 
 
 def example(name: str) -> InferenceService:
@@ -85,6 +89,34 @@ def test_every_request_ends_answered_or_refused() -> None:
         assert r.first_token_s is not None
         assert r.end_s is not None
         assert r.arrival_s < r.first_token_s <= r.end_s
+
+
+def test_a_measured_router_hop_delays_what_clients_see_not_what_the_autoscaler_reads() -> None:
+    """A measured profile's router hop is on the client's clock: every TTFT and end comes that
+    much later, the engines (and the autoscaler's windows, as Prometheus reads the engines)
+    run exactly as without it."""
+    base = MeasuredProfile.from_json(json.loads(REFERENCE_PROFILE.read_text()))
+    runs = {}
+    for hop in (0.0, 0.004):
+        profile = dataclasses.replace(base, router_s=hop)
+        fleet = Fleet(
+            example("local-two-tier.yaml"),
+            profile,
+            make_workload("shared-prefix", 1),
+            SimSettings(Schedule.constant(4.0), 20.0, seed=1, autoscale=False),
+        )
+        runs[hop] = (fleet.run(), fleet)
+    (plain, plain_fleet), (hopped, hopped_fleet) = runs[0.0], runs[0.004]
+    assert len(plain.requests) == len(hopped.requests) > 50
+    for a, b in zip(plain.requests, hopped.requests, strict=True):
+        assert a.first_token_s is not None
+        assert b.first_token_s == pytest.approx(a.first_token_s + 0.004)
+        assert b.end_s == pytest.approx((a.end_s or 0) + 0.004)
+    for key, state in plain_fleet.roles.items():
+        hopped_ttfts = hopped_fleet.roles[key].ttfts
+        assert len(hopped_ttfts) == len(state.ttfts)
+        for (when_a, ttft_a), (when_b, ttft_b) in zip(state.ttfts, hopped_ttfts, strict=True):
+            assert (when_b, ttft_b) == pytest.approx((when_a, ttft_a))
 
 
 def test_same_seed_same_run() -> None:

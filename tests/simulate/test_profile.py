@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ from fleetpilot.simulate.profile import (
     role_model,
     roofline,
 )
+
+RESULTS = Path(__file__).parents[2] / "bench" / "results"
 
 
 def service(model: str, **tier: Any) -> InferenceService:
@@ -100,10 +103,18 @@ def test_measured_profile_round_trips_through_its_file(tmp_path: Path) -> None:
             max_num_batched_tokens=512,
             chars_per_token=1.1,
         ),
+        router_s=0.002,
     )
     path = tmp_path / "p.json"
     path.write_text(json.dumps(profile.to_json()))
     assert load_profile(str(path)) == profile
+    # A file from before the newer fields holds none of them: they default to 0.
+    old = profile.to_json()
+    del old["router_s"]
+    for name in ("first_token_per_stream_s", "prefill_per_context_token_s", "prefill_per_pair_s"):
+        del old["costs"][name]
+    path.write_text(json.dumps(old))
+    assert load_profile(str(path)) == dataclasses.replace(profile, router_s=0.0)
     # Every role runs as the measured engine, with the tier's own batch limit if lower.
     model = role_model(profile, role("whatever", engine={"maxNumSeqs": 4}))
     assert model.costs == profile.costs
@@ -121,6 +132,15 @@ def test_a_broken_profile_file_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"name": "x", "costs": {"decode_base_s": -1}}))
     with pytest.raises(ProfileError, match="not a measured profile"):
+        load_profile(str(path))
+
+
+def test_a_negative_router_hop_is_refused(tmp_path: Path) -> None:
+    doc = json.loads((RESULTS / "simulate_profile_reference.json").read_text())
+    doc["router_s"] = -0.001
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ProfileError, match="router_s"):
         load_profile(str(path))
 
 
