@@ -37,8 +37,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 from router_support import machine, save
+
+from fleetpilot.simulate.calibrate import ttft_totals
 
 ROOT = Path(__file__).parents[1]
 SERVICE = ROOT / "examples" / "local-two-tier.yaml"
@@ -130,15 +131,7 @@ def local_run(
 
 def engine_ttft(port: int) -> tuple[float, float]:
     """Sum and count of an engine's ``vllm:time_to_first_token_seconds`` histogram."""
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10.0).text
-    total = count = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "vllm:time_to_first_token_seconds_sum":
-                total += sample.value
-            elif sample.name == "vllm:time_to_first_token_seconds_count":
-                count += sample.value
-    return total, count
+    return ttft_totals(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10.0).text)
 
 
 def simulated(

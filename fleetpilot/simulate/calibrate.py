@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import json
 import math
@@ -183,16 +184,18 @@ class StepFit:
             ]
         )
 
-    def step_s(
-        self,
-        running: int,
-        kv_tokens: float,
-        prefill_tokens: int = 0,
-        prefill_context: float = 0.0,
-        prefill_pairs: float = 0.0,
-    ) -> float:
-        row = [1.0, running, kv_tokens, prefill_tokens, prefill_context, prefill_pairs]
-        return float(self.coefficients @ np.array(row))
+    @property
+    def costs(self) -> EngineCosts:
+        """The fitted step coefficients as the simulator's costs (nothing beyond the steps)."""
+        return EngineCosts(
+            prefill_base_s=0.0,
+            prefill_per_token_s=self.prefill_per_token_s,
+            decode_base_s=self.decode_base_s,
+            decode_per_seq_s=self.decode_per_seq_s,
+            decode_per_kv_token_s=self.decode_per_kv_token_s,
+            prefill_per_context_token_s=self.prefill_per_context_token_s,
+            prefill_per_pair_s=self.prefill_per_pair_s,
+        )
 
 
 def nnls(a: np.ndarray, b: np.ndarray, *, max_iter: int | None = None) -> np.ndarray:
@@ -364,11 +367,12 @@ def prefill_s(fit: StepFit, tokens: int, max_num_batched_tokens: int, cached: in
     """Modeled time to compute ``tokens`` prompt tokens after ``cached`` ones alone on an idle
     engine: one step per chunk of the token budget, each attending to what came before it,
     nothing decoding beside it."""
+    costs = fit.costs
     total, prior = 0.0, cached
     left = max(1, tokens)
     while left > 0:
         take = min(left, max_num_batched_tokens)
-        total += fit.step_s(0, 0, take, prior, take * (prior + take / 2))
+        total += costs.step_s(0, 0, take, prior, take * (prior + take / 2))
         prior += take
         left -= take
     return total
@@ -393,13 +397,6 @@ def fit_per_stream(gaps: Sequence[LoadGap], prefill_base_s: float) -> float:
     return max(0.0, float(x @ y / (x @ x)))
 
 
-def decode_hop_s(fit: StepFit | EngineCosts, prompt_tokens: int) -> float:
-    """A P/D decode hop's one step once the KV is pulled: the prompt's last token, attending
-    to the rest of it."""
-    prior = max(0, prompt_tokens - 1)
-    return fit.step_s(0, 0, 1, prior, prior + 0.5)
-
-
 @dataclass(frozen=True)
 class RouterSample:
     """A lone request's TTFT through the router, and a like one's straight to its engine."""
@@ -420,9 +417,10 @@ def fit_transfer(samples: Sequence[PullSample], fit: StepFit, prefill_base_s: fl
     and ``prefill_base_s``, least squares through the origin, floored at 0."""
     if not samples:
         raise ValueError("no P/D samples")
+    costs = fit.costs
     x = np.array([s.prompt_tokens for s in samples], dtype=float)
     extra = np.array(
-        [s.ttft_s - decode_hop_s(fit, s.prompt_tokens) - prefill_base_s for s in samples]
+        [s.ttft_s - costs.decode_hop_s(s.prompt_tokens) - prefill_base_s for s in samples]
     )
     return max(0.0, float(x @ extra / (x @ x)))
 
@@ -635,15 +633,10 @@ def _profile(
     engine = session.engine
     fit = fit_step_costs(session.steps)
     prefill_base = fit_prefill_base(session.ttft)
-    costs = EngineCosts(
+    costs = dataclasses.replace(
+        fit.costs,
         prefill_base_s=prefill_base,
         first_token_per_stream_s=fit_per_stream(session.gaps, prefill_base),
-        prefill_per_token_s=fit.prefill_per_token_s,
-        decode_base_s=fit.decode_base_s,
-        decode_per_seq_s=fit.decode_per_seq_s,
-        decode_per_kv_token_s=fit.decode_per_kv_token_s,
-        prefill_per_context_token_s=fit.prefill_per_context_token_s,
-        prefill_per_pair_s=fit.prefill_per_pair_s,
         transfer_per_token_s=fit_transfer(session.pulls, fit, prefill_base),
         cold_start_s=statistics.median(cold_starts),
     )
@@ -910,8 +903,12 @@ async def _ttft_samples(
 
 
 async def _engine_ttft(client: httpx.AsyncClient) -> tuple[float, float]:
-    """Sum and count of the engine's ``vllm:time_to_first_token_seconds``."""
-    metrics = (await client.get("/metrics")).text
+    return ttft_totals((await client.get("/metrics")).text)
+
+
+def ttft_totals(metrics: str) -> tuple[float, float]:
+    """Sum and count of the ``vllm:time_to_first_token_seconds`` histogram in an engine's
+    ``/metrics`` text."""
     total = sum(v for _, v in _samples(metrics, "vllm:time_to_first_token_seconds_sum"))
     count = sum(v for _, v in _samples(metrics, "vllm:time_to_first_token_seconds_count"))
     return total, count
@@ -1184,7 +1181,7 @@ def report(c: Calibration) -> str:
     ]  # fmt: skip
     pull_errors = [
         abs(
-            decode_hop_s(fit, s.prompt_tokens)
+            costs.decode_hop_s(s.prompt_tokens)
             + costs.prefill_base_s
             + costs.transfer_per_token_s * s.prompt_tokens
             - s.ttft_s

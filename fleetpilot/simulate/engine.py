@@ -230,8 +230,7 @@ class Engine:
             if not seq.prefill:
                 # A decode hop's first token: one step computing the prompt's last token over
                 # the pulled KV, then the served path as any first token.
-                prior = max(0, seq.prompt_tokens - 1)
-                hop = self.costs.step_s(0, 0, 1, prior, prior + 0.5)
+                hop = self.costs.decode_hop_s(seq.prompt_tokens)
                 self._join(seq, now, first_token_after=hop + self._served_s())
                 self._store(seq)
                 continue
@@ -322,7 +321,7 @@ class Engine:
             # prompts one step's chunk covers finish together, as in vLLM. A prompt of several
             # chunks is revisited before its last, smaller one (a cheaper step).
             steps = math.ceil(self.prefilling[0].remaining_prefill / chunk - _EPS)
-            if steps > 1 and context + pairs > 0 and self._attends:
+            if steps > 1 and self._attends:
                 steps = 2  # each chunk attends to more: re-priced step by step
             horizon = min(horizon, (steps - 1 if steps > 1 else 1) * step)
         return now + max(horizon, 0.0)

@@ -68,6 +68,12 @@ class EngineCosts:
         the share of the event loop the other streams' token writes take."""
         return self.prefill_base_s + self.first_token_per_stream_s * other_streams
 
+    def decode_hop_s(self, prompt_tokens: int) -> float:
+        """A P/D decode hop's one step once the KV is pulled: the prompt's last token,
+        attending to the rest of it."""
+        prior = max(0, prompt_tokens - 1)
+        return self.step_s(0, 0, 1, prior, prior + 0.5)
+
     def step_s(
         self,
         running: int,

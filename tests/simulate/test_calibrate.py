@@ -222,7 +222,7 @@ def test_transfer_is_the_decode_hops_extra_time_per_prompt_token() -> None:
     base, per_token = 0.007, 2e-5
     rng = random.Random(5)
     samples = [
-        PullSample(p, fit.step_s(0, 0, 1) + base + per_token * p + rng.gauss(0, 0.0003))
+        PullSample(p, fit.costs.step_s(0, 0, 1) + base + per_token * p + rng.gauss(0, 0.0003))
         for p in [240, 960, 1900] * 4
     ]
     assert fit_transfer(samples, fit, base) == pytest.approx(per_token, rel=0.1)
