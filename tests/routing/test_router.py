@@ -9,12 +9,13 @@ import pytest
 
 from fleetpilot.api.router_config import EndpointGroup, RouterTier
 from fleetpilot.kv_events import BlockRemoved, BlockStored
-from fleetpilot.routing.discovery import StaticSource
+from fleetpilot.routing.discovery import Endpoint, StaticSource
 from fleetpilot.routing.errors import OverloadedError, UnavailableError
 from fleetpilot.routing.features import extract_features
 from fleetpilot.routing.policies.candidates import HOLDER_CANDIDATES, HOME_CANDIDATES
-from fleetpilot.routing.policies.load import EngineMetrics
-from fleetpilot.routing.router import TIER_STATE_MAX_AGE_S, Router
+from fleetpilot.routing.policies.load import EngineMetrics, make_view
+from fleetpilot.routing.policies.types import ReplicaView
+from fleetpilot.routing.router import TIER_STATE_MAX_AGE_S, ReplicaState, Router
 from fleetpilot.routing.tokenize import RequestTokenizer
 from fleetpilot.runtime.reference_argv import REFERENCE_TOKENIZER
 from tests.routing.support import make_config
@@ -142,6 +143,45 @@ def test_replica_state_survives_endpoint_changes_and_config_reloads() -> None:
     assert state.in_flight == 2
     assert router.replica("10.0.0.2:1") is None
     assert router.prefix_index.size("10.0.0.2:1") == 0
+
+
+def test_a_replica_view_is_remade_whenever_what_it_shows_changes() -> None:
+    """The view a replica keeps between decisions matches a fresh ``make_view`` after every
+    change: in-flight, pending prefill, batch size, ejection, a new scrape, and a scrape
+    going stale with time alone."""
+    state = ReplicaState(Endpoint("small", "unified", "10.0.0.1", 1), max_num_seqs=4)
+    stale_after = 5.0
+
+    def check(now: float, ejected: bool = False) -> ReplicaView:
+        view = state.view(now, stale_after, ejected)
+        fresh = make_view(
+            state.id,
+            state.max_num_seqs,
+            state.in_flight,
+            state.metrics,
+            state.scraped_at,
+            now,
+            stale_after,
+            ejected,
+            state.pending_prefill,
+        )
+        assert view == fresh
+        return view
+
+    first = check(10.0)
+    assert state.view(10.0, stale_after, False) is first  # nothing changed: kept
+    state.in_flight = 3
+    assert check(10.0).demand == 3
+    state.pending_prefill = 2.0
+    check(10.0)
+    state.max_num_seqs = 2
+    assert check(10.0).queued == 1
+    assert check(10.0, ejected=True).ejected
+    state.metrics, state.scraped_at = EngineMetrics(waiting=4.0, running=2.0, kv_usage=0.5), 9.0
+    assert check(12.0).waiting == 4.0
+    assert check(14.0 + 0.5).waiting == 0.0  # 5.5 s after the scrape: stale
+    state.metrics, state.scraped_at = EngineMetrics(waiting=1.0), 14.0
+    assert check(14.5).waiting == 1.0
 
 
 # -- the KV index (engines' events) against the guessed one --------------------------------
