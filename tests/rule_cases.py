@@ -38,8 +38,22 @@ def base_manifest() -> Manifest:
                     "maxNumBatchedTokens": 4096,
                     "speculative": {"method": "ngram", "numTokens": 4},
                 },
+                adapters=[
+                    {
+                        "name": "sql",
+                        "source": {"huggingface": {"repo": "acme/sql-lora"}},
+                        "baseModel": "Qwen/Qwen2.5-7B-Instruct",
+                    },
+                    {"name": "legal", "source": {"pvc": {"claimName": "loras", "path": "legal"}}},
+                ],
+                lora={"maxLoras": 2, "maxCpuLoras": 4},
             ),
-            make_tier("large", mode="disaggregated", tensor=4),
+            make_tier(
+                "large",
+                mode="disaggregated",
+                tensor=4,
+                adapters=[{"name": "support", "source": {"pvc": {"claimName": "l", "path": "s"}}}],
+            ),
         ]
     )
 
@@ -64,6 +78,14 @@ def _delete(path: list[str | int]) -> Callable[[Manifest], None]:
         for part in path[:-1]:
             node = node[part]
         del node[path[-1]]
+
+    return mutate
+
+
+def _all(*mutations: Callable[[Manifest], None]) -> Callable[[Manifest], None]:
+    def mutate(m: Manifest) -> None:
+        for one in mutations:
+            one(m)
 
     return mutate
 
@@ -202,8 +224,18 @@ RULE_CASES = [
                 OverlayRule.VOLUMES,
             ),
             (
+                "adapter-volume",
+                {"volumes": [{"name": "adapters-0", "emptyDir": {}}]},
+                OverlayRule.VOLUMES,
+            ),
+            (
                 "owned-mount",
                 {"volumeMounts": [{"name": "x", "mountPath": "/dev/shm"}]},
+                OverlayRule.MOUNTS,
+            ),
+            (
+                "adapter-mount",
+                {"volumeMounts": [{"name": "x", "mountPath": "/adapter-volumes/loras"}]},
                 OverlayRule.MOUNTS,
             ),
             (
@@ -221,6 +253,57 @@ RULE_CASES = [
         _set([*T1, "serving", "decode", "podTemplate"], {"image": "other:1"}),
         OverlayRule.CONTAINER,
         "spec.tiers[1].serving.decode.podTemplate",
+    ),
+    RuleCase(
+        "adapter-two-sources",
+        _set([*T0, "adapters", 1, "source", "huggingface"], {"repo": "acme/legal-lora"}),
+        Rule.ADAPTER_SOURCE_ONE_OF,
+        "spec.tiers[0].adapters[1].source",
+    ),
+    RuleCase(
+        "adapter-no-source",
+        _set([*T0, "adapters", 1, "source"], {}),
+        Rule.ADAPTER_SOURCE_ONE_OF,
+        "spec.tiers[0].adapters[1].source",
+    ),
+    RuleCase(
+        "lora-cpu-below-gpu",
+        _set([*T0, "lora", "maxCpuLoras"], 1),
+        Rule.LORA_CPU_LORAS,
+        "spec.tiers[0].lora",
+    ),
+    RuleCase(
+        "adapter-of-another-model",
+        _set([*T0, "adapters", 0, "baseModel"], "meta-llama/Llama-3.1-8B-Instruct"),
+        Rule.ADAPTER_BASE_MODEL,
+        "spec.tiers[0]",
+    ),
+    RuleCase(
+        "adapter-name-twice-in-a-tier",
+        _set([*T0, "adapters", 1, "name"], "sql"),
+        Rule.ADAPTER_NAMES_UNIQUE,
+        "spec",
+    ),
+    RuleCase(
+        "adapter-name-in-two-tiers",
+        _set([*T1, "adapters", 0, "name"], "legal"),
+        Rule.ADAPTER_NAMES_UNIQUE,
+        "spec",
+    ),
+    RuleCase(
+        "adapter-named-like-a-model",
+        _set([*T1, "adapters", 0, "name"], "Qwen/Qwen2.5-7B-Instruct"),
+        Rule.ADAPTER_NOT_A_MODEL,
+        "spec",
+    ),
+    RuleCase(
+        "adapter-named-like-a-served-name",
+        _all(
+            _set([*T1, "model", "servedName"], "chat-large"),
+            _set([*T0, "adapters", 0, "name"], "chat-large"),
+        ),
+        Rule.ADAPTER_NOT_A_MODEL,
+        "spec",
     ),
     RuleCase(
         "name-not-dns-label",

@@ -28,8 +28,10 @@ FREE_FORM: JsonDict = {"x-kubernetes-preserve-unknown-fields": True}
 OWNED_LABEL_PREFIXES = ("fleetpilot.dev/", "app.kubernetes.io/")
 OWNED_ANNOTATION_PREFIXES = ("fleetpilot.dev/", "prometheus.io/")
 OWNED_ENV = ("HOME", "HF_HOME", "HF_TOKEN", "VLLM_NIXL_SIDE_CHANNEL_HOST")
-OWNED_VOLUMES = ("cache", "dshm", "models")
-OWNED_MOUNT_PATHS = ("/cache", "/dev/shm", "/models")
+OWNED_VOLUMES = ("cache", "dshm", "models", "adapters")
+OWNED_VOLUME_PREFIXES = ("adapters-",)  # the PVCs of a tier's LoRA adapters
+OWNED_MOUNT_PATHS = ("/cache", "/dev/shm", "/models", "/adapters", "/adapter-volumes")
+OWNED_MOUNT_PREFIXES = ("/adapters/", "/adapter-volumes/")
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 CONTAINER_FIELDS = ("command", "args", "ports", "resources", "image")
 
@@ -65,8 +67,14 @@ class OverlayRule:
         "fleetpilot sets them"
     )
     ENV = "podTemplate.env may not set HOME, HF_HOME, HF_TOKEN or VLLM_NIXL_SIDE_CHANNEL_HOST"
-    VOLUMES = "podTemplate.volumes may not be named cache, dshm or models: fleetpilot's own"
-    MOUNTS = "podTemplate.volumeMounts may not mount at /cache, /dev/shm or /models"
+    VOLUMES = (
+        "podTemplate.volumes may not be named cache, dshm, models, adapters or adapters-*: "
+        "fleetpilot's own"
+    )
+    MOUNTS = (
+        "podTemplate.volumeMounts may not mount at /cache, /dev/shm, /models, /adapters or "
+        "/adapter-volumes, or below the last two"
+    )
     GPU_PRODUCT = (
         "podTemplate.nodeSelector may not set nvidia.com/gpu.product: set resources.gpuProduct"
     )
@@ -129,12 +137,14 @@ _OVERLAY_CEL = cel_rules(
     ),
     (f"!has(self.env) || self.env.all(e, !(e.name in {_cel_list(OWNED_ENV)}))", OverlayRule.ENV),
     (
-        f"!has(self.volumes) || self.volumes.all(v, !(v.name in {_cel_list(OWNED_VOLUMES)}))",
+        f"!has(self.volumes) || self.volumes.all(v, !(v.name in {_cel_list(OWNED_VOLUMES)}) "
+        f"&& {_cel_no_prefix('v.name', OWNED_VOLUME_PREFIXES)})",
         OverlayRule.VOLUMES,
     ),
     (
         "!has(self.volumeMounts) || self.volumeMounts.all(m, "
-        f"!(m.mountPath in {_cel_list(OWNED_MOUNT_PATHS)}))",
+        f"!(m.mountPath in {_cel_list(OWNED_MOUNT_PATHS)}) "
+        f"&& {_cel_no_prefix('m.mountPath', OWNED_MOUNT_PREFIXES)})",
         OverlayRule.MOUNTS,
     ),
     (
@@ -215,9 +225,15 @@ class PodTemplateOverlay(ApiModel):
             raise ValueError(OverlayRule.ANNOTATIONS)
         if any(e.name in OWNED_ENV for e in self.env):
             raise ValueError(OverlayRule.ENV)
-        if any(v.name in OWNED_VOLUMES for v in self.volumes):
+        if any(
+            v.name in OWNED_VOLUMES or v.name.startswith(OWNED_VOLUME_PREFIXES)
+            for v in self.volumes
+        ):
             raise ValueError(OverlayRule.VOLUMES)
-        if any(m.mount_path in OWNED_MOUNT_PATHS for m in self.volume_mounts):
+        if any(
+            m.mount_path in OWNED_MOUNT_PATHS or m.mount_path.startswith(OWNED_MOUNT_PREFIXES)
+            for m in self.volume_mounts
+        ):
             raise ValueError(OverlayRule.MOUNTS)
         if GPU_PRODUCT_LABEL in self.node_selector:
             raise ValueError(OverlayRule.GPU_PRODUCT)

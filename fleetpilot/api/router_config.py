@@ -73,6 +73,10 @@ class EndpointGroup(ApiModel):
 class RouterTier(ApiModel):
     name: str
     model: str = Field(description="Name clients request (the tier's served model name).")
+    adapters: list[str] = Field(
+        default_factory=list,
+        description="LoRA adapters the tier's engines serve: other names clients may request.",
+    )
     up_to: float = Field(ge=0.0, le=1.0)
     mode: ServingMode
     endpoints: list[EndpointGroup]

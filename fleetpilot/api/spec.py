@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
 from itertools import pairwise
-from typing import Annotated, Self
+from typing import Annotated, Literal, Self
 
 from pydantic import Field, StringConstraints, model_validator
 
@@ -61,6 +61,16 @@ class Rule:
     )
     SCALE_DOWN_WINDOW = (
         "autoscaling.scaleDown.stabilization must be at least autoscaling.scaleUp.stabilization"
+    )
+    ADAPTER_SOURCE_ONE_OF = "an adapter's source takes exactly one of pvc and huggingface"
+    LORA_CPU_LORAS = "lora.maxCpuLoras must be at least lora.maxLoras"
+    ADAPTER_BASE_MODEL = (
+        "spec.tiers[].adapters[].baseModel, when set, must be the tier's model.name"
+    )
+    ADAPTER_NAMES_UNIQUE = "spec.tiers[].adapters[].name must be unique in the service"
+    ADAPTER_NOT_A_MODEL = (
+        "spec.tiers[].adapters[].name must differ from the name every tier's model is "
+        "requested by (model.servedName, else model.name)"
     )
     NAME_LABEL = (
         "metadata.name must be a DNS-1035 label (lowercase letters, digits and '-', starting "
@@ -588,8 +598,132 @@ class Autoscaling(ApiModel):
         return self
 
 
+# vLLM's ``--max-lora-rank`` values (``vllm.config.lora.MaxLoRARanks`` of the pinned release).
+LoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
+# The API server prices the service's adapter-name rules by the worst case (8 tiers of this
+# many adapters, names of the longest length): 32 adapters of 128 characters cost 3.5x its
+# budget.
+MAX_ADAPTERS_PER_TIER = 16
+# Clients name an adapter in the request's `model` field, and vLLM's `--lora-modules name=path`
+# splits at the first '=': a name like a served model name.
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._:/-]*[A-Za-z0-9])?$"
+
+
+class AdapterHuggingFace(ApiModel):
+    """An adapter repository on the Hugging Face Hub (PEFT format)."""
+
+    repo: str = Field(
+        min_length=3,
+        max_length=256,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="Repository id, owner/name.",
+    )
+    revision: str | None = Field(
+        None, max_length=128, description="Branch, tag or commit (pin a commit for GitOps)."
+    )
+    token_secret_ref: SecretKeyRef | None = Field(
+        None, description="Secret key holding a Hub token, for private adapters."
+    )
+
+
+class AdapterPvc(ApiModel):
+    """An adapter directory on a PersistentVolumeClaim (mounted read-only)."""
+
+    claim_name: str = Field(min_length=1, max_length=253, description="PVC name.")
+    path: str = Field(
+        min_length=1,
+        max_length=1024,
+        # Relative, and no '.' or '..' component: the path stays inside the volume.
+        pattern=r"^\.?[A-Za-z0-9_-][A-Za-z0-9._-]*(/\.?[A-Za-z0-9_-][A-Za-z0-9._-]*)*$",
+        description="Directory of the adapter inside the volume (adapter_config.json there).",
+    )
+
+
+class AdapterSource(ApiModel):
+    """Where an adapter's files come from: exactly one source."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": cel_rules(
+            ("has(self.pvc) != has(self.huggingface)", Rule.ADAPTER_SOURCE_ONE_OF)
+        )
+    }
+
+    huggingface: AdapterHuggingFace | None = Field(
+        None, description="Download the adapter from the Hugging Face Hub."
+    )
+    pvc: AdapterPvc | None = Field(None, description="Read the adapter from a PVC.")
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if (self.pvc is None) == (self.huggingface is None):
+            raise ValueError(Rule.ADAPTER_SOURCE_ONE_OF)
+        return self
+
+
+class Adapter(ApiModel):
+    """A LoRA adapter of the tier's model, requested by its name in the `model` field."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=64,
+        pattern=ADAPTER_NAME_PATTERN,
+        description="Name clients request the adapter by; unique in the service.",
+    )
+    source: AdapterSource = Field(description="Where the adapter's files come from.")
+    base_model: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="The model the adapter was trained on: a check that it is the tier's "
+        "model.name, not a setting.",
+    )
+
+
+class LoraSettings(ApiModel):
+    """How the engines hold LoRA adapters (vLLM's --max-loras, --max-lora-rank, ...)."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": cel_rules(
+            ("!has(self.maxCpuLoras) || self.maxCpuLoras >= self.maxLoras", Rule.LORA_CPU_LORAS)
+        )
+    }
+
+    max_loras: int = Field(
+        1, ge=1, le=256, description="Most adapters in one batch (resident on the GPU)."
+    )
+    max_lora_rank: LoraRank = Field(16, description="Largest adapter rank the engines accept.")
+    max_cpu_loras: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="Adapters kept loaded in CPU memory, least recently used evicted "
+        "(default: maxLoras).",
+    )
+    dynamic: bool = Field(
+        False,
+        description="Load and unload adapters in running engines when the list changes "
+        "(vLLM's runtime LoRA updating), instead of rolling the engine pods.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(Rule.LORA_CPU_LORAS)
+        return self
+
+
 class Tier(ApiModel):
     """One model variant of the fleet. Tiers are listed cheapest first."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": cel_rules(
+            (
+                "!has(self.adapters) || self.adapters.all(a, !has(a.baseModel) "
+                "|| a.baseModel == self.model.name)",
+                Rule.ADAPTER_BASE_MODEL,
+            )
+        )
+    }
 
     name: DnsLabel = Field(description="Tier name, unique in the service (e.g. small, large).")
     model: ModelSpec = Field(description="The model this tier serves.")
@@ -606,6 +740,28 @@ class Tier(ApiModel):
             "pull secrets, env, volumes, mounts, securityContext (never what fleetpilot owns)."
         ),
     )
+    adapters: list[Adapter] = Field(
+        default_factory=list,
+        max_length=MAX_ADAPTERS_PER_TIER,
+        description="LoRA adapters of the tier's model, served by every replica.",
+    )
+    lora: LoraSettings | None = Field(
+        None,
+        description="How engines hold adapters (default when adapters are listed: vLLM's).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if any(a.base_model not in (None, self.model.name) for a in self.adapters):
+            raise ValueError(Rule.ADAPTER_BASE_MODEL)
+        return self
+
+    @property
+    def lora_settings(self) -> LoraSettings | None:
+        """The engines' LoRA settings: None when the tier serves no adapters."""
+        if self.lora is None and not self.adapters:
+            return None
+        return self.lora or LoraSettings()
 
     def roles(self) -> list[ResolvedRole]:
         """The roles this tier runs, resolved: one unified role, or prefill then decode, each
@@ -799,6 +955,17 @@ class InferenceServiceSpec(ApiModel):
                 f"{_complexity_list()}.indexOf(x) == {_complexity_list()}.lastIndexOf(x))",
                 Rule.COMPLEXITY_INCREASING,
             ),
+            (
+                "self.tiers.all(t, !has(t.adapters) || t.adapters.all(a, "
+                "t.adapters.exists_one(b, b.name == a.name) && self.tiers.exists_one(u, "
+                "has(u.adapters) && u.adapters.exists(b, b.name == a.name))))",
+                Rule.ADAPTER_NAMES_UNIQUE,
+            ),
+            (
+                "self.tiers.all(t, !has(t.adapters) || t.adapters.all(a, self.tiers.all(u, "
+                "a.name != (has(u.model.servedName) ? u.model.servedName : u.model.name))))",
+                Rule.ADAPTER_NOT_A_MODEL,
+            ),
         )
     }
 
@@ -820,4 +987,9 @@ class InferenceServiceSpec(ApiModel):
         bounds = [t.complexity.up_to for t in self.tiers]
         if any(a >= b for a, b in pairwise(bounds)):
             raise ValueError(Rule.COMPLEXITY_INCREASING)
+        adapters = [a.name for t in self.tiers for a in t.adapters]
+        if len(set(adapters)) != len(adapters):
+            raise ValueError(Rule.ADAPTER_NAMES_UNIQUE)
+        if set(adapters) & {t.model.alias for t in self.tiers}:
+            raise ValueError(Rule.ADAPTER_NOT_A_MODEL)
         return self

@@ -19,11 +19,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from fleetpilot.api.spec import KvConnector, ResolvedRole, RoleName, Tier
+from fleetpilot.api.spec import Adapter, KvConnector, ResolvedRole, RoleName, Tier
 from fleetpilot.kv_events import kv_events_config
 
 ENGINE_PORT = 8000
 MODEL_MOUNT = "/models"
+# LoRA adapters: those from the Hub are fetched at their revision by init containers into an
+# emptyDir here (vLLM would fetch a repo id itself, but at its default branch and with the
+# model's token); PVCs holding adapters are mounted read-only, one directory per claim.
+ADAPTER_MOUNT = "/adapters"
+ADAPTER_VOLUME_MOUNT = "/adapter-volumes"
 KV_EVENTS_PORT = 5557  # vLLM's default PUB endpoint, tcp://*:5557
 KV_REPLAY_PORT = 5558
 
@@ -34,6 +39,17 @@ class SpeculativeLaunch:
     num_tokens: int
     model: str | None = None
     prompt_lookup_max: int | None = None
+
+
+@dataclass(frozen=True)
+class LoraLaunch:
+    """vLLM's LoRA flags: how many adapters the engine holds, and the adapters it loads at
+    start (``--lora-modules``, name and path in the pod)."""
+
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int | None = None
+    modules: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -59,6 +75,7 @@ class EngineLaunch:
     quantization: str | None = None
     speculative: SpeculativeLaunch | None = None
     kv_connector: str | None = None
+    lora: LoraLaunch | None = None
     # KV events (module docstring): the PUB port and the replay (ROUTER) port of rank 0; None:
     # no events / no replay socket.
     kv_events_port: int | None = KV_EVENTS_PORT
@@ -72,6 +89,36 @@ def model_location(tier: Tier) -> str:
     if source.pvc is not None:
         return f"{MODEL_MOUNT}/{source.pvc.sub_path or tier.model.name}"
     return tier.model.name
+
+
+def adapter_dir(index: int, adapter: Adapter) -> str:
+    """The directory an init container fetches a Hub adapter into: its place in the tier's
+    list (names are unique, but '/' and ':' in them are not path-safe) and a readable slug."""
+    slug = adapter.name.replace("/", "--").replace(":", "-")
+    return f"{ADAPTER_MOUNT}/{index}-{slug}"
+
+
+def adapter_location(index: int, adapter: Adapter) -> str:
+    """Where the engine reads the tier's ``index``-th adapter in its pod."""
+    pvc = adapter.source.pvc
+    if pvc is not None:
+        return f"{ADAPTER_VOLUME_MOUNT}/{pvc.claim_name}/{pvc.path}"
+    return adapter_dir(index, adapter)
+
+
+def lora_launch(tier: Tier) -> LoraLaunch | None:
+    """The tier's LoRA flags; None when it serves no adapters."""
+    settings = tier.lora_settings
+    if settings is None:
+        return None
+    return LoraLaunch(
+        max_loras=settings.max_loras,
+        max_lora_rank=settings.max_lora_rank,
+        max_cpu_loras=settings.max_cpu_loras,
+        modules=tuple(
+            (adapter.name, adapter_location(i, adapter)) for i, adapter in enumerate(tier.adapters)
+        ),
+    )
 
 
 def launch_for(role: ResolvedRole) -> EngineLaunch:
@@ -113,6 +160,7 @@ def launch_for(role: ResolvedRole) -> EngineLaunch:
             else None
         ),
         kv_connector=connector,
+        lora=lora_launch(tier),
         kv_events_port=KV_EVENTS_PORT,
         # vLLM offsets both ports by the data-parallel rank: keep the ranges apart.
         kv_replay_port=KV_EVENTS_PORT + max(1, parallelism.data),
@@ -221,6 +269,8 @@ def vllm_serve_args(launch: EngineLaunch, host: str | None = None) -> list[str]:
         if launch.speculative.prompt_lookup_max is not None:
             spec["prompt_lookup_max"] = launch.speculative.prompt_lookup_max
         args += ["--speculative-config", _compact_json(spec)]
+    if launch.lora is not None:
+        args += lora_args(launch.lora)
     transfer = kv_transfer_config(launch)
     if transfer is not None:
         args += ["--kv-transfer-config", _compact_json(transfer)]
@@ -228,4 +278,21 @@ def vllm_serve_args(launch: EngineLaunch, host: str | None = None) -> list[str]:
     if events is not None:
         args += ["--kv-events-config", events]
     args += list(launch.extra_args)
+    return args
+
+
+def lora_args(lora: LoraLaunch) -> list[str]:
+    """``--enable-lora`` and its sizes, then the adapters to load at start as ``name=path``
+    (vLLM's older form, which it splits at the first '='; names cannot hold one)."""
+    args = [
+        "--enable-lora",
+        "--max-loras",
+        str(lora.max_loras),
+        "--max-lora-rank",
+        str(lora.max_lora_rank),
+    ]
+    if lora.max_cpu_loras is not None:
+        args += ["--max-cpu-loras", str(lora.max_cpu_loras)]
+    if lora.modules:
+        args += ["--lora-modules", *(f"{name}={path}" for name, path in lora.modules)]
     return args

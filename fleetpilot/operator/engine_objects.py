@@ -6,10 +6,13 @@ from typing import Any
 
 from fleetpilot.api import InferenceService, ResolvedRole
 from fleetpilot.api.pod_template import GPU_PRODUCT_LABEL, PodTemplateOverlay
-from fleetpilot.api.spec import HuggingFaceSource
+from fleetpilot.api.spec import HuggingFaceSource, SecretKeyRef, Tier
 from fleetpilot.engine.vllm_args import (
+    ADAPTER_MOUNT,
+    ADAPTER_VOLUME_MOUNT,
     ENGINE_PORT,
     MODEL_MOUNT,
+    adapter_dir,
     kv_event_ports,
     launch_for,
     vllm_serve_args,
@@ -42,10 +45,51 @@ def engine_labels(service: InferenceService, role: ResolvedRole) -> dict[str, st
 
 def hub_token_env(hub: HuggingFaceSource | None) -> list[K8sObject]:
     """``HF_TOKEN`` from the source's Secret, if it names one (never the token itself)."""
-    if hub is None or hub.token_secret_ref is None:
+    return _token_env(hub.token_secret_ref if hub is not None else None)
+
+
+def _token_env(ref: SecretKeyRef | None) -> list[K8sObject]:
+    if ref is None:
         return []
-    ref = hub.token_secret_ref
     return [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+
+
+def adapter_claims(tier: Tier) -> list[str]:
+    """The PVCs the tier's adapters are read from, each once, in the order first named."""
+    claims = [a.source.pvc.claim_name for a in tier.adapters if a.source.pvc is not None]
+    return list(dict.fromkeys(claims))
+
+
+def adapter_fetchers(tier: Tier, image: str) -> list[K8sObject]:
+    """One init container per Hub adapter: the engine image's ``hf download`` of the repo at
+    its revision, with the adapter's own token, into the adapters' emptyDir. The engine starts
+    only once every adapter it is told to load is on disk."""
+    fetchers: list[K8sObject] = []
+    for index, adapter in enumerate(tier.adapters):
+        hub = adapter.source.huggingface
+        if hub is None:
+            continue
+        command = ["hf", "download", hub.repo, "--local-dir", adapter_dir(index, adapter)]
+        if hub.revision:
+            command += ["--revision", hub.revision]
+        fetchers.append(
+            {
+                "name": f"adapter-{index}",
+                "image": image,
+                "command": command,
+                "env": [
+                    {"name": "HOME", "value": CACHE_MOUNT},
+                    {"name": "HF_HOME", "value": f"{CACHE_MOUNT}/huggingface"},
+                    *_token_env(hub.token_secret_ref),
+                ],
+                "volumeMounts": [
+                    {"name": "cache", "mountPath": CACHE_MOUNT},
+                    {"name": "adapters", "mountPath": ADAPTER_MOUNT},
+                ],
+                "securityContext": container_security(read_only_root=False),
+            }
+        )
+    return fetchers
 
 
 def _env(service: InferenceService, role: ResolvedRole) -> list[K8sObject]:
@@ -102,6 +146,23 @@ def _volumes(role: ResolvedRole) -> tuple[list[K8sObject], list[K8sObject]]:
             }
         )
         mounts.append({"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True})
+    if any(a.source.huggingface is not None for a in tier.adapters):
+        volumes.append({"name": "adapters", "emptyDir": {}})
+        mounts.append({"name": "adapters", "mountPath": ADAPTER_MOUNT, "readOnly": True})
+    for i, claim in enumerate(adapter_claims(tier)):
+        volumes.append(
+            {
+                "name": f"adapters-{i}",
+                "persistentVolumeClaim": {"claimName": claim, "readOnly": True},
+            }
+        )
+        mounts.append(
+            {
+                "name": f"adapters-{i}",
+                "mountPath": f"{ADAPTER_VOLUME_MOUNT}/{claim}",
+                "readOnly": True,
+            }
+        )
     return volumes, mounts
 
 
@@ -118,6 +179,11 @@ def _placement(service: InferenceService, role: ResolvedRole) -> K8sObject:
     if scheduling.priority_class_name:
         placement["priorityClassName"] = scheduling.priority_class_name
     return placement
+
+
+def _init_containers(tier: Tier) -> K8sObject:
+    fetchers = adapter_fetchers(tier, tier.engine.image)
+    return {"initContainers": fetchers} if fetchers else {}
 
 
 def engine_command(role: ResolvedRole) -> list[str]:
@@ -197,6 +263,7 @@ def engine_deployment(service: InferenceService, role: ResolvedRole) -> K8sObjec
                         names.engine_selector(service.name, tier.name, role.name)
                     ),
                     **_placement(service, role),
+                    **_init_containers(tier),
                     "containers": [container],
                     "volumes": volumes,
                 },

@@ -58,6 +58,12 @@ MANAGED_FLAGS = frozenset(
         "--kv-events-config",
         "--dtype",
         "--revision",
+        "--enable-lora",
+        "--no-enable-lora",
+        "--max-loras",
+        "--max-lora-rank",
+        "--max-cpu-loras",
+        "--lora-modules",
     }
 )
 
@@ -99,6 +105,13 @@ def check(service: InferenceService) -> None:
                 "multi-node replicas are not supported yet",
             )
         _check_capacity(role, where)
+        lora = tier.lora
+        if lora is not None and lora.dynamic:
+            raise PlanError(
+                f"{where}.lora.dynamic",
+                "loading adapters into running engines is not supported yet; leave it false: "
+                "the engines load the listed adapters at start, and a changed list rolls them",
+            )
         for i, arg in enumerate(tier.engine.extra_args):
             flag = arg.split("=", 1)[0]
             if flag in MANAGED_FLAGS:

@@ -106,6 +106,7 @@ def router_config(service: InferenceService) -> RouterConfig:
             RouterTier(
                 name=tier.name,
                 model=tier.model.alias,
+                adapters=[adapter.name for adapter in tier.adapters],
                 up_to=tier.complexity.up_to,
                 mode=tier.serving.mode,
                 endpoints=groups,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shlex
 
-from fleetpilot.api import InferenceService, ResolvedRole
+from fleetpilot.api import InferenceService, ResolvedRole, Tier
 from fleetpilot.api.capacity import architecture_of, format_bytes, gpu_memory_of, role_capacity
 from fleetpilot.operator.engine_objects import engine_command
 from fleetpilot.operator.plan_types import K8sObject
@@ -36,6 +36,27 @@ def capacity_lines(role: ResolvedRole) -> list[str]:
     ]
 
 
+def adapter_lines(tier: Tier) -> list[str]:
+    """The tier's LoRA adapters, where each comes from, and how the engines hold them."""
+    lora = tier.lora_settings
+    if lora is None:
+        return []
+    cpu = lora.max_cpu_loras if lora.max_cpu_loras is not None else lora.max_loras
+    lines = [
+        f"    LoRA: up to {lora.max_loras} adapters in a batch, {cpu} loaded in CPU memory, "
+        f"rank <= {lora.max_lora_rank}; loaded at engine start (a changed list rolls the pods)"
+    ]
+    for adapter in tier.adapters:
+        hub, pvc = adapter.source.huggingface, adapter.source.pvc
+        if hub is not None:
+            origin = f"hub {hub.repo}" + (f"@{hub.revision}" if hub.revision else " (main)")
+        else:
+            assert pvc is not None  # exactly one source (the API's rule)
+            origin = f"pvc {pvc.claim_name}:{pvc.path}"
+        lines.append(f"    adapter {adapter.name}: {origin}")
+    return lines
+
+
 def summarize(service: InferenceService, objects: list[K8sObject]) -> str:
     """Plain text for a person; the YAML/JSON output is for machines."""
     lines = [f"InferenceService {service.namespace}/{service.name}"]
@@ -58,6 +79,7 @@ def summarize(service: InferenceService, objects: list[K8sObject]) -> str:
             f"    GPUs per replica: {gpus} x {product}"
             f"  (tensor {p.tensor} x pipeline {p.pipeline} x data {p.data})",
             *capacity_lines(role),
+            *adapter_lines(tier),
             f"    image: {tier.engine.image}",
             f"    command: {shlex.join(engine_command(role))}",
         ]

@@ -19,7 +19,8 @@ SIGTERM (scale-downs and the end of a test wait for it), and, for P/D, the loopb
 advertise and accept KV on.
 
 Not taken: the model location and revision, parallelism, dtype, GPU memory, batched tokens,
-KV cache block size and dtype, quantization, speculative decoding and extra vLLM arguments.
+KV cache block size and dtype, quantization, speculative decoding, extra vLLM arguments and,
+for now, LoRA adapters (the local fleet serves a tier's base model only; issue 18).
 They size or tune a GPU engine; the CPU reference engine either has no such flag or would
 reject values it cannot run (an ``fp8`` KV cache), so the local fleet runs with its defaults.
 """

@@ -30,6 +30,7 @@ from fleetpilot.api.spec import (
 )
 from fleetpilot.engine.vllm_args import (
     KV_EVENTS_PORT,
+    adapter_location,
     kv_role,
     launch_for,
     model_location,
@@ -67,6 +68,14 @@ def expected_engine_args(role: ResolvedRole) -> dict[str, Any]:
     }
     if parallelism.data > 1:
         expected["data_parallel_size_local"] = parallelism.data
+    lora = tier.lora_settings
+    if lora is not None:
+        expected |= {
+            "enable_lora": True,
+            "max_loras": lora.max_loras,
+            "max_lora_rank": lora.max_lora_rank,
+            "max_cpu_loras": lora.max_cpu_loras,
+        }
     spec = engine.speculative
     if spec is None:
         expected["speculative_config"] = None
@@ -91,6 +100,13 @@ def assert_vllm_reads_the_spec(judge: VllmJudge, role: ResolvedRole) -> dict[str
     parsed: dict[str, Any] = verdict["engine_args"]
     expected = expected_engine_args(role)
     assert {k: parsed[k] for k in expected} == expected
+    if role.tier.lora_settings is None:
+        assert not parsed["enable_lora"]
+    # The adapters vLLM registers at start: each by its name, from where the pod holds it.
+    modules = [(m["name"], m["path"]) for m in verdict["lora_modules"]]
+    assert modules == [
+        (adapter.name, adapter_location(i, adapter)) for i, adapter in enumerate(role.tier.adapters)
+    ]
     transfer = parsed["kv_transfer_config"]
     if role.disaggregated:
         kv = role.tier.serving.kv_transfer
@@ -150,6 +166,37 @@ _speculative = st.one_of(
 )
 
 
+_adapter = st.builds(
+    lambda name, source: {"name": name, "source": source},
+    # Capitalised: no served name (lowercase first) or model name here can equal one.
+    st.from_regex(r"L([A-Za-z0-9._:/-]{0,20}[A-Za-z0-9])?", fullmatch=True),
+    st.one_of(
+        st.builds(
+            lambda revision: {"huggingface": {"repo": "acme/adapter", **revision}},
+            st.sampled_from([{}, {"revision": "0123abcd"}]),
+        ),
+        st.builds(
+            lambda claim, path: {"pvc": {"claimName": claim, "path": path}},
+            st.sampled_from(["loras", "team-adapters"]),
+            st.sampled_from(["sql", "v2/legal", ".cache/x"]),
+        ),
+    ),
+)
+_lora = st.one_of(
+    st.none(),
+    st.builds(
+        lambda loras, rank, extra: {
+            "maxLoras": loras,
+            "maxLoraRank": rank,
+            **({"maxCpuLoras": loras + extra} if extra is not None else {}),
+        },
+        st.integers(1, 256),
+        st.sampled_from([1, 8, 16, 32, 64, 128, 256, 320, 512]),
+        st.one_of(st.none(), st.integers(0, 64)),
+    ),
+)
+
+
 @st.composite
 def tier_manifests(draw: st.DrawFn) -> dict[str, Any]:
     seqs = draw(st.integers(1, 4096))
@@ -192,6 +239,12 @@ def tier_manifests(draw: st.DrawFn) -> dict[str, Any]:
     tier = make_tier("main", mode=mode, model=model["name"], engine=engine,
                      parallelism=parallelism)  # fmt: skip
     tier["model"] = model
+    adapters = draw(st.lists(_adapter, max_size=3, unique_by=lambda a: a["name"]))
+    if adapters:
+        tier["adapters"] = adapters
+    lora = draw(_lora)
+    if lora is not None:
+        tier["lora"] = lora
     if mode == "disaggregated":
         tier["serving"]["kvTransfer"] = {
             "connector": draw(st.sampled_from([c.value for c in KvConnector]))

@@ -9,8 +9,10 @@ vLLM version it runs:
 - ``{"op": "serve", "argv": [...]}``: parse the arguments after ``vllm serve`` exactly as the
   ``vllm`` command does (``vllm/entrypoints/cli/main.py``: a ``FlexibleArgumentParser`` with the
   serve subcommand's parser, its ``validate``, the positional model tag taking precedence), then
-  build ``AsyncEngineArgs.from_cli_args``. Answer ``{"ok": true, "engine_args": {...}}`` (every
-  field, nested configs as objects) or ``{"ok": false, "error": "<vLLM's message>"}``.
+  build ``AsyncEngineArgs.from_cli_args``. Answer ``{"ok": true, "engine_args": {...},
+  "lora_modules": [...]}`` (every field, nested configs as objects; the adapters the OpenAI
+  server would register at start, ``--lora-modules`` as its parser read them) or
+  ``{"ok": false, "error": "<vLLM's message>"}``.
 - ``{"op": "metrics", "argv": [...], "num_gpu_blocks": N}``: the metric families vLLM's
   Prometheus logger (``vllm/v1/metrics/loggers.py``, ``PrometheusStatLogger``) registers for
   an engine started
@@ -121,7 +123,11 @@ def serve(parser: _ServeParser, argv: list[str]) -> dict[str, Any]:
         engine_args = AsyncEngineArgs.from_cli_args(args)
     except Exception as error:  # vLLM's verdict, whatever its type
         return {"ok": False, "error": f"{type(error).__name__}: {error}"}
-    return {"ok": True, "engine_args": _jsonable(engine_args)}
+    return {
+        "ok": True,
+        "engine_args": _jsonable(engine_args),
+        "lora_modules": _jsonable(getattr(args, "lora_modules", None) or []),
+    }
 
 
 def metrics(parser: _ServeParser, argv: list[str], num_gpu_blocks: int) -> dict[str, Any]:

@@ -190,3 +190,39 @@ def test_a_host_binds_the_server_and_the_kv_event_sockets() -> None:
     assert events == kv_events_json(launch, "127.0.0.1")
     changed = [i for i, (a, b) in enumerate(zip(pod, local, strict=True)) if a != b]
     assert changed == [pod.index("--host") + 1, pod.index("--kv-events-config") + 1]
+
+
+def test_lora_example_loads_its_adapters_at_start() -> None:
+    """examples/lora.yaml: LoRA on with the spec's sizes, and each adapter registered at start
+    by its name, from where the pod holds it: the Hub one in the init containers' emptyDir
+    (its place in the list, then a path-safe name), the PVC one under its claim's mount."""
+    args = _args("lora.yaml")
+    start = args.index("--enable-lora")
+    assert args[start : args.index("--kv-events-config")] == [
+        "--enable-lora",
+        "--max-loras", "2",
+        "--max-lora-rank", "32",
+        "--max-cpu-loras", "4",
+        "--lora-modules", "sql=/adapters/0-sql", "support=/adapter-volumes/adapters/support/v3",
+    ]  # fmt: skip
+
+
+def test_lora_defaults_and_path_safe_adapter_directories() -> None:
+    """Adapters without `lora` take vLLM's defaults (one in a batch, rank 16; no
+    --max-cpu-loras, which vLLM then sets to max-loras); '/' and ':' in a name do not make a
+    nested or odd directory. A tier with neither adapters nor `lora` gets no LoRA flag."""
+    tier = make_tier(
+        "main",
+        adapters=[{"name": "team/sql:v2", "source": {"huggingface": {"repo": "acme/sql"}}}],
+    )
+    (role,) = parse_service(make_manifest(tiers=[tier])).spec.tiers[0].roles()
+    args = vllm_serve_args(launch_for(role))
+    lora = args[args.index("--enable-lora") : args.index("--kv-events-config")]
+    assert lora == [
+        "--enable-lora",
+        "--max-loras", "1",
+        "--max-lora-rank", "16",
+        "--lora-modules", "team/sql:v2=/adapters/0-team--sql-v2",
+    ]  # fmt: skip
+    (plain,) = parse_service(make_manifest(tiers=[make_tier("main")])).spec.tiers[0].roles()
+    assert not any("lora" in a for a in vllm_serve_args(launch_for(plain)))

@@ -330,3 +330,106 @@ def test_a_tier_allowed_at_zero_makes_the_router_hold_requests_for_it() -> None:
     assert router_config(always_on).cold_start_wait == timedelta(0)
     may_sleep = make_service(tiers=[make_tier("small", serving={"replicas": {"min": 0}})])
     assert router_config(may_sleep).cold_start_wait == may_sleep.spec.routing.request_timeout
+
+
+def _lora_tier() -> dict[str, Any]:
+    return make_tier(
+        "main",
+        adapters=[
+            {
+                "name": "sql",
+                "source": {
+                    "huggingface": {
+                        "repo": "acme/sql-lora",
+                        "revision": "abc123",
+                        "tokenSecretRef": {"name": "acme-hub", "key": "hf"},
+                    }
+                },
+            },
+            {"name": "legal", "source": {"pvc": {"claimName": "loras", "path": "legal"}}},
+            {"name": "chat", "source": {"huggingface": {"repo": "acme/chat-lora"}}},
+            {"name": "tax", "source": {"pvc": {"claimName": "loras", "path": "tax/v2"}}},
+        ],
+    )
+
+
+def test_hub_adapters_are_fetched_at_their_revision_before_the_engine_starts() -> None:
+    """One init container per Hub adapter, in the engine's image: `hf download` of the repo
+    at the pinned revision (none: the default branch) into the directory the engine's
+    --lora-modules names, with that adapter's own token from its Secret; the engine mounts
+    the adapters read-only."""
+    deployment = _find(plan(make_service(tiers=[_lora_tier()])), "Deployment", "chat-main")
+    pod = deployment["spec"]["template"]["spec"]
+    sql, chat = pod["initContainers"]
+    assert sql["image"] == _container(deployment)["image"]
+    assert sql["command"] == [
+        "hf", "download", "acme/sql-lora", "--local-dir", "/adapters/0-sql", "--revision", "abc123"
+    ]  # fmt: skip
+    assert {
+        "name": "HF_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "acme-hub", "key": "hf"}},
+    } in sql["env"]
+    assert chat["command"] == [
+        "hf",
+        "download",
+        "acme/chat-lora",
+        "--local-dir",
+        "/adapters/2-chat",
+    ]
+    assert not any(e["name"] == "HF_TOKEN" for e in chat["env"])
+    assert {"name": "adapters", "mountPath": "/adapters"} in sql["volumeMounts"]
+    args = _container(deployment)["args"]
+    modules = args[args.index("--lora-modules") + 1 : args.index("--kv-events-config")]
+    assert modules[0] == "sql=/adapters/0-sql"
+    assert modules[2] == "chat=/adapters/2-chat"
+    mounts = _container(deployment)["volumeMounts"]
+    assert {"name": "adapters", "mountPath": "/adapters", "readOnly": True} in mounts
+
+
+def test_adapter_pvcs_are_mounted_once_each_read_only() -> None:
+    """Two adapters on one claim share one read-only volume, mounted where their
+    --lora-modules paths point."""
+    deployment = _find(plan(make_service(tiers=[_lora_tier()])), "Deployment", "chat-main")
+    pod = deployment["spec"]["template"]["spec"]
+    claims = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    assert claims == [
+        {"name": "adapters-0", "persistentVolumeClaim": {"claimName": "loras", "readOnly": True}}
+    ]
+    mount = {"name": "adapters-0", "mountPath": "/adapter-volumes/loras", "readOnly": True}
+    assert mount in _container(deployment)["volumeMounts"]
+    args = _container(deployment)["args"]
+    assert "legal=/adapter-volumes/loras/legal" in args
+    assert "tax=/adapter-volumes/loras/tax/v2" in args
+
+
+def test_a_tier_without_adapters_has_no_init_container_or_adapter_volume() -> None:
+    deployment = _find(plan(make_service(tiers=[make_tier("main")])), "Deployment", "chat-main")
+    pod = deployment["spec"]["template"]["spec"]
+    assert "initContainers" not in pod
+    assert not any(v["name"].startswith("adapters") for v in pod["volumes"])
+
+
+def test_dynamic_adapters_are_refused_until_the_operator_loads_them() -> None:
+    """Loading adapters into running engines needs the operator to call the engines; until it
+    does, `lora.dynamic: true` is refused at its field rather than planning engines that
+    would never get their adapters."""
+    tier = _lora_tier()
+    tier["lora"] = {"dynamic": True}
+    with pytest.raises(PlanError) as info:
+        plan(make_service(tiers=[tier]))
+    assert info.value.field == "spec.tiers[0].lora.dynamic"
+
+
+def test_lora_flags_in_extra_args_are_refused() -> None:
+    tier = make_tier("main", engine={"extraArgs": ["--lora-modules", "x=/y"]})
+    with pytest.raises(PlanError) as info:
+        plan(make_service(tiers=[tier]))
+    assert info.value.field == "spec.tiers[0].engine.extraArgs[0]"
+
+
+def test_the_router_is_told_which_tier_serves_each_adapter() -> None:
+    """The router's config lists each tier's adapters, so a request naming one goes to the
+    tier whose engines load it (any other name is a 404 there)."""
+    two = [make_tier("small", up_to=0.4), _lora_tier()]
+    tiers = router_config(make_service(tiers=two)).tiers
+    assert [t.adapters for t in tiers] == [[], ["sql", "legal", "chat", "tax"]]
