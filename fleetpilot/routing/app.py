@@ -266,6 +266,19 @@ class RouterApp:
             }
             for t in self.router.tiers
         ]
+        # Adapters as vLLM lists them: their parent is the base model they adapt.
+        entries += [
+            {
+                "id": adapter,
+                "object": "model",
+                "created": STARTED,
+                "owned_by": "fleetpilot",
+                "root": adapter,
+                "parent": t.model,
+            }
+            for t in self.router.tiers
+            for adapter in t.adapters
+        ]
         return web.json_response({"object": "list", "data": entries})
 
     async def health(self, request: web.Request) -> web.Response:

@@ -254,19 +254,19 @@ class Proxy:
         try:
             if route.local_prefill:  # the decode replica holds the prompt: no hop
                 self.metrics.pd_local_prefills.labels(tier.name).inc()
-                payload = _json_bytes(client_body(body, tier.model))
+                payload = _json_bytes(client_body(body, route.served_model))
             elif route.disaggregated:
                 params, cause = await self._prefill_hop(route, body, path, headers)
                 if params is not None:
                     prefill_id = route.prefill.id if route.prefill else None
-                    payload = _json_bytes(decode_request(body, tier.model, params))
+                    payload = _json_bytes(decode_request(body, route.served_model, params))
                 else:
                     self.metrics.pd_fallbacks.labels(tier.name, cause).inc()
-                    payload = _json_bytes(client_body(body, tier.model))
-            elif body.get("model") == tier.model and KV_TRANSFER_PARAMS not in body:
+                    payload = _json_bytes(client_body(body, route.served_model))
+            elif body.get("model") == route.served_model and KV_TRANSFER_PARAMS not in body:
                 payload = raw  # the common pinned case: forward the client's bytes untouched
             else:
-                payload = _json_bytes(client_body(body, tier.model))
+                payload = _json_bytes(client_body(body, route.served_model))
         except RecursionError:
             raise InvalidRequestError(
                 "the request body is nested too deeply", reason="invalid_json"
@@ -360,7 +360,7 @@ class Proxy:
         replica = route.prefill
         if replica is None:
             return None, "no-prefill-replica"
-        payload = _json_bytes(prefill_request(body, route.tier.model))
+        payload = _json_bytes(prefill_request(body, route.served_model))
         budget_s = self.router.first_byte_timeout_s(route.tier)
         replica.in_flight += 1
         # The hop is the prefill: its blocks are pending on the replica until it answers.

@@ -226,6 +226,8 @@ class Route:
     prefix_match: float = 0.0
     score: float | None = None
     spilled_from: str | None = None
+    # The LoRA adapter the request names (one the tier serves), None for the base model.
+    adapter: str | None = None
     # Prompt blocks the prefilling replica (unified, or the P/D prefill one) is predicted not
     # to cache: the prefill work this request adds there until its first token.
     prefill_blocks: int = 0
@@ -252,6 +254,11 @@ class Route:
     def disaggregated(self) -> bool:
         return self.tier.mode is ServingMode.DISAGGREGATED
 
+    @property
+    def served_model(self) -> str:
+        """The `model` the engines are asked for: the adapter, else the tier's model."""
+        return self.adapter or self.tier.model
+
     def header(
         self,
         replica: ReplicaState | None = None,
@@ -263,6 +270,8 @@ class Route:
         whether the prefill hop ran). Replica addresses only with ``addresses``: they are the
         fleet's internal pod IPs, for debugging, not for every client to read."""
         parts = [f"tier={self.tier.name}"]
+        if self.adapter is not None:
+            parts.append(f"adapter={self.adapter}")
         if addresses:
             parts.append(f"replica={(replica or self.replica).id}")
         parts += [
@@ -282,6 +291,12 @@ class Route:
         if self.score is not None:
             parts.append(f"score={self.score:.2f}")
         return "; ".join(parts)
+
+
+def adapter_of(tier: RouterTier, features: RequestFeatures) -> str | None:
+    """The LoRA adapter a request for this tier names, or None (its base model)."""
+    model = features.model
+    return model if model is not None and model in tier.adapters else None
 
 
 def serving_role(tier: RouterTier) -> RoleName:
@@ -338,7 +353,9 @@ class Router:
         old = getattr(self, "config", None)
         self.config = config
         self.tiers = sorted(config.tiers, key=lambda t: t.up_to)
-        self.tier_specs = [TierSpec(t.name, t.model, t.up_to) for t in self.tiers]
+        self.tier_specs = [
+            TierSpec(t.name, t.model, t.up_to, frozenset(t.adapters)) for t in self.tiers
+        ]
         self.tier_index = {t.name: i for i, t in enumerate(self.tiers)}
         if old is None or old.prefix_index_blocks != config.prefix_index_blocks:
             self.prefix_index = PrefixIndex(config.prefix_index_blocks)
@@ -502,7 +519,8 @@ class Router:
         sizes = [b for role in roles if (b := self._events_block_size(tier, role, hashed))]
         if not sizes:
             return None
-        return PreparedKeys(tier.name, _KeysOnce(tokenizer, features), tuple(dict.fromkeys(sizes)))
+        keys = _KeysOnce(tokenizer, features, adapter_of(tier, features))
+        return PreparedKeys(tier.name, keys, tuple(dict.fromkeys(sizes)))
 
     def decide(self, features: RequestFeatures, prepared: PreparedKeys | None = None) -> Route:
         """Tier, then replica(s). ``prepared``: the request's keys from ``prepare_keys``, used
@@ -524,15 +542,18 @@ class Router:
         now = self.clock()
         tier, choice, target = self._choose_tier(features, now)
         spilled = self.tiers[choice.spilled_from].name if choice.spilled_from is not None else None
+        adapter = adapter_of(tier, features)
         hashes: list[int] = []
         if self.config.affinity.weight > 0:
+            # An adapter's KV differs from the base model's for the same prompt: as vLLM's
+            # block hashes do, the guessed ones name what computed them.
             hashes = block_hashes(
-                features.prompt_text, tier.model, self.config.affinity.block_chars
+                features.prompt_text, adapter or tier.model, self.config.affinity.block_chars
             )
         if prepared is not None and prepared.tier == tier.name:
             keys = prepared.keys
         else:
-            keys = _KeysOnce(self.tokenizers.get(tier.name), features)
+            keys = _KeysOnce(self.tokenizers.get(tier.name), features, adapter)
         if tier.mode is ServingMode.DISAGGREGATED:
             # The decode role's events count too: a decode replica that already holds the
             # prompt's blocks pulls fewer of them from the prefill replica.
@@ -553,6 +574,7 @@ class Router:
                     prefix_match=decode_request.cached.get(decode.replica.id, 0.0),
                     score=target.score,
                     spilled_from=spilled,
+                    adapter=adapter,
                     prefill_blocks=local[1],
                     tokenizer_failed=keys.failed,
                     request=decode_request,
@@ -575,6 +597,7 @@ class Router:
                 prefix_match=matched / len(hashes) if hashes else 0.0,
                 score=target.score,
                 spilled_from=spilled,
+                adapter=adapter,
                 prefill_blocks=round(len(hashes) - matched),
                 tokenizer_failed=keys.failed,
                 request=request,
@@ -594,6 +617,7 @@ class Router:
             prefix_match=matched / len(hashes) if hashes else 0.0,
             score=target.score,
             spilled_from=spilled,
+            adapter=adapter,
             prefill_blocks=round(len(hashes) - matched),
             tokenizer_failed=keys.failed,
             request=request,
@@ -895,9 +919,12 @@ class _KeysOnce:
     """A request's KV-index keys, computed at most once per block size and only when some
     group's events could use them (tokenizing costs more than the rest of a decision)."""
 
-    def __init__(self, tokenizer: PromptKeys | None, features: RequestFeatures) -> None:
+    def __init__(
+        self, tokenizer: PromptKeys | None, features: RequestFeatures, adapter: str | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.features = features
+        self.adapter = adapter  # the engines key an adapter's blocks by its name
         self.failed = False
         self._plan: PromptPlan | None = None
         self._keys: dict[int, list[bytes] | None] = {}
@@ -934,7 +961,7 @@ class _KeysOnce:
         plan = self._planned()
         if plan is not None:
             try:
-                keys = plan.keys(block_size)
+                keys = plan.keys(block_size, self.adapter)
             except TokenizerError:
                 self.failed = True
         self._keys[block_size] = keys

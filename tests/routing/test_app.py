@@ -574,6 +574,28 @@ async def test_health_models_and_metrics() -> None:
                 assert series in text
 
 
+async def test_an_adapter_is_asked_for_by_name_and_listed_with_its_parent() -> None:
+    """A request naming a LoRA adapter of the large tier goes to that tier's engine with the
+    adapter still named in `model` (the engine applies it), whatever the prompt's score, and
+    says so in x-fleetpilot-route; /v1/models lists the adapter as vLLM does, its parent the
+    base model it adapts."""
+    small, large = FakeEngine("small"), FakeEngine("large")
+    async with engines(small, large):
+        adapted = tier("large", 1.0, [large]).model_copy(update={"adapters": ["sql"]})
+        config = make_config([tier("small", 0.4, [small]), adapted])
+        async with running_router(config) as router, aiohttp.ClientSession() as session:
+            status, _, headers = await post(router, {**SHORT, "model": "sql"})
+            assert status == 200
+            assert large.requests[-1]["model"] == "sql"
+            assert small.requests == []
+            assert "tier=large; adapter=sql;" in headers["x-fleetpilot-route"]
+            async with session.get(router.url + "/v1/models") as resp:
+                listed = {m["id"]: m["parent"] for m in (await resp.json())["data"]}
+            assert listed == {
+                "chat": None, "small-model": None, "large-model": None, "sql": "large-model"
+            }  # fmt: skip
+
+
 async def test_router_only_calls_discovered_addresses() -> None:
     """No request content becomes an address: a model that looks like a URL is an unknown
     model, a Host header changes nothing, and client kv_transfer_params (which would make an

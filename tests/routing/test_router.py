@@ -562,3 +562,34 @@ def test_a_retry_in_a_large_group_goes_to_another_replica() -> None:
         assert other is not None
         assert other.id not in tried
         tried.add(other.id)
+
+
+def adapter_router(live: Live) -> Router:
+    """kv_router's three replicas, their tier serving the LoRA adapter "sql" too."""
+    router = kv_router(live)
+    tier = router.config.tiers[0].model_copy(update={"adapters": ["sql"]})
+    config = router.config.model_copy(update={"tiers": [tier]})
+    router = Router(config, StaticSource(config), rng=random.Random(0), kv_live=live)
+    router.tokenizers["small"] = TOKENIZER
+    return router
+
+
+def test_an_adapters_blocks_match_only_requests_for_that_adapter() -> None:
+    """The engines key an adapter's blocks by its name (vLLM's block hashes do): a prompt
+    cached under "sql" on one replica draws a request for "sql" there, and the same prompt
+    for the base model finds nothing cached anywhere. The route names the adapter."""
+    streams = ("10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1")
+    router = adapter_router(Live(*streams))
+    tokens = TOKENIZER.token_ids("chat", {"messages": CHAT})
+    full = len(tokens) // BS * BS
+    hashes = list(range(1000, 1000 + full // BS))
+    stored = BlockStored(hashes, None, tokens[:full], BS, 1, "GPU", "sql")
+    router.kv_index.apply("10.0.0.3:1", [stored])
+    sql = router.decide(extract_features({"model": "sql", "messages": CHAT}, "chat"))
+    assert (sql.replica.id, sql.adapter, sql.prefix_source) == ("10.0.0.3:1", "sql", "events")
+    assert sql.prefix_match > 0.9
+    assert "adapter=sql" in sql.header()
+    base = router.decide(extract_features({"model": "sm", "messages": CHAT}, "chat"))
+    assert base.adapter is None
+    assert base.prefix_match == 0.0
+    assert "adapter=" not in base.header()

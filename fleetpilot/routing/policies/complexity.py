@@ -72,11 +72,13 @@ def complexity_score(features: RequestFeatures, w: ComplexityWeights = DEFAULT_W
 
 @dataclass(frozen=True, slots=True)
 class TierSpec:
-    """A tier as the tier choice sees it: its name, served model alias and threshold."""
+    """A tier as the tier choice sees it: its name, served model alias, threshold and the
+    LoRA adapters its engines serve."""
 
     name: str
     model: str
     up_to: float
+    adapters: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +86,7 @@ class Target:
     """Where the request asked to go: the base tier and whether the client pinned it."""
 
     index: int
-    reason: str  # "complexity", "header" or "model"
+    reason: str  # "complexity", "header", "model" or "adapter"
     score: float | None = None
 
     @property
@@ -107,9 +109,9 @@ def resolve_target(
     service: str,
     weights: ComplexityWeights = DEFAULT_WEIGHTS,
 ) -> Target:
-    """The base tier: the ``x-fleetpilot-tier`` header, else a requested tier model alias,
-    else the complexity score. The service name, ``auto`` or no model mean "router's choice";
-    any other model name is refused (404, as an engine would)."""
+    """The base tier: the ``x-fleetpilot-tier`` header, else a requested tier model alias or
+    LoRA adapter, else the complexity score. The service name, ``auto`` or no model mean
+    "router's choice"; any other model name is refused (404, as an engine would)."""
     if features.tier_header is not None:
         for i, tier in enumerate(tiers):
             if tier.name == features.tier_header:
@@ -125,9 +127,12 @@ def resolve_target(
         for i, tier in enumerate(tiers):
             if tier.model == model:
                 return Target(i, "model")
+            if model in tier.adapters:
+                return Target(i, "adapter")
+        adapters = [a for t in tiers for a in sorted(t.adapters)]
+        known = [service, *(t.model for t in tiers), *adapters]
         raise UnknownModelError(
-            f"The model `{model}` does not exist. Models: "
-            f"{', '.join([service, *(t.model for t in tiers)])}",
+            f"The model `{model}` does not exist. Models: {', '.join(known)}",
             param="model",
             reason="model_not_found",
         )

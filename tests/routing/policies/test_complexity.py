@@ -174,3 +174,18 @@ def test_tier_state_is_read_lazily() -> None:
 
     choose_tier(Target(0, "complexity"), 3, state, True)
     assert seen == [0]
+
+
+def test_an_adapter_pins_the_tier_that_serves_it_and_unknown_names_list_them() -> None:
+    """A LoRA adapter's name pins the tier whose engines serve it, as its base model's alias
+    does (never spilled: another tier's engines do not have it); a 404 names the adapters
+    among the models a client may ask for."""
+    tiers = [TierSpec("small", "small-m", 0.4, frozenset({"sql"})),
+             TierSpec("large", "large-m", 1.0, frozenset({"legal", "tax"}))]  # fmt: skip
+    target = resolve_target(replace(BASE, model="legal"), tiers, "chat")
+    assert target == Target(1, "adapter")
+    assert target.pinned
+    assert resolve_target(replace(BASE, model="sql"), tiers, "chat") == Target(0, "adapter")
+    with pytest.raises(UnknownModelError) as info:
+        resolve_target(replace(BASE, model="poetry"), tiers, "chat")
+    assert str(info.value).endswith("Models: chat, small-m, large-m, sql, legal, tax")
