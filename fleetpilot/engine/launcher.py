@@ -22,7 +22,13 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from fleetpilot.api import InvalidManifestError, RoleName, load_services
-from fleetpilot.engine.vllm_args import EngineLaunch, SpeculativeLaunch, launch_for, vllm_serve_args
+from fleetpilot.engine.vllm_args import (
+    EngineLaunch,
+    LoraLaunch,
+    SpeculativeLaunch,
+    launch_for,
+    vllm_serve_args,
+)
 
 
 class LaunchError(ValueError):
@@ -41,8 +47,15 @@ def launch_from_json(text: str) -> EngineLaunch:
     unknown = sorted(set(data) - known)
     if unknown:
         raise LaunchError(f"--launch-json has unknown keys: {', '.join(unknown)}")
-    if isinstance(data.get("speculative"), dict):
-        data["speculative"] = SpeculativeLaunch(**data["speculative"])
+    try:
+        if isinstance(data.get("speculative"), dict):
+            data["speculative"] = SpeculativeLaunch(**data["speculative"])
+        if isinstance(data.get("lora"), dict):
+            lora = dict(data["lora"])
+            lora["modules"] = tuple((name, path) for name, path in lora.get("modules", ()))
+            data["lora"] = LoraLaunch(**lora)
+    except (TypeError, ValueError) as exc:
+        raise LaunchError(f"--launch-json: {exc}") from None
     if "extra_args" in data:
         data["extra_args"] = tuple(data["extra_args"])
     if "role" in data:

@@ -57,6 +57,14 @@ GOLDEN = {
         "--max-model-len 32768 --gpu-memory-utilization 0.9 --max-num-seqs 256 "
         "--block-size 16 --enable-prefix-caching --kv-cache-dtype auto" + KV_EVENTS
     ),
+    ("lora.yaml", "main", "unified"): (
+        f"vllm serve meta-llama/Llama-3.1-8B-Instruct --served-model-name llama-3.1-8b {COMMON} "
+        "--tensor-parallel-size 1 --pipeline-parallel-size 1 --dtype auto --max-model-len 16384 "
+        "--gpu-memory-utilization 0.9 --max-num-seqs 256 --block-size 16 "
+        "--enable-prefix-caching --kv-cache-dtype auto --enable-lora --max-loras 2 "
+        "--max-lora-rank 32 --max-cpu-loras 4 --lora-modules sql=/adapters/0-sql "
+        "support=/adapter-volumes/adapters/support/v3" + KV_EVENTS
+    ),
     ("local-two-tier.yaml", "small", "unified"): (
         f"vllm serve Qwen/Qwen2.5-0.5B-Instruct --served-model-name small-model {COMMON} "
         "--tensor-parallel-size 1 --pipeline-parallel-size 1 --dtype auto --max-model-len 2048 "
@@ -120,10 +128,11 @@ def test_dry_run_prints_the_exact_command(
     assert capsys.readouterr().out.strip() == GOLDEN[(example, tier, role)]
 
 
-def test_launch_json_round_trips() -> None:
+@pytest.mark.parametrize(("example", "tier"), [("two-tier.yaml", "small"), ("lora.yaml", "main")])
+def test_launch_json_round_trips(example: str, tier: str) -> None:
     """What the planner writes as --launch-json reads back as the same EngineLaunch, nothing dropped
-    or defaulted."""
-    launch = launch_from_file(EXAMPLES / "two-tier.yaml", "small", "unified")
+    or defaulted (speculation, LoRA sizes and adapters included)."""
+    launch = launch_from_file(EXAMPLES / example, tier, "unified")
     assert launch_from_json(launch_to_json(launch)) == launch
 
 
@@ -134,6 +143,12 @@ def test_launch_json_round_trips() -> None:
         ("[]", "must be a JSON object"),
         ('{"model": "m", "served_name": "m", "gpus": 4}', "unknown keys: gpus"),
         ('{"model": "m"}', "served_name"),
+        ('{"model": "m", "served_name": "m", "lora": {"max_loras": 1}}', "max_lora_rank"),
+        (
+            '{"model": "m", "served_name": "m", "lora": {"max_loras": 1, "max_lora_rank": 8, '
+            '"modules": [["only-a-name"]]}}',
+            "not enough values",
+        ),
     ],
 )
 def test_bad_launch_json_is_refused(text: str, message: str) -> None:
