@@ -5,15 +5,18 @@ OpenAI-compatible HTTP API and metrics (``fleetpilot engine --backend reference`
 The engine core is exported here: build an ``LLMEngine`` (optionally from ``load_checkpoint``),
 ``add_request`` / ``abort_request``, call ``step()`` in a loop and read the ``RequestOutput``s;
 ``stats()`` feeds ``/metrics``; ``pinned_kv`` / ``export_kv`` / ``release_kv`` and
-``add_request(kv_import=...)`` are the engine's side of the P/D hand-off. Core modules: model,
-blocks, scheduler, sampling, speculative, request, engine, checkpoint, tokenizer.
+``add_request(kv_import=...)`` are the engine's side of the P/D hand-off;
+``add_request(lora=...)`` / ``add_lora`` serve LoRA adapters. Core modules: model, blocks,
+scheduler, sampling, speculative, request, engine, checkpoint, tokenizer, lora (PEFT adapters:
+reading, checking, writing) and lora_manager (the loaded and active adapters).
 
 The server around it is not re-exported here (the core needs no HTTP stack); import its
 modules directly:
 ``server`` (the HTTP handlers and the process's entry point), ``settings`` (flags and model
 presets), ``runner`` (the engine's own thread), ``protocol`` (request and response models),
 ``sse`` (streaming), ``pd`` and ``peers`` (the hand-off between engines and whom it trusts),
-``kv_wire`` (its payload) and ``metrics`` (vLLM's metric names).
+``kv_wire`` (its payload), ``metrics`` (vLLM's metric names) and ``lora_serving`` (adapter
+names and vLLM's load/unload rules).
 """
 
 from fleetpilot.engine.reference.blocks import BlockManager, KVCacheSpec, KVPool

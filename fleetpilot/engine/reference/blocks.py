@@ -22,6 +22,11 @@ can recompute the chain), ``BlockRemoved`` when a cached block's contents are dr
 ``AllBlocksCleared`` on a reset. It only appends to ``kv_events``; the engine takes them once a
 step (``take_events``) and the publisher sends them. Block hashes go out as the 16-byte chained
 hashes themselves.
+
+LoRA: a request's adapter is part of every block hash (``extra``, as vLLM's
+``_gen_lora_extra_hash_keys``), so KV computed under one adapter is never served to a request
+under another; its ``BlockStored`` events carry the adapter's id and name, from which a router
+chains the same content keys (``fleetpilot.routing.policies.kv_index.chain_keys``).
 """
 
 from __future__ import annotations
@@ -80,19 +85,27 @@ class KVCacheSpec:
 _ROOT_HASH = b"fleetpilot-kv-root"
 
 
-def hash_block(parent: bytes | None, tokens: Sequence[int]) -> bytes:
-    """Chained hash of one full block: covers the parent's hash, so it names the whole prefix."""
+def hash_block(parent: bytes | None, tokens: Sequence[int], extra: bytes = b"") -> bytes:
+    """Chained hash of one full block: covers the parent's hash, so it names the whole prefix.
+
+    ``extra``: what else the block's KV depends on (a LoRA adapter's key), hashed after the
+    tokens, whose fixed width keeps the two apart.
+    """
     h = hashlib.blake2b(parent if parent is not None else _ROOT_HASH, digest_size=16)
     h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in tokens))
+    h.update(extra)
     return h.digest()
 
 
-def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int) -> None:
+def extend_block_hashes(
+    hashes: list[bytes], token_ids: Sequence[int], block_size: int, extra: bytes = b""
+) -> None:
     """Append the hashes of the full blocks of ``token_ids`` that ``hashes`` does not cover yet."""
     num_full = len(token_ids) // block_size
     for i in range(len(hashes), num_full):
         parent = hashes[i - 1] if i > 0 else None
-        hashes.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size]))
+        tokens = token_ids[i * block_size : (i + 1) * block_size]
+        hashes.append(hash_block(parent, tokens, extra))
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -305,13 +318,16 @@ class BlockManager:
         block_hashes: Sequence[bytes],
         num_computed_tokens: int,
         token_ids: Sequence[int] = (),
+        *,
+        lora: tuple[int, str] | None = None,
     ) -> None:
         """Publish ``seq_id``'s full, computed blocks in the prefix cache.
 
         Only blocks whose every slot holds computed KV of final tokens are published; the caller
         passes ``num_computed_tokens`` excluding speculative tokens not yet accepted.
         ``token_ids`` (the sequence's tokens, at least the computed ones) feed the
-        ``BlockStored`` events and are needed only with ``enable_kv_cache_events``.
+        ``BlockStored`` events and are needed only with ``enable_kv_cache_events``; so is
+        ``lora``, the sequence's adapter (id, name), which they carry.
         """
         if not self.enable_prefix_caching:
             return
@@ -328,14 +344,14 @@ class BlockManager:
             # Already published (a hit, or cached in an earlier step), or another sequence
             # computed the same prefix first (keep theirs): nothing new for the cache.
             if self.block_hashes[block] is not None or h in self.cached:
-                self._stored(run_start, i, block_hashes, token_ids)
+                self._stored(run_start, i, block_hashes, token_ids, lora)
                 run_start = None
                 continue
             self.block_hashes[block] = h
             self.cached[h] = block
             if run_start is None:
                 run_start = i
-        self._stored(run_start, num_full, block_hashes, token_ids)
+        self._stored(run_start, num_full, block_hashes, token_ids, lora)
 
     def _stored(
         self,
@@ -343,6 +359,7 @@ class BlockManager:
         end: int,
         block_hashes: Sequence[bytes],
         token_ids: Sequence[int],
+        lora: tuple[int, str] | None,
     ) -> None:
         """Record a ``BlockStored`` for blocks ``start``..``end`` (exclusive) of a sequence."""
         if not self.enable_kv_cache_events or start is None or start >= end:
@@ -354,9 +371,9 @@ class BlockManager:
                 parent_block_hash=block_hashes[start - 1] if start > 0 else None,
                 token_ids=list(token_ids[start * bs : end * bs]),
                 block_size=bs,
-                lora_id=None,
+                lora_id=lora[0] if lora is not None else None,
                 medium=MEDIUM_GPU,
-                lora_name=None,
+                lora_name=lora[1] if lora is not None else None,
             )
         )
 

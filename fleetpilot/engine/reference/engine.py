@@ -3,12 +3,20 @@
 One ``step()`` = schedule (scheduler.py), copy-on-write and KV imports, draft proposals when
 speculating, one target forward pass over every scheduled token (model.py), then sampling or
 speculative verification, stop checks, prefix-cache publication and outputs. The HTTP server
-drives it from one thread: the engine is not thread-safe, and it never blocks or does I/O.
+drives it from one thread: the engine is not thread-safe, and it never blocks or does I/O
+(but for re-reading an evicted LoRA adapter, below).
 
 KV events: with ``enable_kv_cache_events`` the block manager records every prefix-cache change
 (blocks.py) and ``take_kv_events`` hands them over as one vLLM ``EventBatch``; whoever drives
 the engine (the runner, once per step) takes them and gives them to a publisher. Nobody taking
 them lets them pile up, so leave them off when driving the engine by hand.
+
+LoRA: with ``EngineConfig.lora`` a request may name an adapter (``add_request(lora=...)``);
+each scheduled sequence runs under its own, several adapters in one forward pass (model.py).
+``add_lora`` loads one ahead (the server's load endpoint and ``--lora-modules``); the loaded
+and active sets are lora_manager.py's LRUs. An adapter evicted from the loaded set is read
+again when a request that uses it is scheduled, as vLLM's worker does: the one file read the
+engine itself may do, through the ``lora_loader`` it is given.
 
 P/D hooks: a request added with ``pin_kv=True`` keeps its prompt's KV blocks pinned after it
 finishes (``pinned_kv``/``export_kv`` read them, ``release_kv`` or the TTL frees them); a
@@ -17,10 +25,11 @@ request added with ``kv_import`` starts from those blocks instead of prefilling.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -32,9 +41,13 @@ from fleetpilot.engine.reference.blocks import (
     KVPool,
     extend_block_hashes,
 )
+from fleetpilot.engine.reference.lora import LoRAConfig, LoRAError, LoRARequest, read_adapter
+from fleetpilot.engine.reference.lora_manager import Loader, LoRAManager
 from fleetpilot.engine.reference.model import (
     AttentionMetadata,
     LlamaModel,
+    LoRABatch,
+    LoRAWeights,
     ModelConfig,
     SeqSlice,
     build_attention_metadata,
@@ -72,6 +85,8 @@ from fleetpilot.kv_events import EventBatch
 # 2 KiB a token): room for 64 sequences of 512 tokens, the default max_num_seqs.
 DEFAULT_KV_CACHE_BYTES = 64 * 1024 * 1024
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -99,6 +114,8 @@ class EngineConfig:
     # a machine in the local fleet, and OpenMP threads spinning on a busy core were measured
     # 10-30x slower than one thread. None leaves torch's setting alone.
     num_threads: int | None = 1
+    # LoRA adapters (vLLM's --enable-lora and its limits); None: requests cannot name one.
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -140,6 +157,11 @@ class EngineStats:
     kv_cache_usage_perc: float = 0.0  # 0..1
     num_kv_blocks: int = 0
     block_size: int = 0
+    lora_loads_total: int = 0  # adapters read from their folders (loads and reloads)
+    lora_activations_total: int = 0  # adapters swapped into an active slot
+    # Requests per adapter name, in order of first appearance (vllm:lora_requests_info).
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -161,7 +183,9 @@ class LLMEngine:
         model: LlamaModel | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        lora_loader: Loader | None = None,
     ) -> None:
+        """``lora_loader`` reads an adapter (default: its PEFT folder, lora.read_adapter)."""
         self.config = config = config or EngineConfig()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -204,9 +228,13 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                max_loras=config.lora.max_loras if config.lora else None,
             ),
             self.blocks,
         )
+        self.loras: LoRAManager | None = None
+        if config.lora is not None:
+            self.loras = LoRAManager(config.lora, lora_loader or self._read_adapter)
         self._stats = EngineStats(num_kv_blocks=self.kv.num_blocks, block_size=config.block_size)
         self._generator = torch.Generator().manual_seed(config.seed)
         self._requests: dict[str, Request] = {}
@@ -227,16 +255,20 @@ class LLMEngine:
         arrival_time: float | None = None,
         pin_kv: bool = False,
         kv_import: KVBlocks | None = None,
+        lora: LoRARequest | None = None,
     ) -> None:
         """Queue a request; raises ``RequestRejectedError`` for one that can never be served.
 
         ``prompt``: text (encoded with BOS) or token ids. ``pin_kv``: keep the prompt's KV after
         finishing, for a remote decoder (P/D prefill side). ``kv_import``: KV of a prefix of
         the prompt computed elsewhere (P/D decode side); unusable imports fall back to prefill.
+        ``lora``: the adapter it runs under (read when first scheduled, if not loaded).
         """
         params = params or SamplingParams()
         if request_id in self._requests:
             raise RequestRejectedError(f"request id {request_id!r} is already in use")
+        if lora is not None and self.loras is None:
+            raise RequestRejectedError("LoRA is not enabled on this engine (--enable-lora)")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.model.config.vocab_size
         if not ids:
@@ -279,9 +311,81 @@ class LLMEngine:
             generator=generator,
             kv_import=kv_import,
             pin_kv=pin_kv,
+            lora=lora,
         )
         self._requests[request_id] = request
         self.scheduler.add(request)
+
+    # ---- LoRA adapters ---------------------------------------------------------------------
+
+    def _read_adapter(self, lora: LoRARequest) -> LoRAWeights:
+        assert self.config.lora is not None
+        return read_adapter(
+            lora.path, self.model.config, max_lora_rank=self.config.lora.max_lora_rank
+        )
+
+    def add_lora(self, lora: LoRARequest, weights: LoRAWeights | None = None) -> None:
+        """Load an adapter ahead of its requests (vLLM's ``add_lora``); ``weights`` already read
+        (the server reads off the engine thread) skip the read. Raises ``LoRAError`` for an
+        adapter that cannot be served; the same id again replaces it (a load in place)."""
+        if self.loras is None:
+            raise LoRAError("LoRA is not enabled on this engine (--enable-lora)")
+        self.loras.add(lora, weights, in_use=self.scheduler.running_loras())
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop a loaded adapter unless a running request uses it; whether it was dropped.
+        Queued requests naming it still run: their adapter is read again."""
+        if self.loras is None:
+            return False
+        return self.loras.remove(lora_int_id, in_use=self.scheduler.running_loras())
+
+    def _activate_loras(
+        self, plan: SchedulerOutput
+    ) -> tuple[dict[int, LoRAWeights], list[Request]]:
+        """The scheduled adapters' weights, and the requests whose adapter could not be read
+        (taken out of ``plan``: they finish with "abort" instead of running)."""
+        if self.loras is None:
+            return {}, []
+        in_use = self.scheduler.running_loras()  # admitted requests are running already
+        batch = {
+            s.request.lora.lora_int_id: s.request.lora for s in plan.scheduled if s.request.lora
+        }
+        weights: dict[int, LoRAWeights] = {}
+        failed: set[int] = set()
+        for key, lora in batch.items():
+            try:
+                weights |= self.loras.activate([lora], in_use=in_use)
+            except LoRAError as e:
+                log.warning("cannot read LoRA adapter %r: %s", lora.name, e)
+                failed.add(key)
+        dropped = [
+            s.request
+            for s in plan.scheduled
+            if s.request.lora and s.request.lora.lora_int_id in failed
+        ]
+        if dropped:
+            plan.scheduled = [s for s in plan.scheduled if s.request not in dropped]
+            plan.imports = [(r, ids) for r, ids in plan.imports if r not in dropped]
+            for r in dropped:
+                self.scheduler.remove(r)
+                self._finish(r, "abort")
+        return weights, dropped
+
+    def _lora_batch(
+        self, seqs: Sequence[tuple[Request, SeqSlice]], weights: dict[int, LoRAWeights]
+    ) -> LoRABatch | None:
+        """Which rows of the flattened batch use which adapter; None when none does."""
+        rows: dict[int, list[int]] = {}
+        for r, s in seqs:
+            if r.lora is not None:
+                rows.setdefault(r.lora.lora_int_id, []).extend(
+                    range(s.query_start, s.query_start + s.query_len)
+                )
+        if not rows:
+            return None
+        return LoRABatch(
+            tuple((weights[k], torch.tensor(v, dtype=torch.long)) for k, v in rows.items())
+        )
 
     def _import_usable(self, kv: KVBlocks, prompt: list[int]) -> bool:
         pool = self.kv.data
@@ -344,6 +448,10 @@ class LLMEngine:
         return outputs
 
     def _run(self, plan: SchedulerOutput, now: float) -> list[RequestOutput]:
+        lora_weights, dropped = self._activate_loras(plan)
+        outputs = [self._output(r, 0) for r in dropped]
+        if not plan.scheduled:
+            return outputs
         self.kv.copy_blocks(plan.block_copies)
         for request, block_ids in plan.imports:
             assert request.kv_import is not None
@@ -359,7 +467,7 @@ class LLMEngine:
         for s in plan.scheduled:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
-        drafts = self._propose(plan.scheduled)
+        drafts = self._propose(plan.scheduled, lora_weights)
 
         input_ids: list[int] = []
         seqs: list[SeqSlice] = []
@@ -379,16 +487,17 @@ class LLMEngine:
                 last = len(input_ids)
                 logits_rows += range(last - n_rows, last)
         meta = build_attention_metadata(seqs, self.config.block_size)
+        requests = [s.request for s in plan.scheduled]
         logits = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long),
             meta,
             self.kv,
             logits_indices=torch.tensor(logits_rows, dtype=torch.long),
+            lora=self._lora_batch(list(zip(requests, seqs, strict=True)), lora_weights),
         )
         self._stats.forward_passes_total += 1
         done = self.clock()
 
-        outputs: list[RequestOutput] = []
         sampling = {id(s): (row, n) for s, row, n in samplers}
         greedy_rows = [row for s, row, n in samplers if n == 1 and s.request.params.greedy]
         argmax = dict(zip(greedy_rows, logits[greedy_rows].argmax(-1).tolist(), strict=True))
@@ -429,9 +538,10 @@ class LLMEngine:
         if self.config.enable_prefix_caching:
             bs = self.config.block_size
             computed = r.token_ids[: r.num_computed_tokens]
-            extend_block_hashes(r.block_hashes, computed, bs)
+            extend_block_hashes(r.block_hashes, computed, bs, r.hash_extra)
+            lora = (r.lora.lora_int_id, r.lora.name) if r.lora is not None else None
             self.blocks.cache_full_blocks(
-                r.request_id, r.block_hashes, r.num_computed_tokens, computed
+                r.request_id, r.block_hashes, r.num_computed_tokens, computed, lora=lora
             )
 
     # ---- KV events and the prefix cache ------------------------------------------------------
@@ -453,12 +563,15 @@ class LLMEngine:
 
     # ---- speculative decoding --------------------------------------------------------------
 
-    def _propose(self, scheduled: Sequence[ScheduledRequest]) -> dict[str, list[int]]:
+    def _propose(
+        self, scheduled: Sequence[ScheduledRequest], lora_weights: dict[int, LoRAWeights]
+    ) -> dict[str, list[int]]:
         """Draft tokens for every request scheduled with speculative lookahead.
 
         The draft is the target's first layers: it runs on the same positions and writes the
         same K/V for those layers into the same slots, which the target's verification pass
-        then overwrites with identical values; so it needs no KV cache of its own.
+        then overwrites with identical values; so it needs no KV cache of its own. It runs
+        under each request's adapter too, or those K/V would differ.
         """
         self._draft_probs = {}
         spec = self.config.speculative
@@ -477,11 +590,13 @@ class LLMEngine:
                 ids.append(r.token_ids[pos] if j == 0 else drafts[r.request_id][-1])
                 seqs.append(SeqSlice(i, 1, pos, self.blocks.table(r.request_id)))
             meta: AttentionMetadata = build_attention_metadata(seqs, self.config.block_size)
+            requests = [s.request for s in step]
             logits = self.model.forward(
                 torch.tensor(ids, dtype=torch.long),
                 meta,
                 self.kv,
                 num_layers=spec.draft_num_layers,
+                lora=self._lora_batch(list(zip(requests, seqs, strict=True)), lora_weights),
             )
             for i, s in enumerate(step):
                 r = s.request
@@ -641,4 +756,24 @@ class LLMEngine:
         s.num_requests_running = len(self.scheduler.running)
         s.num_requests_waiting = len(self.scheduler.waiting)
         s.kv_cache_usage_perc = self.blocks.usage
-        return EngineStats(**{**s.__dict__, "request_success_total": dict(s.request_success_total)})
+        if self.loras is not None:
+            s.lora_loads_total = self.loras.stats.loads
+            s.lora_activations_total = self.loras.stats.activations
+            s.running_lora_adapters = _count_by_adapter(self.scheduler.running)
+            s.waiting_lora_adapters = _count_by_adapter(self.scheduler.waiting)
+        return EngineStats(
+            **{
+                **s.__dict__,
+                "request_success_total": dict(s.request_success_total),
+                "running_lora_adapters": dict(s.running_lora_adapters),
+                "waiting_lora_adapters": dict(s.waiting_lora_adapters),
+            }
+        )
+
+
+def _count_by_adapter(requests: Iterable[Request]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in requests:
+        if r.lora is not None:
+            counts[r.lora.name] = counts.get(r.lora.name, 0) + 1
+    return counts

@@ -19,12 +19,20 @@ labels the reference engine has (vLLM labels it with every ``CacheConfig`` field
 test holds ours to a subset of vLLM's); the ``vllm:spec_decode_*`` counters are
 exposed (as 0) even without speculation, so every scrape has the same series; the
 ``fleetpilot:kv_transfer_*`` series are ours (vLLM's NIXL connector has its own, different ones).
+
+LoRA: with ``--enable-lora``, ``vllm:lora_requests_info`` as vLLM's: a gauge labelled
+``max_lora`` and the comma-joined adapter names of the running and the waiting requests (no
+model name), whose value is the time (unix seconds) of the engine state it describes. vLLM
+keeps every label set it ever set, each with its last time; this exports the current one only,
+which is the series a reader of vLLM's takes (the latest). ``fleetpilot:lora_adapter_loads``
+and ``fleetpilot:lora_adapter_activations`` count adapter reads and slot swaps (ours).
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from typing import Final
 
@@ -87,8 +95,17 @@ def distinct_token_times(times: Iterable[float]) -> list[float]:
 class ServerMetrics:
     """Every series of one server, in its own registry."""
 
-    def __init__(self, model_name: str, *, max_model_len: int, engine_index: str = "0") -> None:
+    def __init__(
+        self,
+        model_name: str,
+        *,
+        max_model_len: int,
+        engine_index: str = "0",
+        max_lora: int | None = None,
+    ) -> None:
+        """``max_lora``: the engine's ``--max-loras`` with LoRA enabled, else None."""
         self.model_name = model_name
+        self.max_lora = max_lora
         self.engine_index = engine_index
         self.registry = CollectorRegistry()
         labels = (model_name, engine_index)
@@ -150,6 +167,7 @@ class ServerMetrics:
         )
         self._lock = threading.Lock()
         self._stats: EngineStats | None = None
+        self._stats_time = time.time()
         self._cache_info: dict[str, str] | None = None
         self._kv_fallbacks = dict.fromkeys(KV_FALLBACK_REASONS, 0)
         self._kv_pulls = 0
@@ -159,6 +177,7 @@ class ServerMetrics:
 
     def set_stats(self, stats: EngineStats) -> None:
         """The engine thread's latest snapshot (a fresh object each time: no shared mutation)."""
+        self._stats_time = time.time()
         self._stats = stats
 
     def set_cache_config(self, info: Mapping[str, object]) -> None:
@@ -222,6 +241,10 @@ class ServerMetrics:
 
     def stats(self) -> EngineStats | None:
         return self._stats
+
+    def stats_time(self) -> float:
+        """When the latest snapshot was taken (unix seconds)."""
+        return self._stats_time
 
 
 class _EngineStatsCollector(Collector):
@@ -346,6 +369,31 @@ class _EngineStatsCollector(Collector):
             "Pinned P/D prompt KV dropped before its TTL because the pool was full.",
             s.kv_pins_evicted_total,
         )
+        yield counter(
+            "fleetpilot:lora_adapter_loads",
+            "LoRA adapters read from their folders: first loads and reloads after eviction.",
+            s.lora_loads_total,
+        )
+        yield counter(
+            "fleetpilot:lora_adapter_activations",
+            "LoRA adapters swapped into an active slot (a host-to-device copy on a GPU).",
+            s.lora_activations_total,
+        )
+        if m.max_lora is not None:
+            g = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            )
+            g.add_metric(
+                [
+                    str(m.max_lora),
+                    ",".join(s.waiting_lora_adapters),
+                    ",".join(s.running_lora_adapters),
+                ],
+                m.stats_time(),
+            )
+            yield g
         yield counter(
             "fleetpilot:engine_forward_passes",
             "Target-model forward passes (one per engine step that ran the model).",

@@ -11,6 +11,12 @@ the engine cares about: next-token distributions are peaked (logits with a few u
 so greedy decoding is stable under float rounding), and each layer refines rather than replaces
 the residual stream (residual branches are scaled down), so the model's first layers make a
 useful early-exit draft for speculative decoding.
+
+LoRA: a forward pass may carry a ``LoRABatch`` saying which rows of the flattened batch use
+which adapter (lora.py loads them). Each adapted projection adds ``(x @ A.T) @ B.T`` (scaling
+folded into ``B``) to the rows of its adapter only, as vLLM's punica kernels do, so sequences
+with different adapters, or none, share one pass; the stacked qkv and gate_up projections take
+each sub-projection's delta in its own columns. A batch without adapters costs nothing extra.
 """
 
 from __future__ import annotations
@@ -133,6 +139,72 @@ def random_weights(config: ModelConfig) -> dict[str, torch.Tensor]:
             w = torch.randn(shape, generator=gen) / math.sqrt(shape[1])
         weights[name] = w.to(config.dtype)
     return weights
+
+
+@dataclass(frozen=True)
+class LoRATarget:
+    """Where a PEFT module's delta lands: its stacked projection, output columns and input width."""
+
+    projection: str
+    column: int  # first output column of the sub-projection in the stacked weight
+    out_features: int
+    in_features: int
+
+
+def lora_targets(config: ModelConfig) -> dict[str, LoRATarget]:
+    """Every adaptable module of one layer, by PEFT name (``q_proj`` ...). Pure."""
+    h, inter = config.hidden_size, config.intermediate_size
+    q_dim = config.num_attention_heads * config.head_dim
+    kv_dim = config.num_key_value_heads * config.head_dim
+    return {
+        "q_proj": LoRATarget("qkv", 0, q_dim, h),
+        "k_proj": LoRATarget("qkv", q_dim, kv_dim, h),
+        "v_proj": LoRATarget("qkv", q_dim + kv_dim, kv_dim, h),
+        "o_proj": LoRATarget("o_proj", 0, h, q_dim),
+        "gate_proj": LoRATarget("gate_up", 0, inter, h),
+        "up_proj": LoRATarget("gate_up", inter, inter, h),
+        "down_proj": LoRATarget("down", 0, h, inter),
+    }
+
+
+@dataclass(frozen=True)
+class LoRAProjection:
+    """One adapter's delta on one stacked projection of one layer.
+
+    ``a`` stacks the A matrices of every adapted sub-projection ([sum of ranks, in]), so the
+    shrink is one matmul; ``parts`` are ``(rank_start, rank_end, column, B)`` with B
+    [out_sub, rank] already multiplied by the module's scaling.
+    """
+
+    a: torch.Tensor
+    parts: tuple[tuple[int, int, int, torch.Tensor], ...]
+
+
+@dataclass(frozen=True)
+class LoRAWeights:
+    """An adapter ready for the forward pass: per layer, stacked projection -> its delta."""
+
+    layers: tuple[Mapping[str, LoRAProjection], ...]
+
+
+@dataclass(frozen=True)
+class LoRABatch:
+    """Which rows of a flattened batch use which adapter; rows in no group use none."""
+
+    groups: tuple[tuple[LoRAWeights, torch.Tensor], ...]  # (adapter, rows [n] long)
+
+
+def _add_lora(
+    y: torch.Tensor, x: torch.Tensor, layer: int, projection: str, lora: LoRABatch
+) -> None:
+    """Add each group's delta to its rows of ``y`` (the stacked projection of ``x``), in place."""
+    for weights, rows in lora.groups:
+        p = weights.layers[layer].get(projection)
+        if p is None:
+            continue
+        shrunk = F.linear(x[rows], p.a)
+        for r0, r1, column, b in p.parts:
+            y[:, column : column + b.shape[0]].index_add_(0, rows, F.linear(shrunk[:, r0:r1], b))
 
 
 @dataclass(frozen=True)
@@ -324,20 +396,34 @@ class LlamaModel:
         x: torch.Tensor,
         positions: torch.Tensor,
         attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         c = self.config
         layer = self.layers[i]
         n_q, n_kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
-        q, k, v = torch.split(F.linear(h, layer.qkv), [n_q, n_kv, n_kv], dim=-1)
+        qkv = F.linear(h, layer.qkv)
+        if lora is not None:
+            _add_lora(qkv, h, i, "qkv", lora)
+        q, k, v = torch.split(qkv, [n_q, n_kv, n_kv], dim=-1)
         q = self._rope(q.view(-1, c.num_attention_heads, c.head_dim), positions)
         k = self._rope(k.view(-1, c.num_key_value_heads, c.head_dim), positions)
         v = v.view(-1, c.num_key_value_heads, c.head_dim)
-        a = attend(i, q, k, v)
-        x = x + F.linear(a.reshape(x.shape[0], n_q), layer.o_proj)
+        a = attend(i, q, k, v).reshape(x.shape[0], n_q)
+        o = F.linear(a, layer.o_proj)
+        if lora is not None:
+            _add_lora(o, a, i, "o_proj", lora)
+        x = x + o
         h = _rms_norm(x, layer.post_norm, c.rms_norm_eps)
-        gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, layer.down)
+        gate_up = F.linear(h, layer.gate_up)
+        if lora is not None:
+            _add_lora(gate_up, h, i, "gate_up", lora)
+        gate, up = gate_up.chunk(2, dim=-1)
+        m = F.silu(gate) * up
+        down = F.linear(m, layer.down)
+        if lora is not None:
+            _add_lora(down, m, i, "down", lora)
+        return x + down
 
     @torch.inference_mode()
     def forward(
@@ -348,13 +434,17 @@ class LlamaModel:
         *,
         logits_indices: torch.Tensor | None = None,
         num_layers: int | None = None,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """Logits [len(logits_indices), vocab] for a flattened batch; writes its K/V into ``kv``.
 
         ``num_layers`` stops after the first layers (the early-exit draft of speculative
         decoding); those layers' K/V are the same as the full model's, so the draft shares the
-        pool. ``logits_indices`` picks the rows that need logits (default: all).
+        pool. ``logits_indices`` picks the rows that need logits (default: all). ``lora``: the
+        rows' adapters (none: the base model).
         """
+        if lora is not None and not lora.groups:
+            lora = None
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kv.write(i, meta.slot_mapping, k, v)
@@ -362,27 +452,32 @@ class LlamaModel:
 
         x = self.embed[input_ids]
         for i in range(num_layers if num_layers is not None else len(self.layers)):
-            x = self._layer(i, x, meta.positions, attend)
+            x = self._layer(i, x, meta.positions, attend, lora)
         if logits_indices is not None:
             x = x[logits_indices]
         return F.linear(_rms_norm(x, self.norm, self.config.rms_norm_eps), self.lm_head).float()
 
     @torch.inference_mode()
     def forward_dense(
-        self, input_ids: torch.Tensor, *, num_layers: int | None = None
+        self,
+        input_ids: torch.Tensor,
+        *,
+        num_layers: int | None = None,
+        lora: LoRAWeights | None = None,
     ) -> torch.Tensor:
         """Logits [T, vocab] of one sequence with plain causal attention and no KV pool.
 
-        The reference the paged forward pass is tested against.
+        The reference the paged forward pass is tested against; ``lora`` adapts every token.
         """
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return dense_attention(q, k, v)
 
         positions = torch.arange(input_ids.shape[0])
+        batch = None if lora is None else LoRABatch(((lora, positions),))
         x = self.embed[input_ids]
         for i in range(num_layers if num_layers is not None else len(self.layers)):
-            x = self._layer(i, x, positions, attend)
+            x = self._layer(i, x, positions, attend, batch)
         return F.linear(_rms_norm(x, self.norm, self.config.rms_norm_eps), self.lm_head).float()
 
 

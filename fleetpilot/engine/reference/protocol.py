@@ -316,6 +316,20 @@ class KVPullRequest(_Request):
     release: bool = True
 
 
+class LoadLoRAAdapterRequest(_Request):
+    """vLLM's ``POST /v1/load_lora_adapter`` body."""
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body (its ``lora_int_id`` is ignored, as there)."""
+
+    lora_name: str
+
+
 # ---- responses -------------------------------------------------------------------------
 
 
@@ -424,8 +438,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "fleetpilot"
     root: str
-    parent: str | None = None
-    max_model_len: int
+    parent: str | None = None  # an adapter's base model
+    max_model_len: int | None = None  # vLLM gives none for adapters
 
 
 class ModelList(BaseModel):

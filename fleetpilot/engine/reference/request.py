@@ -9,6 +9,7 @@ from typing import Literal
 
 import torch
 
+from fleetpilot.engine.reference.lora import LoRARequest
 from fleetpilot.engine.reference.sampling import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -53,6 +54,7 @@ class Request:
     generator: torch.Generator | None = None
     kv_import: KVBlocks | None = None
     pin_kv: bool = False
+    lora: LoRARequest | None = None  # the adapter it runs under (None: the base model)
     token_ids: list[int] = field(default_factory=list)  # prompt + output, committed only
     num_computed_tokens: int = 0  # tokens whose K/V are in the pool
     status: RequestStatus = RequestStatus.WAITING
@@ -75,6 +77,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def hash_extra(self) -> bytes:
+        """What its KV block hashes include besides the tokens (blocks.hash_block)."""
+        return self.lora.hash_key if self.lora is not None else b""
 
     @property
     def num_prompt_tokens(self) -> int:

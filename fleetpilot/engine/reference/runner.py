@@ -30,6 +30,7 @@ from typing import TypeVar
 
 from fleetpilot.engine.reference.engine import LLMEngine
 from fleetpilot.engine.reference.kv_publisher import KVEventPublisher
+from fleetpilot.engine.reference.lora import LoRARequest
 from fleetpilot.engine.reference.metrics import ServerMetrics
 from fleetpilot.engine.reference.request import KVBlocks, RequestOutput
 from fleetpilot.engine.reference.sampling import SamplingParams
@@ -201,6 +202,7 @@ class EngineRunner:
         arrival_time: float,
         pin_kv: bool = False,
         kv_import: KVBlocks | None = None,
+        lora: LoRARequest | None = None,
     ) -> RequestStream:
         """Queue a request; raises the engine's ``RequestRejectedError`` for a bad one."""
         loop = asyncio.get_running_loop()
@@ -214,6 +216,7 @@ class EngineRunner:
                 arrival_time=arrival_time,
                 pin_kv=pin_kv,
                 kv_import=kv_import,
+                lora=lora,
             )
             self._tracked[request_id] = _Tracked(stream, loop, pin_kv)
 

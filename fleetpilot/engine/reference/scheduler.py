@@ -14,7 +14,9 @@ Every step the scheduler fills a token budget (``max_num_batched_tokens``) the w
    only, so speculation never preempts anyone.
 4. Then, again only if nothing was preempted, waiting requests in arrival order while
    ``max_num_seqs`` and the budget allow; a request that does not fit stops admission (strict
-   FCFS, no overtaking by smaller requests).
+   FCFS, no overtaking by smaller requests). With LoRA, the running requests never use more
+   than ``max_loras`` distinct adapters (vLLM's rule): a waiting request whose adapter would
+   exceed that is skipped, keeping its place, and requests behind it may be admitted.
 
 The scheduler owns no tensors: it changes ``BlockManager`` bookkeeping and returns what the
 engine must run (``SchedulerOutput``).
@@ -35,8 +37,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     enable_chunked_prefill: bool = True
     num_speculative_tokens: int = 0
+    max_loras: int | None = None  # distinct adapters among running requests; None: no LoRA
 
     def __post_init__(self) -> None:
+        if self.max_loras is not None and self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1 + self.num_speculative_tokens:
@@ -139,17 +144,30 @@ class Scheduler:
         if out.preempted:
             return out
         budget = self._add_speculation(out, budget)
+        loras = self.running_loras()
+        skipped: list[Request] = []
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             request = self.waiting[0]
+            lora = request.lora.lora_int_id if request.lora is not None else None
+            if lora is not None and lora not in loras and len(loras) == self.config.max_loras:
+                skipped.append(self.waiting.popleft())
+                continue
             if not self._admit(request, budget, out):
                 out.starved = not self.running
                 break
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
+            if lora is not None:
+                loras.add(lora)
             scheduled = out.scheduled[-1]
             budget -= scheduled.num_new_tokens
+        self.waiting.extendleft(reversed(skipped))
         return out
+
+    def running_loras(self) -> set[int]:
+        """The adapters (``lora_int_id``) of the running requests."""
+        return {r.lora.lora_int_id for r in self.running if r.lora is not None}
 
     def _add_speculation(self, out: SchedulerOutput, budget: int) -> int:
         """Give decodes their speculative lookahead from what the committed tokens left over.
@@ -186,7 +204,7 @@ class Scheduler:
             computed = min(imported.num_tokens, max_reuse)
         else:
             if self.blocks.enable_prefix_caching:
-                extend_block_hashes(request.block_hashes, request.token_ids, bs)
+                extend_block_hashes(request.block_hashes, request.token_ids, bs, request.hash_extra)
             hits = self.blocks.match_prefix(request.block_hashes, max_reuse)
             computed = len(hits) * bs
         num_new = request.num_tokens - computed

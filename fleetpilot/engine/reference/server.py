@@ -3,7 +3,9 @@
 Endpoints (as vLLM's): ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with SSE
 streaming, sse.py), ``GET /v1/models``, ``GET /health`` (200 ready, 503
 starting/draining/failed), ``GET /metrics`` (vLLM's metric names, see metrics.py),
-``POST /tokenize``, ``POST /detokenize``, ``GET /version``; and the P/D hand-off's internal
+``POST /tokenize``, ``POST /detokenize``, ``GET /version``; with ``--enable-lora`` and
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, ``POST /v1/load_lora_adapter`` and
+``POST /v1/unload_lora_adapter`` (lora_serving.py); and the P/D hand-off's internal
 endpoints ``POST /internal/kv/{request_id}`` (export a pinned prompt's KV, optionally releasing
 it) and ``DELETE /internal/kv/{request_id}`` (release it). The hand-off itself, and why those
 endpoints answer only listed peers, is pd.py; the flags are settings.py.
@@ -11,6 +13,11 @@ endpoints answer only listed peers, is pd.py; the flags are settings.py.
 Chat template: messages become ``<|role|>\\ncontent\\n`` each, followed by ``<|assistant|>\\n``
 (``ByteTokenizer.apply_chat_template``), so chats sharing history share a token prefix and hit
 the prefix cache. Content may be a string or a list of ``{"type": "text"}`` parts.
+
+LoRA (``--enable-lora``): a request's ``model`` names the base model or an adapter, which the
+engine applies to that request alone; adapters come from ``--lora-modules`` at start and from
+the load endpoint, and ``/v1/models`` lists them with their ``parent``. Reading an adapter's
+files happens off the event loop and off the engine thread.
 
 KV events (``--kv-events-config``): the engine's prefix-cache changes go out in vLLM's format
 on a ZMQ PUB socket with a replay socket (kv_publisher.py), bound before the HTTP port so a
@@ -46,6 +53,19 @@ from fleetpilot.engine.reference.checkpoint import CheckpointError
 from fleetpilot.engine.reference.engine import LLMEngine, RequestRejectedError
 from fleetpilot.engine.reference.kv_publisher import KVEventPublisher
 from fleetpilot.engine.reference.kv_wire import KV_ROUTE, serialize_kv
+from fleetpilot.engine.reference.lora import (
+    LoRAError,
+    LoRANotFoundError,
+    LoRARequest,
+    read_adapter,
+)
+from fleetpilot.engine.reference.lora_serving import (
+    LOAD_ROUTE,
+    UNLOAD_ROUTE,
+    LoRARegistry,
+    LoRAServingError,
+    not_found,
+)
 from fleetpilot.engine.reference.metrics import CONTENT_TYPE, ServerMetrics
 from fleetpilot.engine.reference.pd import (
     KVPuller,
@@ -66,11 +86,13 @@ from fleetpilot.engine.reference.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     KVPullRequest,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     PreparedRequest,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
     Usage,
     error_body,
     to_json,
@@ -114,7 +136,11 @@ class EngineServer:
     def __init__(self, settings: ServerSettings, engine_factory: Callable[[], LLMEngine]) -> None:
         self.settings = settings
         self.engine_factory = engine_factory
-        self.metrics = ServerMetrics(settings.model_name, max_model_len=settings.max_model_len)
+        self.metrics = ServerMetrics(
+            settings.model_name,
+            max_model_len=settings.max_model_len,
+            max_lora=settings.lora.max_loras if settings.lora is not None else None,
+        )
         self.tokenizer = ByteTokenizer()
         self.state: State = "starting"
         self.exit_code = 0
@@ -129,6 +155,9 @@ class EngineServer:
         self._kv_puller = KVPuller(settings.kv, self.metrics)
         self.kv_publisher: KVEventPublisher | None = None
         self._boot: asyncio.Task[None] | None = None
+        self.loras = LoRARegistry(settings.served_model_names)
+        # Loads and unloads one at a time: a name's check, read and commit must not interleave.
+        self._lora_lock = asyncio.Lock()
         self.app = self._build_app()
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -143,6 +172,9 @@ class EngineServer:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/version", self.version)
+        if self.settings.allow_runtime_lora_updating:
+            app.router.add_post(LOAD_ROUTE, self.load_lora_adapter)
+            app.router.add_post(UNLOAD_ROUTE, self.unload_lora_adapter)
         app.router.add_post(KV_ROUTE + "{request_id}", self.kv_export)
         app.router.add_delete(KV_ROUTE + "{request_id}", self.kv_release)
         return app
@@ -185,6 +217,17 @@ class EngineServer:
             engine = await loop.run_in_executor(None, self.engine_factory)
         except Exception:
             log.exception("building the engine failed")
+            self._fail()
+            return
+        try:
+            for module in self.settings.lora_modules:
+                lora = self.loras.prepare_load(
+                    module.name, module.path, base_model_name=module.base_model_name
+                )
+                await loop.run_in_executor(None, engine.add_lora, lora)
+                self.loras.commit(lora)
+        except (LoRAError, LoRAServingError) as e:
+            log.error("--lora-modules: cannot load adapter %r: %s", module.name, e)
             self._fail()
             return
         self.engine = engine
@@ -331,12 +374,16 @@ class EngineServer:
         except RecursionError:
             raise APIError(400, "the request body is nested too deeply") from None
 
-    def _check_model(self, name: str | None) -> str:
+    def _check_model(self, name: str | None) -> tuple[str, LoRARequest | None]:
+        """The served name a request's ``model`` names, and its adapter (None: the base)."""
         if name is None or name == "":
-            return self.settings.model_name
-        if name not in self.settings.served_model_names:
+            return self.settings.model_name, None
+        if name in self.settings.served_model_names:
+            return name, None
+        lora = self.loras.get(name)
+        if lora is None:
             raise APIError(404, f"The model `{name}` does not exist.", param="model")
-        return name
+        return name, lora
 
     def _encode(self, text: str, *, param: str, add_bos: bool = True) -> list[int]:
         try:
@@ -371,11 +418,57 @@ class EngineServer:
             )
             for name in self.settings.served_model_names
         ]
+        cards += [
+            ModelCard(id=lora.name, root=lora.path, parent=self.loras.parent(lora))
+            for lora in self.loras.adapters.values()
+        ]
         return _json(ModelList(data=cards))
+
+    # ---- LoRA adapters (lora_serving.py) ---------------------------------------------------
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        self._require("ready")
+        engine, runner = self._running()
+        req = await self._parse(request, LoadLoRAAdapterRequest)
+        async with self._lora_lock:
+            try:
+                lora = self.loras.prepare_load(
+                    req.lora_name, req.lora_path, load_inplace=req.load_inplace
+                )
+            except LoRAServingError as e:
+                return _lora_error(e)
+            lora_config = engine.config.lora
+            if lora_config is None:
+                return _error_response(400, "LoRA is not enabled on this engine (--enable-lora)")
+            try:
+                weights = await asyncio.get_running_loop().run_in_executor(
+                    None,
+                    lambda: read_adapter(
+                        lora.path, engine.model.config, max_lora_rank=lora_config.max_lora_rank
+                    ),
+                )
+            except LoRANotFoundError as e:
+                return _lora_error(not_found(lora.name, lora.path), detail=str(e))
+            except LoRAError as e:
+                return _error_response(400, f"Loading lora {lora.name} failed: {e}")
+            await runner.call(lambda engine: engine.add_lora(lora, weights))
+            return web.Response(text=self.loras.commit(lora))
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        self._require("ready")
+        _, runner = self._running()
+        req = await self._parse(request, UnloadLoRAAdapterRequest)
+        async with self._lora_lock:
+            try:
+                lora, message = self.loras.unload(req.lora_name)
+            except LoRAServingError as e:
+                return _lora_error(e)
+            await runner.call(lambda engine: engine.remove_lora(lora.lora_int_id))
+            return web.Response(text=message)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         req = await self._parse(request, TokenizeRequest)
-        self._check_model(req.model)
+        self._check_model(req.model)  # an adapter shares the base model's tokenizer
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
@@ -403,26 +496,29 @@ class EngineServer:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self._require("ready")
         req = await self._parse(request, CompletionRequest)
-        model = self._check_model(req.model)
+        model, lora = self._check_model(req.model)
         req.check()
         prompt = req.single_prompt()
         ids = self._encode(prompt, param="prompt") if isinstance(prompt, str) else list(prompt)
         prepared = PreparedRequest(
             "completion", req, ids, req.sampling_params(req.max_tokens), model
         )
-        return await self._generate(request, prepared)
+        return await self._generate(request, prepared, lora)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         self._require("ready")
         req = await self._parse(request, ChatCompletionRequest)
-        model = self._check_model(req.model)
+        model, lora = self._check_model(req.model)
         req.check()
         text = self.tokenizer.apply_chat_template(req.chat_messages())
         ids = self._encode(text, param="messages")
         params = req.sampling_params(req.effective_max_tokens)
-        return await self._generate(request, PreparedRequest("chat", req, ids, params, model))
+        prepared = PreparedRequest("chat", req, ids, params, model)
+        return await self._generate(request, prepared, lora)
 
-    async def _generate(self, request: web.Request, p: PreparedRequest) -> web.StreamResponse:
+    async def _generate(
+        self, request: web.Request, p: PreparedRequest, lora: LoRARequest | None = None
+    ) -> web.StreamResponse:
         engine, runner = self._running()
         if len(p.prompt_ids) >= self.settings.max_model_len:
             raise APIError(
@@ -460,6 +556,7 @@ class EngineServer:
                     arrival_time=arrival,
                     pin_kv=pin,
                     kv_import=kv_import,
+                    lora=lora,
                 )
             except RequestRejectedError as e:
                 raise APIError(400, str(e)) from e
@@ -559,6 +656,13 @@ def _error_response(
     return web.json_response(
         error_body(status, message, param=param), status=status, headers=headers
     )
+
+
+def _lora_error(e: LoRAServingError, *, detail: str | None = None) -> web.Response:
+    """vLLM's body for a refused load or unload: its own ``type`` names (``InvalidUserInput``)."""
+    message = f"{e.message} ({detail})" if detail else e.message
+    body = {"error": {"message": message, "type": e.type, "param": None, "code": e.status}}
+    return web.json_response(body, status=e.status)
 
 
 def _allow_header(e: web.HTTPException) -> dict[str, str] | None:

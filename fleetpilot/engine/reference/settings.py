@@ -4,8 +4,11 @@ Flags mirror ``vllm serve``'s where one exists, so the planner's engine settings
 on both backends. :func:`settings_from_args` turns parsed flags into the server's settings and an
 engine factory, refusing a bad combination with a :class:`ConfigError` that names the flag; it
 reads JSON-valued flags (``--model-config``, ``--speculative-config``, vLLM's
-``--kv-transfer-config`` and ``--kv-events-config``) inline or from a file. Nothing here builds
-the model: the server does that after it starts listening, so its port answers 503 meanwhile.
+``--kv-transfer-config`` and ``--kv-events-config``) inline or from a file. LoRA takes vLLM's
+flags (``--enable-lora``, ``--max-loras``, ``--max-lora-rank``, ``--max-cpu-loras``,
+``--lora-modules``) and its ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` environment variable. Nothing
+here builds the model: the server does that after it starts listening, so its port answers 503
+meanwhile.
 Logging takes every process's flags (fleetpilot.logs: ``--log-level``, ``--log-format``, JSON
 lines by default).
 """
@@ -14,8 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -25,6 +29,13 @@ from fleetpilot.argtypes import port_number
 from fleetpilot.engine.reference.checkpoint import load_checkpoint
 from fleetpilot.engine.reference.engine import DEFAULT_KV_CACHE_BYTES, EngineConfig, LLMEngine
 from fleetpilot.engine.reference.kv_publisher import KVEventsConfig
+from fleetpilot.engine.reference.lora import SUPPORTED_RANKS, LoRAConfig
+from fleetpilot.engine.reference.lora_serving import (
+    RUNTIME_UPDATING_ENV,
+    LoRAModulePath,
+    parse_lora_module,
+    runtime_updating_allowed,
+)
 from fleetpilot.engine.reference.model import LlamaModel, ModelConfig
 from fleetpilot.engine.reference.peers import LOOPBACK, AllowedPeers
 from fleetpilot.engine.reference.speculative import SpeculativeConfig
@@ -90,6 +101,10 @@ class ServerSettings:
     drain_grace_s: float = 25.0
     step_delay_s: float = 0.0
     limits: ServerLimits = field(default_factory=ServerLimits)  # header timeout, connections
+    lora: LoRAConfig | None = None  # --enable-lora and its limits
+    lora_modules: tuple[LoRAModulePath, ...] = ()  # adapters loaded at start
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING: the load/unload endpoints exist
+    allow_runtime_lora_updating: bool = False
 
     @property
     def model_name(self) -> str:
@@ -200,6 +215,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=60.0,
         help="how long a prefill keeps a prompt's KV for its decoder",
+    )
+    a(
+        "--enable-lora",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="serve LoRA adapters (PEFT folders): a request names one in 'model'",
+    )
+    a("--max-loras", type=int, default=1, help="most distinct adapters in one batch")
+    a(
+        "--max-lora-rank",
+        type=int,
+        default=16,
+        choices=SUPPORTED_RANKS,
+        help="highest adapter rank accepted",
+    )
+    a(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="adapters kept loaded, least recently used evicted (default: --max-loras)",
+    )
+    a(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        help='adapters loaded at start: name=path, or JSON {"name": ..., "path": ..., '
+        '"base_model_name": ...}; set VLLM_ALLOW_RUNTIME_LORA_UPDATING=true for the '
+        "load/unload endpoints",
     )
     a("--seed", type=int, default=0, help="sampling seed for requests without their own")
     a(
@@ -351,13 +394,41 @@ def _kv_events(args: argparse.Namespace) -> KVEventsConfig:
         raise ConfigError(f"--kv-events-config: {e}") from e
 
 
+def _lora(args: argparse.Namespace) -> tuple[LoRAConfig | None, tuple[LoRAModulePath, ...]]:
+    try:
+        modules = tuple(parse_lora_module(item) for item in args.lora_modules or () if item)
+    except ValueError as e:
+        raise ConfigError(f"--lora-modules: {e}") from e
+    if not args.enable_lora:
+        if modules:
+            raise ConfigError("--lora-modules needs --enable-lora")
+        return None, ()
+    try:
+        config = LoRAConfig(
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
+            max_cpu_loras=args.max_cpu_loras,
+        )
+    except ValueError as e:
+        raise ConfigError(f"--max-loras/--max-lora-rank/--max-cpu-loras: {e}") from e
+    names = [m.name for m in modules]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ConfigError(f"--lora-modules: names given twice: {duplicates}")
+    return config, modules
+
+
 def settings_from_args(
     args: argparse.Namespace,
+    environ: Mapping[str, str] | None = None,
 ) -> tuple[ServerSettings, Callable[[], LLMEngine]]:
     """Settings and an engine factory from parsed flags; ConfigError for a bad combination.
 
+    ``environ`` (default: the process's) is read for ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``.
     The model itself is built later, by the server, so the port answers 503 meanwhile.
     """
+    env = os.environ if environ is None else environ
+    lora, lora_modules = _lora(args)
     kv = _kv_settings(args)
     kv_events = _kv_events(args)
     spec = _speculative(args)
@@ -404,10 +475,14 @@ def settings_from_args(
             kv_pin_ttl_s=kv.pin_ttl_s,
             num_threads=args.num_threads,
             enable_kv_cache_events=kv_events.active,
+            lora=lora,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from e
     names = tuple(args.served_model_name or (default_name,))
+    clashes = sorted({m.name for m in lora_modules} & set(names))
+    if clashes:
+        raise ConfigError(f"--lora-modules: {clashes} conflict with a served base model name")
     settings = ServerSettings(
         served_model_names=names,
         model_root=args.model or default_name,
@@ -418,6 +493,9 @@ def settings_from_args(
         kv_events=kv_events,
         drain_grace_s=args.drain_grace_seconds,
         step_delay_s=args.step_delay_seconds,
+        lora=lora,
+        lora_modules=lora_modules,
+        allow_runtime_lora_updating=runtime_updating_allowed(env.get(RUNTIME_UPDATING_ENV)),
     )
     checkpoint_dir = Path(args.model) if args.model is not None else None
     dtype = None if args.dtype == "auto" else args.dtype
