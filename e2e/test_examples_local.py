@@ -55,7 +55,8 @@ def test_the_examples_are_found() -> None:
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_example_serves_every_tier_locally(example: Path, tmp_path: Path) -> None:
     """An example that fits a CPU comes up locally, and every tier answers a chat asked by
-    its served name, from that tier (both hops for a P/D tier)."""
+    its served name, from that tier (both hops for a P/D tier), and by each of its LoRA
+    adapters' names."""
     (service,) = load_services(example)
     reason = cpu_misfit(service)
     if reason is not None:
@@ -95,4 +96,19 @@ def test_example_serves_every_tier_locally(example: Path, tmp_path: Path) -> Non
                 assert route["prefill"] in prefill, "the prefill hop was skipped"
             else:
                 assert "prefill" not in route
+            for adapter in tier.adapters:
+                # A stand-in adapter (seeded by its name): asked for by name, it answers from
+                # its tier, and differently from the base model to the same greedy prompt.
+                raw = client.chat.completions.with_raw_response.create(
+                    model=adapter.name,
+                    messages=[{"role": "user", "content": "Say hello."}],
+                    max_tokens=4,
+                    temperature=0,
+                )
+                adapted = raw.parse()
+                assert adapted.model == adapter.name
+                route = route_fields(raw.headers.get("x-fleetpilot-route"))
+                assert (route["tier"], route["adapter"]) == (tier.name, adapter.name)
+                answer = adapted.choices[0].message.content
+                assert answer != completion.choices[0].message.content, adapter.name
     assert fleet.leftovers() == []

@@ -73,9 +73,12 @@ class ReferenceBackend(EngineBackend):
 
     python: str = sys.executable
     model_config: str = CPU_MODEL_CONFIG
+    # Where the seeded stand-ins of LoRA adapters are written (None: base models only).
+    adapter_root: Path | None = None
 
     def command(self, launch: EngineLaunch, host: str, extra_ports: Sequence[int]) -> EngineCommand:
-        return EngineCommand(reference_argv(launch, host, self.python, self.model_config))
+        argv = reference_argv(launch, host, self.python, self.model_config, self.adapter_root)
+        return EngineCommand(argv)
 
     def router_tokenizer(self) -> str:
         return str(REFERENCE_TOKENIZER)

@@ -128,7 +128,11 @@ class LocalFleet:
         self.health_timeout_s = health_timeout_s
         self.say = say
         self.python = python
-        self.backend = backend if backend is not None else ReferenceBackend(python)
+        self.backend = (
+            backend
+            if backend is not None
+            else ReferenceBackend(python, adapter_root=workdir / "adapters")
+        )
         self.supervisor = Supervisor(workdir / "logs")
         self.replicas: list[Replica] = []
         port = base_port

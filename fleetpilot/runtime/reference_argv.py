@@ -19,8 +19,12 @@ SIGTERM (scale-downs and the end of a test wait for it), and, for P/D, the loopb
 advertise and accept KV on.
 
 Not taken: the model location and revision, parallelism, dtype, GPU memory, batched tokens,
-KV cache block size and dtype, quantization, speculative decoding, extra vLLM arguments and,
-for now, LoRA adapters (the local fleet serves a tier's base model only; issue 18).
+KV cache block size and dtype, quantization, speculative decoding and extra vLLM arguments.
+
+LoRA: the launch's sizes, and each adapter by its name - but not from the pod's path: the
+local fleet cannot download a Hub adapter or mount a PVC, so each adapter is a seeded stand-in
+(``--seed-missing-lora-modules``: the engine writes one, seeded by the name, where the
+folder under ``adapter_root`` is empty, and loads it from there as any adapter).
 They size or tune a GPU engine; the CPU reference engine either has no such flag or would
 reject values it cannot run (an ``fp8`` KV cache), so the local fleet runs with its defaults.
 """
@@ -29,10 +33,16 @@ from __future__ import annotations
 
 import json
 import sys
+import zlib
 from pathlib import Path
 
 import fleetpilot
-from fleetpilot.engine.vllm_args import EngineLaunch, kv_events_json, kv_transfer_config
+from fleetpilot.engine.vllm_args import (
+    EngineLaunch,
+    LoraLaunch,
+    kv_events_json,
+    kv_transfer_config,
+)
 
 # The reference engine's smallest model preset: several engines fit on a CPU at once.
 CPU_MODEL_CONFIG = "tiny"
@@ -51,9 +61,12 @@ def reference_argv(
     host: str,
     python: str = sys.executable,
     model_config: str = CPU_MODEL_CONFIG,
+    adapter_root: Path | None = None,
 ) -> list[str]:
     """``python -m fleetpilot engine --backend reference ...`` for ``launch`` on ``host``;
-    ``model_config`` is the random model's architecture (a preset name or ModelConfig JSON)."""
+    ``model_config`` is the random model's architecture (a preset name or ModelConfig JSON);
+    ``adapter_root``: where the stand-ins of the launch's LoRA adapters live (None: the
+    engine serves the base model only)."""
     max_len = min(launch.max_model_len or CPU_MAX_MODEL_LEN, CPU_MAX_MODEL_LEN)
     argv = [
         *(python, "-m", "fleetpilot", "engine", "--backend", "reference"),
@@ -77,6 +90,29 @@ def reference_argv(
     events = kv_events_json(launch, host)  # the planner's config, on this host's ports
     if events is not None:
         argv += ["--kv-events-config", events]
+    if launch.lora is not None and adapter_root is not None:
+        argv += lora_argv(launch.lora, adapter_root)
+    return argv
+
+
+def adapter_stand_in(adapter_root: Path, name: str) -> Path:
+    """The local folder of adapter ``name``'s stand-in: a path-safe form of the name and its
+    checksum (two names never share a folder, whatever characters they hold)."""
+    safe = "".join(c if c.isalnum() or c in "._-" else "-" for c in name)
+    return adapter_root / f"{safe}-{zlib.crc32(name.encode('utf-8')):08x}"
+
+
+def lora_argv(lora: LoraLaunch, adapter_root: Path) -> list[str]:
+    """The reference engine's LoRA flags (vLLM's spelling) for the launch's sizes, its
+    adapters as seeded stand-ins under ``adapter_root``."""
+    argv = ["--enable-lora", "--max-loras", str(lora.max_loras)]
+    argv += ["--max-lora-rank", str(lora.max_lora_rank)]
+    if lora.max_cpu_loras is not None:
+        argv += ["--max-cpu-loras", str(lora.max_cpu_loras)]
+    if lora.modules:
+        argv += ["--lora-modules"]
+        argv += [f"{name}={adapter_stand_in(adapter_root, name)}" for name, _ in lora.modules]
+        argv += ["--seed-missing-lora-modules"]
     return argv
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -172,3 +173,29 @@ def test_the_local_router_finds_the_engines_shipped_tokenizer() -> None:
 
     assert REFERENCE_TOKENIZER == SHIPPED
     assert (REFERENCE_TOKENIZER / "tokenizer.json").is_file()
+
+
+def test_a_tiers_adapters_become_seeded_stand_ins_with_the_planned_sizes(tmp_path: Path) -> None:
+    """The launch's LoRA sizes reach the reference engine as vLLM's flags, and each adapter by
+    its name at its own folder under the fleet's adapter root (names that differ only in
+    characters a path cannot hold still get folders of their own), written there by the
+    engine itself; without an adapter root the engine serves the base model only."""
+    tier = make_tier(
+        lora={"maxLoras": 2, "maxLoraRank": 32, "maxCpuLoras": 3},
+        adapters=[
+            {"name": "team/sql", "source": {"huggingface": {"repo": "acme/sql"}}},
+            {"name": "team:sql", "source": {"pvc": {"claimName": "c", "path": "sql"}}},
+        ],
+    )
+    launch = replace(launch_for(role_of(service_of(tier), RoleName.UNIFIED)), port=9001)
+    server_settings = parsed(reference_argv(launch, HOST, "py", adapter_root=tmp_path))
+    assert server_settings.lora is not None
+    assert (server_settings.lora.max_loras, server_settings.lora.max_lora_rank) == (2, 32)
+    assert server_settings.lora.max_cpu_loras == 3
+    modules = {m.name: Path(m.path) for m in server_settings.lora_modules}
+    assert set(modules) == {"team/sql", "team:sql"}
+    assert all(path.parent == tmp_path for path in modules.values())
+    assert len(set(modules.values())) == 2
+    assert server_settings.seed_missing_lora_modules
+    base_only = parsed(reference_argv(launch, HOST, "py"))
+    assert (base_only.lora, base_only.lora_modules) == (None, ())

@@ -25,6 +25,9 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
+import tempfile
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -419,3 +422,32 @@ def random_adapter(
             tensors[peft_tensor_name(layer, module, "A")] = a
             tensors[peft_tensor_name(layer, module, "B")] = b * (strength * residual / scaling)
     return adapter, tensors
+
+
+# Rank of the local fleet's stand-in adapters (or the engine's --max-lora-rank if lower).
+SEEDED_RANK: Final = 8
+
+
+def write_seeded_adapter(
+    config: ModelConfig, name: str, folder: str | Path, max_rank: int
+) -> Path | None:
+    """A seeded stand-in for adapter ``name`` at ``folder`` unless something is there already;
+    the folder written, or None. Seeded by the name, so every engine of a local fleet writes
+    the same adapter, and writing into a temporary sibling renamed into place, so engines
+    starting at once never read a half-written one (a rename that loses the race is fine)."""
+    target = Path(folder)
+    if target.exists():
+        return None
+    rank = min(SEEDED_RANK, max_rank)
+    adapter, tensors = random_adapter(
+        config, rank, 2.0 * rank, seed=zlib.crc32(name.encode("utf-8"))
+    )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    save_adapter(staging, adapter, tensors)
+    try:
+        staging.rename(target)
+    except OSError:  # another engine put the same adapter there first
+        shutil.rmtree(staging, ignore_errors=True)
+        return None
+    return target

@@ -58,6 +58,7 @@ from fleetpilot.engine.reference.lora import (
     LoRANotFoundError,
     LoRARequest,
     read_adapter,
+    write_seeded_adapter,
 )
 from fleetpilot.engine.reference.lora_serving import (
     LOAD_ROUTE,
@@ -221,6 +222,15 @@ class EngineServer:
             return
         try:
             for module in self.settings.lora_modules:
+                if self.settings.seed_missing_lora_modules:
+                    await loop.run_in_executor(
+                        None,
+                        write_seeded_adapter,
+                        engine.model.config,
+                        module.name,
+                        module.path,
+                        engine.config.lora.max_lora_rank if engine.config.lora else 16,
+                    )
                 lora = self.loras.prepare_load(
                     module.name, module.path, base_model_name=module.base_model_name
                 )

@@ -103,6 +103,8 @@ class ServerSettings:
     limits: ServerLimits = field(default_factory=ServerLimits)  # header timeout, connections
     lora: LoRAConfig | None = None  # --enable-lora and its limits
     lora_modules: tuple[LoRAModulePath, ...] = ()  # adapters loaded at start
+    # The local fleet's stand-ins: write a seeded adapter where a --lora-modules path is empty.
+    seed_missing_lora_modules: bool = False
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING: the load/unload endpoints exist
     allow_runtime_lora_updating: bool = False
 
@@ -243,6 +245,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='adapters loaded at start: name=path, or JSON {"name": ..., "path": ..., '
         '"base_model_name": ...}; set VLLM_ALLOW_RUNTIME_LORA_UPDATING=true for the '
         "load/unload endpoints",
+    )
+    a(
+        "--seed-missing-lora-modules",
+        action="store_true",
+        help="reference engine only (the local fleet, which cannot download adapters): write a "
+        "seeded adapter, named by its seed, at each --lora-modules path that holds none, then "
+        "load it from there as any other",
     )
     a("--seed", type=int, default=0, help="sampling seed for requests without their own")
     a(
@@ -495,6 +504,7 @@ def settings_from_args(
         step_delay_s=args.step_delay_seconds,
         lora=lora,
         lora_modules=lora_modules,
+        seed_missing_lora_modules=args.seed_missing_lora_modules,
         allow_runtime_lora_updating=runtime_updating_allowed(env.get(RUNTIME_UPDATING_ENV)),
     )
     checkpoint_dir = Path(args.model) if args.model is not None else None

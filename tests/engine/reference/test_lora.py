@@ -29,6 +29,7 @@ from fleetpilot.engine.reference.lora import (
     random_adapter,
     read_adapter,
     save_adapter,
+    write_seeded_adapter,
 )
 from fleetpilot.engine.reference.lora_manager import LoRAManager
 from fleetpilot.engine.reference.model import (
@@ -486,3 +487,25 @@ def test_speculative_decoding_under_an_adapter_is_exact(model: LlamaModel, tmp_p
     engine = lora_engine(model, tmp_path, speculative=spec)
     assert [o.token_ids for o in run(engine, jobs)] == [o.token_ids for o in plain]
     assert engine.stats().spec_decode_num_accepted_tokens_total > 0
+
+
+def test_a_seeded_stand_in_is_written_once_by_its_name_and_reads_back(tmp_path: Path) -> None:
+    """The local fleet's stand-in for an adapter: a valid PEFT folder (it reads back under the
+    engine's rank limit), the same tensors wherever it is written for the same name, others
+    for another name, and never written over what is already there."""
+    first = write_seeded_adapter(TINY, "sql", tmp_path / "a", max_rank=16)
+    assert first == tmp_path / "a"
+    read_adapter(first, TINY, max_lora_rank=8)  # the stand-in's rank is 8 at most
+    written = (first / "adapter_model.safetensors").read_bytes()
+    assert write_seeded_adapter(TINY, "legal", first, max_rank=16) is None
+    assert (first / "adapter_model.safetensors").read_bytes() == written
+    again = write_seeded_adapter(TINY, "sql", tmp_path / "b", max_rank=16)
+    other = write_seeded_adapter(TINY, "legal", tmp_path / "c", max_rank=16)
+    assert again is not None
+    assert other is not None
+    assert (again / "adapter_model.safetensors").read_bytes() == written
+    assert (other / "adapter_model.safetensors").read_bytes() != written
+    low = write_seeded_adapter(TINY, "sql", tmp_path / "d", max_rank=1)
+    assert low is not None
+    read_adapter(low, TINY, max_lora_rank=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c", "d"]  # no staging left
