@@ -12,7 +12,7 @@ from typing import Any, TextIO
 from fleetpilot.argtypes import DefaultsHelpFormatter
 from fleetpilot.loadgen import report
 from fleetpilot.loadgen.runner import Progress, RunConfig, Runner, Schedule, parse_schedule
-from fleetpilot.loadgen.workloads import WORKLOADS, make_workload, workload_options
+from fleetpilot.loadgen.workloads import WORKLOADS, ModelMix, make_workload, workload_options
 
 
 def _schedule(text: str) -> Schedule:
@@ -39,6 +39,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--url", default="http://127.0.0.1:8000/v1", help="OpenAI-compatible base URL (…/v1)")
     a("--model", default="m", help="the 'model' sent in every request")
+    a(
+        "--adapters",
+        type=lambda text: tuple(name for name in text.split(",") if name),
+        default=None,
+        help="comma-separated LoRA adapter names: each request asks for one (instead of "
+        "--model), by a Zipf popularity in the order given",
+    )
+    a(
+        "--adapter-skew",
+        type=float,
+        default=1.0,
+        help="the adapters' popularity: the k-th given weighs 1/k^skew (0: all alike)",
+    )
     a("--api-key", default=None, help="sent as a Bearer token when given")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument(
@@ -150,6 +163,9 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             api_key=args.api_key,
             ignore_eos=args.ignore_eos,
+            model_mix=(
+                ModelMix(args.adapters, args.adapter_skew, args.seed) if args.adapters else None
+            ),
         )
         options = _workload_options(args)
         workload = make_workload(args.workload, args.seed, **options)
@@ -174,6 +190,8 @@ def run(args: argparse.Namespace) -> int:
         meta = {
             "url": args.url,
             "model": args.model,
+            "adapters": list(args.adapters or ()),
+            "adapter_skew": args.adapter_skew if args.adapters else None,
             "workload": args.workload,
             "seed": args.seed,
             # With the workload and the seed, what regenerates every request (``fleetpilot

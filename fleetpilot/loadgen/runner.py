@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from fleetpilot.loadgen.workloads import RequestSpec, Workload
+from fleetpilot.loadgen.workloads import ModelMix, RequestSpec, Workload
 from fleetpilot.text import one_line
 
 ROUTE_HEADER = "x-fleetpilot-route"
@@ -194,6 +194,11 @@ class RunConfig:
     seed: int = 0
     api_key: str | None = None
     ignore_eos: bool = False
+    # Each request's model from a mix (LoRA adapters by popularity) instead of ``model``.
+    model_mix: ModelMix | None = None
+
+    def model_for(self, index: int) -> str:
+        return self.model_mix.model(index) if self.model_mix is not None else self.model
 
     def __post_init__(self) -> None:
         if self.duration_s is None and self.max_requests is None:
@@ -360,7 +365,7 @@ class Runner:
     async def _stream(
         self, client: httpx.AsyncClient, spec: RequestSpec, rec: RequestRecord, start: float
     ) -> None:
-        body = spec.body(self.config.model, ignore_eos=self.config.ignore_eos)
+        body = spec.body(self.config.model_for(rec.index), ignore_eos=self.config.ignore_eos)
         first: float | None = None
         last: float | None = None
         async with client.stream("POST", self.config.url, json=body) as resp:

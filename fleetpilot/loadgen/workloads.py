@@ -95,6 +95,29 @@ class RequestSpec:
         return body
 
 
+@dataclass(frozen=True)
+class ModelMix:
+    """Which model each request asks for: one of ``models`` by a Zipf popularity (the k-th
+    weighs 1 / k^skew), drawn from the seed and the request's index alone, so a request asks
+    for the same model whatever order the runs send them in (LoRA adapters of one base model,
+    a few hot and a long tail)."""
+
+    models: tuple[str, ...]
+    skew: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("a model mix needs at least one model")
+        if not 0.0 <= self.skew <= 10.0:
+            raise ValueError(f"the popularity skew must be within 0..10, got {self.skew}")
+
+    def model(self, index: int) -> str:
+        weights = [1.0 / (rank + 1) ** self.skew for rank in range(len(self.models))]
+        rng = random.Random(f"model-mix:{self.seed}:{index}")
+        return rng.choices(self.models, weights)[0]
+
+
 class Workload(Protocol):
     name: str
 

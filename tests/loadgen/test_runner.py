@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from fleetpilot.loadgen.runner import RunConfig, Runner, Schedule
-from fleetpilot.loadgen.workloads import make_workload
+from fleetpilot.loadgen.workloads import ModelMix, make_workload
 
 ROUTE = "tier=small; replica=small-0; prefix-match=0.50; reason=prefix"
 
@@ -151,3 +151,21 @@ def test_unbounded_runs_are_refused() -> None:
         RunConfig("http://x/v1", "m")
     with pytest.raises(ValueError, match="needs a --duration"):
         RunConfig("http://x/v1", "m", schedule=Schedule.constant(1.0), max_requests=5)
+
+
+@pytest.mark.asyncio
+async def test_a_model_mix_names_each_requests_model_by_its_index() -> None:
+    """With LoRA adapters to spread over, every request asks for the mix's model of its index
+    (whatever order a closed loop's workers send them in), never the default model."""
+    mix = ModelMix(("sql", "legal", "tax"), 1.0, seed=3)
+    asked: dict[int, str] = {}
+
+    def record(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        asked[len(asked)] = body["model"]
+        return good(request)
+
+    result = await runner(config(concurrency=3, max_requests=30, model_mix=mix), record).run()
+    assert all(r.ok for r in result.records)
+    assert sorted(asked.values()) == sorted(mix.model(i) for i in range(30))
+    assert "m" not in asked.values()

@@ -8,7 +8,14 @@ from collections import Counter
 
 import pytest
 
-from fleetpilot.loadgen.workloads import _WORDS, WORKLOADS, RequestSpec, make_workload, words
+from fleetpilot.loadgen.workloads import (
+    _WORDS,
+    WORKLOADS,
+    ModelMix,
+    RequestSpec,
+    make_workload,
+    words,
+)
 
 
 def take(name: str, seed: int, n: int = 50) -> list[RequestSpec]:
@@ -147,3 +154,24 @@ def test_words_draw_as_random_choice_does(seed: int) -> None:
     for chars in (0, 1, 7, 80, 1200, 6000):
         assert words(fast, chars) == _words_by_choice(oracle, chars)
     assert fast.random() == oracle.random()
+
+
+def test_a_model_mix_is_seeded_per_request_and_zipf_popular() -> None:
+    """A request's model depends on the seed and its index only; the first model is the most
+    asked for, roughly 1/k^skew of it for the k-th; skew 0 asks for each alike; an empty mix
+    or a skew out of range is refused."""
+    mix = ModelMix(tuple(f"a{k}" for k in range(4)), 1.0, seed=7)
+    assert [mix.model(i) for i in range(50)] == [mix.model(i) for i in range(50)]
+    assert [mix.model(i) for i in range(50)] != [
+        ModelMix(mix.models, 1.0, 8).model(i) for i in range(50)
+    ]
+    counts = Counter(mix.model(i) for i in range(20_000))
+    share = counts["a0"] / 20_000
+    assert 0.45 < share < 0.51  # 1 / (1 + 1/2 + 1/3 + 1/4) = 0.48
+    assert counts["a0"] > counts["a1"] > counts["a2"] > counts["a3"]
+    flat = Counter(ModelMix(mix.models, 0.0, 7).model(i) for i in range(20_000))
+    assert all(0.23 < n / 20_000 < 0.27 for n in flat.values())
+    with pytest.raises(ValueError, match="at least one"):
+        ModelMix((), 1.0)
+    with pytest.raises(ValueError, match="skew"):
+        ModelMix(("a",), -1.0)
