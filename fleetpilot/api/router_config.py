@@ -77,6 +77,9 @@ class RouterTier(ApiModel):
         default_factory=list,
         description="LoRA adapters the tier's engines serve: other names clients may request.",
     )
+    max_loras: int = Field(
+        1, ge=1, description="Adapters one engine runs at once (its --max-loras)."
+    )
     up_to: float = Field(ge=0.0, le=1.0)
     mode: ServingMode
     endpoints: list[EndpointGroup]
@@ -152,6 +155,7 @@ class RouterConfig(ApiModel):
     tiers: list[RouterTier] = Field(min_length=1)
     affinity: Affinity = Field(default_factory=Affinity)
     load_weight: float = Field(1.0, ge=0.0)
+    adapter_weight: float = Field(2.0, ge=0.0)
     retries: int = Field(2, ge=0)
     spillover: Spillover = Field(default_factory=Spillover)
     request_timeout: Duration = Field(timedelta(minutes=10))

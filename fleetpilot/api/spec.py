@@ -833,6 +833,12 @@ class Routing(ApiModel):
     replicas: int = Field(2, ge=1, le=100, description="Router pods.")
     affinity: Affinity = nested(Affinity, "Prefix-cache affinity.")
     load_weight: float = Field(1.0, ge=0.0, le=100.0, description="Weight of the load score.")
+    adapter_weight: float = Field(
+        2.0,
+        ge=0.0,
+        le=100.0,
+        description="Weight of a replica having the request's LoRA adapter loaded already.",
+    )
     retries: int = Field(2, ge=0, le=5, description="Retries on another replica before 1st byte.")
     spillover: Spillover = nested(Spillover, "Spill-over between tiers.")
     request_timeout: Duration = Field(

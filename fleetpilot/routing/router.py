@@ -23,7 +23,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from yarl import URL
@@ -38,6 +38,7 @@ from fleetpilot.routing.errors import (
     UnavailableError,
 )
 from fleetpilot.routing.features import Kind, RequestFeatures
+from fleetpilot.routing.policies.adapters import AdapterScorer
 from fleetpilot.routing.policies.candidates import (
     FULL_SCAN_MAX,
     HOME_CANDIDATES,
@@ -170,9 +171,12 @@ class ReplicaState:
     # replica of a group (a thousand-replica group: millions of times a second).
     id: str = field(init=False)
 
+    # LoRA adapters this router sent requests for here, least recently first (``note_adapter``).
+    recent_adapters: dict[str, None] = field(default_factory=dict, init=False, repr=False)
     # The last view made of the replica and what it was made from (``view``).
     _view: ReplicaView | None = field(default=None, init=False, repr=False)
     _view_of: tuple[object, ...] = field(default=(), init=False, repr=False)
+    _adapters: frozenset[str] = field(default=frozenset(), init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.kv_streams = tuple(self.endpoint.kv_streams())
@@ -189,7 +193,15 @@ class ReplicaState:
             self.scraped_at is None or now - self.scraped_at > stale_after_s
         ):
             metrics = None  # stale: the view shows none, as make_view does
-        made_of = (self.in_flight, self.pending_prefill, self.max_num_seqs, ejected, metrics)
+        adapters = self._adapters
+        made_of = (
+            self.in_flight,
+            self.pending_prefill,
+            self.max_num_seqs,
+            ejected,
+            metrics,
+            adapters,
+        )
         view = self._view
         if view is None or made_of != self._view_of:
             view = self._view = make_view(
@@ -202,9 +214,20 @@ class ReplicaState:
                 stale_after_s,
                 ejected,
                 self.pending_prefill,
+                adapters,
             )
             self._view_of = made_of
         return view
+
+    def note_adapter(self, adapter: str, max_loras: int) -> None:
+        """This router sent a request for ``adapter`` here: the engine has it loaded now, and
+        keeps it until ``max_loras`` others have run since (it evicts the least recently used)."""
+        recent = self.recent_adapters
+        recent.pop(adapter, None)
+        recent[adapter] = None
+        while len(recent) > max_loras:
+            del recent[next(iter(recent))]
+        self._adapters = frozenset(recent)
 
     def url(self, path: str) -> URL:
         """The replica's URL for a path, parsed once (URL parsing is a visible share of the
@@ -293,6 +316,11 @@ class Route:
         return "; ".join(parts)
 
 
+def with_adapter(request: PickRequest, adapter: str | None) -> PickRequest:
+    """The pick request naming the request's adapter, for the adapter scorer."""
+    return request if adapter is None else replace(request, adapter=adapter)
+
+
 def adapter_of(tier: RouterTier, features: RequestFeatures) -> str | None:
     """The LoRA adapter a request for this tier names, or None (its base model)."""
     model = features.model
@@ -376,7 +404,10 @@ class Router:
         self._affinity_scorers = self.affinity_scorers()
         # Decode replicas hold no prompt blocks sent by us: the KV arrives from prefill.
         load = LoadScorer(config.spillover.queue_threshold)
-        self._load_scorers = [WeightedScorer(load, max(config.load_weight, 1e-6))]
+        self._load_scorers = [
+            WeightedScorer(load, max(config.load_weight, 1e-6)),
+            WeightedScorer(AdapterScorer(), config.adapter_weight),
+        ]
         self._max_seqs: dict[tuple[str, str], int] = {
             (t.name, g.role): g.max_num_seqs for t in config.tiers for g in t.endpoints
         }
@@ -397,6 +428,7 @@ class Router:
                 PrefillCostScorer(self.prefix_index, block_cost), config.affinity.weight
             ),
             WeightedScorer(LoadScorer(config.spillover.queue_threshold), config.load_weight),
+            WeightedScorer(AdapterScorer(), config.adapter_weight),
         ]
 
     def use_policies(
@@ -560,11 +592,13 @@ class Router:
             decode_request, decode_keys = self._pick_request(
                 tier, RoleName.DECODE, hashes, keys, now
             )
+            decode_request = with_adapter(decode_request, adapter)
             decode_scorers = self._affinity_scorers if decode_request.known else self._load_scorers
             decode = self._pick(tier, RoleName.DECODE, decode_request, now, decode_scorers)
             if decode is None:
                 raise self._none_open(tier, "no decode replica available")
             self.recent.record(decode.replica.id, decode_keys, now)
+            self._note_adapter(tier, decode.replica.id, adapter)
             local = self._local_prefill(tier, decode_request, decode.replica.id, decode_keys, keys)
             if local is not None and local[0] <= PD_LOCAL_PREFILL_TOKENS:
                 return Route(
@@ -581,6 +615,7 @@ class Router:
                     local_prefill=True,
                 )
             request, chained = self._pick_request(tier, RoleName.PREFILL, hashes, keys, now)
+            request = with_adapter(request, adapter)
             prefill = self._pick(tier, RoleName.PREFILL, request, now, self._affinity_scorers)
             prefill_state = None
             matched = 0.0
@@ -589,6 +624,7 @@ class Router:
                 matched = matched_blocks(self.prefix_index, request, prefill_state.id)
                 self.prefix_index.record(prefill_state.id, hashes)
                 self.recent.record(prefill_state.id, chained, now)
+                self._note_adapter(tier, prefill_state.id, adapter)
             return Route(
                 tier=tier,
                 reason=choice.reason,
@@ -603,6 +639,7 @@ class Router:
                 request=request,
             )
         request, chained = self._pick_request(tier, RoleName.UNIFIED, hashes, keys, now)
+        request = with_adapter(request, adapter)
         chosen = self._pick(tier, RoleName.UNIFIED, request, now, self._affinity_scorers)
         if chosen is None:
             raise self._none_open(tier, "no replica available")
@@ -610,6 +647,7 @@ class Router:
         matched = matched_blocks(self.prefix_index, request, state.id)
         self.prefix_index.record(state.id, hashes)
         self.recent.record(state.id, chained, now)
+        self._note_adapter(tier, state.id, adapter)
         return Route(
             tier=tier,
             reason=choice.reason,
@@ -622,6 +660,10 @@ class Router:
             tokenizer_failed=keys.failed,
             request=request,
         )
+
+    def _note_adapter(self, tier: RouterTier, replica_id: str, adapter: str | None) -> None:
+        if adapter is not None:
+            self._replicas[replica_id].note_adapter(adapter, tier.max_loras)
 
     def _choose_tier(
         self, features: RequestFeatures, now: float

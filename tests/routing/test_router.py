@@ -593,3 +593,54 @@ def test_an_adapters_blocks_match_only_requests_for_that_adapter() -> None:
     assert base.adapter is None
     assert base.prefix_match == 0.0
     assert "adapter=" not in base.header()
+
+
+def lora_router(max_loras: int = 2) -> Router:
+    """Three replicas of one tier serving adapters a..e, ``max_loras`` running at once each."""
+    config = make_config(
+        [RouterTier(name="t", model="base", up_to=1.0, mode="unified",
+                    endpoints=[grp("unified", "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1", seqs=8)],
+                    adapters=list("abcde"), max_loras=max_loras)]
+    )  # fmt: skip
+    return Router(config, StaticSource(config), rng=random.Random(0), clock=lambda: 100.0)
+
+
+def ask(router: Router, adapter: str) -> str:
+    route = router.decide(extract_features({"model": adapter, "prompt": "hi"}, "completions"))
+    return route.replica.id
+
+
+def test_requests_for_an_adapter_stay_where_it_is_loaded() -> None:
+    """A replica that ran an adapter keeps it loaded: later requests for it go there while it
+    has room (no swap elsewhere), other adapters spread over the other replicas."""
+    router = lora_router()
+    first = ask(router, "a")
+    assert [ask(router, "a") for _ in range(4)] == [first] * 4
+    assert ask(router, "b") != first or ask(router, "c") != first
+
+
+def test_a_replica_keeps_only_its_last_max_loras_adapters() -> None:
+    """After max_loras other adapters ran on a replica, the first one is no longer counted as
+    loaded there (the engine evicted it): the router stops preferring it."""
+    router = lora_router(max_loras=2)
+    state = router.replica("10.0.0.1:1")
+    assert state is not None
+    for adapter in ("a", "b", "c"):
+        state.note_adapter(adapter, 2)
+    assert state.view(100.0, 5.0, False).adapters == {"b", "c"}
+    state.note_adapter("b", 2)  # used again: the most recent now
+    state.note_adapter("d", 2)
+    assert state.view(100.0, 5.0, False).adapters == {"b", "d"}
+
+
+def test_an_engines_scraped_adapters_count_and_a_full_holder_spreads_the_adapter() -> None:
+    """Another router's requests show in the scrape (vllm:lora_requests_info): that replica
+    draws the adapter's requests; once its batch is full, the adapter spreads."""
+    router = lora_router()
+    holder = router.replica("10.0.0.2:1")
+    assert holder is not None
+    holder.metrics = EngineMetrics(running=1.0, adapters=frozenset({"e"}))
+    holder.scraped_at = 100.0
+    assert ask(router, "e") == "10.0.0.2:1"
+    holder.in_flight = 8  # a full batch: no headroom
+    assert ask(router, "e") != "10.0.0.2:1"

@@ -10,6 +10,7 @@ dropped entirely once older than a bound (a stale queue length is worse than non
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +27,10 @@ _WAITING = ("vllm:num_requests_waiting",)
 _RUNNING = ("vllm:num_requests_running",)
 # vLLM renamed gpu_cache_usage_perc to kv_cache_usage_perc in v0.10; accept both.
 _KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+# LoRA adapters of running and waiting requests, in labels; the value is when they were seen.
+_LORA_INFO = "vllm:lora_requests_info"
+_LORA_LABELS = ("running_lora_adapters", "waiting_lora_adapters")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +40,8 @@ class EngineMetrics:
     waiting: float = 0.0
     running: float = 0.0
     kv_usage: float = 0.0
+    # LoRA adapters the engine's running and waiting requests use (so it has them loaded).
+    adapters: frozenset[str] = frozenset()
 
 
 def parse_engine_metrics(text: str) -> EngineMetrics | None:
@@ -43,11 +50,15 @@ def parse_engine_metrics(text: str) -> EngineMetrics | None:
     A hand-rolled scan, not a full exposition parser: the router scrapes every replica every
     second and needs three gauges out of a few hundred lines. Sample lines are
     ``name{labels} value [timestamp]``; several label sets (data-parallel ranks) are summed,
-    and KV usage is averaged over them since it is a fraction.
+    and KV usage is averaged over them since it is a fraction. ``vllm:lora_requests_info``
+    keeps a series for every set of adapters it ever reported (its value is when): the newest
+    one says which adapters run now.
     """
     waiting = running = kv_sum = 0.0
     kv_count = 0
     seen = False
+    lora_at = -math.inf
+    adapters: frozenset[str] = frozenset()
     for line in text.splitlines():
         if not line.startswith("vllm:"):
             continue
@@ -78,10 +89,16 @@ def parse_engine_metrics(text: str) -> EngineMetrics | None:
             kv_sum += value
             kv_count += 1
             seen = True
+        elif name == _LORA_INFO and value >= lora_at:
+            lora_at = value
+            labels = dict(_LABEL.findall(line[brace:end])) if brace != -1 else {}
+            adapters = frozenset(
+                a for key in _LORA_LABELS for a in labels.get(key, "").split(",") if a
+            )
     if not seen:
         return None
     kv = min(1.0, kv_sum / kv_count) if kv_count else 0.0
-    return EngineMetrics(waiting=waiting, running=running, kv_usage=kv)
+    return EngineMetrics(waiting=waiting, running=running, kv_usage=kv, adapters=adapters)
 
 
 def make_view(
@@ -94,12 +111,19 @@ def make_view(
     stale_after_s: float,
     ejected: bool = False,
     pending_prefill: float = 0.0,
+    adapters: frozenset[str] = frozenset(),
 ) -> ReplicaView:
-    """A view of a replica, ignoring scraped metrics older than ``stale_after_s``."""
+    """A view of a replica, ignoring scraped metrics older than ``stale_after_s``;
+    ``adapters``: those the router itself sent there lately (the scrape's are added)."""
     fresh = metrics is not None and scraped_at is not None and now - scraped_at <= stale_after_s
     if not fresh or metrics is None:
         return ReplicaView(
-            replica_id, max_num_seqs, in_flight, ejected=ejected, pending_prefill=pending_prefill
+            replica_id,
+            max_num_seqs,
+            in_flight,
+            ejected=ejected,
+            pending_prefill=pending_prefill,
+            adapters=adapters,
         )
     return ReplicaView(
         replica_id,
@@ -110,6 +134,7 @@ def make_view(
         kv_usage=metrics.kv_usage,
         ejected=ejected,
         pending_prefill=pending_prefill,
+        adapters=adapters | metrics.adapters,
     )
 
 

@@ -22,6 +22,9 @@ class ReplicaView:
     # Prompt blocks this router has sent to the replica that it has not yet seen a first token
     # for: the prefill work queued ahead of a new request there (our requests only).
     pending_prefill: float = 0.0
+    # LoRA adapters the replica likely has loaded: its engine's running and waiting requests'
+    # (scraped), and the last few this router sent there (``ReplicaState.note_adapter``).
+    adapters: frozenset[str] = frozenset()
     # Derived once, at construction: every filter and scorer of a pick reads them, several
     # times a replica, and a pick over hundreds of replicas spent a fifth of its time
     # recomputing them (``bench/simulate_speed.py``).
@@ -64,6 +67,8 @@ class PickRequest:
     # The replicas worth scoring in a group too large to score every one
     # (``policies.candidates``); ``None``: every replica of the group.
     candidates: tuple[str, ...] | None = None
+    # The LoRA adapter the request names (None: the base model).
+    adapter: str | None = None
 
 
 class Filter(Protocol):

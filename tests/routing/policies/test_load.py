@@ -154,3 +154,32 @@ def test_router_in_flight_counts_as_queue_past_the_batch_limit() -> None:
 def test_group_saturation(views: list[ReplicaView], saturated: bool) -> None:
     """Saturated: mean queue per replica above the threshold, or every batch full."""
     assert group_saturated(views, 4.0) is saturated
+
+
+def test_the_newest_lora_info_series_names_the_engines_adapters() -> None:
+    """vLLM keeps a vllm:lora_requests_info series for every set of adapters it ever reported,
+    its value the time it did: the newest one (not the first, not all) says which adapters the
+    engine runs now, running and waiting alike; without the gauge, none."""
+    text = "\n".join(
+        [
+            "# TYPE vllm:lora_requests_info gauge",
+            'vllm:lora_requests_info{max_lora="4",running_lora_adapters="sql,legal",'
+            'waiting_lora_adapters=""} 1.7000000005e+09',
+            'vllm:lora_requests_info{max_lora="4",running_lora_adapters="tax",'
+            'waiting_lora_adapters="team/sql:v2"} 1.7000000009e+09',
+            'vllm:lora_requests_info{max_lora="4",running_lora_adapters="",'
+            'waiting_lora_adapters=""} 1.7000000001e+09',
+            'vllm:num_requests_running{model_name="m"} 2',
+        ]
+    )
+    metrics = parse_engine_metrics(text)
+    assert metrics is not None
+    assert metrics.adapters == {"tax", "team/sql:v2"}
+    assert metrics.running == 2
+    plain = parse_engine_metrics('vllm:num_requests_running{model_name="m"} 2')
+    assert plain is not None
+    assert plain.adapters == frozenset()
+    view = make_view("r", 4, 0, metrics, 10.0, 11.0, 5.0, adapters=frozenset({"sql"}))
+    assert view.adapters == {"sql", "tax", "team/sql:v2"}
+    stale = make_view("r", 4, 0, metrics, 10.0, 20.0, 5.0, adapters=frozenset({"sql"}))
+    assert stale.adapters == {"sql"}  # a stale scrape's adapters do not count
