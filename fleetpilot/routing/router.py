@@ -172,11 +172,14 @@ class ReplicaState:
     id: str = field(init=False)
 
     # LoRA adapters this router sent requests for here, least recently first (``note_adapter``).
-    recent_adapters: dict[str, None] = field(default_factory=dict, init=False, repr=False)
+    # Each with when it was last sent: the oldest of ``max_loras`` is the one a new adapter
+    # would evict there.
+    recent_adapters: dict[str, float] = field(default_factory=dict, init=False, repr=False)
     # The last view made of the replica and what it was made from (``view``).
     _view: ReplicaView | None = field(default=None, init=False, repr=False)
     _view_of: tuple[object, ...] = field(default=(), init=False, repr=False)
     _adapters: frozenset[str] = field(default=frozenset(), init=False, repr=False)
+    _adapter_lru_at: float = field(default=-math.inf, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.kv_streams = tuple(self.endpoint.kv_streams())
@@ -201,6 +204,7 @@ class ReplicaState:
             ejected,
             metrics,
             adapters,
+            self._adapter_lru_at,
         )
         view = self._view
         if view is None or made_of != self._view_of:
@@ -215,19 +219,23 @@ class ReplicaState:
                 ejected,
                 self.pending_prefill,
                 adapters,
+                self._adapter_lru_at,
             )
             self._view_of = made_of
         return view
 
-    def note_adapter(self, adapter: str, max_loras: int) -> None:
-        """This router sent a request for ``adapter`` here: the engine has it loaded now, and
-        keeps it until ``max_loras`` others have run since (it evicts the least recently used)."""
+    def note_adapter(self, adapter: str, max_loras: int, now: float) -> None:
+        """This router sent a request for ``adapter`` here at ``now``: the engine has it loaded,
+        and keeps it until ``max_loras`` others have run since (it evicts the least recently
+        used)."""
         recent = self.recent_adapters
         recent.pop(adapter, None)
-        recent[adapter] = None
+        recent[adapter] = now
         while len(recent) > max_loras:
             del recent[next(iter(recent))]
         self._adapters = frozenset(recent)
+        full = len(recent) >= max_loras
+        self._adapter_lru_at = next(iter(recent.values())) if full else -math.inf
 
     def url(self, path: str) -> URL:
         """The replica's URL for a path, parsed once (URL parsing is a visible share of the
@@ -598,7 +606,7 @@ class Router:
             if decode is None:
                 raise self._none_open(tier, "no decode replica available")
             self.recent.record(decode.replica.id, decode_keys, now)
-            self._note_adapter(tier, decode.replica.id, adapter)
+            self._note_adapter(tier, decode.replica.id, adapter, now)
             local = self._local_prefill(tier, decode_request, decode.replica.id, decode_keys, keys)
             if local is not None and local[0] <= PD_LOCAL_PREFILL_TOKENS:
                 return Route(
@@ -624,7 +632,7 @@ class Router:
                 matched = matched_blocks(self.prefix_index, request, prefill_state.id)
                 self.prefix_index.record(prefill_state.id, hashes)
                 self.recent.record(prefill_state.id, chained, now)
-                self._note_adapter(tier, prefill_state.id, adapter)
+                self._note_adapter(tier, prefill_state.id, adapter, now)
             return Route(
                 tier=tier,
                 reason=choice.reason,
@@ -647,7 +655,7 @@ class Router:
         matched = matched_blocks(self.prefix_index, request, state.id)
         self.prefix_index.record(state.id, hashes)
         self.recent.record(state.id, chained, now)
-        self._note_adapter(tier, state.id, adapter)
+        self._note_adapter(tier, state.id, adapter, now)
         return Route(
             tier=tier,
             reason=choice.reason,
@@ -661,9 +669,11 @@ class Router:
             request=request,
         )
 
-    def _note_adapter(self, tier: RouterTier, replica_id: str, adapter: str | None) -> None:
+    def _note_adapter(
+        self, tier: RouterTier, replica_id: str, adapter: str | None, now: float
+    ) -> None:
         if adapter is not None:
-            self._replicas[replica_id].note_adapter(adapter, tier.max_loras)
+            self._replicas[replica_id].note_adapter(adapter, tier.max_loras, now)
 
     def _choose_tier(
         self, features: RequestFeatures, now: float

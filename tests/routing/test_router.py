@@ -3,6 +3,7 @@ staleness of scraped data, P/D picks, state kept across endpoint changes."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -625,12 +626,17 @@ def test_a_replica_keeps_only_its_last_max_loras_adapters() -> None:
     router = lora_router(max_loras=2)
     state = router.replica("10.0.0.1:1")
     assert state is not None
-    for adapter in ("a", "b", "c"):
-        state.note_adapter(adapter, 2)
-    assert state.view(100.0, 5.0, False).adapters == {"b", "c"}
-    state.note_adapter("b", 2)  # used again: the most recent now
-    state.note_adapter("d", 2)
-    assert state.view(100.0, 5.0, False).adapters == {"b", "d"}
+    assert state.view(100.0, 5.0, False).adapter_lru_at == -math.inf  # slots free
+    for at, adapter in enumerate(("a", "b", "c")):
+        state.note_adapter(adapter, 2, float(at))
+    view = state.view(100.0, 5.0, False)
+    assert view.adapters == {"b", "c"}
+    assert view.adapter_lru_at == 1.0  # b's: the one a new adapter would evict
+    state.note_adapter("b", 2, 3.0)  # used again: the most recent now
+    state.note_adapter("d", 2, 4.0)
+    view = state.view(100.0, 5.0, False)
+    assert view.adapters == {"b", "d"}
+    assert view.adapter_lru_at == 3.0
 
 
 def test_an_engines_scraped_adapters_count_and_a_full_holder_spreads_the_adapter() -> None:
@@ -644,3 +650,16 @@ def test_an_engines_scraped_adapters_count_and_a_full_holder_spreads_the_adapter
     assert ask(router, "e") == "10.0.0.2:1"
     holder.in_flight = 8  # a full batch: no headroom
     assert ask(router, "e") != "10.0.0.2:1"
+
+
+def test_an_adapter_nobody_holds_evicts_the_one_sent_longest_ago() -> None:
+    """With every replica's slots taken, a new adapter goes where the adapter it evicts was
+    last asked for longest ago, not where it would evict one just used."""
+    router = lora_router(max_loras=1)
+    for address, adapter, at in (("10.0.0.1:1", "a", 90.0), ("10.0.0.2:1", "b", 10.0),
+                                 ("10.0.0.3:1", "c", 50.0)):  # fmt: skip
+        state = router.replica(address)
+        assert state is not None
+        state.note_adapter(adapter, 1, at)
+    assert ask(router, "d") == "10.0.0.2:1"
+    assert ask(router, "b") != "10.0.0.2:1"  # b was evicted there: d replaced it

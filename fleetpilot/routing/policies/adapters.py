@@ -13,12 +13,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from fleetpilot.routing.policies.picker import rendezvous_weight
 from fleetpilot.routing.policies.types import PickRequest, ReplicaView
+
+# A replica without the adapter scores at most these: for evicting the adapter least likely
+# to be asked for again (the least recently sent), and for its place in the adapter's home
+# order.
+EVICT_SCORE = 0.5
+HOME_SCORE = 0.1
 
 
 class AdapterScorer:
-    """Scorer: 1 for a replica that has the request's adapter, 0 for the others; nothing
-    for a request of the base model (every replica has it)."""
+    """Scorer: 1 for a replica that has the request's adapter. Among the others, loading it
+    evicts an adapter (the engine's least recently used) unless a slot is free: the replica
+    whose evicted adapter was sent longest ago (a free slot first) scores up to
+    ``EVICT_SCORE``, the one whose is the freshest nothing - an eviction there would be paid
+    for again by the next request for it. Each also scores up to ``HOME_SCORE`` by the
+    adapter's home order (rendezvous hashing of its name: the same in every router replica),
+    so an adapter nobody holds goes where its earlier requests went. Nothing for a request of
+    the base model (every replica has it)."""
 
     name = "adapter"
 
@@ -26,4 +39,13 @@ class AdapterScorer:
         adapter = request.adapter
         if adapter is None:
             return {}
-        return {v.id: 1.0 if adapter in v.adapters else 0.0 for v in replicas}
+        key = adapter.encode("utf-8", "surrogatepass")
+        cold = [v.id for v in replicas if adapter not in v.adapters]
+        order = sorted(cold, key=lambda rid: rendezvous_weight(key, rid), reverse=True)
+        scores = {rid: HOME_SCORE * (1.0 - rank / len(order)) for rank, rid in enumerate(order)}
+        stale = sorted((v for v in replicas if adapter not in v.adapters),
+                       key=lambda v: v.adapter_lru_at)  # fmt: skip
+        for rank, v in enumerate(stale):
+            scores[v.id] += EVICT_SCORE * (1.0 - rank / len(stale))
+        scores.update({v.id: 1.0 for v in replicas if adapter in v.adapters})
+        return scores

@@ -112,9 +112,11 @@ def make_view(
     ejected: bool = False,
     pending_prefill: float = 0.0,
     adapters: frozenset[str] = frozenset(),
+    adapter_lru_at: float = -math.inf,
 ) -> ReplicaView:
     """A view of a replica, ignoring scraped metrics older than ``stale_after_s``;
-    ``adapters``: those the router itself sent there lately (the scrape's are added)."""
+    ``adapters``: those the router itself sent there lately (the scrape's are added), the
+    least recent of them sent at ``adapter_lru_at`` (-inf: a slot is free)."""
     fresh = metrics is not None and scraped_at is not None and now - scraped_at <= stale_after_s
     if not fresh or metrics is None:
         return ReplicaView(
@@ -124,6 +126,7 @@ def make_view(
             ejected=ejected,
             pending_prefill=pending_prefill,
             adapters=adapters,
+            adapter_lru_at=adapter_lru_at,
         )
     return ReplicaView(
         replica_id,
@@ -135,6 +138,7 @@ def make_view(
         ejected=ejected,
         pending_prefill=pending_prefill,
         adapters=adapters | metrics.adapters,
+        adapter_lru_at=adapter_lru_at,
     )
 
 

@@ -3,6 +3,7 @@ computational."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -25,6 +26,9 @@ class ReplicaView:
     # LoRA adapters the replica likely has loaded: its engine's running and waiting requests'
     # (scraped), and the last few this router sent there (``ReplicaState.note_adapter``).
     adapters: frozenset[str] = frozenset()
+    # When the adapter a new one would evict here was last sent (this router's sends; -inf:
+    # fewer than --max-loras adapters sent, a slot is free).
+    adapter_lru_at: float = -math.inf
     # Derived once, at construction: every filter and scorer of a pick reads them, several
     # times a replica, and a pick over hundreds of replicas spent a fifth of its time
     # recomputing them (``bench/simulate_speed.py``).
