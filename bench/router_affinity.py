@@ -43,7 +43,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from router_support import ROOT, free_ports, machine, percentile, save, wait_healthy
+from router_support import ROOT, free_ports, machine, percentile, save, serving
 
 from fleetpilot.api.router_config import RouterConfig
 from fleetpilot.kv_events import kv_events_config
@@ -180,19 +180,8 @@ def engines(
         )
         for i, p in enumerate(ports)
     ]
-    try:
-        for p in ports:
-            wait_healthy(p, 120)
-        yield [f"127.0.0.1:{p}" for p in ports]
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+    with serving(procs, ports, 120) as addresses:
+        yield addresses
 
 
 def config(addresses: list[str]) -> RouterConfig:

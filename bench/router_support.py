@@ -355,6 +355,27 @@ def process(argv: list[str], cpus: set[int] | None, port: int) -> Iterator[subpr
             proc.wait(10)
 
 
+@contextlib.contextmanager
+def serving(
+    procs: Sequence[subprocess.Popen[bytes]], ports: Sequence[int], timeout_s: float
+) -> Iterator[list[str]]:
+    """Servers started as ``procs`` on ``ports``: their addresses once every one is healthy,
+    each stopped afterwards (killed if it does not end within 15 s)."""
+    try:
+        for port in ports:
+            wait_healthy(port, timeout_s)
+        yield [f"127.0.0.1:{port}" for port in ports]
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
 def echo_process(port: int, cpus: set[int] | None) -> contextlib.AbstractContextManager[Any]:
     return process([sys.executable, str(Path(__file__)), "echo", "--port", str(port)], cpus, port)
 
