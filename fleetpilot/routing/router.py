@@ -41,6 +41,7 @@ from fleetpilot.routing.features import Kind, RequestFeatures
 from fleetpilot.routing.policies.adapters import AdapterScorer
 from fleetpilot.routing.policies.candidates import (
     FULL_SCAN_MAX,
+    HOLDER_CANDIDATES,
     HOME_CANDIDATES,
     SAMPLED_CANDIDATES,
     HashRing,
@@ -224,18 +225,22 @@ class ReplicaState:
             self._view_of = made_of
         return view
 
-    def note_adapter(self, adapter: str, max_loras: int, now: float) -> None:
+    def note_adapter(self, adapter: str, max_loras: int, now: float) -> list[str]:
         """This router sent a request for ``adapter`` here at ``now``: the engine has it loaded,
         and keeps it until ``max_loras`` others have run since (it evicts the least recently
-        used)."""
+        used). The adapters that pushed out."""
         recent = self.recent_adapters
         recent.pop(adapter, None)
         recent[adapter] = now
+        evicted = []
         while len(recent) > max_loras:
-            del recent[next(iter(recent))]
+            oldest = next(iter(recent))
+            del recent[oldest]
+            evicted.append(oldest)
         self._adapters = frozenset(recent)
         full = len(recent) >= max_loras
         self._adapter_lru_at = next(iter(recent.values())) if full else -math.inf
+        return evicted
 
     def url(self, path: str) -> URL:
         """The replica's URL for a path, parsed once (URL parsing is a visible share of the
@@ -324,11 +329,6 @@ class Route:
         return "; ".join(parts)
 
 
-def with_adapter(request: PickRequest, adapter: str | None) -> PickRequest:
-    """The pick request naming the request's adapter, for the adapter scorer."""
-    return request if adapter is None else replace(request, adapter=adapter)
-
-
 def adapter_of(tier: RouterTier, features: RequestFeatures) -> str | None:
     """The LoRA adapter a request for this tier names, or None (its base model)."""
     model = features.model
@@ -378,6 +378,8 @@ class Router:
         self._seen_version = -1
         # The views of one decision (``views``); None outside ``decide``.
         self._views_memo: dict[tuple[str, str], list[ReplicaView]] | None = None
+        # Per LoRA adapter, the replicas this router sent it to that still hold it, in order.
+        self._adapter_holders: dict[str, dict[str, None]] = {}
         # Per group of over FULL_SCAN_MAX replicas: its ids, its consistent-hash ring, which
         # replica each KV stream is, and its tier state as last read (``_Large``).
         self._large: dict[tuple[str, str], _Large] = {}
@@ -600,7 +602,7 @@ class Router:
             decode_request, decode_keys = self._pick_request(
                 tier, RoleName.DECODE, hashes, keys, now
             )
-            decode_request = with_adapter(decode_request, adapter)
+            decode_request = self._with_adapter(tier, RoleName.DECODE, decode_request, adapter)
             decode_scorers = self._affinity_scorers if decode_request.known else self._load_scorers
             decode = self._pick(tier, RoleName.DECODE, decode_request, now, decode_scorers)
             if decode is None:
@@ -623,7 +625,7 @@ class Router:
                     local_prefill=True,
                 )
             request, chained = self._pick_request(tier, RoleName.PREFILL, hashes, keys, now)
-            request = with_adapter(request, adapter)
+            request = self._with_adapter(tier, RoleName.PREFILL, request, adapter)
             prefill = self._pick(tier, RoleName.PREFILL, request, now, self._affinity_scorers)
             prefill_state = None
             matched = 0.0
@@ -647,7 +649,7 @@ class Router:
                 request=request,
             )
         request, chained = self._pick_request(tier, RoleName.UNIFIED, hashes, keys, now)
-        request = with_adapter(request, adapter)
+        request = self._with_adapter(tier, RoleName.UNIFIED, request, adapter)
         chosen = self._pick(tier, RoleName.UNIFIED, request, now, self._affinity_scorers)
         if chosen is None:
             raise self._none_open(tier, "no replica available")
@@ -672,8 +674,32 @@ class Router:
     def _note_adapter(
         self, tier: RouterTier, replica_id: str, adapter: str | None, now: float
     ) -> None:
-        if adapter is not None:
-            self._replicas[replica_id].note_adapter(adapter, tier.max_loras, now)
+        if adapter is None:
+            return
+        evicted = self._replicas[replica_id].note_adapter(adapter, tier.max_loras, now)
+        self._adapter_holders.setdefault(adapter, {})[replica_id] = None
+        for gone in evicted:
+            holders = self._adapter_holders.get(gone)
+            if holders is not None:
+                holders.pop(replica_id, None)
+
+    def _with_adapter(
+        self, tier: RouterTier, role: RoleName, request: PickRequest, adapter: str | None
+    ) -> PickRequest:
+        """The pick request naming the request's adapter, for the adapter scorer; in a group
+        too large to score every replica, its candidates gain the replicas this router last
+        sent the adapter to and the adapter's home on the ring (where it goes when nobody
+        holds it), so the pick can find them."""
+        if adapter is None:
+            return request
+        candidates = request.candidates
+        large = self._large.get((tier.name, role))
+        if candidates is not None and large is not None:
+            held = self._adapter_holders.get(adapter, {})
+            holders = [rid for rid in reversed(held) if rid in large.ids][:HOLDER_CANDIDATES]
+            home = large.ring.successors(adapter.encode("utf-8", "surrogatepass"), HOME_CANDIDATES)
+            candidates = tuple(dict.fromkeys([*candidates, *holders, *home]))
+        return replace(request, adapter=adapter, candidates=candidates)
 
     def _choose_tier(
         self, features: RequestFeatures, now: float

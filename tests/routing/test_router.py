@@ -452,7 +452,7 @@ def large_kv_router(
     )
     config = make_config(
         [RouterTier(name="small", model="sm", up_to=1.0, mode="unified", endpoints=[group],
-                    tokenizer=str(REFERENCE_TOKENIZER))]
+                    tokenizer=str(REFERENCE_TOKENIZER), adapters=["sql"], max_loras=2)]
     )  # fmt: skip
     clock = now if now is not None else [100.0]
     extra = {} if full_scan_max is None else {"full_scan_max": full_scan_max}
@@ -663,3 +663,21 @@ def test_an_adapter_nobody_holds_evicts_the_one_sent_longest_ago() -> None:
         state.note_adapter(adapter, 1, at)
     assert ask(router, "d") == "10.0.0.2:1"
     assert ask(router, "b") != "10.0.0.2:1"  # b was evicted there: d replaced it
+
+
+def test_a_large_group_finds_the_replicas_holding_an_adapter_among_its_candidates() -> None:
+    """Of 200 replicas, the ones this router sent an adapter to are among the few a pick
+    scores for another tenant's prompt naming it (beside that prompt's own home), so the
+    adapter's requests keep going where it is loaded instead of loading it wherever each
+    prompt alone would land."""
+    router = large_kv_router(LARGE)
+    holders = set()
+    for user in range(6):
+        # Completions without a shared first block: no replica holds any of the next one.
+        prompt = f"{user} tenant's desk. " * 40
+        route = router.decide(extract_features({"model": "sql", "prompt": prompt}, "completions"))
+        assert route.request.candidates is not None
+        assert len(route.request.candidates) < 30
+        assert holders <= set(route.request.candidates)
+        holders.add(route.replica.id)
+    assert len(holders) <= 2  # the adapter stays where it went first (and its home)
