@@ -21,6 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import fleetpilot
+from fleetpilot.routing.policies.load import parse_engine_metrics
 from fleetpilot.testing.engine_server import BackgroundServer
 from tests.contract.conftest import VllmJudge
 from tests.contract.metric_families import summarize
@@ -157,3 +158,27 @@ def test_whatever_the_reference_engine_exports_under_vllms_names_is_vllms(
             assert set(ours["labels"]) <= set(theirs["labels"]), (family, ours, theirs)
         else:
             assert ours["labels"] == theirs["labels"], (family, ours, theirs)
+
+
+def test_the_router_reads_the_adapters_vllm_reports_running(
+    vllm_judge: VllmJudge, tiny_checkpoint: Path
+) -> None:
+    """vLLM's own logger, after three scheduler steps with different LoRA adapters running
+    and waiting, exposes a vllm:lora_requests_info series for each set it saw; the router's
+    parser reads the adapters of the last step from that text (the newest series), not a
+    union of all, not the first."""
+    argv = [str(tiny_checkpoint), "--served-model-name", MODEL, "--max-model-len", MAX_MODEL_LEN,
+            "--enable-lora", "--max-loras", "2"]  # fmt: skip
+    snapshots = [
+        {"running": ["sql", "legal"], "waiting": []},
+        {"running": ["tax"], "waiting": ["sql"]},
+        {"running": ["team/a:v2"], "waiting": ["poetry"]},
+    ]
+    answer = vllm_judge.ask({"op": "lora_info", "argv": argv, "snapshots": snapshots})
+    assert answer["ok"], answer["error"]
+    text: str = answer["text"]
+    series = [line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{")]
+    assert len(series) == 3  # vLLM keeps every set it reported
+    metrics = parse_engine_metrics(text)
+    assert metrics is not None
+    assert metrics.adapters == {"team/a:v2", "poetry"}

@@ -20,6 +20,10 @@ vLLM version it runs:
   built as ``vllm serve`` builds it, ``EngineArgs.create_engine_config``; no weights are read),
   with the cache-config info metric an engine registers once it found ``N`` KV blocks.
   Answer ``{"ok": true, "families": {name: {"type", "labels", "buckets", "samples"}}}``.
+- ``{"op": "lora_info", "argv": [...], "snapshots": [{"running": [...], "waiting": [...]}]}``:
+  the ``/metrics`` text vLLM's Prometheus logger exposes for an engine started with these
+  arguments (LoRA on) after it recorded one scheduler step per snapshot, in order, each with
+  those adapters' requests running and waiting. Answer ``{"ok": true, "text": "..."}``.
 - ``{"op": "kv_decode", "payload": "<base64>"}``: a KV-event batch payload decoded with vLLM's
   own structs (``vllm/distributed/kv_events.py``, ``KVEventBatch``) as its subscribers decode
   it; answer the batch as builtins (each event with its ``type`` tag).
@@ -149,6 +153,29 @@ def metrics(parser: _ServeParser, argv: list[str], num_gpu_blocks: int) -> dict[
         return {"ok": False, "error": f"{type(error).__name__}: {error}"}
     families = summarize(REGISTRY.collect())
     return {"ok": True, "families": families}
+
+
+def lora_info(parser: _ServeParser, argv: list[str], snapshots: list[Any]) -> dict[str, Any]:
+    import time
+
+    from prometheus_client import REGISTRY, generate_latest
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    try:
+        config = AsyncEngineArgs.from_cli_args(parser.parse(argv)).create_engine_config()
+        stat_logger = PrometheusStatLogger(config, engine_indexes=[0])
+        for snapshot in snapshots:
+            stats = SchedulerStats(
+                running_lora_adapters=dict.fromkeys(snapshot["running"], 1),
+                waiting_lora_adapters=dict.fromkeys(snapshot["waiting"], 1),
+            )
+            stat_logger.record(scheduler_stats=stats, iteration_stats=None, engine_idx=0)
+            time.sleep(0.01)  # the gauge's value is the time: each snapshot a later one
+    except Exception as error:
+        return {"ok": False, "error": f"{type(error).__name__}: {error}"}
+    return {"ok": True, "text": generate_latest(REGISTRY).decode()}
 
 
 def kv_decode(payload_b64: str) -> dict[str, Any]:
@@ -314,6 +341,8 @@ def main() -> None:
             answer = serve(parser, list(request["argv"]))
         elif op == "metrics":
             answer = metrics(parser, list(request["argv"]), int(request["num_gpu_blocks"]))
+        elif op == "lora_info":
+            answer = lora_info(parser, list(request["argv"]), list(request["snapshots"]))
         elif op == "kv_decode":
             answer = kv_decode(request["payload"])
         elif op == "kv_encode":
