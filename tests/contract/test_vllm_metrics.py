@@ -76,9 +76,10 @@ def exposed_families(text: str) -> Families:
 @pytest.fixture(scope="module")
 def vllm_families(vllm_judge: VllmJudge, tiny_checkpoint: Path) -> Families:
     """What vLLM registers for an engine like the reference one: a tiny Llama checkpoint with
-    the reference tokenizer, served under one name, with ngram speculation (its counters)."""
+    the reference tokenizer, served under one name, with ngram speculation (its counters) and
+    LoRA on (vllm:lora_requests_info, which the router reads)."""
     argv = [str(tiny_checkpoint), "--served-model-name", MODEL, "--max-model-len", MAX_MODEL_LEN,
-            "--speculative-config", json.dumps(SPECULATIVE)]  # fmt: skip
+            "--speculative-config", json.dumps(SPECULATIVE), "--enable-lora"]  # fmt: skip
     answer = vllm_judge.ask({"op": "metrics", "argv": argv, "num_gpu_blocks": NUM_GPU_BLOCKS})
     assert answer["ok"], answer["error"]
     families: Families = answer["families"]
@@ -92,7 +93,8 @@ def reference_families() -> Iterator[Families]:
         ["--host", "127.0.0.1", "--port", "0", "--model-config", "tiny",
          "--max-model-len", MAX_MODEL_LEN, "--served-model-name", MODEL,
          "--num-gpu-blocks-override", str(NUM_GPU_BLOCKS),
-         "--speculative-config", '{"num_speculative_tokens": 2, "draft_num_layers": 1}']
+         "--speculative-config", '{"num_speculative_tokens": 2, "draft_num_layers": 1}',
+         "--enable-lora"]
     ).start()  # fmt: skip
     try:
         prompt = "The quick brown fox jumps over the lazy dog, again and again and again."

@@ -18,7 +18,8 @@ vLLM version it runs:
   an engine started
   with these ``vllm serve`` arguments (a local checkpoint folder the caller wrote: the config is
   built as ``vllm serve`` builds it, ``EngineArgs.create_engine_config``; no weights are read),
-  with the cache-config info metric an engine registers once it found ``N`` KV blocks.
+  with the cache-config info metric an engine registers once it found ``N`` KV blocks (and,
+  with LoRA on, one scheduler step recorded, so the LoRA gauge has its labelled sample).
   Answer ``{"ok": true, "families": {name: {"type", "labels", "buckets", "samples"}}}``.
 - ``{"op": "lora_info", "argv": [...], "snapshots": [{"running": [...], "waiting": [...]}]}``:
   the ``/metrics`` text vLLM's Prometheus logger exposes for an engine started with these
@@ -149,6 +150,12 @@ def metrics(parser: _ServeParser, argv: list[str], num_gpu_blocks: int) -> dict[
         # config, with the block count it found (given here: nothing is profiled).
         config.cache_config.num_gpu_blocks = num_gpu_blocks
         stat_logger.log_engine_initialized()
+        if config.lora_config is not None:
+            # vllm:lora_requests_info has a sample (and so its labels) only once a scheduler
+            # step was recorded: one, with no adapter running.
+            from vllm.v1.metrics.stats import SchedulerStats
+
+            stat_logger.record(scheduler_stats=SchedulerStats(), iteration_stats=None)
     except Exception as error:
         return {"ok": False, "error": f"{type(error).__name__}: {error}"}
     families = summarize(REGISTRY.collect())
