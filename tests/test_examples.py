@@ -98,6 +98,23 @@ EXPECTED = {
             )
         },
     ),
+    "lora.yaml": Example(
+        "assist",
+        [("main", 1.0, "unified")],
+        {
+            "assist-main": Engine(
+                "unified",
+                1,
+                1,
+                {
+                    "--max-loras": "2",
+                    "--max-lora-rank": "32",
+                    # The Hub adapter from its init container's emptyDir (the PVC one follows).
+                    "--lora-modules": "sql=/adapters/0-sql",
+                },
+            )
+        },
+    ),
     "local-two-tier.yaml": Example(
         "local",
         [("small", 0.4, "unified"), ("large", 1.0, "unified")],
@@ -128,7 +145,8 @@ def test_every_example_is_described_here() -> None:
 def test_example_plans_the_tiers_and_roles_it_describes(path: Path) -> None:
     """The two-tier examples route by complexity to two tiers, the disaggregated one plans
     prefill and decode Deployments with NIXL, the TP=8 one eight GPUs with EAGLE-3 and an FP8
-    KV cache: an example that silently stopped showing its feature would still be valid."""
+    KV cache, the LoRA one its adapters: an example that silently stopped showing its feature
+    would still be valid."""
     expected = EXPECTED[path.name]
     name, objects = _planned(path)
     assert name == expected.service
