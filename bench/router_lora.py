@@ -29,7 +29,7 @@ completed requests per second and errors.
 The machine has 2 shared cores: compare arms within one run, not across runs.
 
 Run: .venv/bin/python bench/router_lora.py [--rate 6] [--duration 60] [--skew 1.0]
-     [--seeds 0,1] [--arms a,b] [--save]
+     [--seeds 0,1] [--arms a,b] [--save [--name FILE]]
 """
 
 from __future__ import annotations
@@ -260,6 +260,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--save", action="store_true")
+    parser.add_argument("--name", default="router_lora", help="results file name (--save)")
     args = parser.parse_args()
     arms = args.arms.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -287,7 +288,7 @@ def main() -> None:
                 )
     if args.save:
         path = save(
-            "router_lora",
+            args.name,
             {"machine": machine(), "args": vars(args), "wall_s": time.time() - started,
              "rows": rows},
         )  # fmt: skip
