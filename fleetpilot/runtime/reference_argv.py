@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import sys
 import zlib
+from dataclasses import replace
 from pathlib import Path
 
 import fleetpilot
@@ -42,6 +43,7 @@ from fleetpilot.engine.vllm_args import (
     LoraLaunch,
     kv_events_json,
     kv_transfer_config,
+    lora_args,
 )
 
 # The reference engine's smallest model preset: several engines fit on a CPU at once.
@@ -103,17 +105,11 @@ def adapter_stand_in(adapter_root: Path, name: str) -> Path:
 
 
 def lora_argv(lora: LoraLaunch, adapter_root: Path) -> list[str]:
-    """The reference engine's LoRA flags (vLLM's spelling) for the launch's sizes, its
-    adapters as seeded stand-ins under ``adapter_root``."""
-    argv = ["--enable-lora", "--max-loras", str(lora.max_loras)]
-    argv += ["--max-lora-rank", str(lora.max_lora_rank)]
-    if lora.max_cpu_loras is not None:
-        argv += ["--max-cpu-loras", str(lora.max_cpu_loras)]
-    if lora.modules:
-        argv += ["--lora-modules"]
-        argv += [f"{name}={adapter_stand_in(adapter_root, name)}" for name, _ in lora.modules]
-        argv += ["--seed-missing-lora-modules"]
-    return argv
+    """The reference engine's LoRA flags: vLLM's (``vllm_args.lora_args``) for the launch's
+    sizes, its adapters as seeded stand-ins under ``adapter_root``."""
+    stand_ins = tuple((name, str(adapter_stand_in(adapter_root, name))) for name, _ in lora.modules)
+    argv = lora_args(replace(lora, modules=stand_ins))
+    return [*argv, "--seed-missing-lora-modules"] if stand_ins else argv
 
 
 __all__ = [

@@ -40,12 +40,12 @@ class AdapterScorer:
         if adapter is None:
             return {}
         key = adapter.encode("utf-8", "surrogatepass")
-        cold = [v.id for v in replicas if adapter not in v.adapters]
-        order = sorted(cold, key=lambda rid: rendezvous_weight(key, rid), reverse=True)
-        scores = {rid: HOME_SCORE * (1.0 - rank / len(order)) for rank, rid in enumerate(order)}
-        stale = sorted((v for v in replicas if adapter not in v.adapters),
-                       key=lambda v: v.adapter_lru_at)  # fmt: skip
+        scores = {v.id: 1.0 for v in replicas if adapter in v.adapters}
+        cold = [v for v in replicas if v.id not in scores]
+        home = sorted(cold, key=lambda v: rendezvous_weight(key, v.id), reverse=True)
+        stale = sorted(cold, key=lambda v: v.adapter_lru_at)
+        for rank, v in enumerate(home):
+            scores[v.id] = HOME_SCORE * (1.0 - rank / len(cold))
         for rank, v in enumerate(stale):
-            scores[v.id] += EVICT_SCORE * (1.0 - rank / len(stale))
-        scores.update({v.id: 1.0 for v in replicas if adapter in v.adapters})
+            scores[v.id] += EVICT_SCORE * (1.0 - rank / len(cold))
         return scores
