@@ -98,11 +98,16 @@ def adapter_dir(index: int, adapter: Adapter) -> str:
     return f"{ADAPTER_MOUNT}/{index}-{slug}"
 
 
+def adapter_claim_mount(claim: str) -> str:
+    """Where a PVC holding adapters is mounted in the engine pod."""
+    return f"{ADAPTER_VOLUME_MOUNT}/{claim}"
+
+
 def adapter_location(index: int, adapter: Adapter) -> str:
     """Where the engine reads the tier's ``index``-th adapter in its pod."""
     pvc = adapter.source.pvc
     if pvc is not None:
-        return f"{ADAPTER_VOLUME_MOUNT}/{pvc.claim_name}/{pvc.path}"
+        return f"{adapter_claim_mount(pvc.claim_name)}/{pvc.path}"
     return adapter_dir(index, adapter)
 
 

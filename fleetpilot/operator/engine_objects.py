@@ -9,9 +9,9 @@ from fleetpilot.api.pod_template import GPU_PRODUCT_LABEL, PodTemplateOverlay
 from fleetpilot.api.spec import HuggingFaceSource, SecretKeyRef, Tier
 from fleetpilot.engine.vllm_args import (
     ADAPTER_MOUNT,
-    ADAPTER_VOLUME_MOUNT,
     ENGINE_PORT,
     MODEL_MOUNT,
+    adapter_claim_mount,
     adapter_dir,
     kv_event_ports,
     launch_for,
@@ -54,6 +54,15 @@ def _token_env(ref: SecretKeyRef | None) -> list[K8sObject]:
     return [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
 
 
+def _cache_env() -> list[K8sObject]:
+    # Not root (pod_policy): vLLM's, torch's, triton's and the Hub's caches under ~ go to the
+    # writable emptyDir, as the image's own home is root's.
+    return [
+        {"name": "HOME", "value": CACHE_MOUNT},
+        {"name": "HF_HOME", "value": f"{CACHE_MOUNT}/huggingface"},
+    ]
+
+
 def adapter_claims(tier: Tier) -> list[str]:
     """The PVCs the tier's adapters are read from, each once, in the order first named."""
     claims = [a.source.pvc.claim_name for a in tier.adapters if a.source.pvc is not None]
@@ -77,11 +86,7 @@ def adapter_fetchers(tier: Tier, image: str) -> list[K8sObject]:
                 "name": f"adapter-{index}",
                 "image": image,
                 "command": command,
-                "env": [
-                    {"name": "HOME", "value": CACHE_MOUNT},
-                    {"name": "HF_HOME", "value": f"{CACHE_MOUNT}/huggingface"},
-                    *_token_env(hub.token_secret_ref),
-                ],
+                "env": [*_cache_env(), *_token_env(hub.token_secret_ref)],
                 "volumeMounts": [
                     {"name": "cache", "mountPath": CACHE_MOUNT},
                     {"name": "adapters", "mountPath": ADAPTER_MOUNT},
@@ -94,12 +99,7 @@ def adapter_fetchers(tier: Tier, image: str) -> list[K8sObject]:
 
 def _env(service: InferenceService, role: ResolvedRole) -> list[K8sObject]:
     tier = role.tier
-    env: list[K8sObject] = [
-        # Not root (pod_policy): vLLM's, torch's and triton's caches under ~ go to the
-        # writable emptyDir, as the image's own home is root's.
-        {"name": "HOME", "value": CACHE_MOUNT},
-        {"name": "HF_HOME", "value": f"{CACHE_MOUNT}/huggingface"},
-    ]
+    env = _cache_env()
     env += hub_token_env(tier.model.source.huggingface)
     if role.disaggregated:
         # The KV connector advertises this address to its peers for the block hand-off.
@@ -159,7 +159,7 @@ def _volumes(role: ResolvedRole) -> tuple[list[K8sObject], list[K8sObject]]:
         mounts.append(
             {
                 "name": f"adapters-{i}",
-                "mountPath": f"{ADAPTER_VOLUME_MOUNT}/{claim}",
+                "mountPath": adapter_claim_mount(claim),
                 "readOnly": True,
             }
         )
