@@ -23,7 +23,7 @@ from typing import Protocol
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
-from fleetpilot.api import API_VERSION, KIND, InferenceService
+from fleetpilot.api import KIND, InferenceService
 from fleetpilot.api.status import (
     Condition,
     ConditionStatus,
@@ -33,7 +33,8 @@ from fleetpilot.api.status import (
 )
 from fleetpilot.autoscaler.model import DataProblem, Decision
 from fleetpilot.kube import names
-from fleetpilot.kube.client import MERGE_CONTENT_TYPE, RESOURCES, Kube, KubeError, Obj
+from fleetpilot.kube.client import MERGE_CONTENT_TYPE, RESOURCES, Kube, Obj
+from fleetpilot.kube.events import post_event
 from fleetpilot.kube.managers import AUTOSCALER_MANAGER
 from fleetpilot.kube.status import StatusWrite, update_status
 
@@ -319,33 +320,10 @@ class KubernetesActuator:
     def _event(
         self, service: InferenceService, reason: str, message: str, kind: str, now: datetime
     ) -> None:
-        stamp = _timestamp(now)
-        involved: Obj = {
-            "apiVersion": API_VERSION,
-            "kind": KIND,
-            "name": service.name,
-            "namespace": service.namespace,
-        }
-        if service.metadata.uid:
-            involved["uid"] = service.metadata.uid
-        body: Obj = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"generateName": f"{service.name}.", "namespace": service.namespace},
-            "involvedObject": involved,
-            "reason": reason,
-            "message": message[:1024],
-            "type": kind,
-            "source": {"component": COMPONENT},
-            "firstTimestamp": stamp,
-            "lastTimestamp": stamp,
-            "count": 1,
-        }
-        try:
-            self.kube.request("POST", RESOURCES["Event"].path(service.namespace), body=body)
-        except KubeError as exc:
-            # An Event is a courtesy: the decision is already in status and metrics.
-            log.warning("could not post Event %s on %s: %s", reason, service.name, exc)
+        post_event(
+            self.kube, service, reason=reason, message=message, kind=kind,
+            component=COMPONENT, now=now,
+        )  # fmt: skip
 
 
 def kubernetes_actuator(

@@ -29,6 +29,9 @@ MODEL_MOUNT = "/models"
 # model's token); PVCs holding adapters are mounted read-only, one directory per claim.
 ADAPTER_MOUNT = "/adapters"
 ADAPTER_VOLUME_MOUNT = "/adapter-volumes"
+# With ``lora.dynamic`` the engine serves vLLM's load/unload endpoints (they exist only with
+# this set) and starts with no adapters: the operator loads the list into running engines.
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 KV_EVENTS_PORT = 5557  # vLLM's default PUB endpoint, tcp://*:5557
 KV_REPLAY_PORT = 5558
 
@@ -44,12 +47,14 @@ class SpeculativeLaunch:
 @dataclass(frozen=True)
 class LoraLaunch:
     """vLLM's LoRA flags: how many adapters the engine holds, and the adapters it loads at
-    start (``--lora-modules``, name and path in the pod)."""
+    start (``--lora-modules``, name and path in the pod) - none when they are loaded at run
+    time (``runtime_updates``)."""
 
     max_loras: int
     max_lora_rank: int
     max_cpu_loras: int | None = None
     modules: tuple[tuple[str, str], ...] = ()
+    runtime_updates: bool = False
 
 
 @dataclass(frozen=True)
@@ -103,12 +108,25 @@ def adapter_claim_mount(claim: str) -> str:
     return f"{ADAPTER_VOLUME_MOUNT}/{claim}"
 
 
-def adapter_location(index: int, adapter: Adapter) -> str:
-    """Where the engine reads the tier's ``index``-th adapter in its pod."""
+def adapter_location(index: int, adapter: Adapter, *, dynamic: bool = False) -> str:
+    """Where the engine reads the tier's ``index``-th adapter in its pod. Loaded at run time
+    (``dynamic``), a Hub adapter is its repo id: vLLM downloads it then (the planner admits
+    only adapters that needs no revision or token of their own for)."""
     pvc = adapter.source.pvc
     if pvc is not None:
         return f"{adapter_claim_mount(pvc.claim_name)}/{pvc.path}"
+    hub = adapter.source.huggingface
+    if dynamic and hub is not None:
+        return hub.repo
     return adapter_dir(index, adapter)
+
+
+def declared_adapters(tier: Tier) -> dict[str, str]:
+    """The tier's adapters, name -> where its engines read them (as ``--lora-modules`` or a
+    run-time load would name them)."""
+    settings = tier.lora_settings
+    dynamic = settings is not None and settings.dynamic
+    return {a.name: adapter_location(i, a, dynamic=dynamic) for i, a in enumerate(tier.adapters)}
 
 
 def lora_launch(tier: Tier) -> LoraLaunch | None:
@@ -120,9 +138,8 @@ def lora_launch(tier: Tier) -> LoraLaunch | None:
         max_loras=settings.max_loras,
         max_lora_rank=settings.max_lora_rank,
         max_cpu_loras=settings.max_cpu_loras,
-        modules=tuple(
-            (adapter.name, adapter_location(i, adapter)) for i, adapter in enumerate(tier.adapters)
-        ),
+        modules=() if settings.dynamic else tuple(declared_adapters(tier).items()),
+        runtime_updates=settings.dynamic,
     )
 
 

@@ -11,6 +11,7 @@ from fleetpilot.engine.vllm_args import (
     ADAPTER_MOUNT,
     ENGINE_PORT,
     MODEL_MOUNT,
+    RUNTIME_LORA_ENV,
     adapter_claim_mount,
     adapter_dir,
     kv_event_ports,
@@ -69,11 +70,18 @@ def adapter_claims(tier: Tier) -> list[str]:
     return list(dict.fromkeys(claims))
 
 
+def _loads_at_run_time(tier: Tier) -> bool:
+    settings = tier.lora_settings
+    return settings is not None and settings.dynamic
+
+
 def adapter_fetchers(tier: Tier, image: str) -> list[K8sObject]:
     """One init container per Hub adapter: the engine image's ``hf download`` of the repo at
     its revision, with the adapter's own token, into the adapters' emptyDir. The engine starts
     only once every adapter it is told to load is on disk."""
     fetchers: list[K8sObject] = []
+    if _loads_at_run_time(tier):
+        return fetchers  # the operator loads them into running engines (engine.adapter_sync)
     for index, adapter in enumerate(tier.adapters):
         hub = adapter.source.huggingface
         if hub is None:
@@ -109,6 +117,8 @@ def _env(service: InferenceService, role: ResolvedRole) -> list[K8sObject]:
                 "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
             }
         )
+    if _loads_at_run_time(tier):
+        env.append({"name": RUNTIME_LORA_ENV, "value": "True"})
     managed = {item["name"] for item in env}
     env += [{"name": e.name, "value": e.value} for e in tier.engine.env if e.name not in managed]
     return env
@@ -146,7 +156,7 @@ def _volumes(role: ResolvedRole) -> tuple[list[K8sObject], list[K8sObject]]:
             }
         )
         mounts.append({"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True})
-    if any(a.source.huggingface is not None for a in tier.adapters):
+    if not _loads_at_run_time(tier) and any(a.source.huggingface for a in tier.adapters):
         volumes.append({"name": "adapters", "emptyDir": {}})
         mounts.append({"name": "adapters", "mountPath": ADAPTER_MOUNT, "readOnly": True})
     for i, claim in enumerate(adapter_claims(tier)):

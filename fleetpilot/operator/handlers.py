@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Hashable, Mapping
 from typing import Any, cast
@@ -27,10 +28,11 @@ from fleetpilot.api.service import PLURAL
 from fleetpilot.autoscaler.actuator import kubernetes_actuator
 from fleetpilot.autoscaler.loop import tick
 from fleetpilot.autoscaler.prometheus import PrometheusSources
+from fleetpilot.engine.adapter_client import AdapterClient
 from fleetpilot.kube import names
 from fleetpilot.kube.client import Kube, KubeError
 from fleetpilot.kube.connect import connect
-from fleetpilot.operator import metrics
+from fleetpilot.operator import adapter_loading, metrics
 from fleetpilot.operator.autoscaling import ServiceTicker
 from fleetpilot.operator.children import (
     DEPLOYMENTS_INDEX,
@@ -93,6 +95,16 @@ REFRESH_WORKERS = 4
 # A child event's refresh waits this long for the rest of its burst (operator.refresh_queue).
 REFRESH_HOLD_S = 1.0
 
+# Threads syncing dynamic-LoRA adapters into engines: each waits on engines' HTTP calls.
+ADAPTER_SYNC_WORKERS = 4
+
+
+def loads_adapters_at_run_time(body: Mapping[str, Any]) -> bool:
+    """Whether the (raw) service has a ``lora.dynamic`` tier: a quick look before parsing."""
+    tiers = (body.get("spec") or {}).get("tiers") or []
+    return any(((tier or {}).get("lora") or {}).get("dynamic") is True for tier in tiers)
+
+
 # The loop ticks often; each service's roles are decided only when their own
 # autoscaling.interval has passed (loop.tick skips roles not yet due).
 AUTOSCALE_TICK_S = 5.0
@@ -127,7 +139,11 @@ def build_registry(
         # Optional CRDs are detected once at start: their absence never blocks a service.
         pod_monitors = kube.serves("monitoring.coreos.com/v1", "podmonitors")
         log.info("optional CRDs detected", extra={"podmonitor": pod_monitors})
-        options = PlanOptions(fleetpilot_image=fleetpilot_image, pod_monitor_available=pod_monitors)
+        options = PlanOptions(
+            fleetpilot_image=fleetpilot_image,
+            pod_monitor_available=pod_monitors,
+            operator_namespace=os.environ.get("POD_NAMESPACE") or None,
+        )
         memo["children"] = Children()
         memo["reconciler"] = Reconciler(kube, options, memo["children"])
         # Shared (not copied) by every service's handlers: kopf copies memo shallowly.
@@ -147,25 +163,38 @@ def build_registry(
             tick(body, source, memo["actuator"], memo["histories"])
 
         memo["ticker"] = ServiceTicker(autoscale, AUTOSCALE_TICK_S)
+        memo["adapter_client"] = AdapterClient()
+        memo["adapter_syncs"] = RefreshQueue(
+            lambda key: sync_adapters(key, memo),
+            ADAPTER_SYNC_WORKERS,
+            "adapter-sync",
+            REFRESH_HOLD_S,
+        )
 
     @kopf.on.startup(registry=registry)
     async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         await asyncio.to_thread(prepare, settings, memo)  # blocking API calls
         memo["ticker_task"] = asyncio.create_task(memo["ticker"].run(), name="autoscaler")
+        memo["resync_task"] = asyncio.create_task(resync_adapters(memo), name="adapter-resync")
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:
-        task: asyncio.Task[None] | None = memo.get("ticker_task")
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        for name in ("ticker_task", "resync_task"):
+            task: asyncio.Task[None] | None = memo.get(name)
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         ticker: ServiceTicker | None = memo.get("ticker")
         if ticker is not None:
             ticker.close()
-        refreshes: RefreshQueue | None = memo.get("refreshes")
-        if refreshes is not None:
-            refreshes.close()
+        for queue in ("refreshes", "adapter_syncs"):
+            refreshes: RefreshQueue | None = memo.get(queue)
+            if refreshes is not None:
+                refreshes.close()
+        client: AdapterClient | None = memo.get("adapter_client")
+        if client is not None:
+            client.close()
         sources: PrometheusSources | None = memo.get("prometheus")
         if sources is not None:
             sources.close()
@@ -191,6 +220,9 @@ def build_registry(
         finally:
             metrics.RECONCILE_DURATION.observe(time.monotonic() - started)
         outcome = "refused" if result.plan_error else "applied" if result.applied else "unchanged"
+        if not result.plan_error and loads_adapters_at_run_time(body):
+            # A changed adapter list changes no pod: the engines hear of it from here.
+            memo["adapter_syncs"].mark((body.metadata.namespace, body.metadata.name))
         metrics.RECONCILES.labels(result=outcome).inc()
         log.info(
             "reconciled",
@@ -267,6 +299,29 @@ def build_registry(
             if not exc.conflict:  # a conflict means a newer write; the next event retries
                 raise
 
+    def sync_adapters(key: Hashable, memo: kopf.Memo) -> None:
+        namespace, service_name = cast(tuple[str, str], key)
+        reconciler: Reconciler = memo["reconciler"]
+        ticker: ServiceTicker = memo["ticker"]
+        body = ticker.latest(namespace, service_name)
+        if body is None or not loads_adapters_at_run_time(body):
+            return
+        try:
+            service = parse_service(body)
+        except InvalidManifestError:
+            return
+        adapter_loading.sync_service(reconciler.kube, memo["adapter_client"], service)
+
+    async def resync_adapters(memo: kopf.Memo) -> None:
+        """Every RESYNC_S, sync every dynamic-LoRA service (what no event announces)."""
+        ticker: ServiceTicker = memo["ticker"]
+        while True:
+            await asyncio.sleep(adapter_loading.RESYNC_S)
+            for namespace, name in ticker.services:
+                body = ticker.latest(namespace, name)
+                if body is not None and loads_adapters_at_run_time(body):
+                    memo["adapter_syncs"].mark((namespace, name))
+
     @kopf.on.event(
         "apps", "v1", "deployments",
         labels={names.LABEL_MANAGED_BY: names.MANAGER}, id=DEPLOYMENT_CHANGED, registry=registry,
@@ -276,9 +331,14 @@ def build_registry(
         labels={names.LABEL_SERVICE: kopf.PRESENT}, id=POD_CHANGED, registry=registry,
     )  # fmt: skip
     async def child_changed(
-        namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **kwargs: Any
+        namespace: str | None, labels: kopf.Labels, body: kopf.Body, memo: kopf.Memo, **kwargs: Any
     ) -> None:
         attach_indexes(memo, kwargs)
         refresh_owner(namespace, labels, memo)
+        service_name = labels.get(names.LABEL_SERVICE)
+        if body.get("kind") == "Pod" and namespace and service_name:
+            # A replica that turned Ready holds no adapters yet (sync_adapters skips services
+            # without lora.dynamic at once).
+            memo["adapter_syncs"].mark((namespace, service_name))
 
     return registry

@@ -21,6 +21,11 @@ RECONCILE_DURATION = Histogram(
     "Wall time of one reconcile.",
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
+ADAPTER_CALLS = Counter(
+    "fleetpilot_operator_adapter_calls_total",
+    "Calls to engines of lora.dynamic tiers, by call (list, load, reload, unload) and result.",
+    ["call", "result"],
+)
 
 # The services' status as metrics, from the operator's watch of InferenceServices (every
 # status write, the autoscaler's included, arrives as an event): what the chart's alerts and

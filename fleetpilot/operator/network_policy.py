@@ -11,7 +11,10 @@ blocks and token ids to any peer that asks. So, per service:
   port, vLLM's NixlConnector on its side-channel port, 5600 + rank by default, and NIXL/UCX
   moves the blocks over ports it picks at run time, so no fixed list would keep P/D working);
   and the serving port, which also serves ``/metrics``, from the namespaces in
-  ``spec.networkPolicy.metricsNamespaces`` (where Prometheus runs);
+  ``spec.networkPolicy.metricsNamespaces`` (where Prometheus runs); and, when a tier loads
+  LoRA adapters at run time (``lora.dynamic``), the serving port from the operator's pods
+  (the chart's ``app.kubernetes.io/component: operator`` and ``part-of: fleetpilot`` labels,
+  in the operator's namespace), which call the engines' load/unload endpoints;
 * router pods accept their port from anywhere: they are the fleet's endpoint.
 
 What this does not cover, by design of NetworkPolicy: kubelet probes come from the node and
@@ -32,6 +35,11 @@ from fleetpilot.operator.router_objects import ROUTER_PORT
 API_VERSION = "networking.k8s.io/v1"
 # Set by the API server on every namespace since Kubernetes 1.21: selects namespaces by name.
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+# The chart's labels on the operator's pods (charts/fleetpilot/templates/deployment.yaml).
+OPERATOR_POD_LABELS = {
+    names.LABEL_COMPONENT: "operator",
+    "app.kubernetes.io/part-of": "fleetpilot",
+}
 
 
 def engines_policy_name(service: str) -> str:
@@ -53,8 +61,16 @@ def _router_ports(service: InferenceService) -> list[int]:
     return [ENGINE_PORT, *sorted(events - {ENGINE_PORT})]
 
 
-def engine_policy(service: InferenceService) -> K8sObject:
-    """Ingress of the engine pods: the router, peer engines, and the metrics scrape."""
+def _operator_peer(operator_namespace: str | None) -> K8sObject:
+    namespaces: K8sObject = (
+        {"matchLabels": {NAMESPACE_NAME_LABEL: operator_namespace}} if operator_namespace else {}
+    )
+    return {"podSelector": {"matchLabels": OPERATOR_POD_LABELS}, "namespaceSelector": namespaces}
+
+
+def engine_policy(service: InferenceService, operator_namespace: str | None = None) -> K8sObject:
+    """Ingress of the engine pods: the router, peer engines, the metrics scrape, and the
+    operator when it loads adapters into them."""
     ingress: list[K8sObject] = [
         {
             "from": [{"podSelector": {"matchLabels": names.router_selector(service.name)}}],
@@ -71,6 +87,8 @@ def engine_policy(service: InferenceService) -> K8sObject:
             ]
         }
         ingress.append({"from": [{"namespaceSelector": selector}], "ports": _tcp(ENGINE_PORT)})
+    if any(tier.lora is not None and tier.lora.dynamic for tier in service.spec.tiers):
+        ingress.append({"from": [_operator_peer(operator_namespace)], "ports": _tcp(ENGINE_PORT)})
     return {
         "apiVersion": API_VERSION,
         "kind": "NetworkPolicy",
@@ -101,8 +119,10 @@ def router_policy(service: InferenceService) -> K8sObject:
     }
 
 
-def network_policies(service: InferenceService) -> list[K8sObject]:
+def network_policies(
+    service: InferenceService, operator_namespace: str | None = None
+) -> list[K8sObject]:
     """The service's NetworkPolicies, or none when ``spec.networkPolicy.enabled`` is false."""
     if not service.spec.network_policy.enabled:
         return []
-    return [engine_policy(service), router_policy(service)]
+    return [engine_policy(service, operator_namespace), router_policy(service)]

@@ -29,6 +29,9 @@ class PlanOptions:
 
     fleetpilot_image: str = DEFAULT_FLEETPILOT_IMAGE
     pod_monitor_available: bool = False
+    # Where the operator's own pods run ($POD_NAMESPACE from the chart): engines that load
+    # adapters at run time admit its calls from there (network_policy). None: any namespace.
+    operator_namespace: str | None = None
 
 
 def owner_references(service: InferenceService) -> list[K8sObject]:

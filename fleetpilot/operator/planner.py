@@ -16,7 +16,7 @@ from fleetpilot.api.capacity import (
     role_capacity,
     smallest_fitting_tensor,
 )
-from fleetpilot.api.spec import PodMonitorMode
+from fleetpilot.api.spec import PodMonitorMode, Tier
 from fleetpilot.api.units import format_duration
 from fleetpilot.kube import names
 from fleetpilot.operator.engine_objects import engine_deployment, engine_pdb, engine_service
@@ -105,13 +105,7 @@ def check(service: InferenceService) -> None:
                 "multi-node replicas are not supported yet",
             )
         _check_capacity(role, where)
-        lora = tier.lora
-        if lora is not None and lora.dynamic:
-            raise PlanError(
-                f"{where}.lora.dynamic",
-                "loading adapters into running engines is not supported yet; leave it false: "
-                "the engines load the listed adapters at start, and a changed list rolls them",
-            )
+        _check_run_time_adapters(tier, where)
         for i, arg in enumerate(tier.engine.extra_args):
             flag = arg.split("=", 1)[0]
             if flag in MANAGED_FLAGS:
@@ -120,6 +114,34 @@ def check(service: InferenceService) -> None:
                     f"{flag} is set by fleetpilot from the spec; change the matching "
                     "spec field instead",
                 )
+
+
+def _check_run_time_adapters(tier: Tier, where: str) -> None:
+    """With ``lora.dynamic`` an engine downloads a Hub adapter itself when told to load it,
+    and vLLM's load call takes a repo id only: the default branch, with the engine's (the
+    model's) token. Refuse what would silently be served otherwise."""
+    if tier.lora is None or not tier.lora.dynamic:
+        return
+    for i, adapter in enumerate(tier.adapters):
+        hub = adapter.source.huggingface
+        if hub is None:
+            continue
+        field = f"{where}.adapters[{i}].source.huggingface"
+        if hub.revision:
+            raise PlanError(
+                f"{field}.revision",
+                f"adapter {adapter.name!r}: with lora.dynamic the engine downloads a Hub "
+                "adapter itself, and vLLM's load call takes no revision (only the default "
+                "branch); remove the revision, put the adapter on a PVC, or set lora.dynamic "
+                "false (the pods then fetch it at this revision, and a changed list rolls them)",
+            )
+        if hub.token_secret_ref is not None:
+            raise PlanError(
+                f"{field}.tokenSecretRef",
+                f"adapter {adapter.name!r}: with lora.dynamic the engine downloads a Hub "
+                "adapter with its own token (the model's), not the adapter's; remove the "
+                "adapter's token, put the adapter on a PVC, or set lora.dynamic false",
+            )
 
 
 def _check_capacity(role: ResolvedRole, where: str) -> None:
@@ -182,7 +204,7 @@ def plan(service: InferenceService, options: PlanOptions | None = None) -> list[
     check(service)
     roles = all_roles(service)
     # Policies first: no engine pod ever runs before the rules that guard it exist.
-    objects = network_policies(service)
+    objects = network_policies(service, options.operator_namespace)
     objects += router_objects(service, options)
     objects += [engine_service(service, role) for role in roles]
     objects += [engine_deployment(service, role) for role in roles]

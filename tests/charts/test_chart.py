@@ -30,6 +30,7 @@ from fleetpilot import __version__
 from fleetpilot.cli import build_parser
 from fleetpilot.kube.client import RESOURCES
 from fleetpilot.operator import metrics as operator_metrics
+from fleetpilot.operator.network_policy import OPERATOR_POD_LABELS
 from fleetpilot.operator.plan_types import DEFAULT_FLEETPILOT_IMAGE, PlanOptions
 from fleetpilot.operator.planner import plan
 from fleetpilot.operator.reconcile import MANAGED_KINDS
@@ -249,6 +250,9 @@ def test_default_values_render_a_cluster_wide_operator(chart: helm.Chart) -> Non
         "--log-format=json",
     ]
     assert only(objects, "ClusterKopfPeering")["metadata"]["name"] == FULLNAME
+    # The engines' NetworkPolicy admits the operator's adapter loads by these labels.
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert OPERATOR_POD_LABELS.items() <= pod_labels.items()
     service = only(objects, "Service")
     assert service["spec"]["ports"] == [
         {"name": "metrics", "port": 9090, "targetPort": "metrics", "protocol": "TCP"}

@@ -13,7 +13,8 @@ import pytest
 
 from fleetpilot.api import InvalidManifestError, parse_service
 from fleetpilot.engine.vllm_args import ENGINE_PORT
-from fleetpilot.operator.plan_types import K8sObject
+from fleetpilot.operator.network_policy import OPERATOR_POD_LABELS
+from fleetpilot.operator.plan_types import K8sObject, PlanOptions
 from fleetpilot.operator.planner import plan
 from fleetpilot.operator.router_objects import ROUTER_PORT
 from tests.factories import make_manifest, make_service, make_tier
@@ -164,3 +165,37 @@ def test_router_reaches_every_data_parallel_ranks_kv_event_ports() -> None:
             allowed = {p["port"] for p in rules[0]["ports"]}
             if "chat-router" not in deployment["metadata"]["name"]:
                 assert declared <= allowed, deployment["metadata"]["name"]
+
+
+def _dynamic_lora_tier() -> dict[str, Any]:
+    tier = make_tier("small")
+    tier["lora"] = {"dynamic": True}
+    return tier
+
+
+def test_engines_that_load_adapters_at_run_time_admit_the_operator_on_the_serving_port() -> None:
+    """The operator calls `lora.dynamic` engines' load/unload endpoints: its pods (by the
+    chart's labels, in its own namespace) may reach the serving port, and nothing else."""
+    service = make_service(tiers=[_dynamic_lora_tier()])
+    options = PlanOptions(operator_namespace="fleetpilot-system")
+    engines = policies(plan(service, options))["chat-engines"]
+    operator_rule = engines["spec"]["ingress"][-1]
+    assert operator_rule == {
+        "from": [
+            {
+                "podSelector": {"matchLabels": OPERATOR_POD_LABELS},
+                "namespaceSelector": {
+                    "matchLabels": {"kubernetes.io/metadata.name": "fleetpilot-system"}
+                },
+            }
+        ],
+        "ports": [{"protocol": "TCP", "port": ENGINE_PORT}],
+    }
+    anywhere = policies(plan(service))["chat-engines"]["spec"]["ingress"][-1]
+    assert anywhere["from"][0]["namespaceSelector"] == {}
+    static = policies(plan(make_service(tiers=[make_tier("small")]), options))["chat-engines"]
+    assert not any(
+        peer.get("podSelector", {}).get("matchLabels") == OPERATOR_POD_LABELS
+        for rule in static["spec"]["ingress"]
+        for peer in rule["from"]
+    )

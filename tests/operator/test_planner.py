@@ -409,15 +409,65 @@ def test_a_tier_without_adapters_has_no_init_container_or_adapter_volume() -> No
     assert not any(v["name"].startswith("adapters") for v in pod["volumes"])
 
 
-def test_dynamic_adapters_are_refused_until_the_operator_loads_them() -> None:
-    """Loading adapters into running engines needs the operator to call the engines; until it
-    does, `lora.dynamic: true` is refused at its field rather than planning engines that
-    would never get their adapters."""
+def _dynamic_tier(**lora: Any) -> dict[str, Any]:
+    tier = make_tier(
+        "main",
+        adapters=[
+            {"name": "chat", "source": {"huggingface": {"repo": "acme/chat-lora"}}},
+            {"name": "tax", "source": {"pvc": {"claimName": "loras", "path": "tax/v2"}}},
+        ],
+    )
+    tier["lora"] = {"dynamic": True, **lora}
+    return tier
+
+
+def test_dynamic_adapters_leave_the_pod_template_to_the_operator() -> None:
+    """With `lora.dynamic` the engines start with LoRA on but no --lora-modules and no
+    fetchers, and serve vLLM's load/unload endpoints: the adapter list is then not in the pod
+    template, so changing it rolls nothing (the operator loads it, engine.adapter_sync). The
+    adapters' claims stay mounted: their paths are read at load time."""
+    deployment = _find(plan(make_service(tiers=[_dynamic_tier()])), "Deployment", "chat-main")
+    pod = deployment["spec"]["template"]["spec"]
+    container = _container(deployment)
+    assert "initContainers" not in pod
+    assert "--enable-lora" in container["args"]
+    assert "--lora-modules" not in container["args"]
+    assert {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"} in container["env"]
+    assert [v["name"] for v in pod["volumes"] if v["name"].startswith("adapters")] == ["adapters-0"]
+    changed = _dynamic_tier()
+    legal = {"name": "legal", "source": {"pvc": {"claimName": "loras", "path": "legal"}}}
+    changed["adapters"] = [changed["adapters"][0], legal]
+    again = _find(plan(make_service(tiers=[changed])), "Deployment", "chat-main")
+    assert again["spec"]["template"] == deployment["spec"]["template"]
+
+
+def test_static_adapters_change_the_pod_template() -> None:
+    """Without `lora.dynamic` the list is in the engines' command: a changed list rolls them."""
     tier = _lora_tier()
-    tier["lora"] = {"dynamic": True}
+    before = _find(plan(make_service(tiers=[tier])), "Deployment", "chat-main")
+    tier["adapters"] = tier["adapters"][1:]
+    after = _find(plan(make_service(tiers=[tier])), "Deployment", "chat-main")
+    assert before["spec"]["template"] != after["spec"]["template"]
+
+
+@pytest.mark.parametrize(
+    ("hub", "field"),
+    [
+        ({"revision": "abc123"}, "revision"),
+        ({"tokenSecretRef": {"name": "acme-hub", "key": "hf"}}, "tokenSecretRef"),
+    ],
+)
+def test_dynamic_hub_adapters_that_vllm_cannot_fetch_as_declared_are_refused(
+    hub: dict[str, Any], field: str
+) -> None:
+    """vLLM's run-time load downloads a repo id at its default branch with the model's
+    token: a pinned revision or an adapter's own token would be silently ignored."""
+    tier = _dynamic_tier()
+    tier["adapters"][0]["source"]["huggingface"].update(hub)
     with pytest.raises(PlanError) as info:
         plan(make_service(tiers=[tier]))
-    assert info.value.field == "spec.tiers[0].lora.dynamic"
+    assert info.value.field == f"spec.tiers[0].adapters[0].source.huggingface.{field}"
+    assert "chat" in info.value.message
 
 
 def test_lora_flags_in_extra_args_are_refused() -> None:
