@@ -30,8 +30,11 @@ def eventually(what: str, probe: Callable[[], T | None], timeout: float = 60.0) 
         time.sleep(0.25)
 
 
-def mark_pods_ready(kube: Kube, namespace: str, selector: dict[str, str]) -> int:
-    """Do what a kubelet would: report every scheduled pod Running and Ready.
+def mark_pods_ready(
+    kube: Kube, namespace: str, selector: dict[str, str], pod_ip: str = "10.0.0.1"
+) -> int:
+    """Do what a kubelet would: report every scheduled pod Running and Ready, at ``pod_ip``
+    (a loopback address where a test serves what the pod would, to reach it there).
 
     Unscheduled pods are left alone, as no kubelet would ever see them. Returns how many pods
     were marked.
@@ -61,7 +64,7 @@ def mark_pods_ready(kube: Kube, namespace: str, selector: dict[str, str]) -> int
             "phase": "Running",
             "conditions": ready,
             "containerStatuses": containers,
-            "podIP": "10.0.0.1",
+            "podIP": pod_ip,
             "startTime": now,
         }
         path = f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}/status"

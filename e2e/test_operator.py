@@ -26,12 +26,18 @@ import pytest
 
 from e2e.chart_support import CRD_PATH, can, install_identity, release_name, render
 from e2e.support import condition, eventually, mark_pods_ready
+from fleetpilot.engine.adapter_client import AdapterClient
+from fleetpilot.engine.reference.lora import random_adapter, save_adapter
+from fleetpilot.engine.reference.settings import MODEL_PRESETS
+from fleetpilot.engine.vllm_args import ENGINE_PORT
+from fleetpilot.kube import names
 from fleetpilot.kube.client import MERGE_CONTENT_TYPE, RESOURCES, Kube, KubeError, Obj
 from fleetpilot.kube.managers import AUTOSCALER_MANAGER
 from fleetpilot.operator.reconcile import Reconciler
 from fleetpilot.runtime.processes import free_ports, http_ok
 from fleetpilot.runtime.prometheus import PrometheusServer
 from fleetpilot.testing.cluster import Cluster
+from fleetpilot.testing.engine_server import BackgroundServer
 from tests.autoscaler.support import Engine, EngineKey, Load
 from tests.factories import make_manifest, make_tier
 from tests.support.argocd import argocd_health
@@ -892,3 +898,143 @@ def test_policies_select_exactly_the_services_pods_and_are_pruned_and_collected(
     # Deleting the service takes its policies with it (garbage collection by owner).
     kube.delete("InferenceService", namespace, "other")
     eventually("other's policies collected", lambda: no_policies(kube, namespace, "other"), 90)
+
+
+# -- LoRA adapters: a changed list rolls static engines, and reaches dynamic ones in place ---
+
+# The engine pod's address, played by a reference engine on this machine: loopback addresses
+# other than 127.0.0.1 keep the engine port (8000, the pod's) clear of anything else here.
+ENGINE_POD_IP = "127.0.0.77"
+
+
+def lora_service(namespace: str, adapters: list[str], *, dynamic: bool) -> Obj:
+    """One tier serving adapters from the PVC `loras`, loaded at start or at run time."""
+    manifest = small_service(namespace)
+    tier = manifest["spec"]["tiers"][0]
+    tier["serving"] = {"replicas": {"min": 1, "max": 1}}
+    tier["adapters"] = [
+        {"name": name, "source": {"pvc": {"claimName": "loras", "path": name}}} for name in adapters
+    ]
+    tier["lora"] = {"maxLoras": 2, "dynamic": dynamic}
+    return manifest
+
+
+@pytest.fixture
+def adapter_claim(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[None]:
+    """The PVC `loras`, bound to a PV made for it: the scheduler places no pod whose claim is
+    missing or unbound."""
+    volume = f"{namespace}-loras"
+    kube.request("POST", "/api/v1/persistentvolumes", body={
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
+        "spec": {
+            "capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
+            "storageClassName": "", "hostPath": {"path": str(tmp_path / "loras")},
+            "claimRef": {"namespace": namespace, "name": "loras"},
+        },
+    })  # fmt: skip
+    kube.request("POST", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims", body={
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "loras"},
+        "spec": {
+            "accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": volume,
+            "resources": {"requests": {"storage": "1Gi"}},
+        },
+    })  # fmt: skip
+
+    def bound() -> bool | None:
+        path = f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/loras"
+        claim = kube.request("GET", path)
+        return (claim or {}).get("status", {}).get("phase") == "Bound" or None
+
+    eventually("the adapters' claim bound", bound)
+    try:
+        yield
+    finally:
+        kube.request("DELETE", f"/api/v1/persistentvolumes/{volume}")
+
+
+@pytest.fixture
+def pod_engine(tmp_path: Path) -> Iterator[tuple[BackgroundServer, Path]]:
+    """A reference engine standing in for the tier's one engine pod: LoRA on, vLLM's runtime
+    load/unload endpoints on, reading the pod's paths under ``root`` (its volume mounts)."""
+    root = tmp_path / "pod"
+    for seed, name in enumerate(("tax", "legal"), start=1):
+        adapter, tensors = random_adapter(MODEL_PRESETS["tiny"], 8, 16, seed=seed)
+        save_adapter(root / "adapter-volumes" / "loras" / name, adapter, tensors)
+    argv = ["--host", ENGINE_POD_IP, "--port", str(ENGINE_PORT), "--model-config", "tiny",
+            "--served-model-name", "small-model", "--enable-lora", "--max-loras", "2",
+            "--adapter-path-root", str(root)]  # fmt: skip
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+        server = BackgroundServer.from_argv(argv).start()
+    try:
+        yield server, root
+    finally:
+        server.stop()
+
+
+def test_a_changed_adapter_list_reaches_dynamic_engines_without_a_rollout(
+    kube: Kube,
+    namespace: str,
+    operator: Any,
+    gpu_node: None,
+    adapter_claim: None,
+    pod_engine: tuple[BackgroundServer, Path],
+) -> None:
+    """`lora.dynamic`: the operator loads the listed adapters into the Ready engine pod over
+    vLLM's endpoints; a changed list is unloaded and loaded there, and the Deployment's
+    template (so its pods) stays as it was."""
+    engine, _ = pod_engine
+    adapters = AdapterClient()
+    apply_service(kube, lora_service(namespace, ["tax"], dynamic=True))
+    deployment = eventually(
+        "engine Deployment", lambda: get(kube, "Deployment", namespace, "chat-small")
+    )
+    selector = names.engine_selector("chat", "small", "unified")
+    eventually(
+        "engine pod Ready",
+        lambda: mark_pods_ready(kube, namespace, selector, ENGINE_POD_IP) or None,
+    )
+
+    def holds(expected: dict[str, str]) -> bool | None:
+        return adapters.listed(engine.url) == expected or None
+
+    eventually("tax loaded into the engine", lambda: holds({"tax": "/adapter-volumes/loras/tax"}))
+
+    apply_service(kube, lora_service(namespace, ["legal"], dynamic=True))
+    eventually(
+        "the changed list in the engine",
+        lambda: holds({"legal": "/adapter-volumes/loras/legal"}),
+    )
+    after = get(kube, "Deployment", namespace, "chat-small")
+    assert after is not None
+    assert after["metadata"]["generation"] == deployment["metadata"]["generation"]
+    assert after["spec"]["template"] == deployment["spec"]["template"]
+    (pod,) = kube.list("Pod", namespace, selector)  # the same pod: nothing rolled
+    reasons = {e["reason"] for e in kube.list("Event", namespace, {})}
+    assert "AdaptersSynced" in reasons
+    assert pod["status"]["podIP"] == ENGINE_POD_IP
+    adapters.close()
+
+
+def test_a_changed_adapter_list_rolls_static_engines(
+    kube: Kube, namespace: str, operator: Any, gpu_node: None, adapter_claim: None
+) -> None:
+    """Without `lora.dynamic` the list is the engines' --lora-modules: a change is a new pod
+    template, which the Deployment rolls out."""
+    apply_service(kube, lora_service(namespace, ["tax"], dynamic=False))
+    before = eventually(
+        "engine Deployment", lambda: get(kube, "Deployment", namespace, "chat-small")
+    )
+    assert (
+        "tax=/adapter-volumes/loras/tax"
+        in before["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
+    apply_service(kube, lora_service(namespace, ["legal"], dynamic=False))
+
+    def rolled() -> Obj | None:
+        deployment = get(kube, "Deployment", namespace, "chat-small")
+        args = deployment["spec"]["template"]["spec"]["containers"][0]["args"] if deployment else []
+        return deployment if "legal=/adapter-volumes/loras/legal" in args else None
+
+    after = eventually("the new list in the pod template", rolled)
+    assert after["metadata"]["generation"] > before["metadata"]["generation"]

@@ -320,8 +320,11 @@ class LLMEngine:
 
     def _read_adapter(self, lora: LoRARequest) -> LoRAWeights:
         assert self.config.lora is not None
+        lora_config = self.config.lora
         return read_adapter(
-            lora.path, self.model.config, max_lora_rank=self.config.lora.max_lora_rank
+            lora_config.files_at(lora.path),
+            self.model.config,
+            max_lora_rank=lora_config.max_lora_rank,
         )
 
     def add_lora(self, lora: LoRARequest, weights: LoRAWeights | None = None) -> None:

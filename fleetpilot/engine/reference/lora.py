@@ -77,6 +77,9 @@ class LoRAConfig:
     max_loras: int = 1  # distinct adapters in one batch (vLLM's GPU slots)
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept loaded; default max_loras, as vLLM
+    # Reference engine only: absolute adapter paths are read under this folder, as a container
+    # sees its volume mounts (a test playing a pod on this machine names the pod's paths).
+    path_root: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
@@ -93,6 +96,12 @@ class LoRAConfig:
     @property
     def cpu_capacity(self) -> int:
         return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+    def files_at(self, path: str) -> Path:
+        """Where an adapter named by ``path`` (as a load or --lora-modules names it) is read."""
+        if self.path_root is not None and path.startswith("/"):
+            return Path(self.path_root) / path.lstrip("/")
+        return Path(path)
 
 
 @dataclass(frozen=True)

@@ -228,7 +228,9 @@ class EngineServer:
                         write_seeded_adapter,
                         engine.model.config,
                         module.name,
-                        module.path,
+                        engine.config.lora.files_at(module.path)
+                        if engine.config.lora
+                        else module.path,
                         engine.config.lora.max_lora_rank if engine.config.lora else 16,
                     )
                 lora = self.loras.prepare_load(
@@ -454,7 +456,9 @@ class EngineServer:
                 weights = await asyncio.get_running_loop().run_in_executor(
                     None,
                     lambda: read_adapter(
-                        lora.path, engine.model.config, max_lora_rank=lora_config.max_lora_rank
+                        lora_config.files_at(lora.path),
+                        engine.model.config,
+                        max_lora_rank=lora_config.max_lora_rank,
                     ),
                 )
             except LoRANotFoundError as e:

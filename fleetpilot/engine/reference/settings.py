@@ -253,6 +253,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "seeded adapter, named by its seed, at each --lora-modules path that holds none, then "
         "load it from there as any other",
     )
+    a(
+        "--adapter-path-root",
+        default=None,
+        help="reference engine only (a test playing a pod on this machine): read absolute "
+        "adapter paths under this folder, as a container sees its volume mounts",
+    )
     a("--seed", type=int, default=0, help="sampling seed for requests without their own")
     a(
         "--num-threads",
@@ -417,6 +423,7 @@ def _lora(args: argparse.Namespace) -> tuple[LoRAConfig | None, tuple[LoRAModule
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
             max_cpu_loras=args.max_cpu_loras,
+            path_root=args.adapter_path_root,
         )
     except ValueError as e:
         raise ConfigError(f"--max-loras/--max-lora-rank/--max-cpu-loras: {e}") from e

@@ -309,3 +309,23 @@ def test_lora_modules_entries_parse_as_vllms() -> None:
     assert parse_lora_module("sql=/a=b") == parse_lora_module('{"name": "sql", "path": "/a=b"}')
     with pytest.raises(ValueError, match="Invalid fields"):
         parse_lora_module('{"name": "sql"}')
+
+
+def test_absolute_adapter_paths_are_read_under_the_path_root(tmp_path: Path) -> None:
+    """A test playing a pod names the pod's paths (/adapter-volumes/...): the engine reads them
+    under --adapter-path-root and reports the path as named, as vLLM in the pod would."""
+    write(tmp_path / "adapter-volumes" / "loras" / "tax", seed=5)
+    srv = start([*BASE_ARGS, "--enable-lora", "--adapter-path-root", str(tmp_path)])
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            body = {"lora_name": "tax", "lora_path": "/adapter-volumes/loras/tax"}
+            assert http.post("/v1/load_lora_adapter", json=body).status_code == 200
+            cards = {c["id"]: c for c in http.get("/v1/models").json()["data"]}
+            assert cards["tax"]["root"] == "/adapter-volumes/loras/tax"
+            data = complete(http, "tax")
+            path = tmp_path / "adapter-volumes" / "loras" / "tax"
+            assert data["choices"][0]["token_ids"] == expected_tokens(path)
+            missing = {"lora_name": "nope", "lora_path": str(path)}  # not under the root
+            assert http.post("/v1/load_lora_adapter", json=missing).status_code == 404
+    finally:
+        srv.stop()
