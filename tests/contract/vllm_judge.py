@@ -45,6 +45,22 @@ vLLM version it runs:
   (``get_num_new_matched_tokens``), is given the local blocks (``update_state_after_alloc``)
   and builds the metadata its workers would pull by (``build_connector_meta``): answer the
   pull it plans (remote engine, request, host, port, block ids; local blocks; TP size).
+- ``{"op": "lora_adapters", "argv": [...]}``: the adapters of ``--lora-modules`` loaded as an
+  engine started with ``vllm serve <argv>`` (LoRA on; a small local checkpoint: its model is
+  built on the CPU, weights uninitialised) loads them at start, by vLLM's worker-side
+  manager (``vllm/lora/worker_manager.py``, ``LRUCacheWorkerLoRAManager`` over the model,
+  as ``LoRAModelRunnerMixin.load_lora_model`` makes it): ``_load_adapter`` (``PEFTHelper
+  .from_local_dir``, ``validate_legal`` against the engine's ``LoRAConfig``,
+  ``LoRAModel.from_local_checkpoint`` with the model's expected modules), then
+  ``add_adapter``, which packs q/k/v and gate/up, folds each scaling into B and copies the
+  adapter into a slot of the LoRA layers. Answer ``{"ok": true, "adapters": {name: ...}}``,
+  each adapter ``{"ok": false, "error": "<vLLM's message>"}`` or ``{"ok": true, "peft":
+  {r, lora_alpha, target_modules, use_rslora, scaling}, "modules": {module: {rank, scaling,
+  lora_a, lora_b}}}`` (what ``_load_adapter`` read: shapes as lists) with ``"slots":
+  {module: {"a": ..., "b": ...}}``: what the slot of every LoRA linear layer holds after the
+  load, per sub-module (``q_proj`` ... of a packed ``qkv_proj``), ``A`` [max_lora_rank, in]
+  and ``B`` [out, max_lora_rank] as ``{"shape", "float32": "<base64>"}``, zero where the
+  adapter has no delta.
 
 Nothing here is fleetpilot's: the script imports only vLLM, the standard library and
 ``metric_families`` beside it (plain code shared with the tests), so what it answers is what the
@@ -333,6 +349,112 @@ def pd_decode(parser: _ServeParser, request: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True, "tokens_to_load": tokens, "load_async": load_async, "pulls": pulls}
 
 
+def _tensor(tensor: Any) -> dict[str, Any]:
+    """A tensor as JSON: its shape and its values as little-endian float32, base64."""
+    values = tensor.detach().to("cpu").float().contiguous().numpy().astype("<f4")
+    return {"shape": list(values.shape), "float32": base64.b64encode(values.tobytes()).decode()}
+
+
+def _one_process_group() -> None:
+    """The single-process tensor- and pipeline-parallel groups a model's layers are built in
+    (once per judge: the groups outlive the call; a world of one changes no other answer)."""
+    from vllm.distributed import (
+        init_distributed_environment,
+        initialize_model_parallel,
+        model_parallel_is_initialized,
+    )
+    from vllm.utils.network_utils import get_distributed_init_method, get_open_port
+
+    if model_parallel_is_initialized():
+        return
+    method = get_distributed_init_method("127.0.0.1", get_open_port())
+    init_distributed_environment(1, 0, method, 0, backend="gloo")
+    initialize_model_parallel(1, 1)
+
+
+def lora_adapters(parser: _ServeParser, argv: list[str]) -> dict[str, Any]:
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.lora.request import LoRARequest
+    from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    try:
+        args = parser.parse(argv)
+        config = AsyncEngineArgs.from_cli_args(args).create_engine_config()
+        if config.lora_config is None:
+            raise ValueError("the judge loads adapters only with --enable-lora")
+        device = torch.device("cpu")
+        with (
+            set_current_vllm_config(config),
+            set_default_torch_dtype(config.model_config.dtype),
+            device,
+        ):
+            _one_process_group()
+            model = initialize_model(vllm_config=config)
+            # As the GPU model runner does once the model is loaded (load_lora_model).
+            worker = LRUCacheWorkerLoRAManager(config, device, model.embedding_modules)
+            worker.create_lora_manager(model, config)
+            adapters = {}
+            # As the OpenAI server registers --lora-modules at start: ids from 1, in order.
+            for lora_id, module in enumerate(args.lora_modules or [], start=1):
+                request = LoRARequest(module.name, lora_id, module.path, module.base_model_name)
+                adapters[module.name] = _load_lora(worker, request)
+    except Exception as error:
+        return {"ok": False, "error": f"{type(error).__name__}: {error}"}
+    return {"ok": True, "adapters": adapters}
+
+
+def _load_lora(worker: Any, request: Any) -> dict[str, Any]:
+    """One adapter through the worker: what ``_load_adapter`` read, then what ``add_adapter``
+    put into the LoRA layers' slot for it."""
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.utils import get_adapter_absolute_path
+
+    try:
+        # What the worker will read, kept for the answer (_load_adapter reads it again).
+        peft = PEFTHelper.from_local_dir(
+            get_adapter_absolute_path(request.lora_path), worker.max_position_embeddings
+        )
+        loaded = worker._load_adapter(request)
+        worker.add_adapter(request)
+    except Exception as error:
+        return {"ok": False, "error": f"{type(error).__name__}: {error}"}
+    modules = {
+        name: {
+            "rank": lora.rank,
+            "scaling": lora.scaling,
+            "lora_a": list(lora.lora_a.shape),
+            "lora_b": list(lora.lora_b.shape),
+        }
+        for name, lora in sorted(loaded.loras.items())
+    }
+    manager = worker._adapter_manager
+    slot = manager.lora_index_to_id.index(request.lora_int_id)
+    slots = {}
+    for name, layer in manager.modules.items():
+        stacked_a = getattr(layer, "lora_a_stacked", None)
+        if not isinstance(stacked_a, tuple):
+            continue  # the embedding and logits layers: no linear delta
+        parts = manager.packed_modules.get(name, [name])
+        for part, a, b in zip(parts, stacked_a, layer.lora_b_stacked, strict=True):
+            slots[part] = {"a": _tensor(a[slot, 0]), "b": _tensor(b[slot, 0])}
+    return {
+        "ok": True,
+        "peft": {
+            "r": peft.r,
+            "lora_alpha": peft.lora_alpha,
+            "target_modules": peft.target_modules,
+            "use_rslora": peft.use_rslora,
+            "scaling": peft.vllm_lora_scaling_factor,
+        },
+        "modules": modules,
+        "slots": slots,
+    }
+
+
 def main() -> None:
     logging.disable(logging.WARNING)
     import vllm
@@ -358,6 +480,8 @@ def main() -> None:
             answer = pd_prefill(parser, request)
         elif op == "pd_decode":
             answer = pd_decode(parser, request)
+        elif op == "lora_adapters":
+            answer = lora_adapters(parser, list(request["argv"]))
         else:
             answer = {"ok": False, "error": f"unknown op {op!r}"}
         print(json.dumps(answer), flush=True)
