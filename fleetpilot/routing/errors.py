@@ -9,9 +9,10 @@ for it, and ``code`` is the integer status its clients expect there.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from fleetpilot.openai_errors import error_body
+from fleetpilot.openai_errors import error_body, error_type
 
 ERROR_HEADER = "x-fleetpilot-error"
 
@@ -45,6 +46,23 @@ class RouterError(Exception):
         if self.reason is None:
             return self.headers
         return {**self.headers, ERROR_HEADER: self.reason}
+
+
+def model_not_found(raw: bytes) -> bool:
+    """Whether an engine's error body is vLLM's answer to a request naming a model it does not
+    serve: type ``NotFoundError`` ("The model `sql` does not exist."), in vLLM 0.33's
+    ``{"error": {...}}`` or older vLLM's top-level ``{"object": "error", ...}``. A 404 of
+    another kind (a web framework's ``{"detail": "Not Found"}``, plain text) is not one."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        return False
+    if not isinstance(data, dict):
+        return False
+    error = data.get("error")
+    if not isinstance(error, dict):
+        error = data  # the flat shape
+    return bool(error.get("type") == error_type(404))
 
 
 class InvalidRequestError(RouterError):

@@ -87,8 +87,17 @@ class RouterMetrics:
         )
         self.retries = Counter(
             p + "retries",
-            "Attempts repeated on another replica after a connect error or 5xx.",
+            "Attempts repeated on another replica after a connect error, a 5xx, or a 404 for a "
+            "LoRA adapter the replica has not loaded yet.",
             ["tier"],
+            registry=r,
+        )
+        self.adapter_missing = Counter(
+            p + "adapter_missing",
+            "Attempts answered 404 by a replica that has not loaded the request's LoRA adapter "
+            "yet (dynamic LoRA loads it after the pod is ready): retried on another replica "
+            "where one is left, not counted as upstream errors.",
+            ["tier", "replica"],
             registry=r,
         )
         self.ejections = Counter(

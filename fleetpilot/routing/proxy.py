@@ -33,6 +33,7 @@ from fleetpilot.routing.errors import (
     RouterError,
     UpstreamFailedError,
     UpstreamTimeoutError,
+    model_not_found,
 )
 from fleetpilot.routing.features import Kind, RequestFeatures, extract_features
 from fleetpilot.routing.first_byte import FirstByteTimeoutError, FirstByteWatch
@@ -65,6 +66,9 @@ STATUS_CLIENT_CLOSED = "499"  # nginx's code for "client closed the request"
 # The cause of an attempt that got no first byte within its budget from a replica that then
 # failed its liveness probe: frozen (SIGSTOP), wedged, or its node gone without a RST.
 FIRST_BYTE_TIMEOUT = "first-byte-timeout"
+# The cause of an attempt answered 404 for its LoRA adapter by a healthy replica that has not
+# loaded it yet (dynamic LoRA): retried like a failure, counted as none.
+ADAPTER_MISSING = "adapter-missing"
 # Threads computing the KV-index keys of long prompts off the event loop (router.PreparedKeys):
 # the encode itself releases the GIL, the template render and key chaining hold it, so more
 # workers than the two a router pod's CPU gives would queue on the GIL; two let a second long
@@ -425,6 +429,11 @@ class Proxy:
         self.metrics.upstream_errors.labels(route.tier.name, replica.id, cause).inc()
         self.router.record_failure(replica)  # the router's on_eject counts an ejection
 
+    def _adapter_missing(self, route: Route, replica: ReplicaState) -> None:
+        assert route.adapter is not None
+        self.metrics.adapter_missing.labels(route.tier.name, replica.id).inc()
+        self.router.record_adapter_missing(replica, route.adapter)
+
     async def _send(
         self,
         request: web.Request,
@@ -437,8 +446,9 @@ class Proxy:
         prefill_id: str | None,
         capture: ReplyCapture | None = None,
     ) -> web.StreamResponse:
-        """Send to the route's replica; on a connect error, a disconnect before the answer, or
-        a 5xx, try another replica of the same group, up to ``retries`` more times."""
+        """Send to the route's replica; on a connect error, a disconnect before the answer, a
+        5xx, or a 404 saying the replica lacks the request's LoRA adapter, try another replica
+        of the same group, up to ``retries`` more times."""
         replica = route.replica
         tried = {replica.id}
         retries_left = self.router.config.retries
@@ -467,8 +477,13 @@ class Proxy:
                 except aiohttp.ClientError as exc:
                     cause = _cause(exc)
                     error = exc
-                if cause is not None:
+                if cause is None and route.adapter is not None and await _lacks_model(response):
+                    cause = ADAPTER_MISSING
+                    self.router.record_success(replica)  # it answered: no failure
+                    self._adapter_missing(route, replica)
+                elif cause is not None:
                     self._upstream_failed(route, replica, cause)
+                if cause is not None:
                     alternative = (
                         self.router.alternative(route, tried) if retries_left > 0 else None
                     )
@@ -510,6 +525,8 @@ class Proxy:
                 else:
                     self.router.record_success(replica)
                 assert response is not None
+                if cause is None and route.adapter is not None and response.status < 400:
+                    self.router.record_adapter_served(replica, route.adapter)
                 return await self._relay(
                     request, exchange, route, replica, response, stream, prefill_id, capture
                 )
@@ -676,6 +693,21 @@ def _upstream_headers(request: web.Request) -> dict[str, str]:
     # One id across both P/D hops and the logs of every replica the request touches.
     headers[REQUEST_ID_HEADER] = request.headers.get(REQUEST_ID_HEADER) or _new_request_id()
     return headers
+
+
+async def _lacks_model(response: aiohttp.ClientResponse | None) -> bool:
+    """Whether an engine answered that it does not serve the model the request names (vLLM's
+    404 ``NotFoundError``, ``errors.model_not_found``). Reads a 404's body, a few bytes of
+    JSON that relaying it takes from aiohttp's copy; a body that breaks off says nothing."""
+    if response is None or response.status != 404:
+        return False
+    if response.content_type == "text/event-stream":
+        return False
+    try:
+        raw = await response.read()
+    except aiohttp.ClientError:
+        return False
+    return model_not_found(raw)
 
 
 def _cause(exc: BaseException) -> str:

@@ -122,6 +122,16 @@ OFF_LOOP_TOKENIZE_CHARS = 2048
 # second old anyway). A pick never sends to a full replica: it reads its candidates now.
 TIER_STATE_MAX_AGE_S = 0.05
 
+# How long a replica that answered a request for a LoRA adapter with 404 (vLLM's "model does
+# not exist") is held not to have it: scored last for it and no holder of it. With dynamic
+# LoRA the operator loads a tier's adapters into an engine only after its pod turns Ready
+# (``/v1/load_lora_adapter``), so a new or restarted replica lacks them for the second or so
+# a load from a volume takes (longer for a Hub download, or until the operator's next sync for
+# an engine restarted in place). Ten scrape intervals (1 s by default): a scrape that shows
+# the adapter running there, or an answer naming it, ends the mark sooner; once it runs out
+# an unloaded replica costs one more 404, which is retried elsewhere.
+ADAPTER_MISSING_S = 10.0
+
 
 class PromptPlan(Protocol):
     """A request's keys, looked up and not yet encoded (``tokenize.KeysPlan``)."""
@@ -181,6 +191,10 @@ class ReplicaState:
     _view_of: tuple[object, ...] = field(default=(), init=False, repr=False)
     _adapters: frozenset[str] = field(default=frozenset(), init=False, repr=False)
     _adapter_lru_at: float = field(default=-math.inf, init=False, repr=False)
+    # LoRA adapters the replica answered it does not have (a 404), each with when: for
+    # ``ADAPTER_MISSING_S`` it is held not to have them (``note_adapter_missing``).
+    missing_adapters: dict[str, float] = field(default_factory=dict, init=False, repr=False)
+    _missing: frozenset[str] = field(default=frozenset(), init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.kv_streams = tuple(self.endpoint.kv_streams())
@@ -198,6 +212,7 @@ class ReplicaState:
         ):
             metrics = None  # stale: the view shows none, as make_view does
         adapters = self._adapters
+        missing = self._missing_now(now) if self.missing_adapters else self._missing
         made_of = (
             self.in_flight,
             self.pending_prefill,
@@ -206,6 +221,7 @@ class ReplicaState:
             metrics,
             adapters,
             self._adapter_lru_at,
+            missing,
         )
         view = self._view
         if view is None or made_of != self._view_of:
@@ -221,9 +237,41 @@ class ReplicaState:
                 self.pending_prefill,
                 adapters,
                 self._adapter_lru_at,
+                missing,
             )
             self._view_of = made_of
         return view
+
+    def _missing_now(self, now: float) -> frozenset[str]:
+        """The adapters the replica is held not to have at ``now``: its marks less those run
+        out (``ADAPTER_MISSING_S``) and those a scrape since showed running there."""
+        scraped = self.metrics.adapters if self.metrics is not None else frozenset()
+        scraped_at = self.scraped_at if self.scraped_at is not None else -math.inf
+        gone = [
+            adapter
+            for adapter, at in self.missing_adapters.items()
+            if now - at >= ADAPTER_MISSING_S or (adapter in scraped and scraped_at > at)
+        ]
+        if gone:
+            for adapter in gone:
+                del self.missing_adapters[adapter]
+            self._missing = frozenset(self.missing_adapters)
+        return self._missing
+
+    def note_adapter_missing(self, adapter: str, now: float) -> None:
+        """The replica answered at ``now`` that it does not have ``adapter`` (a 404): it has
+        not loaded it yet, whatever this router sent there before, so the adapter no longer
+        counts among those sent here, and the slot it was thought to take is free."""
+        self.missing_adapters[adapter] = now
+        self._missing = frozenset(self.missing_adapters)
+        if self.recent_adapters.pop(adapter, None) is not None:
+            self._adapters = frozenset(self.recent_adapters)
+            self._adapter_lru_at = -math.inf  # fewer than max_loras sent: a slot is free
+
+    def note_adapter_served(self, adapter: str) -> None:
+        """The replica answered a request for ``adapter``: it has it now."""
+        if self.missing_adapters.pop(adapter, None) is not None:
+            self._missing = frozenset(self.missing_adapters)
 
     def note_adapter(self, adapter: str, max_loras: int, now: float) -> list[str]:
         """This router sent a request for ``adapter`` here at ``now``: the engine has it loaded,
@@ -925,6 +973,7 @@ class Router:
         state = self._replicas[chosen.replica.id]
         if not route.disaggregated:
             self.prefix_index.record(state.id, route.hashes)
+        self._note_adapter(route.tier, state.id, route.adapter, self.clock())
         return state
 
     def first_byte_timeout_s(self, tier: RouterTier) -> float:
@@ -947,6 +996,24 @@ class Router:
 
     def record_success(self, replica: ReplicaState) -> None:
         self.health.record_success(replica.id)
+
+    def record_adapter_missing(self, replica: ReplicaState, adapter: str) -> None:
+        """The replica answered a request for ``adapter`` with 404: it has not loaded it yet
+        (dynamic LoRA). Not a failure - it answered, and serves everything else - but for
+        ``ADAPTER_MISSING_S`` it scores last for the adapter and is no holder of it."""
+        replica.note_adapter_missing(adapter, self.clock())
+        holders = self._adapter_holders.get(adapter)
+        if holders is not None:
+            holders.pop(replica.id, None)
+        log.info(
+            "replica lacks adapter",
+            extra={"replica": replica.id, "tier": replica.endpoint.tier, "adapter": adapter},
+        )
+
+    def record_adapter_served(self, replica: ReplicaState, adapter: str) -> None:
+        """The replica answered a request for ``adapter``: any mark that it lacks it ends."""
+        if replica.missing_adapters:
+            replica.note_adapter_served(adapter)
 
     def readmit(self, replica_id: str) -> bool:
         readmitted = self.health.readmit(replica_id)

@@ -16,7 +16,12 @@ from fleetpilot.routing.features import extract_features
 from fleetpilot.routing.policies.candidates import HOLDER_CANDIDATES, HOME_CANDIDATES
 from fleetpilot.routing.policies.load import EngineMetrics, make_view
 from fleetpilot.routing.policies.types import ReplicaView
-from fleetpilot.routing.router import TIER_STATE_MAX_AGE_S, ReplicaState, Router
+from fleetpilot.routing.router import (
+    ADAPTER_MISSING_S,
+    TIER_STATE_MAX_AGE_S,
+    ReplicaState,
+    Router,
+)
 from fleetpilot.routing.tokenize import RequestTokenizer
 from fleetpilot.runtime.reference_argv import REFERENCE_TOKENIZER
 from tests.routing.support import make_config
@@ -148,12 +153,15 @@ def test_replica_state_survives_endpoint_changes_and_config_reloads() -> None:
 
 def test_a_replica_view_is_remade_whenever_what_it_shows_changes() -> None:
     """The view a replica keeps between decisions matches a fresh ``make_view`` after every
-    change: in-flight, pending prefill, batch size, ejection, a new scrape, and a scrape
-    going stale with time alone."""
+    change: in-flight, pending prefill, batch size, ejection, a new scrape, a scrape going
+    stale with time alone, and an adapter the replica answered it lacks - marked, the mark
+    running out with time alone, and a later scrape showing the adapter running ending it."""
     state = ReplicaState(Endpoint("small", "unified", "10.0.0.1", 1), max_num_seqs=4)
     stale_after = 5.0
 
-    def check(now: float, ejected: bool = False) -> ReplicaView:
+    def check(
+        now: float, ejected: bool = False, missing: frozenset[str] = frozenset()
+    ) -> ReplicaView:
         view = state.view(now, stale_after, ejected)
         fresh = make_view(
             state.id,
@@ -165,6 +173,7 @@ def test_a_replica_view_is_remade_whenever_what_it_shows_changes() -> None:
             stale_after,
             ejected,
             state.pending_prefill,
+            missing_adapters=missing,
         )
         assert view == fresh
         return view
@@ -183,6 +192,17 @@ def test_a_replica_view_is_remade_whenever_what_it_shows_changes() -> None:
     assert check(14.0 + 0.5).waiting == 0.0  # 5.5 s after the scrape: stale
     state.metrics, state.scraped_at = EngineMetrics(waiting=1.0), 14.0
     assert check(14.5).waiting == 1.0
+    sql = frozenset({"sql"})
+    state.note_adapter_missing("sql", 15.0)
+    assert check(15.0, missing=sql).missing_adapters == sql
+    assert check(15.0 + ADAPTER_MISSING_S).missing_adapters == frozenset()  # run out
+    # A scrape from before the mark still lists the adapter: the 404 is newer.
+    state.metrics, state.scraped_at = EngineMetrics(adapters=sql), 29.0
+    state.note_adapter_missing("sql", 30.0)
+    assert check(30.5, missing=sql).adapters == frozenset()
+    # One from after it shows the engine running it: loaded since.
+    state.metrics, state.scraped_at = EngineMetrics(adapters=sql), 31.0
+    assert check(31.5).adapters == sql
 
 
 # -- the KV index (engines' events) against the guessed one --------------------------------
@@ -681,3 +701,55 @@ def test_a_large_group_finds_the_replicas_holding_an_adapter_among_its_candidate
         assert holders <= set(route.request.candidates)
         holders.add(route.replica.id)
     assert len(holders) <= 2  # the adapter stays where it went first (and its home)
+
+
+def test_a_replica_that_lacks_an_adapter_is_no_holder_of_it_until_the_mark_ends() -> None:
+    """Dynamic LoRA: a replica this router sent "a" to, restarted, answers 404 for it until the
+    operator loads it again. From that answer it is no holder of "a" and scores last for it:
+    requests for "a" go elsewhere and stay there. The mark is for "a" alone, and after
+    ``ADAPTER_MISSING_S`` the replica is only one among others for "a" again."""
+    router = lora_router()
+    now = [100.0]
+    router.clock = lambda: now[0]
+    lacking = router.replica(ask(router, "a"))
+    assert lacking is not None
+    router.record_adapter_missing(lacking, "a")
+    elsewhere = {ask(router, "a") for _ in range(4)}
+    assert len(elsewhere) == 1
+    assert lacking.id not in elsewhere
+    (view,) = [v for v in router.views("t", "unified", now[0]) if v.id == lacking.id]
+    assert view.missing_adapters == {"a"}
+    now[0] += ADAPTER_MISSING_S
+    (view,) = [v for v in router.views("t", "unified", now[0]) if v.id == lacking.id]
+    assert view.missing_adapters == frozenset()
+    assert "a" not in view.adapters  # what was sent there before the 404 no longer counts
+
+
+def test_an_answer_for_the_adapter_ends_the_mark() -> None:
+    """A replica marked as lacking "a" that then answers a request for it (the operator
+    loaded it) is held to have it again at once, not after ``ADAPTER_MISSING_S``."""
+    router = lora_router()
+    state = router.replica("10.0.0.1:1")
+    assert state is not None
+    router.record_adapter_missing(state, "a")
+    assert state.view(100.0, 5.0, False).missing_adapters == {"a"}
+    router.record_adapter_served(state, "a")
+    assert state.view(100.0, 5.0, False).missing_adapters == frozenset()
+
+
+def test_a_retry_avoids_a_replica_known_to_lack_the_adapter_and_notes_where_it_went() -> None:
+    """Three replicas; 10.0.0.2 held "a" (requests went there) and then answered it lacks it.
+    Neither the decision nor the retry after the first replica picks it, though it is the
+    only one with "a" among those this router sent; the retry's replica counts as holding
+    "a" from then on, as a decision's does."""
+    router = lora_router()
+    restarted = router.replica("10.0.0.2:1")
+    assert restarted is not None
+    restarted.note_adapter("a", 2, 99.0)
+    router.record_adapter_missing(restarted, "a")
+    route = router.decide(extract_features({"model": "a", "prompt": "hi"}, "completions"))
+    assert route.replica.id != restarted.id
+    other = router.alternative(route, {route.replica.id})
+    assert other is not None
+    assert other.id not in (restarted.id, route.replica.id)
+    assert "a" in other.view(100.0, 5.0, False).adapters

@@ -5,8 +5,10 @@ An engine runs at most ``--max-loras`` adapters at once; a request for another o
 slot frees (a running request of some loaded adapter must finish) and then pays for moving the
 adapter in. A replica whose engine runs the adapter already - by its scraped
 ``vllm:lora_requests_info``, or because this router sent it requests for it lately - serves at
-once. The score says only that; the load scorer and the headroom filter spread a hot adapter
-over more replicas as soon as its holders have no room.
+once; one that answered a request for it with 404 (dynamic LoRA: the operator loads adapters
+into an engine only after its pod is ready) has not loaded it yet and comes last. The score
+says only that; the load scorer and the headroom filter spread a hot adapter over more
+replicas as soon as its holders have no room.
 """
 
 from __future__ import annotations
@@ -24,14 +26,16 @@ HOME_SCORE = 0.1
 
 
 class AdapterScorer:
-    """Scorer: 1 for a replica that has the request's adapter. Among the others, loading it
-    evicts an adapter (the engine's least recently used) unless a slot is free: the replica
-    whose evicted adapter was sent longest ago (a free slot first) scores up to
+    """Scorer: 1 for a replica that has the request's adapter, 0 for one that lately answered
+    it does not (``ReplicaView.missing_adapters``: dynamic LoRA loads adapters into an engine
+    only after its pod is ready), so it is picked last until it loads it. Among the others,
+    loading it evicts an adapter (the engine's least recently used) unless a slot is free: the
+    replica whose evicted adapter was sent longest ago (a free slot first) scores up to
     ``EVICT_SCORE``, the one whose is the freshest nothing - an eviction there would be paid
     for again by the next request for it. Each also scores up to ``HOME_SCORE`` by the
     adapter's home order (rendezvous hashing of its name: the same in every router replica),
-    so an adapter nobody holds goes where its earlier requests went. Nothing for a request of
-    the base model (every replica has it)."""
+    so an adapter nobody holds goes where its earlier requests went. Every one of them scores
+    above 0. Nothing for a request of the base model (every replica has it)."""
 
     name = "adapter"
 
@@ -40,8 +44,15 @@ class AdapterScorer:
         if adapter is None:
             return {}
         key = adapter.encode("utf-8", "surrogatepass")
-        scores = {v.id: 1.0 for v in replicas if adapter in v.adapters}
-        cold = [v for v in replicas if v.id not in scores]
+        scores: dict[str, float] = {}
+        cold: list[ReplicaView] = []
+        for v in replicas:
+            if adapter in v.missing_adapters:
+                scores[v.id] = 0.0
+            elif adapter in v.adapters:
+                scores[v.id] = 1.0
+            else:
+                cold.append(v)
         home = sorted(cold, key=lambda v: rendezvous_weight(key, v.id), reverse=True)
         stale = sorted(cold, key=lambda v: v.adapter_lru_at)
         for rank, v in enumerate(home):

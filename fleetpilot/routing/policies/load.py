@@ -113,10 +113,14 @@ def make_view(
     pending_prefill: float = 0.0,
     adapters: frozenset[str] = frozenset(),
     adapter_lru_at: float = -math.inf,
+    missing_adapters: frozenset[str] = frozenset(),
 ) -> ReplicaView:
     """A view of a replica, ignoring scraped metrics older than ``stale_after_s``;
     ``adapters``: those the router itself sent there lately (the scrape's are added), the
-    least recent of them sent at ``adapter_lru_at`` (-inf: a slot is free)."""
+    least recent of them sent at ``adapter_lru_at`` (-inf: a slot is free);
+    ``missing_adapters``: those the replica lately answered it does not have, taken out of
+    ``adapters`` (a 404 is newer news than a send, and the router drops a mark that a later
+    scrape contradicts)."""
     fresh = metrics is not None and scraped_at is not None and now - scraped_at <= stale_after_s
     if not fresh or metrics is None:
         return ReplicaView(
@@ -125,9 +129,11 @@ def make_view(
             in_flight,
             ejected=ejected,
             pending_prefill=pending_prefill,
-            adapters=adapters,
+            adapters=adapters - missing_adapters if missing_adapters else adapters,
             adapter_lru_at=adapter_lru_at,
+            missing_adapters=missing_adapters,
         )
+    adapters = adapters | metrics.adapters
     return ReplicaView(
         replica_id,
         max_num_seqs,
@@ -137,8 +143,9 @@ def make_view(
         kv_usage=metrics.kv_usage,
         ejected=ejected,
         pending_prefill=pending_prefill,
-        adapters=adapters | metrics.adapters,
+        adapters=adapters - missing_adapters if missing_adapters else adapters,
         adapter_lru_at=adapter_lru_at,
+        missing_adapters=missing_adapters,
     )
 
 

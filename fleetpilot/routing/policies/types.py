@@ -29,6 +29,10 @@ class ReplicaView:
     # When the adapter a new one would evict here was last sent (this router's sends; -inf:
     # fewer than --max-loras adapters sent, a slot is free).
     adapter_lru_at: float = -math.inf
+    # LoRA adapters the replica lately answered it does not have (a 404 naming the adapter:
+    # dynamic LoRA loads adapters into an engine after its pod is ready), none of them in
+    # ``adapters`` (``router.ADAPTER_MISSING_S``).
+    missing_adapters: frozenset[str] = frozenset()
     # Derived once, at construction: every filter and scorer of a pick reads them, several
     # times a replica, and a pick over hundreds of replicas spent a fifth of its time
     # recomputing them (``bench/simulate_speed.py``).

@@ -38,3 +38,21 @@ def test_an_adapter_nobody_holds_evicts_the_stalest_adapter_then_goes_home() -> 
     scores = AdapterScorer().score(PickRequest(adapter="poetry"), free)
     assert scores["d"] >= EVICT_SCORE
     assert scores["d"] == max(scores.values())
+
+
+def test_a_replica_that_answered_it_lacks_the_adapter_scores_last_for_it() -> None:
+    """Regression (dynamic LoRA): a replica whose engine answered 404 for "sql" - a new or
+    restarted one the operator has not loaded it into yet - scores 0 for "sql", below every
+    replica that would have to load it, even with the free slot that otherwise draws a cold
+    adapter first, and even where an older send or scrape still lists it as held. For any
+    other adapter it scores as before."""
+    lacking = ReplicaView("d", 4, adapter_lru_at=-math.inf, missing_adapters=frozenset({"sql"}))
+    stale_holder = ReplicaView(
+        "e", 4, adapters=frozenset({"sql"}), missing_adapters=frozenset({"sql"})
+    )
+    scores = AdapterScorer().score(PickRequest(adapter="sql"), [*VIEWS, lacking, stale_holder])
+    assert scores["d"] == scores["e"] == 0.0
+    assert min(scores[rid] for rid in "bc") > 0.0
+    assert scores["a"] == 1.0
+    other = AdapterScorer().score(PickRequest(adapter="poetry"), [*VIEWS, lacking])
+    assert other["d"] == max(other.values()) >= EVICT_SCORE  # its free slot, as before
