@@ -279,3 +279,35 @@ def test_a_disaggregated_tier_serves_through_both_hops(tmp_path: Path) -> None:
     finally:
         local.stop()
         assert local.leftovers() == []
+
+
+def test_a_restarted_engine_of_a_dynamic_lora_tier_gets_its_adapters_back(
+    tmp_path: Path,
+) -> None:
+    """`lora.dynamic`: the fleet loads the declared adapters into each engine before the
+    router lists it, and again into an engine restarted after a crash (a new process holds
+    none), so every adapter answers through the router before and after."""
+    (service,) = load_services(ROOT / "examples" / "lora-dynamic.yaml")
+    fleet = LocalFleet(service, tmp_path, 0, max_replicas_per_role=1)
+    with (
+        fleet,
+        openai.OpenAI(base_url=fleet.endpoint, api_key="unused", max_retries=0) as api,
+    ):
+        adapters = [a.name for a in service.spec.tiers[0].adapters]
+
+        def ask_each() -> None:
+            for name in adapters:
+                completion = api.chat.completions.create(
+                    model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                )
+                assert completion.model == name
+
+        ask_each()
+        (replica,) = fleet.replicas
+        assert replica.child is not None
+        assert replica.child.popen is not None
+        os.killpg(replica.child.pid, signal.SIGKILL)
+        replica.child.popen.wait(timeout=10)
+        assert len(fleet.supervise_once()) == 1  # the crash report, no failed load
+        ask_each()
+    assert fleet.leftovers() == []

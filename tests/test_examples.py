@@ -115,6 +115,19 @@ EXPECTED = {
             )
         },
     ),
+    "lora-dynamic.yaml": Example(
+        "tutor",
+        [("main", 1.0, "unified")],
+        {
+            "tutor-main": Engine(
+                "unified",
+                1,
+                1,
+                # LoRA on, no --lora-modules: the operator loads the list into running engines.
+                {"--max-loras": "2", "--max-lora-rank": "16"},
+            )
+        },
+    ),
     "local-two-tier.yaml": Example(
         "local",
         [("small", 0.4, "unified"), ("large", 1.0, "unified")],

@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 
 from fleetpilot.api import InvalidManifestError, RoleName, load_services
 from fleetpilot.engine.vllm_args import (
+    RUNTIME_LORA_ENV,
     EngineLaunch,
     LoraLaunch,
     SpeculativeLaunch,
@@ -160,10 +161,13 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
     if executable is None:
         print("error: vllm is not installed in this image (pip install vllm)", file=sys.stderr)
         return 2
-    return _exec(executable, command)
+    env = dict(environ)
+    if launch.lora is not None and launch.lora.runtime_updates:
+        env[RUNTIME_LORA_ENV] = "True"  # the load/unload endpoints the operator calls
+    return _exec(executable, command, env)
 
 
-def _exec(executable: str, command: list[str]) -> NoReturn:
+def _exec(executable: str, command: list[str], env: Mapping[str, str]) -> NoReturn:
     sys.stdout.flush()
     # Replaces this process, so vLLM receives the pod's signals directly (graceful drain).
-    os.execv(executable, command)
+    os.execve(executable, command, env)

@@ -259,6 +259,11 @@ def vllm_serve_args(launch: EngineLaunch, host: str | None = None) -> list[str]:
             "--data-parallel-size-local",
             str(launch.data),
         ]
+        if launch.lora is not None and launch.lora.runtime_updates:
+            # vLLM 0.33 starts one API server per rank by default, and refuses to start with
+            # VLLM_ALLOW_RUNTIME_LORA_UPDATING and more than one (entrypoints/cli/serve.py):
+            # the load endpoint must reach the one server that knows every adapter.
+            args += ["--api-server-count", "1"]
     args += ["--dtype", launch.dtype]
     if launch.revision:
         args += ["--revision", launch.revision]

@@ -122,6 +122,13 @@ def _check_run_time_adapters(tier: Tier, where: str) -> None:
     model's) token. Refuse what would silently be served otherwise."""
     if tier.lora is None or not tier.lora.dynamic:
         return
+    for i, arg in enumerate(tier.engine.extra_args):
+        if arg.split("=", 1)[0] in ("--api-server-count", "-asc"):
+            raise PlanError(
+                f"{where}.engine.extraArgs[{i}]",
+                "vLLM refuses more than one API server with runtime LoRA updating (lora.dynamic), "
+                "and fleetpilot runs one; remove the flag",
+            )
     for i, adapter in enumerate(tier.adapters):
         hub = adapter.source.huggingface
         if hub is None:

@@ -44,7 +44,12 @@ def adapter_lines(tier: Tier) -> list[str]:
     cpu = lora.max_cpu_loras if lora.max_cpu_loras is not None else lora.max_loras
     lines = [
         f"    LoRA: up to {lora.max_loras} adapters in a batch, {cpu} loaded in CPU memory, "
-        f"rank <= {lora.max_lora_rank}; loaded at engine start (a changed list rolls the pods)"
+        f"rank <= {lora.max_lora_rank}; "
+        + (
+            "loaded into running engines by the operator (a changed list rolls nothing)"
+            if lora.dynamic
+            else "loaded at engine start (a changed list rolls the pods)"
+        )
     ]
     for adapter in tier.adapters:
         hub, pvc = adapter.source.huggingface, adapter.source.pvc

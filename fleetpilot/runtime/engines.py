@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from fleetpilot.engine.vllm_args import EngineLaunch, vllm_serve_args
+from fleetpilot.engine.vllm_args import RUNTIME_LORA_ENV, EngineLaunch, vllm_serve_args
 from fleetpilot.runtime.reference_argv import (
     CPU_MAX_NUM_SEQS,
     CPU_MODEL_CONFIG,
@@ -78,7 +78,8 @@ class ReferenceBackend(EngineBackend):
 
     def command(self, launch: EngineLaunch, host: str, extra_ports: Sequence[int]) -> EngineCommand:
         argv = reference_argv(launch, host, self.python, self.model_config, self.adapter_root)
-        return EngineCommand(argv)
+        runtime_lora = launch.lora is not None and launch.lora.runtime_updates
+        return EngineCommand(argv, {RUNTIME_LORA_ENV: "True"} if runtime_lora else {})
 
     def router_tokenizer(self) -> str:
         return str(REFERENCE_TOKENIZER)

@@ -26,7 +26,9 @@ import yaml
 
 from fleetpilot.api import InferenceService, ResolvedRole, RoleName
 from fleetpilot.api.router_config import ROUTER_CONFIG_FILE, RouterConfig
+from fleetpilot.engine.adapter_client import AdapterClient
 from fleetpilot.engine.vllm_args import launch_for
+from fleetpilot.operator.adapter_loading import dynamic_tiers
 from fleetpilot.operator.router_objects import router_config
 from fleetpilot.runtime.engines import EngineBackend, ReferenceBackend
 from fleetpilot.runtime.processes import (
@@ -134,6 +136,10 @@ class LocalFleet:
             else ReferenceBackend(python, adapter_root=workdir / "adapters")
         )
         self.supervisor = Supervisor(workdir / "logs")
+        # Per lora.dynamic tier, the adapters each of its engines is given before it serves
+        # (as the operator loads them into a cluster's Ready engines).
+        self.run_time_adapters = dynamic_tiers(service)
+        self._adapters = AdapterClient()
         self.replicas: list[Replica] = []
         port = base_port
         planned: list[tuple[ResolvedRole, int, int]] = []
@@ -269,6 +275,9 @@ class LocalFleet:
             for ready, replica in enumerate(self.replicas, 1):
                 assert replica.child is not None
                 self.supervisor.wait_healthy(replica.child, self.health_timeout_s)
+                errors = self.load_adapters(replica)
+                if errors:
+                    raise ChildFailedError(f"{replica.name}: " + "; ".join(errors))
                 replica.serving = True
                 if self.say is not None:
                     waited = time.monotonic() - started
@@ -312,7 +321,19 @@ class LocalFleet:
             )
             self.supervisor.restart(child)
             self.supervisor.wait_healthy(child, self.health_timeout_s)
+            # A restarted engine holds no adapters loaded at run time: give them back.
+            for replica in self.replicas:
+                if replica.child is child:
+                    reports += [f"{replica.name}: {e}" for e in self.load_adapters(replica)]
         return reports
+
+    def load_adapters(self, replica: Replica) -> list[str]:
+        """Load the declared adapters of a ``lora.dynamic`` tier into ``replica``'s engine (and
+        unload any other); what failed, if anything."""
+        adapters = self.run_time_adapters.get(replica.tier)
+        if adapters is None:
+            return []
+        return self._adapters.sync(f"http://{replica.address}", adapters).errors
 
     def write_router_config(self) -> None:
         """Write the router's config and endpoints file, each atomically: the router polls
@@ -380,7 +401,11 @@ class LocalFleet:
         joined = [
             r
             for r in self.replicas
-            if not r.serving and r.child is not None and r.child.alive() and r.child.healthy(0.5)
+            if not r.serving
+            and r.child is not None
+            and r.child.alive()
+            and r.child.healthy(0.5)
+            and not self.load_adapters(r)  # a failed load is tried again next time
         ]
         for replica in joined:
             replica.serving = True
@@ -418,6 +443,7 @@ class LocalFleet:
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop the router, then the engines; nothing of the fleet is left running."""
         self.supervisor.stop_all(grace_s)
+        self._adapters.close()
 
     def leftovers(self) -> list[int]:
         return self.supervisor.leftovers()

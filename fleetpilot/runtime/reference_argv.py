@@ -24,7 +24,10 @@ KV cache block size and dtype, quantization, speculative decoding and extra vLLM
 LoRA: the launch's sizes, and each adapter by its name - but not from the pod's path: the
 local fleet cannot download a Hub adapter or mount a PVC, so each adapter is a seeded stand-in
 (``--seed-missing-lora-modules``: the engine writes one, seeded by the name, where the
-folder under ``adapter_root`` is empty, and loads it from there as any adapter).
+folder under ``adapter_root`` is empty, and loads it from there as any adapter). A
+``lora.dynamic`` tier's engines start with none and serve vLLM's load/unload endpoints; the
+local fleet loads the declared list into each before it serves, as the operator does in a
+cluster.
 They size or tune a GPU engine; the CPU reference engine either has no such flag or would
 reject values it cannot run (an ``fp8`` KV cache), so the local fleet runs with its defaults.
 """
@@ -106,7 +109,15 @@ def adapter_stand_in(adapter_root: Path, name: str) -> Path:
 
 def lora_argv(lora: LoraLaunch, adapter_root: Path) -> list[str]:
     """The reference engine's LoRA flags: vLLM's (``vllm_args.lora_args``) for the launch's
-    sizes, its adapters as seeded stand-ins under ``adapter_root``."""
+    sizes, its adapters as seeded stand-ins under ``adapter_root``. Adapters loaded at run
+    time (``lora.dynamic``) keep the pod's paths, read under ``adapter_root`` as a container
+    reads its mounts, stand-ins written there at their first load."""
+    if lora.runtime_updates:
+        return [
+            *lora_args(lora),
+            *("--adapter-path-root", str(adapter_root)),
+            "--seed-missing-lora-modules",
+        ]
     stand_ins = tuple((name, str(adapter_stand_in(adapter_root, name))) for name, _ in lora.modules)
     argv = lora_args(replace(lora, modules=stand_ins))
     return [*argv, "--seed-missing-lora-modules"] if stand_ins else argv

@@ -102,11 +102,15 @@ def assert_vllm_reads_the_spec(judge: VllmJudge, role: ResolvedRole) -> dict[str
     assert {k: parsed[k] for k in expected} == expected
     if role.tier.lora_settings is None:
         assert not parsed["enable_lora"]
-    # The adapters vLLM registers at start: each by its name, from where the pod holds it.
+    # The adapters vLLM registers at start: each by its name, from where the pod holds it -
+    # none with lora.dynamic (the operator loads them into the running engine).
     modules = [(m["name"], m["path"]) for m in verdict["lora_modules"]]
-    assert modules == [
-        (adapter.name, adapter_location(i, adapter)) for i, adapter in enumerate(role.tier.adapters)
-    ]
+    settings = role.tier.lora_settings
+    assert modules == (
+        []
+        if settings is not None and settings.dynamic
+        else [(a.name, adapter_location(i, a)) for i, a in enumerate(role.tier.adapters)]
+    )
     transfer = parsed["kv_transfer_config"]
     if role.disaggregated:
         kv = role.tier.serving.kv_transfer

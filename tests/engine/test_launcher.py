@@ -10,6 +10,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,6 +65,13 @@ GOLDEN = {
         "--enable-prefix-caching --kv-cache-dtype auto --enable-lora --max-loras 2 "
         "--max-lora-rank 32 --max-cpu-loras 4 --lora-modules sql=/adapters/0-sql "
         "support=/adapter-volumes/adapters/support/v3" + KV_EVENTS
+    ),
+    ("lora-dynamic.yaml", "main", "unified"): (
+        f"vllm serve Qwen/Qwen2.5-7B-Instruct --served-model-name qwen-7b {COMMON} "
+        "--tensor-parallel-size 1 --pipeline-parallel-size 1 --dtype auto --max-model-len 8192 "
+        "--gpu-memory-utilization 0.9 --max-num-seqs 256 --block-size 16 "
+        "--enable-prefix-caching --kv-cache-dtype auto --enable-lora --max-loras 2 "
+        "--max-lora-rank 16" + KV_EVENTS
     ),
     ("local-two-tier.yaml", "small", "unified"): (
         f"vllm serve Qwen/Qwen2.5-0.5B-Instruct --served-model-name small-model {COMMON} "
@@ -128,7 +136,10 @@ def test_dry_run_prints_the_exact_command(
     assert capsys.readouterr().out.strip() == GOLDEN[(example, tier, role)]
 
 
-@pytest.mark.parametrize(("example", "tier"), [("two-tier.yaml", "small"), ("lora.yaml", "main")])
+@pytest.mark.parametrize(
+    ("example", "tier"),
+    [("two-tier.yaml", "small"), ("lora.yaml", "main"), ("lora-dynamic.yaml", "main")],
+)
 def test_launch_json_round_trips(example: str, tier: str) -> None:
     """What the planner writes as --launch-json reads back as the same EngineLaunch, nothing dropped
     or defaulted (speculation, LoRA sizes and adapters included)."""
@@ -206,35 +217,56 @@ def test_visible_gpus_from_the_device_plugin(value: str, count: int) -> None:
     assert visible_gpus({}) is None
 
 
-def test_exec_hands_vllm_the_exact_arguments(tmp_path: Path) -> None:
-    """The launcher replaces itself with `vllm serve`: with a `vllm` on PATH that records its
-    argv, the JSON flags arrive unquoted and intact, and the launcher's pid is vLLM's."""
+def _exec_recorded(tmp_path: Path, launch: EngineLaunch) -> tuple[dict[str, Any], int]:
+    """Run the launcher with a `vllm` on PATH that records its argv, pid and the runtime-LoRA
+    env var; what it recorded, and the launcher's pid."""
     record = tmp_path / "argv.json"
     fake = tmp_path / "bin" / "vllm"
     fake.parent.mkdir()
     fake.write_text(
         f"#!{sys.executable}\nimport json, os, sys\n"
-        f"json.dump({{'argv': sys.argv[1:], 'pid': os.getpid()}}, open({str(record)!r}, 'w'))\n"
+        "lora = os.environ.get('VLLM_ALLOW_RUNTIME_LORA_UPDATING')\n"
+        f"json.dump({{'argv': sys.argv[1:], 'pid': os.getpid(), 'lora': lora}}, "
+        f"open({str(record)!r}, 'w'))\n"
     )
     fake.chmod(0o755)
-    weights = tmp_path / "qwen2.5-7b-instruct-awq"
-    weights.mkdir()
-    launch = replace(
-        launch_from_file(EXAMPLES / "two-tier.yaml", "small", "unified"), model=str(weights)
-    )
     env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": "0"}
+    env.pop("VLLM_ALLOW_RUNTIME_LORA_UPDATING", None)
     process = subprocess.Popen(
         [sys.executable, "-m", "fleetpilot", "engine", "--backend", "vllm",
          "--launch-json", launch_to_json(launch)],
         env=env,
     )  # fmt: skip
     assert process.wait(timeout=60) == 0
-    recorded = json.loads(record.read_text())
+    return json.loads(record.read_text()), process.pid
+
+
+def test_exec_hands_vllm_the_exact_arguments(tmp_path: Path) -> None:
+    """The launcher replaces itself with `vllm serve`: with a `vllm` on PATH that records its
+    argv, the JSON flags arrive unquoted and intact, and the launcher's pid is vLLM's."""
+    weights = tmp_path / "qwen2.5-7b-instruct-awq"
+    weights.mkdir()
+    launch = replace(
+        launch_from_file(EXAMPLES / "two-tier.yaml", "small", "unified"), model=str(weights)
+    )
+    recorded, pid = _exec_recorded(tmp_path, launch)
     expected = GOLDEN[("two-tier.yaml", "small", "unified")].replace(
         "/models/qwen2.5-7b-instruct-awq", str(weights)
     )
     assert ["vllm", *recorded["argv"]] == shlex.split(expected)
-    assert recorded["pid"] == process.pid
+    assert recorded["pid"] == pid
+    assert recorded["lora"] is None
+
+
+def test_exec_turns_on_runtime_lora_updating_for_dynamic_adapters(tmp_path: Path) -> None:
+    """A `lora.dynamic` launch: vLLM serves the load/unload endpoints the operator calls only
+    with VLLM_ALLOW_RUNTIME_LORA_UPDATING set, so the launcher sets it."""
+    launch = launch_from_file(EXAMPLES / "lora-dynamic.yaml", "main", "unified")
+    recorded, _ = _exec_recorded(tmp_path, launch)
+    assert ["vllm", *recorded["argv"]] == shlex.split(
+        GOLDEN[("lora-dynamic.yaml", "main", "unified")]
+    )
+    assert recorded["lora"] == "True"
 
 
 def test_refusal_exits_before_exec(capsys: pytest.CaptureFixture[str]) -> None:

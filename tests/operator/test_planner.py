@@ -483,3 +483,19 @@ def test_the_router_is_told_which_tier_serves_each_adapter() -> None:
     two = [make_tier("small", up_to=0.4), _lora_tier()]
     tiers = router_config(make_service(tiers=two)).tiers
     assert [t.adapters for t in tiers] == [[], ["sql", "legal", "chat", "tax"]]
+
+
+def test_dynamic_adapters_with_data_parallel_ranks_run_one_api_server() -> None:
+    """vLLM 0.33 starts one API server per data-parallel rank and refuses to with runtime LoRA
+    updating: a dynamic tier's engines run one (and an extra arg asking for more is refused)."""
+    tier = _dynamic_tier()
+    tier["parallelism"] = {"data": 2}
+    args = _container(_find(plan(make_service(tiers=[tier])), "Deployment", "chat-main"))["args"]
+    assert args[args.index("--api-server-count") + 1] == "1"
+    static = make_tier("main", parallelism={"data": 2})
+    static_args = _container(_find(plan(make_service(tiers=[static])), "Deployment", "chat-main"))
+    assert "--api-server-count" not in static_args["args"]
+    tier["engine"] = {"extraArgs": ["--api-server-count=4"]}
+    with pytest.raises(PlanError) as info:
+        plan(make_service(tiers=[tier]))
+    assert info.value.field == "spec.tiers[0].engine.extraArgs[0]"

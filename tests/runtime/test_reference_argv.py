@@ -17,6 +17,7 @@ import pytest
 from fleetpilot.api import InferenceService, ResolvedRole, RoleName, parse_service
 from fleetpilot.engine.reference import settings
 from fleetpilot.engine.vllm_args import launch_for
+from fleetpilot.runtime.engines import ReferenceBackend
 from fleetpilot.runtime.reference_argv import REFERENCE_TOKENIZER, reference_argv
 from tests.factories import make_manifest, make_tier
 
@@ -199,3 +200,27 @@ def test_a_tiers_adapters_become_seeded_stand_ins_with_the_planned_sizes(tmp_pat
     assert server_settings.seed_missing_lora_modules
     base_only = parsed(reference_argv(launch, HOST, "py"))
     assert (base_only.lora, base_only.lora_modules) == (None, ())
+
+
+def test_a_dynamic_tiers_engines_start_without_adapters_and_read_pod_paths_under_the_root(
+    tmp_path: Path,
+) -> None:
+    """`lora.dynamic`: no adapter at start; the adapters the fleet loads later name the pod's
+    paths (or a Hub repo id), read under the adapter root, with stand-ins written there at
+    their first load; the engine process gets vLLM's runtime-updating switch."""
+    tier = make_tier(
+        lora={"maxLoras": 2, "dynamic": True},
+        adapters=[{"name": "tax", "source": {"pvc": {"claimName": "c", "path": "tax"}}}],
+    )
+    launch = replace(launch_for(role_of(service_of(tier), RoleName.UNIFIED)), port=9001)
+    server_settings = parsed(reference_argv(launch, HOST, "py", adapter_root=tmp_path))
+    assert server_settings.lora is not None
+    assert server_settings.lora_modules == ()
+    assert (
+        server_settings.lora.files_at("/adapter-volumes/c/tax")
+        == tmp_path / "adapter-volumes/c/tax"
+    )
+    assert server_settings.lora.files_at("acme/hub-lora") == tmp_path / "acme/hub-lora"
+    assert server_settings.seed_missing_lora_modules
+    command = ReferenceBackend("py", adapter_root=tmp_path).command(launch, HOST, ())
+    assert command.env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}

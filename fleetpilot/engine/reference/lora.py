@@ -77,8 +77,9 @@ class LoRAConfig:
     max_loras: int = 1  # distinct adapters in one batch (vLLM's GPU slots)
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept loaded; default max_loras, as vLLM
-    # Reference engine only: absolute adapter paths are read under this folder, as a container
-    # sees its volume mounts (a test playing a pod on this machine names the pod's paths).
+    # Reference engine only: adapter paths are read under this folder, as a container sees its
+    # volume mounts (a test or local fleet playing a pod names the pod's paths), Hub repo ids
+    # included (this engine downloads nothing).
     path_root: str | None = None
 
     def __post_init__(self) -> None:
@@ -99,7 +100,7 @@ class LoRAConfig:
 
     def files_at(self, path: str) -> Path:
         """Where an adapter named by ``path`` (as a load or --lora-modules names it) is read."""
-        if self.path_root is not None and path.startswith("/"):
+        if self.path_root is not None:
             return Path(self.path_root) / path.lstrip("/")
         return Path(path)
 

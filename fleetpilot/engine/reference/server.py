@@ -452,6 +452,15 @@ class EngineServer:
             lora_config = engine.config.lora
             if lora_config is None:
                 return _error_response(400, "LoRA is not enabled on this engine (--enable-lora)")
+            if self.settings.seed_missing_lora_modules:
+                await asyncio.get_running_loop().run_in_executor(
+                    None,
+                    write_seeded_adapter,
+                    engine.model.config,
+                    lora.name,
+                    lora_config.files_at(lora.path),
+                    lora_config.max_lora_rank,
+                )
             try:
                 weights = await asyncio.get_running_loop().run_in_executor(
                     None,

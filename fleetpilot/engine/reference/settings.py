@@ -103,7 +103,7 @@ class ServerSettings:
     limits: ServerLimits = field(default_factory=ServerLimits)  # header timeout, connections
     lora: LoRAConfig | None = None  # --enable-lora and its limits
     lora_modules: tuple[LoRAModulePath, ...] = ()  # adapters loaded at start
-    # The local fleet's stand-ins: write a seeded adapter where a --lora-modules path is empty.
+    # The local fleet's stand-ins: write a seeded adapter where an adapter path is empty.
     seed_missing_lora_modules: bool = False
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING: the load/unload endpoints exist
     allow_runtime_lora_updating: bool = False
@@ -250,14 +250,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed-missing-lora-modules",
         action="store_true",
         help="reference engine only (the local fleet, which cannot download adapters): write a "
-        "seeded adapter, named by its seed, at each --lora-modules path that holds none, then "
-        "load it from there as any other",
+        "seeded adapter, named by its seed, at each adapter path that holds none (of "
+        "--lora-modules or a run-time load), then load it from there as any other",
     )
     a(
         "--adapter-path-root",
         default=None,
-        help="reference engine only (a test playing a pod on this machine): read absolute "
-        "adapter paths under this folder, as a container sees its volume mounts",
+        help="reference engine only (a test or local fleet playing a pod): read adapter paths "
+        "(and Hub repo ids: this engine downloads nothing) under this folder, as a container "
+        "sees its volume mounts",
     )
     a("--seed", type=int, default=0, help="sampling seed for requests without their own")
     a(
