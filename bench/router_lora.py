@@ -16,7 +16,10 @@ loaded):
 - ``fleetpilot``: the router's defaults - prefix cost, load, and the adapter scorer (a replica
   whose scraped ``vllm:lora_requests_info`` names the adapter, or that this router sent one of
   its last 4 adapters);
-- ``no-adapter-affinity``: the same without the adapter scorer (the router before it);
+- ``scores-only``: the same without the holder filter (an adapter's request kept on a replica
+  that holds it while one has room, within a bound): the adapter scorer weighed against load
+  and prefix cost alone (the router before the filter);
+- ``no-adapter-affinity``: without the filter and the adapter scorer (the router before both);
 - ``adapter-hash``: consistent hashing of the adapter's name with bounded loads (c = 1.25) -
   each adapter's home replica, spilling to the next on the ring when it is over its share:
   the strongest simple baseline (KubeAI's and AIBrix's LoRA routing are variants of it);
@@ -73,7 +76,14 @@ MAX_NUM_SEQS = 8
 RANK = 8
 MODEL = "lora-base"
 PRESET = "small"
-ARMS = ("fleetpilot", "no-adapter-affinity", "adapter-hash", "round-robin", "random")
+ARMS = (
+    "fleetpilot",
+    "scores-only",
+    "no-adapter-affinity",
+    "adapter-hash",
+    "round-robin",
+    "random",
+)
 
 
 def adapter_names() -> list[str]:
@@ -172,7 +182,9 @@ def use_arm(router: Any, arm: str, cfg: RouterConfig) -> None:
     capacity = CapacityFilter(cfg.backpressure.max_waiting_per_replica)
     if arm == "no-adapter-affinity":
         scorers = [s for s in router.affinity_scorers() if s.scorer.name != "adapter"]
-        router.use_policies(scorers=scorers)
+        router.use_policies(filters=[health, capacity], scorers=scorers)
+    elif arm == "scores-only":
+        router.use_policies(filters=[health, capacity])
     elif arm == "adapter-hash":
         router.use_policies(
             filters=[health, capacity, BoundedLoadFilter(1.25)],

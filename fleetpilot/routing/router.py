@@ -38,7 +38,7 @@ from fleetpilot.routing.errors import (
     UnavailableError,
 )
 from fleetpilot.routing.features import Kind, RequestFeatures
-from fleetpilot.routing.policies.adapters import AdapterScorer
+from fleetpilot.routing.policies.adapters import AdapterHolderFilter, AdapterScorer
 from fleetpilot.routing.policies.candidates import (
     FULL_SCAN_MAX,
     HOLDER_CANDIDATES,
@@ -458,7 +458,11 @@ class Router:
         # No headroom filter: the prefill-cost scorer weighs a replica's queue against what
         # its cache saves, where a filter dropped the caching replica at its first queued
         # request and, on evicting engines, spread every tenant over every cache.
-        self._filters: list[Filter] = [self._health_filter, self._capacity_filter]
+        self._filters: list[Filter] = [
+            self._health_filter,
+            self._capacity_filter,
+            AdapterHolderFilter(),
+        ]
         self._affinity_scorers = self.affinity_scorers()
         # Decode replicas hold no prompt blocks sent by us: the KV arrives from prefill.
         load = LoadScorer(config.spillover.queue_threshold)

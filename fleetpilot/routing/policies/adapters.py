@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from fleetpilot.routing.policies.load import has_headroom
 from fleetpilot.routing.policies.picker import rendezvous_weight
 from fleetpilot.routing.policies.types import PickRequest, ReplicaView
 
@@ -60,3 +61,44 @@ class AdapterScorer:
         for rank, v in enumerate(stale):
             scores[v.id] += EVICT_SCORE * (1.0 - rank / len(cold))
         return scores
+
+
+# How far above the group's mean in-flight a replica holding the adapter may go before the
+# adapter spreads to another replica (consistent hashing with bounded loads' factor, over the
+# replicas that hold it instead of fixed homes), plus a few requests: at small totals the
+# bare bound is one request, which spread a hot adapter at its second concurrent request.
+HOLDER_LOAD_FACTOR = 1.5
+HOLDER_SLACK = 2
+
+
+class AdapterHolderFilter:
+    """Filter: a request for an adapter goes to a replica that holds it while one has room -
+    a free batch slot, no queue (``has_headroom``) and at most ``factor`` times the group's
+    mean in-flight count plus ``HOLDER_SLACK`` - and only then to another, which loads it
+    (the adapter scorer picks which, by what it would evict). The load and prefix scorers
+    alone traded a swap for a slightly shorter batch: a hot adapter ended up on most replicas,
+    each copy evicting some colder adapter that was then loaded again. The bound is what
+    spreads one hot adapter: its holders take at most ``factor`` times their share."""
+
+    name = "adapter-holders"
+
+    def __init__(self, factor: float = HOLDER_LOAD_FACTOR) -> None:
+        if factor < 1.0:
+            raise ValueError("the holder load factor must be at least 1")
+        self.factor = factor
+
+    def filter(self, request: PickRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+        adapter = request.adapter
+        if adapter is None:
+            return list(replicas)
+        total = sum(v.in_flight for v in replicas)
+        n = len(replicas)
+        roomy = [
+            v
+            for v in replicas
+            if adapter in v.adapters
+            and adapter not in v.missing_adapters
+            and has_headroom(v)
+            and v.in_flight + 1 <= self.factor * (total + 1) / n + HOLDER_SLACK
+        ]
+        return roomy if roomy else list(replicas)

@@ -4,8 +4,15 @@ others, the one whose eviction costs least, then the adapter's home."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
-from fleetpilot.routing.policies.adapters import EVICT_SCORE, HOME_SCORE, AdapterScorer
+from fleetpilot.routing.policies.adapters import (
+    EVICT_SCORE,
+    HOLDER_SLACK,
+    HOME_SCORE,
+    AdapterHolderFilter,
+    AdapterScorer,
+)
 from fleetpilot.routing.policies.picker import rendezvous_weight
 from fleetpilot.routing.policies.types import PickRequest, ReplicaView
 
@@ -56,3 +63,38 @@ def test_a_replica_that_answered_it_lacks_the_adapter_scores_last_for_it() -> No
     assert scores["a"] == 1.0
     other = AdapterScorer().score(PickRequest(adapter="poetry"), [*VIEWS, lacking])
     assert other["d"] == max(other.values()) >= EVICT_SCORE  # its free slot, as before
+
+
+def test_holders_with_room_take_the_adapter_and_no_one_else() -> None:
+    """While a replica holding the adapter has a free batch slot, no queue and load within the
+    bound, only holders like it are candidates; a base-model request keeps every replica."""
+    holder_filter = AdapterHolderFilter()
+    kept = holder_filter.filter(PickRequest(adapter="sql"), VIEWS)
+    assert [v.id for v in kept] == ["a"]
+    assert holder_filter.filter(PickRequest(), VIEWS) == VIEWS
+    assert holder_filter.filter(PickRequest(adapter="poetry"), VIEWS) == VIEWS  # no holder
+
+
+def test_a_hot_adapter_spreads_once_its_holders_are_over_the_bound_or_out_of_room() -> None:
+    """The bound is what spreads one hot adapter: a holder may run factor x the group's mean
+    in-flight plus HOLDER_SLACK; above it - or with a full batch, or a queue - every replica
+    is a candidate again and the scorers pick where to load it."""
+    fleet = [ReplicaView("h", 16, in_flight=0, adapters=frozenset({"hot"})), *(
+        ReplicaView(rid, 16, in_flight=1) for rid in "xyz"
+    )]  # fmt: skip
+    holder_filter = AdapterHolderFilter(1.5)
+    assert [v.id for v in holder_filter.filter(PickRequest(adapter="hot"), fleet)] == ["h"]
+    # The others run 3; a holder running f may take one more while
+    # f + 1 <= 1.5 * (3 + f + 1) / 4 + 2, i.e. up to f = 4: the fifth spreads.
+    assert HOLDER_SLACK == 2
+    for in_flight in range(8):
+        views = [replace(fleet[0], in_flight=in_flight), *fleet[1:]]
+        kept = holder_filter.filter(PickRequest(adapter="hot"), views)
+        assert kept == (views[:1] if in_flight <= 4 else views), in_flight
+    full = replace(fleet[0], max_num_seqs=1, in_flight=0, running=1.0)
+    assert holder_filter.filter(PickRequest(adapter="hot"), [full, *fleet[1:]]) == [
+        full,
+        *fleet[1:],
+    ]
+    lacking = replace(fleet[0], missing_adapters=frozenset({"hot"}))
+    assert len(holder_filter.filter(PickRequest(adapter="hot"), [lacking, *fleet[1:]])) == 4
