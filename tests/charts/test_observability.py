@@ -213,6 +213,7 @@ def fleetpilot_metrics() -> set[str]:
         operator_metrics.RECONCILE_DURATION,
         operator_metrics.CONDITION,
         operator_metrics.ROLE_REPLICAS,
+        operator_metrics.ADAPTER_CALLS,
     ]
     names = exported([engine, router, autoscaler, *operator])
     # A vLLM series may be stored with '_' for ':' (see escaped_name): both names are read.
