@@ -12,11 +12,16 @@ Purely computational. The formula (the one vLLM's memory profiler leaves room fo
 - Weights = parameters x bytes per weight: 2 for 16-bit, 1 for fp8, ~0.53 for 4-bit AWQ/GPTQ
   (4 bits plus a 16-bit scale and zero point per group of 128); split evenly over the tensor x
   pipeline GPUs of one data-parallel rank.
-- KV capacity per GPU = GPU memory x ``gpuMemoryUtilization`` - its share of the weights - a
-  reserve for activations, CUDA graphs and the CUDA context (:data:`RESERVE_BYTES_PER_GPU`, a
-  heuristic: vLLM measures it when it starts). A replica's capacity in tokens is the sum over
-  its GPUs over KV bytes per token, times its data-parallel ranks (each rank its own cache);
-  in sequences, that over ``maxModelLen``.
+- LoRA slots (a tier that serves adapters): vLLM 0.33 gives every LoRA-capable layer of the
+  model, targeted by an adapter or not, zeroed A and B buffers for ``maxLoras`` adapters of
+  ``maxLoraRank``, in the model's dtype, when it loads the model (:func:`lora_bytes_per_gpu`):
+  its profiler counts them with the weights (``load_lora_model`` inside ``load_model``), and the
+  profile run's dummy adapters are CPU tensors copied into these same slots.
+- KV capacity per GPU = GPU memory x ``gpuMemoryUtilization`` - its share of the weights - its
+  LoRA slots - a reserve for activations, CUDA graphs and the CUDA context
+  (:data:`RESERVE_BYTES_PER_GPU`, a heuristic: vLLM measures it when it starts). A replica's
+  capacity in tokens is the sum over its GPUs over KV bytes per token, times its data-parallel
+  ranks (each rank its own cache); in sequences, that over ``maxModelLen``.
 
 The architecture comes from the spec (``model.architecture``: what the user says wins), else
 from a ``config.json`` the caller could read (:func:`architecture_from_config`: a local
@@ -35,7 +40,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleetpilot.api import ResolvedRole
-from fleetpilot.api.spec import KvCacheDtype, ModelArchitecture, ModelDtype, Quantization
+from fleetpilot.api.spec import (
+    KvCacheDtype,
+    LoraSettings,
+    ModelArchitecture,
+    ModelDtype,
+    Quantization,
+)
 from fleetpilot.api.units import quantity_decimal
 
 GIB = 1024**3
@@ -72,36 +83,71 @@ def _arch(layers: int, kv_heads: int, head_dim: int, billions: float) -> ModelAr
     )
 
 
+@dataclass(frozen=True)
+class LayerWidths:
+    """The widths of a model's linear layers that size vLLM's LoRA buffers (the attention
+    shape - layers, KV heads, head dim - is the :class:`ModelArchitecture`'s)."""
+
+    hidden: int  # hidden_size
+    intermediate: int  # intermediate_size; of one expert for a MoE model
+    heads: int  # num_attention_heads (query heads)
+    vocab: int  # vocab_size
+    # The model's vLLM class lists embed_tokens and lm_head in ``embedding_modules``: then
+    # vLLM 0.33 gives them LoRA buffers too (Llama, Qwen3, Mixtral do; Qwen2 and Mistral not).
+    lora_embeddings: bool
+    experts: int = 0  # routed experts of each MoE layer (0: a dense MLP)
+
+
+_TABLE: tuple[tuple[str, ModelArchitecture, LayerWidths | None], ...] = (
+    (r"llama-3(\.[0-9])?-8b", _arch(32, 8, 128, 8.03), LayerWidths(4096, 14336, 32, 128256, True)),
+    (
+        r"llama-3(\.[0-9])?-70b",
+        _arch(80, 8, 128, 70.6),
+        LayerWidths(8192, 28672, 64, 128256, True),
+    ),
+    (
+        r"llama-3(\.[0-9])?-405b",
+        _arch(126, 8, 128, 405.9),
+        LayerWidths(16384, 53248, 128, 128256, True),
+    ),
+    (r"qwen2\.5-7b", _arch(28, 4, 128, 7.62), LayerWidths(3584, 18944, 28, 152064, False)),
+    (r"qwen2\.5-14b", _arch(48, 8, 128, 14.7), LayerWidths(5120, 13824, 40, 152064, False)),
+    (r"qwen2\.5-32b", _arch(64, 8, 128, 32.8), LayerWidths(5120, 27648, 40, 152064, False)),
+    (r"qwen2\.5-72b", _arch(80, 8, 128, 72.7), LayerWidths(8192, 29568, 64, 152064, False)),
+    (r"qwen3-8b", _arch(36, 8, 128, 8.19), LayerWidths(4096, 12288, 32, 151936, True)),
+    (r"qwen3-14b", _arch(40, 8, 128, 14.8), LayerWidths(5120, 17408, 40, 151936, True)),
+    (r"qwen3-32b", _arch(64, 8, 128, 32.8), LayerWidths(5120, 25600, 64, 151936, True)),
+    (
+        r"mixtral-8x7b",
+        _arch(32, 8, 128, 46.7),
+        LayerWidths(4096, 14336, 32, 32000, True, experts=8),
+    ),
+    # Mistral's vocab is 32000 (v0.1/v0.2) or 32768 (v0.3): no matter, no embedding LoRA.
+    (r"mistral-7b", _arch(32, 8, 128, 7.24), LayerWidths(4096, 14336, 32, 32768, False)),
+    (
+        r"deepseek-(v3|r1)",
+        ModelArchitecture(
+            layers=61,
+            kv_heads=128,
+            head_dim=128,
+            parameters=671_000_000_000,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+        ),
+        None,  # MLA projections, dense and MoE layers, shared experts: not modelled
+    ),
+)
+
 # Common models by a pattern of their Hub id (lowercase), from their config.json files
-# (num_hidden_layers, num_key_value_heads, head_dim or hidden_size / num_attention_heads) and
+# (num_hidden_layers, num_key_value_heads, head_dim or hidden_size / num_attention_heads,
+# hidden_size, intermediate_size, num_attention_heads, vocab_size, num_local_experts) and
 # their model cards' parameter counts.
 KNOWN_MODELS: tuple[tuple[re.Pattern[str], ModelArchitecture], ...] = tuple(
-    (re.compile(pattern), arch)
-    for pattern, arch in (
-        (r"llama-3(\.[0-9])?-8b", _arch(32, 8, 128, 8.03)),
-        (r"llama-3(\.[0-9])?-70b", _arch(80, 8, 128, 70.6)),
-        (r"llama-3(\.[0-9])?-405b", _arch(126, 8, 128, 405.9)),
-        (r"qwen2\.5-7b", _arch(28, 4, 128, 7.62)),
-        (r"qwen2\.5-14b", _arch(48, 8, 128, 14.7)),
-        (r"qwen2\.5-32b", _arch(64, 8, 128, 32.8)),
-        (r"qwen2\.5-72b", _arch(80, 8, 128, 72.7)),
-        (r"qwen3-8b", _arch(36, 8, 128, 8.19)),
-        (r"qwen3-14b", _arch(40, 8, 128, 14.8)),
-        (r"qwen3-32b", _arch(64, 8, 128, 32.8)),
-        (r"mixtral-8x7b", _arch(32, 8, 128, 46.7)),
-        (r"mistral-7b", _arch(32, 8, 128, 7.24)),
-        (
-            r"deepseek-(v3|r1)",
-            ModelArchitecture(
-                layers=61,
-                kv_heads=128,
-                head_dim=128,
-                parameters=671_000_000_000,
-                kv_lora_rank=512,
-                qk_rope_head_dim=64,
-            ),
-        ),
-    )
+    (re.compile(pattern), arch) for pattern, arch, _ in _TABLE
+)
+# Their layer widths, where vLLM's LoRA buffers for them are modelled (None: not).
+KNOWN_LAYER_WIDTHS: tuple[tuple[re.Pattern[str], LayerWidths | None], ...] = tuple(
+    (re.compile(pattern), widths) for pattern, _, widths in _TABLE
 )
 
 # Memory of one GPU as the driver reports it, by the GPU feature discovery label
@@ -148,6 +194,13 @@ def architecture_from_config(
     )
 
 
+def known_layer_widths(model_name: str) -> LayerWidths | None:
+    """The built-in layer widths of a Hub model id (of the entry its architecture comes from),
+    or None."""
+    name = model_name.lower()
+    return next((widths for pattern, widths in KNOWN_LAYER_WIDTHS if pattern.search(name)), None)
+
+
 def kv_element_bytes(kv_dtype: KvCacheDtype, model_dtype: ModelDtype) -> int:
     """Bytes of one cached K or V element: fp8 caches take one, ``auto`` the model's dtype."""
     if kv_dtype is not KvCacheDtype.AUTO:
@@ -165,6 +218,58 @@ def kv_bytes_per_token(arch: ModelArchitecture, element_bytes: int, tensor: int 
     return 2 * arch.layers * heads * arch.head_dim * element_bytes
 
 
+def lora_bytes_per_gpu(
+    arch: ModelArchitecture,
+    widths: LayerWidths,
+    lora: LoraSettings,
+    element_bytes: int,
+    tensor: int = 1,
+    pipeline: int = 1,
+) -> int:
+    """The LoRA buffers vLLM 0.33 allocates on one GPU for ``lora.max_loras`` slots of
+    ``lora.max_lora_rank`` (``element_bytes``: the LoRA dtype's, the model's by default).
+
+    Every buffer is ``max_loras x rank x width`` (``vllm/lora/layers/``, ``create_lora_weights``;
+    A is ``[max_loras, 1, rank, in]``, B ``[max_loras, 1, out, rank]``); per decoder layer, with
+    h hidden, i intermediate, q = heads x head dim, kv = KV heads on this GPU x head dim, t the
+    tensor size (fully sharded LoRAs off, vLLM's default):
+
+    - qkv_proj (``MergedQKVParallelLinearWithLoRA``, one slice each for q, k, v): A 3 x h,
+      B q/t + 2 kv (column parallel: B's rows split, A whole);
+    - o_proj (``RowParallelLinearWithLoRA``): A q/t, B h (row parallel: A's columns split);
+    - gate_up_proj (``MergedColumnParallelLinearWithLoRA``, two slices): A 2 x h, B 2 x i/t;
+    - down_proj (``RowParallelLinearWithLoRA``): A i/t, B h;
+    - a MoE layer instead of the last two (``FusedMoEWithLoRA``, E experts): w13 A 2 x E x h,
+      B 2 x E x i/t; w2 A E x i/t, B E x h; and its router (``ReplicatedLinearWithLoRA``):
+      A h, B E.
+
+    Where the model's vLLM class lists ``embedding_modules``, embed_tokens
+    (``VocabParallelEmbeddingWithLoRA``: A vocab, B h) and lm_head (``LogitsProcessorWithLoRA``:
+    A h, B vocab) get buffers too, whole on every GPU. Under pipeline parallelism the busiest
+    stage holds ceil(layers / stages) layers and one of the two (the first embed_tokens, the
+    last lm_head). Left out: the punica wrapper's index buffers (``punica_base.py``,
+    ``punica_gpu.py``: four int64 and two times two int32 arrays of ``maxNumBatchedTokens``,
+    48 bytes a token, 384 KiB at 8192) and the LoRA kernels' activations and CUDA graphs (in
+    the profiled peak the reserve, :data:`RESERVE_BYTES_PER_GPU`, stands for).
+    """
+    # Widths (A's in plus B's out) summed; each times max_loras x rank x element bytes.
+    h, i = widths.hidden, widths.intermediate // tensor
+    q = widths.heads * arch.head_dim // tensor
+    kv = max(1, arch.kv_heads // tensor) * arch.head_dim  # fewer KV heads than GPUs: one each
+    qkv_proj, o_proj = 3 * h + (q + 2 * kv), q + h
+    gate_up_proj, down_proj = 2 * h + 2 * i, i + h
+    if widths.experts:
+        mlp = widths.experts * (gate_up_proj + down_proj) + (h + widths.experts)
+    else:
+        mlp = gate_up_proj + down_proj
+    layers = math.ceil(arch.layers / pipeline) * (qkv_proj + o_proj + mlp)
+    embeddings = 0
+    if widths.lora_embeddings:
+        embed_tokens = lm_head = widths.vocab + h
+        embeddings = embed_tokens + lm_head if pipeline == 1 else max(embed_tokens, lm_head)
+    return lora.max_loras * lora.max_lora_rank * element_bytes * (layers + embeddings)
+
+
 def weight_bytes(arch: ModelArchitecture, quantization: Quantization | None) -> int | None:
     """The checkpoint's weights in bytes, or None when its size is unknown."""
     per_weight = _WEIGHT_BYTES.get(quantization)
@@ -177,14 +282,19 @@ def weight_bytes(arch: ModelArchitecture, quantization: Quantization | None) -> 
 class RoleCapacity:
     """One replica of a role, sized. ``kv_tokens`` is over all its data-parallel ranks."""
 
+    architecture: ModelArchitecture
     architecture_source: str  # "spec", "built-in table" or "config.json"
     gpu_memory_bytes: int
     # GPU memory x gpuMemoryUtilization less the reserve: what weights and KV cache share.
     budget_per_gpu_bytes: float
     weights_bytes: int  # the whole checkpoint, over every GPU of a data-parallel rank
     weights_per_gpu_bytes: int
+    # The tier's LoRA slots (None: it serves no adapters) and what they take on each GPU: 0
+    # without them, None where the model's layer widths are unknown (then not counted).
+    lora: LoraSettings | None
+    lora_bytes_per_gpu: int | None
     kv_bytes_per_token: int
-    kv_tokens: int  # <= 0: the weights leave no room for a KV cache
+    kv_tokens: int  # <= 0: the weights (and LoRA slots) leave no room for a KV cache
     max_model_len: int | None
     max_num_seqs: int
 
@@ -200,9 +310,16 @@ class RoleCapacity:
         return max(0, self.kv_tokens) // self.max_model_len
 
     def warnings(self) -> list[str]:
-        """What a user should know before deploying: a context no sequence fits in, or a
-        batch limit the cache can never fill with sequences of full length."""
+        """What a user should know before deploying: LoRA slots the planner cannot size, a
+        context no sequence fits in, or a batch limit the cache can never fill with sequences
+        of full length."""
         out = []
+        if self.lora is not None and self.lora_bytes_per_gpu is None:
+            out.append(
+                f"the GPU memory of {self.lora.max_loras} LoRA slots of rank "
+                f"{self.lora.max_lora_rank} is not counted (the layer widths of a model from the "
+                f"{self.architecture_source} are unknown): the KV cache is smaller than shown"
+            )
         seqs = self.sequences_at_max_len
         if seqs is not None and self.fits and seqs < 1:
             out.append(
@@ -242,6 +359,28 @@ def gpu_memory_of(role: ResolvedRole) -> int | None:
     return None
 
 
+def model_element_bytes(dtype: ModelDtype) -> int:
+    """Bytes of one element in the model's dtype (``auto``: a 16-bit checkpoint's)."""
+    return 4 if dtype is ModelDtype.FLOAT32 else 2
+
+
+def role_lora_bytes_per_gpu(
+    role: ResolvedRole, arch: ModelArchitecture, source: str, tensor: int | None = None
+) -> int | None:
+    """The role's LoRA buffers on one GPU at ``tensor`` (default: the role's): 0 when its tier
+    serves no adapters, None when the layer widths are unknown (known for the built-in
+    table's models only: ``model.architecture`` and config.json carry no hidden sizes)."""
+    lora = role.tier.lora_settings
+    if lora is None:
+        return 0
+    widths = known_layer_widths(role.tier.model.name) if source == "built-in table" else None
+    if widths is None:
+        return None
+    p = role.parallelism
+    element = model_element_bytes(role.tier.model.dtype)
+    return lora_bytes_per_gpu(arch, widths, lora, element, tensor or p.tensor, p.pipeline)
+
+
 def role_capacity(
     role: ResolvedRole, config: ModelArchitecture | None = None
 ) -> RoleCapacity | None:
@@ -259,16 +398,20 @@ def role_capacity(
     gpus_per_rank = p.tensor * p.pipeline
     weights_per_gpu = math.ceil(weights / gpus_per_rank)
     budget = memory * tier.engine.gpu_memory_utilization - RESERVE_BYTES_PER_GPU
-    usable = budget - weights_per_gpu
+    lora_per_gpu = role_lora_bytes_per_gpu(role, arch, source)
+    usable = budget - weights_per_gpu - (lora_per_gpu or 0)
     element = kv_element_bytes(tier.engine.kv_cache.dtype, tier.model.dtype)
     per_token = kv_bytes_per_token(arch, element, p.tensor)
     tokens_per_rank = math.floor(usable * gpus_per_rank / per_token)
     return RoleCapacity(
+        architecture=arch,
         architecture_source=source,
         gpu_memory_bytes=memory,
         budget_per_gpu_bytes=budget,
         weights_bytes=weights,
         weights_per_gpu_bytes=weights_per_gpu,
+        lora=tier.lora_settings,
+        lora_bytes_per_gpu=lora_per_gpu,
         kv_bytes_per_token=per_token,
         kv_tokens=tokens_per_rank * p.data if tokens_per_rank > 0 else tokens_per_rank,
         max_model_len=tier.model.max_model_len,
@@ -278,11 +421,14 @@ def role_capacity(
 
 def smallest_fitting_tensor(role: ResolvedRole, capacity: RoleCapacity) -> int | None:
     """The smallest tensor-parallel size (a power of two, within the node) at which the
-    weights leave room for a KV cache, or None when none does."""
+    weights and the LoRA slots leave room for a KV cache, or None when none does."""
+    arch, source = capacity.architecture, capacity.architecture_source
     pipeline = role.parallelism.pipeline
     tensor = 1
     while tensor * pipeline <= role.tier.resources.gpus_per_node:
-        if capacity.weights_bytes / (tensor * pipeline) < capacity.budget_per_gpu_bytes:
+        lora = role_lora_bytes_per_gpu(role, arch, source, tensor)
+        used = capacity.weights_bytes / (tensor * pipeline) + (lora or 0)
+        if used < capacity.budget_per_gpu_bytes:
             return tensor
         tensor *= 2
     return None

@@ -14,7 +14,7 @@ from fleetpilot.operator.router_objects import endpoint_url
 
 
 def capacity_lines(role: ResolvedRole) -> list[str]:
-    """A replica's weights and KV cache (``capacity``), or why it is not sized."""
+    """A replica's weights, LoRA slots and KV cache (``capacity``), or why it is not sized."""
     sized = role_capacity(role)
     if sized is None:
         unknown = []
@@ -27,10 +27,20 @@ def capacity_lines(role: ResolvedRole) -> list[str]:
         return [f"    capacity: not sized: unknown {' and '.join(unknown)}"]
     seqs = sized.sequences_at_max_len
     at_len = f", {seqs} sequences of {sized.max_model_len}" if seqs is not None else ""
+    lora = []
+    if sized.lora is not None:
+        slots = f"{sized.lora.max_loras} x rank {sized.lora.max_lora_rank}"
+        taken = (
+            f"{format_bytes(sized.lora_bytes_per_gpu)} per GPU"
+            if sized.lora_bytes_per_gpu is not None
+            else "not counted (the model's layer widths are unknown)"
+        )
+        lora.append(f"    LoRA slots: {slots}: {taken}")
     return [
         f"    weights per GPU: {format_bytes(sized.weights_per_gpu_bytes)} of "
         f"{format_bytes(sized.gpu_memory_bytes)}"
         f"  (architecture from the {sized.architecture_source})",
+        *lora,
         f"    KV cache per replica: {max(0, sized.kv_tokens):,} tokens{at_len}"
         f"  ({format_bytes(sized.kv_bytes_per_token)} a token); maxNumSeqs {sized.max_num_seqs}",
     ]
