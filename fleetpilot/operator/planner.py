@@ -164,11 +164,14 @@ def _check_capacity(role: ResolvedRole, where: str) -> None:
         if smallest is not None
         else f"no tensor size within resources.gpusPerNode {tier.resources.gpus_per_node} fits"
     )
+    lora = sized.lora_bytes_per_gpu
+    held = f"{format_bytes(sized.weights_per_gpu_bytes)} of weights"
+    if lora:
+        held += f" and {format_bytes(lora)} of LoRA slots"
     raise PlanError(
         f"{where}.parallelism.tensor",
-        f"tier {tier.name!r} role {role.name}: {format_bytes(sized.weights_per_gpu_bytes)} of "
-        f"weights per GPU (tensor {p.tensor} x pipeline {p.pipeline}) leave no room for a KV "
-        f"cache in {format_bytes(sized.budget_per_gpu_bytes)} "
+        f"tier {tier.name!r} role {role.name}: {held} per GPU "
+        f"(tensor {p.tensor} x pipeline {p.pipeline}) leave no room for a KV cache in {format_bytes(sized.budget_per_gpu_bytes)} "
         f"({format_bytes(sized.gpu_memory_bytes)} x "
         f"gpuMemoryUtilization {tier.engine.gpu_memory_utilization:g}, less "
         f"{format_bytes(RESERVE_BYTES_PER_GPU)} for activations); {remedy}",

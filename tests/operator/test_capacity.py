@@ -360,8 +360,10 @@ def test_lora_slots_can_refuse_a_tier_and_raise_the_tensor_size_it_needs(
     else:
         with pytest.raises(PlanError, match=without_lora):
             plan(plain)
-    with pytest.raises(PlanError, match=with_lora):
+    with pytest.raises(PlanError, match=with_lora) as refused:
         plan(service(LLAMA_8B, lora=SLOTS, resources={"gpuMemory": gpu_memory}))
+    # The refusal names what took the room: the weights and the slots.
+    assert " of LoRA slots per GPU (tensor " in refused.value.message
 
 
 @pytest.mark.parametrize("model", ["acme/secret-13b", LLAMA_8B])
