@@ -171,7 +171,8 @@ def _check_capacity(role: ResolvedRole, where: str) -> None:
     raise PlanError(
         f"{where}.parallelism.tensor",
         f"tier {tier.name!r} role {role.name}: {held} per GPU "
-        f"(tensor {p.tensor} x pipeline {p.pipeline}) leave no room for a KV cache in {format_bytes(sized.budget_per_gpu_bytes)} "
+        f"(tensor {p.tensor} x pipeline {p.pipeline}) leave no room for a KV cache in "
+        f"{format_bytes(sized.budget_per_gpu_bytes)} "
         f"({format_bytes(sized.gpu_memory_bytes)} x "
         f"gpuMemoryUtilization {tier.engine.gpu_memory_utilization:g}, less "
         f"{format_bytes(RESERVE_BYTES_PER_GPU)} for activations); {remedy}",
