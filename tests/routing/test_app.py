@@ -644,6 +644,32 @@ async def test_config_file_changes_are_picked_up(tmp_path: Path) -> None:
             assert (await post(router, SHORT))[1]["served_by"] == "b"
 
 
+async def test_an_adapter_added_to_the_config_file_is_routed_without_a_restart(
+    tmp_path: Path,
+) -> None:
+    """A lora.dynamic tier's adapter list changes in the router's ConfigMap: the router, which
+    answered 404 for the new name, routes it once it re-reads the file, and lists it."""
+    engine = FakeEngine("e")
+    async with engines(engine):
+        path = tmp_path / "router.yaml"
+        before = tier("only", 1.0, [engine]).model_copy(update={"adapters": ["sql"]})
+        config = make_config([before])
+        path.write_text(yaml.safe_dump(config.to_wire()))
+        async with running_router(config, config_path=path, reload_interval_s=0.05) as router:
+            status, _, _ = await post(router, {**SHORT, "model": "essay"})
+            assert status == 404
+            after = before.model_copy(update={"adapters": ["sql", "essay"]})
+            path.write_text(yaml.safe_dump(make_config([after]).to_wire()))
+            await wait_for(
+                lambda: (
+                    router.metric("fleetpilot_router_config_reloads_total", result="applied") == 1
+                )
+            )
+            status, _, _ = await post(router, {**SHORT, "model": "essay"})
+            assert status == 200
+            assert engine.requests[-1]["model"] == "essay"
+
+
 async def test_endpoints_file_source_follows_the_local_runtime(tmp_path: Path) -> None:
     """The local runtime's endpoints file: engines listed there are routed to, and rewriting
     the file moves the traffic."""
