@@ -95,16 +95,13 @@ def sync_service(
         for result, lines in (("ok", outcome.done), ("error", outcome.errors)):
             for line in lines:
                 metrics.ADAPTER_CALLS.labels(call=line.split(" ", 1)[0], result=result).inc()
-        if outcome.errors:
-            post_event(
-                kube, service, reason="AdapterLoadFailed", kind="Warning", component=COMPONENT,
-                message=f"engine pod {target.pod} (tier {target.tier}): "
-                + "; ".join(outcome.errors),
-            )  # fmt: skip
-        if outcome.done:
-            post_event(
-                kube, service, reason="AdaptersSynced", kind="Normal", component=COMPONENT,
-                message=f"engine pod {target.pod} (tier {target.tier}): "
-                + ", ".join(outcome.done),
-            )  # fmt: skip
+        for reason, kind, lines, sep in (
+            ("AdapterLoadFailed", "Warning", outcome.errors, "; "),
+            ("AdaptersSynced", "Normal", outcome.done, ", "),
+        ):
+            if lines:
+                post_event(
+                    kube, service, reason=reason, kind=kind, component=COMPONENT,
+                    message=f"engine pod {target.pod} (tier {target.tier}): " + sep.join(lines),
+                )  # fmt: skip
     return outcomes

@@ -100,6 +100,19 @@ def upstream_errors(router: RunningRouter, engine: FakeEngine) -> float:
     )
 
 
+def assert_counted(router: RunningRouter, lacking: FakeEngine, missing: int, retries: int) -> None:
+    """The router counted ``missing`` adapter 404s from ``lacking`` and ``retries`` retries,
+    and none of it as an upstream failure: the replica is not ejected."""
+    assert (
+        router.metric("fleetpilot_router_adapter_missing_total", tier="only",
+                      replica=lacking.address)
+        == missing
+    )  # fmt: skip
+    assert router.metric("fleetpilot_router_retries_total", tier="only") == retries
+    assert upstream_errors(router, lacking) == 0
+    assert not router.state.router.health.is_ejected(lacking.address)
+
+
 @pytest.mark.parametrize("flat", [False, True], ids=["vllm-0.33", "older-vllm"])
 async def test_a_replica_without_the_adapter_is_retried_around_and_not_ejected(
     flat: bool,
@@ -118,15 +131,7 @@ async def test_a_replica_without_the_adapter_is_retried_around_and_not_ejected(
             status, body = await post(router, SQL)
             assert (status, body["served_by"]) == (200, "b")
             assert [r["model"] for r in a.requests] == ["sql"]
-            assert (
-                router.metric(
-                    "fleetpilot_router_adapter_missing_total", tier="only", replica=a.address
-                )
-                == 1
-            )
-            assert router.metric("fleetpilot_router_retries_total", tier="only") == 1
-            assert upstream_errors(router, a) == 0
-            assert not router.state.router.health.is_ejected(a.address)
+            assert_counted(router, a, missing=1, retries=1)
 
             status, body = await post(router, SQL)
             assert (status, body["served_by"]) == (200, "b")
@@ -188,12 +193,4 @@ async def test_with_no_other_replica_the_404_reaches_the_client_in_vllms_shape(
                 }
             }
             assert len(a.requests) == 1
-            assert (
-                router.metric(
-                    "fleetpilot_router_adapter_missing_total", tier="only", replica=a.address
-                )
-                == 1
-            )
-            assert router.metric("fleetpilot_router_retries_total", tier="only") == 0
-            assert upstream_errors(router, a) == 0
-            assert not router.state.router.health.is_ejected(a.address)
+            assert_counted(router, a, missing=1, retries=0)
