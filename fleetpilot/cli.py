@@ -322,6 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
         "policies ('simulate calibrate' measures the reference engine)",
         add_help=False,
     )
+    sub.add_parser(
+        "model",
+        help="'model fetch hub|s3': fill a model cache folder once, verified (a download Job)",
+        add_help=False,
+    )
     return parser
 
 
@@ -353,6 +358,9 @@ _DELEGATED = [
     ),
     _DelegatedCommand(
         "bench", "fleetpilot.loadgen.cli", "Load an OpenAI-compatible endpoint and report."
+    ),
+    _DelegatedCommand(
+        "model", "fleetpilot.delivery.cli", "Fetch a model into a cache folder, verified."
     ),
 ]
 
