@@ -30,23 +30,42 @@ def eventually(what: str, probe: Callable[[], T | None], timeout: float = 60.0) 
         time.sleep(0.25)
 
 
+def _stamp(at: datetime) -> str:
+    return at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def mark_pods_ready(
-    kube: Kube, namespace: str, selector: dict[str, str], pod_ip: str = "10.0.0.1"
+    kube: Kube,
+    namespace: str,
+    selector: dict[str, str],
+    pod_ip: str = "10.0.0.1",
+    *,
+    started_at: datetime | None = None,
+    ready_at: datetime | None = None,
 ) -> int:
     """Do what a kubelet would: report every scheduled pod Running and Ready, at ``pod_ip``
-    (a loopback address where a test serves what the pod would, to reach it there).
+    (a loopback address where a test serves what the pod would, to reach it there), its
+    containers running since ``started_at`` and Ready (with ContainersReady) since
+    ``ready_at`` (both now unless given: what the operator's cold-start samples read).
 
     Unscheduled pods are left alone, as no kubelet would ever see them. Returns how many pods
     were marked.
     """
-    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    now = datetime.now(UTC)
+    started = _stamp(started_at or now)
+    since = _stamp(ready_at or now)
     marked = 0
     for pod in kube.list("Pod", namespace, selector):
         if not pod["spec"].get("nodeName") or pod.get("metadata", {}).get("deletionTimestamp"):
             continue
         ready = [
-            {"type": kind, "status": "True", "lastTransitionTime": now}
-            for kind in ("PodScheduled", "Initialized", "ContainersReady", "Ready")
+            {"type": kind, "status": "True", "lastTransitionTime": at}
+            for kind, at in (
+                ("PodScheduled", _stamp(now)),
+                ("Initialized", _stamp(now)),
+                ("ContainersReady", since),
+                ("Ready", since),
+            )
         ]
         containers = [
             {
@@ -56,7 +75,7 @@ def mark_pods_ready(
                 "ready": True,
                 "started": True,
                 "restartCount": 0,
-                "state": {"running": {"startedAt": now}},
+                "state": {"running": {"startedAt": started}},
             }
             for c in pod["spec"]["containers"]
         ]
@@ -65,7 +84,7 @@ def mark_pods_ready(
             "conditions": ready,
             "containerStatuses": containers,
             "podIP": pod_ip,
-            "startTime": now,
+            "startTime": _stamp(now),
         }
         path = f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}/status"
         kube.request(

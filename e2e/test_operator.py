@@ -18,11 +18,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import helm_python as helm
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.chart_support import CRD_PATH, can, install_identity, release_name, render
 from e2e.support import condition, eventually, mark_pods_ready
@@ -216,7 +219,12 @@ def test_service_becomes_ready_only_when_pods_are(
     current = eventually("Ready=True", is_ready, timeout=90)
     assert current["status"]["tiersReady"] == "1/1"
     (tier,) = current["status"]["tiers"]
-    assert tier["roles"] == [{"role": "unified", "replicas": 1, "ready": 1}]
+    ((role, cold_start),) = [(r, r.pop("coldStart", None)) for r in tier["roles"]]
+    assert role == {"role": "unified", "replicas": 1, "ready": 1}
+    # The harness reports the engine started and Ready in the same second (the test below
+    # measures a known start).
+    assert cold_start is not None
+    assert cold_start["start"]["maxSeconds"] == 0
     for item in current["status"]["conditions"]:
         assert item["observedGeneration"] == current["metadata"]["generation"]
 
@@ -1038,3 +1046,110 @@ def test_a_changed_adapter_list_rolls_static_engines(
 
     after = eventually("the new list in the pod template", rolled)
     assert after["metadata"]["generation"] > before["metadata"]["generation"]
+
+
+# -- Cold start measured (issue 19 item 3) --------------------------------------------------
+
+
+def cold_start_metric(port: int, namespace: str) -> dict[tuple[str, str], float]:
+    """The operator's ``fleetpilot_operator_engine_cold_start_seconds`` _count and _sum of the
+    test's service (tier small, role unified), by (phase, count|sum)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5, trust_env=False).text
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.startswith("fleetpilot_operator_engine_cold_start_seconds_"):
+                continue
+            labels = sample.labels
+            if (labels["namespace"], labels["service"]) != (namespace, "chat"):
+                continue
+            assert (labels["tier"], labels["role"]) == ("small", "unified")
+            kind = sample.name.rsplit("_", 1)[1]
+            if kind in ("count", "sum"):
+                found[(labels["phase"], kind)] = sample.value
+    return found
+
+
+def test_cold_start_is_measured_from_the_pods_timestamps_and_outlives_pods_and_operators(
+    kube: Kube, namespace: str, start_operator: OperatorFactory, gpu_node: None
+) -> None:
+    """The harness (the kubelet) reports the engine pod's container started 30 s after the
+    pod was created and Ready 42 s later: the status shows startSeconds 42 and podSeconds 72,
+    and the operator's histogram observed both once. Then, with the operator stopped, the pod
+    goes; its replacement starts in 15 s under a new operator: the status keeps both starts
+    (p50 15, max 42), and the new operator observes only the new one."""
+    (metrics_port,) = free_ports(1)
+    first = start_operator("--metrics-port", str(metrics_port))
+    apply_service(kube, small_service(namespace))
+    engines = {"fleetpilot.dev/service": "chat", "fleetpilot.dev/tier": "small"}
+
+    def scheduled_pod(other_than: str = "") -> Obj | None:
+        for pod in kube.list("Pod", namespace, engines):
+            name = pod["metadata"]["name"]
+            deleting = pod["metadata"].get("deletionTimestamp")
+            if pod["spec"].get("nodeName") and name != other_than and not deleting:
+                return pod
+        return None
+
+    def created(pod: Obj) -> datetime:
+        return datetime.fromisoformat(pod["metadata"]["creationTimestamp"])
+
+    def cold_start(count: int) -> Obj | None:
+        current = get(kube, "InferenceService", namespace, "chat")
+        roles = (current or {}).get("status", {}).get("tiers", [{}])[0].get("roles", [{}])
+        found = roles[0].get("coldStart") if roles else None
+        return found if found and found["count"] == count else None
+
+    pod = eventually("engine pod scheduled", scheduled_pod)
+    name, since = pod["metadata"]["name"], created(pod)
+    started_at, ready_at = since + timedelta(seconds=30), since + timedelta(seconds=72)
+    assert mark_pods_ready(kube, namespace, engines, started_at=started_at, ready_at=ready_at)
+    measured = eventually("cold start in status", lambda: cold_start(1))
+    stamp = "%Y-%m-%dT%H:%M:%SZ"
+    assert measured == {
+        "count": 1,
+        "start": {"count": 1, "p50Seconds": 42, "maxSeconds": 42},
+        "pod": {"count": 1, "p50Seconds": 72, "maxSeconds": 72},
+        "samples": [
+            {
+                "pod": name,
+                "startedAt": started_at.strftime(stamp),
+                "readyAt": ready_at.strftime(stamp),
+                "startSeconds": 42,
+                "podSeconds": 72,
+            }
+        ],
+    }
+    # Observed right after the status write that recorded it returned.
+    eventually("observed", lambda: cold_start_metric(metrics_port, namespace) or None, timeout=10)
+    assert cold_start_metric(metrics_port, namespace) == {
+        ("start", "count"): 1.0,
+        ("start", "sum"): 42.0,
+        ("pod", "count"): 1.0,
+        ("pod", "sum"): 72.0,
+    }
+
+    stop(first)
+    kube.request(
+        "DELETE",
+        f"/api/v1/namespaces/{namespace}/pods/{name}",
+        body={"gracePeriodSeconds": 0},
+    )
+    (metrics_port,) = free_ports(1)
+    start_operator("--metrics-port", str(metrics_port))
+    replacement = eventually("replacement pod scheduled", lambda: scheduled_pod(name))
+    since = created(replacement)
+    started_at, ready_at = since + timedelta(seconds=10), since + timedelta(seconds=25)
+    assert mark_pods_ready(kube, namespace, engines, started_at=started_at, ready_at=ready_at)
+    both = eventually("second cold start in status", lambda: cold_start(2))
+    samples = {s["pod"]: (s["startSeconds"], s["podSeconds"]) for s in both["samples"]}
+    assert samples == {name: (42, 72), replacement["metadata"]["name"]: (15, 25)}
+    assert both["start"] == {"count": 2, "p50Seconds": 15, "maxSeconds": 42}
+    assert both["pod"] == {"count": 2, "p50Seconds": 25, "maxSeconds": 72}
+    eventually("observed", lambda: cold_start_metric(metrics_port, namespace) or None, timeout=10)
+    assert cold_start_metric(metrics_port, namespace) == {
+        ("start", "count"): 1.0,
+        ("start", "sum"): 15.0,
+        ("pod", "count"): 1.0,
+        ("pod", "sum"): 25.0,
+    }

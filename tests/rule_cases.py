@@ -176,6 +176,27 @@ RULE_CASES = [
         "spec.tiers[0].model.source",
     ),
     RuleCase(
+        "oci-and-s3-model-sources",
+        _set(
+            [*T0, "model", "source"],
+            {"oci": {"image": "registry.example/qwen@sha256:0f"}, "s3": {"bucket": "models"}},
+        ),
+        Rule.SOURCE_ONE_OF,
+        "spec.tiers[0].model.source",
+    ),
+    RuleCase(
+        "model-cache-size-and-claim",
+        _set(["spec", "modelCache"], {"size": "200Gi", "claimName": "shared-models"}),
+        Rule.CACHE_SIZE_OR_CLAIM,
+        "spec.modelCache",
+    ),
+    RuleCase(
+        "model-cache-without-size-or-claim",
+        _set(["spec", "modelCache"], {"storageClassName": "nfs"}),
+        Rule.CACHE_SIZE_OR_CLAIM,
+        "spec.modelCache",
+    ),
+    RuleCase(
         "duplicate-tier-names",
         _set([*T1, "name"], "small"),
         Rule.TIER_NAMES_UNIQUE,

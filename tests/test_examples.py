@@ -41,6 +41,8 @@ class Example:
     # (tier, complexity upTo, serving mode) in routing order, as the router's config holds them.
     tiers: list[tuple[str, float, str]]
     engines: dict[str, Engine]
+    # What the model cache's Jobs download (spec.modelCache), in plan order.
+    downloads: tuple[str, ...] = ()
 
 
 NIXL = {"--kv-transfer-config": '"kv_connector":"NixlConnector"'}
@@ -60,6 +62,7 @@ EXPECTED = {
                 },
             )
         },
+        downloads=("meta-llama/Llama-3.1-8B-Instruct@main",),
     ),
     "two-tier.yaml": Example(
         "chat",
@@ -97,6 +100,10 @@ EXPECTED = {
                 },
             )
         },
+        downloads=(
+            "meta-llama/Llama-3.3-70B-Instruct@main",
+            "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B@main",
+        ),
     ),
     "lora.yaml": Example(
         "assist",
@@ -114,6 +121,7 @@ EXPECTED = {
                 },
             )
         },
+        downloads=("meta-llama/Llama-3.1-8B-Instruct@main",),
     ),
     "lora-dynamic.yaml": Example(
         "tutor",
@@ -127,6 +135,7 @@ EXPECTED = {
                 {"--max-loras": "2", "--max-lora-rank": "16"},
             )
         },
+        downloads=("Qwen/Qwen2.5-7B-Instruct@main",),
     ),
     "local-two-tier.yaml": Example(
         "local",
@@ -173,6 +182,9 @@ def test_example_plans_the_tiers_and_roles_it_describes(path: Path) -> None:
         if o["kind"] == "Deployment" and o["metadata"]["name"] != router
     }
     assert sorted(deployments) == sorted(expected.engines)
+    downloads = [o["metadata"]["annotations"]["fleetpilot.dev/model"] for o in objects
+                 if o["kind"] == "Job"]  # fmt: skip
+    assert tuple(downloads) == expected.downloads
     for deployment_name, engine in expected.engines.items():
         deployment = deployments[deployment_name]
         pod: dict[str, Any] = deployment["spec"]["template"]

@@ -54,7 +54,8 @@ class Rule:
     SPEC_MODEL_REQUIRED = "speculative.model is required for methods eagle, eagle3 and draft_model"
     SPEC_MODEL_FORBIDDEN = "speculative.model is only used by methods eagle, eagle3 and draft_model"
     BATCHED_TOKENS = "engine.maxNumBatchedTokens must be at least engine.maxNumSeqs"
-    SOURCE_ONE_OF = "model.source takes at most one of pvc and huggingface"
+    SOURCE_ONE_OF = "model.source takes at most one of huggingface, pvc, oci and s3"
+    CACHE_SIZE_OR_CLAIM = "modelCache takes exactly one of size (a new claim) and claimName"
     TIER_NAMES_UNIQUE = "spec.tiers[].name must be unique"
     COMPLEXITY_INCREASING = (
         "spec.tiers[].complexity.upTo must increase strictly from tier to tier (cheapest first)"
@@ -123,6 +124,12 @@ class SecretKeyRef(ApiModel):
     key: str = Field("token", min_length=1, max_length=253, description="Key within the Secret.")
 
 
+class SecretRef(ApiModel):
+    """A Secret in the service's namespace, by name; the keys it must hold are the field's."""
+
+    name: DnsLabel = Field(description="Secret name.")
+
+
 class HuggingFaceSource(ApiModel):
     """Weights downloaded from the Hugging Face Hub by the engine at start."""
 
@@ -145,12 +152,77 @@ class PvcSource(ApiModel):
     )
 
 
+class OciMount(StrEnum):
+    AUTO = "auto"
+    IMAGE_VOLUME = "imageVolume"
+    COPY = "copy"
+
+
+class PullPolicy(StrEnum):
+    ALWAYS = "Always"
+    IF_NOT_PRESENT = "IfNotPresent"
+    NEVER = "Never"
+
+
+class OciSource(ApiModel):
+    """Weights carried in an OCI image (a "modelcar"), pulled by the kubelet like any image."""
+
+    image: str = Field(
+        min_length=1,
+        max_length=1024,
+        pattern=r"^[^\s]+$",
+        description="Image reference; pin a digest (repo@sha256:...) for reproducible weights.",
+    )
+    path: str = Field(
+        "/models",
+        max_length=1024,
+        # Absolute, and no '.' or '..' component: a directory of the image.
+        pattern=r"^(/\.?[A-Za-z0-9_-][A-Za-z0-9._-]*)+$",
+        description="Directory of the model inside the image.",
+    )
+    pull_policy: PullPolicy = Field(PullPolicy.IF_NOT_PRESENT, description="Image pull policy.")
+    mount: OciMount = Field(
+        OciMount.AUTO,
+        description="imageVolume mounts the image read-only (Kubernetes >= 1.35 and a runtime "
+        "that supports it); copy copies the directory into the pod with an init container "
+        "running the image's own `cp`; auto picks imageVolume on API servers >= 1.35.",
+    )
+
+
+class S3Source(ApiModel):
+    """Weights in S3-compatible object storage, downloaded before the engine starts."""
+
+    endpoint: str | None = Field(
+        None,
+        max_length=2048,
+        pattern=r"^https?://",
+        description="Endpoint URL (MinIO, Ceph, GCS's XML API...); AWS when unset.",
+    )
+    bucket: str = Field(min_length=3, max_length=63, description="Bucket name.")
+    prefix: str = Field(
+        "",
+        max_length=1024,
+        description="Key prefix of the model's objects (the model is the objects under it).",
+    )
+    region: str | None = Field(None, min_length=1, max_length=64, description="Region.")
+    credentials_secret_ref: SecretRef | None = Field(
+        None,
+        description="Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and optionally "
+        "AWS_SESSION_TOKEN); unset: the pod's own identity (IRSA, workload identity).",
+    )
+
+
 class ModelSource(ApiModel):
-    """Where the engine reads weights from; the Hugging Face Hub when neither is set."""
+    """Where the engine reads weights from: at most one source; the Hugging Face Hub when none
+    is set."""
 
     model_config = ApiModel.model_config | {
         "json_schema_extra": cel_rules(
-            ("!(has(self.pvc) && has(self.huggingface))", Rule.SOURCE_ONE_OF)
+            (
+                "[has(self.huggingface), has(self.pvc), has(self.oci), has(self.s3)]"
+                ".filter(x, x).size() <= 1",
+                Rule.SOURCE_ONE_OF,
+            )
         )
     }
 
@@ -158,12 +230,20 @@ class ModelSource(ApiModel):
     huggingface: HuggingFaceSource | None = Field(
         None, description="Download weights from the Hugging Face Hub."
     )
+    oci: OciSource | None = Field(None, description="Read weights from an OCI image.")
+    s3: S3Source | None = Field(None, description="Download weights from object storage.")
 
     @model_validator(mode="after")
     def _check(self) -> Self:
-        if self.pvc is not None and self.huggingface is not None:
+        given = (self.pvc, self.huggingface, self.oci, self.s3)
+        if sum(source is not None for source in given) > 1:
             raise ValueError(Rule.SOURCE_ONE_OF)
         return self
+
+    @property
+    def from_hub(self) -> bool:
+        """The Hub is the source: named, or by default."""
+        return self.pvc is None and self.oci is None and self.s3 is None
 
 
 class Quantization(StrEnum):
@@ -943,6 +1023,46 @@ class NetworkPolicySettings(ApiModel):
     )
 
 
+class CacheAccessMode(StrEnum):
+    READ_WRITE_MANY = "ReadWriteMany"
+    READ_WRITE_ONCE = "ReadWriteOnce"
+
+
+class ModelCache(ApiModel):
+    """A volume the service's Hub and S3 models are downloaded into by a Job, once per model
+    revision; engine pods mount it read-only and start only once the download is complete."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": cel_rules(
+            ("has(self.size) != has(self.claimName)", Rule.CACHE_SIZE_OR_CLAIM)
+        )
+    }
+
+    size: Quantity | None = Field(
+        None, description="Size of a new claim the operator creates (owned by the service)."
+    )
+    storage_class_name: str | None = Field(
+        None, min_length=1, max_length=253, description="Storage class of the new claim."
+    )
+    access_mode: CacheAccessMode = Field(
+        CacheAccessMode.READ_WRITE_MANY,
+        description="ReadWriteMany lets engines on every node mount it; ReadWriteOnce only "
+        "fits a single-node cluster.",
+    )
+    claim_name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        description="An existing ReadWriteMany claim instead (one cache for several services).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if (self.size is None) == (self.claim_name is None):
+            raise ValueError(Rule.CACHE_SIZE_OR_CLAIM)
+        return self
+
+
 def _complexity_list() -> str:
     return "self.tiers.map(t, t.complexity.upTo)"
 
@@ -983,6 +1103,11 @@ class InferenceServiceSpec(ApiModel):
     scheduling: Scheduling = nested(Scheduling, "Engine pod placement.")
     network_policy: NetworkPolicySettings = nested(
         NetworkPolicySettings, "Who may reach the fleet's pods."
+    )
+    model_cache: ModelCache | None = Field(
+        None,
+        description="Download Hub and S3 models once into a shared volume instead of in "
+        "every engine pod.",
     )
 
     @model_validator(mode="after")

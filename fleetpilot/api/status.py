@@ -23,6 +23,8 @@ class ConditionType(StrEnum):
     DEGRADED = "Degraded"
     SCALING_ACTIVE = "ScalingActive"
     CAPACITY_SUFFICIENT = "CapacitySufficient"
+    # spec.modelCache: every download Job of the service's models has completed.
+    MODEL_READY = "ModelReady"
     # kstatus' two conditions (sigs.k8s.io/cli-utils), the only ones Flux reads on a custom
     # resource: Reconciling=True is "in progress", Stalled=True is "failed".
     RECONCILING = "Reconciling"
@@ -35,7 +37,8 @@ class Condition(ApiModel):
     type: str = Field(
         max_length=316,
         description=(
-            "Ready, Progressing, Degraded, ScalingActive, CapacitySufficient, Reconciling, Stalled."
+            "Ready, Progressing, Degraded, ScalingActive, CapacitySufficient, ModelReady, "
+            "Reconciling, Stalled."
         ),
     )
     status: ConditionStatus = Field(description="True, False or Unknown.")
@@ -84,6 +87,57 @@ class ScaleRecord(ApiModel):
     reason: str = Field(max_length=1024, description="e.g. 'decode tpot p95 72ms > slo 60ms'.")
 
 
+# How many of a role's latest engine starts its status keeps (operator.cold_start).
+COLD_START_SAMPLES = 10
+
+
+class ColdStartSample(ApiModel):
+    """One observed start of a role's engine container, from the pod's own timestamps."""
+
+    pod: str = Field(max_length=253, description="The engine pod's name.")
+    started_at: datetime = Field(
+        description="The engine container's start (state.running.startedAt); with the pod's "
+        "name, what identifies this start (a restarted container is another one)."
+    )
+    ready_at: datetime = Field(
+        description="When the pod turned Ready (its Ready condition's lastTransitionTime)."
+    )
+    start_seconds: int = Field(
+        ge=0,
+        description="Container start to Ready: the engine's own start (weights loaded, KV "
+        "cache allocated, health check passed).",
+    )
+    pod_seconds: int | None = Field(
+        None,
+        ge=0,
+        description="Pod creation to Ready: what a scale-up waits (scheduling, image pull, init "
+        "containers, the engine's start). Absent for a restarted container: the pod was not new.",
+    )
+
+
+class DurationSummary(ApiModel):
+    """p50 and max of one duration over a role's kept samples."""
+
+    count: int = Field(ge=0, le=COLD_START_SAMPLES, description="Samples that have it.")
+    p50_seconds: int = Field(ge=0, description="Median (the lower middle: an observed value).")
+    max_seconds: int = Field(ge=0, description="The longest.")
+
+
+class ColdStart(ApiModel):
+    """Observed cold starts of a role's engine pods: the last few starts and their summary."""
+
+    count: int = Field(ge=1, le=COLD_START_SAMPLES, description="Samples kept.")
+    start: DurationSummary = Field(description="Engine container start to Ready.")
+    pod: DurationSummary | None = Field(
+        None, description="Pod creation to Ready; absent while every kept start was a restart."
+    )
+    samples: list[ColdStartSample] = Field(
+        min_length=1,
+        max_length=COLD_START_SAMPLES,
+        description=f"The last {COLD_START_SAMPLES} starts by startedAt, oldest first.",
+    )
+
+
 class RoleStatus(ApiModel):
     """Replicas of one role (unified, prefill or decode) of a tier."""
 
@@ -92,6 +146,11 @@ class RoleStatus(ApiModel):
     ready: int = Field(0, ge=0, description="Ready replicas.")
     desired: int | None = Field(None, ge=0, description="The autoscaler's latest recommendation.")
     last_scale: ScaleRecord | None = Field(None, description="The last scaling decision.")
+    cold_start: ColdStart | None = Field(
+        None,
+        description="How long the role's engine pods took to become Ready (the operator's, "
+        "from the pods' own timestamps); absent until one was seen.",
+    )
 
 
 class TierStatus(ApiModel):

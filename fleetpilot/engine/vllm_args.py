@@ -89,10 +89,14 @@ class EngineLaunch:
 
 
 def model_location(tier: Tier) -> str:
-    """What vLLM loads: a path on the mounted PVC, else the Hub id."""
+    """What vLLM loads in the pod: a path on the mounted PVC, the directory an OCI image or an
+    S3 download puts the model in, else the Hub id (the operator's model cache puts an S3
+    model elsewhere: operator.model_delivery)."""
     source = tier.model.source
     if source.pvc is not None:
         return f"{MODEL_MOUNT}/{source.pvc.sub_path or tier.model.name}"
+    if source.oci is not None or source.s3 is not None:
+        return MODEL_MOUNT
     return tier.model.name
 
 

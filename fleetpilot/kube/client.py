@@ -44,6 +44,8 @@ RESOURCES: dict[str, Resource] = {
     "Role": Resource("rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": Resource("rbac.authorization.k8s.io/v1", "rolebindings"),
     "PodDisruptionBudget": Resource("policy/v1", "poddisruptionbudgets"),
+    "PersistentVolumeClaim": Resource("v1", "persistentvolumeclaims"),
+    "Job": Resource("batch/v1", "jobs"),
     "NetworkPolicy": Resource("networking.k8s.io/v1", "networkpolicies"),
     "PodMonitor": Resource("monitoring.coreos.com/v1", "podmonitors"),
     "InferenceService": Resource("fleetpilot.dev/v1alpha1", "inferenceservices"),
@@ -51,6 +53,14 @@ RESOURCES: dict[str, Resource] = {
 
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
 MERGE_CONTENT_TYPE = "application/merge-patch+json"
+
+
+def parse_server_version(info: Obj) -> tuple[int, int] | None:
+    """major.minor of a ``/version`` answer; managed clusters write minor as "35+"."""
+    try:
+        return int(str(info.get("major", ""))), int(str(info.get("minor", "")).rstrip("+"))
+    except ValueError:
+        return None
 
 
 class KubeError(Exception):
@@ -142,6 +152,11 @@ class Kube:
                 return False
             raise
         return any(r.get("name") == plural for r in listing.get("resources", []))
+
+    def server_version(self) -> tuple[int, int] | None:
+        """The API server's major.minor (``/version``); None when it does not say in numbers."""
+        info = self.request("GET", "/version")
+        return parse_server_version(info)
 
     # -- writes -----------------------------------------------------------------------------
     def apply(self, obj: Obj, manager: str, *, force: bool = True) -> Obj:

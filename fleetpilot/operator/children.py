@@ -76,6 +76,12 @@ def index_entry(kind: str, body: Mapping[str, Any]) -> dict[ServiceKey, Obj]:
         kept = _pick(
             body,
             ("metadata", "name"),
+            # What the cold-start samples read (operator.cold_start): whose engine it is, and
+            # since when it exists or is going away.
+            ("metadata", "labels", names.LABEL_TIER),
+            ("metadata", "labels", names.LABEL_ROLE),
+            ("metadata", "creationTimestamp"),
+            ("metadata", "deletionTimestamp"),
             ("status", "phase"),
             ("status", "conditions"),
             ("status", "containerStatuses"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from fleetpilot.api import InferenceService, ResolvedRole
@@ -10,7 +11,6 @@ from fleetpilot.api.spec import HuggingFaceSource, SecretKeyRef, Tier
 from fleetpilot.engine.vllm_args import (
     ADAPTER_MOUNT,
     ENGINE_PORT,
-    MODEL_MOUNT,
     RUNTIME_LORA_ENV,
     adapter_claim_mount,
     adapter_dir,
@@ -19,8 +19,10 @@ from fleetpilot.engine.vllm_args import (
     vllm_serve_args,
 )
 from fleetpilot.kube import names
+from fleetpilot.operator.model_cache import ANNOTATION_FETCH_JOB, fetch_job_names
+from fleetpilot.operator.model_delivery import ModelDelivery, delivery_for, model_path
 from fleetpilot.operator.overlay import apply_overlay
-from fleetpilot.operator.plan_types import K8sObject, object_meta
+from fleetpilot.operator.plan_types import K8sObject, PlanOptions, object_meta
 from fleetpilot.operator.pod_policy import container_security, pod_security, spread
 
 # GPU nodes are commonly tainted so only GPU pods land there; engine pods tolerate it.
@@ -105,10 +107,12 @@ def adapter_fetchers(tier: Tier, image: str) -> list[K8sObject]:
     return fetchers
 
 
-def _env(service: InferenceService, role: ResolvedRole) -> list[K8sObject]:
+def _env(role: ResolvedRole, delivery: ModelDelivery) -> list[K8sObject]:
     tier = role.tier
     env = _cache_env()
-    env += hub_token_env(tier.model.source.huggingface)
+    if not delivery.hub_offline:  # offline, the token would only be one more copy of a secret
+        env += hub_token_env(tier.model.source.huggingface)
+    env += delivery.env
     if role.disaggregated:
         # The KV connector advertises this address to its peers for the block hand-off.
         env.append(
@@ -133,7 +137,9 @@ def _probe(path: str, period_s: int, failures: int) -> K8sObject:
     }
 
 
-def _volumes(role: ResolvedRole) -> tuple[list[K8sObject], list[K8sObject]]:
+def _volumes(
+    role: ResolvedRole, delivery: ModelDelivery
+) -> tuple[list[K8sObject], list[K8sObject]]:
     tier = role.tier
     volumes: list[K8sObject] = [{"name": "cache", "emptyDir": {}}]
     mounts: list[K8sObject] = [{"name": "cache", "mountPath": CACHE_MOUNT}]
@@ -147,15 +153,8 @@ def _volumes(role: ResolvedRole) -> tuple[list[K8sObject], list[K8sObject]]:
             }
         )
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
-    pvc = tier.model.source.pvc
-    if pvc is not None:
-        volumes.append(
-            {
-                "name": "models",
-                "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True},
-            }
-        )
-        mounts.append({"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True})
+    volumes += delivery.volumes
+    mounts += delivery.mounts
     if not _loads_at_run_time(tier) and any(a.source.huggingface for a in tier.adapters):
         volumes.append({"name": "adapters", "emptyDir": {}})
         mounts.append({"name": "adapters", "mountPath": ADAPTER_MOUNT, "readOnly": True})
@@ -191,24 +190,36 @@ def _placement(service: InferenceService, role: ResolvedRole) -> K8sObject:
     return placement
 
 
-def _init_containers(tier: Tier) -> K8sObject:
-    fetchers = adapter_fetchers(tier, tier.engine.image)
-    return {"initContainers": fetchers} if fetchers else {}
+def fetch_job_annotation(
+    service: InferenceService, tier: Tier, options: PlanOptions | None
+) -> dict[str, str]:
+    jobs = fetch_job_names(service, tier, options or PlanOptions())
+    return {ANNOTATION_FETCH_JOB: ",".join(jobs)} if jobs else {}
 
 
-def engine_command(role: ResolvedRole) -> list[str]:
+def _init_containers(tier: Tier, delivery: ModelDelivery) -> K8sObject:
+    # The weights first: an adapter fetch is quick, and useless if the model never arrives.
+    init = delivery.init_containers + adapter_fetchers(tier, tier.engine.image)
+    return {"initContainers": init} if init else {}
+
+
+def engine_command(service: InferenceService, role: ResolvedRole) -> list[str]:
     """The full command line of the role's engine container."""
-    return ["vllm", "serve", *vllm_serve_args(launch_for(role))]
+    launch = replace(launch_for(role), model=model_path(service, role.tier))
+    return ["vllm", "serve", *vllm_serve_args(launch)]
 
 
-def engine_deployment(service: InferenceService, role: ResolvedRole) -> K8sObject:
+def engine_deployment(
+    service: InferenceService, role: ResolvedRole, options: PlanOptions | None = None
+) -> K8sObject:
     tier = role.tier
     name = names.engine_name(service.name, tier.name, role.name)
     labels = engine_labels(service, role)
     gpus = role.parallelism.gpus
     resources = tier.resources
-    volumes, mounts = _volumes(role)
-    launch = launch_for(role)
+    delivery = delivery_for(service, tier, options or PlanOptions())
+    volumes, mounts = _volumes(role, delivery)
+    launch = replace(launch_for(role), model=delivery.model)
     command = ["vllm", "serve", *vllm_serve_args(launch)]
     # The HTTP API, then the KV-event PUB and replay sockets the router subscribes to.
     ports: list[K8sObject] = [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
@@ -222,7 +233,7 @@ def engine_deployment(service: InferenceService, role: ResolvedRole) -> K8sObjec
         "command": command[:2],
         "args": command[2:],
         "ports": ports,
-        "env": _env(service, role),
+        "env": _env(role, delivery),
         "resources": {
             "requests": {
                 "cpu": resources.cpu,
@@ -243,7 +254,10 @@ def engine_deployment(service: InferenceService, role: ResolvedRole) -> K8sObjec
         "kind": "Deployment",
         "metadata": {
             **object_meta(service, name, labels),
-            "annotations": {"fleetpilot.dev/gpus-per-replica": str(gpus)},
+            "annotations": {
+                "fleetpilot.dev/gpus-per-replica": str(gpus),
+                **fetch_job_annotation(service, tier, options),
+            },
         },
         "spec": {
             "replicas": role.replicas.start,
@@ -273,7 +287,7 @@ def engine_deployment(service: InferenceService, role: ResolvedRole) -> K8sObjec
                         names.engine_selector(service.name, tier.name, role.name)
                     ),
                     **_placement(service, role),
-                    **_init_containers(tier),
+                    **_init_containers(tier, delivery),
                     "containers": [container],
                     "volumes": volumes,
                 },

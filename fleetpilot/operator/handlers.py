@@ -32,6 +32,7 @@ from fleetpilot.engine.adapter_client import AdapterClient
 from fleetpilot.kube import names
 from fleetpilot.kube.client import Kube, KubeError
 from fleetpilot.kube.connect import connect
+from fleetpilot.kube.events import post_event
 from fleetpilot.operator import adapter_loading, metrics
 from fleetpilot.operator.autoscaling import ServiceTicker
 from fleetpilot.operator.children import (
@@ -41,6 +42,8 @@ from fleetpilot.operator.children import (
     index_entry,
     plain,
 )
+from fleetpilot.operator.model_cache import COMPONENT as FETCH_COMPONENT
+from fleetpilot.operator.model_cache import job_complete, job_failed
 from fleetpilot.operator.plan_types import DEFAULT_FLEETPILOT_IMAGE, PlanOptions
 from fleetpilot.operator.reconcile import Reconciler
 from fleetpilot.operator.refresh_queue import RefreshQueue
@@ -51,15 +54,17 @@ ANNOTATION_PREFIX = "operator.fleetpilot.dev"
 # Exponential backoff for retryable API errors: 1s, 2s, 4s ... capped at a minute.
 RETRY_BASE_S = 1.0
 RETRY_MAX_S = 60.0
+IMAGE_VOLUMES_FROM = (1, 35)  # ImageVolume beta and on by default
 
 
 # The watch-event handlers, named: kopf logs "Handler '<id>' succeeded." for every event each
 # handles - a line per pod and Deployment change, ten thousand a minute with a thousand
 # services rolling out - which QuietWatchHandlers drops (unless --verbose).
-SERVICE_EVENT, DEPLOYMENT_CHANGED, POD_CHANGED = (
+SERVICE_EVENT, DEPLOYMENT_CHANGED, POD_CHANGED, FETCH_JOB_CHANGED = (
     "service-event",
     "deployment-changed",
     "pod-changed",
+    "fetch-job-changed",
 )
 
 
@@ -69,7 +74,8 @@ class QuietWatchHandlers(logging.Filter):
     _quiet = frozenset(
         f"Handler '{handler}' succeeded."
         for handler in (
-            SERVICE_EVENT, DEPLOYMENT_CHANGED, POD_CHANGED, DEPLOYMENTS_INDEX, PODS_INDEX
+            SERVICE_EVENT, DEPLOYMENT_CHANGED, POD_CHANGED, FETCH_JOB_CHANGED,
+            DEPLOYMENTS_INDEX, PODS_INDEX,
         )
     )  # fmt: skip
 
@@ -139,7 +145,12 @@ def build_registry(
         # Optional CRDs are detected once at start: their absence never blocks a service.
         pod_monitors = kube.serves("monitoring.coreos.com/v1", "podmonitors")
         log.info("optional CRDs detected", extra={"podmonitor": pod_monitors})
+        version = kube.server_version()
+        # OCI model sources mount images as volumes where Kubernetes has them on by default.
+        image_volumes = version is not None and version >= IMAGE_VOLUMES_FROM
+        log.info("API server", extra={"version": version, "image_volumes": image_volumes})
         options = PlanOptions(
+            image_volumes=image_volumes,
             fleetpilot_image=fleetpilot_image,
             pod_monitor_available=pod_monitors,
             operator_namespace=os.environ.get("POD_NAMESPACE") or None,
@@ -164,6 +175,9 @@ def build_registry(
 
         memo["ticker"] = ServiceTicker(autoscale, AUTOSCALE_TICK_S)
         memo["adapter_client"] = AdapterClient()
+        memo["model_arrivals"] = RefreshQueue(
+            lambda key: reconcile_after_download(key, memo), 1, "model-arrival", REFRESH_HOLD_S
+        )
         memo["adapter_syncs"] = RefreshQueue(
             lambda key: sync_adapters(key, memo),
             ADAPTER_SYNC_WORKERS,
@@ -188,7 +202,7 @@ def build_registry(
         ticker: ServiceTicker | None = memo.get("ticker")
         if ticker is not None:
             ticker.close()
-        for queue in ("refreshes", "adapter_syncs"):
+        for queue in ("refreshes", "adapter_syncs", "model_arrivals"):
             refreshes: RefreshQueue | None = memo.get(queue)
             if refreshes is not None:
                 refreshes.close()
@@ -299,6 +313,27 @@ def build_registry(
             if not exc.conflict:  # a conflict means a newer write; the next event retries
                 raise
 
+    def reconcile_after_download(key: Hashable, memo: kopf.Memo) -> None:
+        """A model download Job finished: reconcile the service again, which applies the engine
+        Deployments that waited for it (no spec change announces that)."""
+        namespace, service_name = cast(tuple[str, str], key)
+        reconciler: Reconciler = memo["reconciler"]
+        body = reconciler.kube.get("InferenceService", namespace, service_name)
+        if body is None:
+            return
+        try:
+            service = parse_service(body)
+        except InvalidManifestError:
+            return
+
+        def emit(kind: str, reason: str, message: str) -> None:
+            post_event(
+                reconciler.kube, service, reason=reason, message=message, kind=kind,
+                component="fleetpilot-operator",
+            )  # fmt: skip
+
+        reconciler.reconcile(body, emit)
+
     def sync_adapters(key: Hashable, memo: kopf.Memo) -> None:
         namespace, service_name = cast(tuple[str, str], key)
         reconciler: Reconciler = memo["reconciler"]
@@ -321,6 +356,22 @@ def build_registry(
                 body = ticker.latest(namespace, name)
                 if body is not None and loads_adapters_at_run_time(body):
                     memo["adapter_syncs"].mark((namespace, name))
+
+    @kopf.on.event(
+        "batch", "v1", "jobs",
+        labels={names.LABEL_MANAGED_BY: names.MANAGER, names.LABEL_COMPONENT: FETCH_COMPONENT},
+        id=FETCH_JOB_CHANGED, registry=registry,
+    )  # fmt: skip
+    async def fetch_job_changed(
+        namespace: str | None, labels: kopf.Labels, body: kopf.Body, memo: kopf.Memo, **_: Any
+    ) -> None:
+        service_name = labels.get(names.LABEL_SERVICE)
+        if not namespace or not service_name:
+            return
+        job = plain(body)
+        if job_complete(job) or job_failed(job) is not None:
+            memo["model_arrivals"].mark((namespace, service_name))
+        memo["refreshes"].mark((namespace, service_name))
 
     @kopf.on.event(
         "apps", "v1", "deployments",

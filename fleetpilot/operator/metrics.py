@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
+
+from fleetpilot.api.status import ColdStartSample
 
 RECONCILES = Counter(
     "fleetpilot_operator_reconciles_total",
@@ -41,15 +43,39 @@ ROLE_REPLICAS = Gauge(
     "(the autoscaler's latest recommendation).",
     ["namespace", "service", "tier", "role", "state"],
 )
+# Observed by the operator that writes the status (the leader), once per start it records in
+# a role's status.coldStart (operator.cold_start): phase "start" is the engine container's start
+# to the pod's Ready, "pod" the pod's creation to Ready (not observed for a restarted container).
+ENGINE_COLD_START = Histogram(
+    "fleetpilot_operator_engine_cold_start_seconds",
+    "Time engine pods took to become Ready, by phase: start (engine container start to Ready), "
+    "pod (pod creation to Ready: scheduling, image pull, init containers and the start).",
+    ["namespace", "service", "tier", "role", "phase"],
+    buckets=(1, 5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 450, 600, 900, 1200, 1800, 3600),
+)
 _STATUSES = ("True", "False", "Unknown")
 _exported: dict[tuple[str, str], list[tuple[Gauge, tuple[str, ...]]]] = {}
+_cold_start_series: dict[tuple[str, str], set[tuple[str, ...]]] = {}
+
+
+def observe_cold_starts(
+    namespace: str, service: str, samples: Iterable[tuple[str, str, ColdStartSample]]
+) -> None:
+    """Observe each (tier, role, sample): call it once per start, when it is first recorded."""
+    for tier, role, sample in samples:
+        for phase, seconds in (("start", sample.start_seconds), ("pod", sample.pod_seconds)):
+            if seconds is None:
+                continue
+            labels = (namespace, service, tier, role, phase)
+            ENGINE_COLD_START.labels(*labels).observe(float(seconds))
+            _cold_start_series.setdefault((namespace, service), set()).add(labels)
 
 
 def export_status(body: Mapping[str, Any]) -> None:
     """Set the gauges of one service from its latest body (replacing what it had)."""
     metadata = body.get("metadata", {})
     key = (str(metadata.get("namespace", "")), str(metadata.get("name", "")))
-    forget(*key)
+    _forget_gauges(key)
     status = body.get("status") or {}
     series: list[tuple[Gauge, tuple[str, ...]]] = []
     for condition in status.get("conditions") or []:
@@ -69,8 +95,15 @@ def export_status(body: Mapping[str, Any]) -> None:
     _exported[key] = series
 
 
-def forget(namespace: str, name: str) -> None:
-    """Drop a deleted (or re-exported) service's series."""
-    for gauge, labels in _exported.pop((namespace, name), []):
+def _forget_gauges(key: tuple[str, str]) -> None:
+    for gauge, labels in _exported.pop(key, []):
         with contextlib.suppress(KeyError):
             gauge.remove(*labels)
+
+
+def forget(namespace: str, name: str) -> None:
+    """Drop a deleted service's series."""
+    _forget_gauges((namespace, name))
+    for labels in _cold_start_series.pop((namespace, name), set()):
+        with contextlib.suppress(KeyError):
+            ENGINE_COLD_START.remove(*labels)

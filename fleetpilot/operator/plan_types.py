@@ -32,6 +32,9 @@ class PlanOptions:
     # Where the operator's own pods run ($POD_NAMESPACE from the chart): engines that load
     # adapters at run time admit its calls from there (network_policy). None: any namespace.
     operator_namespace: str | None = None
+    # Image volumes (an OCI model source's `mount: auto`): on by default from Kubernetes 1.35;
+    # the operator sets this from the API server's version.
+    image_volumes: bool = True
 
 
 def owner_references(service: InferenceService) -> list[K8sObject]:

@@ -20,6 +20,7 @@ from fleetpilot.api.spec import PodMonitorMode, Tier
 from fleetpilot.api.units import format_duration
 from fleetpilot.kube import names
 from fleetpilot.operator.engine_objects import engine_deployment, engine_pdb, engine_service
+from fleetpilot.operator.model_cache import cache_claim, fetch_jobs
 from fleetpilot.operator.network_policy import network_policies
 from fleetpilot.operator.plan_types import (
     K8sObject,
@@ -105,7 +106,7 @@ def check(service: InferenceService) -> None:
                 "multi-node replicas are not supported yet",
             )
         _check_capacity(role, where)
-        _check_run_time_adapters(tier, where)
+        _check_run_time_adapters(tier, where, service.spec.model_cache is not None)
         for i, arg in enumerate(tier.engine.extra_args):
             flag = arg.split("=", 1)[0]
             if flag in MANAGED_FLAGS:
@@ -116,7 +117,7 @@ def check(service: InferenceService) -> None:
                 )
 
 
-def _check_run_time_adapters(tier: Tier, where: str) -> None:
+def _check_run_time_adapters(tier: Tier, where: str, model_cache: bool) -> None:
     """With ``lora.dynamic`` an engine downloads a Hub adapter itself when told to load it,
     and vLLM's load call takes a repo id only: the default branch, with the engine's (the
     model's) token. Refuse what would silently be served otherwise."""
@@ -134,6 +135,13 @@ def _check_run_time_adapters(tier: Tier, where: str) -> None:
         if hub is None:
             continue
         field = f"{where}.adapters[{i}].source.huggingface"
+        if model_cache and tier.model.source.from_hub:
+            raise PlanError(
+                field,
+                f"adapter {adapter.name!r}: with lora.dynamic the engine downloads a Hub "
+                "adapter itself, but with spec.modelCache its engines read the Hub cache "
+                "offline; put the adapter on a PVC, or set lora.dynamic false",
+            )
         if hub.revision:
             raise PlanError(
                 f"{field}.revision",
@@ -217,8 +225,11 @@ def plan(service: InferenceService, options: PlanOptions | None = None) -> list[
     # Policies first: no engine pod ever runs before the rules that guard it exist.
     objects = network_policies(service, options.operator_namespace)
     objects += router_objects(service, options)
+    claim = cache_claim(service)
+    objects += [claim] if claim is not None else []
+    objects += fetch_jobs(service, options)
     objects += [engine_service(service, role) for role in roles]
-    objects += [engine_deployment(service, role) for role in roles]
+    objects += [engine_deployment(service, role, options) for role in roles]
     objects += [engine_pdb(service, role) for role in roles]
     wants_monitor = service.spec.monitoring.pod_monitor is PodMonitorMode.AUTO
     if wants_monitor and options.pod_monitor_available:

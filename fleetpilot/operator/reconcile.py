@@ -19,8 +19,11 @@ from fleetpilot.kube import names
 from fleetpilot.kube.client import Kube, KubeError, Obj
 from fleetpilot.kube.managers import OPERATOR_MANAGER, owns_field
 from fleetpilot.kube.status import StatusWrite, update_status
+from fleetpilot.operator import metrics
 from fleetpilot.operator.children import Children
+from fleetpilot.operator.cold_start import new_samples
 from fleetpilot.operator.drift import needs_apply, with_hash
+from fleetpilot.operator.model_cache import fetch_jobs_of, job_complete
 from fleetpilot.operator.plan_types import PlanError, PlanOptions
 from fleetpilot.operator.planner import all_roles, plan
 from fleetpilot.operator.status import Observed, compute_status
@@ -34,6 +37,8 @@ MANAGED_KINDS = (
     "Role",
     "RoleBinding",
     "ConfigMap",
+    "PersistentVolumeClaim",
+    "Job",
     "Service",
     "Deployment",
     "PodDisruptionBudget",
@@ -53,6 +58,8 @@ class ReconcileResult:
     pruned: list[str] = field(default_factory=list)
     plan_error: str | None = None
     status_written: bool = False
+    # Engine Deployments held back until their model's download Job completes, with the Job.
+    waiting_for_model: dict[str, str] = field(default_factory=dict)
 
 
 # kopf truncates an Event's message to 1,024 characters; a summary stays under it.
@@ -169,6 +176,14 @@ class Reconciler:
             key = _key(planned)
             current = live.get(key)
             desired = planned
+            downloading = [
+                j for j in fetch_jobs_of(planned) if not job_complete(live.get(("Job", j)))
+            ]
+            if downloading:
+                # Not before the weights are on the volume: a new Deployment waits, an existing
+                # one keeps serving the revision it has until the new one is downloaded.
+                result.waiting_for_model[key[1]] = ", ".join(downloading)
+                continue
             if planned["kind"] == "Deployment":
                 desired = settle_replicas(planned, current, key[1] in autoscaled)
             desired = with_hash(desired)
@@ -190,6 +205,9 @@ class Reconciler:
                 emit("Normal", reason, change_summary(reason.lower(), keys))
         if pruned:
             emit("Normal", "Pruned", change_summary("deleted (no longer planned)", pruned))
+        if result.waiting_for_model:
+            held = ", ".join(f"{d} (Job {j})" for d, j in sorted(result.waiting_for_model.items()))
+            emit("Normal", "WaitingForModel", f"engine Deployments wait for their model: {held}")
         result.status_written = self.write_status(service, body, applied=applied_deployments)
         return result
 
@@ -235,12 +253,16 @@ class Reconciler:
         newest observation lands and no one else's fields are lost.
         """
 
+        computed: list[tuple[InferenceServiceStatus | None, InferenceServiceStatus]] = []
+
         def mutate(live: Obj) -> Obj:
             previous = _parse_status(live.get("status") or None)
             now = datetime.now(UTC).replace(microsecond=0)
-            return compute_status(
+            status = compute_status(
                 service, self.observe(service, applied), previous, now, plan_error
-            ).to_wire()
+            )
+            computed.append((previous, status))
+            return status.to_wire()
 
         outcome = update_status(
             self.kube,
@@ -251,6 +273,9 @@ class Reconciler:
             manager=OPERATOR_MANAGER,
             live=body,
         )
+        if outcome is StatusWrite.WRITTEN:
+            # The starts this write recorded, each observed once: by the write that added it.
+            metrics.observe_cold_starts(service.namespace, service.name, new_samples(*computed[-1]))
         return outcome is StatusWrite.WRITTEN
 
 

@@ -30,6 +30,7 @@ from fleetpilot.api.status import (
     set_condition,
 )
 from fleetpilot.kube import names
+from fleetpilot.operator.cold_start import cold_start, samples_by_role
 from fleetpilot.operator.planner import all_roles, capacity_warnings
 from fleetpilot.operator.router_objects import endpoint_url
 
@@ -138,10 +139,12 @@ def compute_status(
     now: datetime,
     plan_error: str | None = None,
 ) -> InferenceServiceStatus:
-    """The status to write; keeps what other writers own (ScalingActive, desired, lastScale)."""
+    """The status to write; keeps what other writers own (ScalingActive, desired, lastScale),
+    and each role's cold-start samples, with the starts its pods completed since added."""
     generation = service.metadata.generation
     old_conditions = previous.conditions if previous else []
     old_roles = {(t.name, r.role): r for t in (previous.tiers if previous else []) for r in t.roles}
+    started = samples_by_role(observed.pods)
 
     rollouts = []
     tiers: dict[str, list[RoleStatus]] = {}
@@ -162,6 +165,10 @@ def compute_status(
                 ready=rollout.ready,
                 desired=old.desired if old else None,
                 last_scale=old.last_scale if old else None,
+                cold_start=cold_start(
+                    old.cold_start if old else None,
+                    started.get((role.tier.name, role.name), []),
+                ),
             )
         )
     router = names.router_name(service.name)

@@ -8,6 +8,7 @@ import shlex
 from fleetpilot.api import InferenceService, ResolvedRole, Tier
 from fleetpilot.api.capacity import architecture_of, format_bytes, gpu_memory_of, role_capacity
 from fleetpilot.operator.engine_objects import engine_command
+from fleetpilot.operator.model_delivery import weights_summary
 from fleetpilot.operator.plan_types import K8sObject
 from fleetpilot.operator.planner import all_roles, capacity_warnings
 from fleetpilot.operator.router_objects import endpoint_url
@@ -91,12 +92,13 @@ def summarize(service: InferenceService, objects: list[K8sObject]) -> str:
             f" (complexity <= {tier.complexity.up_to:g})",
             f"    replicas: {bounds.start} now, {bounds.min}..{bounds.max} autoscaled"
             f" ({tier.autoscaling.mode.value})",
+            f"    weights: {weights_summary(service, tier)}",
             f"    GPUs per replica: {gpus} x {product}"
             f"  (tensor {p.tensor} x pipeline {p.pipeline} x data {p.data})",
             *capacity_lines(role),
             *adapter_lines(tier),
             f"    image: {tier.engine.image}",
-            f"    command: {shlex.join(engine_command(role))}",
+            f"    command: {shlex.join(engine_command(service, role))}",
         ]
     lines += [
         "",

@@ -64,7 +64,13 @@ def _live_pod(service: InferenceService, name: str, **status: Any) -> Obj:
         "metadata": {
             "name": name,
             "namespace": service.namespace,
-            "labels": {names.LABEL_SERVICE: service.name, "pod-template-hash": "abc"},
+            "creationTimestamp": "2026-12-03T09:58:00Z",
+            "labels": {
+                names.LABEL_SERVICE: service.name,
+                names.LABEL_TIER: "small",
+                names.LABEL_ROLE: "unified",
+                "pod-template-hash": "abc",
+            },
             "ownerReferences": [{"kind": "ReplicaSet", "name": "rs", "uid": "rs-uid"}],
             "managedFields": [{"manager": "kube-controller-manager"}],
         },
@@ -74,7 +80,21 @@ def _live_pod(service: InferenceService, name: str, **status: Any) -> Obj:
 
 
 def _pods(service: InferenceService) -> list[Obj]:
+    ready = [{"type": "Ready", "status": "True", "lastTransitionTime": "2026-12-03T09:59:42Z"}]
+    running = [
+        {
+            "name": "engine",
+            "restartCount": 0,
+            "state": {"running": {"startedAt": "2026-12-03T09:59:00Z"}},
+        }
+    ]
+    stopping = _live_pod(
+        service, "stopping", phase="Running", conditions=ready, containerStatuses=running
+    )
+    stopping["metadata"]["deletionTimestamp"] = "2026-12-03T09:59:50Z"
     return [
+        _live_pod(service, "started", phase="Running", conditions=ready, containerStatuses=running),
+        stopping,
         _live_pod(
             service,
             "crashing",
@@ -122,12 +142,24 @@ def test_the_status_from_the_index_is_the_status_from_the_listed_objects(
     children.attach(_index("Deployment", deployments), _index("Pod", pods))
     watched = children.observed(service.namespace, service.name)
     assert watched is not None
-    assert compute_status(service, watched, None, NOW) == compute_status(service, listed, None, NOW)
+    status = compute_status(service, watched, None, NOW)
+    assert status == compute_status(service, listed, None, NOW)
+    # ... the started engine's cold start included (its labels and timestamps are kept) ...
+    cold_start = status.tiers[0].roles[0].cold_start
+    # (and the one being deleted left out).
+    assert cold_start is not None
+    assert [s.pod for s in cold_start.samples] == ["started"]
+    assert cold_start.start.max_seconds == 42
+    assert cold_start.pod is not None
+    assert cold_start.pod.max_seconds == 102
     # ... and it is small: none of the template, managedFields or owner references.
     for entry in [*watched.deployments.values(), *watched.pods]:
-        assert set(entry["metadata"]) == {"name"} | (
-            {"generation"} if entry["kind"] == "Deployment" else set()
-        )
+        if entry["kind"] == "Deployment":
+            assert set(entry["metadata"]) == {"name", "generation"}
+        else:
+            kept = {"name", "labels", "creationTimestamp", "deletionTimestamp"}
+            assert {"name", "labels", "creationTimestamp"} <= set(entry["metadata"]) <= kept
+            assert set(entry["metadata"]["labels"]) == {names.LABEL_TIER, names.LABEL_ROLE}
         assert "template" not in entry.get("spec", {})
 
 

@@ -113,6 +113,13 @@ the same table: a change here must change it there too.
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch, delete]
+# spec.modelCache: the cache's claim, and the Jobs that download models into it.
+- apiGroups: [""]
+  resources: [persistentvolumeclaims]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [get, list, watch, create, patch, delete]
 # The NetworkPolicies that keep engine ports to the service's router and engines.
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]

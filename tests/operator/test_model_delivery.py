@@ -1,0 +1,341 @@
+"""How a tier's weights reach its engine pods: OCI images, S3, and the service's model cache
+(its claim, the download Jobs, and engine Deployments that wait for them)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from fleetpilot.api.status import ConditionStatus
+from fleetpilot.kube.client import Obj
+from fleetpilot.operator.model_cache import ANNOTATION_FETCH_JOB, model_ready_condition
+from fleetpilot.operator.plan_types import PlanError, PlanOptions
+from fleetpilot.operator.planner import plan
+from fleetpilot.operator.reconcile import Reconciler
+from tests.factories import make_manifest, make_service, make_tier
+from tests.support.kube import FakeKube
+
+MODEL = "Qwen/Qwen2.5-7B-Instruct"
+CACHE = {"size": "200Gi", "storageClassName": "nfs"}
+S3 = {
+    "endpoint": "https://minio.storage:9000",
+    "bucket": "models",
+    "prefix": "qwen/7b/",
+    "credentialsSecretRef": {"name": "minio-creds"},
+}
+
+
+def planned(tiers: list[Obj], options: PlanOptions | None = None, **spec: Any) -> list[Obj]:
+    return plan(make_service(tiers=tiers, **spec), options or PlanOptions())
+
+
+def only(objects: list[Obj], kind: str, name: str | None = None) -> Obj:
+    found = [o for o in objects if o["kind"] == kind and name in (None, o["metadata"]["name"])]
+    assert len(found) == 1, [o["metadata"]["name"] for o in found]
+    return found[0]
+
+
+def pod_of(objects: list[Obj], name: str = "chat-small") -> Obj:
+    return only(objects, "Deployment", name)["spec"]["template"]["spec"]  # type: ignore[no-any-return]
+
+
+def env_of(container: Obj) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def tier_with(source: Obj, name: str = "small", model: str = MODEL, up_to: float = 1.0) -> Obj:
+    return make_tier(name, model=model, up_to=up_to) | {"model": {"name": model, "source": source}}
+
+
+# -- OCI ------------------------------------------------------------------------------------
+
+
+def test_an_oci_model_is_an_image_volume_where_the_cluster_mounts_images() -> None:
+    """On an API server with image volumes on (>= 1.35), the image's model directory is
+    mounted read-only at /models and vLLM loads it there; no init container copies it."""
+    oci = {"image": "registry.example/qwen@sha256:0f1e", "path": "/models/qwen"}
+    pod = pod_of(planned([tier_with({"oci": oci})], PlanOptions(image_volumes=True)))
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "models"]
+    assert volume == {
+        "name": "models",
+        "image": {"reference": "registry.example/qwen@sha256:0f1e", "pullPolicy": "IfNotPresent"},
+    }
+    (engine,) = pod["containers"]
+    (mount,) = [m for m in engine["volumeMounts"] if m["name"] == "models"]
+    assert mount == {"name": "models", "mountPath": "/models", "readOnly": True,
+                     "subPath": "models/qwen"}  # fmt: skip
+    assert engine["args"][0] == "/models"
+    assert "initContainers" not in pod
+
+
+def test_an_oci_model_is_copied_out_of_its_image_on_older_clusters() -> None:
+    """Without image volumes (auto on an older server, or mount: copy), an init container
+    running the image itself copies the directory into an emptyDir the engine reads."""
+    oci = {"image": "registry.example/qwen:1", "path": "/models", "pullPolicy": "Always"}
+    for options, mount in ((PlanOptions(image_volumes=False), "auto"),
+                           (PlanOptions(image_volumes=True), "copy")):  # fmt: skip
+        pod = pod_of(planned([tier_with({"oci": oci | {"mount": mount}})], options))
+        (copier,) = pod["initContainers"]
+        assert copier["image"] == "registry.example/qwen:1"
+        assert copier["imagePullPolicy"] == "Always"
+        assert copier["command"] == ["cp", "-R", "/models/.", "/models/"]
+        assert {"name": "models", "emptyDir": {}} in pod["volumes"]
+        assert pod["containers"][0]["args"][0] == "/models"
+
+
+# -- S3 without a cache ---------------------------------------------------------------------
+
+
+def test_an_s3_model_is_downloaded_by_an_init_container_with_the_secrets_keys() -> None:
+    """Without a model cache, every engine pod downloads the objects before its engine starts:
+    the fleetpilot image's fetcher, credentials by reference to the Secret (never values)."""
+    options = PlanOptions(fleetpilot_image="registry.example/fleetpilot:1")
+    pod = pod_of(planned([tier_with({"s3": S3})], options))
+    (fetch,) = pod["initContainers"]
+    assert fetch["image"] == "registry.example/fleetpilot:1"
+    assert fetch["command"] == [
+        "fleetpilot", "model", "fetch", "s3", "--bucket", "models", "--dest", "/models",
+        "--prefix", "qwen/7b/", "--endpoint", "https://minio.storage:9000",
+    ]  # fmt: skip
+    env = env_of(fetch)
+    assert env["AWS_ACCESS_KEY_ID"] == {
+        "secretKeyRef": {"name": "minio-creds", "key": "AWS_ACCESS_KEY_ID"}
+    }
+    assert env["AWS_SESSION_TOKEN"]["secretKeyRef"]["optional"] is True
+    assert fetch["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["containers"][0]["args"][0] == "/models"
+    assert "AWS_ACCESS_KEY_ID" not in env_of(pod["containers"][0])  # the engine needs none
+
+
+# -- the model cache ------------------------------------------------------------------------
+
+
+def test_a_hub_model_in_the_cache_is_fetched_by_one_job_and_read_offline() -> None:
+    """With spec.modelCache: a claim owned by the service, one Job that downloads the repo at
+    its revision into the Hub cache layout (with the token), and engines that mount the cache
+    read-only and read it offline - without the token."""
+    hub = {"revision": "a1b2c3", "tokenSecretRef": {"name": "hf-token"}}
+    objects = planned([tier_with({"huggingface": hub})], modelCache=CACHE)
+    claim = only(objects, "PersistentVolumeClaim")
+    assert claim["metadata"]["name"] == "chat-model-cache"
+    assert claim["spec"] == {
+        "accessModes": ["ReadWriteMany"],
+        "resources": {"requests": {"storage": "200Gi"}},
+        "storageClassName": "nfs",
+    }
+    job = only(objects, "Job")
+    (fetch,) = job["spec"]["template"]["spec"]["containers"]
+    assert fetch["command"] == [
+        "fleetpilot", "model", "fetch", "hub", "--repo", MODEL, "--revision", "a1b2c3",
+        "--cache-dir", "/model-cache/hub",
+    ]  # fmt: skip
+    assert env_of(fetch)["HF_TOKEN"] == {"secretKeyRef": {"name": "hf-token", "key": "token"}}
+    assert job["spec"]["template"]["spec"]["volumes"][0] == {
+        "name": "model-cache",
+        "persistentVolumeClaim": {"claimName": "chat-model-cache", "readOnly": False},
+    }
+    # Not the service's label: status counts the service's pods as engines.
+    assert "fleetpilot.dev/service" not in job["spec"]["template"]["metadata"]["labels"]
+
+    deployment = only(objects, "Deployment", "chat-small")
+    assert deployment["metadata"]["annotations"][ANNOTATION_FETCH_JOB] == job["metadata"]["name"]
+    pod = deployment["spec"]["template"]["spec"]
+    engine = pod["containers"][0]
+    env = env_of(engine)
+    assert env["HF_HUB_CACHE"] == "/model-cache/hub"
+    assert env["HF_HUB_OFFLINE"] == "1"
+    assert "HF_TOKEN" not in env
+    assert engine["args"][:1] == [MODEL]
+    assert "a1b2c3" in engine["args"]
+    assert {"name": "model-cache", "mountPath": "/model-cache", "readOnly": True} in engine[
+        "volumeMounts"
+    ]
+    assert "initContainers" not in pod
+
+
+def test_one_job_per_distinct_download_and_a_new_one_for_a_new_revision() -> None:
+    """Two tiers of the same model at the same revision share one Job; another revision is
+    another Job (beside the first: Jobs are never patched)."""
+    same = planned([tier_with({}, "small", up_to=0.4), tier_with({}, "large")], modelCache=CACHE)
+    (job,) = [o for o in same if o["kind"] == "Job"]
+    for name in ("chat-small", "chat-large"):
+        annotations = only(same, "Deployment", name)["metadata"]["annotations"]
+        assert annotations[ANNOTATION_FETCH_JOB] == job["metadata"]["name"]
+    moved = planned([tier_with({"huggingface": {"revision": "v2"}})], modelCache=CACHE)
+    assert only(moved, "Job")["metadata"]["name"] != job["metadata"]["name"]
+
+
+def test_an_s3_model_in_the_cache_is_read_from_its_own_directory_there() -> None:
+    objects = planned([tier_with({"s3": S3})], modelCache=CACHE)
+    (fetch,) = only(objects, "Job")["spec"]["template"]["spec"]["containers"]
+    dest = fetch["command"][fetch["command"].index("--dest") + 1]
+    assert dest.startswith("/model-cache/s3/models-")
+    pod = pod_of(objects)
+    assert pod["containers"][0]["args"][0] == dest
+    assert "initContainers" not in pod
+
+
+def test_a_named_claim_is_used_and_not_created_and_pvc_and_oci_sources_skip_the_cache() -> None:
+    objects = planned(
+        [
+            tier_with({"pvc": {"claimName": "weights"}}, "small", up_to=0.4),
+            tier_with({"oci": {"image": "registry.example/m:1"}}, "large"),
+        ],
+        modelCache={"claimName": "shared-models"},
+    )
+    assert [o for o in objects if o["kind"] in ("Job", "PersistentVolumeClaim")] == []
+    for name in ("chat-small", "chat-large"):
+        annotations = only(objects, "Deployment", name)["metadata"]["annotations"]
+        assert ANNOTATION_FETCH_JOB not in annotations
+    hub = planned([tier_with({})], modelCache={"claimName": "shared-models"})
+    volumes = pod_of(hub)["volumes"]
+    assert {
+        "name": "model-cache",
+        "persistentVolumeClaim": {"claimName": "shared-models", "readOnly": True},
+    } in volumes
+
+
+# -- reconcile: engines wait for their download ---------------------------------------------
+
+NS = "ml"
+
+
+@pytest.fixture
+def kube() -> FakeKube:
+    return FakeKube()
+
+
+def apply_service(kube: FakeKube, revision: str) -> Obj:
+    manifest = make_manifest(
+        namespace=NS,
+        tiers=[tier_with({"huggingface": {"revision": revision}})],
+        modelCache=CACHE,
+    )
+    kube.apply(manifest, "kubectl")
+    live = kube.get("InferenceService", NS, "chat")
+    assert live is not None
+    return live
+
+
+def complete(kube: FakeKube, job: str) -> None:
+    """Play the Job controller: the download finished."""
+    kube.set_status(
+        "Job", NS, job, {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}
+    )
+
+
+def engine_args(kube: FakeKube) -> list[str]:
+    live = kube.object("Deployment", NS, "chat-small")
+    assert live is not None
+    return live["spec"]["template"]["spec"]["containers"][0]["args"]  # type: ignore[no-any-return]
+
+
+def test_engines_start_only_once_their_model_is_downloaded_and_roll_when_a_new_one_is(
+    kube: FakeKube,
+) -> None:
+    """A new service gets its claim and download Job but no engine Deployment (an Event says
+    why); the Job completing lets the next reconcile create it. A new revision starts a new Job
+    while the engines keep the old revision; they roll only once it completes, and the old
+    Job goes."""
+    reconciler = Reconciler(kube)
+    events: list[tuple[str, str, str]] = []
+
+    def emit(kind: str, reason: str, message: str) -> None:
+        events.append((kind, reason, message))
+
+    first = reconciler.reconcile(apply_service(kube, "r1"), emit)
+    (job,) = [o["metadata"]["name"] for o in kube.objects("Job", NS)]
+    assert kube.object("PersistentVolumeClaim", NS, "chat-model-cache") is not None
+    assert kube.object("Deployment", NS, "chat-small") is None
+    assert first.waiting_for_model == {"chat-small": job}
+    assert ("Normal", "WaitingForModel") in [(k, r) for k, r, _ in events]
+    assert kube.object("Deployment", NS, "chat-router") is not None  # the rest is applied
+
+    complete(kube, job)
+    second = reconciler.reconcile(apply_service(kube, "r1"), emit)
+    assert second.waiting_for_model == {}
+    assert "r1" in engine_args(kube)
+
+    third = reconciler.reconcile(apply_service(kube, "r2"), emit)
+    (new_job,) = [o["metadata"]["name"] for o in kube.objects("Job", NS)]
+    assert new_job != job  # the old Job was pruned: its revision's engines still run
+    assert third.waiting_for_model == {"chat-small": new_job}
+    assert "r1" in engine_args(kube)
+
+    complete(kube, new_job)
+    reconciler.reconcile(apply_service(kube, "r2"), emit)
+    assert "r2" in engine_args(kube)
+
+
+# -- the ModelReady condition ---------------------------------------------------------------
+
+NOW = datetime(2026, 12, 4, 12, 0, tzinfo=UTC)
+
+
+def jobs_of(objects: list[Obj]) -> list[Obj]:
+    return [o for o in objects if o["kind"] == "Job"]
+
+
+def test_model_ready_says_what_is_downloading_done_or_failed() -> None:
+    """Pending, running (with failed attempts), complete, failed: each says which model and
+    Job; one failure makes the whole condition DownloadFailed; no cache, no condition."""
+    jobs = jobs_of(
+        planned(
+            [tier_with({}, "small", up_to=0.4), tier_with({"s3": S3}, "large")], modelCache=CACHE
+        )
+    )
+    hub, s3 = (j["metadata"]["name"] for j in jobs)
+    pending = model_ready_condition(jobs, {}, NOW, 3)
+    assert pending is not None
+    assert (pending.status, pending.reason, pending.observed_generation) == (
+        ConditionStatus.FALSE, "Downloading", 3,
+    )  # fmt: skip
+    assert f"{MODEL}@main (Job {hub}): pending" in pending.message
+
+    live = {
+        hub: {"status": {"active": 1, "failed": 2}},
+        s3: {"status": {"conditions": [{"type": "Complete", "status": "True"}]}},
+    }
+    running = model_ready_condition(jobs, live, NOW, 3)
+    assert running is not None
+    assert running.reason == "Downloading"
+    assert "running, 2 pods failed" in running.message
+    assert "done: s3://models/qwen/7b/" in running.message
+
+    gave_up = {"type": "Failed", "status": "True", "message": "reached the backoff limit"}
+    live[hub] = {"status": {"conditions": [gave_up]}}
+    failed = model_ready_condition(jobs, live, NOW, 3)
+    assert failed is not None
+    assert (failed.status, failed.reason) == (ConditionStatus.FALSE, "DownloadFailed")
+    assert "backoff limit" in failed.message
+
+    live[hub] = live[s3]
+    ready = model_ready_condition(jobs, live, NOW, 3)
+    assert ready is not None
+    assert (ready.status, ready.reason) == (ConditionStatus.TRUE, "Downloaded")
+    assert model_ready_condition([], live, NOW, 3) is None
+
+
+def test_a_draft_model_is_downloaded_too_and_dynamic_hub_adapters_are_refused() -> None:
+    """Engines reading the Hub cache offline could not fetch a speculative draft model: it
+    gets its own Job, and the tier waits for both. Hub adapters loaded at run time would need
+    the Hub: refused, naming the adapter's field."""
+    speculative = {"method": "eagle3", "model": "org/eagle3-draft", "numTokens": 4}
+    tier = tier_with({}) | {"engine": {"speculative": speculative}}
+    objects = planned([tier], modelCache=CACHE)
+    commands = [j["spec"]["template"]["spec"]["containers"][0]["command"] for j in jobs_of(objects)]
+    assert [c[c.index("--repo") + 1] for c in commands] == [MODEL, "org/eagle3-draft"]
+    waits = only(objects, "Deployment", "chat-small")["metadata"]["annotations"]
+    assert waits[ANNOTATION_FETCH_JOB].split(",") == [
+        j["metadata"]["name"] for j in jobs_of(objects)
+    ]
+
+    adapters = [{"name": "sql", "source": {"huggingface": {"repo": "acme/sql-lora"}}}]
+    dynamic = tier_with({}) | {"adapters": adapters, "lora": {"dynamic": True}}
+    with pytest.raises(PlanError) as refused:
+        planned([dynamic], modelCache=CACHE)
+    assert refused.value.field == "spec.tiers[0].adapters[0].source.huggingface"
+    assert "offline" in refused.value.message
+    planned([dynamic])  # without the cache the engine fetches it
