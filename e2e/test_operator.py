@@ -28,7 +28,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.chart_support import CRD_PATH, can, install_identity, release_name, render
-from e2e.support import condition, eventually, mark_pods_ready
+from e2e.support import condition, eventually, finish_job_pods, mark_pods_ready
 from fleetpilot.engine.adapter_client import AdapterClient
 from fleetpilot.engine.reference.lora import random_adapter, save_adapter
 from fleetpilot.engine.reference.settings import MODEL_PRESETS
@@ -1153,3 +1153,86 @@ def test_cold_start_is_measured_from_the_pods_timestamps_and_outlives_pods_and_o
         ("pod", "count"): 1.0,
         ("pod", "sum"): 25.0,
     }
+
+
+@pytest.fixture
+def cache_claim(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[str]:
+    """A ReadWriteMany claim `model-cache` bound to a PV made for it (no provisioner here)."""
+    volume = f"{namespace}-model-cache"
+    kube.request("POST", "/api/v1/persistentvolumes", body={
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
+        "spec": {
+            "capacity": {"storage": "10Gi"}, "accessModes": ["ReadWriteMany"],
+            "storageClassName": "", "hostPath": {"path": str(tmp_path / "model-cache")},
+            "claimRef": {"namespace": namespace, "name": "model-cache"},
+        },
+    })  # fmt: skip
+    kube.request("POST", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims", body={
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "model-cache"},
+        "spec": {
+            "accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": volume,
+            "resources": {"requests": {"storage": "10Gi"}},
+        },
+    })  # fmt: skip
+
+    def bound() -> bool | None:
+        path = f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/model-cache"
+        return kube.request("GET", path).get("status", {}).get("phase") == "Bound" or None
+
+    eventually("the cache's claim bound", bound)
+    try:
+        yield "model-cache"
+    finally:
+        kube.request("DELETE", f"/api/v1/persistentvolumes/{volume}")
+
+
+def test_engines_wait_for_the_model_download_and_a_second_replica_downloads_nothing(
+    kube: Kube, namespace: str, operator: Any, gpu_node: None, cache_claim: str
+) -> None:
+    """With spec.modelCache the operator creates one download Job and no engine Deployment
+    (ModelReady=False, Downloading); the Job's pod finishing (the harness plays the kubelet,
+    the real Job controller completes the Job) brings the engine Deployment, reading the
+    cache offline; a second replica starts from the same cache: still one Job, one pod."""
+    manifest = small_service(namespace, modelCache={"claimName": cache_claim})
+    manifest["spec"]["tiers"][0]["model"]["source"] = {"huggingface": {"revision": "r1"}}
+    apply_service(kube, manifest)
+    fetch = {names.LABEL_SERVICE: "chat", names.LABEL_COMPONENT: "model-fetch"}
+    (job,) = eventually("the download Job", lambda: kube.list("Job", namespace, fetch) or None)
+    job_name = job["metadata"]["name"]
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[:5] == ["fleetpilot", "model", "fetch", "hub", "--repo"]
+    assert "r1" in command
+
+    def model_ready(status: str) -> Obj | None:
+        current = get(kube, "InferenceService", namespace, "chat")
+        found = condition(current, "ModelReady")
+        return found if found is not None and found["status"] == status else None
+
+    downloading = eventually("ModelReady=False", lambda: model_ready("False"))
+    assert downloading["reason"] == "Downloading"
+    eventually("the router", lambda: get(kube, "Deployment", namespace, "chat-router"))
+    assert get(kube, "Deployment", namespace, "chat-small") is None
+
+    eventually("the Job's pod finished", lambda: finish_job_pods(kube, namespace, job_name) or None)
+    deployment = eventually(
+        "the engine Deployment", lambda: get(kube, "Deployment", namespace, "chat-small"), 90
+    )
+    assert eventually("ModelReady=True", lambda: model_ready("True"))["reason"] == "Downloaded"
+    pod = deployment["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env["HF_HUB_OFFLINE"] == "1"
+    assert "initContainers" not in pod
+
+    kube.request(
+        "PATCH",
+        f"/apis/apps/v1/namespaces/{namespace}/deployments/chat-small/scale",
+        body={"spec": {"replicas": 2}},
+        content_type=MERGE_CONTENT_TYPE,
+    )
+    selector = {names.LABEL_SERVICE: "chat", names.LABEL_TIER: "small"}
+    eventually(
+        "two engine pods Ready", lambda: mark_pods_ready(kube, namespace, selector) >= 2 or None
+    )
+    assert [j["metadata"]["name"] for j in kube.list("Job", namespace, fetch)] == [job_name]
+    job_pods = kube.list("Pod", namespace, {"batch.kubernetes.io/job-name": job_name})
+    assert len(job_pods) == 1

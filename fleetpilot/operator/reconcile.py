@@ -14,7 +14,12 @@ from datetime import UTC, datetime
 
 from fleetpilot.api import KIND, InferenceService, InvalidManifestError, parse_service
 from fleetpilot.api.spec import AutoscalingMode
-from fleetpilot.api.status import InferenceServiceStatus
+from fleetpilot.api.status import (
+    Condition,
+    ConditionType,
+    InferenceServiceStatus,
+    set_condition,
+)
 from fleetpilot.kube import names
 from fleetpilot.kube.client import Kube, KubeError, Obj
 from fleetpilot.kube.managers import OPERATOR_MANAGER, owns_field
@@ -23,7 +28,13 @@ from fleetpilot.operator import metrics
 from fleetpilot.operator.children import Children
 from fleetpilot.operator.cold_start import new_samples
 from fleetpilot.operator.drift import needs_apply, with_hash
-from fleetpilot.operator.model_cache import fetch_jobs_of, job_complete
+from fleetpilot.operator.model_cache import COMPONENT as FETCH_COMPONENT
+from fleetpilot.operator.model_cache import (
+    fetch_jobs,
+    fetch_jobs_of,
+    job_complete,
+    model_ready_condition,
+)
 from fleetpilot.operator.plan_types import PlanError, PlanOptions
 from fleetpilot.operator.planner import all_roles, plan
 from fleetpilot.operator.status import Observed, compute_status
@@ -239,6 +250,25 @@ class Reconciler:
         pods = self.kube.list("Pod", service.namespace, {names.LABEL_SERVICE: service.name})
         return Observed(deployments=deployments, pods=pods)
 
+    def _with_model_ready(
+        self, service: InferenceService, conditions: list[Condition], now: datetime
+    ) -> list[Condition]:
+        """``conditions`` with ModelReady from the model cache's Jobs as they are now (none
+        for a service without a cache: a condition left from one would mislead)."""
+        planned = fetch_jobs(service, self.options)
+        if not planned:
+            return _without(conditions, ConditionType.MODEL_READY)
+        selector = {
+            names.LABEL_SERVICE: service.name,
+            names.LABEL_MANAGED_BY: names.MANAGER,
+            names.LABEL_COMPONENT: FETCH_COMPONENT,
+        }
+        live = {
+            j["metadata"]["name"]: j for j in self.kube.list("Job", service.namespace, selector)
+        }
+        ready = model_ready_condition(planned, live, now, service.metadata.generation)
+        return set_condition(conditions, ready) if ready is not None else conditions
+
     def write_status(
         self,
         service: InferenceService,
@@ -261,6 +291,8 @@ class Reconciler:
             status = compute_status(
                 service, self.observe(service, applied), previous, now, plan_error
             )
+            conditions = self._with_model_ready(service, status.conditions, now)
+            status = status.model_copy(update={"conditions": conditions})
             computed.append((previous, status))
             return status.to_wire()
 
@@ -277,6 +309,10 @@ class Reconciler:
             # The starts this write recorded, each observed once: by the write that added it.
             metrics.observe_cold_starts(service.namespace, service.name, new_samples(*computed[-1]))
         return outcome is StatusWrite.WRITTEN
+
+
+def _without(conditions: list[Condition], kind: ConditionType) -> list[Condition]:
+    return [c for c in conditions if c.type != kind]
 
 
 def _parse_status(raw: Obj | None) -> InferenceServiceStatus | None:

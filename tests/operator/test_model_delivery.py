@@ -226,6 +226,13 @@ def complete(kube: FakeKube, job: str) -> None:
     )
 
 
+def model_ready(kube: FakeKube) -> tuple[str, str] | None:
+    live = kube.get("InferenceService", NS, "chat")
+    assert live is not None
+    found = [c for c in live["status"]["conditions"] if c["type"] == "ModelReady"]
+    return (found[0]["status"], found[0]["reason"]) if found else None
+
+
 def engine_args(kube: FakeKube) -> list[str]:
     live = kube.object("Deployment", NS, "chat-small")
     assert live is not None
@@ -253,10 +260,13 @@ def test_engines_start_only_once_their_model_is_downloaded_and_roll_when_a_new_o
     assert ("Normal", "WaitingForModel") in [(k, r) for k, r, _ in events]
     assert kube.object("Deployment", NS, "chat-router") is not None  # the rest is applied
 
+    assert model_ready(kube) == ("False", "Downloading")
+
     complete(kube, job)
     second = reconciler.reconcile(apply_service(kube, "r1"), emit)
     assert second.waiting_for_model == {}
     assert "r1" in engine_args(kube)
+    assert model_ready(kube) == ("True", "Downloaded")
 
     third = reconciler.reconcile(apply_service(kube, "r2"), emit)
     (new_job,) = [o["metadata"]["name"] for o in kube.objects("Job", NS)]
@@ -264,9 +274,20 @@ def test_engines_start_only_once_their_model_is_downloaded_and_roll_when_a_new_o
     assert third.waiting_for_model == {"chat-small": new_job}
     assert "r1" in engine_args(kube)
 
+    assert model_ready(kube) == ("False", "Downloading")
+
     complete(kube, new_job)
     reconciler.reconcile(apply_service(kube, "r2"), emit)
     assert "r2" in engine_args(kube)
+
+    # Without the cache the engines download again, and no ModelReady is left behind.
+    manifest = make_manifest(namespace=NS, tiers=[tier_with({"huggingface": {"revision": "r2"}})])
+    kube.apply(manifest, "kubectl")
+    live = kube.get("InferenceService", NS, "chat")
+    assert live is not None
+    reconciler.reconcile(live, emit)
+    assert model_ready(kube) is None
+    assert kube.objects("Job", NS) == []
 
 
 # -- the ModelReady condition ---------------------------------------------------------------
