@@ -25,10 +25,12 @@ from typing import Any
 import helm_python as helm
 import httpx
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.chart_support import CRD_PATH, can, install_identity, release_name, render
 from e2e.support import condition, eventually, finish_job_pods, mark_pods_ready
+from fleetpilot.api.router_config import ROUTER_CONFIG_FILE, RouterConfig
 from fleetpilot.engine.adapter_client import AdapterClient
 from fleetpilot.engine.reference.lora import random_adapter, save_adapter
 from fleetpilot.engine.reference.settings import MODEL_PRESETS
@@ -1128,6 +1130,17 @@ def test_cold_start_is_measured_from_the_pods_timestamps_and_outlives_pods_and_o
         ("pod", "count"): 1.0,
         ("pod", "sum"): 72.0,
     }
+
+    def router_holds_for() -> float | None:
+        config_map = get(kube, "ConfigMap", namespace, "chat-router")
+        if config_map is None:
+            return None
+        config = RouterConfig.model_validate(yaml.safe_load(config_map["data"][ROUTER_CONFIG_FILE]))
+        observed = config.tiers[0].cold_start_observed
+        return observed.total_seconds() if observed is not None else None
+
+    # No spec change: the new cold start alone re-reconciles, so the router's hold knows it.
+    assert eventually("the router's config has the cold start", router_holds_for) == 72.0
 
     stop(first)
     kube.request(

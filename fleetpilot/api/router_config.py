@@ -101,6 +101,16 @@ class RouterTier(ApiModel):
         ),
     )
 
+    cold_start_observed: Duration | None = Field(
+        None,
+        description=(
+            "The tier's observed cold start: the longest pod-created-to-Ready among the kept "
+            "starts of its roles (status coldStart.pod.maxSeconds), which sets how long a "
+            "request for the tier is held while the tier is at zero (coldStartWait); unset: "
+            "none observed yet."
+        ),
+    )
+
     _check_first_byte_timeout = field_validator("first_byte_timeout")(_positive_budget)
 
 
@@ -200,10 +210,26 @@ class RouterConfig(ApiModel):
     cold_start_wait: Duration = Field(
         timedelta(0),
         description=(
-            "How long a request waits when no tier in reach has a replica (a tier scaled to "
+            "The longest a request waits when no tier in reach has a replica (a tier scaled to "
             "zero): it is counted in fleetpilot_router_pending_requests, which the autoscaler "
-            "reads to scale the tier from zero. 0 answers 503 at once."
+            "reads to scale the tier from zero. Within it, a tier with an observed cold start "
+            "holds for coldStartFactor x that + coldStartMargin; then 503 with Retry-After. "
+            "0 answers 503 at once."
         ),
+    )
+    # A new start is slower than the slowest kept one now and then (a colder node, a busier
+    # registry): 1.5x covers that spread. The margin covers what the observation (pod created
+    # to Ready) leaves out: the autoscaler seeing the held request (its 5 s tick) and the
+    # pod's creation before it, the Ready endpoint reaching the router after; the operator
+    # adds its Prometheus scrape interval, the delay before the autoscaler can see it at all.
+    cold_start_factor: float = Field(
+        1.5,
+        ge=1.0,
+        le=100.0,
+        description="Hold for a tier at zero: this many times its observed cold start ...",
+    )
+    cold_start_margin: Duration = Field(
+        timedelta(seconds=10), description="... plus this (and at most coldStartWait)."
     )
     scrape: Scrape = Field(default_factory=Scrape)
     backpressure: Backpressure = Field(default_factory=Backpressure)

@@ -614,6 +614,16 @@ class ScaleBehavior(ApiModel):
     )
 
 
+class ScaleUpBehavior(ScaleBehavior):
+    """How fast replicas may be added, and whether ahead of demand."""
+
+    predictive: bool = Field(
+        False,
+        description="Also scale for the arrival rate projected over the observed cold start "
+        "(the linear trend of recent windows), so replicas are ready when a ramp arrives.",
+    )
+
+
 def _scale_down_default() -> ScaleBehavior:
     # Five minutes: long enough to ride out a lull between bursts without paying a cold start
     # (engine pods take minutes to load weights), short enough to give GPUs back within the hour.
@@ -664,11 +674,16 @@ class Autoscaling(ApiModel):
     tolerance: float = Field(
         0.1, ge=0.0, lt=1.0, description="No change while every ratio is within 1 +- tolerance."
     )
-    scale_up: ScaleBehavior = nested(ScaleBehavior, "Scale-up behaviour.")
+    scale_up: ScaleUpBehavior = nested(ScaleUpBehavior, "Scale-up behaviour.")
     scale_down: ScaleBehavior = Field(
         default_factory=_scale_down_default,
         description="Scale-down behaviour (default stabilization 5m).",
         json_schema_extra={"default": _scale_down_default().to_wire()},
+    )
+    max_cold_start: Duration | None = Field(
+        None,
+        description="With replicas.min 0: scaling to zero is refused while the observed cold "
+        "start (status coldStart, pod created to Ready) is longer than this.",
     )
 
     @model_validator(mode="after")
@@ -923,6 +938,15 @@ class Routing(ApiModel):
     spillover: Spillover = nested(Spillover, "Spill-over between tiers.")
     request_timeout: Duration = Field(
         timedelta(minutes=10), description="Upper bound on one request."
+    )
+    max_cold_start_hold: Duration | None = Field(
+        None,
+        description=(
+            "Longest a request is held for a tier at zero replicas while its first replica "
+            "starts (within requestTimeout; 0s: answer 503 at once). Within it the hold lasts "
+            "the tier's observed cold start x 1.5 + 10s + monitoring.scrapeInterval, then 503 "
+            "with Retry-After; unset: requestTimeout."
+        ),
     )
     max_body_bytes: int = Field(
         10 * 1024 * 1024, ge=1024, le=1 << 30, description="Largest accepted request body."

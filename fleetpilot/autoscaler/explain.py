@@ -13,6 +13,7 @@ import math
 from datetime import timedelta
 
 from fleetpilot.api.units import format_duration
+from fleetpilot.autoscaler.forecast import Projection
 from fleetpilot.autoscaler.model import (
     ArrivingAtZero,
     Assessment,
@@ -219,3 +220,30 @@ def _outcome(spec: RolePolicy, assessment: Assessment, sizing: Sizing) -> tuple[
 
 
 __all__ = ["format_seconds", "reason", "why"]
+
+
+def ahead(raw: int, ahead_of: int, projection: Projection) -> str:
+    """The predictive part of a reason: what the trend projects and what it asks for."""
+    return (
+        f"; predictive: arrivals {projection.rate_rps:.3g} -> {projection.projected_rps:.3g} "
+        f"req/s in {format_seconds(projection.horizon_s)} (cold start + half the rate window): "
+        f"{raw} -> {ahead_of}"
+    )
+
+
+def cold_start_note(cold_start_s: float, rate_window_s: float) -> str:
+    """When the replicas a scale-up adds will serve, from the role's observed cold start."""
+    note = f"; new replicas serve in ~{format_seconds(cold_start_s)} (observed cold start)"
+    if cold_start_s > rate_window_s:
+        note += (
+            f", longer than the {format_seconds(rate_window_s)} SLO window: too late for "
+            "this burst (scaleUp.predictive starts them ahead of a ramp)"
+        )
+    return note
+
+
+def zero_refused(cold_start_s: float, max_cold_start_s: float) -> str:
+    return (
+        f"; scale to zero refused: observed cold start {format_seconds(cold_start_s)} > "
+        f"maxColdStart {format_seconds(max_cold_start_s)}"
+    )

@@ -96,6 +96,20 @@ def _observe(source: MetricsSource, service: InferenceService, tier: Tier, role:
         return Metrics(problem=DataProblem.UNREACHABLE, detail=f"metrics source failed: {exc}")
 
 
+def observed_cold_start(service: InferenceService, tier: str, role: str) -> float | None:
+    """The role's slowest kept cold start from the service's status (pod created to Ready,
+    else engine start to Ready when every kept start was a restart); None before any."""
+    status = service.status
+    for tier_status in status.tiers if status is not None else []:
+        if tier_status.name != tier:
+            continue
+        for role_status in tier_status.roles:
+            cold = role_status.cold_start
+            if role_status.role == role and cold is not None:
+                return float((cold.pod or cold.start).max_seconds)
+    return None
+
+
 def tick(
     service_obj: InferenceService | Mapping[str, Any],
     source: MetricsSource,
@@ -178,7 +192,8 @@ def _decide_and_act(
     if replicas is None:
         log.info("%s/%s/%s: no Deployment yet, nothing to scale", service.name, tier.name, role)
         return None
-    observation = Observation(replicas.current, replicas.ready, metrics)
+    cold_start_s = observed_cold_start(service, tier.name, role)
+    observation = Observation(replicas.current, replicas.ready, metrics, cold_start_s)
     decision = decide(observation, policy, histories.get(key, History()), now_s)
     if decision.changed and not decision.dry_run:
         actuator.scale(service, tier.name, role, decision.replicas)

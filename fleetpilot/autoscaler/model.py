@@ -88,6 +88,9 @@ class Observation:
     current_replicas: int
     ready_replicas: int
     metrics: Metrics = field(default_factory=Metrics)
+    # The role's observed cold start (status coldStart: the slowest kept pod start, created to
+    # Ready); None until one was seen.
+    cold_start_s: float | None = None
 
     @property
     def waiting_per_replica(self) -> float | None:
@@ -114,6 +117,8 @@ class History:
     # Since when recommendations have come without a gap: a scale-down needs a whole
     # scale-down window watched, so a restarted autoscaler does not shrink on its first lull.
     watching_since_s: float | None = None
+    # Recent arrival rates (time, requests/s), for the predictive scale-up's trend.
+    arrivals: tuple[tuple[float, float], ...] = ()
 
     def in_panic(self, now_s: float) -> bool:
         return self.panic_until_s is not None and now_s < self.panic_until_s
@@ -172,6 +177,10 @@ class RolePolicy:
     # Three scrapes of 15 s: one or two failed scrapes are ordinary; three mean the engines (or
     # the scraping) are gone and the numbers describe the past.
     max_data_age_s: float = 45.0
+    # The PromQL window the percentiles and the arrival rate are computed over.
+    rate_window_s: float = 60.0
+    predictive: bool = False
+    max_cold_start_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.role not in set(RoleName):
@@ -229,6 +238,11 @@ class RolePolicy:
             "scale_down_stabilization_s": scaling.scale_down.stabilization.total_seconds(),
             "scale_down_max_rate": scaling.scale_down.max_rate,
             "panic_window_s": max(scaling.window.total_seconds(), scaling.interval.total_seconds()),
+            "rate_window_s": scaling.window.total_seconds(),
+            "predictive": scaling.scale_up.predictive,
+            "max_cold_start_s": (
+                scaling.max_cold_start.total_seconds() if scaling.max_cold_start else None
+            ),
             "max_data_age_s": 3 * scrape_interval_s,
         }
         values.update(overrides)

@@ -38,6 +38,12 @@ The rules, in order:
 8. **Bounds.** The result always lies within ``replicas.min .. replicas.max``.
 9. **From zero.** A role at zero replicas has no engines to report latency; a waiting or
    arriving request (which a source may see upstream of the engines) scales it to one.
+10. **Ahead of a ramp** (``scaleUp.predictive``). With a cold start observed, the
+    recommendation is sized for the arrival rate the recent trend reaches by the time a
+    replica started now would serve (:mod:`~fleetpilot.autoscaler.forecast`); only upward.
+11. **Cold starts.** A scale to zero is refused while the observed cold start exceeds
+    ``maxColdStart``; a scale-up's reason says when its replicas will serve, and that they
+    come too late for the current burst when the cold start is longer than the rate window.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ import math
 from datetime import datetime
 
 from fleetpilot.api.spec import AutoscalingMode
-from fleetpilot.autoscaler import explain
+from fleetpilot.autoscaler import explain, forecast
 from fleetpilot.autoscaler.model import (
     ArrivingAtZero,
     Assessment,
@@ -242,6 +248,17 @@ def decide(
         raise ValueError("replica counts cannot be negative")
     assessment = _assess(observation, spec)
     raw = assessment.replicas
+    arrivals = forecast.keep_arrivals(history.arrivals, observation.metrics.arrival_rate_rps, now_s)
+    ahead_note = ""
+    if spec.predictive and assessment.worst_ratio is not None and current > 0:
+        # Rule 10: size for the load expected once a replica started now would serve.
+        projection = forecast.project(
+            arrivals, observation.cold_start_s, spec.rate_window_s, spec.interval_s
+        )
+        if projection is not None and forecast.ahead_of(raw, projection) > raw:
+            ahead = forecast.ahead_of(raw, projection)
+            ahead_note = explain.ahead(raw, ahead, projection)
+            raw = ahead
 
     # Panic starts on a burst and lasts panic_window_s after the last one.
     panic_until = history.panic_until_s
@@ -262,7 +279,9 @@ def decide(
     ):
         watching_since = now_s
     watched_s = now_s - watching_since
-    new_history = History(recommendations, panic_until if in_panic else None, watching_since)
+    new_history = History(
+        recommendations, panic_until if in_panic else None, watching_since, arrivals
+    )
 
     # Stabilization as the HPA does it: the lowest recommendation of the scale-up window may
     # raise replicas, the highest of the scale-down window may lower them.
@@ -283,9 +302,18 @@ def decide(
     down_limit = max(0, min(_floor(current / spec.scale_down_max_rate), current - 1))
     limited = min(max(stabilized, down_limit), up_limit)
     final = min(max(limited, spec.min_replicas), spec.max_replicas)
+    cold_s = observation.cold_start_s
+    bound_s = spec.max_cold_start_s
+    zero_refused = ""
+    if final == 0 < current and cold_s is not None and bound_s is not None and cold_s > bound_s:
+        # Rule 11: a start this slow would hold the next request too long.
+        final, zero_refused = 1, explain.zero_refused(cold_s, bound_s)
 
     sizing = Sizing(current, stabilized, limited, final, watched_s, panic_left_s)
     kind, reason = explain.reason(spec, assessment, sizing, observation.metrics.source_note)
+    reason += ahead_note + zero_refused
+    if final > current and cold_s is not None:
+        reason += explain.cold_start_note(cold_s, spec.rate_window_s)
     return Decision(
         tier=spec.tier,
         role=spec.role,

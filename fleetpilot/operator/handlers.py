@@ -175,8 +175,11 @@ def build_registry(
 
         memo["ticker"] = ServiceTicker(autoscale, AUTOSCALE_TICK_S)
         memo["adapter_client"] = AdapterClient()
-        memo["model_arrivals"] = RefreshQueue(
-            lambda key: reconcile_after_download(key, memo), 1, "model-arrival", REFRESH_HOLD_S
+        memo["rereconciles"] = RefreshQueue(
+            lambda key: reconcile_again(key, memo), 1, "re-reconcile", REFRESH_HOLD_S
+        )
+        memo["reconciler"].on_cold_start = lambda namespace, name: memo["rereconciles"].mark(
+            (namespace, name)
         )
         memo["adapter_syncs"] = RefreshQueue(
             lambda key: sync_adapters(key, memo),
@@ -202,7 +205,7 @@ def build_registry(
         ticker: ServiceTicker | None = memo.get("ticker")
         if ticker is not None:
             ticker.close()
-        for queue in ("refreshes", "adapter_syncs", "model_arrivals"):
+        for queue in ("refreshes", "adapter_syncs", "rereconciles"):
             refreshes: RefreshQueue | None = memo.get(queue)
             if refreshes is not None:
                 refreshes.close()
@@ -313,9 +316,10 @@ def build_registry(
             if not exc.conflict:  # a conflict means a newer write; the next event retries
                 raise
 
-    def reconcile_after_download(key: Hashable, memo: kopf.Memo) -> None:
-        """A model download Job finished: reconcile the service again, which applies the engine
-        Deployments that waited for it (no spec change announces that)."""
+    def reconcile_again(key: Hashable, memo: kopf.Memo) -> None:
+        """Reconcile a service on what no spec change announces: a model download Job finished
+        (its engine Deployments waited for it), or a new cold start was recorded (the router's
+        config carries it)."""
         namespace, service_name = cast(tuple[str, str], key)
         reconciler: Reconciler = memo["reconciler"]
         body = reconciler.kube.get("InferenceService", namespace, service_name)
@@ -370,7 +374,7 @@ def build_registry(
             return
         job = plain(body)
         if job_complete(job) or job_failed(job) is not None:
-            memo["model_arrivals"].mark((namespace, service_name))
+            memo["rereconciles"].mark((namespace, service_name))
         memo["refreshes"].mark((namespace, service_name))
 
     @kopf.on.event(

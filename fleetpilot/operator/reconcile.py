@@ -141,6 +141,10 @@ class Reconciler:
         self.options = options or PlanOptions()
         # The watched Deployments and pods (operator.children); without them, listed.
         self.children = children
+        # Called with (namespace, name) when a status write recorded a new cold start: the
+        # router's config carries the observed cold start (its hold for a tier at zero), and
+        # only a reconcile rewrites it.
+        self.on_cold_start: Callable[[str, str], None] | None = None
 
     def managed_kinds(self) -> tuple[str, ...]:
         if self.options.pod_monitor_available:
@@ -307,7 +311,10 @@ class Reconciler:
         )
         if outcome is StatusWrite.WRITTEN:
             # The starts this write recorded, each observed once: by the write that added it.
-            metrics.observe_cold_starts(service.namespace, service.name, new_samples(*computed[-1]))
+            added = new_samples(*computed[-1])
+            metrics.observe_cold_starts(service.namespace, service.name, added)
+            if added and self.on_cold_start is not None:
+                self.on_cold_start(service.namespace, service.name)
         return outcome is StatusWrite.WRITTEN
 
 

@@ -81,6 +81,35 @@ def tokenizer_env(service: InferenceService) -> list[K8sObject]:
     return env
 
 
+# What the observed cold start (pod created to Ready) leaves out of a scale from zero: the
+# autoscaler seeing the held request (its 5 s tick) and the Deployment creating the pod, and
+# the Ready endpoint reaching the router - plus, on Kubernetes, one Prometheus scrape interval
+# before the router's pending gauge is read at all.
+COLD_START_MARGIN = timedelta(seconds=10)
+
+
+def observed_cold_start(service: InferenceService, tier: Tier) -> timedelta | None:
+    """The tier's observed cold start from the service's status: the longest pod-created-to-
+    Ready (``coldStart.pod.maxSeconds``) among its roles. The roles of a disaggregated tier
+    start side by side from zero and a request is best served by both, so the slowest is what
+    it waits for; the max of the kept starts rather than their p50, as a hold cut short by a
+    typical start refuses the requests of every slower one. Starts of restarted containers
+    (``start`` only) do not count: a scale from zero creates pods. None before any was seen.
+    Whole seconds, changing only when a start slower than the kept ones comes (or leaves the
+    kept ten): the router's ConfigMap is rarely rewritten for it."""
+    if service.status is None:
+        return None
+    roles = {role.name.value for role in tier.roles()}
+    seconds = [
+        role.cold_start.pod.max_seconds
+        for observed in service.status.tiers
+        if observed.name == tier.name
+        for role in observed.roles
+        if role.role in roles and role.cold_start is not None and role.cold_start.pod is not None
+    ]
+    return timedelta(seconds=max(seconds)) if seconds else None
+
+
 def router_config(service: InferenceService) -> RouterConfig:
     """What the router needs to know: tiers, their thresholds and where their pods are."""
     spec = service.spec
@@ -113,12 +142,18 @@ def router_config(service: InferenceService) -> RouterConfig:
                 endpoints=groups,
                 first_byte_timeout=first_byte_timeout(tier.autoscaling.slo.ttft_p95),
                 tokenizer=tokenizer_ref(tier),
+                cold_start_observed=observed_cold_start(service, tier),
             )
         )
     routing = spec.routing
     # A tier allowed to sit at zero replicas gets its first one on demand: the router holds
-    # such a request (as long as any request may take) instead of answering 503.
+    # such a request instead of answering 503 - for the tier's observed cold start x 1.5 plus
+    # a margin (hold.ColdStartHold), at most maxColdStartHold (default: as long as any request
+    # may take; never longer).
     may_be_zero = any(role.replicas.min == 0 for tier in spec.tiers for role in tier.roles())
+    hold_max = routing.request_timeout
+    if routing.max_cold_start_hold is not None:
+        hold_max = min(hold_max, routing.max_cold_start_hold)
     index = prefix_index_blocks(service)
     return RouterConfig(
         service=service.name,
@@ -132,7 +167,8 @@ def router_config(service: InferenceService) -> RouterConfig:
         spillover=routing.spillover,
         request_timeout=routing.request_timeout,
         max_body_bytes=routing.max_body_bytes,
-        cold_start_wait=routing.request_timeout if may_be_zero else timedelta(0),
+        cold_start_wait=hold_max if may_be_zero else timedelta(0),
+        cold_start_margin=COLD_START_MARGIN + spec.monitoring.scrape_interval,
         **({"prefix_index_blocks": index} if index is not None else {}),
     )
 

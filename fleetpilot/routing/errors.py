@@ -92,8 +92,15 @@ class NoReplicaError(UnavailableError):
     cold-start wait can hold the request and report the demand (scale from zero).
     """
 
-    def __init__(self, message: str, *, tier: str, roles: tuple[str, ...]) -> None:
-        super().__init__(message, reason="no_ready_replicas")
+    def __init__(
+        self,
+        message: str,
+        *,
+        tier: str,
+        roles: tuple[str, ...],
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message, reason="no_ready_replicas", headers=headers)
         self.tier = tier
         self.roles = roles
 

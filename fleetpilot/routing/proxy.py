@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import aiohttp
@@ -38,6 +39,7 @@ from fleetpilot.routing.errors import (
 from fleetpilot.routing.features import Kind, RequestFeatures, extract_features
 from fleetpilot.routing.first_byte import FirstByteTimeoutError, FirstByteWatch
 from fleetpilot.routing.health import answers_health
+from fleetpilot.routing.hold import ColdStartHold
 from fleetpilot.routing.metrics import RouterMetrics
 from fleetpilot.routing.policies.pd import (
     KV_TRANSFER_PARAMS,
@@ -95,6 +97,10 @@ class _Exchange:
     # chunk (or the end of the attempt) takes them off.
     prefilling: ReplicaState | None = None
     prefill_blocks: int = 0
+    # While the request is held for a tier at zero: the hold, and when it began (monotonic);
+    # the request timeout ending it answers as the hold running out does.
+    hold: ColdStartHold | None = None
+    held_since: float = 0.0
 
     def begin_prefill(self, replica: ReplicaState, blocks: int) -> None:
         self.end_prefill()
@@ -183,6 +189,10 @@ class Proxy:
             self._count(exchange, STATUS_CLIENT_CLOSED)
             raise
         except TimeoutError:
+            if exchange.hold is not None:
+                # Held for a tier at zero until the request's own timeout: the hold ran out.
+                waited = time.monotonic() - exchange.held_since
+                return self._reject(exchange.hold.refusal(waited))
             if (
                 exchange.replica is not None
                 and exchange.route is not None
@@ -239,7 +249,7 @@ class Proxy:
         else:
             body, features = _parse(raw, kind, request.headers)
         decided = time.perf_counter()
-        route = await self._decide(features)
+        route = await self._decide(features, exchange)
         self.metrics.decision_seconds.observe(time.perf_counter() - decided)
         exchange.route = route
         tier = route.tier
@@ -292,34 +302,34 @@ class Proxy:
             if capture is not None:
                 capture.drop()  # not handed to the tokenizer: its budget back
 
-    async def _decide(self, features: RequestFeatures) -> Route:
+    async def _decide(self, features: RequestFeatures, exchange: _Exchange) -> Route:
         """The route; while no tier in reach has a replica, the request is held (counted as
-        pending for its tier's roles, which the autoscaler scales from zero on) for up to the
-        config's ``cold_start_wait``, then refused with 503."""
+        pending for its tier's roles, which the autoscaler scales from zero on) for the tier's
+        observed cold start and a margin, at most the config's ``cold_start_wait``
+        (``hold.ColdStartHold``), then refused with 503 and Retry-After."""
         try:
             return await self._route(features)
         except NoReplicaError as exc:
-            wait_s = self.router.config.cold_start_wait.total_seconds()
-            if wait_s <= 0:
+            if self.router.config.cold_start_wait <= timedelta(0):
                 raise
-            tier, roles = exc.tier, exc.roles
-        pending = [self.metrics.pending.labels(tier, role) for role in roles]
+            hold = ColdStartHold.of(self.router.config, exc.tier, exc.roles)
+        pending = [self.metrics.pending.labels(hold.tier, role) for role in hold.roles]
         for gauge in pending:
             gauge.inc()
-        deadline = time.monotonic() + wait_s
+        exchange.hold, exchange.held_since = hold, time.monotonic()
+        deadline = exchange.held_since + hold.seconds
         try:
             while True:
-                await asyncio.sleep(COLD_START_POLL_S)
+                await asyncio.sleep(min(COLD_START_POLL_S, max(0.0, deadline - time.monotonic())))
                 try:
-                    return await self._route(features)
+                    route = await self._route(features)
                 except NoReplicaError:
-                    if time.monotonic() >= deadline:
-                        raise NoReplicaError(
-                            f"no replica of tier {tier} became ready within the cold-start "
-                            f"wait ({wait_s:g}s)",
-                            tier=tier,
-                            roles=roles,
-                        ) from None
+                    now = time.monotonic()
+                    if now >= deadline:
+                        raise hold.refusal(now - exchange.held_since) from None
+                else:
+                    exchange.hold = None
+                    return route
         finally:
             for gauge in pending:
                 gauge.dec()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +14,12 @@ import yaml
 
 from fleetpilot.api import parse_service
 from fleetpilot.api.router_config import ROUTER_CONFIG_FILE, RouterConfig
+from fleetpilot.api.status import ColdStartSample
+from fleetpilot.operator.cold_start import summarize
 from fleetpilot.operator.plan_types import K8sObject, PlanError, PlanOptions
 from fleetpilot.operator.planner import plan
 from fleetpilot.operator.router_objects import router_config
-from tests.factories import make_service, make_tier, two_tier_manifest
+from tests.factories import make_manifest, make_service, make_tier, two_tier_manifest
 
 
 def _find(objects: list[K8sObject], kind: str, name: str) -> K8sObject:
@@ -330,6 +332,75 @@ def test_a_tier_allowed_at_zero_makes_the_router_hold_requests_for_it() -> None:
     assert router_config(always_on).cold_start_wait == timedelta(0)
     may_sleep = make_service(tiers=[make_tier("small", serving={"replicas": {"min": 0}})])
     assert router_config(may_sleep).cold_start_wait == may_sleep.spec.routing.request_timeout
+
+
+def _cold_start(pod_seconds: list[int | None]) -> dict[str, Any]:
+    """A role's status.coldStart as the operator writes it: one sample a start, each 5 s from
+    container start to Ready and ``pod_seconds`` from pod creation (None: a restart)."""
+    t0 = datetime(2025, 1, 1, tzinfo=UTC)
+    samples = [
+        ColdStartSample(
+            pod=f"p{i}",
+            started_at=t0 + timedelta(minutes=i),
+            ready_at=t0 + timedelta(minutes=i, seconds=5),
+            start_seconds=5,
+            pod_seconds=seconds,
+        )
+        for i, seconds in enumerate(pod_seconds)
+    ]
+    summary = summarize(samples)
+    assert summary is not None
+    return summary.to_wire()
+
+
+def test_the_router_config_carries_each_tiers_observed_cold_start_from_status() -> None:
+    """Issue 19 item 4: the router holds a request for a tier at zero for the tier's observed
+    cold start (plus a margin), so its config carries, per tier, the longest pod-created-to-
+    Ready among the kept starts of the roles the tier has now. Restarts (no pod time) and a
+    role the tier no longer has do not count; a tier with nothing observed has none."""
+    small = make_tier("small", mode="disaggregated", up_to=0.4)
+    small["serving"]["prefill"]["replicas"]["min"] = 0
+    manifest = make_manifest(tiers=[small, make_tier("large", up_to=0.7), make_tier("huge")])
+    manifest["status"] = {
+        "tiers": [
+            {
+                "name": "small",
+                "roles": [
+                    {"role": "prefill", "coldStart": _cold_start([30, 40, 35])},
+                    {"role": "decode", "coldStart": _cold_start([50, None, 55])},
+                    # From before the tier was disaggregated: not a role it has now.
+                    {"role": "unified", "coldStart": _cold_start([500])},
+                ],
+            },
+            {"name": "large", "roles": [{"role": "unified", "coldStart": _cold_start([None])}]},
+            {"name": "gone", "roles": [{"role": "unified", "coldStart": _cold_start([900])}]},
+        ]
+    }
+    service = parse_service(manifest)
+    configmap = _find(plan(service), "ConfigMap", "chat-router")
+    config = RouterConfig.model_validate(yaml.safe_load(configmap["data"][ROUTER_CONFIG_FILE]))
+    observed = {tier.name: tier.cold_start_observed for tier in config.tiers}
+    assert observed == {"small": timedelta(seconds=55), "large": None, "huge": None}
+    # The hold's bound and margin: the request timeout, and 10 s plus a Prometheus scrape.
+    assert config.cold_start_wait == service.spec.routing.request_timeout
+    assert config.cold_start_margin == timedelta(seconds=10) + timedelta(seconds=15)
+    # No status yet (a new service): nothing observed, the router holds up to the bound.
+    del manifest["status"]
+    assert all(t.cold_start_observed is None for t in router_config(parse_service(manifest)).tiers)
+
+
+def test_max_cold_start_hold_bounds_the_routers_hold_within_the_request_timeout() -> None:
+    """spec.routing.maxColdStartHold bounds the hold for a tier at zero; unset, the request
+    timeout does (as before), and a larger one is cut to it: no request outlives its timeout."""
+    tiers = [make_tier("small", serving={"replicas": {"min": 0}})]
+    assert router_config(make_service(tiers=tiers)).cold_start_wait == timedelta(minutes=10)
+    bounded = make_service(tiers=tiers, routing={"maxColdStartHold": "2m"})
+    assert bounded.spec.routing.max_cold_start_hold == timedelta(minutes=2)
+    assert router_config(bounded).cold_start_wait == timedelta(minutes=2)
+    beyond = make_service(tiers=tiers, routing={"maxColdStartHold": "1h", "requestTimeout": "5m"})
+    assert router_config(beyond).cold_start_wait == timedelta(minutes=5)
+    off = make_service(tiers=tiers, routing={"maxColdStartHold": "0s"})
+    assert router_config(off).cold_start_wait == timedelta(0)
 
 
 def _lora_tier() -> dict[str, Any]:

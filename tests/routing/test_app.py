@@ -11,6 +11,7 @@ import random
 import socket
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,6 +22,7 @@ import pytest
 import yaml
 from aiohttp import web
 
+from fleetpilot.api.router_config import RouterTier
 from fleetpilot.openai_errors import error_type
 from fleetpilot.routing import proxy as proxy_module
 from fleetpilot.routing.discovery import FileSource, MergedSource, StaticSource
@@ -721,14 +723,116 @@ async def test_a_request_for_a_tier_at_zero_is_held_until_a_replica_appears(
 
 
 async def test_a_held_request_is_refused_when_the_cold_start_wait_ends() -> None:
-    """A request held for a tier at zero is refused with a 503 naming the cold-start wait when no
-    replica appears in time, and no longer counts as pending."""
+    """A request held for a tier at zero is refused with a 503 naming the tier and the
+    cold-start wait when no replica appears in time, and no longer counts as pending; with no
+    cold start observed there is no estimate, and Retry-After is the least delay."""
     config = make_config([tier("only", 1.0, [])], coldStartWait="300ms")
     async with running_router(config) as router:
-        status, body, _ = await post(router, SHORT)
+        status, body, headers = await post(router, SHORT)
         assert_openai_error(status, body, 503)
-        assert "within the cold-start wait (0.3s)" in body["error"]["message"]
+        message = body["error"]["message"]
+        assert "no replica of tier only became ready within the cold-start wait (0.3s" in message
+        assert "no cold start observed yet" in message
+        assert headers["Retry-After"] == "1"
+        assert headers["x-fleetpilot-error"] == "no_ready_replicas"
         assert router.metric("fleetpilot_router_pending_requests", tier="only", role="unified") == 0
+
+
+def observed(name: str, seconds: float) -> RouterTier:
+    """A tier at zero replicas whose cold start the operator observed as ``seconds``."""
+    return tier(name, 1.0, []).model_copy(
+        update={"cold_start_observed": timedelta(seconds=seconds)}
+    )
+
+
+async def test_the_hold_for_a_tier_at_zero_lasts_its_observed_cold_start_and_a_margin() -> None:
+    """Issue 19 item 4: a tier that starts in 0.2 s is held 0.2 x 1.5 + 0.1 = 0.4 s, not the
+    20 s cold-start wait (the bound); the 503 then names the observed start, and Retry-After
+    is 1 s: the request has already waited longer than a start takes."""
+    config = make_config(
+        [observed("only", 0.2)], coldStartWait="20s", coldStartFactor=1.5, coldStartMargin="100ms"
+    )
+    async with running_router(config) as router:
+        started = time.monotonic()
+        status, body, headers = await post(router, SHORT)
+        waited = time.monotonic() - started
+        assert_openai_error(status, body, 503)
+        assert 0.4 <= waited < 5.0, waited
+        message = body["error"]["message"]
+        assert "tier only" in message
+        assert "within the cold-start wait (0.4s; observed cold start 0.2s)" in message
+        assert headers["Retry-After"] == "1"
+        assert router.metric("fleetpilot_router_pending_requests", tier="only", role="unified") == 0
+
+
+async def test_a_hold_cut_short_by_its_bound_tells_the_client_when_the_start_is_due() -> None:
+    """A tier whose observed cold start (3 s) is longer than the cold-start wait (0.3 s) is
+    held for the wait, then answered 503 with Retry-After: the 2.7 s of the start still to
+    come, rounded up - so clients come back about when the replica is expected."""
+    config = make_config([observed("only", 3)], coldStartWait="300ms")
+    async with running_router(config) as router:
+        started = time.monotonic()
+        status, body, headers = await post(router, SHORT)
+        waited = time.monotonic() - started
+        assert_openai_error(status, body, 503)
+        assert 0.3 <= waited < 3.0, waited
+        assert headers["Retry-After"] == "3"
+        assert "observed cold start 3s" in body["error"]["message"]
+
+
+async def test_a_hold_the_request_timeout_ends_is_a_503_with_retry_after_not_a_504() -> None:
+    """The request timeout bounds a hold too (its default bound is that timeout): a held
+    request it ends is answered as the hold running out - 503 with Retry-After from the
+    observed start (3 s, 0.5 s of it waited) - not as an upstream timeout."""
+    config = make_config([observed("only", 3)], coldStartWait="20s", requestTimeout="500ms")
+    async with running_router(config) as router:
+        status, body, headers = await post(router, SHORT)
+        assert_openai_error(status, body, 503)
+        assert headers["Retry-After"] == "3"
+        assert "tier only" in body["error"]["message"]
+        assert router.metric("fleetpilot_router_pending_requests", tier="only", role="unified") == 0
+        assert (
+            router.metric(
+                "fleetpilot_router_rejected_requests_total", status="503", code="no_ready_replicas"
+            )
+            == 1
+        )
+
+
+async def test_the_openai_client_waits_out_retry_after_and_is_served_by_the_started_replica(
+    tmp_path: Path,
+) -> None:
+    """The official client honours the 503's Retry-After (2 s: a 2 s start, 0.3 s of it
+    waited) instead of its own half-second backoff, and its retry reaches the replica that
+    appeared in the meantime."""
+    engine = FakeEngine("late")
+    async with engines(engine):
+        path = tmp_path / "router.yaml"
+        config = make_config([observed("only", 2)], coldStartWait="300ms")
+        path.write_text(yaml.safe_dump(config.to_wire()))
+        async with running_router(config, config_path=path, reload_interval_s=0.05) as router:
+            async with openai.AsyncOpenAI(
+                base_url=router.url + "/v1", api_key="sk-test", max_retries=1
+            ) as client:
+                started = time.monotonic()
+                call = asyncio.create_task(client.completions.create(model="chat", prompt="hi"))
+                await wait_for(
+                    lambda: (
+                        router.metric(
+                            "fleetpilot_router_rejected_requests_total",
+                            status="503",
+                            code="no_ready_replicas",
+                        )
+                        == 1
+                    )
+                )
+                ready = make_config([tier("only", 1.0, [engine])], coldStartWait="300ms")
+                path.write_text(yaml.safe_dump(ready.to_wire()))
+                completion = await asyncio.wait_for(call, 10)
+                waited = time.monotonic() - started
+            assert completion.choices[0].text == "from late"
+            assert waited >= 0.3 + 2.0 - 0.1, waited
+            assert len(engine.requests) == 1
 
 
 async def test_the_route_header_names_no_replica_address_by_default() -> None:
