@@ -32,6 +32,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from huggingface_hub import close_session
+
 LFS_SUFFIXES = (".safetensors", ".pth", ".bin")
 _RANGE = re.compile(r"^bytes=(\d+)-$")
 
@@ -90,6 +92,10 @@ class FakeHub:
         if self._closed:
             return
         self._closed = True
+        # huggingface_hub keeps its connections alive in a shared session: drop them, or their
+        # request threads here outlive the server (and a later test that joins every request
+        # thread of the process waits on them).
+        close_session()
         for server in (self._hub, self._cdn):
             server.shutdown()
             server.server_close()
