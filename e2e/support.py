@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import random
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
@@ -12,7 +13,7 @@ from typing import TypeVar
 from fleetpilot.api import load_services
 from fleetpilot.autoscaler.remote import RecordedDecision
 from fleetpilot.kube.client import Kube, Obj
-from fleetpilot.runtime.processes import free_port, port_in_use
+from fleetpilot.runtime.processes import port_in_use
 from fleetpilot.runtime.stack import LocalStack
 
 T = TypeVar("T")
@@ -138,11 +139,18 @@ def condition(obj: Obj | None, kind: str) -> Obj | None:
     return None
 
 
+# Below Linux's ephemeral range (32768-60999): a port from it can be handed to any outgoing
+# connection on the machine between this check and the fleet's bind, as happened under load.
+_FIXED_PORTS = (20000, 32768)
+
+
 def free_port_range(count: int) -> int:
-    """A base port such that ``count`` consecutive loopback ports are free now."""
+    """A base port such that ``count`` consecutive loopback ports are free now, outside the
+    range the kernel picks connections' local ports from."""
+    low, high = _FIXED_PORTS
     for _ in range(100):
-        base = free_port()
-        if base + count < 65535 and not any(port_in_use(base + i) for i in range(count)):
+        base = random.randrange(low, high - count)
+        if not any(port_in_use(base + i) for i in range(count)):
             return base
     raise RuntimeError("no free port range")
 
