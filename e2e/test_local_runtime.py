@@ -311,3 +311,43 @@ def test_a_restarted_engine_of_a_dynamic_lora_tier_gets_its_adapters_back(
         assert len(fleet.supervise_once()) == 1  # the crash report, no failed load
         ask_each()
     assert fleet.leftovers() == []
+
+
+def test_an_engine_with_a_cold_start_joins_the_router_only_once_ready(tmp_path: Path) -> None:
+    """`fleetpilot up --cold-start`: an engine the autoscaler adds is told the cold start, answers
+    503 while it lasts, and is written into the router's endpoints file only once its /health
+    answers 200, no sooner than the cold start after it was launched (the exact bound, from the
+    model's load, is tests/engine/reference/test_cold_start.py's)."""
+    import httpx
+
+    cold_start_s = 3.0
+    (service,) = load_services(EXAMPLE)
+    fleet = LocalFleet(service, tmp_path, 0, max_replicas_per_role=2, cold_start_s=cold_start_s)
+
+    def listed() -> list[str]:
+        endpoints = yaml.safe_load(fleet.endpoints_path.read_text())["endpoints"]
+        return [e["address"] for e in endpoints]
+
+    with fleet, httpx.Client(timeout=5.0, trust_env=False) as http:
+        launched = time.monotonic()
+        added = fleet.add_replica("small", "unified")
+        assert added.child is not None
+        seen: list[int | None] = []
+        deadline = time.monotonic() + 120.0
+        while not added.serving and time.monotonic() < deadline:
+            fleet.refresh_serving()  # what `fleetpilot up` does every half second
+            serving = added.serving
+            assert (added.address in listed()) == serving
+            try:
+                status: int | None = http.get(f"http://{added.address}/health").status_code
+            except httpx.TransportError:
+                status = None  # not listening yet
+            if serving:
+                assert status == 200  # listed once ready, and ready for good
+            seen.append(status)
+            time.sleep(0.1)
+        assert added.serving, f"never listed; /health answered {seen[-5:]}"
+        assert time.monotonic() - launched >= cold_start_s
+        assert 503 in seen  # it listened, starting, before it was ready
+        assert "cold start: ready in 3.0 s" in added.child.log_path.read_text()
+    assert fleet.leftovers() == []

@@ -6,7 +6,8 @@ local ports, into a command and environment, and says what the router of the fle
 know of its engines (the tokenizer, the batch limit). Purely computational.
 
 - :class:`ReferenceBackend` (the default): ``fleetpilot engine --backend reference`` with a
-  tiny random model, capped for a CPU (:mod:`fleetpilot.runtime.reference_argv`).
+  tiny random model, capped for a CPU (:mod:`fleetpilot.runtime.reference_argv`), optionally
+  with a cold start (``fleetpilot up --cold-start``).
 - :class:`VllmBackend`: the launcher's exact ``vllm serve`` line
   (:func:`~fleetpilot.engine.vllm_args.vllm_serve_args`) with a local checkpoint and a share
   of one GPU, on loopback: the GPU check of ``bench/gpu/vllm_check.py``.
@@ -75,9 +76,13 @@ class ReferenceBackend(EngineBackend):
     model_config: str = CPU_MODEL_CONFIG
     # Where the seeded stand-ins of LoRA adapters are written (None: base models only).
     adapter_root: Path | None = None
+    # Seconds each engine waits after loading before /health answers 200 (0: none).
+    cold_start_s: float = 0.0
 
     def command(self, launch: EngineLaunch, host: str, extra_ports: Sequence[int]) -> EngineCommand:
-        argv = reference_argv(launch, host, self.python, self.model_config, self.adapter_root)
+        argv = reference_argv(
+            launch, host, self.python, self.model_config, self.adapter_root, self.cold_start_s
+        )
         runtime_lora = launch.lora is not None and launch.lora.runtime_updates
         return EngineCommand(argv, {RUNTIME_LORA_ENV: "True"} if runtime_lora else {})
 

@@ -14,6 +14,7 @@ and resource settings of the service are ignored.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import tempfile
@@ -105,12 +106,22 @@ class LocalFleet:
         health_timeout_s: float = 120.0,
         python: str = sys.executable,
         backend: EngineBackend | None = None,
+        cold_start_s: float = 0.0,
         say: Callable[[str], None] | None = None,
     ) -> None:
         """``python`` runs the router (and the reference engines of the default backend);
-        ``say`` hears each engine's readiness while the fleet starts (k of N)."""
+        ``cold_start_s``: how long each engine of the default backend, those added later
+        included, waits after loading before it answers /health (a GPU engine's start; its
+        readiness wait is that much longer); ``say`` hears each engine's readiness while the
+        fleet starts (k of N)."""
         if max_replicas_per_role < 1:
             raise ValueError("max_replicas_per_role must be at least 1")
+        if not (math.isfinite(cold_start_s) and cold_start_s >= 0):
+            raise ValueError("cold_start_s must be a finite number of seconds, 0 or more")
+        if cold_start_s > 0 and backend is not None:
+            raise ValueError(
+                "cold_start_s is the default (reference) backend's; not with a backend"
+            )
         self.service = service
         self.workdir = workdir
         # Port 0: every process on its own free port (tests, the demo), instead of the block
@@ -128,12 +139,15 @@ class LocalFleet:
 
         self.router_port = next_port(-1) if base_port == 0 else base_port
         self.health_timeout_s = health_timeout_s
+        self.cold_start_s = cold_start_s
         self.say = say
         self.python = python
         self.backend = (
             backend
             if backend is not None
-            else ReferenceBackend(python, adapter_root=workdir / "adapters")
+            else ReferenceBackend(
+                python, adapter_root=workdir / "adapters", cold_start_s=cold_start_s
+            )
         )
         self.supervisor = Supervisor(workdir / "logs")
         # Per lora.dynamic tier, the adapters each of its engines is given before it serves
@@ -192,6 +206,11 @@ class LocalFleet:
             health_url=f"http://{replica.address}/health",
             env={"PYTHONUNBUFFERED": "1", **replica.env},
         )
+
+    @property
+    def engine_timeout_s(self) -> float:
+        """How long an engine may take to answer /health: the cold start on top."""
+        return self.health_timeout_s + self.cold_start_s
 
     @property
     def endpoint(self) -> str:
@@ -270,11 +289,11 @@ class LocalFleet:
             for replica in self.replicas:
                 replica.child = self._start_engine(replica)
                 if self.backend.one_at_a_time:
-                    self.supervisor.wait_healthy(replica.child, self.health_timeout_s)
+                    self.supervisor.wait_healthy(replica.child, self.engine_timeout_s)
             started = time.monotonic()
             for ready, replica in enumerate(self.replicas, 1):
                 assert replica.child is not None
-                self.supervisor.wait_healthy(replica.child, self.health_timeout_s)
+                self.supervisor.wait_healthy(replica.child, self.engine_timeout_s)
                 errors = self.load_adapters(replica)
                 if errors:
                     raise ChildFailedError(f"{replica.name}: " + "; ".join(errors))
@@ -320,7 +339,9 @@ class LocalFleet:
                 f"{child.log_path}:\n{child.tail(10)}"
             )
             self.supervisor.restart(child)
-            self.supervisor.wait_healthy(child, self.health_timeout_s)
+            engine = any(replica.child is child for replica in self.replicas)
+            timeout = self.engine_timeout_s if engine else self.health_timeout_s
+            self.supervisor.wait_healthy(child, timeout)
             # A restarted engine holds no adapters loaded at run time: give them back.
             for replica in self.replicas:
                 if replica.child is child:

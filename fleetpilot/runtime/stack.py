@@ -139,6 +139,7 @@ class LocalStack:
         control_port: int = 0,
         say: Callable[[str], None] = print,
         python: str = sys.executable,
+        cold_start_s: float = 0.0,
     ) -> None:
         self.fleet = LocalFleet(
             service,
@@ -146,6 +147,7 @@ class LocalStack:
             port,
             max_replicas_per_role=max_replicas_per_role,
             python=python,
+            cold_start_s=cold_start_s,
             say=say,
         )
         self.service = service

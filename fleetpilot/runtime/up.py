@@ -3,12 +3,15 @@
 Validates the file first (nothing starts for an invalid one), starts the fleet (engines, the
 router, Prometheus when installed, the control API and ``fleetpilot autoscaler``), prints its
 endpoint and a status table every few seconds, restarts crashed children, and stops everything
-it started on Ctrl-C, SIGTERM or when ``--duration`` expires.
+it started on Ctrl-C, SIGTERM or when ``--duration`` expires. ``--cold-start SECONDS`` makes
+every engine (those the autoscaler adds included) answer /health, and so join the router, only
+that long after loading its model: a GPU engine's start, for the autoscaler to reckon with.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import sys
 import tempfile
@@ -73,6 +76,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="control API port (default: a free one)",
     )
+    a(
+        "--cold-start",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="every engine, those the autoscaler adds included, answers /health (and joins "
+        "the router) only this long after loading its model, as a GPU engine loading its "
+        "weights would",
+    )
 
 
 class _Stop(KeyboardInterrupt):
@@ -103,6 +115,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_replicas_per_role < 1:
         print("error: --max-replicas-per-role must be at least 1", file=sys.stderr)
         return EXIT_INVALID
+    if not (math.isfinite(args.cold_start) and args.cold_start >= 0):
+        print("error: --cold-start must be a finite number of seconds, 0 or more", file=sys.stderr)
+        return EXIT_INVALID
     service = services[0]
     with tempfile.TemporaryDirectory(prefix="fleetpilot-up-") as tmp:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)
@@ -115,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
             prometheus=args.prometheus,
             control_port=args.control_port,
             say=_say,
+            cold_start_s=args.cold_start,
         )
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
         try:

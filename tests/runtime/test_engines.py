@@ -130,3 +130,28 @@ def test_a_scaled_up_vllm_engine_gets_ports_of_its_own(
     assert len(new) == 4
     assert not new & taken
     assert replica.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(replica.extra_ports[0])
+
+
+def test_a_cold_start_reaches_every_engine_the_fleet_starts_or_adds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``cold_start_s`` reaches the argv of every reference engine, the initial ones and one
+    the autoscaler adds, and lengthens the wait for an engine's /health by as much; it is the
+    reference backend's only (a vLLM engine's start is its own)."""
+    service = two_tier()
+    fleet = LocalFleet(service, tmp_path, 0, python="py", cold_start_s=4)
+    started: list[Replica] = []
+    monkeypatch.setattr(fleet, "_start_engine", started.append)
+    added = fleet.add_replica("small", "unified")
+    assert started == [added]
+    assert len(fleet.replicas) == 4
+    for replica in fleet.replicas:
+        expected = reference_argv(launch_of(service, replica), HOST, "py", cold_start_s=4)
+        assert replica.argv == expected
+        assert flag(replica.argv, "--cold-start-seconds") == "4"
+    assert fleet.engine_timeout_s == fleet.health_timeout_s + 4
+    assert "--cold-start-seconds" not in LocalFleet(service, tmp_path, 0).replicas[0].argv
+    with pytest.raises(ValueError, match="cold_start_s"):
+        LocalFleet(service, tmp_path, 0, backend=VllmBackend("/v", MODEL_DIR), cold_start_s=1)
+    with pytest.raises(ValueError, match="cold_start_s"):
+        LocalFleet(service, tmp_path, 0, cold_start_s=-1)

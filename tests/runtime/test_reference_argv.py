@@ -224,3 +224,16 @@ def test_a_dynamic_tiers_engines_start_without_adapters_and_read_pod_paths_under
     assert server_settings.seed_missing_lora_modules
     command = ReferenceBackend("py", adapter_root=tmp_path).command(launch, HOST, ())
     assert command.env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
+def test_a_cold_start_reaches_the_engine_as_its_flag() -> None:
+    """``cold_start_s`` adds the engine's ``--cold-start-seconds`` (parsed by the engine into
+    its wait before /health answers) and nothing else; without it the argv is as before."""
+    role = role_of(service_of(make_tier("small")), RoleName.UNIFIED)
+    launch = replace(launch_for(role), port=9001)
+    plain = reference_argv(launch, HOST, "py")
+    slow = reference_argv(launch, HOST, "py", cold_start_s=2.5)
+    assert slow == [*plain, "--cold-start-seconds", "2.5"]
+    assert "--cold-start-seconds" not in plain
+    assert parsed(slow).cold_start_s == 2.5
+    assert parsed(plain).cold_start_s == 0.0

@@ -26,6 +26,10 @@ port conflict fails the start.
 Threading: the engine runs on its own thread (runner.py); the event loop only parses, waits on
 per-request queues and writes responses, so a long step never stalls other connections.
 
+Start: the port listens at once, answering 503 (``/health`` included) while the engine builds
+the model and its KV pool, then for ``--cold-start-seconds`` more (a GPU engine's start, for a
+local fleet's autoscaler to reckon with); only then ``/health`` answers 200.
+
 Shutdown: SIGTERM (or SIGINT) starts a drain: ``/health`` and new requests get 503, running
 requests finish (up to ``--drain-grace-seconds``, then they are aborted), then the process
 exits 0. Pinned KV can still be pulled while draining.
@@ -242,6 +246,11 @@ class EngineServer:
             log.error("--lora-modules: cannot load adapter %r: %s", module.name, e)
             self._fail()
             return
+        if self.settings.cold_start_s > 0:
+            # A GPU engine's weight load and KV allocation: /health stays 503 meanwhile, so a
+            # fleet's readiness check (and the router behind it) sees a realistic start.
+            log.info("cold start: ready in %.1f s", self.settings.cold_start_s)
+            await asyncio.sleep(self.settings.cold_start_s)
         self.engine = engine
         self.metrics.set_cache_config(
             {

@@ -6,9 +6,12 @@ engine factory, refusing a bad combination with a :class:`ConfigError` that name
 reads JSON-valued flags (``--model-config``, ``--speculative-config``, vLLM's
 ``--kv-transfer-config`` and ``--kv-events-config``) inline or from a file. LoRA takes vLLM's
 flags (``--enable-lora``, ``--max-loras``, ``--max-lora-rank``, ``--max-cpu-loras``,
-``--lora-modules``) and its ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` environment variable. Nothing
-here builds the model: the server does that after it starts listening, so its port answers 503
-meanwhile.
+``--lora-modules``) and its ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` environment variable.
+``--model`` is a checkpoint folder or, as for vLLM, a Hub repo id read from a Hub cache
+offline (``--revision``, ``--download-dir`` or ``HF_HUB_CACHE``: hub_cache.py), resolved here
+so a repo the cache lacks fails the start. Nothing here builds the model: the server does that
+after it starts listening, so its port answers 503 meanwhile, and for ``--cold-start-seconds``
+longer.
 Logging takes every process's flags (fleetpilot.logs: ``--log-level``, ``--log-format``, JSON
 lines by default).
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import uuid
 from collections.abc import Callable, Mapping
@@ -28,6 +32,12 @@ from fleetpilot.api import RoleName
 from fleetpilot.argtypes import port_number
 from fleetpilot.engine.reference.checkpoint import load_checkpoint
 from fleetpilot.engine.reference.engine import DEFAULT_KV_CACHE_BYTES, EngineConfig, LLMEngine
+from fleetpilot.engine.reference.hub_cache import (
+    ModelNotCachedError,
+    NotARepoIdError,
+    hub_cache_dir,
+    resolve_snapshot,
+)
 from fleetpilot.engine.reference.kv_publisher import KVEventsConfig
 from fleetpilot.engine.reference.lora import SUPPORTED_RANKS, LoRAConfig
 from fleetpilot.engine.reference.lora_serving import (
@@ -41,6 +51,8 @@ from fleetpilot.engine.reference.peers import LOOPBACK, AllowedPeers
 from fleetpilot.engine.reference.speculative import SpeculativeConfig
 from fleetpilot.httpserver import ServerLimits
 from fleetpilot.logs import add_log_arguments
+
+log = logging.getLogger(__name__)
 
 # Model presets that run on a CPU. "tiny" answers in milliseconds (tests, the local fleet);
 # "small" is the engine's default architecture.
@@ -100,6 +112,8 @@ class ServerSettings:
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     drain_grace_s: float = 25.0
     step_delay_s: float = 0.0
+    # Seconds between the model being loaded and /health answering 200 (a GPU engine's start).
+    cold_start_s: float = 0.0
     limits: ServerLimits = field(default_factory=ServerLimits)  # header timeout, connections
     lora: LoRAConfig | None = None  # --enable-lora and its limits
     lora_modules: tuple[LoRAModulePath, ...] = ()  # adapters loaded at start
@@ -125,8 +139,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "--model",
         default=None,
-        help="checkpoint directory (config.json + model.safetensors); omitted: a seeded "
-        "random model of --model-config",
+        help="checkpoint directory (config.json + model.safetensors), or a Hub repo id "
+        "(ORG/NAME) read from the Hub cache offline (--download-dir, else $HF_HUB_CACHE; "
+        "nothing is downloaded); omitted: a seeded random model of --model-config",
+    )
+    a(
+        "--revision",
+        default=None,
+        help="branch, tag or commit of a --model repo id in the Hub cache (default: main; "
+        "ignored for a directory)",
+    )
+    a(
+        "--download-dir",
+        default=None,
+        help="the Hub cache folder a --model repo id is read from (default: $HF_HUB_CACHE, "
+        "else huggingface_hub's default)",
     )
     a(
         "--model-config",
@@ -279,6 +306,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="sleep after each busy engine step, to simulate a slower accelerator",
+    )
+    a(
+        "--cold-start-seconds",
+        type=float,
+        default=0.0,
+        help="reference engine only: wait this long after loading the model before /health "
+        "answers 200 (503 meanwhile), to play a GPU engine's weight load and KV allocation",
     )
     add_log_arguments(parser)
 
@@ -435,13 +469,29 @@ def _lora(args: argparse.Namespace) -> tuple[LoRAConfig | None, tuple[LoRAModule
     return config, modules
 
 
+def _checkpoint_dir(args: argparse.Namespace, env: Mapping[str, str]) -> Path:
+    """The folder ``--model`` names: a directory as it is, else the snapshot of a repo id in the
+    Hub cache (hub_cache.py), as vLLM resolves it with ``HF_HUB_OFFLINE=1``."""
+    path = Path(args.model)
+    if path.is_dir():
+        return path
+    cache = hub_cache_dir(args.download_dir, env)
+    try:
+        return resolve_snapshot(args.model, args.revision, cache)
+    except NotARepoIdError as e:
+        raise ConfigError(f"--model: {args.model} is not a directory, nor a Hub repo id") from e
+    except ModelNotCachedError as e:
+        raise ConfigError(f"--model: not a directory, and {e}") from e
+
+
 def settings_from_args(
     args: argparse.Namespace,
     environ: Mapping[str, str] | None = None,
 ) -> tuple[ServerSettings, Callable[[], LLMEngine]]:
     """Settings and an engine factory from parsed flags; ConfigError for a bad combination.
 
-    ``environ`` (default: the process's) is read for ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``.
+    ``environ`` (default: the process's) is read for ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` and
+    ``HF_HUB_CACHE``.
     The model itself is built later, by the server, so the port answers 503 meanwhile.
     """
     env = os.environ if environ is None else environ
@@ -450,10 +500,9 @@ def settings_from_args(
     kv_events = _kv_events(args)
     spec = _speculative(args)
     model_config: ModelConfig | None = None
+    checkpoint: Path | None = None
     if args.model is not None:
-        checkpoint = Path(args.model)
-        if not checkpoint.is_dir():
-            raise ConfigError(f"--model: {checkpoint} is not a directory")
+        checkpoint = _checkpoint_dir(args, env)
         try:
             config_data = json.loads((checkpoint / "config.json").read_text())
             max_positions = int(config_data.get("max_position_embeddings", 4096))
@@ -473,6 +522,7 @@ def settings_from_args(
         ("--port", args.port),
         ("--drain-grace-seconds", args.drain_grace_seconds),
         ("--step-delay-seconds", args.step_delay_seconds),
+        ("--cold-start-seconds", args.cold_start_seconds),
     ):
         if value < 0:
             raise ConfigError(f"{flag} must not be negative")
@@ -510,17 +560,18 @@ def settings_from_args(
         kv_events=kv_events,
         drain_grace_s=args.drain_grace_seconds,
         step_delay_s=args.step_delay_seconds,
+        cold_start_s=args.cold_start_seconds,
         lora=lora,
         lora_modules=lora_modules,
         seed_missing_lora_modules=args.seed_missing_lora_modules,
         allow_runtime_lora_updating=runtime_updating_allowed(env.get(RUNTIME_UPDATING_ENV)),
     )
-    checkpoint_dir = Path(args.model) if args.model is not None else None
     dtype = None if args.dtype == "auto" else args.dtype
 
     def factory() -> LLMEngine:
-        if checkpoint_dir is not None:
-            model = load_checkpoint(checkpoint_dir, torch_dtype=dtype)
+        if checkpoint is not None:
+            log.info("loading the checkpoint in %s", checkpoint)
+            model = load_checkpoint(checkpoint, torch_dtype=dtype)
         else:
             assert model_config is not None
             model = LlamaModel(model_config)

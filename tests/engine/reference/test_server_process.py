@@ -31,13 +31,14 @@ LISTENING = re.compile(r"listening on (http://\S+)$")
 class ServerProcess:
     """A server subprocess whose stderr is read on a thread (so the pipe never fills)."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        """``env``: the process's whole environment (default: this one's)."""
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fleetpilot.engine.reference.server", *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []

@@ -1,0 +1,62 @@
+"""``fleetpilot up --cold-start SECONDS``: the option reaches every engine the fleet runs (the
+stack is built as ``up`` builds it; nothing is started), and a bad value starts nothing."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fleetpilot.runtime import up
+from fleetpilot.runtime.local import Replica
+from fleetpilot.runtime.stack import LocalStack
+from tests.factories import make_manifest, make_tier
+
+
+def service_file(tmp_path: Path) -> Path:
+    path = tmp_path / "service.yaml"
+    path.write_text(yaml.safe_dump(make_manifest(tiers=[make_tier("small")])))
+    return path
+
+
+def test_cold_start_reaches_every_engine_up_starts_or_the_autoscaler_adds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stacks: list[LocalStack] = []
+
+    def serve(stack: LocalStack, args: argparse.Namespace) -> int:
+        stacks.append(stack)
+        return up.EXIT_OK
+
+    monkeypatch.setattr(up, "_serve", serve)
+    argv = ["-f", str(service_file(tmp_path)), "--port", "0", "--workdir", str(tmp_path / "w")]
+    assert up.main([*argv, "--cold-start", "7.5", "--no-prometheus"]) == up.EXIT_OK
+    (stack,) = stacks
+    fleet = stack.fleet
+    assert fleet.cold_start_s == 7.5
+    started: list[Replica] = []
+    monkeypatch.setattr(fleet, "_start_engine", started.append)
+    fleet.add_replica("small", "unified")  # as the control API does for a scale-up
+    assert len(fleet.replicas) == 2
+    for replica in fleet.replicas:
+        cold_start = replica.argv[replica.argv.index("--cold-start-seconds") + 1]
+        assert cold_start == "7.5"
+
+    stacks.clear()
+    assert up.main([*argv, "--no-prometheus"]) == up.EXIT_OK
+    assert all("--cold-start-seconds" not in r.argv for r in stacks[0].fleet.replicas)
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_a_bad_cold_start_is_refused_before_anything_starts(
+    value: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def serve(stack: LocalStack, args: argparse.Namespace) -> int:
+        raise AssertionError("nothing may start")
+
+    monkeypatch.setattr(up, "_serve", serve)
+    argv = ["-f", str(service_file(tmp_path)), "--cold-start", value]
+    assert up.main(argv) == up.EXIT_INVALID
+    assert "--cold-start must be a finite number of seconds" in capsys.readouterr().err
