@@ -8,6 +8,7 @@ by the autoscaler surviving a re-applied spec; status that turns Ready only when
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
@@ -929,37 +930,45 @@ def lora_service(namespace: str, adapters: list[str], *, dynamic: bool) -> Obj:
     return manifest
 
 
-@pytest.fixture
-def adapter_claim(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[None]:
-    """The PVC `loras`, bound to a PV made for it: the scheduler places no pod whose claim is
-    missing or unbound."""
-    volume = f"{namespace}-loras"
+@contextlib.contextmanager
+def bound_claim(
+    kube: Kube, namespace: str, name: str, access_mode: str, path: Path
+) -> Iterator[str]:
+    """The PVC ``name``, bound to a hostPath PV made for it (no provisioner here; the scheduler
+    places no pod whose claim is missing or unbound); the PV is deleted after."""
+    volume = f"{namespace}-{name}"
     kube.request("POST", "/api/v1/persistentvolumes", body={
         "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
         "spec": {
-            "capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
-            "storageClassName": "", "hostPath": {"path": str(tmp_path / "loras")},
-            "claimRef": {"namespace": namespace, "name": "loras"},
+            "capacity": {"storage": "1Gi"}, "accessModes": [access_mode],
+            "storageClassName": "", "hostPath": {"path": str(path)},
+            "claimRef": {"namespace": namespace, "name": name},
         },
     })  # fmt: skip
     kube.request("POST", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims", body={
-        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "loras"},
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
         "spec": {
-            "accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": volume,
+            "accessModes": [access_mode], "storageClassName": "", "volumeName": volume,
             "resources": {"requests": {"storage": "1Gi"}},
         },
     })  # fmt: skip
 
     def bound() -> bool | None:
-        path = f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/loras"
-        claim = kube.request("GET", path)
+        claim = kube.request("GET", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{name}")
         return (claim or {}).get("status", {}).get("phase") == "Bound" or None
 
-    eventually("the adapters' claim bound", bound)
+    eventually(f"the claim {name} bound", bound)
     try:
-        yield
+        yield name
     finally:
         kube.request("DELETE", f"/api/v1/persistentvolumes/{volume}")
+
+
+@pytest.fixture
+def adapter_claim(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[None]:
+    """The PVC `loras` the adapters are read from."""
+    with bound_claim(kube, namespace, "loras", "ReadOnlyMany", tmp_path / "loras"):
+        yield
 
 
 @pytest.fixture
@@ -1170,33 +1179,9 @@ def test_cold_start_is_measured_from_the_pods_timestamps_and_outlives_pods_and_o
 
 @pytest.fixture
 def cache_claim(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[str]:
-    """A ReadWriteMany claim `model-cache` bound to a PV made for it (no provisioner here)."""
-    volume = f"{namespace}-model-cache"
-    kube.request("POST", "/api/v1/persistentvolumes", body={
-        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
-        "spec": {
-            "capacity": {"storage": "10Gi"}, "accessModes": ["ReadWriteMany"],
-            "storageClassName": "", "hostPath": {"path": str(tmp_path / "model-cache")},
-            "claimRef": {"namespace": namespace, "name": "model-cache"},
-        },
-    })  # fmt: skip
-    kube.request("POST", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims", body={
-        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "model-cache"},
-        "spec": {
-            "accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": volume,
-            "resources": {"requests": {"storage": "10Gi"}},
-        },
-    })  # fmt: skip
-
-    def bound() -> bool | None:
-        path = f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/model-cache"
-        return kube.request("GET", path).get("status", {}).get("phase") == "Bound" or None
-
-    eventually("the cache's claim bound", bound)
-    try:
-        yield "model-cache"
-    finally:
-        kube.request("DELETE", f"/api/v1/persistentvolumes/{volume}")
+    """A ReadWriteMany claim `model-cache` for spec.modelCache.claimName."""
+    with bound_claim(kube, namespace, "model-cache", "ReadWriteMany", tmp_path / "cache") as name:
+        yield name
 
 
 def test_engines_wait_for_the_model_download_and_a_second_replica_downloads_nothing(
