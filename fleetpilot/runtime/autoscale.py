@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 
 from fleetpilot.api import InferenceService
 from fleetpilot.api.spec import ReplicaBounds, RoleName, Tier
-from fleetpilot.api.status import Condition
+from fleetpilot.api.status import Condition, InferenceServiceStatus
 from fleetpilot.autoscaler.model import Metrics
 from fleetpilot.autoscaler.remote import RecordedDecision, RoleState
 from fleetpilot.runtime.local import LocalFleet
@@ -78,6 +78,12 @@ class LocalActuator:
         with self.lock:
             self.fleet.refresh_serving()
             return self._state(tier, role)
+
+    def fleet_status(self) -> InferenceServiceStatus:
+        """The fleet's status as the operator would write it (cold starts included)."""
+        with self.lock:
+            self.fleet.refresh_serving()
+            return self.fleet.status()
 
     def role_states(self) -> list[RoleState]:
         """Every role of the service, in spec order (one health refresh for all)."""

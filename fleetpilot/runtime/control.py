@@ -92,7 +92,11 @@ class ControlServer:
     def get(self, path: str) -> dict[str, Any]:
         if path == "/fleet":
             return {
-                "service": self.service.to_wire(),
+                # With a status, as an InferenceService under the operator has one: the
+                # autoscaler reads each role's observed cold start from it.
+                "service": self.service.model_copy(
+                    update={"status": self.actuator.fleet_status()}
+                ).to_wire(),
                 "roles": [s.to_wire() for s in self.actuator.role_states()],
                 "prometheusUrl": self.prometheus_url,
                 "router": self.router_address,

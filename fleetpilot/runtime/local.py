@@ -21,15 +21,24 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from pathlib import Path
 
 import yaml
 
 from fleetpilot.api import InferenceService, ResolvedRole, RoleName
 from fleetpilot.api.router_config import ROUTER_CONFIG_FILE, RouterConfig
+from fleetpilot.api.status import (
+    ColdStart,
+    ColdStartSample,
+    InferenceServiceStatus,
+    RoleStatus,
+    TierStatus,
+)
 from fleetpilot.engine.adapter_client import AdapterClient
 from fleetpilot.engine.vllm_args import launch_for
 from fleetpilot.operator.adapter_loading import dynamic_tiers
+from fleetpilot.operator.cold_start import cold_start
 from fleetpilot.operator.router_objects import router_config
 from fleetpilot.runtime.engines import EngineBackend, ReferenceBackend
 from fleetpilot.runtime.processes import (
@@ -64,6 +73,8 @@ class Replica:
     kv_ports: tuple[int, int] | None = None
     # The ports the backend asked for besides these (EngineBackend.extra_ports).
     extra_ports: tuple[int, ...] = ()
+    # When its engine process was last launched: its cold start ends when it joins the router.
+    launched_at: datetime | None = None
     # Added to the fleet's environment for this engine (the backend's).
     env: dict[str, str] = field(default_factory=dict)
 
@@ -155,6 +166,8 @@ class LocalFleet:
         self.run_time_adapters = dynamic_tiers(service)
         self._adapters = AdapterClient()
         self.replicas: list[Replica] = []
+        # Per (tier, role): its observed cold starts (see _mark_serving).
+        self.cold_starts: dict[tuple[str, str], ColdStart] = {}
         port = base_port
         planned: list[tuple[ResolvedRole, int, int]] = []
         for tier in service.spec.tiers:
@@ -200,6 +213,7 @@ class LocalFleet:
         )
 
     def _start_engine(self, replica: Replica) -> Child:
+        replica.launched_at = datetime.now(UTC)
         return self.supervisor.start(
             _log_name(replica.name),
             replica.argv,
@@ -297,7 +311,7 @@ class LocalFleet:
                 errors = self.load_adapters(replica)
                 if errors:
                     raise ChildFailedError(f"{replica.name}: " + "; ".join(errors))
-                replica.serving = True
+                self._mark_serving(replica)
                 if self.say is not None:
                     waited = time.monotonic() - started
                     self.say(
@@ -429,10 +443,47 @@ class LocalFleet:
             and not self.load_adapters(r)  # a failed load is tried again next time
         ]
         for replica in joined:
-            replica.serving = True
+            self._mark_serving(replica)
         if joined:
             self.write_router_config()
         return bool(joined)
+
+    def _mark_serving(self, replica: Replica, now: datetime | None = None) -> None:
+        """``replica`` joins the router: its launch to now is one cold start of its role, kept
+        as the operator keeps a pod's (the last ten, in the service's status shape), so the
+        fleet's autoscaler reads it exactly as under the operator."""
+        replica.serving = True
+        if replica.launched_at is None:
+            return
+        ready = now or datetime.now(UTC)
+        took = max(0, round((ready - replica.launched_at).total_seconds()))
+        sample = ColdStartSample(
+            pod=replica.name, started_at=replica.launched_at, ready_at=ready,
+            start_seconds=took, pod_seconds=took,
+        )  # fmt: skip
+        key = (replica.tier, str(replica.role))
+        updated = cold_start(self.cold_starts.get(key), [sample])
+        if updated is not None:
+            self.cold_starts[key] = updated
+
+    def status(self) -> InferenceServiceStatus:
+        """The fleet as the operator would report it: per tier and role, replicas, ready ones
+        and the observed cold starts."""
+        tiers = []
+        for tier in self.service.spec.tiers:
+            roles = []
+            for role in tier.role_names:
+                members = self.role_replicas(tier.name, role)
+                roles.append(
+                    RoleStatus(
+                        role=str(role),
+                        replicas=len(members),
+                        ready=sum(r.serving for r in members),
+                        cold_start=self.cold_starts.get((tier.name, str(role))),
+                    )
+                )
+            tiers.append(TierStatus(name=tier.name, roles=roles))
+        return InferenceServiceStatus(tiers=tiers)
 
     def serving_addresses(self, tier: str, role: str) -> list[str]:
         """The addresses the router sends this role's requests to now."""

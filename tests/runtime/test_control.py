@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from fleetpilot.api import InferenceService, parse_service
-from fleetpilot.autoscaler.loop import tick
+from fleetpilot.autoscaler.loop import observed_cold_start, tick
 from fleetpilot.autoscaler.model import Metrics
 from fleetpilot.autoscaler.remote import FleetActuator, FleetClient, FleetError
 from fleetpilot.runtime.autoscale import LocalActuator, capped_service
@@ -102,6 +102,14 @@ def test_the_fleet_reports_its_capped_service_and_its_roles(client: FleetClient)
     assert (role.tier, role.role, role.replicas, role.ready) == ("small", "unified", 1, 1)
     assert len(role.addresses) == 1
     assert client.addresses("small", "unified") == list(role.addresses)
+    # With a status as under the operator: the engine's start, launch to joining the router,
+    # is the role's observed cold start the autoscaler reads.
+    assert service.status is not None
+    (role_status,) = service.status.tiers[0].roles
+    assert (role_status.role, role_status.replicas, role_status.ready) == ("unified", 1, 1)
+    assert role_status.cold_start is not None
+    assert role_status.cold_start.count == 1
+    assert observed_cold_start(service, "small", "unified") is not None
 
 
 def test_an_unknown_role_is_none_and_cannot_be_scaled(client: FleetClient) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,30 @@ def test_a_cold_start_reaches_every_engine_the_fleet_starts_or_adds(
         LocalFleet(service, tmp_path, 0, backend=VllmBackend("/v", MODEL_DIR), cold_start_s=1)
     with pytest.raises(ValueError, match="cold_start_s"):
         LocalFleet(service, tmp_path, 0, cold_start_s=-1)
+
+
+def test_each_engine_joining_the_router_is_a_cold_start_of_its_role(tmp_path: Path) -> None:
+    """Launch to joining the router, in whole seconds, kept per role as the operator keeps a
+    pod's (the last ten), and reported in the fleet's status; a replica launched again (a
+    restart) is another start."""
+    fleet = LocalFleet(two_tier(), tmp_path, 0, python="py")
+    small = fleet.role_replicas("small", "unified")[0]
+    launched = datetime(2026, 12, 4, 10, 0, tzinfo=UTC)
+    small.launched_at = launched
+    fleet._mark_serving(small, launched + timedelta(seconds=12.4))
+    status = fleet.status()
+    (small_status,) = next(t for t in status.tiers if t.name == "small").roles
+    assert (small_status.replicas, small_status.ready) == (1, 1)
+    cold = small_status.cold_start
+    assert cold is not None
+    assert (cold.count, cold.start.max_seconds) == (1, 12)
+    assert cold.pod is not None
+    assert cold.pod.max_seconds == 12
+    small.launched_at = launched + timedelta(minutes=5)
+    fleet._mark_serving(small, launched + timedelta(minutes=5, seconds=30))
+    again = fleet.status().tiers[0].roles[0].cold_start
+    assert again is not None
+    assert (again.count, again.start.max_seconds, again.start.p50_seconds) == (2, 30, 12)
+    pd = next(t for t in status.tiers if t.name == "pd").roles
+    assert [r.role for r in pd] == ["prefill", "decode"]
+    assert all(r.cold_start is None for r in pd)  # never joined: no start
