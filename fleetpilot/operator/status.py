@@ -52,6 +52,9 @@ _OPERATOR_CONDITIONS = {
     ConditionType.CAPACITY_SUFFICIENT,
     ConditionType.RECONCILING,
     ConditionType.STALLED,
+    # Kept here so its lastTransitionTime survives; the reconciler sets it (model_cache) and
+    # removes it from a service without a model cache.
+    ConditionType.MODEL_READY,
 }
 # Problems no amount of waiting fixes: the service is Stalled on them.
 _STALLING_REASONS = {"PlanRefused", "RolloutStuck", "ReplicaFailure"}

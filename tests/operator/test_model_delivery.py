@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -261,6 +262,10 @@ def test_engines_start_only_once_their_model_is_downloaded_and_roll_when_a_new_o
     assert kube.object("Deployment", NS, "chat-router") is not None  # the rest is applied
 
     assert model_ready(kube) == ("False", "Downloading")
+    # Nothing changed: no status write, and ModelReady keeps its transition time (a second
+    # later, so a condition stamped afresh each time would differ).
+    time.sleep(1.1)
+    assert not reconciler.reconcile(apply_service(kube, "r1"), emit).status_written
 
     complete(kube, job)
     second = reconciler.reconcile(apply_service(kube, "r1"), emit)
