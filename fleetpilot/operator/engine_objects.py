@@ -7,7 +7,7 @@ from typing import Any
 
 from fleetpilot.api import InferenceService, ResolvedRole
 from fleetpilot.api.pod_template import GPU_PRODUCT_LABEL, PodTemplateOverlay
-from fleetpilot.api.spec import HuggingFaceSource, SecretKeyRef, Tier
+from fleetpilot.api.spec import HuggingFaceSource, Tier
 from fleetpilot.engine.vllm_args import (
     ADAPTER_MOUNT,
     ENGINE_PORT,
@@ -20,7 +20,12 @@ from fleetpilot.engine.vllm_args import (
 )
 from fleetpilot.kube import names
 from fleetpilot.operator.model_cache import ANNOTATION_FETCH_JOB, fetch_job_names
-from fleetpilot.operator.model_delivery import ModelDelivery, delivery_for, model_path
+from fleetpilot.operator.model_delivery import (
+    ModelDelivery,
+    delivery_for,
+    model_path,
+    token_env,
+)
 from fleetpilot.operator.overlay import apply_overlay
 from fleetpilot.operator.plan_types import K8sObject, PlanOptions, object_meta
 from fleetpilot.operator.pod_policy import container_security, pod_security, spread
@@ -48,13 +53,7 @@ def engine_labels(service: InferenceService, role: ResolvedRole) -> dict[str, st
 
 def hub_token_env(hub: HuggingFaceSource | None) -> list[K8sObject]:
     """``HF_TOKEN`` from the source's Secret, if it names one (never the token itself)."""
-    return _token_env(hub.token_secret_ref if hub is not None else None)
-
-
-def _token_env(ref: SecretKeyRef | None) -> list[K8sObject]:
-    if ref is None:
-        return []
-    return [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+    return token_env(hub.token_secret_ref if hub is not None else None)
 
 
 def _cache_env() -> list[K8sObject]:
@@ -96,7 +95,7 @@ def adapter_fetchers(tier: Tier, image: str) -> list[K8sObject]:
                 "name": f"adapter-{index}",
                 "image": image,
                 "command": command,
-                "env": [*_cache_env(), *_token_env(hub.token_secret_ref)],
+                "env": [*_cache_env(), *token_env(hub.token_secret_ref)],
                 "volumeMounts": [
                     {"name": "cache", "mountPath": CACHE_MOUNT},
                     {"name": "adapters", "mountPath": ADAPTER_MOUNT},

@@ -37,6 +37,7 @@ from fleetpilot.operator.model_delivery import (
     s3_credentials_env,
     s3_fetch_args,
     s3_key,
+    token_env,
 )
 from fleetpilot.operator.plan_types import K8sObject, PlanOptions, object_meta
 from fleetpilot.operator.pod_policy import container_security, pod_security
@@ -84,15 +85,7 @@ def _hub_fetch(repo: str, revision: str | None, token: SecretKeyRef | None) -> _
     if revision:
         command += ["--revision", revision]
     command += ["--cache-dir", HUB_CACHE_DIR]
-    env: list[K8sObject] = []
-    if token is not None:
-        env.append(
-            {
-                "name": "HF_TOKEN",
-                "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}},
-            }
-        )
-    return _Download(f"{repo}@{revision or 'main'}", command, env)
+    return _Download(f"{repo}@{revision or 'main'}", command, token_env(token))
 
 
 def _downloads(service: InferenceService, tier: Tier) -> list[_Download]:

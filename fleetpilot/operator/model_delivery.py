@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass, field
 
 from fleetpilot.api import InferenceService
-from fleetpilot.api.spec import OciMount, OciSource, S3Source, SecretRef, Tier
+from fleetpilot.api.spec import OciMount, OciSource, S3Source, SecretKeyRef, SecretRef, Tier
 from fleetpilot.engine.vllm_args import MODEL_MOUNT, model_location
 from fleetpilot.kube import names
 from fleetpilot.operator.plan_types import K8sObject, PlanOptions
@@ -96,6 +96,13 @@ def s3_credentials_env(ref: SecretRef | None) -> list[K8sObject]:
         }
         for key in (*S3_SECRET_KEYS, *S3_OPTIONAL_KEYS)
     ]
+
+
+def token_env(ref: SecretKeyRef | None) -> list[K8sObject]:
+    """``HF_TOKEN`` from a Secret key, if one is named (never the token itself)."""
+    if ref is None:
+        return []
+    return [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
 
 
 def cache_claim_name(service: InferenceService) -> str:
