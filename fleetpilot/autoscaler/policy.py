@@ -255,8 +255,8 @@ def decide(
         projection = forecast.project(
             arrivals, observation.cold_start_s, spec.rate_window_s, spec.interval_s
         )
-        if projection is not None and forecast.ahead_of(raw, projection) > raw:
-            ahead = forecast.ahead_of(raw, projection)
+        ahead = forecast.ahead_of(raw, projection) if projection is not None else raw
+        if projection is not None and ahead > raw:
             ahead_note = explain.ahead(raw, ahead, projection)
             raw = ahead
 
