@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -931,11 +932,11 @@ def lora_service(namespace: str, adapters: list[str], *, dynamic: bool) -> Obj:
 
 
 @contextlib.contextmanager
-def bound_claim(
+def volume_for_claim(
     kube: Kube, namespace: str, name: str, access_mode: str, path: Path
 ) -> Iterator[str]:
-    """The PVC ``name``, bound to a hostPath PV made for it (no provisioner here; the scheduler
-    places no pod whose claim is missing or unbound); the PV is deleted after."""
+    """A hostPath PV made for the claim ``name`` (no provisioner here; the scheduler places no
+    pod whose claim is missing or unbound), whoever creates the claim; deleted after."""
     volume = f"{namespace}-{name}"
     kube.request("POST", "/api/v1/persistentvolumes", body={
         "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
@@ -945,23 +946,34 @@ def bound_claim(
             "claimRef": {"namespace": namespace, "name": name},
         },
     })  # fmt: skip
-    kube.request("POST", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims", body={
-        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
-        "spec": {
-            "accessModes": [access_mode], "storageClassName": "", "volumeName": volume,
-            "resources": {"requests": {"storage": "1Gi"}},
-        },
-    })  # fmt: skip
-
-    def bound() -> bool | None:
-        claim = kube.request("GET", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{name}")
-        return (claim or {}).get("status", {}).get("phase") == "Bound" or None
-
-    eventually(f"the claim {name} bound", bound)
     try:
-        yield name
+        yield volume
     finally:
         kube.request("DELETE", f"/api/v1/persistentvolumes/{volume}")
+
+
+@contextlib.contextmanager
+def bound_claim(
+    kube: Kube, namespace: str, name: str, access_mode: str, path: Path
+) -> Iterator[str]:
+    """The PVC ``name``, bound to a hostPath PV made for it."""
+    with volume_for_claim(kube, namespace, name, access_mode, path) as volume:
+        kube.request("POST", f"/api/v1/namespaces/{namespace}/persistentvolumeclaims", body={
+            "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
+            "spec": {
+                "accessModes": [access_mode], "storageClassName": "", "volumeName": volume,
+                "resources": {"requests": {"storage": "1Gi"}},
+            },
+        })  # fmt: skip
+
+        def bound() -> bool | None:
+            path = f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{name}"
+            return (kube.request("GET", path) or {}).get("status", {}).get(
+                "phase"
+            ) == "Bound" or None
+
+        eventually(f"the claim {name} bound", bound)
+        yield name
 
 
 @pytest.fixture
@@ -1234,3 +1246,73 @@ def test_engines_wait_for_the_model_download_and_a_second_replica_downloads_noth
     assert [j["metadata"]["name"] for j in kube.list("Job", namespace, fetch)] == [job_name]
     job_pods = kube.list("Pod", namespace, {"batch.kubernetes.io/job-name": job_name})
     assert len(job_pods) == 1
+    # A named claim may be shared: no GC Job removes what other services may read there.
+    gc = {names.LABEL_SERVICE: "chat", names.LABEL_COMPONENT: "model-gc"}
+    assert kube.list("Job", namespace, gc) == []
+
+
+@pytest.fixture
+def owned_cache_volume(kube: Kube, namespace: str, tmp_path: Path) -> Iterator[None]:
+    """A PV for the claim the operator creates for spec.modelCache.size (chat-model-cache)."""
+    with volume_for_claim(kube, namespace, "chat-model-cache", "ReadWriteMany", tmp_path / "c"):
+        yield
+
+
+def test_a_new_revision_rolls_the_tier_then_a_gc_job_removes_the_old_one(
+    kube: Kube, namespace: str, operator: Any, gpu_node: None, owned_cache_volume: None
+) -> None:
+    """In a cache the operator created, a new revision is a new download Job (the old one is
+    pruned) while the engines keep the old revision; once it completes the tier rolls, and once
+    no pod of the old revision is left a GC Job runs, keeping only the new revision."""
+    manifest = small_service(namespace, modelCache={"size": "1Gi"})
+    manifest["spec"]["tiers"][0]["model"]["source"] = {"huggingface": {"revision": "r1"}}
+    apply_service(kube, manifest)
+    fetch = {names.LABEL_SERVICE: "chat", names.LABEL_COMPONENT: "model-fetch"}
+    gc = {names.LABEL_SERVICE: "chat", names.LABEL_COMPONENT: "model-gc"}
+    engines = {names.LABEL_SERVICE: "chat", names.LABEL_TIER: "small"}
+
+    def jobs(selector: dict[str, str]) -> list[str] | None:
+        return [j["metadata"]["name"] for j in kube.list("Job", namespace, selector)] or None
+
+    def keeps(job: str) -> list[str]:
+        command = (get(kube, "Job", namespace, job) or {})["spec"]["template"]["spec"]
+        argv = command["containers"][0]["command"]
+        return [f"{flag} {value}" for flag, value in pairwise(argv) if flag.startswith("--keep-")]
+
+    def engine_args() -> list[str]:
+        live = get(kube, "Deployment", namespace, "chat-small") or {}
+        return live["spec"]["template"]["spec"]["containers"][0]["args"]  # type: ignore[no-any-return]
+
+    (r1,) = eventually("the download of r1", lambda: jobs(fetch))
+    eventually("r1 downloaded", lambda: finish_job_pods(kube, namespace, r1) or None)
+    eventually("the engine pod", lambda: mark_pods_ready(kube, namespace, engines) or None, 90)
+    # The Deployment's first pods read r1 only: the GC Job (nothing to remove yet) follows.
+    (first_gc,) = eventually("the GC Job keeping r1", lambda: jobs(gc))
+    model = manifest["spec"]["tiers"][0]["model"]["name"]
+    assert keeps(first_gc) == [f"--keep-hub {model}@r1"]
+
+    manifest["spec"]["tiers"][0]["model"]["source"] = {"huggingface": {"revision": "r2"}}
+    apply_service(kube, manifest)
+
+    def only_r2() -> list[str] | None:
+        found, collecting = jobs(fetch), jobs(gc)
+        return found if found and r1 not in found and not collecting else None
+
+    # The old download and the GC Job keeping it are pruned; the engines keep r1 meanwhile.
+    (r2,) = eventually("the download of r2 alone, the GC Job of r1 pruned", only_r2)
+    assert "r1" in engine_args()
+
+    eventually("r2 downloaded", lambda: finish_job_pods(kube, namespace, r2) or None)
+
+    def rolling() -> bool | None:
+        live = get(kube, "Deployment", namespace, "chat-small") or {}
+        status = live.get("status", {})
+        old_pods = status.get("replicas", 0) - status.get("updatedReplicas", 0)
+        return ("r2" in engine_args() and old_pods > 0) or None
+
+    eventually("the tier rolling to r2, the r1 pod still serving", rolling, 90)
+    assert jobs(gc) is None  # the r1 pod could start again: its files stay
+    eventually("the r2 pod Ready", lambda: mark_pods_ready(kube, namespace, engines) > 1 or None)
+    (second_gc,) = eventually("the GC Job keeping r2", lambda: jobs(gc), 90)
+    assert keeps(second_gc) == [f"--keep-hub {model}@r2"]
+    assert jobs(fetch) == [r2]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,16 @@ def test_every_example_is_described_here() -> None:
     assert sorted(path.name for path in EXAMPLES) == sorted(EXPECTED)
 
 
+def _component(obj: K8sObject) -> str:
+    return str(obj["metadata"]["labels"]["app.kubernetes.io/component"])
+
+
+def _kept(job: K8sObject) -> list[str]:
+    """The Hub downloads a GC Job keeps."""
+    argv = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    return [value for flag, value in pairwise(argv) if flag == "--keep-hub"]
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_plans_the_tiers_and_roles_it_describes(path: Path) -> None:
     """The two-tier examples route by complexity to two tiers, the disaggregated one plans
@@ -182,9 +193,13 @@ def test_example_plans_the_tiers_and_roles_it_describes(path: Path) -> None:
         if o["kind"] == "Deployment" and o["metadata"]["name"] != router
     }
     assert sorted(deployments) == sorted(expected.engines)
-    downloads = [o["metadata"]["annotations"]["fleetpilot.dev/model"] for o in objects
-                 if o["kind"] == "Job"]  # fmt: skip
+    jobs = [o for o in objects if o["kind"] == "Job"]
+    downloads = [j["metadata"]["annotations"]["fleetpilot.dev/model"] for j in jobs
+                 if _component(j) == "model-fetch"]  # fmt: skip
     assert tuple(downloads) == expected.downloads
+    # The examples' caches are claims the operator creates: a GC Job keeps what they download.
+    kept = [_kept(j) for j in jobs if _component(j) == "model-gc"]
+    assert kept == ([sorted(expected.downloads)] if expected.downloads else [])
     for deployment_name, engine in expected.engines.items():
         deployment = deployments[deployment_name]
         pod: dict[str, Any] = deployment["spec"]["template"]

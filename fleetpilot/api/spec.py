@@ -1063,7 +1063,10 @@ class ModelCache(ApiModel):
     }
 
     size: Quantity | None = Field(
-        None, description="Size of a new claim the operator creates (owned by the service)."
+        None,
+        description="Size of a new claim the operator creates (owned by the service). "
+        "Downloads the service no longer plans (an old revision) are removed from it once its "
+        "engines have rolled out.",
     )
     storage_class_name: str | None = Field(
         None, min_length=1, max_length=253, description="Storage class of the new claim."
@@ -1077,7 +1080,9 @@ class ModelCache(ApiModel):
         None,
         min_length=1,
         max_length=253,
-        description="An existing ReadWriteMany claim instead (one cache for several services).",
+        description="An existing ReadWriteMany claim instead (one cache for several "
+        "services). Nothing is removed from it: other services may read what this one no "
+        "longer plans.",
     )
 
     @model_validator(mode="after")

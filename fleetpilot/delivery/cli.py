@@ -1,4 +1,5 @@
-"""``fleetpilot model fetch hub|s3``: fill a model cache once, as a Kubernetes Job runs it.
+"""``fleetpilot model fetch hub|s3``: fill a model cache once, as a Kubernetes Job runs it;
+``fleetpilot model gc``: remove from it the downloads nothing keeps any more.
 
 ::
 
@@ -6,6 +7,8 @@
                                [--include PATTERN ...] [--endpoint URL] [--workers N]
     fleetpilot model fetch s3  [--endpoint URL] --bucket B [--prefix P] [--region R] --dest DIR
                                [--addressing-style path|virtual|auto] [--workers N]
+    fleetpilot model gc [--hub-cache-dir DIR] [--keep-hub ORG/NAME@REV ...]
+                        [--s3-dir DIR] [--keep-s3 NAME ...] [--dry-run]
 
 Exit 0 when the model is complete and verified (also when a marker says an earlier run did it),
 printing its folder on standard output: the Hub snapshot folder, or ``--dest``. Exit 1 with one
@@ -14,6 +17,10 @@ verification, an unsafe object key); 2 for a wrong command line. Progress goes t
 error as log lines (``--log-format json``, the default: one object a line, see
 ``fleetpilot.delivery.progress``). Credentials come from the environment only: ``HF_TOKEN`` for
 the Hub, ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` for S3.
+
+``gc`` logs a line for each path it removes (``event: removed``, with its bytes and why) and
+prints how many bytes it freed; exit 1 when a path cannot be removed (see
+``fleetpilot.delivery.gc`` for what it removes and what it never touches).
 
 The download modules (huggingface_hub, boto3) are imported when a fetch runs, not for
 ``--help``.
@@ -25,8 +32,12 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fleetpilot.logs import add_log_arguments, configure_logging
+
+if TYPE_CHECKING:
+    from fleetpilot.delivery.gc import HubKeep
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -44,7 +55,7 @@ def _positive(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    actions = parser.add_subparsers(dest="action", required=True, metavar="fetch")
+    actions = parser.add_subparsers(dest="action", required=True, metavar="{fetch,gc}")
     fetch = actions.add_parser(
         "fetch",
         help="download a model into a cache folder, verified, once per revision",
@@ -102,6 +113,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_log_arguments(s3)
     s3.set_defaults(run=_run_s3)
 
+    gc = actions.add_parser(
+        "gc",
+        help="remove from a model cache the downloads nothing keeps",
+        description="Remove from a model cache every download the fetch commands wrote that "
+        "is not kept: Hub snapshots of other revisions (with their refs and markers), blobs no "
+        "kept snapshot links to, Hub repos not kept at all, S3 download folders not kept. "
+        "Nothing else: repos and folders without a fleetpilot marker, and any other file, "
+        "stay. Run it when no download into the cache is running.",
+    )
+    gc.add_argument(
+        "--hub-cache-dir",
+        type=Path,
+        metavar="DIR",
+        help="the Hub cache folder (fetch hub's --cache-dir); not given: not looked at",
+    )
+    gc.add_argument(
+        "--keep-hub",
+        nargs="+",
+        action="extend",
+        default=[],
+        type=_hub_keep,
+        metavar="ORG/NAME@REV",
+        help="a Hub download to keep (repeatable; no @REV: main); a branch or tag is "
+        "resolved through the cache's refs, as an offline engine resolves it",
+    )
+    gc.add_argument(
+        "--s3-dir",
+        type=Path,
+        metavar="DIR",
+        help="the folder holding S3 downloads, one folder each (fetch s3's --dest is inside "
+        "it); not given: not looked at",
+    )
+    gc.add_argument(
+        "--keep-s3",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="NAME",
+        help="the folder name, in --s3-dir, of an S3 download to keep (repeatable)",
+    )
+    gc.add_argument("--dry-run", action="store_true", help="report, remove nothing")
+    add_log_arguments(gc)
+    gc.set_defaults(run=_run_gc, usage_error=gc.error)
+
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format)
@@ -111,11 +166,11 @@ def run(args: argparse.Namespace) -> int:
     from fleetpilot.delivery.plan import DeliveryError
 
     try:
-        folder: Path = args.run(args)
+        outcome: Path | str = args.run(args)
     except DeliveryError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    print(folder)
+    print(outcome)
     return EXIT_OK
 
 
@@ -153,3 +208,32 @@ def _run_s3(args: argparse.Namespace) -> Path:
         workers=args.workers,
     )
     return result.dest
+
+
+def _hub_keep(text: str) -> HubKeep:
+    from fleetpilot.delivery.gc import HubKeep
+    from fleetpilot.delivery.plan import DeliveryError
+
+    try:
+        return HubKeep.parse(text)
+    except DeliveryError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _run_gc(args: argparse.Namespace) -> str:
+    from fleetpilot.delivery.gc import collect_garbage
+
+    if args.keep_hub and args.hub_cache_dir is None:
+        args.usage_error("--keep-hub needs --hub-cache-dir")
+    if args.keep_s3 and args.s3_dir is None:
+        args.usage_error("--keep-s3 needs --s3-dir")
+    if args.hub_cache_dir is None and args.s3_dir is None:
+        args.usage_error("give --hub-cache-dir, --s3-dir or both")
+    result = collect_garbage(
+        hub_cache_dir=args.hub_cache_dir,
+        keep_hub=args.keep_hub,
+        s3_dir=args.s3_dir,
+        keep_s3=args.keep_s3,
+        dry_run=args.dry_run,
+    )
+    return result.summary()

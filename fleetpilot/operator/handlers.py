@@ -178,9 +178,12 @@ def build_registry(
         memo["rereconciles"] = RefreshQueue(
             lambda key: reconcile_again(key, memo), 1, "re-reconcile", REFRESH_HOLD_S
         )
-        memo["reconciler"].on_cold_start = lambda namespace, name: memo["rereconciles"].mark(
-            (namespace, name)
-        )
+
+        def reconcile_later(namespace: str, name: str) -> None:
+            memo["rereconciles"].mark((namespace, name))
+
+        memo["reconciler"].on_cold_start = reconcile_later
+        memo["reconciler"].on_collection_due = reconcile_later
         memo["adapter_syncs"] = RefreshQueue(
             lambda key: sync_adapters(key, memo),
             ADAPTER_SYNC_WORKERS,
@@ -318,8 +321,9 @@ def build_registry(
 
     def reconcile_again(key: Hashable, memo: kopf.Memo) -> None:
         """Reconcile a service on what no spec change announces: a model download Job finished
-        (its engine Deployments waited for it), or a new cold start was recorded (the router's
-        config carries it)."""
+        (its engine Deployments waited for it), a new cold start was recorded (the router's
+        config carries it), or the engines rolled out to the downloads the model cache keeps
+        (its GC Job waited for that)."""
         namespace, service_name = cast(tuple[str, str], key)
         reconciler: Reconciler = memo["reconciler"]
         body = reconciler.kube.get("InferenceService", namespace, service_name)

@@ -13,12 +13,35 @@ is a new Job beside the old one, and a Job is never patched (its pod template is
 The engine Deployments of a tier are applied only once its Job has completed
 (:func:`job_complete`), so a changed revision keeps the old engines serving until the new weights
 are on the volume, then rolls the tier.
+
+Garbage collection (:func:`collection_job`): the old revision's files stay on the volume once its
+Job is pruned; a GC Job (``fleetpilot model gc``) removes from the cache every download but the
+ones the service plans now. Named by a digest of its container like the fetch Jobs, it runs once
+per kept set. Only for a claim the operator created (``size``): a named claim (``claimName``)
+may be shared, and the downloads other services read there are not in this service's plan.
+
+When it may run. The downloads being complete (the reconciler's hold on
+``ANNOTATION_FETCH_JOB``, as for the engines) is not enough: at that moment the tier starts to
+roll, and the old revision's pods keep serving until their replacements are up. An engine reads
+its weights when it starts, so a running one loses nothing when they are deleted (its open files
+live on), but one that starts again - a container restarted after a crash or a failed liveness
+probe, a pod of the old ReplicaSet recreated during the roll, or a roll that never completes
+because the new revision fails to start, leaving the old pods as the only ones serving - would
+find its snapshot gone. So the GC Job also waits until every engine Deployment of the service is
+rolled out (:func:`rolled_out`): it carries only kept downloads and no pod of an older template
+is left. The end of a rollout is seen by the status refresh, which asks for a reconcile then
+(``Reconciler.on_collection_due``). A rollback to the old revision after the GC ran downloads it
+again. Left open: a GC Job still running when the kept set changes is pruned (its pod stopped)
+while the new download starts. In that short overlap it may remove files of the new download
+that were on the volume when it scanned it (never later ones); the download's verification then
+finds them missing, and its Job retries.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -43,6 +66,8 @@ from fleetpilot.operator.plan_types import K8sObject, PlanOptions, object_meta
 from fleetpilot.operator.pod_policy import container_security, pod_security
 
 COMPONENT = "model-fetch"
+# The GC Job's own: the fetch component selects the downloads (ModelReady, the Job watch).
+GC_COMPONENT = "model-gc"
 
 
 @dataclass(frozen=True)
@@ -50,14 +75,19 @@ class _Download:
     what: str  # for people: repo@revision, s3://bucket/prefix
     command: list[str]
     env: list[K8sObject]
+    keep: tuple[str, str]  # what keeps it in the cache: ("--keep-hub"|"--keep-s3", value)
 
 
 # A download interrupted by a node or network failure resumes where it stopped in the next pod.
 FETCH_BACKOFF_LIMIT = 6
+# Removing files fails only on a volume gone wrong; a retry or two covers a lost node.
+GC_BACKOFF_LIMIT = 2
 ANNOTATION_MODEL = "fleetpilot.dev/model"
 # On an engine Deployment (not its pod template: no rollout): the Jobs its weights come from,
-# comma-separated.
+# comma-separated. On the GC Job: every download Job, all of which it waits for.
 ANNOTATION_FETCH_JOB = "fleetpilot.dev/model-fetch-job"
+# On the GC Job: the engine Deployments that must be rolled out first, comma-separated.
+ANNOTATION_AFTER_ROLLOUT = "fleetpilot.dev/after-rollout"
 
 
 def cache_claim(service: InferenceService) -> K8sObject | None:
@@ -85,7 +115,9 @@ def _hub_fetch(repo: str, revision: str | None, token: SecretKeyRef | None) -> _
     if revision:
         command += ["--revision", revision]
     command += ["--cache-dir", HUB_CACHE_DIR]
-    return _Download(f"{repo}@{revision or 'main'}", command, token_env(token))
+    # The fetcher's default revision is main: the GC keeps what the fetch wrote.
+    what = f"{repo}@{revision or 'main'}"
+    return _Download(what, command, token_env(token), ("--keep-hub", what))
 
 
 def _downloads(service: InferenceService, tier: Tier) -> list[_Download]:
@@ -103,6 +135,7 @@ def _downloads(service: InferenceService, tier: Tier) -> list[_Download]:
                 f"s3://{s3.bucket}/{s3.prefix}",
                 s3_fetch_args(s3, f"{S3_CACHE_DIR}/{s3_key(s3)}"),
                 s3_credentials_env(s3.credentials_secret_ref),
+                ("--keep-s3", s3_key(s3)),
             )
         ]
     else:
@@ -114,12 +147,25 @@ def _downloads(service: InferenceService, tier: Tier) -> list[_Download]:
 
 
 def _container(download: _Download, options: PlanOptions) -> K8sObject:
+    return _cache_writer(
+        "fetch",
+        download.command,
+        download.env,
+        {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
+        options,
+    )
+
+
+def _cache_writer(
+    name: str, command: list[str], env: list[K8sObject], resources: K8sObject, options: PlanOptions
+) -> K8sObject:
+    """A container of the fleetpilot image that writes to the cache (a fetch, the GC)."""
     return {
-        "name": "fetch",
+        "name": name,
         "image": options.fleetpilot_image,
-        "command": download.command,
-        "env": [{"name": "HOME", "value": "/tmp"}, *download.env],
-        "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
+        "command": command,
+        "env": [{"name": "HOME", "value": "/tmp"}, *env],
+        "resources": resources,
         "volumeMounts": [
             {"name": "model-cache", "mountPath": CACHE_MOUNT},
             {"name": "tmp", "mountPath": "/tmp"},
@@ -128,9 +174,10 @@ def _container(download: _Download, options: PlanOptions) -> K8sObject:
     }
 
 
-def _job_name(service: InferenceService, container: K8sObject) -> str:
+def _job_name(service: InferenceService, container: K8sObject, kind: str = "fetch") -> str:
+    """A Job named by a digest of what it runs: a changed command or image is a new Job."""
     digest = hashlib.sha256(json.dumps(container, sort_keys=True).encode()).hexdigest()[:10]
-    return names.bounded_name(service.name, "fetch", digest)
+    return names.bounded_name(service.name, kind, digest)
 
 
 def fetch_job_names(service: InferenceService, tier: Tier, options: PlanOptions) -> list[str]:
@@ -146,28 +193,63 @@ def fetch_jobs(service: InferenceService, options: PlanOptions) -> list[K8sObjec
             container = _container(download, options)
             name = _job_name(service, container)
             if name not in jobs:
-                jobs[name] = _job(service, name, download.what, container)
+                model = {ANNOTATION_MODEL: download.what}
+                jobs[name] = _job(service, name, COMPONENT, container, model, FETCH_BACKOFF_LIMIT)
     return list(jobs.values())
 
 
-def _job(service: InferenceService, name: str, what: str, container: K8sObject) -> K8sObject:
-    labels = {**names.service_labels(service.name), names.LABEL_COMPONENT: COMPONENT}
+def collection_job(
+    service: InferenceService, options: PlanOptions, engines: Sequence[str]
+) -> K8sObject | None:
+    """The Job that removes from the cache every download but those the service plans now,
+    once they are complete and the engine Deployments ``engines`` are rolled out to them; none
+    for a claim the operator did not create (see the module's docstring)."""
+    cache = service.spec.model_cache
+    if cache is None or cache.size is None:
+        return None
+    downloads = [d for tier in service.spec.tiers for d in _downloads(service, tier)]
+    # Sorted and once each: the same kept set is the same command, whatever the tier order.
+    kept = [arg for keep in sorted({d.keep for d in downloads}) for arg in keep]
+    command = ["fleetpilot", "model", "gc", "--hub-cache-dir", HUB_CACHE_DIR]
+    command += ["--s3-dir", S3_CACHE_DIR, *kept]
+    resources = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
+    container = _cache_writer("gc", command, [], resources, options)
+    annotations = {ANNOTATION_AFTER_ROLLOUT: ",".join(engines)}
+    fetches = [job["metadata"]["name"] for job in fetch_jobs(service, options)]
+    if fetches:
+        annotations[ANNOTATION_FETCH_JOB] = ",".join(fetches)
+    name = _job_name(service, container, "model-gc")
+    job = _job(service, name, GC_COMPONENT, container, {}, GC_BACKOFF_LIMIT)
+    job["metadata"]["annotations"] = annotations
+    return job
+
+
+def _job(
+    service: InferenceService,
+    name: str,
+    component: str,
+    container: K8sObject,
+    annotations: dict[str, str],
+    backoff_limit: int,
+) -> K8sObject:
+    """A Job of the service writing to its cache; ``annotations`` on the Job and its pods."""
+    labels = {**names.service_labels(service.name), names.LABEL_COMPONENT: component}
     meta = object_meta(service, name, labels)
-    meta["annotations"] = {ANNOTATION_MODEL: what}
+    meta["annotations"] = annotations
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": meta,
         "spec": {
-            "backoffLimit": FETCH_BACKOFF_LIMIT,
+            "backoffLimit": backoff_limit,
             "template": {
                 # Not the service label: status reads the service's pods as its engines.
                 "metadata": {
                     "labels": {
                         names.LABEL_INSTANCE: service.name,
-                        names.LABEL_COMPONENT: COMPONENT,
+                        names.LABEL_COMPONENT: component,
                     },
-                    "annotations": {ANNOTATION_MODEL: what},
+                    "annotations": annotations,
                 },
                 "spec": {
                     "restartPolicy": "Never",
@@ -203,9 +285,46 @@ def job_failed(job: K8sObject | None) -> str | None:
 
 
 def fetch_jobs_of(obj: K8sObject) -> list[str]:
-    """The download Jobs a planned engine Deployment waits for."""
+    """The download Jobs a planned engine Deployment (or the GC Job) waits for."""
+    return _listed(obj, ANNOTATION_FETCH_JOB)
+
+
+def is_collection_job(obj: K8sObject) -> bool:
+    labels = obj.get("metadata", {}).get("labels") or {}
+    return obj.get("kind") == "Job" and labels.get(names.LABEL_COMPONENT) == GC_COMPONENT
+
+
+def _listed(obj: K8sObject, annotation: str) -> list[str]:
     annotations = obj.get("metadata", {}).get("annotations") or {}
-    return [job for job in str(annotations.get(ANNOTATION_FETCH_JOB, "")).split(",") if job]
+    return [item for item in str(annotations.get(annotation, "")).split(",") if item]
+
+
+def rolled_out(deployment: K8sObject | None, kept: set[str]) -> bool:
+    """Whether every pod of an engine Deployment reads only the downloads of the Jobs ``kept``:
+    the Deployment's own download Jobs are among them, the Deployment controller has seen its
+    spec, and no pod of an older template is left (pods being deleted no longer start)."""
+    if deployment is None or not set(fetch_jobs_of(deployment)) <= kept:
+        return False
+    status = deployment.get("status") or {}
+    generation = deployment.get("metadata", {}).get("generation") or 0
+    if int(status.get("observedGeneration") or 0) < int(generation):
+        return False
+    return int(status.get("replicas") or 0) <= int(status.get("updatedReplicas") or 0)
+
+
+def collection_waits(
+    job: K8sObject, jobs: Mapping[str, K8sObject], deployments: Mapping[str, K8sObject]
+) -> list[str]:
+    """What the GC Job waits for before it may run, in words: downloads not complete (by the
+    live ``jobs``), engine Deployments not rolled out to them (by the live ``deployments``)."""
+    kept = fetch_jobs_of(job)
+    waits = [f"Job {name}" for name in kept if not job_complete(jobs.get(name))]
+    waits += [
+        f"Deployment {name}"
+        for name in _listed(job, ANNOTATION_AFTER_ROLLOUT)
+        if not rolled_out(deployments.get(name), set(kept))
+    ]
+    return waits
 
 
 def model_ready_condition(

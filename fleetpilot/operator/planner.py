@@ -20,7 +20,7 @@ from fleetpilot.api.spec import PodMonitorMode, Tier
 from fleetpilot.api.units import format_duration
 from fleetpilot.kube import names
 from fleetpilot.operator.engine_objects import engine_deployment, engine_pdb, engine_service
-from fleetpilot.operator.model_cache import cache_claim, fetch_jobs
+from fleetpilot.operator.model_cache import cache_claim, collection_job, fetch_jobs
 from fleetpilot.operator.network_policy import network_policies
 from fleetpilot.operator.plan_types import (
     K8sObject,
@@ -72,6 +72,13 @@ MANAGED_FLAGS = frozenset(
 def all_roles(service: InferenceService) -> list[ResolvedRole]:
     """Every role of every tier, in spec order: one engine Deployment each."""
     return [role for tier in service.spec.tiers for role in tier.roles()]
+
+
+def model_cache_collection(service: InferenceService, options: PlanOptions) -> K8sObject | None:
+    """The model cache's GC Job, waiting for every engine Deployment's rollout (none without
+    a cache the operator created)."""
+    engines = [names.engine_name(service.name, r.tier.name, r.name) for r in all_roles(service)]
+    return collection_job(service, options, engines)
 
 
 def _tier_field(service: InferenceService, role: ResolvedRole) -> str:
@@ -231,6 +238,9 @@ def plan(service: InferenceService, options: PlanOptions | None = None) -> list[
     objects += [engine_service(service, role) for role in roles]
     objects += [engine_deployment(service, role, options) for role in roles]
     objects += [engine_pdb(service, role) for role in roles]
+    # After the engines: it waits for their rollout, which a reconcile may have just started.
+    collection = model_cache_collection(service, options)
+    objects += [collection] if collection is not None else []
     wants_monitor = service.spec.monitoring.pod_monitor is PodMonitorMode.AUTO
     if wants_monitor and options.pod_monitor_available:
         objects.append(pod_monitor(service))

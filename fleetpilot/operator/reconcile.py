@@ -28,15 +28,16 @@ from fleetpilot.operator import metrics
 from fleetpilot.operator.children import Children
 from fleetpilot.operator.cold_start import new_samples
 from fleetpilot.operator.drift import needs_apply, with_hash
-from fleetpilot.operator.model_cache import COMPONENT as FETCH_COMPONENT
 from fleetpilot.operator.model_cache import (
+    collection_waits,
     fetch_jobs,
     fetch_jobs_of,
+    is_collection_job,
     job_complete,
     model_ready_condition,
 )
 from fleetpilot.operator.plan_types import PlanError, PlanOptions
-from fleetpilot.operator.planner import all_roles, plan
+from fleetpilot.operator.planner import all_roles, model_cache_collection, plan
 from fleetpilot.operator.status import Observed, compute_status
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ class ReconcileResult:
     status_written: bool = False
     # Engine Deployments held back until their model's download Job completes, with the Job.
     waiting_for_model: dict[str, str] = field(default_factory=dict)
+    # What the model cache's GC Job, held back, waits for (downloads, engine rollouts).
+    waiting_to_collect: list[str] = field(default_factory=list)
 
 
 # kopf truncates an Event's message to 1,024 characters; a summary stays under it.
@@ -145,6 +148,11 @@ class Reconciler:
         # router's config carries the observed cold start (its hold for a tier at zero), and
         # only a reconcile rewrites it.
         self.on_cold_start: Callable[[str, str], None] | None = None
+        # Called with (namespace, name) when a status write finds the model cache's GC Job
+        # waiting for nothing any more but not applied: the end of an engine rollout, which it
+        # waits for, reaches the operator as a Deployment's status change, and only a
+        # reconcile applies the Job.
+        self.on_collection_due: Callable[[str, str], None] | None = None
 
     def managed_kinds(self) -> tuple[str, ...]:
         if self.options.pod_monitor_available:
@@ -191,6 +199,14 @@ class Reconciler:
             key = _key(planned)
             current = live.get(key)
             desired = planned
+            if is_collection_job(planned):
+                # Planned after the engines: their Deployments as this reconcile left them.
+                deployments = {n: o for (k, n), o in live.items() if k == "Deployment"}
+                jobs = {n: o for (k, n), o in live.items() if k == "Job"}
+                waits = collection_waits(planned, jobs, deployments | applied_deployments)
+                if waits:
+                    result.waiting_to_collect = waits
+                    continue
             downloading = [
                 j for j in fetch_jobs_of(planned) if not job_complete(live.get(("Job", j)))
             ]
@@ -254,24 +270,41 @@ class Reconciler:
         pods = self.kube.list("Pod", service.namespace, {names.LABEL_SERVICE: service.name})
         return Observed(deployments=deployments, pods=pods)
 
+    def _cache_jobs(self, service: InferenceService) -> dict[str, Obj]:
+        """The service's live Jobs (the model cache's downloads and GC), by name; none listed
+        for a service without a cache."""
+        if service.spec.model_cache is None:
+            return {}
+        selector = {names.LABEL_SERVICE: service.name, names.LABEL_MANAGED_BY: names.MANAGER}
+        return {
+            j["metadata"]["name"]: j for j in self.kube.list("Job", service.namespace, selector)
+        }
+
     def _with_model_ready(
-        self, service: InferenceService, conditions: list[Condition], now: datetime
+        self,
+        service: InferenceService,
+        conditions: list[Condition],
+        now: datetime,
+        jobs: dict[str, Obj],
     ) -> list[Condition]:
-        """``conditions`` with ModelReady from the model cache's Jobs as they are now (none
-        for a service without a cache: a condition left from one would mislead)."""
+        """``conditions`` with ModelReady from the model cache's download Jobs as they are
+        now (none for a service without a cache: a condition left from one would mislead)."""
         planned = fetch_jobs(service, self.options)
         if not planned:
             return _without(conditions, ConditionType.MODEL_READY)
-        selector = {
-            names.LABEL_SERVICE: service.name,
-            names.LABEL_MANAGED_BY: names.MANAGER,
-            names.LABEL_COMPONENT: FETCH_COMPONENT,
-        }
-        live = {
-            j["metadata"]["name"]: j for j in self.kube.list("Job", service.namespace, selector)
-        }
-        ready = model_ready_condition(planned, live, now, service.metadata.generation)
+        ready = model_ready_condition(planned, jobs, now, service.metadata.generation)
         return set_condition(conditions, ready) if ready is not None else conditions
+
+    def _collection_due(
+        self, service: InferenceService, jobs: dict[str, Obj], observed: Observed
+    ) -> bool:
+        """The model cache's GC Job waits for nothing any more, and is not there yet."""
+        job = model_cache_collection(service, self.options)
+        return (
+            job is not None
+            and job["metadata"]["name"] not in jobs
+            and not collection_waits(job, jobs, observed.deployments)
+        )
 
     def write_status(
         self,
@@ -288,14 +321,15 @@ class Reconciler:
         """
 
         computed: list[tuple[InferenceServiceStatus | None, InferenceServiceStatus]] = []
+        observations: list[Observed] = []
+        jobs = self._cache_jobs(service)
 
         def mutate(live: Obj) -> Obj:
             previous = _parse_status(live.get("status") or None)
             now = datetime.now(UTC).replace(microsecond=0)
-            status = compute_status(
-                service, self.observe(service, applied), previous, now, plan_error
-            )
-            conditions = self._with_model_ready(service, status.conditions, now)
+            observations.append(self.observe(service, applied))
+            status = compute_status(service, observations[-1], previous, now, plan_error)
+            conditions = self._with_model_ready(service, status.conditions, now, jobs)
             status = status.model_copy(update={"conditions": conditions})
             computed.append((previous, status))
             return status.to_wire()
@@ -315,6 +349,10 @@ class Reconciler:
             metrics.observe_cold_starts(service.namespace, service.name, added)
             if added and self.on_cold_start is not None:
                 self.on_cold_start(service.namespace, service.name)
+        collect = self.on_collection_due
+        seen = observations[-1] if observations else None
+        if collect and seen and plan_error is None and self._collection_due(service, jobs, seen):
+            collect(service.namespace, service.name)
         return outcome is StatusWrite.WRITTEN
 
 

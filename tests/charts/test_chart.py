@@ -71,7 +71,7 @@ NAMESPACED_RULES: RuleTable = {
     ("rbac.authorization.k8s.io", "rolebindings"): APPLIED,
     ("policy", "poddisruptionbudgets"): APPLIED,
     ("", "persistentvolumeclaims"): APPLIED,  # spec.modelCache's claim
-    ("batch", "jobs"): APPLIED,  # the model cache's downloads
+    ("batch", "jobs"): APPLIED,  # the model cache's downloads and its GC
     ("networking.k8s.io", "networkpolicies"): APPLIED,
     ("monitoring.coreos.com", "podmonitors"): APPLIED,
     ("apps", "deployments/scale"): verbs("get patch"),  # the in-operator autoscaler

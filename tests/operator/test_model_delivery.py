@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 
 from fleetpilot.api.status import ConditionStatus
+from fleetpilot.kube import names
 from fleetpilot.kube.client import Obj
 from fleetpilot.operator.model_cache import ANNOTATION_FETCH_JOB, model_ready_condition
+from fleetpilot.operator.model_cache import COMPONENT as FETCH_COMPONENT
 from fleetpilot.operator.plan_types import PlanError, PlanOptions
 from fleetpilot.operator.planner import plan
 from fleetpilot.operator.reconcile import Reconciler
@@ -36,6 +38,15 @@ def only(objects: list[Obj], kind: str, name: str | None = None) -> Obj:
     found = [o for o in objects if o["kind"] == kind and name in (None, o["metadata"]["name"])]
     assert len(found) == 1, [o["metadata"]["name"] for o in found]
     return found[0]
+
+
+def jobs_of(objects: list[Obj], component: str = FETCH_COMPONENT) -> list[Obj]:
+    """The download Jobs (or, by its component, the cache's GC Job)."""
+    return [
+        o
+        for o in objects
+        if o["kind"] == "Job" and o["metadata"]["labels"][names.LABEL_COMPONENT] == component
+    ]
 
 
 def pod_of(objects: list[Obj], name: str = "chat-small") -> Obj:
@@ -126,7 +137,7 @@ def test_a_hub_model_in_the_cache_is_fetched_by_one_job_and_read_offline() -> No
         "resources": {"requests": {"storage": "200Gi"}},
         "storageClassName": "nfs",
     }
-    job = only(objects, "Job")
+    (job,) = jobs_of(objects)
     (fetch,) = job["spec"]["template"]["spec"]["containers"]
     assert fetch["command"] == [
         "fleetpilot", "model", "fetch", "hub", "--repo", MODEL, "--revision", "a1b2c3",
@@ -160,17 +171,17 @@ def test_one_job_per_distinct_download_and_a_new_one_for_a_new_revision() -> Non
     """Two tiers of the same model at the same revision share one Job; another revision is
     another Job (beside the first: Jobs are never patched)."""
     same = planned([tier_with({}, "small", up_to=0.4), tier_with({}, "large")], modelCache=CACHE)
-    (job,) = [o for o in same if o["kind"] == "Job"]
+    (job,) = jobs_of(same)
     for name in ("chat-small", "chat-large"):
         annotations = only(same, "Deployment", name)["metadata"]["annotations"]
         assert annotations[ANNOTATION_FETCH_JOB] == job["metadata"]["name"]
     moved = planned([tier_with({"huggingface": {"revision": "v2"}})], modelCache=CACHE)
-    assert only(moved, "Job")["metadata"]["name"] != job["metadata"]["name"]
+    assert [j["metadata"]["name"] for j in jobs_of(moved)] != [job["metadata"]["name"]]
 
 
 def test_an_s3_model_in_the_cache_is_read_from_its_own_directory_there() -> None:
     objects = planned([tier_with({"s3": S3})], modelCache=CACHE)
-    (fetch,) = only(objects, "Job")["spec"]["template"]["spec"]["containers"]
+    ((fetch,),) = [j["spec"]["template"]["spec"]["containers"] for j in jobs_of(objects)]
     dest = fetch["command"][fetch["command"].index("--dest") + 1]
     assert dest.startswith("/model-cache/s3/models-")
     pod = pod_of(objects)
@@ -298,10 +309,6 @@ def test_engines_start_only_once_their_model_is_downloaded_and_roll_when_a_new_o
 # -- the ModelReady condition ---------------------------------------------------------------
 
 NOW = datetime(2026, 12, 4, 12, 0, tzinfo=UTC)
-
-
-def jobs_of(objects: list[Obj]) -> list[Obj]:
-    return [o for o in objects if o["kind"] == "Job"]
 
 
 def test_model_ready_says_what_is_downloading_done_or_failed() -> None:

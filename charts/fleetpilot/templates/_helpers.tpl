@@ -113,7 +113,8 @@ the same table: a change here must change it there too.
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch, delete]
-# spec.modelCache: the cache's claim, and the Jobs that download models into it.
+# spec.modelCache: the cache's claim, the Jobs that download models into it, and the one
+# that removes the downloads no longer planned.
 - apiGroups: [""]
   resources: [persistentvolumeclaims]
   verbs: [get, list, watch, create, patch, delete]
