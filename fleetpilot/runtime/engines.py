@@ -7,7 +7,7 @@ know of its engines (the tokenizer, the batch limit). Purely computational.
 
 - :class:`ReferenceBackend` (the default): ``fleetpilot engine --backend reference`` with a
   tiny random model, capped for a CPU (:mod:`fleetpilot.runtime.reference_argv`), optionally
-  with a cold start (``fleetpilot up --cold-start``).
+  with a cold start (``fleetpilot up --cold-start``) and a step delay (``--step-delay``).
 - :class:`VllmBackend`: the launcher's exact ``vllm serve`` line
   (:func:`~fleetpilot.engine.vllm_args.vllm_serve_args`) with a local checkpoint and a share
   of one GPU, on loopback: the GPU check of ``bench/gpu/vllm_check.py``.
@@ -78,10 +78,18 @@ class ReferenceBackend(EngineBackend):
     adapter_root: Path | None = None
     # Seconds each engine waits after loading before /health answers 200 (0: none).
     cold_start_s: float = 0.0
+    # Seconds each engine sleeps after every busy step (0: none): a GPU's pace, not the CPU's.
+    step_delay_s: float = 0.0
 
     def command(self, launch: EngineLaunch, host: str, extra_ports: Sequence[int]) -> EngineCommand:
         argv = reference_argv(
-            launch, host, self.python, self.model_config, self.adapter_root, self.cold_start_s
+            launch,
+            host,
+            self.python,
+            self.model_config,
+            self.adapter_root,
+            self.cold_start_s,
+            self.step_delay_s,
         )
         runtime_lora = launch.lora is not None and launch.lora.runtime_updates
         return EngineCommand(argv, {RUNTIME_LORA_ENV: "True"} if runtime_lora else {})

@@ -118,20 +118,25 @@ class LocalFleet:
         python: str = sys.executable,
         backend: EngineBackend | None = None,
         cold_start_s: float = 0.0,
+        step_delay_s: float = 0.0,
         say: Callable[[str], None] | None = None,
     ) -> None:
         """``python`` runs the router (and the reference engines of the default backend);
         ``cold_start_s``: how long each engine of the default backend, those added later
         included, waits after loading before it answers /health (a GPU engine's start; its
-        readiness wait is that much longer); ``say`` hears each engine's readiness while the
-        fleet starts (k of N)."""
+        readiness wait is that much longer); ``step_delay_s``: how long each engine of the
+        default backend sleeps after every busy step (a GPU's pace); ``say`` hears each
+        engine's readiness while the fleet starts (k of N)."""
         if max_replicas_per_role < 1:
             raise ValueError("max_replicas_per_role must be at least 1")
         if not (math.isfinite(cold_start_s) and cold_start_s >= 0):
             raise ValueError("cold_start_s must be a finite number of seconds, 0 or more")
-        if cold_start_s > 0 and backend is not None:
+        if not (math.isfinite(step_delay_s) and step_delay_s >= 0):
+            raise ValueError("step_delay_s must be a finite number of seconds, 0 or more")
+        if (cold_start_s > 0 or step_delay_s > 0) and backend is not None:
             raise ValueError(
-                "cold_start_s is the default (reference) backend's; not with a backend"
+                "cold_start_s and step_delay_s are the default (reference) backend's; "
+                "not with a backend"
             )
         self.service = service
         self.workdir = workdir
@@ -157,7 +162,10 @@ class LocalFleet:
             backend
             if backend is not None
             else ReferenceBackend(
-                python, adapter_root=workdir / "adapters", cold_start_s=cold_start_s
+                python,
+                adapter_root=workdir / "adapters",
+                cold_start_s=cold_start_s,
+                step_delay_s=step_delay_s,
             )
         )
         self.supervisor = Supervisor(workdir / "logs")

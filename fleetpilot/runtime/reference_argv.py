@@ -17,7 +17,10 @@ on a few cores: a tiny seeded random model instead of the checkpoint, at most
 :data:`CPU_MAX_NUM_SEQS` sequences and :data:`CPU_MAX_MODEL_LEN` tokens, a short drain on
 SIGTERM (scale-downs and the end of a test wait for it), and, for P/D, the loopback address to
 advertise and accept KV on. Optionally a cold start (``--cold-start-seconds``): each engine
-answers /health only that long after loading, as a GPU engine loading its weights would.
+answers /health only that long after loading, as a GPU engine loading its weights would; and
+a step delay (``--step-delay-seconds``): each engine sleeps that long after every busy step, so
+its throughput is set by that pace rather than by the CPU it shares with the others, and each
+replica adds capacity as a GPU's would (the autoscaling benchmarks need that on two cores).
 
 Not taken: the model location and revision, parallelism, dtype, GPU memory, batched tokens,
 KV cache block size and dtype, quantization, speculative decoding and extra vLLM arguments.
@@ -69,12 +72,14 @@ def reference_argv(
     model_config: str = CPU_MODEL_CONFIG,
     adapter_root: Path | None = None,
     cold_start_s: float = 0.0,
+    step_delay_s: float = 0.0,
 ) -> list[str]:
     """``python -m fleetpilot engine --backend reference ...`` for ``launch`` on ``host``;
     ``model_config`` is the random model's architecture (a preset name or ModelConfig JSON);
     ``adapter_root``: where the stand-ins of the launch's LoRA adapters live (None: the
     engine serves the base model only); ``cold_start_s``: how long each engine waits after
-    loading before it reports healthy (0: none)."""
+    loading before it reports healthy (0: none); ``step_delay_s``: how long each engine sleeps
+    after every busy step (0: none)."""
     max_len = min(launch.max_model_len or CPU_MAX_MODEL_LEN, CPU_MAX_MODEL_LEN)
     argv = [
         *(python, "-m", "fleetpilot", "engine", "--backend", "reference"),
@@ -102,6 +107,8 @@ def reference_argv(
         argv += lora_argv(launch.lora, adapter_root)
     if cold_start_s > 0:
         argv += ["--cold-start-seconds", f"{cold_start_s:g}"]
+    if step_delay_s > 0:
+        argv += ["--step-delay-seconds", f"{step_delay_s:g}"]
     return argv
 
 

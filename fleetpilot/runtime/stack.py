@@ -140,6 +140,7 @@ class LocalStack:
         say: Callable[[str], None] = print,
         python: str = sys.executable,
         cold_start_s: float = 0.0,
+        step_delay_s: float = 0.0,
     ) -> None:
         self.fleet = LocalFleet(
             service,
@@ -148,6 +149,7 @@ class LocalStack:
             max_replicas_per_role=max_replicas_per_role,
             python=python,
             cold_start_s=cold_start_s,
+            step_delay_s=step_delay_s,
             say=say,
         )
         self.service = service

@@ -6,6 +6,9 @@ endpoint and a status table every few seconds, restarts crashed children, and st
 it started on Ctrl-C, SIGTERM or when ``--duration`` expires. ``--cold-start SECONDS`` makes
 every engine (those the autoscaler adds included) answer /health, and so join the router, only
 that long after loading its model: a GPU engine's start, for the autoscaler to reckon with.
+``--step-delay SECONDS`` makes every engine sleep that long after each busy step: its
+throughput is then its pace, not its share of the CPU, so each added replica adds capacity as
+a GPU's does.
 """
 
 from __future__ import annotations
@@ -85,6 +88,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the router) only this long after loading its model, as a GPU engine loading its "
         "weights would",
     )
+    a(
+        "--step-delay",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="every engine sleeps this long after each busy step: its throughput is set by "
+        "this pace rather than by the CPU it shares, so each replica adds capacity",
+    )
 
 
 class _Stop(KeyboardInterrupt):
@@ -118,6 +129,9 @@ def run(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.cold_start) and args.cold_start >= 0):
         print("error: --cold-start must be a finite number of seconds, 0 or more", file=sys.stderr)
         return EXIT_INVALID
+    if not (math.isfinite(args.step_delay) and args.step_delay >= 0):
+        print("error: --step-delay must be a finite number of seconds, 0 or more", file=sys.stderr)
+        return EXIT_INVALID
     service = services[0]
     with tempfile.TemporaryDirectory(prefix="fleetpilot-up-") as tmp:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)
@@ -131,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
             control_port=args.control_port,
             say=_say,
             cold_start_s=args.cold_start,
+            step_delay_s=args.step_delay,
         )
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
         try:

@@ -156,6 +156,10 @@ def test_a_cold_start_reaches_every_engine_the_fleet_starts_or_adds(
         LocalFleet(service, tmp_path, 0, backend=VllmBackend("/v", MODEL_DIR), cold_start_s=1)
     with pytest.raises(ValueError, match="cold_start_s"):
         LocalFleet(service, tmp_path, 0, cold_start_s=-1)
+    with pytest.raises(ValueError, match="step_delay_s"):
+        LocalFleet(service, tmp_path, 0, backend=VllmBackend("/v", MODEL_DIR), step_delay_s=1)
+    with pytest.raises(ValueError, match="step_delay_s"):
+        LocalFleet(service, tmp_path, 0, step_delay_s=float("nan"))
 
 
 def test_each_engine_joining_the_router_is_a_cold_start_of_its_role(tmp_path: Path) -> None:

@@ -237,3 +237,15 @@ def test_a_cold_start_reaches_the_engine_as_its_flag() -> None:
     assert "--cold-start-seconds" not in plain
     assert parsed(slow).cold_start_s == 2.5
     assert parsed(plain).cold_start_s == 0.0
+
+
+def test_a_step_delay_reaches_the_engine_as_its_flag() -> None:
+    """``step_delay_s`` adds the engine's ``--step-delay-seconds`` (its sleep after each busy
+    step) and nothing else."""
+    role = role_of(service_of(make_tier("small")), RoleName.UNIFIED)
+    launch = replace(launch_for(role), port=9001)
+    plain = reference_argv(launch, HOST, "py")
+    paced = reference_argv(launch, HOST, "py", step_delay_s=0.04)
+    assert paced == [*plain, "--step-delay-seconds", "0.04"]
+    assert parsed(paced).step_delay_s == 0.04
+    assert parsed(plain).step_delay_s == 0.0

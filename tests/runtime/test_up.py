@@ -1,5 +1,6 @@
-"""``fleetpilot up --cold-start SECONDS``: the option reaches every engine the fleet runs (the
-stack is built as ``up`` builds it; nothing is started), and a bad value starts nothing."""
+"""``fleetpilot up --cold-start SECONDS`` and ``--step-delay SECONDS``: each option reaches
+every engine the fleet runs (the stack is built as ``up`` builds it; nothing is started), and a
+bad value starts nothing."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def service_file(tmp_path: Path) -> Path:
     return path
 
 
-def test_cold_start_reaches_every_engine_up_starts_or_the_autoscaler_adds(
+def test_cold_start_and_step_delay_reach_every_engine_up_starts_or_the_autoscaler_adds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     stacks: list[LocalStack] = []
@@ -32,7 +33,8 @@ def test_cold_start_reaches_every_engine_up_starts_or_the_autoscaler_adds(
 
     monkeypatch.setattr(up, "_serve", serve)
     argv = ["-f", str(service_file(tmp_path)), "--port", "0", "--workdir", str(tmp_path / "w")]
-    assert up.main([*argv, "--cold-start", "7.5", "--no-prometheus"]) == up.EXIT_OK
+    paced = ["--cold-start", "7.5", "--step-delay", "0.05"]
+    assert up.main([*argv, *paced, "--no-prometheus"]) == up.EXIT_OK
     (stack,) = stacks
     fleet = stack.fleet
     assert fleet.cold_start_s == 7.5
@@ -43,20 +45,28 @@ def test_cold_start_reaches_every_engine_up_starts_or_the_autoscaler_adds(
     for replica in fleet.replicas:
         cold_start = replica.argv[replica.argv.index("--cold-start-seconds") + 1]
         assert cold_start == "7.5"
+        assert replica.argv[replica.argv.index("--step-delay-seconds") + 1] == "0.05"
 
     stacks.clear()
     assert up.main([*argv, "--no-prometheus"]) == up.EXIT_OK
-    assert all("--cold-start-seconds" not in r.argv for r in stacks[0].fleet.replicas)
+    for replica in stacks[0].fleet.replicas:
+        assert "--cold-start-seconds" not in replica.argv
+        assert "--step-delay-seconds" not in replica.argv
 
 
+@pytest.mark.parametrize("option", ["--cold-start", "--step-delay"])
 @pytest.mark.parametrize("value", ["-1", "nan", "inf"])
-def test_a_bad_cold_start_is_refused_before_anything_starts(
-    value: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+def test_a_bad_cold_start_or_step_delay_is_refused_before_anything_starts(
+    option: str,
+    value: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     def serve(stack: LocalStack, args: argparse.Namespace) -> int:
         raise AssertionError("nothing may start")
 
     monkeypatch.setattr(up, "_serve", serve)
-    argv = ["-f", str(service_file(tmp_path)), "--cold-start", value]
+    argv = ["-f", str(service_file(tmp_path)), option, value]
     assert up.main(argv) == up.EXIT_INVALID
-    assert "--cold-start must be a finite number of seconds" in capsys.readouterr().err
+    assert f"{option} must be a finite number of seconds" in capsys.readouterr().err
