@@ -105,7 +105,21 @@ class Kube:
         body: Obj | None = None,
         content_type: str = "application/json",
     ) -> Obj:
-        headers = {"Accept": "application/json"}
+        text = self._send(method, path, query=query, body=body, content_type=content_type)
+        return json.loads(text) if text else {}
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: list[tuple[str, str]] | None = None,
+        body: Obj | None = None,
+        content_type: str = "application/json",
+        accept: str = "application/json",
+    ) -> str:
+        """The answer's body as text; KubeError for a non-2xx status."""
+        headers = {"Accept": accept}
         if body is not None:
             headers["Content-Type"] = content_type
         _, url, headers, body_out, _ = self.api.param_serialize(
@@ -123,7 +137,7 @@ class Kube:
         text = raw.decode("utf-8") if raw else ""
         if response.status >= 400:
             raise KubeError(response.status, method, path, text)
-        return json.loads(text) if text else {}
+        return text
 
     # -- reads ------------------------------------------------------------------------------
     def get(self, kind: str, namespace: str, name: str) -> Obj | None:
@@ -142,6 +156,18 @@ class Kube:
             item.setdefault("kind", kind)
             item.setdefault("apiVersion", RESOURCES[kind].api_version)
         return items
+
+    def pod_log(self, namespace: str, name: str, tail_lines: int) -> str | None:
+        """The last ``tail_lines`` lines of a one-container pod's log; None when the server has
+        none to give (no such pod, or one not started on a node yet)."""
+        path = RESOURCES["Pod"].path(namespace, name) + "/log"
+        query = [("tailLines", str(tail_lines))]
+        try:
+            return self._send("GET", path, query=query, accept="text/plain, */*")
+        except KubeError as exc:
+            if exc.status in (400, 404):  # 400: "pod ... does not have a host assigned"
+                return None
+            raise
 
     def serves(self, api_version: str, plural: str) -> bool:
         """Whether the cluster serves a resource (optional CRDs: PodMonitor, ...)."""

@@ -327,12 +327,59 @@ def collection_waits(
     return waits
 
 
+# The fetcher's progress lines come one per file: the last few hold the latest counts.
+PROGRESS_LOG_LINES = 20
+
+
+@dataclass(frozen=True)
+class DownloadProgress:
+    """How far one download is, from its fetcher's last progress line."""
+
+    bytes_done: int
+    bytes_total: int
+    files_done: int
+    files_total: int
+
+    def __str__(self) -> str:
+        share = self.bytes_done / self.bytes_total if self.bytes_total else 1.0
+        return (
+            f"{_gib(self.bytes_done)} of {_gib(self.bytes_total)} GiB ({share:.0%}), "
+            f"{self.files_done} of {self.files_total} files"
+        )
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.2f}"
+
+
+def download_progress(log: str) -> DownloadProgress | None:
+    """The latest counts a fetcher's log reports (``fleetpilot model fetch``'s JSON lines,
+    :mod:`fleetpilot.delivery.progress`); None when no line carries them yet."""
+    for line in reversed(log.splitlines()):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(record, dict):
+            continue
+        keys = ("bytes_done", "bytes_total", "files_done", "files_total")
+        counts = [record.get(k) for k in keys]
+        if all(type(c) is int and c >= 0 for c in counts):  # not bool, not float
+            return DownloadProgress(*(int(c or 0) for c in counts))
+    return None
+
+
 def model_ready_condition(
-    planned: list[K8sObject], live: dict[str, K8sObject], now: datetime, generation: int | None
+    planned: list[K8sObject],
+    live: dict[str, K8sObject],
+    now: datetime,
+    generation: int | None,
+    progress: Mapping[str, DownloadProgress] | None = None,
 ) -> Condition | None:
     """``ModelReady`` from the service's planned download Jobs and the live ones: True when
-    every download has completed, False while one runs (``Downloading``) or after one gave up
-    (``DownloadFailed``, with the Job's message); None for a service without a model cache."""
+    every download has completed, False while one runs (``Downloading``, with how far it is
+    where ``progress`` - by Job - says) or after one gave up (``DownloadFailed``, with the
+    Job's message); None for a service without a model cache."""
     if not planned:
         return None
     done, running, failed = [], [], []
@@ -349,6 +396,9 @@ def model_ready_condition(
             active = int((current or {}).get("status", {}).get("active") or 0)
             retries = int((current or {}).get("status", {}).get("failed") or 0)
             state = "running" if active else "pending"
+            done_so_far = (progress or {}).get(name) if active else None
+            if done_so_far is not None:
+                state += f", {done_so_far}"
             running.append(f"{what}: {state}" + (f", {retries} pods failed" if retries else ""))
     if failed:
         status, reason, message = False, "DownloadFailed", "; ".join(failed)

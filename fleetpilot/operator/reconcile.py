@@ -29,7 +29,10 @@ from fleetpilot.operator.children import Children
 from fleetpilot.operator.cold_start import new_samples
 from fleetpilot.operator.drift import needs_apply, with_hash
 from fleetpilot.operator.model_cache import (
+    PROGRESS_LOG_LINES,
+    DownloadProgress,
     collection_waits,
+    download_progress,
     fetch_jobs,
     fetch_jobs_of,
     is_collection_job,
@@ -41,6 +44,8 @@ from fleetpilot.operator.planner import all_roles, model_cache_collection, plan
 from fleetpilot.operator.status import Observed, compute_status
 
 log = logging.getLogger(__name__)
+# The Job controller's label on the pods of a Job (Kubernetes 1.27 and later).
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 
 # What a service may own, in apply order; prune looks at each of these kinds.
 MANAGED_KINDS = (
@@ -286,14 +291,41 @@ class Reconciler:
         conditions: list[Condition],
         now: datetime,
         jobs: dict[str, Obj],
+        progress: dict[str, DownloadProgress],
     ) -> list[Condition]:
         """``conditions`` with ModelReady from the model cache's download Jobs as they are
         now (none for a service without a cache: a condition left from one would mislead)."""
         planned = fetch_jobs(service, self.options)
         if not planned:
             return _without(conditions, ConditionType.MODEL_READY)
-        ready = model_ready_condition(planned, jobs, now, service.metadata.generation)
+        generation = service.metadata.generation
+        ready = model_ready_condition(planned, jobs, now, generation, progress)
         return set_condition(conditions, ready) if ready is not None else conditions
+
+    def _download_progress(
+        self, service: InferenceService, jobs: dict[str, Obj]
+    ) -> dict[str, DownloadProgress]:
+        """How far each running download is, by Job, from the last progress line its running
+        pod logged; a download whose log cannot be read (no pod running yet, no ``pods/log``
+        permission) is shown without it - never a reason to fail the status write."""
+        progress: dict[str, DownloadProgress] = {}
+        for job in fetch_jobs(service, self.options):
+            name = job["metadata"]["name"]
+            live = jobs.get(name)
+            if live is None or job_complete(live) or not (live.get("status") or {}).get("active"):
+                continue
+            try:
+                pods = self.kube.list("Pod", service.namespace, {JOB_NAME_LABEL: name})
+                running = [p for p in pods if (p.get("status") or {}).get("phase") == "Running"]
+                for pod in running[-1:]:
+                    pod_name = pod["metadata"]["name"]
+                    log_text = self.kube.pod_log(service.namespace, pod_name, PROGRESS_LOG_LINES)
+                    seen = download_progress(log_text or "")
+                    if seen is not None:
+                        progress[name] = seen
+            except KubeError as exc:
+                log.debug("download progress unread", extra={"job": name, "error": str(exc)})
+        return progress
 
     def _collection_due(
         self, service: InferenceService, jobs: dict[str, Obj], observed: Observed
@@ -323,13 +355,14 @@ class Reconciler:
         computed: list[tuple[InferenceServiceStatus | None, InferenceServiceStatus]] = []
         observations: list[Observed] = []
         jobs = self._cache_jobs(service)
+        progress = self._download_progress(service, jobs)
 
         def mutate(live: Obj) -> Obj:
             previous = _parse_status(live.get("status") or None)
             now = datetime.now(UTC).replace(microsecond=0)
             observations.append(self.observe(service, applied))
             status = compute_status(service, observations[-1], previous, now, plan_error)
-            conditions = self._with_model_ready(service, status.conditions, now, jobs)
+            conditions = self._with_model_ready(service, status.conditions, now, jobs, progress)
             status = status.model_copy(update={"conditions": conditions})
             computed.append((previous, status))
             return status.to_wire()

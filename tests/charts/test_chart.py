@@ -76,6 +76,7 @@ NAMESPACED_RULES: RuleTable = {
     ("monitoring.coreos.com", "podmonitors"): APPLIED,
     ("apps", "deployments/scale"): verbs("get patch"),  # the in-operator autoscaler
     ("", "pods"): verbs("get list watch"),
+    ("", "pods/log"): verbs("get"),  # a model download's progress (ModelReady)
     ("", "events"): verbs("create patch"),
     ("discovery.k8s.io", "endpointslices"): verbs("get list watch"),  # granted on to routers
 }

@@ -3,20 +3,31 @@
 
 from __future__ import annotations
 
+import io
+import logging
 import time
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 
+from fleetpilot.api import InferenceService, parse_service
 from fleetpilot.api.status import ConditionStatus
+from fleetpilot.delivery.plan import RemoteFile
+from fleetpilot.delivery.progress import Progress
 from fleetpilot.kube import names
-from fleetpilot.kube.client import Obj
-from fleetpilot.operator.model_cache import ANNOTATION_FETCH_JOB, model_ready_condition
+from fleetpilot.kube.client import KubeError, Obj
+from fleetpilot.logs import json_formatter
+from fleetpilot.operator.model_cache import (
+    ANNOTATION_FETCH_JOB,
+    DownloadProgress,
+    download_progress,
+    model_ready_condition,
+)
 from fleetpilot.operator.model_cache import COMPONENT as FETCH_COMPONENT
 from fleetpilot.operator.plan_types import PlanError, PlanOptions
 from fleetpilot.operator.planner import plan
-from fleetpilot.operator.reconcile import Reconciler
+from fleetpilot.operator.reconcile import JOB_NAME_LABEL, Reconciler
 from tests.factories import make_manifest, make_service, make_tier
 from tests.support.kube import FakeKube
 
@@ -349,6 +360,98 @@ def test_model_ready_says_what_is_downloading_done_or_failed() -> None:
     assert ready is not None
     assert (ready.status, ready.reason) == (ConditionStatus.TRUE, "Downloaded")
     assert model_ready_condition([], live, NOW, 3) is None
+
+
+# -- how far a download is --------------------------------------------------------------------
+
+
+def fetcher_log(done: int) -> str:
+    """What ``fleetpilot model fetch`` logs (its Progress through the JSON formatter) after
+    ``done`` of its three files (1 GiB, 1 GiB, 2 GiB), with a line that is not JSON."""
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(json_formatter())
+    logger = logging.getLogger("fleetpilot.delivery")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        files = [RemoteFile(f"model-{i}.safetensors", size) for i, size in enumerate([1, 1, 2])]
+        files = [RemoteFile(f.path, f.size * 2**30) for f in files]
+        progress = Progress(f"{MODEL}@main", files)
+        progress.plan()
+        for file in files[:done]:
+            progress.file_done(file, fetched=True)
+    finally:
+        logger.removeHandler(handler)
+    return out.getvalue() + "Traceback? no: a stray line\n"
+
+
+def test_the_fetchers_log_says_how_far_its_download_is() -> None:
+    """The operator reads the counts the fetcher logs (the same JSON lines), the latest first;
+    a log without any yet says nothing."""
+    assert download_progress(fetcher_log(0)) == DownloadProgress(0, 4 * 2**30, 0, 3)
+    latest = download_progress(fetcher_log(2))
+    assert latest == DownloadProgress(2 * 2**30, 4 * 2**30, 2, 3)
+    assert str(latest) == "2.00 of 4.00 GiB (50%), 2 of 3 files"
+    assert download_progress("starting\n{}\n[1, 2]\n") is None
+    assert download_progress('{"bytes_done": true, "bytes_total": 1, "files_done": 0, '
+                             '"files_total": 1}') is None  # fmt: skip
+
+
+def running_pod(kube: FakeKube, job: str, log: str | None) -> None:
+    """Play the Job controller and the kubelet: the Job's pod runs and has logged ``log``."""
+    kube.set_status("Job", NS, job, {"active": 1})
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": f"{job}-x1", "namespace": NS, "labels": {JOB_NAME_LABEL: job}},
+        "status": {"phase": "Running"},
+    }
+    kube.put(pod)
+    if log is not None:
+        kube.logs[(NS, f"{job}-x1")] = log
+
+
+def parse(kube: FakeKube) -> InferenceService:
+    live = kube.get("InferenceService", NS, "chat")
+    assert live is not None
+    return parse_service(live, f"{NS}/chat")
+
+
+def model_ready_message(kube: FakeKube) -> str:
+    live = kube.get("InferenceService", NS, "chat")
+    assert live is not None
+    (ready,) = [c for c in live["status"]["conditions"] if c["type"] == "ModelReady"]
+    return str(ready["message"])
+
+
+def test_model_ready_shows_a_running_downloads_progress_from_its_pods_log(
+    kube: FakeKube,
+) -> None:
+    """A running download's condition carries the bytes and files its pod logged; a pod that
+    has logged nothing yet, or a log the operator may not read, leaves just "running"."""
+    reconciler = Reconciler(kube)
+    reconciler.reconcile(apply_service(kube, "r1"), lambda *_: None)
+    (job,) = [o["metadata"]["name"] for o in kube.objects("Job", NS)]
+
+    running_pod(kube, job, fetcher_log(1))
+    reconciler.refresh_status(parse(kube), kube.get("InferenceService", NS, "chat") or {})
+    assert f"(Job {job}): running, 1.00 of 4.00 GiB (25%), 1 of 3 files" in (
+        model_ready_message(kube)
+    )
+    assert kube.writes_of("GET", "Pod", "log")[-1].query == [("tailLines", "20")]
+
+    kube.logs.clear()  # the kubelet has nothing (yet): no progress, no failure
+    reconciler.refresh_status(parse(kube), kube.get("InferenceService", NS, "chat") or {})
+    assert model_ready_message(kube).endswith(f"(Job {job}): running")
+
+    def forbidden(namespace: str, name: str, tail_lines: int) -> str | None:
+        raise KubeError(403, "GET", f"/api/v1/namespaces/{namespace}/pods/{name}/log", "{}")
+
+    kube.pod_log = forbidden  # type: ignore[method-assign]  # a chart without pods/log
+    kube.logs[(NS, f"{job}-x1")] = fetcher_log(2)
+    reconciler.refresh_status(parse(kube), kube.get("InferenceService", NS, "chat") or {})
+    assert model_ready_message(kube).endswith(f"(Job {job}): running")
 
 
 def test_a_draft_model_is_downloaded_too_and_dynamic_hub_adapters_are_refused() -> None:

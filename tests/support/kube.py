@@ -163,6 +163,8 @@ class FakeKube(Kube):
         self._uids = itertools.count(1)
         self._names = itertools.count(1)
         self._hooks: list[_Hook] = []
+        # Container logs by (namespace, pod): a kubelet's, which an API server only relays.
+        self.logs: dict[tuple[str, str], str] = {}
 
     # -- test controls ------------------------------------------------------------------------
     def put(self, obj: Obj) -> Obj:
@@ -234,6 +236,14 @@ class FakeKube(Kube):
         ]
 
     # -- the REST interface -------------------------------------------------------------------
+    def pod_log(self, namespace: str, name: str, tail_lines: int) -> str | None:
+        """The pod's log from :attr:`logs`, its last ``tail_lines`` lines; None without one
+        (an API server answers 400 for a pod without a node)."""
+        path = f"/api/v1/namespaces/{namespace}/pods/{name}/log"
+        self.calls.append(Call("GET", path, [("tailLines", str(tail_lines))], None, "text/plain"))
+        text = self.logs.get((namespace, name))
+        return None if text is None else "\n".join(text.splitlines()[-tail_lines:])
+
     def request(
         self,
         method: str,

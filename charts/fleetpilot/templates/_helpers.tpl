@@ -138,6 +138,10 @@ the same table: a change here must change it there too.
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch]
+# The model cache's download pods' last log lines: ModelReady's bytes and files done.
+- apiGroups: [""]
+  resources: [pods/log]
+  verbs: [get]
 # Events on InferenceServices: kopf's (created/updated/pruned/refused) and the autoscaler's
 # (scaled, recommended, metrics lost).
 - apiGroups: [""]
