@@ -260,8 +260,10 @@ class LocalFleet:
 
     def router_config(self) -> RouterConfig:
         """The planner's router config for this machine: the engines' batch limit and
-        tokenizer, and no addresses (the endpoints file lists them)."""
-        config = router_config(self.service)
+        tokenizer, no addresses (the endpoints file lists them), and each tier's observed cold
+        start from the fleet's own status (the router holds a request for a tier at zero that
+        long, as in a cluster)."""
+        config = router_config(self.service.model_copy(update={"status": self.status()}))
         tiers = []
         for tier in config.tiers:
             groups = [

@@ -187,3 +187,6 @@ def test_each_engine_joining_the_router_is_a_cold_start_of_its_role(tmp_path: Pa
     pd = next(t for t in status.tiers if t.name == "pd").roles
     assert [r.role for r in pd] == ["prefill", "decode"]
     assert all(r.cold_start is None for r in pd)  # never joined: no start
+    # The router's config carries it: its hold for a tier at zero lasts the observed start.
+    held = {t.name: t.cold_start_observed for t in fleet.router_config().tiers}
+    assert held == {"small": timedelta(seconds=30), "pd": None}
