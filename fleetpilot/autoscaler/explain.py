@@ -13,7 +13,7 @@ import math
 from datetime import timedelta
 
 from fleetpilot.api.units import format_duration
-from fleetpilot.autoscaler.forecast import Projection
+from fleetpilot.autoscaler.forecast import Projection, ReplicaCapacity
 from fleetpilot.autoscaler.model import (
     ArrivingAtZero,
     Assessment,
@@ -222,12 +222,25 @@ def _outcome(spec: RolePolicy, assessment: Assessment, sizing: Sizing) -> tuple[
 __all__ = ["format_seconds", "reason", "why"]
 
 
-def ahead(raw: int, ahead_of: int, projection: Projection) -> str:
-    """The predictive part of a reason: what the trend projects and what it asks for."""
+def ahead(
+    raw: int,
+    ahead_of: int,
+    projection: Projection,
+    capacity: ReplicaCapacity | None,
+    now_s: float,
+) -> str:
+    """The predictive part of a reason: what the trend projects, what it is sized by and what
+    that asks for."""
+    if capacity is not None and capacity.fresh(now_s):
+        age_s = now_s - capacity.time_s
+        when = "now" if age_s < 1 else f"{format_seconds(age_s)} ago"
+        sized = f"{capacity.rps_per_replica:.3g} req/s per replica at the objective ({when})"
+    else:
+        sized = "the load grown with the rate (no replica seen at the objective yet)"
     return (
         f"; predictive: arrivals {projection.rate_rps:.3g} -> {projection.projected_rps:.3g} "
-        f"req/s in {format_seconds(projection.horizon_s)} (cold start + half the rate window): "
-        f"{raw} -> {ahead_of}"
+        f"req/s in {format_seconds(projection.horizon_s)} (cold start + half the rate window), "
+        f"sized by {sized}: {raw} -> {ahead_of}"
     )
 
 

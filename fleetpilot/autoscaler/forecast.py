@@ -7,6 +7,23 @@ that late; the predictive one sizes the role for the arrival rate expected when 
 would be ready: the least-squares trend of the recent arrival rates, extended over the cold
 start plus half the rate window (the rate is a mean over that window, so it describes the
 load of half a window ago).
+
+How many replicas that rate needs: latency is not linear in load (a role at half its capacity
+shows a TTFT far below half its objective, and at capacity a queue that grows without bound),
+so the signals' ratio says little about the replicas a higher rate needs. The rate itself
+does: when the role runs at (or past) its objective, the requests/s each ready replica serves
+is what one replica can carry (:class:`ReplicaCapacity`; the arrival rate is the completion
+rate, which at saturation is the throughput), and the projected rate over that capacity is the
+answer. Until the role has been seen at its objective, its load is read as a fraction of what
+the ready replicas carry - the worst signal's ratio, or the share of their batches in use
+(requests running and waiting over ``ready x maxNumSeqs``, which grows with the load where
+latency stays flat until a queue forms), whichever is higher - and grown with the rate:
+``ready x load x growth``. Both underestimate at light load (vLLM's batches seldom fill), the
+cautious side: a load that starts from idle (a step, which a windowed rate shows as a rise
+lasting one window, from a tiny rate: a huge "growth" times a tiny load) adds nothing.
+Scaling the current recommendation by the growth instead would ask 1 replica to become 6 for
+2 req/s at such a step (seen in bench/autoscale_ramp.py), as a recommendation is at least 1
+however light the load.
 """
 
 from __future__ import annotations
@@ -20,6 +37,26 @@ TREND_POINTS = 6
 MIN_POINTS = 3
 # A projection that adds less than this fraction to the current rate is noise, not a ramp.
 MIN_GROWTH = 0.1
+# Requests counted over a window of w seconds at r req/s are Poisson: the rate read from them
+# varies by sqrt(r / w) at a steady load (1.4 req/s at 20 req/s over 10 s). A trend must rise
+# by this many of those over its points, or steady traffic would "ramp" now and then and
+# add replicas at steady state (seen in bench/autoscale_ramp.py before this bound).
+NOISE_SIGMAS = 2.0
+# A replica's capacity seen longer ago than this may no longer hold: prompts and answers change.
+CAPACITY_MAX_AGE_S = 900.0
+
+
+@dataclass(frozen=True)
+class ReplicaCapacity:
+    """Requests/s one ready replica served while the role was at or past its objective: the
+    highest seen within ``CAPACITY_MAX_AGE_S`` (lower readings come from a rate window that
+    still averages in the time before replicas joined)."""
+
+    time_s: float
+    rps_per_replica: float
+
+    def fresh(self, now_s: float) -> bool:
+        return now_s - self.time_s <= CAPACITY_MAX_AGE_S
 
 
 @dataclass(frozen=True)
@@ -67,12 +104,15 @@ def project(
     without a cold start observed, without enough recent rates, or without a rise."""
     if cold_start_s is None or len(arrivals) < MIN_POINTS:
         return None
-    if arrivals[-1][0] - arrivals[0][0] < 2 * interval_s - 1e-9:
+    span = arrivals[-1][0] - arrivals[0][0]
+    if span < 2 * interval_s - 1e-9:
         return None
     rise = slope(arrivals)
     rate = arrivals[-1][1]
     if rise is None or rise <= 0 or rate <= 0:
         return None
+    if rise * span < NOISE_SIGMAS * math.sqrt(rate / rate_window_s):
+        return None  # a steady load's counting noise, not a ramp
     horizon = cold_start_s + rate_window_s / 2
     projected = rate + rise * horizon
     if projected < rate * (1 + MIN_GROWTH):
@@ -80,6 +120,47 @@ def project(
     return Projection(rate, projected, horizon)
 
 
-def ahead_of(replicas: int, projection: Projection) -> int:
-    """Replicas for the projected rate, from those the current rate needs."""
-    return math.ceil(max(replicas, 1) * projection.growth - 1e-9)
+def observe_capacity(
+    previous: ReplicaCapacity | None,
+    rate_rps: float | None,
+    ready: int,
+    worst_ratio: float | None,
+    tolerance: float,
+    now_s: float,
+) -> ReplicaCapacity | None:
+    """The capacity kept after this decision: this one's rate per ready replica when the role
+    is at its objective (worst ratio at least ``1 - tolerance``) and it beats the one kept
+    (or that one is too old)."""
+    at_objective = worst_ratio is not None and worst_ratio >= 1 - tolerance
+    if not at_objective or ready <= 0 or rate_rps is None or not math.isfinite(rate_rps):
+        return previous
+    if rate_rps <= 0:
+        return previous
+    seen = ReplicaCapacity(now_s, rate_rps / ready)
+    if previous is None or not previous.fresh(now_s):
+        return seen
+    return seen if seen.rps_per_replica >= previous.rps_per_replica else previous
+
+
+def load_fraction(
+    worst_ratio: float, running: float | None, waiting: float | None, ready: int, batch: int | None
+) -> float:
+    """How loaded the ready replicas are, 1 at their objective: the worst signal's ratio, or
+    the share of their batches in use when that is higher (and known)."""
+    if batch is None or ready <= 0 or running is None:
+        return worst_ratio
+    return max(worst_ratio, (running + (waiting or 0.0)) / (ready * batch))
+
+
+def ahead_of(
+    projection: Projection,
+    capacity: ReplicaCapacity | None,
+    ready: int,
+    load: float,
+    now_s: float,
+) -> int:
+    """Replicas for the projected rate: over one replica's capacity when a fresh one is known,
+    else the ``ready`` replicas' ``load`` (:func:`load_fraction`) grown with the rate."""
+    if capacity is not None and capacity.fresh(now_s):
+        return math.ceil(projection.projected_rps / capacity.rps_per_replica - 1e-9)
+    return math.ceil(ready * load * projection.growth - 1e-9)

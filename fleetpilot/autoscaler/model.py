@@ -17,6 +17,7 @@ from typing import Any
 
 from fleetpilot.api.capacity import role_capacity
 from fleetpilot.api.spec import AutoscalingMode, ResolvedRole, RoleName, Tier
+from fleetpilot.autoscaler.forecast import ReplicaCapacity
 
 # Ratios beyond this are the same emergency; capping keeps ceil() of them finite.
 _MAX_RATIO = 1e6
@@ -119,6 +120,8 @@ class History:
     watching_since_s: float | None = None
     # Recent arrival rates (time, requests/s), for the predictive scale-up's trend.
     arrivals: tuple[tuple[float, float], ...] = ()
+    # What one replica carried at the objective, for the predictive scale-up's sizing.
+    capacity: ReplicaCapacity | None = None
 
     def in_panic(self, now_s: float) -> bool:
         return self.panic_until_s is not None and now_s < self.panic_until_s
@@ -181,6 +184,9 @@ class RolePolicy:
     rate_window_s: float = 60.0
     predictive: bool = False
     max_cold_start_s: float | None = None
+    # Each engine's batch limit: requests running and waiting over it is the share of the
+    # replicas' batches in use, a load measure that grows with the load (latency does not).
+    max_num_seqs: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in set(RoleName):
@@ -244,6 +250,7 @@ class RolePolicy:
                 scaling.max_cold_start.total_seconds() if scaling.max_cold_start else None
             ),
             "max_data_age_s": 3 * scrape_interval_s,
+            "max_num_seqs": resolved.engine.max_num_seqs,
         }
         values.update(overrides)
         return cls(**values)

@@ -40,7 +40,9 @@ The rules, in order:
    arriving request (which a source may see upstream of the engines) scales it to one.
 10. **Ahead of a ramp** (``scaleUp.predictive``). With a cold start observed, the
     recommendation is sized for the arrival rate the recent trend reaches by the time a
-    replica started now would serve (:mod:`~fleetpilot.autoscaler.forecast`); only upward.
+    replica started now would serve, over what one replica was seen to carry at the
+    objective (:mod:`~fleetpilot.autoscaler.forecast`; until it was, the replicas' load grown
+    with the rate); only upward.
 11. **Cold starts.** A scale to zero is refused while the observed cold start exceeds
     ``maxColdStart``; a scale-up's reason says when its replicas will serve, and that they
     come too late for the current burst when the cold start is longer than the rate window.
@@ -248,17 +250,35 @@ def decide(
         raise ValueError("replica counts cannot be negative")
     assessment = _assess(observation, spec)
     raw = assessment.replicas
-    arrivals = forecast.keep_arrivals(history.arrivals, observation.metrics.arrival_rate_rps, now_s)
+    rate = observation.metrics.arrival_rate_rps
+    arrivals = forecast.keep_arrivals(history.arrivals, rate, now_s)
+    capacity = forecast.observe_capacity(
+        history.capacity,
+        rate,
+        observation.ready_replicas,
+        assessment.worst_ratio,
+        spec.tolerance,
+        now_s,
+    )
     ahead_note = ""
     if spec.predictive and assessment.worst_ratio is not None and current > 0:
         # Rule 10: size for the load expected once a replica started now would serve.
         projection = forecast.project(
             arrivals, observation.cold_start_s, spec.rate_window_s, spec.interval_s
         )
-        ahead = forecast.ahead_of(raw, projection) if projection is not None else raw
-        if projection is not None and ahead > raw:
-            ahead_note = explain.ahead(raw, ahead, projection)
-            raw = ahead
+        if projection is not None:
+            m, ready = observation.metrics, observation.ready_replicas
+            load = forecast.load_fraction(
+                assessment.worst_ratio,
+                m.running_requests,
+                m.waiting_requests,
+                ready,
+                spec.max_num_seqs,
+            )
+            ahead = forecast.ahead_of(projection, capacity, ready, load, now_s)
+            if ahead > raw:
+                ahead_note = explain.ahead(raw, ahead, projection, capacity, now_s)
+                raw = ahead
 
     # Panic starts on a burst and lasts panic_window_s after the last one.
     panic_until = history.panic_until_s
@@ -280,7 +300,7 @@ def decide(
         watching_since = now_s
     watched_s = now_s - watching_since
     new_history = History(
-        recommendations, panic_until if in_panic else None, watching_since, arrivals
+        recommendations, panic_until if in_panic else None, watching_since, arrivals, capacity
     )
 
     # Stabilization as the HPA does it: the lowest recommendation of the scale-up window may

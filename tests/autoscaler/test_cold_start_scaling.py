@@ -9,10 +9,14 @@ import pytest
 
 from fleetpilot.api import parse_service
 from fleetpilot.autoscaler.forecast import (
+    CAPACITY_MAX_AGE_S,
     MIN_POINTS,
     TREND_POINTS,
+    ReplicaCapacity,
     ahead_of,
     keep_arrivals,
+    load_fraction,
+    observe_capacity,
     project,
     slope,
 )
@@ -46,7 +50,48 @@ def test_a_ramp_is_projected_over_the_cold_start_plus_half_the_rate_window() -> 
     assert projection.horizon_s == 60.0
     assert projection.rate_rps == 6.5
     assert projection.projected_rps == pytest.approx(6.5 + 0.1 * 60)
-    assert ahead_of(4, projection) == 8  # 4 x 12.5 / 6.5 = 7.7
+
+
+def test_the_projected_rate_is_sized_by_what_a_replica_carried_at_the_objective() -> None:
+    """12.5 req/s projected: 5 replicas where one carried 2.6 req/s at the objective; without
+    a fresh capacity, the ready replicas' load grown with the rate (x 12.5 / 6.5)."""
+    projection = project(ramp(2.0, 1.5, 4), cold_start_s=30.0, rate_window_s=60.0, interval_s=15)
+    assert projection is not None
+    now = T0 + 100
+    carried = ReplicaCapacity(now - 30, 2.6)
+    assert ahead_of(projection, carried, ready=2, load=0.4, now_s=now) == 5
+    assert ahead_of(projection, None, ready=4, load=1.0, now_s=now) == 8  # 7.7
+    # A light load's ratio: the growth does not make 1 replica many (a step from idle).
+    assert ahead_of(projection, None, ready=1, load=0.2, now_s=now) == 1
+    stale = ReplicaCapacity(now - CAPACITY_MAX_AGE_S - 1, 2.6)
+    assert ahead_of(projection, stale, ready=4, load=1.0, now_s=now) == 8
+
+
+def test_the_load_is_the_worst_ratio_or_the_share_of_the_batches_in_use() -> None:
+    """Latency stays flat until a queue forms; the batches fill with the load: the higher of
+    the two, and the ratio alone without a batch size or a running count."""
+    assert load_fraction(0.2, running=12.0, waiting=4.0, ready=2, batch=16) == 0.5
+    assert load_fraction(0.7, running=4.0, waiting=0.0, ready=2, batch=16) == 0.7
+    assert load_fraction(0.2, running=12.0, waiting=None, ready=2, batch=16) == 0.375
+    assert load_fraction(0.2, running=None, waiting=4.0, ready=2, batch=16) == 0.2
+    assert load_fraction(0.2, running=12.0, waiting=4.0, ready=2, batch=None) == 0.2
+
+
+def test_capacity_is_seen_only_at_the_objective_and_the_highest_fresh_one_is_kept() -> None:
+    """A role at (or past) its objective, 1 - tolerance and up, carries its capacity: rate per
+    ready replica; below it, or without a rate or ready replicas, nothing is learned; a lower
+    reading (a window still averaging in time before replicas joined) does not replace a
+    higher fresh one, but does replace an old one."""
+    seen = observe_capacity(None, 9.0, 3, 0.95, 0.1, T0)
+    assert seen == ReplicaCapacity(T0, 3.0)
+    assert observe_capacity(None, 9.0, 3, 0.85, 0.1, T0) is None  # below the objective
+    assert observe_capacity(seen, None, 3, 2.0, 0.1, T0 + 10) == seen
+    assert observe_capacity(seen, 9.0, 0, 2.0, 0.1, T0 + 10) == seen
+    assert observe_capacity(seen, 0.0, 3, 2.0, 0.1, T0 + 10) == seen
+    assert observe_capacity(seen, 6.0, 3, 3.0, 0.1, T0 + 10) == seen  # 2.0 < 3.0: kept
+    assert observe_capacity(seen, 12.0, 3, 1.0, 0.1, T0 + 10) == ReplicaCapacity(T0 + 10, 4.0)
+    later = T0 + CAPACITY_MAX_AGE_S + 1
+    assert observe_capacity(seen, 6.0, 3, 1.0, 0.1, later) == ReplicaCapacity(later, 2.0)
 
 
 @pytest.mark.parametrize(
@@ -104,15 +149,44 @@ def test_predictive_scales_ahead_of_a_ramp_and_adds_nothing_when_it_is_flat() ->
     assert unknown == [2] * 6  # no cold start observed: nothing to be ahead of
 
 
-def test_a_predictive_reason_shows_the_projection() -> None:
+def test_a_predictive_reason_shows_the_projection_and_what_sized_it() -> None:
     spec = policy(max_replicas=40, predictive=True)
+    now = T0 + 3 * INTERVAL
     history = History(arrivals=ramp(2.0, 1.5, 3))
     observation = Observation(2, 2, fresh(arrival_rate_rps=6.5), 30.0)
-    decision = decide(observation, spec, history, T0 + 3 * INTERVAL)
+    decision = decide(observation, spec, history, now)
     assert decision.replicas > 2
     assert "predictive: arrivals 6.5 -> " in decision.reason
     assert "in 60s (cold start + half the rate window)" in decision.reason
+    # At its objective now (fresh() is exactly at target): this decision saw the capacity.
+    assert "sized by 3.25 req/s per replica at the objective (now)" in decision.reason
     assert "new replicas serve in ~30s (observed cold start)" in decision.reason
+    assert decision.history.capacity == ReplicaCapacity(now, 3.25)
+
+    light = fresh(arrival_rate_rps=6.5, ttft_p95_s=0.2, tpot_p95_s=0.02, kv_cache_usage_frac=0.3)
+    unsized = decide(Observation(2, 2, light, 30.0), spec, history, now)
+    assert "sized by the load grown with the rate (no replica seen at the objective yet)" in (
+        unsized.reason
+    )
+    assert unsized.history.capacity is None
+
+
+def test_a_predictive_role_started_from_idle_does_not_multiply_its_one_replica() -> None:
+    """The windowed rate of a load that starts from idle rises for one window: a steep
+    "ramp" from a tiny rate. With the role far below its objective and no capacity seen, the
+    projection does not turn 1 replica into many (it did, before capacity sizing)."""
+    spec = policy(max_replicas=40, predictive=True, min_replicas=1)
+    history = History()
+    replicas = 1
+    for step, rate in enumerate([0.3, 0.7, 1.1, 1.5, 1.9]):
+        light = fresh(
+            arrival_rate_rps=rate, ttft_p95_s=0.05, tpot_p95_s=0.01, kv_cache_usage_frac=0.05
+        )
+        decision = decide(
+            Observation(replicas, replicas, light, 12.0), spec, history, T0 + step * INTERVAL
+        )
+        history, replicas = decision.history, decision.replicas
+    assert replicas == 1
 
 
 def test_a_scale_up_slower_than_the_slo_window_says_so() -> None:

@@ -480,6 +480,7 @@ def test_for_role_reads_the_tier() -> None:
     assert decode.scale_down_stabilization_s == 600
     assert decode.interval_s == 20
     assert decode.max_data_age_s == 30
+    assert decode.max_num_seqs == tier.engine.max_num_seqs == 256
     assert RolePolicy.for_role(tier, "prefill").max_replicas == 4
     with pytest.raises(ValueError, match="no unified role"):
         RolePolicy.for_role(tier, "unified")
