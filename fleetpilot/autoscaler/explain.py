@@ -244,6 +244,16 @@ def ahead(
     )
 
 
+def capacity_floor(floor: int, rate_rps: float, capacity: ReplicaCapacity, now_s: float) -> str:
+    """Why a scale-down stops short: what the current rate needs at the capacity seen."""
+    age_s = now_s - capacity.time_s
+    when = "now" if age_s < 1 else f"{format_seconds(age_s)} ago"
+    return (
+        f"; not below {floor}: {rate_rps:.3g} req/s needs {floor} at "
+        f"{capacity.rps_per_replica:.3g} req/s per replica (its objective, {when})"
+    )
+
+
 def cold_start_note(cold_start_s: float, rate_window_s: float) -> str:
     """When the replicas a scale-up adds will serve, from the role's observed cold start."""
     note = f"; new replicas serve in ~{format_seconds(cold_start_s)} (observed cold start)"

@@ -19,10 +19,10 @@ the ready replicas carry - the worst signal's ratio, or the share of their batch
 (requests running and waiting over ``ready x maxNumSeqs``, which grows with the load where
 latency stays flat until a queue forms), whichever is higher - and grown with the rate:
 ``ready x load x growth``. Both underestimate at light load (vLLM's batches seldom fill), the
-cautious side: a load that starts from idle (a step, which a windowed rate shows as a rise
-lasting one window, from a tiny rate: a huge "growth" times a tiny load) adds nothing.
-Scaling the current recommendation by the growth instead would ask 1 replica to become 6 for
-2 req/s at such a step (seen in bench/autoscale_ramp.py), as a recommendation is at least 1
+cautious side. A load that starts from idle is a step, which a windowed rate shows as a rise
+lasting one window, from a tiny rate: a huge "growth" times a tiny load, which asked for one
+replica more in bench/autoscale_ramp.py (1 -> 2 for 2 req/s); scaling the current
+recommendation by the growth instead asked for 1 -> 6, as a recommendation is at least 1
 however light the load.
 """
 
@@ -150,6 +150,18 @@ def load_fraction(
     if batch is None or ready <= 0 or running is None:
         return worst_ratio
     return max(worst_ratio, (running + (waiting or 0.0)) / (ready * batch))
+
+
+def needed_now(
+    rate_rps: float | None, capacity: ReplicaCapacity | None, now_s: float
+) -> int | None:
+    """Replicas the current arrival rate needs at one replica's capacity; None when the rate
+    or a fresh capacity is unknown, or nothing arrives."""
+    if rate_rps is None or not math.isfinite(rate_rps) or rate_rps <= 0:
+        return None
+    if capacity is None or not capacity.fresh(now_s):
+        return None
+    return math.ceil(rate_rps / capacity.rps_per_replica - 1e-9)
 
 
 def ahead_of(

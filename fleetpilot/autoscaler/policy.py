@@ -46,6 +46,11 @@ The rules, in order:
 11. **Cold starts.** A scale to zero is refused while the observed cold start exceeds
     ``maxColdStart``; a scale-up's reason says when its replicas will serve, and that they
     come too late for the current burst when the cold start is longer than the rate window.
+12. **Capacity floor.** A scale-down never goes below the replicas the current arrival rate
+    needs at what one replica was seen to carry at its objective (within the last 15
+    minutes): latency falls far faster than load, so sizing by a low ratio alone would cut
+    a busy role to a fraction (6 replicas at 20 req/s with TTFT at 0.23 of its objective
+    were cut to 2, and scaled straight back up, in ``bench/autoscale_ramp.py``).
 """
 
 from __future__ import annotations
@@ -260,6 +265,13 @@ def decide(
         spec.tolerance,
         now_s,
     )
+    floor_note = ""
+    floor = forecast.needed_now(rate, capacity, now_s)
+    if floor is not None and capacity is not None and raw < min(current, floor):
+        # Rule 12: latency falls far faster than load, so a low ratio sizes a scale-down
+        # below what the rate needs; the capacity seen says how far down is safe.
+        floor_note = explain.capacity_floor(min(current, floor), rate or 0.0, capacity, now_s)
+        raw = min(current, floor)
     ahead_note = ""
     if spec.predictive and assessment.worst_ratio is not None and current > 0:
         # Rule 10: size for the load expected once a replica started now would serve.
@@ -331,7 +343,7 @@ def decide(
 
     sizing = Sizing(current, stabilized, limited, final, watched_s, panic_left_s)
     kind, reason = explain.reason(spec, assessment, sizing, observation.metrics.source_note)
-    reason += ahead_note + zero_refused
+    reason += floor_note + ahead_note + zero_refused
     if final > current and cold_s is not None:
         reason += explain.cold_start_note(cold_s, spec.rate_window_s)
     return Decision(

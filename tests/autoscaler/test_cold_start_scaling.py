@@ -242,3 +242,26 @@ def test_the_loop_reads_the_slowest_pod_start_from_status() -> None:
     assert observed_cold_start(restarts_only, "small", "unified") == 70.0
     assert observed_cold_start(service_with_cold_start(), "small", "unified") is None
     assert observed_cold_start(service, "large", "unified") is None
+
+
+# -- the capacity floor ---------------------------------------------------------------------
+
+
+def test_a_scale_down_stops_at_what_the_rate_needs_at_the_capacity_seen() -> None:
+    """6 replicas at 20 req/s with TTFT at a fifth of its objective: the ratio alone sizes 2
+    (latency falls far faster than load); one replica having carried 6 req/s at the
+    objective, the role keeps 4. Without a capacity seen, or once it is old, the ratio
+    decides; a floor above the current replicas adds none (that is the signals' job)."""
+    spec = policy(scale_down_stabilization_s=0.0, scale_down_max_rate=10.0)
+    quiet = fresh(arrival_rate_rps=20.0, ttft_p95_s=0.1, tpot_p95_s=0.01, kv_cache_usage_frac=0.1)
+    seen = ReplicaCapacity(T0 - 60, 6.0)
+    history = History(capacity=seen)
+    kept = decide(Observation(6, 6, quiet), spec, history, T0)
+    assert kept.replicas == 4
+    assert "not below 4: 20 req/s needs 4 at 6 req/s per replica (its objective, 60s ago)" in (
+        kept.reason
+    )
+    assert decide(Observation(6, 6, quiet), spec, History(), T0).replicas < 4
+    old = History(capacity=ReplicaCapacity(T0 - CAPACITY_MAX_AGE_S - 1, 6.0))
+    assert decide(Observation(6, 6, quiet), spec, old, T0).replicas < 4
+    assert decide(Observation(3, 3, quiet), spec, history, T0).replicas <= 3
