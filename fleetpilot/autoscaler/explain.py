@@ -232,9 +232,10 @@ def ahead(
     """The predictive part of a reason: what the trend projects, what it is sized by and what
     that asks for."""
     if capacity is not None and capacity.fresh(now_s):
-        age_s = now_s - capacity.time_s
-        when = "now" if age_s < 1 else f"{format_seconds(age_s)} ago"
-        sized = f"{capacity.rps_per_replica:.3g} req/s per replica at the objective ({when})"
+        sized = (
+            f"{capacity.rps_per_replica:.3g} req/s per replica at the objective "
+            f"({_seen(capacity, now_s)})"
+        )
     else:
         sized = "the load grown with the rate (no replica seen at the objective yet)"
     return (
@@ -246,12 +247,17 @@ def ahead(
 
 def capacity_floor(floor: int, rate_rps: float, capacity: ReplicaCapacity, now_s: float) -> str:
     """Why a scale-down stops short: what the current rate needs at the capacity seen."""
-    age_s = now_s - capacity.time_s
-    when = "now" if age_s < 1 else f"{format_seconds(age_s)} ago"
     return (
         f"; not below {floor}: {rate_rps:.3g} req/s needs {floor} at "
-        f"{capacity.rps_per_replica:.3g} req/s per replica (its objective, {when})"
+        f"{capacity.rps_per_replica:.3g} req/s per replica (its objective, "
+        f"{_seen(capacity, now_s)})"
     )
+
+
+def _seen(capacity: ReplicaCapacity, now_s: float) -> str:
+    """When the capacity was seen: ``now`` or ``12s ago``."""
+    age_s = now_s - capacity.time_s
+    return "now" if age_s < 1 else f"{format_seconds(age_s)} ago"
 
 
 def cold_start_note(cold_start_s: float, rate_window_s: float) -> str:

@@ -173,6 +173,7 @@ def ahead_of(
 ) -> int:
     """Replicas for the projected rate: over one replica's capacity when a fresh one is known,
     else the ``ready`` replicas' ``load`` (:func:`load_fraction`) grown with the rate."""
-    if capacity is not None and capacity.fresh(now_s):
-        return math.ceil(projection.projected_rps / capacity.rps_per_replica - 1e-9)
+    needed = needed_now(projection.projected_rps, capacity, now_s)
+    if needed is not None:
+        return needed
     return math.ceil(ready * load * projection.growth - 1e-9)
