@@ -15,12 +15,15 @@ import os
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import helm_python as helm
 import pytest
+import yaml
 from kubernetes import client as k8s
 
-from e2e.chart_support import CHART, install_crds
+from e2e.chart_support import CHART, CRD_PATH, apply, install_crds
+from e2e.support import eventually
 from fleetpilot.kube.client import Kube
 from fleetpilot.testing.cluster import Cluster, ExistingCluster
 from fleetpilot.testing.controlplane import ControlPlane
@@ -107,3 +110,22 @@ def chart() -> Iterator[helm.Chart]:
 def chart_crds(kube: Kube, chart: helm.Chart) -> None:
     """The chart's CRDs (InferenceService and kopf peering) installed and Established."""
     install_crds(kube, chart)
+
+
+LEADER_WORKER_SET_CRD = Path(__file__).parent / "crds" / "leaderworkerset.yaml"
+LWS_API = ("leaderworkerset.x-k8s.io/v1", "leaderworkersets")
+
+
+@pytest.fixture
+def leader_worker_set_crd(kube: Kube) -> Iterator[None]:
+    """LeaderWorkerSet's API (e2e/crds/leaderworkerset.yaml: its controller cannot be built
+    here, so the tests play it), served for one test and removed after."""
+    definition = yaml.safe_load(LEADER_WORKER_SET_CRD.read_text())
+    path = f"{CRD_PATH}/{definition['metadata']['name']}"
+    apply(kube, path, definition, dry_run=False)
+    eventually("LeaderWorkerSet served", lambda: True if kube.serves(*LWS_API) else None)
+    try:
+        yield
+    finally:
+        kube.request("DELETE", path)
+        eventually("LeaderWorkerSet gone", lambda: None if kube.serves(*LWS_API) else True)

@@ -1316,3 +1316,115 @@ def test_a_new_revision_rolls_the_tier_then_a_gc_job_removes_the_old_one(
     (second_gc,) = eventually("the GC Job keeping r2", lambda: jobs(gc), 90)
     assert keeps(second_gc) == [f"--keep-hub {model}@r2"]
     assert jobs(fetch) == [r2]
+
+
+def multi_node_service(namespace: str) -> Obj:
+    """One tier whose replica is a model copy over 2 nodes of 8 GPUs (tensor 8 x pipeline 2)."""
+    tier = make_tier(
+        "small",
+        parallelism={"tensor": 8, "pipeline": 2},
+        resources={"gpuProduct": H100, "cpu": "1", "memory": "1Gi"},
+        serving={"replicas": {"min": 1, "max": 4}},
+    )
+    return make_manifest("chat", namespace=namespace, tiers=[tier], routing={"replicas": 1})
+
+
+def test_a_multi_node_tier_becomes_a_leader_worker_set_ready_by_its_groups(
+    kube: Kube,
+    namespace: str,
+    leader_worker_set_crd: None,
+    start_operator: OperatorFactory,
+    gpu_node: None,
+) -> None:
+    """With LeaderWorkerSet served at start, a tier larger than a node is applied as a set of
+    2-pod groups with a Service of its leaders; the role's replicas and readiness in status
+    are the groups the set's status reports (the test writes it, playing the controller);
+    the autoscaler's scale of the set survives a re-applied spec."""
+    start_operator()
+    manifest = multi_node_service(namespace)
+    apply_service(kube, manifest)
+    lws = eventually(
+        "LeaderWorkerSet", lambda: get(kube, "LeaderWorkerSet", namespace, "chat-small")
+    )
+    assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+    leaders = eventually(
+        "leaders' Service", lambda: get(kube, "Service", namespace, "chat-small-leaders")
+    )
+    assert leaders["spec"]["selector"][names.LWS_WORKER_INDEX_LABEL] == "0"
+    assert get(kube, "Deployment", namespace, "chat-small") is None
+
+    def role_status() -> Obj | None:
+        current = get(kube, "InferenceService", namespace, "chat")
+        tiers = (current or {}).get("status", {}).get("tiers") or []
+        return tiers[0]["roles"][0] if tiers else None
+
+    assert eventually("role status", role_status)["ready"] == 0
+    # The controller's part: the group created and Ready (its pods would be, on real nodes).
+    generation = lws["metadata"]["generation"]
+    kube.patch_status(
+        "LeaderWorkerSet",
+        namespace,
+        "chat-small",
+        {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1, "observedGeneration": generation},
+        "e2e-lws-controller",
+    )
+    eventually(
+        "router pod scheduled",
+        lambda: mark_pods_ready(kube, namespace, {"fleetpilot.dev/service": "chat"}) or None,
+    )
+
+    def ready() -> Obj | None:
+        mark_pods_ready(kube, namespace, {"fleetpilot.dev/service": "chat"})
+        current = get(kube, "InferenceService", namespace, "chat")
+        state = condition(current, "Ready")
+        return current if state and state["status"] == "True" else None
+
+    current = eventually("Ready=True from the set's groups", ready, timeout=90)
+    role = current["status"]["tiers"][0]["roles"][0]
+    assert (role["replicas"], role["ready"]) == (1, 1)
+
+    # The autoscaler's field manager scales groups through /scale; a GitOps re-apply of a
+    # changed spec reaches the template and leaves the groups alone.
+    kube.request(
+        "PATCH",
+        RESOURCES["LeaderWorkerSet"].path(namespace, "chat-small") + "/scale",
+        query=[("fieldManager", AUTOSCALER_MANAGER)],
+        body={"spec": {"replicas": 3}},
+        content_type=MERGE_CONTENT_TYPE,
+    )
+    changed = copy.deepcopy(manifest)
+    changed["spec"]["tiers"][0]["engine"] = {"env": [{"name": "EXTRA", "value": "1"}]}
+    apply_service(kube, changed)
+
+    def rolled() -> Obj | None:
+        live = get(kube, "LeaderWorkerSet", namespace, "chat-small")
+        leader = live["spec"]["leaderWorkerTemplate"]["leaderTemplate"] if live else {}
+        env = leader["spec"]["containers"][0]["env"] if live else []
+        return live if any(e["name"] == "EXTRA" for e in env) else None
+
+    assert eventually("spec change applied to the set", rolled)["spec"]["replicas"] == 3
+
+
+def test_a_multi_node_tier_without_leader_worker_set_is_degraded(
+    kube: Kube, namespace: str, operator: Any
+) -> None:
+    """Without the LeaderWorkerSet API, a tier larger than a node is refused: Degraded and
+    Stalled with a reason naming LeaderWorkerSet, the message the numbers, nothing applied."""
+    assert not kube.serves("leaderworkerset.x-k8s.io/v1", "leaderworkersets")
+    apply_service(kube, multi_node_service(namespace))
+
+    def degraded() -> Obj | None:
+        current = get(kube, "InferenceService", namespace, "chat")
+        state = condition(current, "Degraded")
+        return current if state and state["status"] == "True" else None
+
+    current = eventually("Degraded", degraded)
+    state = condition(current, "Degraded")
+    assert state is not None
+    assert state["reason"] == "LeaderWorkerSetMissing"
+    assert "needs 2 nodes per replica (16 GPUs, resources.gpusPerNode 8)" in state["message"]
+    stalled = condition(current, "Stalled")
+    assert stalled is not None
+    assert (stalled["status"], stalled["reason"]) == ("True", "LeaderWorkerSetMissing")
+    assert kube.list("Deployment", namespace, {"fleetpilot.dev/service": "chat"}) == []
+    assert kube.list("Service", namespace, {"fleetpilot.dev/service": "chat"}) == []

@@ -67,7 +67,10 @@ def _plan(args: argparse.Namespace) -> int:
     except InvalidManifestError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INVALID
-    options = PlanOptions(pod_monitor_available=args.pod_monitor)
+    options = PlanOptions(
+        pod_monitor_available=args.pod_monitor,
+        leader_worker_set_available=not args.no_leader_worker_set,
+    )
     outputs = []
     for service in services:
         try:
@@ -236,6 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--pod-monitor",
         action="store_true",
         help="plan for a cluster that has the Prometheus Operator's PodMonitor CRD",
+    )
+    plan_cmd.add_argument(
+        "--no-leader-worker-set",
+        action="store_true",
+        help="plan for a cluster without LeaderWorkerSet (replicas larger than a node refused)",
     )
     plan_cmd.set_defaults(func=_plan)
 

@@ -125,6 +125,27 @@ RULE_CASES = [
         "spec.tiers[1].serving.prefill.parallelism",
     ),
     RuleCase(
+        "data-local-not-dividing-data",
+        _set([*T1, "parallelism"], {"tensor": 4, "data": 4, "dataLocal": 3}),
+        Rule.DATA_LOCAL_DIVIDES,
+        "spec.tiers[1].parallelism",
+    ),
+    RuleCase(
+        "expert-parallel-on-one-gpu",
+        _set([*T0, "parallelism"], {"expert": True}),
+        Rule.EXPERT_NEEDS_RANKS,
+        "spec.tiers[0].parallelism",
+    ),
+    RuleCase(
+        "role-eplb-without-expert-parallel",
+        _set(
+            [*T1, "serving", "decode", "parallelism"],
+            {"data": 8, "eplb": {"redundantExperts": 8}},
+        ),
+        Rule.EPLB_NEEDS_EXPERT,
+        "spec.tiers[1].serving.decode.parallelism",
+    ),
+    RuleCase(
         "disaggregated-without-decode",
         _delete([*T1, "serving", "decode"]),
         Rule.DISAGG_NEEDS_ROLES,

@@ -48,6 +48,22 @@ def test_plan_summary_shows_roles_gpus_and_command(capsys: pytest.CaptureFixture
     assert "command: vllm serve /models/llama-3.1-70b-instruct" in out
 
 
+def test_plan_summary_shows_nodes_per_replica_and_both_command_lines(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A replica over 2 nodes: the summary says how it is cut and prints the leader's and the
+    workers' lines; `--no-leader-worker-set` plans for a cluster without LWS and refuses it."""
+    example = str(REPO / "examples" / "llama-405b-multinode.yaml")
+    assert main(["plan", "-f", example, "-o", "summary"]) == 0
+    out = capsys.readouterr().out
+    assert "nodes per replica: 2 x 8 GPUs per node  (one model copy over the nodes" in out
+    assert "leader command: vllm serve /models/llama-3.1-405b-instruct" in out
+    assert "--node-rank '$(LWS_WORKER_INDEX)'" in out.split("worker command:")[1]
+    assert "LeaderWorkerSet/dense-main" in out
+    assert main(["plan", "-f", example, "--no-leader-worker-set"]) == 2
+    assert "does not serve the LeaderWorkerSet API" in capsys.readouterr().err
+
+
 def test_plan_warns_on_stderr_and_refuses_what_does_not_fit(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

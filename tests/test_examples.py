@@ -21,19 +21,25 @@ from tests.crd_support import CrdValidator
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
 KUBERNETES_VERSION = "1.36"
-# Kinds from optional CRDs have no schema in kubernetes-validate; checked by shape instead.
-OPTIONAL_KINDS = {"PodMonitor"}
+# Kinds from optional CRDs have no schema in kubernetes-validate; checked by shape instead (a
+# LeaderWorkerSet's pod templates as core PodTemplates; the set itself on the real API server,
+# e2e/test_multi_node.py).
+OPTIONAL_KINDS = {
+    "PodMonitor": "monitoring.coreos.com/v1",
+    "LeaderWorkerSet": "leaderworkerset.x-k8s.io/v1",
+}
 
 
 @dataclass(frozen=True)
 class Engine:
-    """One engine Deployment an example must plan."""
+    """One engine Deployment (or LeaderWorkerSet, with ``nodes`` > 1) an example must plan."""
 
     role: str
-    gpus: int
+    gpus: int  # per pod
     replicas: int
-    # Flags of `vllm serve` and a text their value must contain.
+    # Flags of `vllm serve` (the leader's) and a text their value must contain.
     flags: dict[str, str] = field(default_factory=dict)
+    nodes: int = 1
 
 
 @dataclass(frozen=True)
@@ -138,6 +144,42 @@ EXPECTED = {
         },
         downloads=("Qwen/Qwen2.5-7B-Instruct@main",),
     ),
+    "deepseek-wide-ep.yaml": Example(
+        "moe",
+        [("main", 1.0, "disaggregated")],
+        {
+            "moe-main-prefill": Engine(
+                "prefill", 8, 1, {**NIXL, "--data-parallel-size": "8", "--quantization": "fp8"}
+            ),
+            # Wide expert parallelism: 16 ranks, 8 on each of 2 nodes, with EPLB.
+            "moe-main-decode": Engine(
+                "decode",
+                8,
+                1,
+                {
+                    **NIXL,
+                    "--data-parallel-size": "16",
+                    "--data-parallel-size-local": "8",
+                    "--nnodes": "2",
+                    "--eplb-config": '"num_redundant_experts":32',
+                },
+                nodes=2,
+            ),
+        },
+    ),
+    "llama-405b-multinode.yaml": Example(
+        "dense",
+        [("main", 1.0, "unified")],
+        {
+            "dense-main": Engine(
+                "unified",
+                8,
+                1,
+                {"--tensor-parallel-size": "8", "--pipeline-parallel-size": "2", "--nnodes": "2"},
+                nodes=2,
+            )
+        },
+    ),
     "local-two-tier.yaml": Example(
         "local",
         [("small", 0.4, "unified"), ("large", 1.0, "unified")],
@@ -187,12 +229,12 @@ def test_example_plans_the_tiers_and_roles_it_describes(path: Path) -> None:
     config = RouterConfig.model_validate(yaml.safe_load(config_map["data"][ROUTER_CONFIG_FILE]))
     assert [(t.name, t.up_to, t.mode.value) for t in config.tiers] == expected.tiers
     router = f"{expected.service}-router"
-    deployments = {
+    workloads = {
         o["metadata"]["name"]: o
         for o in objects
-        if o["kind"] == "Deployment" and o["metadata"]["name"] != router
+        if o["kind"] in ("Deployment", "LeaderWorkerSet") and o["metadata"]["name"] != router
     }
-    assert sorted(deployments) == sorted(expected.engines)
+    assert sorted(workloads) == sorted(expected.engines)
     jobs = [o for o in objects if o["kind"] == "Job"]
     downloads = [j["metadata"]["annotations"]["fleetpilot.dev/model"] for j in jobs
                  if _component(j) == "model-fetch"]  # fmt: skip
@@ -201,8 +243,15 @@ def test_example_plans_the_tiers_and_roles_it_describes(path: Path) -> None:
     kept = [_kept(j) for j in jobs if _component(j) == "model-gc"]
     assert kept == ([sorted(expected.downloads)] if expected.downloads else [])
     for deployment_name, engine in expected.engines.items():
-        deployment = deployments[deployment_name]
-        pod: dict[str, Any] = deployment["spec"]["template"]
+        deployment = workloads[deployment_name]
+        if engine.nodes > 1:
+            assert deployment["kind"] == "LeaderWorkerSet", deployment_name
+            group = deployment["spec"]["leaderWorkerTemplate"]
+            assert group["size"] == engine.nodes
+            pod: dict[str, Any] = group["leaderTemplate"]
+        else:
+            assert deployment["kind"] == "Deployment", deployment_name
+            pod = deployment["spec"]["template"]
         (container,) = pod["spec"]["containers"]
         assert pod["metadata"]["labels"]["fleetpilot.dev/role"] == engine.role, deployment_name
         assert container["resources"]["limits"]["nvidia.com/gpu"] == str(engine.gpus)
@@ -238,6 +287,24 @@ def test_every_planned_object_passes_kubernetes_schemas(path: Path) -> None:
         assert {"Deployment", "Service", "ConfigMap", "PodDisruptionBudget"} <= kinds
         for obj in objects:
             if obj["kind"] in OPTIONAL_KINDS:
-                assert obj["apiVersion"] == "monitoring.coreos.com/v1"
+                assert obj["apiVersion"] == OPTIONAL_KINDS[obj["kind"]]
+                for template in _pod_templates(obj):
+                    kubernetes_validate.validate(template, KUBERNETES_VERSION, strict=True)
                 continue
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+
+
+def _pod_templates(obj: K8sObject) -> list[K8sObject]:
+    """A LeaderWorkerSet's leader and worker templates as core PodTemplates."""
+    if obj["kind"] != "LeaderWorkerSet":
+        return []
+    group = obj["spec"]["leaderWorkerTemplate"]
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "PodTemplate",
+            "metadata": {"name": f"{obj['metadata']['name']}-{part}"},
+            "template": group[key],
+        }
+        for part, key in (("leader", "leaderTemplate"), ("worker", "workerTemplate"))
+    ]

@@ -11,7 +11,10 @@ Purely computational. The formula (the one vLLM's memory profiler leaves room fo
   about a 57th of what the same model would cache with 128 full heads.
 - Weights = parameters x bytes per weight: 2 for 16-bit, 1 for fp8, ~0.53 for 4-bit AWQ/GPTQ
   (4 bits plus a 16-bit scale and zero point per group of 128); split evenly over the tensor x
-  pipeline GPUs of one data-parallel rank.
+  pipeline GPUs of one data-parallel rank. With expert parallelism (a MoE model's
+  ``parallelism.expert``) the routed experts are spread over every GPU of the replica instead
+  (data x tensor x pipeline), and only the rest is split by tensor x pipeline; without the
+  experts' share of the parameters (``expertParameters``) such a role is not sized.
 - LoRA slots (a tier that serves adapters): vLLM 0.33 gives every LoRA-capable layer of the
   model, targeted by an adapter or not, zeroed A and B buffers for ``maxLoras`` adapters of
   ``maxLoraRank``, in the model's dtype, when it loads the model (:func:`lora_bytes_per_gpu`):
@@ -45,6 +48,7 @@ from fleetpilot.api.spec import (
     LoraSettings,
     ModelArchitecture,
     ModelDtype,
+    Parallelism,
     Quantization,
 )
 from fleetpilot.api.units import quantity_decimal
@@ -131,6 +135,8 @@ _TABLE: tuple[tuple[str, ModelArchitecture, LayerWidths | None], ...] = (
             kv_heads=128,
             head_dim=128,
             parameters=671_000_000_000,
+            # 58 MoE layers x 256 routed experts x (gate, up, down) of 7168 x 2048.
+            expert_parameters=58 * 256 * 3 * 7168 * 2048,
             kv_lora_rank=512,
             qk_rope_head_dim=64,
         ),
@@ -381,6 +387,16 @@ def role_lora_bytes_per_gpu(
     return lora_bytes_per_gpu(arch, widths, lora, element, tensor or p.tensor, p.pipeline)
 
 
+def _weights_per_gpu(arch: ModelArchitecture, weights: int, p: Parallelism) -> int | None:
+    """One GPU's share of the weights; None for expert parallelism over unknown experts."""
+    if not p.expert:
+        return math.ceil(weights / (p.tensor * p.pipeline))
+    if arch.expert_parameters is None or arch.parameters is None:
+        return None
+    experts = weights * arch.expert_parameters / arch.parameters
+    return math.ceil((weights - experts) / (p.tensor * p.pipeline) + experts / p.gpus)
+
+
 def role_capacity(
     role: ResolvedRole, config: ModelArchitecture | None = None
 ) -> RoleCapacity | None:
@@ -396,7 +412,9 @@ def role_capacity(
     if weights is None:
         return None
     gpus_per_rank = p.tensor * p.pipeline
-    weights_per_gpu = math.ceil(weights / gpus_per_rank)
+    weights_per_gpu = _weights_per_gpu(arch, weights, p)
+    if weights_per_gpu is None:
+        return None
     budget = memory * tier.engine.gpu_memory_utilization - RESERVE_BYTES_PER_GPU
     lora_per_gpu = role_lora_bytes_per_gpu(role, arch, source)
     usable = budget - weights_per_gpu - (lora_per_gpu or 0)

@@ -40,6 +40,14 @@ class Rule:
     GPUS_PER_ENGINE = (
         "parallelism.tensor x parallelism.pipeline (GPUs per engine instance) must be within 1..64"
     )
+    DATA_LOCAL_DIVIDES = (
+        "parallelism.dataLocal (data-parallel ranks per node) must divide parallelism.data"
+    )
+    EXPERT_NEEDS_RANKS = (
+        "parallelism.expert needs parallelism.data x parallelism.tensor > 1: experts are "
+        "spread over the data-parallel and tensor-parallel ranks"
+    )
+    EPLB_NEEDS_EXPERT = "parallelism.eplb needs parallelism.expert"
     DISAGG_NEEDS_ROLES = "serving.mode disaggregated needs both serving.prefill and serving.decode"
     UNIFIED_NO_ROLES = (
         "serving.prefill and serving.decode are only allowed when serving.mode is disaggregated"
@@ -277,6 +285,12 @@ class ModelArchitecture(ApiModel):
     parameters: int | None = Field(
         None, ge=1, description="Parameters of the checkpoint (all experts of a MoE model)."
     )
+    expert_parameters: int | None = Field(
+        None,
+        ge=1,
+        description="Of those, the routed experts' (a MoE model): with parallelism.expert they "
+        "are spread over the data x tensor ranks, the rest split by tensor x pipeline.",
+    )
     kv_lora_rank: int | None = Field(
         None,
         ge=1,
@@ -446,11 +460,32 @@ class EngineSettings(ApiModel):
         return self
 
 
+class Eplb(ApiModel):
+    """vLLM's expert-parallel load balancer: it records how busy each expert is and moves
+    (and replicates) hot experts between ranks, so one rank's experts do not set the pace."""
+
+    redundant_experts: int = Field(
+        0, ge=0, le=4096, description="Extra replicas of hot experts, spread over the ranks."
+    )
+    window_size: int | None = Field(
+        None, ge=1, description="Engine steps of expert load recorded (vLLM's default: 1000)."
+    )
+    step_interval: int | None = Field(
+        None, ge=1, description="Engine steps between rearrangements (vLLM's default: 3000)."
+    )
+
+
 class Parallelism(ApiModel):
-    """How one replica splits the model over GPUs."""
+    """How one replica splits the model over GPUs, and over nodes when it needs more GPUs
+    than one node has (a multi-node replica: a LeaderWorkerSet group)."""
 
     model_config = ApiModel.model_config | {
-        "json_schema_extra": cel_rules(("self.tensor * self.pipeline <= 64", Rule.GPUS_PER_ENGINE))
+        "json_schema_extra": cel_rules(
+            ("self.tensor * self.pipeline <= 64", Rule.GPUS_PER_ENGINE),
+            ("!has(self.dataLocal) || self.data % self.dataLocal == 0", Rule.DATA_LOCAL_DIVIDES),
+            ("!self.expert || self.data * self.tensor > 1", Rule.EXPERT_NEEDS_RANKS),
+            ("!has(self.eplb) || self.expert", Rule.EPLB_NEEDS_EXPERT),
+        )
     }
 
     tensor: int = Field(1, ge=1, le=64, description="Tensor-parallel degree.")
@@ -458,11 +493,30 @@ class Parallelism(ApiModel):
     data: int = Field(
         1, ge=1, le=64, description="Data-parallel ranks served by one replica (one endpoint)."
     )
+    data_local: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="Data-parallel ranks per node when a replica's ranks span nodes (default: "
+        "as many as fit on resources.gpusPerNode).",
+    )
+    expert: bool = Field(
+        False,
+        description="Expert parallelism for a mixture-of-experts model: experts are spread "
+        "over the data x tensor ranks instead of being split by tensor parallelism.",
+    )
+    eplb: Eplb | None = Field(None, description="Expert load balancing (needs expert); unset: off.")
 
     @model_validator(mode="after")
     def _check(self) -> Self:
         if self.tensor * self.pipeline > MAX_GPUS_PER_ENGINE:
             raise ValueError(Rule.GPUS_PER_ENGINE)
+        if self.data_local is not None and self.data % self.data_local:
+            raise ValueError(Rule.DATA_LOCAL_DIVIDES)
+        if self.expert and self.data * self.tensor <= 1:
+            raise ValueError(Rule.EXPERT_NEEDS_RANKS)
+        if self.eplb is not None and not self.expert:
+            raise ValueError(Rule.EPLB_NEEDS_EXPERT)
         return self
 
     @property
@@ -487,7 +541,11 @@ class Resources(ApiModel):
         description="Extended resource name of a GPU.",
     )
     gpus_per_node: int = Field(
-        8, ge=1, le=64, description="GPUs on one node: a replica must fit on one node."
+        8,
+        ge=1,
+        le=64,
+        description="GPUs on one node: a replica that needs more spans nodes (a "
+        "LeaderWorkerSet group; parallelism decides how it is cut).",
     )
     gpu_memory: Quantity | None = Field(
         None,
@@ -498,6 +556,14 @@ class Resources(ApiModel):
     memory: Quantity = Field("64Gi", description="Memory request and limit per engine pod.")
     shared_memory: Quantity = Field(
         "16Gi", description="Size of /dev/shm for multi-GPU replicas (NCCL needs it)."
+    )
+    rdma_resource: str | None = Field(
+        None,
+        max_length=253,
+        pattern=r"^[a-z0-9.-]+/[a-z0-9._-]+$",
+        description="Extended resource of an RDMA NIC (e.g. rdma/ib), one asked per pod of a "
+        "multi-node replica, with the IPC_LOCK capability verbs need (outside the restricted "
+        "Pod Security Standard).",
     )
 
 
@@ -1018,6 +1084,14 @@ class Scheduling(ApiModel):
     )
     priority_class_name: str | None = Field(
         None, max_length=253, description="PriorityClass of engine pods."
+    )
+    group_topology_key: str | None = Field(
+        None,
+        max_length=253,
+        pattern=r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
+        description="Node label that every pod of a multi-node replica shares a value of, one "
+        "replica per value (LeaderWorkerSet exclusive topology: e.g. a rack or NVLink-domain "
+        "label, so a replica's nodes talk over the fast fabric).",
     )
 
 

@@ -57,7 +57,8 @@ _PROBLEM_REASONS = (
 
 @dataclass(frozen=True)
 class Replicas:
-    """A role's Deployment as the cluster reports it."""
+    """A role's workload as the cluster reports it: its Deployment, or the LeaderWorkerSet of
+    a role whose replicas span nodes (whose replicas, and ready ones, are groups of pods)."""
 
     current: int  # spec.replicas
     ready: int  # status.readyReplicas
@@ -67,7 +68,7 @@ class Actuator(Protocol):
     """Reads and moves one role's replicas; records a service's decisions of one tick."""
 
     def current(self, service: InferenceService, tier: str, role: str) -> Replicas | None:
-        """The role's replicas, or None when its Deployment does not exist (yet)."""
+        """The role's replicas, or None when its workload does not exist (yet)."""
 
     def scale(self, service: InferenceService, tier: str, role: str, replicas: int) -> None:
         """Set the role's replicas."""
@@ -218,9 +219,10 @@ def _timestamp(now: datetime) -> str:
 class KubernetesActuator:
     """:class:`Actuator` on a cluster, through :class:`Kube` (run it in a thread, not a loop).
 
-    Scaling goes through the Deployment's scale subresource under the autoscaler's own field
-    manager, so the operator's server-side applies see ``spec.replicas`` owned by someone else
-    and leave it alone.
+    Scaling goes through the scale subresource of the role's workload (its Deployment, or its
+    LeaderWorkerSet when a replica spans nodes: ``names.engine_workload``) under the
+    autoscaler's own field manager, so the operator's server-side applies see
+    ``spec.replicas`` owned by someone else and leave it alone.
     """
 
     def __init__(
@@ -234,20 +236,28 @@ class KubernetesActuator:
         self.manager = manager
         self.metrics = metrics or default_metrics()
 
+    @staticmethod
+    def workload(service: InferenceService, tier: str, role: str) -> tuple[str, str]:
+        """(kind, name) of the object that runs the role's replicas."""
+        resolved = next((t.role(role) for t in service.spec.tiers if t.name == tier), None)
+        if resolved is None:
+            raise KeyError(f"{service.name} has no role {role} in a tier {tier}")
+        return names.engine_workload(service.name, resolved)
+
     def current(self, service: InferenceService, tier: str, role: str) -> Replicas | None:
-        name = names.engine_name(service.name, tier, role)
-        deployment = self.kube.get("Deployment", service.namespace, name)
-        if deployment is None:
+        kind, name = self.workload(service, tier, role)
+        live = self.kube.get(kind, service.namespace, name)
+        if live is None:
             return None
-        spec_replicas = deployment.get("spec", {}).get("replicas")
-        ready = deployment.get("status", {}).get("readyReplicas") or 0
+        spec_replicas = live.get("spec", {}).get("replicas")
+        ready = live.get("status", {}).get("readyReplicas") or 0
         # spec.replicas is defaulted to 1 by the API server; absent only in odd test objects.
         current = 1 if spec_replicas is None else int(spec_replicas)
         return Replicas(current=current, ready=int(ready))
 
     def scale(self, service: InferenceService, tier: str, role: str, replicas: int) -> None:
-        name = names.engine_name(service.name, tier, role)
-        path = RESOURCES["Deployment"].path(service.namespace, name) + "/scale"
+        kind, name = self.workload(service, tier, role)
+        path = RESOURCES[kind].path(service.namespace, name) + "/scale"
         self.kube.request(
             "PATCH",
             path,

@@ -5,7 +5,7 @@ source), calls :func:`~fleetpilot.autoscaler.policy.decide`, and writes (scale, 
 holds no state: past recommendations live in the ``histories`` mapping the caller owns (a kopf
 timer keeps one per operator process; ``fleetpilot autoscaler`` one per run).
 
-One role failing (its Deployment missing, the API server refusing a scale) is logged and
+One role failing (its workload missing, the API server refusing a scale) is logged and
 skipped; the other roles of the tick still decide, act and get recorded.
 """
 
@@ -190,7 +190,7 @@ def _decide_and_act(
 ) -> Decision | None:
     replicas = actuator.current(service, tier.name, role)
     if replicas is None:
-        log.info("%s/%s/%s: no Deployment yet, nothing to scale", service.name, tier.name, role)
+        log.info("%s/%s/%s: no workload yet, nothing to scale", service.name, tier.name, role)
         return None
     cold_start_s = observed_cold_start(service, tier.name, role)
     observation = Observation(replicas.current, replicas.ready, metrics, cold_start_s)

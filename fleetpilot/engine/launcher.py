@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -25,6 +26,7 @@ from fleetpilot.api import InvalidManifestError, RoleName, load_services
 from fleetpilot.engine.vllm_args import (
     RUNTIME_LORA_ENV,
     EngineLaunch,
+    EplbLaunch,
     LoraLaunch,
     SpeculativeLaunch,
     launch_for,
@@ -51,6 +53,8 @@ def launch_from_json(text: str) -> EngineLaunch:
     try:
         if isinstance(data.get("speculative"), dict):
             data["speculative"] = SpeculativeLaunch(**data["speculative"])
+        if isinstance(data.get("eplb"), dict):
+            data["eplb"] = EplbLaunch(**data["eplb"])
         if isinstance(data.get("lora"), dict):
             lora = dict(data["lora"])
             lora["modules"] = tuple((name, path) for name, path in lora.get("modules", ()))
@@ -106,11 +110,13 @@ def check_launch(
     launch: EngineLaunch, *, gpus: int | None, path_exists: Any = os.path.exists
 ) -> None:
     """Refuse settings that would fail only after vLLM spent minutes loading. Pure."""
-    needed = launch.tensor * launch.pipeline * launch.data
+    # One pod's share of a replica that spans nodes.
+    needed = launch.tensor * launch.pipeline * launch.data // launch.nodes
     if gpus is not None and needed > gpus:
+        nodes = f" / {launch.nodes} nodes" if launch.nodes > 1 else ""
         raise LaunchError(
             f"needs {needed} GPUs (tensor {launch.tensor} x pipeline {launch.pipeline} x "
-            f"data {launch.data}) but {gpus} are visible"
+            f"data {launch.data}{nodes}) but {gpus} are visible"
         )
     if launch.model.startswith("/") and not path_exists(launch.model):
         raise LaunchError(f"model directory {launch.model} does not exist (is the volume mounted?)")
@@ -126,6 +132,26 @@ def check_launch(
         raise LaunchError("speculative num_tokens must be at least 1")
 
 
+GROUP_ENV = re.compile(r"\$\((LWS_[A-Z_]+)\)")
+
+
+def expand_group_env(command: list[str], environ: Mapping[str, str]) -> list[str]:
+    """``$(LWS_...)`` in the command replaced by the variables the LeaderWorkerSet controller
+    sets, as the kubelet does for a container's args (the planned pods run ``vllm serve``
+    directly and get this from the kubelet; the launcher execs it, so it does it itself)."""
+
+    def value(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in environ:
+            raise LaunchError(
+                f"{name} is not set: a replica that spans nodes runs in a LeaderWorkerSet "
+                "group, whose controller sets it"
+            )
+        return environ[name]
+
+    return [GROUP_ENV.sub(value, arg) for arg in command]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("-f", "--file", type=Path, help="InferenceService YAML file")
@@ -133,6 +159,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tier", help="tier to launch (with -f)")
     parser.add_argument(
         "--role", default=RoleName.UNIFIED.value, choices=list(RoleName), help="with -f"
+    )
+    parser.add_argument(
+        "--worker",
+        action="store_true",
+        help="a worker of a replica that spans nodes (vllm serve --headless), not its leader",
     )
     parser.add_argument(
         "--dry-run", action="store_true", help="print the vllm command instead of running it"
@@ -148,15 +179,17 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             launch = launch_from_file(args.file, args.tier, args.role)
         else:
             launch = launch_from_json(args.launch_json)
-        if not args.dry_run:
-            check_launch(launch, gpus=visible_gpus(environ))
+        if args.worker and launch.nodes == 1:
+            raise LaunchError("--worker is for a replica that spans nodes; this one fits on one")
+        command = ["vllm", "serve", *vllm_serve_args(launch, worker=args.worker)]
+        if args.dry_run:
+            print(shlex.join(command))
+            return 0
+        check_launch(launch, gpus=visible_gpus(environ))
+        command = expand_group_env(command, environ)
     except (LaunchError, InvalidManifestError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    command = ["vllm", "serve", *vllm_serve_args(launch)]
-    if args.dry_run:
-        print(shlex.join(command))
-        return 0
     executable = shutil.which("vllm")
     if executable is None:
         print("error: vllm is not installed in this image (pip install vllm)", file=sys.stderr)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from fleetpilot.api.layout import role_layout
 from fleetpilot.api.spec import Adapter, KvConnector, ResolvedRole, RoleName, Tier
 from fleetpilot.kv_events import kv_events_config
 
@@ -34,6 +35,15 @@ ADAPTER_VOLUME_MOUNT = "/adapter-volumes"
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 KV_EVENTS_PORT = 5557  # vLLM's default PUB endpoint, tcp://*:5557
 KV_REPLAY_PORT = 5558
+# A multi-node replica (a LeaderWorkerSet group): every pod is told the group's size, its own
+# index and the leader's address by environment variables the LWS controller injects, which
+# the kubelet expands in the container's args (``$(NAME)``); the torch.distributed rendezvous
+# and the data-parallel RPC listen on the leader at these ports (vLLM's defaults, written out
+# so every pod of a group agrees whatever a vLLM release changes).
+LWS_LEADER_ADDRESS = "$(LWS_LEADER_ADDRESS)"
+LWS_WORKER_INDEX = "$(LWS_WORKER_INDEX)"
+MASTER_PORT = 29501
+DATA_PARALLEL_RPC_PORT = 29550
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,15 @@ class LoraLaunch:
 
 
 @dataclass(frozen=True)
+class EplbLaunch:
+    """vLLM's expert-parallel load balancer (``--enable-eplb``, ``--eplb-config``)."""
+
+    num_redundant_experts: int = 0
+    window_size: int | None = None
+    step_interval: int | None = None
+
+
+@dataclass(frozen=True)
 class EngineLaunch:
     """Everything ``vllm serve`` needs for one replica of one role of a tier."""
 
@@ -68,6 +87,12 @@ class EngineLaunch:
     tensor: int = 1
     pipeline: int = 1
     data: int = 1
+    # Pods (nodes) one replica spans, and the data-parallel ranks each holds (None: all of
+    # ``data``, in one pod); see fleetpilot.api.layout.
+    nodes: int = 1
+    data_local: int | None = None
+    expert: bool = False
+    eplb: EplbLaunch | None = None
     dtype: str = "auto"
     revision: str | None = None
     max_model_len: int | None = None
@@ -151,6 +176,8 @@ def launch_for(role: ResolvedRole) -> EngineLaunch:
     """The launch settings of one role (unified, prefill or decode) of a tier."""
     tier = role.tier
     parallelism = role.parallelism
+    layout = role_layout(role)
+    eplb = parallelism.eplb
     engine = role.engine
     spec = engine.speculative
     connector = None
@@ -165,6 +192,14 @@ def launch_for(role: ResolvedRole) -> EngineLaunch:
         tensor=parallelism.tensor,
         pipeline=parallelism.pipeline,
         data=parallelism.data,
+        nodes=layout.nodes,
+        data_local=layout.data_local if layout.nodes > 1 else None,
+        expert=parallelism.expert,
+        eplb=(
+            EplbLaunch(eplb.redundant_experts, eplb.window_size, eplb.step_interval)
+            if eplb is not None
+            else None
+        ),
         dtype=tier.model.dtype.value,
         revision=hf.revision if hf is not None else None,
         max_model_len=tier.model.max_model_len,
@@ -236,11 +271,52 @@ def kv_transfer_config(launch: EngineLaunch) -> dict[str, object] | None:
     }
 
 
-def vllm_serve_args(launch: EngineLaunch, host: str | None = None) -> list[str]:
+def multi_node_args(launch: EngineLaunch, worker: bool) -> list[str]:
+    """vLLM's multi-node flags for one pod of a LeaderWorkerSet group.
+
+    Every pod names the group's size (``--nnodes``), its own index and the leader, where
+    torch.distributed meets and the data-parallel coordinator listens (the data-parallel
+    address defaults to ``--master-addr``). From these vLLM cuts the replica itself: with one
+    data-parallel rank spanning nodes (tensor x pipeline > GPUs per node) each pod runs its
+    slice of the workers; with data-parallel ranks spread over nodes, pod ``i`` runs ranks
+    ``i x dataLocal ...`` (vLLM infers the start rank from ``--node-rank``). The leader serves
+    the API; workers run ``--headless``. The leader's index is always 0.
+    """
+    args = [
+        "--nnodes",
+        str(launch.nodes),
+        "--node-rank",
+        LWS_WORKER_INDEX if worker else "0",
+        "--master-addr",
+        LWS_LEADER_ADDRESS,
+        "--master-port",
+        str(MASTER_PORT),
+    ]
+    if launch.data > 1:
+        args += ["--data-parallel-rpc-port", str(DATA_PARALLEL_RPC_PORT)]
+    if worker:
+        args.append("--headless")
+    return args
+
+
+def eplb_config(eplb: EplbLaunch) -> dict[str, object]:
+    """``--eplb-config``: what the spec sets, vLLM's defaults for the rest."""
+    config: dict[str, object] = {"num_redundant_experts": eplb.num_redundant_experts}
+    if eplb.window_size is not None:
+        config["window_size"] = eplb.window_size
+    if eplb.step_interval is not None:
+        config["step_interval"] = eplb.step_interval
+    return config
+
+
+def vllm_serve_args(
+    launch: EngineLaunch, host: str | None = None, *, worker: bool = False
+) -> list[str]:
     """Arguments after ``vllm serve``: the model first, then flags in a fixed order.
 
     ``host``: the one address the HTTP server and the KV-event sockets bind; None (a pod):
-    every interface. A local fleet binds loopback, as its other processes do.
+    every interface. A local fleet binds loopback, as its other processes do. ``worker``: the
+    line of a multi-node replica's worker pods (``launch.nodes > 1``), not its leader's.
     """
     args = [
         launch.model,
@@ -256,18 +332,24 @@ def vllm_serve_args(launch: EngineLaunch, host: str | None = None) -> list[str]:
         str(launch.pipeline),
     ]
     if launch.data > 1:
-        # All ranks of a replica live in its pod: one endpoint, vLLM balances across ranks.
+        # One endpoint for every rank of the replica: vLLM balances across them.
         args += [
             "--data-parallel-size",
             str(launch.data),
             "--data-parallel-size-local",
-            str(launch.data),
+            str(launch.data_local or launch.data),
         ]
         if launch.lora is not None and launch.lora.runtime_updates:
             # vLLM 0.33 starts one API server per rank by default, and refuses to start with
             # VLLM_ALLOW_RUNTIME_LORA_UPDATING and more than one (entrypoints/cli/serve.py):
             # the load endpoint must reach the one server that knows every adapter.
             args += ["--api-server-count", "1"]
+    if launch.nodes > 1:
+        args += multi_node_args(launch, worker)
+    if launch.expert:
+        args += ["--enable-expert-parallel"]
+    if launch.eplb is not None:
+        args += ["--enable-eplb", "--eplb-config", _compact_json(eplb_config(launch.eplb))]
     args += ["--dtype", launch.dtype]
     if launch.revision:
         args += ["--revision", launch.revision]

@@ -48,6 +48,7 @@ RESOURCES: dict[str, Resource] = {
     "Job": Resource("batch/v1", "jobs"),
     "NetworkPolicy": Resource("networking.k8s.io/v1", "networkpolicies"),
     "PodMonitor": Resource("monitoring.coreos.com/v1", "podmonitors"),
+    "LeaderWorkerSet": Resource("leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
     "InferenceService": Resource("fleetpilot.dev/v1alpha1", "inferenceservices"),
 }
 

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import hashlib
 
-from fleetpilot.api.spec import RoleName
+from fleetpilot.api.layout import LayoutError, role_layout
+from fleetpilot.api.spec import ResolvedRole, RoleName
 
 MAX_NAME = 63
+# The LeaderWorkerSet controller names a group's StatefulSet ``<lws>-<group>`` and its pods
+# ``<lws>-<group>-<worker>``, and the StatefulSet controller labels pods with
+# ``<statefulset>-<10-character hash>``: at most 63 characters with three-digit indexes.
+MAX_SET_NAME = 45
 _HASH_LEN = 8
 
 LABEL_SERVICE = "fleetpilot.dev/service"
@@ -22,6 +27,8 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 MANAGER = "fleetpilot"
+# Set by the LeaderWorkerSet controller on every pod of a group: 0 on the leader.
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 
 
 def bounded_name(*parts: str, limit: int = MAX_NAME) -> str:
@@ -37,6 +44,42 @@ def bounded_name(*parts: str, limit: int = MAX_NAME) -> str:
 def engine_name(service: str, tier: str, role: str) -> str:
     """Deployment/Service name of one role of a tier: ``chat-small`` or ``chat-large-decode``."""
     return bounded_name(service, tier, "" if role == RoleName.UNIFIED else role)
+
+
+def leader_worker_set_name(service: str, tier: str, role: str) -> str:
+    """LeaderWorkerSet name of one role whose replicas span nodes (``engine_name`` when short)."""
+    return bounded_name(service, tier, "" if role == RoleName.UNIFIED else role, limit=MAX_SET_NAME)
+
+
+def leaders_service_name(service: str, tier: str, role: str) -> str:
+    """The headless Service listing a multi-node role's leader pods, which serve its API: the
+    LeaderWorkerSet controller makes one named as the set, for the groups' own addresses."""
+    return bounded_name(leader_worker_set_name(service, tier, role), "leaders")
+
+
+def spans_nodes(role: ResolvedRole) -> bool:
+    """Whether a role's replicas are groups of pods on several nodes (LeaderWorkerSet groups);
+    a layout the planner refuses counts as one node: it plans nothing for it."""
+    try:
+        return role_layout(role).multi_node
+    except LayoutError:
+        return False
+
+
+def engine_workload(service: str, role: ResolvedRole) -> tuple[str, str]:
+    """(kind, name) of the object that runs a role's replicas: a Deployment, or a
+    LeaderWorkerSet when a replica spans nodes."""
+    if spans_nodes(role):
+        return "LeaderWorkerSet", leader_worker_set_name(service, role.tier.name, role.name)
+    return "Deployment", engine_name(service, role.tier.name, role.name)
+
+
+def engine_service_name(service: str, role: ResolvedRole) -> str:
+    """The headless Service whose endpoints are the role's API servers (what the router
+    discovers): every pod of a one-node replica, the leaders of multi-node ones."""
+    if spans_nodes(role):
+        return leaders_service_name(service, role.tier.name, role.name)
+    return engine_name(service, role.tier.name, role.name)
 
 
 def router_name(service: str) -> str:

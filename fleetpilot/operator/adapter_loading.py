@@ -60,12 +60,15 @@ def engines_to_sync(
     service: InferenceService, pods: Iterable[Mapping[str, Any]]
 ) -> list[EngineTarget]:
     """The service's Ready engine pods of dynamic-LoRA tiers, with their address (a pod not
-    Ready is skipped: its turn comes with the event that makes it Ready)."""
+    Ready is skipped: its turn comes with the event that makes it Ready; so is a multi-node
+    replica's worker: it serves no API, its leader loads for the whole group)."""
     tiers = dynamic_tiers(service)
     targets = []
     for pod in pods:
         metadata = pod.get("metadata") or {}
         labels = metadata.get("labels") or {}
+        if labels.get(names.LWS_WORKER_INDEX_LABEL, "0") != "0":
+            continue
         tier = labels.get(names.LABEL_TIER)
         ip = (pod.get("status") or {}).get("podIP")
         if tier not in tiers or not ip or metadata.get("deletionTimestamp") or not _ready(pod):

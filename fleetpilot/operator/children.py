@@ -1,9 +1,10 @@
-"""Each service's Deployments and pods as the operator's watches deliver them (kopf indexes).
+"""Each service's workloads and pods as the operator's watches deliver them (kopf indexes).
 
-A status is computed from the service's Deployments and pods. Listing them for every status
+A status is computed from the service's workloads (Deployments, and LeaderWorkerSets where the
+cluster serves them: a multi-node role's) and pods. Listing them for every status
 refresh (two LISTs by label, each scanning the namespace on the API server) was most of the
 operator's requests while a thousand services rolled out, and listing them again right after a
-reconcile applied the Deployments another two. kopf already watches both kinds (their events
+reconcile applied the Deployments another two. kopf already watches these kinds (their events
 trigger the refreshes); its indexes keep, per service, the few fields the status reads.
 
 Why they can be trusted: kopf runs no handler until every index has taken in its kind's initial
@@ -27,6 +28,10 @@ ServiceKey = tuple[str, str]  # (namespace, service name)
 # kopf passes each index to handlers as a keyword argument named by its id.
 DEPLOYMENTS_INDEX = "deployments_by_service"
 PODS_INDEX = "pods_by_service"
+# Registered only where the cluster serves LeaderWorkerSet (operator.handlers).
+LEADER_WORKER_SETS_INDEX = "leader_worker_sets_by_service"
+# The kinds whose index entries are workloads (the rest are pods).
+WORKLOAD_KINDS = ("Deployment", "LeaderWorkerSet")
 
 
 def _pick(obj: Mapping[str, Any], *paths: tuple[str, ...]) -> Obj:
@@ -57,14 +62,15 @@ def plain(value: Any) -> Any:
 
 
 def index_entry(kind: str, body: Mapping[str, Any]) -> dict[ServiceKey, Obj]:
-    """What an index keeps of one Deployment or pod: the fields compute_status reads, under
-    its service's key; nothing for an object of no service (kopf then drops any entry)."""
+    """What an index keeps of one workload (Deployment, LeaderWorkerSet) or pod: the fields
+    compute_status reads, under its service's key; nothing for an object of no service (kopf
+    then drops any entry)."""
     metadata = body.get("metadata", {})
     service = (metadata.get("labels") or {}).get(names.LABEL_SERVICE)
     namespace = metadata.get("namespace")
     if not service or not namespace:
         return {}
-    if kind == "Deployment":
+    if kind in WORKLOAD_KINDS:
         kept = _pick(
             body,
             ("metadata", "name"),
@@ -76,10 +82,12 @@ def index_entry(kind: str, body: Mapping[str, Any]) -> dict[ServiceKey, Obj]:
         kept = _pick(
             body,
             ("metadata", "name"),
-            # What the cold-start samples read (operator.cold_start): whose engine it is, and
-            # since when it exists or is going away.
+            # What the cold-start samples read (operator.cold_start): whose engine it is (and
+            # whether it is a multi-node group's worker, not its leader), and since when it
+            # exists or is going away.
             ("metadata", "labels", names.LABEL_TIER),
             ("metadata", "labels", names.LABEL_ROLE),
+            ("metadata", "labels", names.LWS_WORKER_INDEX_LABEL),
             ("metadata", "creationTimestamp"),
             ("metadata", "deletionTimestamp"),
             ("status", "phase"),
@@ -96,8 +104,17 @@ class Children:
     def __init__(self) -> None:
         self._deployments: Mapping[ServiceKey, Any] | None = None
         self._pods: Mapping[ServiceKey, Any] | None = None
+        self._leader_worker_sets: Mapping[ServiceKey, Any] = {}
 
-    def attach(self, deployments: Mapping[ServiceKey, Any], pods: Mapping[ServiceKey, Any]) -> None:
+    def attach(
+        self,
+        deployments: Mapping[ServiceKey, Any],
+        pods: Mapping[ServiceKey, Any],
+        leader_worker_sets: Mapping[ServiceKey, Any] | None = None,
+    ) -> None:
+        """kopf's indexes; ``leader_worker_sets`` None where the cluster serves no
+        LeaderWorkerSet (no such index is registered: the service has none)."""
+        self._leader_worker_sets = leader_worker_sets if leader_worker_sets is not None else {}
         self._deployments, self._pods = deployments, pods
 
     @staticmethod
@@ -113,5 +130,9 @@ class Children:
         if self._deployments is None or self._pods is None:
             return None
         key = (namespace, service)
-        deployments = {d["metadata"]["name"]: d for d in self._entries(self._deployments, key)}
-        return Observed(deployments=deployments, pods=self._entries(self._pods, key))
+        workloads = {
+            (w["kind"], w["metadata"]["name"]): w
+            for index in (self._deployments, self._leader_worker_sets)
+            for w in self._entries(index, key)
+        }
+        return Observed(workloads=workloads, pods=self._entries(self._pods, key))

@@ -81,8 +81,12 @@ def _engine_status(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
 
 
 def role_of(pod: Mapping[str, Any]) -> RoleKey | None:
-    """The (tier, role) whose engine the pod is, from its labels; None for any other pod."""
+    """The (tier, role) whose engine the pod is, from its labels; None for any other pod, and
+    for the workers of a multi-node replica: they have no readiness probe (no HTTP server), so
+    their Ready says nothing of the engine's start - the leader's does, for the whole group."""
     labels = pod.get("metadata", {}).get("labels") or {}
+    if labels.get(names.LWS_WORKER_INDEX_LABEL, "0") != "0":
+        return None
     tier, role = labels.get(names.LABEL_TIER), labels.get(names.LABEL_ROLE)
     return (tier, role) if tier and role else None
 

@@ -6,6 +6,7 @@ from dataclasses import replace
 from typing import Any
 
 from fleetpilot.api import InferenceService, ResolvedRole
+from fleetpilot.api.layout import role_layout
 from fleetpilot.api.pod_template import GPU_PRODUCT_LABEL, PodTemplateOverlay
 from fleetpilot.api.spec import HuggingFaceSource, Tier
 from fleetpilot.engine.vllm_args import (
@@ -19,6 +20,7 @@ from fleetpilot.engine.vllm_args import (
     vllm_serve_args,
 )
 from fleetpilot.kube import names
+from fleetpilot.kube.names import LWS_WORKER_INDEX_LABEL, spans_nodes
 from fleetpilot.operator.model_cache import ANNOTATION_FETCH_JOB, fetch_job_names
 from fleetpilot.operator.model_delivery import (
     ModelDelivery,
@@ -142,9 +144,11 @@ def _volumes(
     tier = role.tier
     volumes: list[K8sObject] = [{"name": "cache", "emptyDir": {}}]
     mounts: list[K8sObject] = [{"name": "cache", "mountPath": CACHE_MOUNT}]
-    if role.parallelism.gpus > 1:
-        # NCCL between the GPUs of one pod communicates through /dev/shm; the container
-        # runtime's 64 MiB default makes multi-GPU engines crash or crawl.
+    layout = role_layout(role)
+    if layout.gpus_per_pod > 1 or layout.multi_node:
+        # NCCL between the GPUs of one pod, and vLLM's workers and engine processes among
+        # themselves, communicate through /dev/shm; the container runtime's 64 MiB default
+        # makes multi-GPU engines crash or crawl.
         volumes.append(
             {
                 "name": "dshm",
@@ -202,10 +206,124 @@ def _init_containers(tier: Tier, delivery: ModelDelivery) -> K8sObject:
     return {"initContainers": init} if init else {}
 
 
-def engine_command(service: InferenceService, role: ResolvedRole) -> list[str]:
-    """The full command line of the role's engine container."""
+def engine_command(
+    service: InferenceService, role: ResolvedRole, *, worker: bool = False
+) -> list[str]:
+    """The full command line of the role's engine container (of a multi-node replica's
+    leader, or with ``worker`` its workers)."""
     launch = replace(launch_for(role), model=model_path(service, role.tier))
-    return ["vllm", "serve", *vllm_serve_args(launch)]
+    return ["vllm", "serve", *vllm_serve_args(launch, worker=worker)]
+
+
+def _engine_container(
+    service: InferenceService,
+    role: ResolvedRole,
+    delivery: ModelDelivery,
+    mounts: list[K8sObject],
+    worker: bool,
+) -> K8sObject:
+    """The engine container of one pod of a replica: the only one of a one-node replica, or
+    the leader (``worker`` False) or a worker of a multi-node one. Workers run vLLM
+    ``--headless``: no HTTP server, so no serving port and no HTTP probes."""
+    tier = role.tier
+    resources = tier.resources
+    gpus = str(role_layout(role).gpus_per_pod)
+    launch = replace(launch_for(role), model=delivery.model)
+    command = ["vllm", "serve", *vllm_serve_args(launch, worker=worker)]
+    requests = {"cpu": resources.cpu, "memory": resources.memory, resources.gpu_resource: gpus}
+    limits = {"memory": resources.memory, resources.gpu_resource: gpus}
+    security = container_security(read_only_root=False)
+    if spans_nodes(role) and resources.rdma_resource:
+        # RDMA between the nodes of a replica: the device plugin's resource, and the right
+        # to pin the memory the NICs read (verbs' memory registration).
+        requests[resources.rdma_resource] = "1"
+        limits[resources.rdma_resource] = "1"
+        security["capabilities"] = {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": tier.engine.image,
+        "command": command[:2],
+        "args": command[2:],
+        "env": _env(role, delivery),
+        "resources": {"requests": requests, "limits": limits},
+        "volumeMounts": mounts,
+        # Not read-only: torch and triton write JIT artefacts beside their packages' caches.
+        "securityContext": security,
+    }
+    if worker:
+        return container
+    # The HTTP API, then the KV-event PUB and replay sockets the router subscribes to.
+    ports: list[K8sObject] = [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
+    ports += [
+        {"name": port_name, "containerPort": port, "protocol": "TCP"}
+        for port_name, port in kv_event_ports(launch)
+    ]
+    return {
+        **container,
+        "ports": ports,
+        "startupProbe": _probe("/health", STARTUP_PERIOD_S, STARTUP_FAILURES),
+        "readinessProbe": _probe("/health", 5, 3),
+        "livenessProbe": _probe("/health", 15, 4),
+    }
+
+
+def engine_pod_template(
+    service: InferenceService,
+    role: ResolvedRole,
+    options: PlanOptions | None = None,
+    *,
+    worker: bool = False,
+) -> K8sObject:
+    """The pod template of a role's engine pods (of a multi-node replica's leader, or with
+    ``worker`` its workers), the tier's and role's podTemplate overlays merged in."""
+    tier = role.tier
+    labels = engine_labels(service, role)
+    delivery = delivery_for(service, tier, options or PlanOptions())
+    volumes, mounts = _volumes(role, delivery)
+    container = _engine_container(service, role, delivery, mounts, worker)
+    metadata: K8sObject = {"labels": labels}
+    if not worker:
+        # Workers serve no /metrics: the leader's API server reports every rank's.
+        metadata["annotations"] = {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(ENGINE_PORT),
+            "prometheus.io/path": "/metrics",
+        }
+    template: K8sObject = {
+        "metadata": metadata,
+        "spec": {
+            "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
+            "enableServiceLinks": False,
+            "securityContext": pod_security(),
+            "topologySpreadConstraints": spread(
+                names.engine_selector(service.name, tier.name, role.name)
+            ),
+            **_placement(service, role),
+            **_init_containers(tier, delivery),
+            "containers": [container],
+            "volumes": volumes,
+        },
+    }
+    overlay = role.pod_template
+    if overlay == EMPTY_OVERLAY:
+        return template
+    index = service.spec.tiers.index(tier)
+    field = f"spec.tiers[{index}].podTemplate"
+    if role.role_pod_template is not None:
+        field = f"spec.tiers[{index}].podTemplate (with serving.{role.name.value}.podTemplate)"
+    return apply_overlay(template, overlay, field)
+
+
+def workload_annotations(
+    service: InferenceService, role: ResolvedRole, options: PlanOptions | None
+) -> dict[str, str]:
+    """What the workload object says of its replicas: GPUs (and nodes) each takes, and the
+    model downloads it waits for."""
+    layout = role_layout(role)
+    annotations = {"fleetpilot.dev/gpus-per-replica": str(layout.nodes * layout.gpus_per_pod)}
+    if layout.multi_node:
+        annotations["fleetpilot.dev/nodes-per-replica"] = str(layout.nodes)
+    return annotations | fetch_job_annotation(service, role.tier, options)
 
 
 def engine_deployment(
@@ -214,49 +332,12 @@ def engine_deployment(
     tier = role.tier
     name = names.engine_name(service.name, tier.name, role.name)
     labels = engine_labels(service, role)
-    gpus = role.parallelism.gpus
-    resources = tier.resources
-    delivery = delivery_for(service, tier, options or PlanOptions())
-    volumes, mounts = _volumes(role, delivery)
-    launch = replace(launch_for(role), model=delivery.model)
-    command = ["vllm", "serve", *vllm_serve_args(launch)]
-    # The HTTP API, then the KV-event PUB and replay sockets the router subscribes to.
-    ports: list[K8sObject] = [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
-    ports += [
-        {"name": port_name, "containerPort": port, "protocol": "TCP"}
-        for port_name, port in kv_event_ports(launch)
-    ]
-    container: dict[str, Any] = {
-        "name": "engine",
-        "image": tier.engine.image,
-        "command": command[:2],
-        "args": command[2:],
-        "ports": ports,
-        "env": _env(role, delivery),
-        "resources": {
-            "requests": {
-                "cpu": resources.cpu,
-                "memory": resources.memory,
-                resources.gpu_resource: str(gpus),
-            },
-            "limits": {"memory": resources.memory, resources.gpu_resource: str(gpus)},
-        },
-        "startupProbe": _probe("/health", STARTUP_PERIOD_S, STARTUP_FAILURES),
-        "readinessProbe": _probe("/health", 5, 3),
-        "livenessProbe": _probe("/health", 15, 4),
-        "volumeMounts": mounts,
-        # Not read-only: torch and triton write JIT artefacts beside their packages' caches.
-        "securityContext": container_security(read_only_root=False),
-    }
-    deployment: K8sObject = {
+    return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {
             **object_meta(service, name, labels),
-            "annotations": {
-                "fleetpilot.dev/gpus-per-replica": str(gpus),
-                **fetch_job_annotation(service, tier, options),
-            },
+            "annotations": workload_annotations(service, role, options),
         },
         "spec": {
             "replicas": role.replicas.start,
@@ -269,52 +350,27 @@ def engine_deployment(
             },
             # Pulling a multi-GB image and loading weights is slow; don't call it stuck early.
             "progressDeadlineSeconds": STARTUP_PERIOD_S * STARTUP_FAILURES,
-            "template": {
-                "metadata": {
-                    "labels": labels,
-                    "annotations": {
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(ENGINE_PORT),
-                        "prometheus.io/path": "/metrics",
-                    },
-                },
-                "spec": {
-                    "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
-                    "enableServiceLinks": False,
-                    "securityContext": pod_security(),
-                    "topologySpreadConstraints": spread(
-                        names.engine_selector(service.name, tier.name, role.name)
-                    ),
-                    **_placement(service, role),
-                    **_init_containers(tier, delivery),
-                    "containers": [container],
-                    "volumes": volumes,
-                },
-            },
+            "template": engine_pod_template(service, role, options),
         },
     }
-    overlay = role.pod_template
-    if overlay != EMPTY_OVERLAY:
-        index = service.spec.tiers.index(tier)
-        field = f"spec.tiers[{index}].podTemplate"
-        if role.role_pod_template is not None:
-            field = f"spec.tiers[{index}].podTemplate (with serving.{role.name.value}.podTemplate)"
-        spec = deployment["spec"]
-        spec["template"] = apply_overlay(spec["template"], overlay, field)
-    return deployment
 
 
 def engine_service(service: InferenceService, role: ResolvedRole) -> K8sObject:
-    """A headless Service: its EndpointSlices list the Ready pods the router may use."""
+    """A headless Service: its EndpointSlices list the Ready pods the router may use - every
+    engine pod, or a multi-node role's leaders (its workers serve no API)."""
     tier = role.tier
-    name = names.engine_name(service.name, tier.name, role.name)
+    selector = names.engine_selector(service.name, tier.name, role.name)
+    if spans_nodes(role):
+        selector[LWS_WORKER_INDEX_LABEL] = "0"
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": object_meta(service, name, engine_labels(service, role)),
+        "metadata": object_meta(
+            service, names.engine_service_name(service.name, role), engine_labels(service, role)
+        ),
         "spec": {
             "clusterIP": "None",
-            "selector": names.engine_selector(service.name, tier.name, role.name),
+            "selector": selector,
             "ports": [
                 {"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}
             ],
@@ -323,7 +379,9 @@ def engine_service(service: InferenceService, role: ResolvedRole) -> K8sObject:
 
 
 def engine_pdb(service: InferenceService, role: ResolvedRole) -> K8sObject:
-    """At most one engine pod of a role evicted at a time (node drains, upgrades)."""
+    """At most one engine pod of a role evicted at a time (node drains, upgrades). For a
+    multi-node role that is one group at a time: a group whose pod is evicted restarts whole
+    (RecreateGroupOnPodRestart), and until it is back every pod of it counts as unavailable."""
     tier = role.tier
     name = names.engine_name(service.name, tier.name, role.name)
     return {

@@ -2,10 +2,11 @@
 
 InferenceService create/update/resume runs a full reconcile; its watch events also feed the
 autoscaler's loop (operator.autoscaling: a loop, not a kopf timer, so no finalizer holds a
-service's deletion hostage to the operator running). Changes of child Deployments
-and Pods (selected by label, so the operator never watches unrelated objects) refresh only the
-owning service's status, through operator.refresh_queue: the child handlers only mark the
-service and return, so kopf's per-object workers never wait on the API server. Errors the API
+service's deletion hostage to the operator running). Changes of child Deployments,
+LeaderWorkerSets (where the cluster serves them) and Pods (selected by label, so the operator
+never watches unrelated objects) refresh only the owning service's status, through
+operator.refresh_queue: the child handlers only mark the service and return, so kopf's
+per-object workers never wait on the API server. Errors the API
 server may get over (409, 429, 5xx) are retried by kopf with backoff; anything else is
 reported on the object and left until its next change.
 """
@@ -37,6 +38,7 @@ from fleetpilot.operator import adapter_loading, metrics
 from fleetpilot.operator.autoscaling import ServiceTicker
 from fleetpilot.operator.children import (
     DEPLOYMENTS_INDEX,
+    LEADER_WORKER_SETS_INDEX,
     PODS_INDEX,
     Children,
     index_entry,
@@ -45,7 +47,7 @@ from fleetpilot.operator.children import (
 from fleetpilot.operator.model_cache import COMPONENT as FETCH_COMPONENT
 from fleetpilot.operator.model_cache import job_complete, job_failed
 from fleetpilot.operator.plan_types import DEFAULT_FLEETPILOT_IMAGE, PlanOptions
-from fleetpilot.operator.reconcile import Reconciler
+from fleetpilot.operator.reconcile import OPTIONAL_KINDS, Reconciler
 from fleetpilot.operator.refresh_queue import RefreshQueue
 
 log = logging.getLogger(__name__)
@@ -60,9 +62,10 @@ IMAGE_VOLUMES_FROM = (1, 35)  # ImageVolume beta and on by default
 # The watch-event handlers, named: kopf logs "Handler '<id>' succeeded." for every event each
 # handles - a line per pod and Deployment change, ten thousand a minute with a thousand
 # services rolling out - which QuietWatchHandlers drops (unless --verbose).
-SERVICE_EVENT, DEPLOYMENT_CHANGED, POD_CHANGED, FETCH_JOB_CHANGED = (
+SERVICE_EVENT, DEPLOYMENT_CHANGED, LEADER_WORKER_SET_CHANGED, POD_CHANGED, FETCH_JOB_CHANGED = (
     "service-event",
     "deployment-changed",
+    "leader-worker-set-changed",
     "pod-changed",
     "fetch-job-changed",
 )
@@ -74,8 +77,8 @@ class QuietWatchHandlers(logging.Filter):
     _quiet = frozenset(
         f"Handler '{handler}' succeeded."
         for handler in (
-            SERVICE_EVENT, DEPLOYMENT_CHANGED, POD_CHANGED, FETCH_JOB_CHANGED,
-            DEPLOYMENTS_INDEX, PODS_INDEX,
+            SERVICE_EVENT, DEPLOYMENT_CHANGED, LEADER_WORKER_SET_CHANGED, POD_CHANGED,
+            FETCH_JOB_CHANGED, DEPLOYMENTS_INDEX, LEADER_WORKER_SETS_INDEX, PODS_INDEX,
         )
     )  # fmt: skip
 
@@ -115,14 +118,41 @@ def loads_adapters_at_run_time(body: Mapping[str, Any]) -> bool:
 # autoscaling.interval has passed (loop.tick skips roles not yet due).
 AUTOSCALE_TICK_S = 5.0
 
+LWS_API_VERSION, LWS_PLURAL = OPTIONAL_KINDS["LeaderWorkerSet"]
+LWS_GROUP, LWS_VERSION = LWS_API_VERSION.split("/")
+
+
+def serves_leader_worker_sets(kube: Kube) -> bool:
+    """Whether the cluster serves LeaderWorkerSet (leaderworkerset.x-k8s.io/v1), which the
+    replicas of multi-node roles run as."""
+    return kube.serves(LWS_API_VERSION, LWS_PLURAL)
+
 
 def build_registry(
     *,
     fleetpilot_image: str = DEFAULT_FLEETPILOT_IMAGE,
     kubeconfig: str | None = None,
     prometheus_url: str | None = None,
+    leader_worker_sets: bool | None = None,
 ) -> kopf.OperatorRegistry:
-    """A fresh registry (not kopf's global one), so tests can run operators side by side."""
+    """A fresh registry (not kopf's global one), so tests can run operators side by side.
+
+    ``leader_worker_sets``: whether the cluster serves LeaderWorkerSet; None asks it, here,
+    before kopf runs (the answer also sets PlanOptions.leader_worker_set_available). Its index
+    and watch handler are registered only where it is served: conditional registration, not
+    kopf's own handling of absent resources. kopf would cope with a handler for a resource the
+    cluster lacks - it watches nothing for it, keeps its index empty, and does not wait for
+    that index before running handlers (kopf._core.reactor.observation, orchestration) - but
+    it logs a warning, "Unresolved resources cannot be served (try creating their CRDs)", at
+    every start and again on every CRD change in the cluster (it rescans on each), and it
+    would start watching a CRD installed later while the reconciler, whose options are fixed
+    at start, still refuses multi-node roles until a restart. Nor can the choice wait for the
+    startup handler: kopf creates its index stores from the registry before it runs startup
+    handlers (kopf._core.reactor.running: ``indexers.ensure``), so an index registered there
+    would have none.
+    """
+    if leader_worker_sets is None:
+        leader_worker_sets = serves_leader_worker_sets(Kube(connect(kubeconfig)))
     registry = kopf.OperatorRegistry()
 
     @kopf.on.login(registry=registry)
@@ -142,9 +172,13 @@ def build_registry(
             prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
         )
         kube = Kube(connect(kubeconfig))
-        # Optional CRDs are detected once at start: their absence never blocks a service.
-        pod_monitors = kube.serves("monitoring.coreos.com/v1", "podmonitors")
-        log.info("optional CRDs detected", extra={"podmonitor": pod_monitors})
+        # Optional CRDs are detected once at start: their absence never blocks a service (a
+        # multi-node role is refused without LeaderWorkerSet, its status saying so).
+        pod_monitors = kube.serves(*OPTIONAL_KINDS["PodMonitor"])
+        log.info(
+            "optional CRDs detected",
+            extra={"podmonitor": pod_monitors, "leaderworkerset": leader_worker_sets},
+        )
         version = kube.server_version()
         # OCI model sources mount images as volumes where Kubernetes has them on by default.
         image_volumes = version is not None and version >= IMAGE_VOLUMES_FROM
@@ -153,6 +187,7 @@ def build_registry(
             image_volumes=image_volumes,
             fleetpilot_image=fleetpilot_image,
             pod_monitor_available=pod_monitors,
+            leader_worker_set_available=leader_worker_sets,
             operator_namespace=os.environ.get("POD_NAMESPACE") or None,
         )
         memo["children"] = Children()
@@ -239,8 +274,8 @@ def build_registry(
             raise kopf.PermanentError(str(exc)) from exc
         finally:
             metrics.RECONCILE_DURATION.observe(time.monotonic() - started)
-        outcome = "refused" if result.plan_error else "applied" if result.applied else "unchanged"
-        if not result.plan_error and loads_adapters_at_run_time(body):
+        outcome = "refused" if result.refusal else "applied" if result.applied else "unchanged"
+        if not result.refusal and loads_adapters_at_run_time(body):
             # A changed adapter list changes no pod: the engines hear of it from here.
             memo["adapter_syncs"].mark((body.metadata.namespace, body.metadata.name))
         metrics.RECONCILES.labels(result=outcome).inc()
@@ -257,10 +292,13 @@ def build_registry(
     def attach_indexes(memo: kopf.Memo, kwargs: dict[str, Any]) -> None:
         # kopf hands its indexes only to handlers; the status refreshes run outside them.
         children: Children = memo["children"]
-        children.attach(kwargs[DEPLOYMENTS_INDEX], kwargs[PODS_INDEX])
+        children.attach(
+            kwargs[DEPLOYMENTS_INDEX], kwargs[PODS_INDEX], kwargs.get(LEADER_WORKER_SETS_INDEX)
+        )
 
-    # Every Deployment and pod of a service, kept by kopf from their watches (operator.children).
-    # Async: an index handler runs on every event of its kind, in kopf's loop.
+    # Every Deployment, LeaderWorkerSet and pod of a service, kept by kopf from their watches
+    # (operator.children). Async: an index handler runs on every event of its kind, in kopf's
+    # loop.
     @kopf.index(
         "apps", "v1", "deployments",
         labels={names.LABEL_MANAGED_BY: names.MANAGER}, id=DEPLOYMENTS_INDEX, registry=registry,
@@ -274,6 +312,16 @@ def build_registry(
     )  # fmt: skip
     async def pods_by_service(body: kopf.Body, **_: Any) -> dict[Any, Any]:
         return index_entry("Pod", body)
+
+    if leader_worker_sets:
+
+        @kopf.index(
+            LWS_GROUP, LWS_VERSION, LWS_PLURAL,
+            labels={names.LABEL_MANAGED_BY: names.MANAGER}, id=LEADER_WORKER_SETS_INDEX,
+            registry=registry,
+        )  # fmt: skip
+        async def leader_worker_sets_by_service(body: kopf.Body, **_: Any) -> dict[Any, Any]:
+            return index_entry("LeaderWorkerSet", body)
 
     # The event handlers are async (run in kopf's loop, not its thread pool): they only record
     # and mark, and must not wait behind reconciles for a thread.
@@ -399,5 +447,13 @@ def build_registry(
             # A replica that turned Ready holds no adapters yet (sync_adapters skips services
             # without lora.dynamic at once).
             memo["adapter_syncs"].mark((namespace, service_name))
+
+    if leader_worker_sets:
+        # A multi-node role's groups coming Ready (or going) show first on its LeaderWorkerSet.
+        kopf.on.event(
+            LWS_GROUP, LWS_VERSION, LWS_PLURAL,
+            labels={names.LABEL_MANAGED_BY: names.MANAGER}, id=LEADER_WORKER_SET_CHANGED,
+            registry=registry,
+        )(child_changed)  # fmt: skip
 
     return registry

@@ -14,13 +14,34 @@ K8sObject = dict[str, Any]
 DEFAULT_FLEETPILOT_IMAGE = f"ghcr.io/fleetpilot/fleetpilot:{__version__}"
 
 
-class PlanError(ValueError):
-    """A spec the API server accepts but the planner cannot realize; names the field."""
+# Condition (and Event) reasons of a refused plan: what the status says is in the way.
+PLAN_REFUSED = "PlanRefused"  # the spec asks for what fleetpilot cannot run
+# The spec is fine, the cluster lacks the LeaderWorkerSet API its multi-node roles run on.
+LEADER_WORKER_SET_MISSING = "LeaderWorkerSetMissing"
 
-    def __init__(self, field: str, message: str) -> None:
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a service's spec was not realized: a condition reason and the words saying what to
+    change. The status reports it as Ready False, Degraded and Stalled True."""
+
+    message: str
+    reason: str = PLAN_REFUSED
+
+
+class PlanError(ValueError):
+    """A spec the API server accepts but the planner cannot realize; names the field, and
+    with ``reason`` says what kind of obstacle it is (the status's condition reason)."""
+
+    def __init__(self, field: str, message: str, reason: str = PLAN_REFUSED) -> None:
         self.field = field
         self.message = message
+        self.reason = reason
         super().__init__(f"{field}: {message}")
+
+    @property
+    def refusal(self) -> Refusal:
+        return Refusal(str(self), self.reason)
 
 
 @dataclass(frozen=True)
@@ -29,6 +50,9 @@ class PlanOptions:
 
     fleetpilot_image: str = DEFAULT_FLEETPILOT_IMAGE
     pod_monitor_available: bool = False
+    # LeaderWorkerSet (leaderworkerset.x-k8s.io/v1) runs replicas that span nodes; without it
+    # such a role is refused. Assumed served when planning offline (fleetpilot plan).
+    leader_worker_set_available: bool = True
     # Where the operator's own pods run ($POD_NAMESPACE from the chart): engines that load
     # adapters at run time admit its calls from there (network_policy). None: any namespace.
     operator_namespace: str | None = None

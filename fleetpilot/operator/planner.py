@@ -16,13 +16,16 @@ from fleetpilot.api.capacity import (
     role_capacity,
     smallest_fitting_tensor,
 )
+from fleetpilot.api.layout import LayoutError, role_layout
 from fleetpilot.api.spec import PodMonitorMode, Tier
 from fleetpilot.api.units import format_duration
 from fleetpilot.kube import names
 from fleetpilot.operator.engine_objects import engine_deployment, engine_pdb, engine_service
+from fleetpilot.operator.leader_worker_set import engine_leader_worker_set
 from fleetpilot.operator.model_cache import cache_claim, collection_job, fetch_jobs
 from fleetpilot.operator.network_policy import network_policies
 from fleetpilot.operator.plan_types import (
+    LEADER_WORKER_SET_MISSING,
     K8sObject,
     PlanError,
     PlanOptions,
@@ -44,6 +47,24 @@ MANAGED_FLAGS = frozenset(
         "--data-parallel-size",
         "-dp",
         "--data-parallel-size-local",
+        "--data-parallel-start-rank",
+        "-dpr",
+        "--data-parallel-rank",
+        "--data-parallel-address",
+        "-dpa",
+        "--data-parallel-rpc-port",
+        "-dpp",
+        "--nnodes",
+        "-n",
+        "--node-rank",
+        "-r",
+        "--master-addr",
+        "--master-port",
+        "--headless",
+        "--enable-expert-parallel",
+        "-ep",
+        "--enable-eplb",
+        "--eplb-config",
         "--max-model-len",
         "--gpu-memory-utilization",
         "--max-num-seqs",
@@ -70,14 +91,15 @@ MANAGED_FLAGS = frozenset(
 
 
 def all_roles(service: InferenceService) -> list[ResolvedRole]:
-    """Every role of every tier, in spec order: one engine Deployment each."""
+    """Every role of every tier, in spec order: one engine Deployment (or LeaderWorkerSet)
+    each."""
     return [role for tier in service.spec.tiers for role in tier.roles()]
 
 
 def model_cache_collection(service: InferenceService, options: PlanOptions) -> K8sObject | None:
-    """The model cache's GC Job, waiting for every engine Deployment's rollout (none without
+    """The model cache's GC Job, waiting for every engine workload's rollout (none without
     a cache the operator created)."""
-    engines = [names.engine_name(service.name, r.tier.name, r.name) for r in all_roles(service)]
+    engines = [names.engine_workload(service.name, r)[1] for r in all_roles(service)]
     return collection_job(service, options, engines)
 
 
@@ -87,31 +109,29 @@ def _tier_field(service: InferenceService, role: ResolvedRole) -> str:
     return f"spec.tiers[{index}]"
 
 
-def check(service: InferenceService) -> None:
+def check(service: InferenceService, options: PlanOptions | None = None) -> None:
     """Refuse what the CRD schema allows but the planner cannot realize."""
+    options = options or PlanOptions()
     seen: dict[str, str] = {names.router_name(service.name): "the router"}
     for role in all_roles(service):
         # Tier "a" in P/D mode and a unified tier "a-decode" would both name "svc-a-decode".
-        derived = names.engine_name(service.name, role.tier.name, role.name)
         owner = f"tier {role.tier.name!r} role {role.name}"
-        if derived in seen:
-            raise PlanError(
-                f"{_tier_field(service, role)}.name",
-                f"{owner} and {seen[derived]} would both be named {derived!r}; rename a tier",
-            )
-        seen[derived] = owner
+        derived = {
+            names.engine_name(service.name, role.tier.name, role.name),
+            names.engine_workload(service.name, role)[1],
+            names.engine_service_name(service.name, role),
+        }
+        for name in sorted(derived):
+            if name in seen:
+                raise PlanError(
+                    f"{_tier_field(service, role)}.name",
+                    f"{owner} and {seen[name]} would both be named {name!r}; rename a tier",
+                )
+        seen |= dict.fromkeys(derived, owner)
     for role in all_roles(service):
         tier = role.tier
         where = _tier_field(service, role)
-        gpus = role.parallelism.gpus
-        per_node = tier.resources.gpus_per_node
-        if gpus > per_node:
-            raise PlanError(
-                f"{where}.parallelism",
-                f"tier {tier.name!r} role {role.name} needs {gpus} GPUs per replica "
-                f"(tensor x pipeline x data) but resources.gpusPerNode is {per_node}; "
-                "multi-node replicas are not supported yet",
-            )
+        _check_layout(role, where, options)
         _check_capacity(role, where)
         _check_run_time_adapters(tier, where, service.spec.model_cache is not None)
         for i, arg in enumerate(tier.engine.extra_args):
@@ -122,6 +142,35 @@ def check(service: InferenceService) -> None:
                     f"{flag} is set by fleetpilot from the spec; change the matching "
                     "spec field instead",
                 )
+
+
+def _parallelism_field(role: ResolvedRole, where: str) -> str:
+    """Where a role's parallelism is set: the role's override, else the tier's."""
+    spec = getattr(role.tier.serving, role.name.value, None)
+    if role.disaggregated and spec is not None and spec.parallelism is not None:
+        return f"{where}.serving.{role.name.value}.parallelism"
+    return f"{where}.parallelism"
+
+
+def _check_layout(role: ResolvedRole, where: str, options: PlanOptions) -> None:
+    """Refuse a replica that cannot be cut evenly into nodes, or that needs several nodes in
+    a cluster without LeaderWorkerSet."""
+    owner = f"tier {role.tier.name!r} role {role.name}"
+    try:
+        layout = role_layout(role)
+    except LayoutError as exc:
+        raise PlanError(_parallelism_field(role, where), f"{owner}: {exc}") from None
+    if layout.multi_node and not options.leader_worker_set_available:
+        per_node = role.tier.resources.gpus_per_node
+        raise PlanError(
+            _parallelism_field(role, where),
+            f"{owner} needs {layout.nodes} nodes per replica ({role.parallelism.gpus} GPUs, "
+            f"resources.gpusPerNode {per_node}), which fleetpilot runs as LeaderWorkerSet "
+            "groups, but the cluster does not serve the LeaderWorkerSet API "
+            "(leaderworkerset.x-k8s.io/v1): install LeaderWorkerSet "
+            "(https://lws.sigs.k8s.io) and restart the operator",
+            reason=LEADER_WORKER_SET_MISSING,
+        )
 
 
 def _check_run_time_adapters(tier: Tier, where: str, model_cache: bool) -> None:
@@ -227,7 +276,7 @@ def pod_monitor(service: InferenceService) -> K8sObject:
 def plan(service: InferenceService, options: PlanOptions | None = None) -> list[K8sObject]:
     """Every object the service owns, dependencies first."""
     options = options or PlanOptions()
-    check(service)
+    check(service, options)
     roles = all_roles(service)
     # Policies first: no engine pod ever runs before the rules that guard it exist.
     objects = network_policies(service, options.operator_namespace)
@@ -236,7 +285,12 @@ def plan(service: InferenceService, options: PlanOptions | None = None) -> list[
     objects += [claim] if claim is not None else []
     objects += fetch_jobs(service, options)
     objects += [engine_service(service, role) for role in roles]
-    objects += [engine_deployment(service, role, options) for role in roles]
+    objects += [
+        engine_leader_worker_set(service, role, options)
+        if names.spans_nodes(role)
+        else engine_deployment(service, role, options)
+        for role in roles
+    ]
     objects += [engine_pdb(service, role) for role in roles]
     # After the engines: it waits for their rollout, which a reconcile may have just started.
     collection = model_cache_collection(service, options)

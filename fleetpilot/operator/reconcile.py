@@ -25,7 +25,7 @@ from fleetpilot.kube.client import Kube, KubeError, Obj
 from fleetpilot.kube.managers import OPERATOR_MANAGER, owns_field
 from fleetpilot.kube.status import StatusWrite, update_status
 from fleetpilot.operator import metrics
-from fleetpilot.operator.children import Children
+from fleetpilot.operator.children import WORKLOAD_KINDS, Children
 from fleetpilot.operator.cold_start import new_samples
 from fleetpilot.operator.drift import needs_apply, with_hash
 from fleetpilot.operator.model_cache import (
@@ -39,9 +39,9 @@ from fleetpilot.operator.model_cache import (
     job_complete,
     model_ready_condition,
 )
-from fleetpilot.operator.plan_types import PlanError, PlanOptions
+from fleetpilot.operator.plan_types import PlanError, PlanOptions, Refusal
 from fleetpilot.operator.planner import all_roles, model_cache_collection, plan
-from fleetpilot.operator.status import Observed, compute_status
+from fleetpilot.operator.status import Observed, WorkloadKey, compute_status
 
 log = logging.getLogger(__name__)
 # The Job controller's label on the pods of a Job (Kubernetes 1.27 and later).
@@ -60,7 +60,12 @@ MANAGED_KINDS = (
     "Deployment",
     "PodDisruptionBudget",
 )
-OPTIONAL_KINDS = {"PodMonitor": ("monitoring.coreos.com/v1", "podmonitors")}
+# Kinds of optional CRDs, managed only where the cluster serves them (detected at start):
+# PodMonitor (the Prometheus Operator's), LeaderWorkerSet (a multi-node role's workload).
+OPTIONAL_KINDS = {
+    "PodMonitor": ("monitoring.coreos.com/v1", "podmonitors"),
+    "LeaderWorkerSet": ("leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
+}
 
 EventSink = Callable[[str, str, str], None]  # (type Normal|Warning, reason, message)
 
@@ -73,9 +78,12 @@ def _no_events(kind: str, reason: str, message: str) -> None:
 class ReconcileResult:
     applied: list[str] = field(default_factory=list)
     pruned: list[str] = field(default_factory=list)
-    plan_error: str | None = None
+    # Why the spec was not planned (an invalid manifest, the planner's PlanError); None when
+    # it was.
+    refusal: Refusal | None = None
     status_written: bool = False
-    # Engine Deployments held back until their model's download Job completes, with the Job.
+    # Engine workloads (Deployments, LeaderWorkerSets) held back until their model's download
+    # Job completes, by name, with the Job.
     waiting_for_model: dict[str, str] = field(default_factory=dict)
     # What the model cache's GC Job, held back, waits for (downloads, engine rollouts).
     waiting_to_collect: list[str] = field(default_factory=list)
@@ -106,18 +114,30 @@ def _key(obj: Obj) -> tuple[str, str]:
     return obj["kind"], obj["metadata"]["name"]
 
 
-def _autoscaled_deployments(service: InferenceService) -> set[str]:
-    """Engine Deployments whose replicas a scaler owns once created: fleetpilot's autoscaler
-    (auto, recommend) or an HPA/KEDA (external) - every mode but disabled."""
+def _autoscaled_workloads(service: InferenceService) -> set[WorkloadKey]:
+    """Engine workloads (kind, name) whose replicas a scaler owns once created: fleetpilot's
+    autoscaler (auto, recommend) or an HPA/KEDA (external) - every mode but disabled. Both
+    kinds scale through their ``/scale`` subresource."""
     return {
-        names.engine_name(service.name, role.tier.name, role.name)
+        names.engine_workload(service.name, role)
         for role in all_roles(service)
         if role.tier.autoscaling.mode is not AutoscalingMode.DISABLED
     }
 
 
+def _engines_by_name(
+    service: InferenceService, workloads: dict[WorkloadKey, Obj]
+) -> dict[str, Obj]:
+    """The service's live engine workloads by name, each of the kind its role plans (what the
+    model cache's GC Job names): a Deployment left from before its role spanned nodes, named as
+    the role's LeaderWorkerSet, is not taken for it."""
+    engines = (names.engine_workload(service.name, role) for role in all_roles(service))
+    return {key[1]: workloads[key] for key in engines if key in workloads}
+
+
 def settle_replicas(desired: Obj, live: Obj | None, autoscaled: bool) -> Obj:
-    """Decide whether this apply writes ``spec.replicas`` of an engine Deployment.
+    """Decide whether this apply writes ``spec.replicas`` of an engine workload (a Deployment,
+    or a LeaderWorkerSet, whose replicas are groups).
 
     The autoscaler owns replicas through its own field manager. The operator writes them on
     creation, and keeps writing the live value only while it is still their sole owner
@@ -147,7 +167,7 @@ class Reconciler:
     ) -> None:
         self.kube = kube
         self.options = options or PlanOptions()
-        # The watched Deployments and pods (operator.children); without them, listed.
+        # The watched workloads and pods (operator.children); without them, listed.
         self.children = children
         # Called with (namespace, name) when a status write recorded a new cold start: the
         # router's config carries the observed cold start (its hold for a tier at zero), and
@@ -155,20 +175,36 @@ class Reconciler:
         self.on_cold_start: Callable[[str, str], None] | None = None
         # Called with (namespace, name) when a status write finds the model cache's GC Job
         # waiting for nothing any more but not applied: the end of an engine rollout, which it
-        # waits for, reaches the operator as a Deployment's status change, and only a
+        # waits for, reaches the operator as a workload's status change, and only a
         # reconcile applies the Job.
         self.on_collection_due: Callable[[str, str], None] | None = None
 
     def managed_kinds(self) -> tuple[str, ...]:
+        """MANAGED_KINDS, and the optional kinds the cluster serves."""
+        kinds: tuple[str, ...] = MANAGED_KINDS
+        if self.options.leader_worker_set_available:
+            at = kinds.index("Deployment") + 1
+            kinds = (*kinds[:at], "LeaderWorkerSet", *kinds[at:])
         if self.options.pod_monitor_available:
-            return (*MANAGED_KINDS, "PodMonitor")
-        return MANAGED_KINDS
+            kinds = (*kinds, "PodMonitor")
+        return kinds
+
+    def _list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[Obj]:
+        """The service's children of one kind; none of an optional kind whose CRD is gone (or
+        was never there, for a reconciler that assumes it): an uninstalled PodMonitor or
+        LeaderWorkerSet CRD must not fail every reconcile until the operator restarts."""
+        try:
+            return self.kube.list(kind, namespace, selector)
+        except KubeError as exc:
+            if kind in OPTIONAL_KINDS and exc.not_found:
+                return []
+            raise
 
     def live_children(self, namespace: str, service: str) -> dict[tuple[str, str], Obj]:
         selector = {names.LABEL_SERVICE: service, names.LABEL_MANAGED_BY: names.MANAGER}
         live: dict[tuple[str, str], Obj] = {}
         for kind in self.managed_kinds():
-            for obj in self.kube.list(kind, namespace, selector):
+            for obj in self._list(kind, namespace, selector):
                 live[_key(obj)] = obj
         return live
 
@@ -182,33 +218,39 @@ class Reconciler:
         try:
             service = parse_service(body, f"{namespace}/{name}")
         except InvalidManifestError as exc:
-            result.plan_error = "; ".join(str(p) for p in exc.problems)
+            result.refusal = Refusal("; ".join(str(p) for p in exc.problems))
         else:
-            objects, result.plan_error = self.plan(service)
-        if result.plan_error is not None:
-            emit("Warning", "PlanRefused", result.plan_error)
+            objects, result.refusal = self.plan(service)
+        if result.refusal is not None:
+            refusal = result.refusal
+            emit("Warning", refusal.reason, refusal.message)
             log.warning(
                 "plan refused",
-                extra={"service": f"{namespace}/{name}", "reason": result.plan_error},
+                extra={
+                    "service": f"{namespace}/{name}",
+                    "reason": refusal.reason,
+                    "refusal": refusal.message,
+                },
             )
             if service is not None:
-                result.status_written = self.write_status(service, body, result.plan_error)
+                result.status_written = self.write_status(service, body, refusal)
             return result
 
         assert service is not None
         live = self.live_children(namespace, name)
-        autoscaled = _autoscaled_deployments(service)
+        autoscaled = _autoscaled_workloads(service)
         changed: dict[str, list[tuple[str, str]]] = {"Created": [], "Updated": []}
-        applied_deployments: dict[str, Obj] = {}
+        applied_workloads: dict[WorkloadKey, Obj] = {}
         for planned in objects:
             key = _key(planned)
             current = live.get(key)
             desired = planned
             if is_collection_job(planned):
-                # Planned after the engines: their Deployments as this reconcile left them.
-                deployments = {n: o for (k, n), o in live.items() if k == "Deployment"}
+                # Planned after the engines: their workloads as this reconcile left them.
+                workloads = {k: o for k, o in live.items() if k[0] in WORKLOAD_KINDS}
+                engines = _engines_by_name(service, workloads | applied_workloads)
                 jobs = {n: o for (k, n), o in live.items() if k == "Job"}
-                waits = collection_waits(planned, jobs, deployments | applied_deployments)
+                waits = collection_waits(planned, jobs, engines)
                 if waits:
                     result.waiting_to_collect = waits
                     continue
@@ -216,17 +258,17 @@ class Reconciler:
                 j for j in fetch_jobs_of(planned) if not job_complete(live.get(("Job", j)))
             ]
             if downloading:
-                # Not before the weights are on the volume: a new Deployment waits, an existing
+                # Not before the weights are on the volume: a new workload waits, an existing
                 # one keeps serving the revision it has until the new one is downloaded.
                 result.waiting_for_model[key[1]] = ", ".join(downloading)
                 continue
-            if planned["kind"] == "Deployment":
-                desired = settle_replicas(planned, current, key[1] in autoscaled)
+            if planned["kind"] in WORKLOAD_KINDS:
+                desired = settle_replicas(planned, current, key in autoscaled)
             desired = with_hash(desired)
             if needs_apply(desired, current):
                 written = self.kube.apply(desired, OPERATOR_MANAGER)
-                if key[0] == "Deployment":
-                    applied_deployments[key[1]] = written
+                if key[0] in WORKLOAD_KINDS:
+                    applied_workloads[key] = written
                 changed["Created" if current is None else "Updated"].append(key)
                 result.applied.append(f"{key[0]}/{key[1]}")
         wanted = {_key(o) for o in objects}
@@ -243,16 +285,16 @@ class Reconciler:
             emit("Normal", "Pruned", change_summary("deleted (no longer planned)", pruned))
         if result.waiting_for_model:
             held = ", ".join(f"{d} (Job {j})" for d, j in sorted(result.waiting_for_model.items()))
-            emit("Normal", "WaitingForModel", f"engine Deployments wait for their model: {held}")
-        result.status_written = self.write_status(service, body, applied=applied_deployments)
+            emit("Normal", "WaitingForModel", f"engine workloads wait for their model: {held}")
+        result.status_written = self.write_status(service, body, applied=applied_workloads)
         return result
 
-    def plan(self, service: InferenceService) -> tuple[list[Obj], str | None]:
+    def plan(self, service: InferenceService) -> tuple[list[Obj], Refusal | None]:
         """The service's objects, or none and the planner's refusal."""
         try:
             return plan(service, self.options), None
         except PlanError as exc:
-            return [], str(exc)
+            return [], exc.refusal
 
     def refresh_status(self, service: InferenceService, body: Obj) -> bool:
         """The status again after a child changed, still saying whether the latest spec's plan
@@ -260,20 +302,25 @@ class Reconciler:
         old children as the service's state and clear Stalled and Degraded."""
         return self.write_status(service, body, self.plan(service)[1])
 
-    def observe(self, service: InferenceService, applied: dict[str, Obj] | None = None) -> Observed:
-        """The service's Deployments and pods: as watched, with the Deployments this reconcile
+    def observe(
+        self, service: InferenceService, applied: dict[WorkloadKey, Obj] | None = None
+    ) -> Observed:
+        """The service's workloads and pods: as watched, with the workloads this reconcile
         just wrote as the API server answered (their watch events may not be in yet), or
         listed when the operator runs without watches."""
         watched = self.children.observed(service.namespace, service.name) if self.children else None
         if watched is not None:
-            return Observed({**watched.deployments, **(applied or {})}, watched.pods)
+            return Observed({**watched.workloads, **(applied or {})}, watched.pods)
         selector = {names.LABEL_SERVICE: service.name, names.LABEL_MANAGED_BY: names.MANAGER}
-        deployments = {
-            d["metadata"]["name"]: d
-            for d in self.kube.list("Deployment", service.namespace, selector)
+        managed = self.managed_kinds()
+        workloads = {
+            _key(w): w
+            for kind in WORKLOAD_KINDS
+            if kind in managed
+            for w in self._list(kind, service.namespace, selector)
         }
         pods = self.kube.list("Pod", service.namespace, {names.LABEL_SERVICE: service.name})
-        return Observed(deployments=deployments, pods=pods)
+        return Observed(workloads=workloads, pods=pods)
 
     def _cache_jobs(self, service: InferenceService) -> dict[str, Obj]:
         """The service's live Jobs (the model cache's downloads and GC), by name; none listed
@@ -335,15 +382,15 @@ class Reconciler:
         return (
             job is not None
             and job["metadata"]["name"] not in jobs
-            and not collection_waits(job, jobs, observed.deployments)
+            and not collection_waits(job, jobs, _engines_by_name(service, observed.workloads))
         )
 
     def write_status(
         self,
         service: InferenceService,
         body: Obj,
-        plan_error: str | None = None,
-        applied: dict[str, Obj] | None = None,
+        refusal: Refusal | None = None,
+        applied: dict[WorkloadKey, Obj] | None = None,
     ) -> bool:
         """Patch the status subresource if (and only if) it changed; whether it was written.
 
@@ -361,7 +408,7 @@ class Reconciler:
             previous = _parse_status(live.get("status") or None)
             now = datetime.now(UTC).replace(microsecond=0)
             observations.append(self.observe(service, applied))
-            status = compute_status(service, observations[-1], previous, now, plan_error)
+            status = compute_status(service, observations[-1], previous, now, refusal)
             conditions = self._with_model_ready(service, status.conditions, now, jobs, progress)
             status = status.model_copy(update={"conditions": conditions})
             computed.append((previous, status))
@@ -384,7 +431,7 @@ class Reconciler:
                 self.on_cold_start(service.namespace, service.name)
         collect = self.on_collection_due
         seen = observations[-1] if observations else None
-        if collect and seen and plan_error is None and self._collection_due(service, jobs, seen):
+        if collect and seen and refusal is None and self._collection_due(service, jobs, seen):
             collect(service.namespace, service.name)
         return outcome is StatusWrite.WRITTEN
 

@@ -121,13 +121,15 @@ def router_config(service: InferenceService) -> RouterConfig:
             groups.append(
                 EndpointGroup(
                     role=role.name,
-                    service=names.engine_name(service.name, tier.name, role.name),
+                    service=names.engine_service_name(service.name, role),
                     selector=names.engine_selector(service.name, tier.name, role.name),
                     port=ENGINE_PORT,
                     max_num_seqs=tier.engine.max_num_seqs,
                     kv_events_port=launch.kv_events_port,
                     kv_replay_port=launch.kv_replay_port,
-                    data_parallel=launch.data,
+                    # The ranks whose KV events the router can reach: those on the pod it
+                    # discovers (a multi-node replica's leader runs the first dataLocal).
+                    data_parallel=launch.data_local or launch.data,
                     block_size=tier.engine.kv_cache.block_size,
                 )
             )

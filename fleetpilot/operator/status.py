@@ -1,10 +1,12 @@
 """The status of a service, computed from what its children report. Purely computational.
 
-Ready means what a user means by it: every planned Deployment has seen the latest spec and
-has all its replicas ready, the router included - not "the objects were created". Degraded
+Ready means what a user means by it: every planned workload (a role's Deployment, or its
+LeaderWorkerSet when a replica spans nodes; the router's Deployment) has seen the latest spec
+and has all its replicas ready - not "the objects were created". Degraded
 carries the reason a person would otherwise dig out of pods: crash loops, image pulls that
 fail, pods no node can take (with the scheduler's words), rollouts past their deadline, or a
-plan the operator refused.
+plan the operator refused (a spec it cannot run, or a cluster without the LeaderWorkerSet API a
+multi-node role needs).
 
 Reconciling and Stalled are kstatus' conditions (sigs.k8s.io/cli-utils), which Flux and other
 GitOps tools read on a custom resource: Reconciling=True while a rollout is under way,
@@ -31,6 +33,7 @@ from fleetpilot.api.status import (
 )
 from fleetpilot.kube import names
 from fleetpilot.operator.cold_start import cold_start, samples_by_role
+from fleetpilot.operator.plan_types import Refusal
 from fleetpilot.operator.planner import all_roles, capacity_warnings
 from fleetpilot.operator.router_objects import endpoint_url
 
@@ -56,34 +59,43 @@ _OPERATOR_CONDITIONS = {
     # removes it from a service without a model cache.
     ConditionType.MODEL_READY,
 }
-# Problems no amount of waiting fixes: the service is Stalled on them.
-_STALLING_REASONS = {"PlanRefused", "RolloutStuck", "ReplicaFailure"}
+# Problems of the children no amount of waiting fixes: the service is Stalled on them (and
+# on a refused plan, whatever its reason).
+_STALLING_REASONS = {"RolloutStuck", "ReplicaFailure"}
+
+WorkloadKey = tuple[str, str]  # (kind, name): ("Deployment", ...) or ("LeaderWorkerSet", ...)
 
 
 @dataclass(frozen=True)
 class Observed:
     """What the cluster reports about a service's children."""
 
-    deployments: dict[str, Obj]  # by name
+    # The service's workloads: its Deployments and LeaderWorkerSets, by (kind, name) - not by
+    # name alone: a role that turns multi-node gets a LeaderWorkerSet named as its Deployment,
+    # and both exist until the Deployment is pruned.
+    workloads: dict[WorkloadKey, Obj]
     pods: list[Obj]
 
 
 @dataclass(frozen=True)
 class Rollout:
     tier: str | None  # None for the router
-    name: str
+    workload: WorkloadKey
     label: str  # "tier small role decode" or "router"
     wanted: int
     ready: int
     done: bool
 
 
-def _rollout(tier: str | None, name: str, label: str, deployment: Obj | None) -> Rollout:
-    if deployment is None:
-        return Rollout(tier, name, label, 0, 0, False)
-    spec_replicas = int(deployment.get("spec", {}).get("replicas", 1))
-    status = deployment.get("status", {})
-    generation = deployment.get("metadata", {}).get("generation", 0)
+def _rollout(tier: str | None, workload: WorkloadKey, label: str, live: Obj | None) -> Rollout:
+    """How far a workload's rollout is. A LeaderWorkerSet's status has a Deployment's fields
+    (``replicas``, ``readyReplicas``, ``updatedReplicas``, ``observedGeneration``), counting
+    groups: a multi-node role's replicas and ready ones are groups of pods, not pods."""
+    if live is None:
+        return Rollout(tier, workload, label, 0, 0, False)
+    spec_replicas = int(live.get("spec", {}).get("replicas", 1))
+    status = live.get("status", {})
+    generation = live.get("metadata", {}).get("generation", 0)
     current = status.get("observedGeneration", 0) >= generation
     ready = int(status.get("readyReplicas", 0))
     updated = int(status.get("updatedReplicas", 0))
@@ -92,7 +104,7 @@ def _rollout(tier: str | None, name: str, label: str, deployment: Obj | None) ->
     done = (
         current and ready >= spec_replicas and updated >= spec_replicas and total <= spec_replicas
     )
-    return Rollout(tier, name, label, spec_replicas, ready, done)
+    return Rollout(tier, workload, label, spec_replicas, ready, done)
 
 
 def _pod_problems(pods: list[Obj]) -> list[tuple[str, str]]:
@@ -117,12 +129,20 @@ def _pod_problems(pods: list[Obj]) -> list[tuple[str, str]]:
     return problems
 
 
-def _deployment_problems(
-    rollouts: list[Rollout], deployments: dict[str, Obj]
+def _workload_problems(
+    rollouts: list[Rollout], workloads: dict[WorkloadKey, Obj]
 ) -> list[tuple[str, str]]:
+    """A Deployment's rollout past its deadline, or pods it may not create. A LeaderWorkerSet
+    reports no such thing: its conditions (Available, Progressing, UpdateInProgress) only say
+    how far its groups are, with no deadline and no failure reason; what stops a group (pods
+    no node takes, a crash loop, a refused pod) shows on its pods, which _pod_problems reads
+    (worker pods carry the role's labels too)."""
     problems = []
     for rollout in rollouts:
-        for condition in deployments.get(rollout.name, {}).get("status", {}).get("conditions", []):
+        if rollout.workload[0] != "Deployment":
+            continue
+        live = workloads.get(rollout.workload, {})
+        for condition in live.get("status", {}).get("conditions", []):
             kind, state, reason = (
                 condition.get("type"),
                 condition.get("status"),
@@ -140,10 +160,12 @@ def compute_status(
     observed: Observed,
     previous: InferenceServiceStatus | None,
     now: datetime,
-    plan_error: str | None = None,
+    refusal: Refusal | None = None,
 ) -> InferenceServiceStatus:
     """The status to write; keeps what other writers own (ScalingActive, desired, lastScale),
-    and each role's cold-start samples, with the starts its pods completed since added."""
+    and each role's cold-start samples, with the starts its pods completed since added.
+    ``refusal``: why the latest spec was not planned (Ready False, Degraded and Stalled True
+    with its reason)."""
     generation = service.metadata.generation
     old_conditions = previous.conditions if previous else []
     old_roles = {(t.name, r.role): r for t in (previous.tiers if previous else []) for r in t.roles}
@@ -152,12 +174,12 @@ def compute_status(
     rollouts = []
     tiers: dict[str, list[RoleStatus]] = {}
     for role in all_roles(service):
-        name = names.engine_name(service.name, role.tier.name, role.name)
+        workload = names.engine_workload(service.name, role)
         rollout = _rollout(
             role.tier.name,
-            name,
+            workload,
             f"tier {role.tier.name} role {role.name}",
-            observed.deployments.get(name),
+            observed.workloads.get(workload),
         )
         rollouts.append(rollout)
         old = old_roles.get((role.tier.name, role.name))
@@ -174,12 +196,14 @@ def compute_status(
                 ),
             )
         )
-    router = names.router_name(service.name)
-    rollouts.append(_rollout(None, router, "router", observed.deployments.get(router)))
+    router = ("Deployment", names.router_name(service.name))
+    rollouts.append(_rollout(None, router, "router", observed.workloads.get(router)))
 
-    problems = _pod_problems(observed.pods) + _deployment_problems(rollouts, observed.deployments)
-    if plan_error is not None:
-        problems.insert(0, ("PlanRefused", plan_error))
+    problems = _pod_problems(observed.pods) + _workload_problems(rollouts, observed.workloads)
+    stalls = [(reason, message) for reason, message in problems if reason in _STALLING_REASONS]
+    if refusal is not None:
+        problems.insert(0, (refusal.reason, refusal.message))
+        stalls.insert(0, (refusal.reason, refusal.message))
     pending = [r for r in rollouts if not r.done]
 
     def cond(kind: ConditionType, status: bool, reason: str, message: str) -> Condition:
@@ -192,8 +216,8 @@ def compute_status(
             observed_generation=generation,
         )
 
-    if plan_error is not None:
-        ready = cond(ConditionType.READY, False, "PlanRefused", plan_error)
+    if refusal is not None:
+        ready = cond(ConditionType.READY, False, refusal.reason, refusal.message)
     elif pending:
         waiting = "; ".join(f"{r.label}: {r.ready}/{r.wanted} ready" for r in pending)
         ready = cond(ConditionType.READY, False, "ReplicasNotReady", waiting)
@@ -201,7 +225,6 @@ def compute_status(
         ready = cond(
             ConditionType.READY, True, "AllReplicasReady", "every role and the router are ready"
         )
-    stalls = [(reason, message) for reason, message in problems if reason in _STALLING_REASONS]
     stalled = cond(ConditionType.STALLED, False, "NotStalled", "nothing stands in the way")
     if stalls:
         stall_message = "; ".join(m for _, m in stalls[:MAX_PROBLEMS_IN_MESSAGE])

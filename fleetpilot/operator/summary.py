@@ -7,6 +7,8 @@ import shlex
 
 from fleetpilot.api import InferenceService, ResolvedRole, Tier
 from fleetpilot.api.capacity import architecture_of, format_bytes, gpu_memory_of, role_capacity
+from fleetpilot.api.layout import Span, role_layout
+from fleetpilot.kube import names
 from fleetpilot.operator.engine_objects import engine_command
 from fleetpilot.operator.model_delivery import weights_summary
 from fleetpilot.operator.plan_types import K8sObject
@@ -73,6 +75,32 @@ def adapter_lines(tier: Tier) -> list[str]:
     return lines
 
 
+def layout_lines(role: ResolvedRole) -> list[str]:
+    """Nodes per replica and GPUs per node, for a replica that spans nodes."""
+    layout = role_layout(role)
+    if not layout.multi_node:
+        return []
+    cut = (
+        "one model copy over the nodes"
+        if layout.span is Span.MODEL
+        else f"{layout.data_local} data-parallel ranks per node"
+    )
+    return [
+        f"    nodes per replica: {layout.nodes} x {layout.gpus_per_pod} GPUs per node"
+        f"  ({cut}; a LeaderWorkerSet group, the leader serves the API)"
+    ]
+
+
+def command_lines(service: InferenceService, role: ResolvedRole) -> list[str]:
+    """The engine's command line; a multi-node replica's leader's, then its workers'."""
+    if not names.spans_nodes(role):
+        return [f"    command: {shlex.join(engine_command(service, role))}"]
+    return [
+        f"    leader command: {shlex.join(engine_command(service, role))}",
+        f"    worker command: {shlex.join(engine_command(service, role, worker=True))}",
+    ]
+
+
 def summarize(service: InferenceService, objects: list[K8sObject]) -> str:
     """Plain text for a person; the YAML/JSON output is for machines."""
     lines = [f"InferenceService {service.namespace}/{service.name}"]
@@ -94,11 +122,13 @@ def summarize(service: InferenceService, objects: list[K8sObject]) -> str:
             f" ({tier.autoscaling.mode.value})",
             f"    weights: {weights_summary(service, tier)}",
             f"    GPUs per replica: {gpus} x {product}"
-            f"  (tensor {p.tensor} x pipeline {p.pipeline} x data {p.data})",
+            f"  (tensor {p.tensor} x pipeline {p.pipeline} x data {p.data}"
+            f"{', expert parallel' if p.expert else ''})",
+            *layout_lines(role),
             *capacity_lines(role),
             *adapter_lines(tier),
             f"    image: {tier.engine.image}",
-            f"    command: {shlex.join(engine_command(service, role))}",
+            *command_lines(service, role),
         ]
     lines += [
         "",

@@ -177,6 +177,39 @@ def test_scale_patches_the_scale_subresource_as_the_autoscaler(
     assert api.object("Deployment", "ml", "chat-large-decode")["spec"]["replicas"] == 5
 
 
+def test_a_multi_node_role_is_read_and_scaled_through_its_leader_worker_set(
+    registry: CollectorRegistry,
+) -> None:
+    """A role whose replicas span nodes runs as a LeaderWorkerSet: its replicas (groups) and
+    ready ones are read from the set, and scaling patches the set's /scale - never a
+    Deployment of the same name (one left from before the role spanned nodes)."""
+    api = FakeKube()
+    multi_node = {"parallelism": {"tensor": 4, "pipeline": 2}, "resources": {"gpusPerNode": 4}}
+    api.put(make_manifest("chat", uid="uid-1", tiers=[make_tier("big", **multi_node)]))
+    for kind, replicas, ready in [("LeaderWorkerSet", 2, 1), ("Deployment", 5, 5)]:
+        api.put(
+            {
+                "kind": kind,
+                "metadata": {"name": "chat-big", "namespace": "ml"},
+                "spec": {"replicas": replicas},
+                "status": {"replicas": replicas, "readyReplicas": ready},
+            }
+        )
+    actuator = KubernetesActuator(api, metrics=AutoscalerMetrics(registry))
+    service = parse_service(live_service(api))
+
+    assert actuator.current(service, "big", "unified") == Replicas(current=2, ready=1)
+    actuator.scale(service, "big", "unified", 4)
+    call = api.calls[-1]
+    path = "/apis/leaderworkerset.x-k8s.io/v1/namespaces/ml/leaderworkersets/chat-big/scale"
+    assert (call.method, call.path) == ("PATCH", path)
+    assert call.query == [("fieldManager", "fleetpilot-autoscaler")]
+    assert call.body == {"spec": {"replicas": 4}}
+    assert api.object("LeaderWorkerSet", "ml", "chat-big")["spec"]["replicas"] == 4
+    assert api.object("Deployment", "ml", "chat-big")["spec"]["replicas"] == 5
+    assert actuator.current(service, "big", "unified") == Replicas(current=4, ready=1)
+
+
 def test_record_writes_desired_last_scale_condition_event_and_metrics(
     api: FakeKube,
     actuator: KubernetesActuator,

@@ -28,12 +28,13 @@ from prometheus_client import generate_latest
 
 from fleetpilot import __version__
 from fleetpilot.cli import build_parser
+from fleetpilot.kube import names
 from fleetpilot.kube.client import RESOURCES
 from fleetpilot.operator import metrics as operator_metrics
 from fleetpilot.operator.network_policy import OPERATOR_POD_LABELS
 from fleetpilot.operator.plan_types import DEFAULT_FLEETPILOT_IMAGE, PlanOptions
-from fleetpilot.operator.planner import plan
-from fleetpilot.operator.reconcile import MANAGED_KINDS
+from fleetpilot.operator.planner import all_roles, plan
+from fleetpilot.operator.reconcile import MANAGED_KINDS, OPTIONAL_KINDS
 from tests.factories import make_service, make_tier
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,7 +75,9 @@ NAMESPACED_RULES: RuleTable = {
     ("batch", "jobs"): APPLIED,  # the model cache's downloads and its GC
     ("networking.k8s.io", "networkpolicies"): APPLIED,
     ("monitoring.coreos.com", "podmonitors"): APPLIED,
+    ("leaderworkerset.x-k8s.io", "leaderworkersets"): APPLIED,  # multi-node roles
     ("apps", "deployments/scale"): verbs("get patch"),  # the in-operator autoscaler
+    ("leaderworkerset.x-k8s.io", "leaderworkersets/scale"): verbs("get patch"),
     ("", "pods"): verbs("get list watch"),
     ("", "pods/log"): verbs("get"),  # a model download's progress (ModelReady)
     ("", "events"): verbs("create patch"),
@@ -491,18 +494,31 @@ def test_rbac_grants_every_api_call_the_operator_makes() -> None:
     escalation prevention refuses a Role granting more than its creator holds)."""
     granted = NAMESPACED_RULES
     # The reconciler lists children to prune them, applies (PATCH; create when absent), deletes.
-    for kind in (*MANAGED_KINDS, "PodMonitor"):
+    for kind in (*MANAGED_KINDS, *OPTIONAL_KINDS):
         assert verbs("list create patch delete") <= granted[group_and_plural(kind)], kind
-    # Every kind a plan can contain is one the reconciler manages (and so is granted above).
+    # Every kind a plan can contain is one the reconciler manages (and so is granted above):
+    # a multi-node role's LeaderWorkerSet included.
     service = make_service(
-        tiers=[make_tier("small", up_to=0.4), make_tier("large", mode="disaggregated")]
+        tiers=[
+            make_tier("small", up_to=0.4),
+            make_tier("large", mode="disaggregated", up_to=0.7),
+            make_tier(
+                "huge", parallelism={"tensor": 4, "pipeline": 2}, resources={"gpusPerNode": 4}
+            ),
+        ]
     )
     planned = plan(service, PlanOptions(pod_monitor_available=True))
-    assert {obj["kind"] for obj in planned} <= {*MANAGED_KINDS, "PodMonitor"}
-    # kopf: watch + patch InferenceServices; watch child Deployments and pods (status refresh).
+    assert "LeaderWorkerSet" in {obj["kind"] for obj in planned}
+    assert {obj["kind"] for obj in planned} <= {*MANAGED_KINDS, *OPTIONAL_KINDS}
+    # kopf: watch + patch InferenceServices; watch child workloads and pods (status refresh).
     assert verbs("list watch patch get") <= granted[group_and_plural("InferenceService")]
-    assert verbs("list watch") <= granted[group_and_plural("Deployment")]
-    assert verbs("list watch") <= granted[group_and_plural("Pod")]
+    for kind in ("Deployment", "LeaderWorkerSet", "Pod"):
+        assert verbs("list watch") <= granted[group_and_plural(kind)], kind
+    # The autoscaler reads and scales each engine workload through its scale subresource.
+    for role in all_roles(service):
+        kind, _ = names.engine_workload(service.name, role)
+        group, plural = group_and_plural(kind)
+        assert verbs("get patch") <= granted[group, f"{plural}/scale"], kind
     assert "patch" in granted["fleetpilot.dev", "inferenceservices/status"]
     assert "create" in granted[group_and_plural("Event")]
     # Each router Role's rules must be held by the operator itself.

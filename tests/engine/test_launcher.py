@@ -19,6 +19,7 @@ from fleetpilot.cli import main
 from fleetpilot.engine.launcher import (
     LaunchError,
     check_launch,
+    expand_group_env,
     launch_from_file,
     launch_from_json,
     launch_to_json,
@@ -111,6 +112,49 @@ GOLDEN = {
         """--speculative-config '{"method":"eagle3","model":"""
         """"yuhuili/EAGLE3-LLaMA3.3-Instruct-70B","num_speculative_tokens":4}'""" + KV_EVENTS
     ),
+    ("deepseek-wide-ep.yaml", "main", "prefill"): (
+        f"vllm serve /models/deepseek-v3 --served-model-name deepseek-v3 {COMMON} "
+        "--tensor-parallel-size 1 --pipeline-parallel-size 1 --data-parallel-size 8 "
+        "--data-parallel-size-local 8 --enable-expert-parallel --dtype auto "
+        "--max-model-len 32768 --gpu-memory-utilization 0.9 --max-num-seqs 256 "
+        "--max-num-batched-tokens 16384 --block-size 16 --enable-prefix-caching "
+        "--kv-cache-dtype auto --quantization fp8 "
+        """--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'"""
+        # Eight ranks publish on 5557..5564, so replay starts after them.
+        + KV_EVENTS.replace("5558", "5565")
+    ),
+    # The leader of a 2-node group: 8 of the 16 data-parallel ranks, the API, the coordinator.
+    ("deepseek-wide-ep.yaml", "main", "decode"): (
+        f"vllm serve /models/deepseek-v3 --served-model-name deepseek-v3 {COMMON} "
+        "--tensor-parallel-size 1 --pipeline-parallel-size 1 --data-parallel-size 16 "
+        "--data-parallel-size-local 8 --nnodes 2 --node-rank 0 "
+        "--master-addr '$(LWS_LEADER_ADDRESS)' --master-port 29501 "
+        "--data-parallel-rpc-port 29550 --enable-expert-parallel --enable-eplb "
+        """--eplb-config '{"num_redundant_experts":32}' --dtype auto """
+        "--max-model-len 32768 --gpu-memory-utilization 0.9 --max-num-seqs 256 "
+        "--max-num-batched-tokens 16384 --block-size 16 --enable-prefix-caching "
+        "--kv-cache-dtype auto --quantization fp8 "
+        """--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'"""
+        + KV_EVENTS.replace("5558", "5573")
+    ),
+    ("llama-405b-multinode.yaml", "main", "unified"): (
+        "vllm serve /models/llama-3.1-405b-instruct --served-model-name llama-405b "
+        f"{COMMON} --tensor-parallel-size 8 --pipeline-parallel-size 2 --nnodes 2 "
+        "--node-rank 0 --master-addr '$(LWS_LEADER_ADDRESS)' --master-port 29501 "
+        "--dtype bfloat16 --max-model-len 32768 --gpu-memory-utilization 0.9 "
+        "--max-num-seqs 64 --block-size 16 --enable-prefix-caching --kv-cache-dtype fp8" + KV_EVENTS
+    ),
+}
+# The workers of the multi-node replicas: headless, each told its index by the LWS controller.
+WORKER_GOLDEN = {
+    ("deepseek-wide-ep.yaml", "main", "decode"): GOLDEN[("deepseek-wide-ep.yaml", "main", "decode")]
+    .replace("--node-rank 0", "--node-rank '$(LWS_WORKER_INDEX)'")
+    .replace("--data-parallel-rpc-port 29550", "--data-parallel-rpc-port 29550 --headless"),
+    ("llama-405b-multinode.yaml", "main", "unified"): GOLDEN[
+        ("llama-405b-multinode.yaml", "main", "unified")
+    ]
+    .replace("--node-rank 0", "--node-rank '$(LWS_WORKER_INDEX)'")
+    .replace("--master-port 29501", "--master-port 29501 --headless"),
 }
 
 
@@ -136,14 +180,74 @@ def test_dry_run_prints_the_exact_command(
     assert capsys.readouterr().out.strip() == GOLDEN[(example, tier, role)]
 
 
+@pytest.mark.parametrize(("example", "tier", "role"), sorted(WORKER_GOLDEN))
+def test_dry_run_prints_the_workers_command(
+    example: str, tier: str, role: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--worker` prints the golden line of a multi-node replica's workers: headless, their node
+    rank left to the LWS controller's variable."""
+    argv = ["engine", "--backend", "vllm", "-f", str(EXAMPLES / example), "--tier", tier]
+    assert main([*argv, "--role", role, "--worker", "--dry-run"]) == 0
+    assert capsys.readouterr().out.strip() == WORKER_GOLDEN[(example, tier, role)]
+
+
+def test_worker_of_a_one_node_replica_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--worker` for a replica that fits on one node is an error, not a headless engine that
+    waits for a leader that never comes."""
+    argv = ["engine", "--backend", "vllm", "-f", str(EXAMPLES / "single-tier.yaml")]
+    assert main([*argv, "--tier", "main", "--worker", "--dry-run"]) == 2
+    assert "fits on one" in capsys.readouterr().err
+
+
+def test_group_variables_are_expanded_as_the_kubelet_does() -> None:
+    """The launcher fills in the LWS controller's variables itself (it execs vllm, no kubelet
+    expands them), and refuses to start without them."""
+    command = [
+        "vllm",
+        "serve",
+        "--node-rank",
+        "$(LWS_WORKER_INDEX)",
+        "--master-addr",
+        "$(LWS_LEADER_ADDRESS)",
+        "--x",
+        "$(HOME)",
+    ]
+    env = {"LWS_WORKER_INDEX": "1", "LWS_LEADER_ADDRESS": "svc-0.svc.ml", "HOME": "/root"}
+    assert expand_group_env(command, env) == [
+        "vllm",
+        "serve",
+        "--node-rank",
+        "1",
+        "--master-addr",
+        "svc-0.svc.ml",
+        "--x",
+        "$(HOME)",
+    ]
+    with pytest.raises(LaunchError, match="LWS_WORKER_INDEX is not set"):
+        expand_group_env(command, {"LWS_LEADER_ADDRESS": "svc-0.svc.ml"})
+
+
+def test_a_worker_pod_checks_its_own_share_of_gpus() -> None:
+    """A pod of a 16-GPU replica over 2 nodes needs 8 visible GPUs, not 16."""
+    launch = launch_from_file(EXAMPLES / "llama-405b-multinode.yaml", "main", "unified")
+    check_launch(replace(launch, model="llama"), gpus=8)
+    with pytest.raises(LaunchError, match=r"needs 8 GPUs \(.* / 2 nodes\)"):
+        check_launch(replace(launch, model="llama"), gpus=4)
+
+
 @pytest.mark.parametrize(
-    ("example", "tier"),
-    [("two-tier.yaml", "small"), ("lora.yaml", "main"), ("lora-dynamic.yaml", "main")],
+    ("example", "tier", "role"),
+    [
+        ("two-tier.yaml", "small", "unified"),
+        ("lora.yaml", "main", "unified"),
+        ("lora-dynamic.yaml", "main", "unified"),
+        ("deepseek-wide-ep.yaml", "main", "decode"),
+    ],
 )
-def test_launch_json_round_trips(example: str, tier: str) -> None:
+def test_launch_json_round_trips(example: str, tier: str, role: str) -> None:
     """What the planner writes as --launch-json reads back as the same EngineLaunch, nothing dropped
-    or defaulted (speculation, LoRA sizes and adapters included)."""
-    launch = launch_from_file(EXAMPLES / example, tier, "unified")
+    or defaulted (speculation, LoRA sizes and adapters, nodes and EPLB included)."""
+    launch = launch_from_file(EXAMPLES / example, tier, role)
     assert launch_from_json(launch_to_json(launch)) == launch
 
 
@@ -272,6 +376,8 @@ def test_exec_turns_on_runtime_lora_updating_for_dynamic_adapters(tmp_path: Path
 def test_refusal_exits_before_exec(capsys: pytest.CaptureFixture[str]) -> None:
     """Four GPUs wanted, one visible: an error and exit 2, no vLLM start."""
     launch = launch_from_file(EXAMPLES / "two-tier.yaml", "large", "unified")
-    args = argparse.Namespace(file=None, launch_json=launch_to_json(launch), dry_run=False)
+    args = argparse.Namespace(
+        file=None, launch_json=launch_to_json(launch), worker=False, dry_run=False
+    )
     assert run(args, environ={"CUDA_VISIBLE_DEVICES": "0"}) == 2
     assert "needs 4 GPUs" in capsys.readouterr().err

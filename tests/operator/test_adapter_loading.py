@@ -49,6 +49,16 @@ def test_only_ready_pods_of_dynamic_tiers_are_synced_each_with_its_tiers_list() 
     assert engines_to_sync(_service(dynamic=False), pods) == []
 
 
+def test_only_the_leader_of_a_multi_node_group_is_synced() -> None:
+    """A multi-node replica's workers run vllm --headless (no API): the operator calls the
+    leader, which loads the adapter for the whole group."""
+    leader, worker = _pod("chat-lora-0", "lora"), _pod("chat-lora-0-1", "lora", ip="10.1.2.4")
+    leader["metadata"]["labels"]["leaderworkerset.sigs.k8s.io/worker-index"] = "0"
+    worker["metadata"]["labels"]["leaderworkerset.sigs.k8s.io/worker-index"] = "1"
+    targets = engines_to_sync(_service(), [leader, worker])
+    assert [t.pod for t in targets] == ["chat-lora-0"]
+
+
 def test_a_dynamic_tier_with_no_adapters_is_synced_to_none() -> None:
     """Emptying the list unloads everything: the tier is still dynamic, its list is empty."""
     tier = make_tier("lora")

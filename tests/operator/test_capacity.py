@@ -178,6 +178,42 @@ def test_no_tensor_size_within_the_node_fits() -> None:
         plan(svc)
 
 
+H200 = {"resources": {"gpuProduct": "NVIDIA-H200"}}
+
+
+def test_expert_parallelism_spreads_the_routed_experts_over_every_gpu() -> None:
+    """DeepSeek-V3 in fp8 on 16 data-parallel ranks: with expert parallelism each GPU holds the
+    dense part whole (tensor 1) and a 16th of the routed experts, 54 GiB; split the dense way
+    it would be the whole 671 GB on each GPU, refused."""
+    model = {"name": "deepseek-ai/DeepSeek-V3", "quantization": "fp8"}
+    parallelism = {"data": 16, "expert": True}
+    tier = make_tier("main", parallelism=parallelism, **H200)
+    tier["model"] = model
+    (role,) = parse_service(make_manifest(tiers=[tier])).spec.tiers[0].roles()
+    sized = role_capacity(role)
+    assert sized is not None
+    experts = 58 * 256 * 3 * 7168 * 2048
+    assert sized.weights_per_gpu_bytes == pytest.approx((671e9 - experts) + experts / 16, rel=1e-6)
+    assert f"{sized.weights_per_gpu_bytes / GIB:.1f}" == "54.0"
+    assert sized.fits
+    dense = make_tier("main", parallelism={"data": 16}, **H200)
+    dense["model"] = model
+    with pytest.raises(PlanError, match="leave no room for a KV cache"):
+        plan(parse_service(make_manifest(tiers=[dense])))
+
+
+def test_expert_parallelism_over_unknown_experts_is_not_sized() -> None:
+    """A MoE model whose experts' share the planner does not know is not sized with expert
+    parallelism (CapacitySufficient Unknown), rather than sized by the dense split."""
+    tier = make_tier("main", parallelism={"data": 2, "expert": True}, **H100)
+    tier["model"] = {
+        "name": "acme/moe",
+        "architecture": {"layers": 32, "kvHeads": 8, "headDim": 128, "parameters": 47_000_000_000},
+    }
+    (role,) = parse_service(make_manifest(tiers=[tier])).spec.tiers[0].roles()
+    assert role_capacity(role) is None
+
+
 def test_warnings_for_a_context_no_sequence_fits_and_an_unreachable_batch_limit() -> None:
     """A 70B on two H100s has ~8 GiB left for KV, ~26k tokens: a 128k context fits no
     sequence, and 256 sequences where 3 of 8k fit is far beyond; both warned, not refused."""

@@ -1,4 +1,5 @@
-"""The watched children: what an index keeps of a Deployment or pod is all the status reads."""
+"""The watched children: what an index keeps of a workload (Deployment, LeaderWorkerSet) or pod
+is all the status reads."""
 
 from __future__ import annotations
 
@@ -14,22 +15,24 @@ from fleetpilot.kube.client import Obj
 from fleetpilot.operator.children import Children, index_entry
 from fleetpilot.operator.planner import plan
 from fleetpilot.operator.status import Observed, compute_status
-from tests.factories import make_service
+from tests.factories import make_service, make_tier
 
 NOW = datetime(2026, 12, 3, 10, 0, tzinfo=UTC)
+# A replica of 8 GPUs on nodes of 4: the tier's role runs as a LeaderWorkerSet.
+MULTI_NODE = {"parallelism": {"tensor": 4, "pipeline": 2}, "resources": {"gpusPerNode": 4}}
 
 
 @pytest.fixture
 def service() -> InferenceService:
-    return make_service()
+    return make_service(tiers=[make_tier("small", up_to=0.4), make_tier("big", **MULTI_NODE)])
 
 
-def _live_deployments(service: InferenceService, ready: int) -> list[Obj]:
-    """The planned Deployments as the API server returns them: managedFields, the whole pod
-    template, a status with conditions."""
+def _live_workloads(service: InferenceService, ready: int, kind: str) -> list[Obj]:
+    """The planned workloads of ``kind`` as the API server returns them: managedFields, the
+    whole pod template(s), a status with conditions."""
     live = []
     for obj in plan(service):
-        if obj["kind"] != "Deployment":
+        if obj["kind"] != kind:
             continue
         body = copy.deepcopy(obj)
         replicas = body["spec"].get("replicas", 1)
@@ -136,14 +139,28 @@ def _index(kind: str, objects: list[Obj]) -> dict[tuple[str, str], list[Obj]]:
 def test_the_status_from_the_index_is_the_status_from_the_listed_objects(
     service: InferenceService, ready: int
 ) -> None:
-    deployments, pods = _live_deployments(service, ready), _pods(service)
-    listed = Observed({d["metadata"]["name"]: d for d in deployments}, pods)
+    deployments, pods = _live_workloads(service, ready, "Deployment"), _pods(service)
+    leader_worker_sets = _live_workloads(service, ready, "LeaderWorkerSet")
+    workloads = deployments + leader_worker_sets
+    listed = Observed({(w["kind"], w["metadata"]["name"]): w for w in workloads}, pods)
     children = Children()
-    children.attach(_index("Deployment", deployments), _index("Pod", pods))
+    children.attach(
+        _index("Deployment", deployments),
+        _index("Pod", pods),
+        _index("LeaderWorkerSet", leader_worker_sets),
+    )
     watched = children.observed(service.namespace, service.name)
     assert watched is not None
+    assert set(watched.workloads) == {
+        ("Deployment", "chat-small"),
+        ("Deployment", "chat-router"),
+        ("LeaderWorkerSet", "chat-big"),
+    }
     status = compute_status(service, watched, None, NOW)
     assert status == compute_status(service, listed, None, NOW)
+    # The multi-node role's replicas read from its LeaderWorkerSet.
+    (big,) = status.tiers[1].roles
+    assert (big.replicas, big.ready) == (1, min(ready, 1))
     # ... the started engine's cold start included (its labels and timestamps are kept) ...
     cold_start = status.tiers[0].roles[0].cold_start
     # (and the one being deleted left out).
@@ -153,13 +170,14 @@ def test_the_status_from_the_index_is_the_status_from_the_listed_objects(
     assert cold_start.pod is not None
     assert cold_start.pod.max_seconds == 102
     # ... and it is small: none of the template, managedFields or owner references.
-    for entry in [*watched.deployments.values(), *watched.pods]:
-        if entry["kind"] == "Deployment":
+    for entry in [*watched.workloads.values(), *watched.pods]:
+        if entry["kind"] in ("Deployment", "LeaderWorkerSet"):
             assert set(entry["metadata"]) == {"name", "generation"}
         else:
             kept = {"name", "labels", "creationTimestamp", "deletionTimestamp"}
             assert {"name", "labels", "creationTimestamp"} <= set(entry["metadata"]) <= kept
             assert set(entry["metadata"]["labels"]) == {names.LABEL_TIER, names.LABEL_ROLE}
+            # (a group's pods keep their worker index too: the test below)
         assert "template" not in entry.get("spec", {})
 
 
@@ -174,3 +192,70 @@ def test_before_kopf_hands_over_the_indexes_the_caller_lists(service: InferenceS
     assert children.observed(service.namespace, service.name) is None
     children.attach({}, {})
     assert children.observed(service.namespace, service.name) == Observed({}, [])
+
+
+def test_without_the_leader_worker_set_index_a_service_has_only_deployments(
+    service: InferenceService,
+) -> None:
+    """Where the cluster serves no LeaderWorkerSet, kopf hands over no such index (none is
+    registered): the watched workloads are the Deployments, and nothing fails."""
+    deployments = _live_workloads(service, 1, "Deployment")
+    children = Children()
+    children.attach(_index("Deployment", deployments), {})
+    watched = children.observed(service.namespace, service.name)
+    assert watched is not None
+    assert {kind for kind, _ in watched.workloads} == {"Deployment"}
+
+
+def test_a_deployment_left_from_before_a_role_spanned_nodes_is_not_its_rollout(
+    service: InferenceService,
+) -> None:
+    """A role that turns multi-node gets a LeaderWorkerSet named as its old Deployment, and
+    both are watched until the Deployment is pruned: the role's replicas are the set's
+    groups, not the old Deployment's pods."""
+    (leader_worker_set,) = _live_workloads(service, 0, "LeaderWorkerSet")
+    old = copy.deepcopy(_live_workloads(make_service(), 1, "Deployment")[0])
+    old["metadata"]["name"] = leader_worker_set["metadata"]["name"]
+    old["spec"]["replicas"] = old["status"]["readyReplicas"] = 4
+    children = Children()
+    children.attach(_index("Deployment", [old]), {}, _index("LeaderWorkerSet", [leader_worker_set]))
+    watched = children.observed(service.namespace, service.name)
+    assert watched is not None
+    assert len(watched.workloads) == 2
+    (big,) = compute_status(service, watched, None, NOW).tiers[1].roles
+    assert (big.replicas, big.ready) == (1, 0)
+
+
+def test_a_multi_node_groups_worker_pods_count_as_they_do_listed(
+    service: InferenceService,
+) -> None:
+    """The pods of a LeaderWorkerSet group carry the worker-index label (0 on the leader),
+    which the cold-start samples read: the index keeps it, so the watched status is the listed
+    one with a group's pods in it."""
+    ready = [{"type": "Ready", "status": "True", "lastTransitionTime": "2026-12-03T09:59:42Z"}]
+    running = [
+        {
+            "name": "engine",
+            "restartCount": 0,
+            "state": {"running": {"startedAt": "2026-12-03T09:59:00Z"}},
+        }
+    ]
+    group = []
+    for worker in (0, 1):
+        pod = _live_pod(
+            service, f"chat-big-0-{worker}", phase="Running", conditions=ready,
+            containerStatuses=running,
+        )  # fmt: skip
+        pod["metadata"]["labels"] |= {
+            names.LABEL_TIER: "big",
+            names.LWS_WORKER_INDEX_LABEL: str(worker),
+        }
+        group.append(pod)
+    children = Children()
+    children.attach({}, _index("Pod", group), {})
+    watched = children.observed(service.namespace, service.name)
+    assert watched is not None
+    kept = [entry["metadata"]["labels"].get(names.LWS_WORKER_INDEX_LABEL) for entry in watched.pods]
+    assert kept == ["0", "1"]
+    listed = Observed({}, group)
+    assert compute_status(service, watched, None, NOW) == compute_status(service, listed, None, NOW)

@@ -208,6 +208,17 @@ def test_pods_are_grouped_by_tier_and_role_and_others_ignored() -> None:
     }
 
 
+def test_a_multi_node_groups_start_is_its_leaders() -> None:
+    """Of a LeaderWorkerSet group only the leader is timed: a worker (no HTTP server, no
+    readiness probe) is Ready as soon as it runs, long before the engine serves."""
+    leader = engine_pod("dense-main-0", ready=T0 + timedelta(seconds=300))
+    worker = engine_pod("dense-main-0-1", ready=T0 + timedelta(seconds=1))
+    leader["metadata"]["labels"][names.LWS_WORKER_INDEX_LABEL] = "0"
+    worker["metadata"]["labels"][names.LWS_WORKER_INDEX_LABEL] = "1"
+    found = samples_by_role([leader, worker])
+    assert [s.pod for s in found[("small", "unified")]] == ["dense-main-0"]
+
+
 # -- a role's history ---------------------------------------------------------------------
 
 

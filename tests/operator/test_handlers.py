@@ -2,18 +2,34 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Hashable
+from typing import Any
 
 import pytest
 
+from fleetpilot.kube import names
+from fleetpilot.operator import handlers
+from fleetpilot.operator.children import (
+    DEPLOYMENTS_INDEX,
+    LEADER_WORKER_SETS_INDEX,
+    PODS_INDEX,
+    Children,
+    index_entry,
+)
 from fleetpilot.operator.handlers import (
     DEPLOYMENT_CHANGED,
+    LEADER_WORKER_SET_CHANGED,
     POD_CHANGED,
     SERVICE_EVENT,
     QuietWatchHandlers,
     build_registry,
     retry_delay,
 )
+from tests.support.kube import FakeKube
+
+LWS_GROUP = "leaderworkerset.x-k8s.io"
 
 
 def test_retry_backoff_is_exponential_and_capped() -> None:
@@ -41,7 +57,72 @@ def test_only_the_watch_handlers_success_lines_are_dropped(
 
 def test_the_quiet_ids_are_the_registered_handlers_ids() -> None:
     """The filter matches by handler id: a renamed handler would log again unnoticed."""
-    registry = build_registry()
+    registry = build_registry(leader_worker_sets=True)
     # kopf has no public listing of a registry's handlers.
     ids = {handler.id for handler in registry._watching.get_all_handlers()}
-    assert {SERVICE_EVENT, POD_CHANGED, DEPLOYMENT_CHANGED} <= ids
+    ids |= {handler.id for handler in registry._indexing.get_all_handlers()}
+    assert {SERVICE_EVENT, POD_CHANGED, DEPLOYMENT_CHANGED, LEADER_WORKER_SET_CHANGED} <= ids
+    assert {DEPLOYMENTS_INDEX, PODS_INDEX, LEADER_WORKER_SETS_INDEX} <= ids
+    quiet = QuietWatchHandlers()
+    for handler_id in ids - {"reconcile_service"}:
+        record = logging.LogRecord("kopf.objects", logging.INFO, "", 0, "", None, None)
+        record.msg = f"Handler {handler_id!r} succeeded."
+        assert not quiet.filter(record), handler_id
+
+
+def _lws_selectors(registry: Any) -> list[tuple[str, str | None]]:
+    """(watch or index, handler id) of every handler on LeaderWorkerSets."""
+    found = [("watch", h) for h in registry._watching.get_all_handlers()]
+    found += [("index", h) for h in registry._indexing.get_all_handlers()]
+    return sorted((kind, h.id) for kind, h in found if h.selector.group == LWS_GROUP)
+
+
+@pytest.mark.parametrize("served", [True, False])
+def test_leader_worker_sets_are_watched_only_where_the_cluster_serves_them(
+    monkeypatch: pytest.MonkeyPatch, served: bool
+) -> None:
+    """Asked at build time (kopf makes its indexes before any startup handler runs): with the
+    CRD, LeaderWorkerSets are indexed and their changes refresh status like Deployments';
+    without it, nothing is registered for them - no watch of a resource the cluster lacks,
+    no kopf warning about it at each start and CRD change."""
+    cluster = FakeKube(unserved=("PodMonitor",) if served else ("PodMonitor", "LeaderWorkerSet"))
+    monkeypatch.setattr(handlers, "connect", lambda kubeconfig: None)
+    monkeypatch.setattr(handlers, "Kube", lambda api: cluster)
+    registry = build_registry()
+    expected = [("index", LEADER_WORKER_SETS_INDEX), ("watch", LEADER_WORKER_SET_CHANGED)]
+    assert _lws_selectors(registry) == (expected if served else [])
+    (discovery,) = cluster.calls
+    assert discovery.path == f"/apis/{LWS_GROUP}/v1"
+
+
+class _Marks:
+    def __init__(self) -> None:
+        self.marked: list[Hashable] = []
+
+    def mark(self, key: Hashable) -> None:
+        self.marked.append(key)
+
+
+def test_a_leader_worker_sets_change_refreshes_its_services_status() -> None:
+    """A multi-node role's groups turning Ready show on its LeaderWorkerSet: the event marks
+    the owning service for a status refresh, which then reads the set from the index."""
+    registry = build_registry(leader_worker_sets=True)
+    (handler,) = [
+        h for h in registry._watching.get_all_handlers() if h.id == LEADER_WORKER_SET_CHANGED
+    ]
+    labels = {names.LABEL_SERVICE: "chat", names.LABEL_MANAGED_BY: names.MANAGER}
+    body = {
+        "kind": "LeaderWorkerSet",
+        "metadata": {"name": "chat-big", "namespace": "ml", "labels": labels, "generation": 1},
+        "spec": {"replicas": 2},
+        "status": {"replicas": 2, "readyReplicas": 2},
+    }
+    index = {key: [entry] for key, entry in index_entry("LeaderWorkerSet", body).items()}
+    memo = {"children": Children(), "refreshes": _Marks(), "adapter_syncs": _Marks()}
+    indexes = {DEPLOYMENTS_INDEX: {}, PODS_INDEX: {}, LEADER_WORKER_SETS_INDEX: index}
+    asyncio.run(handler.fn(namespace="ml", labels=labels, body=body, memo=memo, **indexes))
+    assert memo["refreshes"].marked == [("ml", "chat")]
+    assert memo["adapter_syncs"].marked == []  # only a pod turning Ready holds no adapters
+    observed = memo["children"].observed("ml", "chat")
+    assert observed is not None
+    assert observed.workloads[("LeaderWorkerSet", "chat-big")]["status"]["readyReplicas"] == 2

@@ -276,14 +276,24 @@ def test_long_names_fit_kubernetes_limits() -> None:
         assert len(obj["metadata"]["name"]) <= 63
 
 
-def test_replica_larger_than_a_node_is_refused() -> None:
-    """A replica needing more GPUs than a node has (multi-node is not supported) is refused at its
-    field instead of planning pods that never schedule."""
-    tier = make_tier("main", parallelism={"tensor": 8, "data": 2})
+def test_replica_that_cannot_be_cut_into_nodes_is_refused() -> None:
+    """A model copy of 12 GPUs on nodes of 8 cannot fill whole nodes: refused at its field,
+    naming the numbers, instead of planning pods that never schedule or never meet."""
+    tier = make_tier("main", parallelism={"tensor": 12})
     with pytest.raises(PlanError) as info:
         plan(make_service(tiers=[tier]))
     assert info.value.field == "spec.tiers[0].parallelism"
-    assert "16 GPUs per replica" in info.value.message
+    assert "12 is not a multiple of resources.gpusPerNode 8" in info.value.message
+
+
+def test_refusal_names_the_roles_own_parallelism() -> None:
+    """A decode role's override that cannot be cut is reported at the override."""
+    tier = make_tier("main", mode="disaggregated")
+    tier["serving"]["decode"]["parallelism"] = {"tensor": 16, "data": 2}
+    with pytest.raises(PlanError) as info:
+        plan(make_service(tiers=[tier]))
+    assert info.value.field == "spec.tiers[0].serving.decode.parallelism"
+    assert "data 2" in info.value.message
 
 
 def test_managed_flags_in_extra_args_are_refused() -> None:

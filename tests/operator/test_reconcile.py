@@ -21,12 +21,15 @@ from fleetpilot.autoscaler.actuator import (
 from fleetpilot.autoscaler.model import Decision, History, ReasonKind
 from fleetpilot.kube.client import MERGE_CONTENT_TYPE, Obj
 from fleetpilot.kube.managers import AUTOSCALER_MANAGER, OPERATOR_MANAGER, owns_field
+from fleetpilot.operator.plan_types import PlanOptions
 from fleetpilot.operator.reconcile import EVENT_MESSAGE_MAX, Reconciler, change_summary
 from tests.factories import make_manifest, make_tier
 from tests.support.kube import FakeKube
 
 NS = "ml"
 USER = "kubectl"
+# A replica of 8 GPUs on nodes of 4: the role runs as a LeaderWorkerSet of 2-pod groups.
+MULTI_NODE = {"parallelism": {"tensor": 4, "pipeline": 2}, "resources": {"gpusPerNode": 4}}
 
 
 @pytest.fixture
@@ -332,8 +335,9 @@ def test_a_refused_plan_writes_no_child_and_reports_degraded(
 
     writes = [(c.kind, c.subresource) for c in kube.calls[seen:] if c.method != "GET"]
     assert writes == [("InferenceService", "status")]
-    assert result.plan_error is not None
-    assert "spec.tiers[0].engine.extraArgs[0]" in result.plan_error
+    assert result.refusal is not None
+    assert result.refusal.reason == "PlanRefused"
+    assert "spec.tiers[0].engine.extraArgs[0]" in result.refusal.message
     assert (result.applied, result.pruned) == ([], [])
     assert {kind: kube.objects(kind, NS) for kind in children_before} == children_before
     degraded, ready = condition(kube, "Degraded"), condition(kube, "Ready")
@@ -376,9 +380,9 @@ def test_a_new_service_with_a_refused_plan_creates_nothing(
     refused = reconciler.reconcile(service(kube))
     served = reconciler.reconcile(service(kube, "other"))
 
-    assert refused.plan_error is not None
+    assert refused.refusal is not None
     assert refused.status_written
-    assert served.plan_error is None
+    assert served.refusal is None
     owners = {
         o["metadata"]["labels"]["fleetpilot.dev/service"]
         for kind in ("Deployment", "Service", "ConfigMap")
@@ -386,3 +390,191 @@ def test_a_new_service_with_a_refused_plan_creates_nothing(
     }
     assert owners == {"other"}
     assert condition(kube, "Degraded")["reason"] == "PlanRefused"
+
+
+# -- multi-node roles (LeaderWorkerSet) ------------------------------------------------------
+
+
+def leader_worker_set(kube: FakeKube, name: str) -> Obj:
+    live = kube.object("LeaderWorkerSet", NS, name)
+    assert live is not None, name
+    return live
+
+
+def roll_out_groups(kube: FakeKube, name: str, ready: int | None = None) -> None:
+    """Play the LeaderWorkerSet controller: every group at the spec, ``ready`` of them
+    (default all) Ready."""
+    live = leader_worker_set(kube, name)
+    groups = live["spec"]["replicas"]
+    status = {
+        "observedGeneration": live["metadata"]["generation"],
+        "replicas": groups,
+        "updatedReplicas": groups,
+        "readyReplicas": groups if ready is None else ready,
+    }
+    kube.set_status("LeaderWorkerSet", NS, name, status)
+
+
+def test_a_role_that_turns_multi_node_becomes_a_leader_worker_set_and_back(
+    kube: FakeKube, reconciler: Reconciler
+) -> None:
+    """A role whose replica outgrows a node: its LeaderWorkerSet is applied, and its Deployment
+    (and the Service the router found it by) pruned; its status counts the set's groups. Back
+    on one node, the set is pruned and a Deployment runs the role again."""
+    kube.apply(manifest(make_tier("small")), USER)
+    reconciler.reconcile(service(kube))
+    roll_out(kube)
+    assert "chat-small" in names_of(kube, "Deployment")
+
+    kube.apply(manifest(make_tier("small", **MULTI_NODE)), USER)
+    events = Events()
+    result = reconciler.reconcile(service(kube), events)
+    assert "LeaderWorkerSet/chat-small" in result.applied
+    assert "Service/chat-small-leaders" in result.applied
+    assert sorted(result.pruned) == ["Deployment/chat-small", "Service/chat-small"]
+    assert names_of(kube, "Deployment") == {"chat-router"}
+    created = leader_worker_set(kube, "chat-small")
+    assert created["spec"]["leaderWorkerTemplate"]["size"] == 2
+    assert created["spec"]["replicas"] == 1
+    assert condition(kube, "Ready")["message"] == "tier small role unified: 0/1 ready"
+
+    two_groups = {"replicas": {"min": 2, "max": 2}}
+    fixed = make_tier("small", serving=two_groups, autoscaling={"mode": "disabled"}, **MULTI_NODE)
+    kube.apply(manifest(fixed), USER)
+    reconciler.reconcile(service(kube))
+    roll_out_groups(kube, "chat-small", ready=1)
+    body = service(kube)
+    reconciler.refresh_status(parse_service(body), body)
+    (role,) = service(kube)["status"]["tiers"][0]["roles"]
+    assert (role["replicas"], role["ready"]) == (2, 1)  # groups, not their 4 pods
+    roll_out_groups(kube, "chat-small")
+    reconciler.refresh_status(parse_service(body), body)
+    assert condition(kube, "Ready")["status"] == "True"
+    assert reconciler.reconcile(service(kube)).applied == []  # settled: no write
+
+    kube.apply(manifest(make_tier("small")), USER)
+    back = reconciler.reconcile(service(kube))
+    assert "Deployment/chat-small" in back.applied
+    assert sorted(back.pruned) == ["LeaderWorkerSet/chat-small", "Service/chat-small-leaders"]
+    assert kube.objects("LeaderWorkerSet", NS) == []
+
+
+def test_without_leader_worker_set_a_multi_node_role_stalls_and_changes_nothing() -> None:
+    """A cluster without the LeaderWorkerSet API: the operator neither lists nor prunes the
+    kind (it is not served), a one-node service is served as usual, and a service whose role
+    turns multi-node keeps its children as they are and reports Ready False, Degraded and
+    Stalled True, reason LeaderWorkerSetMissing, with the planner's words (role, nodes, GPUs,
+    what to install)."""
+    kube = FakeKube(unserved=("PodMonitor", "LeaderWorkerSet"))
+    reconciler = Reconciler(kube, PlanOptions(leader_worker_set_available=False))
+    kube.apply(manifest(), USER)
+    assert reconciler.reconcile(service(kube)).refusal is None
+    children_before = {kind: kube.objects(kind, NS) for kind in ("Deployment", "Service")}
+
+    kube.apply(manifest(make_tier("small", **MULTI_NODE)), USER)
+    seen = len(kube.calls)
+    events = Events()
+    result = reconciler.reconcile(service(kube), events)
+
+    writes = [(c.kind, c.subresource) for c in kube.calls[seen:] if c.method != "GET"]
+    assert writes == [("InferenceService", "status")]
+    assert (result.applied, result.pruned) == ([], [])
+    assert {kind: kube.objects(kind, NS) for kind in children_before} == children_before
+    assert result.refusal is not None
+    assert result.refusal.reason == "LeaderWorkerSetMissing"
+    for kind, state in [("Ready", "False"), ("Degraded", "True"), ("Stalled", "True")]:
+        found = condition(kube, kind)
+        assert (found["status"], found["reason"]) == (state, "LeaderWorkerSetMissing"), kind
+        assert found["message"] == result.refusal.message
+    message = result.refusal.message
+    for words in ("tier 'small' role unified", "2 nodes", "8 GPUs", "gpusPerNode 4"):
+        assert words in message
+    assert "install LeaderWorkerSet" in message
+    assert ("Warning", "LeaderWorkerSetMissing") in [(k, r) for k, r, _ in events.seen]
+    # A child event refreshes the status: the refusal stays.
+    body = service(kube)
+    reconciler.refresh_status(parse_service(body), body)
+    assert condition(kube, "Stalled")["reason"] == "LeaderWorkerSetMissing"
+    assert [c.path for c in kube.calls if c.kind == "LeaderWorkerSet"] == []  # never asked
+
+
+def test_a_leader_worker_set_crd_removed_after_start_fails_no_reconcile() -> None:
+    """The operator found LeaderWorkerSet at start, and the CRD is uninstalled since: listing
+    the kind (to prune) answers 404, which means none - a one-node service still reconciles
+    and rolls out, instead of every reconcile failing until the operator restarts."""
+    kube = FakeKube(unserved=("PodMonitor", "LeaderWorkerSet"))
+    reconciler = Reconciler(kube, PlanOptions(leader_worker_set_available=True))
+    kube.apply(manifest(), USER)
+    result = reconciler.reconcile(service(kube))
+    assert "Deployment/chat-small" in result.applied
+    # Listed (children to prune, workloads for the status), found missing: no write tried.
+    assert {c.method for c in kube.calls if c.kind == "LeaderWorkerSet"} == {"GET"}
+    roll_out(kube)
+    assert reconciler.reconcile(service(kube)).status_written
+    assert condition(kube, "Ready")["status"] == "True"
+
+
+def test_replicas_the_autoscaler_set_on_a_leader_worker_set_survive_a_reapplied_spec(
+    kube: FakeKube, reconciler: Reconciler
+) -> None:
+    """The autoscaler scales a multi-node role's LeaderWorkerSet through its /scale (groups,
+    under its own field manager); a changed spec re-applies the set without replicas, so the
+    autoscaler's value and its ownership stay."""
+    tier = make_tier("small", autoscaling={"slo": {"ttftP95": "500ms"}}, **MULTI_NODE)
+    kube.apply(manifest(tier), USER)
+    reconciler.reconcile(service(kube))
+    created = leader_worker_set(kube, "chat-small")
+    assert created["spec"]["replicas"] == 1
+    assert owns_field(created, OPERATOR_MANAGER, ("spec", "replicas"))
+
+    actuator = KubernetesActuator(kube, metrics=AutoscalerMetrics(CollectorRegistry()))
+    actuator.scale(parse_service(service(kube)), "small", "unified", 3)
+    (scaled,) = kube.writes_of("PATCH", "LeaderWorkerSet", "scale")
+    assert scaled.path.endswith("/leaderworkersets/chat-small/scale")
+    assert kube.writes_of("PATCH", "Deployment", "scale") == []
+    changed = manifest(dict(tier, engine={"env": [{"name": "EXTRA", "value": "1"}]}))
+    kube.apply(changed, USER)
+    result = reconciler.reconcile(service(kube))
+
+    assert "LeaderWorkerSet/chat-small" in result.applied
+    updated = leader_worker_set(kube, "chat-small")
+    leader = updated["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0]
+    assert {"name": "EXTRA", "value": "1"} in leader["env"]
+    assert updated["spec"]["replicas"] == 3
+    assert owns_field(updated, AUTOSCALER_MANAGER, ("spec", "replicas"))
+    assert not owns_field(updated, OPERATOR_MANAGER, ("spec", "replicas"))
+
+
+def test_a_multi_node_role_waits_for_its_model_and_the_gc_waits_for_its_rollout(
+    kube: FakeKube, reconciler: Reconciler
+) -> None:
+    """With a model cache: the LeaderWorkerSet is applied only once its download is complete,
+    and the cache's GC Job only once the set is rolled out to it (its groups, read from the
+    set's status)."""
+    hub = make_tier("big", **MULTI_NODE) | {
+        "model": {"name": "Qwen/Qwen2.5-7B-Instruct", "source": {"huggingface": {}}}
+    }
+    cached = make_manifest(
+        namespace=NS, tiers=[hub], modelCache={"size": "200Gi", "storageClassName": "nfs"}
+    )
+    kube.apply(cached, USER)
+    first = reconciler.reconcile(service(kube))
+    (download,) = [j["metadata"]["name"] for j in kube.objects("Job", NS)]
+    assert first.waiting_for_model == {"chat-big": download}
+    assert kube.objects("LeaderWorkerSet", NS) == []
+    kube.set_status(
+        "Job",
+        NS,
+        download,
+        {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]},
+    )
+
+    second = reconciler.reconcile(service(kube))
+    assert "LeaderWorkerSet/chat-big" in second.applied
+    assert second.waiting_to_collect == ["Deployment chat-big"]  # created, not rolled out
+    assert names_of(kube, "Job") == {download}
+
+    roll_out_groups(kube, "chat-big", ready=0)  # every group at the spec, none Ready yet
+    third = reconciler.reconcile(service(kube))
+    assert third.waiting_to_collect == []
+    assert len(names_of(kube, "Job")) == 2  # the GC Job now

@@ -10,6 +10,7 @@ import yaml
 
 from fleetpilot.api import InferenceService
 from fleetpilot.api.status import Condition, InferenceServiceStatus, RoleStatus, TierStatus
+from fleetpilot.operator.plan_types import LEADER_WORKER_SET_MISSING, Refusal
 from fleetpilot.operator.status import Observed, compute_status
 from tests.factories import make_service, make_tier
 from tests.support.argocd import CUSTOMIZATION, argocd_health
@@ -45,8 +46,10 @@ def _conditions(status: InferenceServiceStatus) -> dict[str, Condition]:
     return {c.type: c for c in status.conditions}
 
 
-def _observed(*deployments: Any, pods: list[Any] | None = None) -> Observed:
-    return Observed({d["metadata"]["name"]: d for d in deployments}, pods or [])
+def _observed(*workloads: Any, pods: list[Any] | None = None) -> Observed:
+    """Workloads are Deployments unless they say their kind."""
+    keys = [(w.get("kind", "Deployment"), w["metadata"]["name"]) for w in workloads]
+    return Observed(dict(zip(keys, workloads, strict=True)), pods or [])
 
 
 def test_ready_when_every_deployment_is_rolled_out(service: InferenceService) -> None:
@@ -161,11 +164,72 @@ def test_stuck_rollout_is_degraded(service: InferenceService) -> None:
 def test_refused_plan_is_degraded_and_not_ready(service: InferenceService) -> None:
     """A plan the operator refused: Degraded and Ready both say PlanRefused, with the
     planner's words."""
-    status = compute_status(service, _observed(), None, NOW, plan_error="spec.x: bad")
+    status = compute_status(service, _observed(), None, NOW, Refusal("spec.x: bad"))
     conditions = _conditions(status)
     assert conditions["Degraded"].reason == "PlanRefused"
     assert conditions["Degraded"].message == "spec.x: bad"
     assert conditions["Ready"].reason == "PlanRefused"
+
+
+# A replica of 8 GPUs on nodes of 4: tier big's role runs as a LeaderWorkerSet of 2-pod groups.
+MULTI_NODE = {"parallelism": {"tensor": 4, "pipeline": 2}, "resources": {"gpusPerNode": 4}}
+
+
+def _leader_worker_set(name: str, groups: int, ready: int, **st: Any) -> Any:
+    """A LeaderWorkerSet as its controller reports it: a Deployment's fields, counting groups."""
+    return dict(_deployment(name, groups, ready, **st), kind="LeaderWorkerSet")
+
+
+def test_a_multi_node_roles_replicas_are_its_leader_worker_sets_groups() -> None:
+    """A role whose replicas span nodes reads its rollout from its LeaderWorkerSet: replicas
+    and ready count groups (two groups of two pods: 2, not 4), under the same label - never
+    from a Deployment of the same name left from before the role spanned nodes."""
+    service = make_service(tiers=[make_tier("small", up_to=0.4), make_tier("big", **MULTI_NODE)])
+    progressing = [
+        {"type": "Progressing", "status": "True", "reason": "GroupsAreProgressing",
+         "message": "Replicas are progressing"},
+    ]  # fmt: skip
+    workloads = [
+        _deployment("chat-small"),
+        _deployment("chat-router"),
+        _deployment("chat-big", 4, 4),  # the role's old Deployment, being pruned
+    ]
+    one_ready = _observed(*workloads, _leader_worker_set("chat-big", 2, 1, conditions=progressing))
+    status = compute_status(service, one_ready, None, NOW)
+    conditions = _conditions(status)
+    assert status.tiers[1] == TierStatus(
+        name="big", roles=[RoleStatus(role="unified", replicas=2, ready=1)]
+    )
+    assert conditions["Ready"].status == "False"
+    assert conditions["Ready"].message == "tier big role unified: 1/2 ready"
+    assert conditions["Progressing"].message == "rolling out: tier big role unified"
+    # Groups coming up is no problem.
+    assert conditions["Degraded"].status == "False"
+
+    both_ready = _observed(*workloads, _leader_worker_set("chat-big", 2, 2))
+    status = compute_status(service, both_ready, None, NOW)
+    assert _conditions(status)["Ready"].status == "True"
+    assert status.tiers_ready == "2/2"
+
+
+def test_a_missing_leader_worker_set_api_stalls_the_service_naming_it(
+    service: InferenceService,
+) -> None:
+    """A multi-node role in a cluster without LeaderWorkerSet: Ready False, Degraded and
+    Stalled True, all with the refusal's own reason and the planner's words."""
+    message = (
+        "spec.tiers[0].parallelism: tier 'small' role unified needs 2 nodes per replica ... "
+        "install LeaderWorkerSet (https://lws.sigs.k8s.io) and restart the operator"
+    )
+    refusal = Refusal(message, LEADER_WORKER_SET_MISSING)
+    conditions = _conditions(compute_status(service, _observed(), None, NOW, refusal))
+    for kind, state in [("Ready", "False"), ("Degraded", "True"), ("Stalled", "True")]:
+        assert (conditions[kind].status, conditions[kind].reason) == (
+            state,
+            "LeaderWorkerSetMissing",
+        ), kind
+        assert conditions[kind].message == message, kind
+    assert conditions["Reconciling"].status == "False"
 
 
 def test_transition_time_moves_only_when_status_flips(service: InferenceService) -> None:
@@ -298,10 +362,17 @@ _CRASH = {
     "status": {"containerStatuses": [{"state": {"waiting": {"reason": "CrashLoopBackOff"}}}]},
 }
 # Each phase of a service's life: (what the cluster shows, the planner's refusal).
-PHASES: dict[str, tuple[Observed, str | None]] = {
+PHASES: dict[str, tuple[Observed, Refusal | None]] = {
     "ready": (_observed(_deployment("chat-small"), _deployment("chat-router")), None),
     "rolling out": (_observed(_deployment("chat-small", 2, 1), _deployment("chat-router")), None),
-    "refused": (_observed(), "spec.tiers[0].parallelism.tensor: 16 GPUs, a node has 8"),
+    "refused": (_observed(), Refusal("spec.tiers[0].engine.extraArgs[0]: --port is set")),
+    "no LeaderWorkerSet": (
+        _observed(),
+        Refusal(
+            "spec.tiers[0].parallelism: tier 'small' role unified needs 2 nodes per replica",
+            LEADER_WORKER_SET_MISSING,
+        ),
+    ),
     "stuck": (
         _observed(_deployment("chat-small", 1, 0, conditions=_STUCK), _deployment("chat-router")),
         None,
@@ -323,6 +394,7 @@ PHASES: dict[str, tuple[Observed, str | None]] = {
         ("ready", "Current", "False", "False"),
         ("rolling out", "InProgress", "True", "False"),
         ("refused", "Failed", "False", "True"),
+        ("no LeaderWorkerSet", "Failed", "False", "True"),
         ("stuck", "Failed", "False", "True"),
         ("quota", "Failed", "False", "True"),
         ("crash looping mid-rollout", "InProgress", "True", "False"),
@@ -334,8 +406,8 @@ def test_flux_kstatus_reads_each_phase_right(
     """Reconciling and Stalled are what Flux's kstatus reads on a custom resource: the real
     library (cli-utils, pinned) says InProgress while a rollout is under way, Current when
     ready, Failed on a refused plan or a rollout that cannot finish - never both True."""
-    observed, plan_error = PHASES[case]
-    status = compute_status(service, observed, None, NOW, plan_error=plan_error)
+    observed, refusal = PHASES[case]
+    status = compute_status(service, observed, None, NOW, refusal)
     conditions = _conditions(status)
     assert conditions["Reconciling"].status == reconciling
     assert conditions["Stalled"].status == stalled
@@ -352,6 +424,7 @@ def test_flux_kstatus_reads_each_phase_right(
         ("ready", "Healthy"),
         ("rolling out", "Progressing"),
         ("refused", "Degraded"),
+        ("no LeaderWorkerSet", "Degraded"),
         ("stuck", "Degraded"),
         ("quota", "Degraded"),
         ("crash looping mid-rollout", "Progressing"),
@@ -361,8 +434,8 @@ def test_argocd_health_lua_reads_each_phase_right(
     service: InferenceService, case: str, health: str
 ) -> None:
     """The shipped health.lua, in a real Lua 5.1 as Argo CD runs it, over each phase."""
-    observed, plan_error = PHASES[case]
-    status = compute_status(service, observed, None, NOW, plan_error=plan_error)
+    observed, refusal = PHASES[case]
+    status = compute_status(service, observed, None, NOW, refusal)
     result = argocd_health(_as_written(service, status))
     assert result["status"] == health, result
     if health == "Degraded":

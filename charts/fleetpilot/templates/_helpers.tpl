@@ -129,10 +129,19 @@ the same table: a change here must change it there too.
 - apiGroups: [monitoring.coreos.com]
   resources: [podmonitors]
   verbs: [get, list, watch, create, patch, delete]
-# The operator's autoscaler loop scales engine Deployments through the scale subresource,
-# under its own field manager (fleetpilot-autoscaler), so re-applied specs leave replicas alone.
+# The workloads of roles whose replicas span nodes; only used when the LeaderWorkerSet CRD
+# exists (detected at start: without it such a role is refused).
+- apiGroups: [leaderworkerset.x-k8s.io]
+  resources: [leaderworkersets]
+  verbs: [get, list, watch, create, patch, delete]
+# The operator's autoscaler loop scales engine workloads (Deployments, LeaderWorkerSets)
+# through their scale subresource, under its own field manager (fleetpilot-autoscaler), so
+# re-applied specs leave replicas alone.
 - apiGroups: [apps]
   resources: [deployments/scale]
+  verbs: [get, patch]
+- apiGroups: [leaderworkerset.x-k8s.io]
+  resources: [leaderworkersets/scale]
   verbs: [get, patch]
 # Child pods feed status: crash loops, image pulls, scheduling.
 - apiGroups: [""]
