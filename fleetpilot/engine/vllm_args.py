@@ -339,10 +339,11 @@ def vllm_serve_args(
             "--data-parallel-size-local",
             str(launch.data_local or launch.data),
         ]
-        if launch.lora is not None and launch.lora.runtime_updates:
+        if launch.lora is not None and launch.lora.runtime_updates and not worker:
             # vLLM 0.33 starts one API server per rank by default, and refuses to start with
             # VLLM_ALLOW_RUNTIME_LORA_UPDATING and more than one (entrypoints/cli/serve.py):
-            # the load endpoint must reach the one server that knows every adapter.
+            # the load endpoint must reach the one server that knows every adapter. A
+            # headless worker runs none, and vLLM refuses the flag there.
             args += ["--api-server-count", "1"]
     if launch.nodes > 1:
         args += multi_node_args(launch, worker)

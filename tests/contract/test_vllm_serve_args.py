@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fleetpilot.api import RoleName, load_services, parse_service
+from fleetpilot.api.layout import LayoutError, role_layout
 from fleetpilot.api.spec import (
     DEFAULT_VLLM_IMAGE,
     VLLM_VERSION,
@@ -28,14 +29,18 @@ from fleetpilot.api.spec import (
     Quantization,
     ResolvedRole,
 )
+from fleetpilot.engine.launcher import expand_group_env
 from fleetpilot.engine.vllm_args import (
+    DATA_PARALLEL_RPC_PORT,
     KV_EVENTS_PORT,
+    MASTER_PORT,
     adapter_location,
     kv_role,
     launch_for,
     model_location,
     vllm_serve_args,
 )
+from fleetpilot.kube.names import spans_nodes
 from fleetpilot.runtime.engines import VllmBackend
 from fleetpilot.runtime.local import LocalFleet
 from tests.contract.conftest import VllmJudge
@@ -43,11 +48,25 @@ from tests.factories import make_manifest, make_tier
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+# A multi-node replica's pods get the leader's address from the LeaderWorkerSet controller
+# (``$(LWS_LEADER_ADDRESS)`` in their args, expanded by the kubelet): any name will do here.
+LEADER_ADDRESS = "svc-main-0.svc-main.ns"
 
 
-def expected_engine_args(role: ResolvedRole) -> dict[str, Any]:
-    """What vLLM's EngineArgs must hold for this role, read off the spec (not off our argv)."""
+def group_env(role: ResolvedRole, index: int) -> dict[str, str]:
+    """The variables the LWS controller sets on pod ``index`` of a group (0: the leader)."""
+    return {
+        "LWS_LEADER_ADDRESS": LEADER_ADDRESS,
+        "LWS_WORKER_INDEX": str(index),
+        "LWS_GROUP_SIZE": str(role_layout(role).nodes),
+    }
+
+
+def expected_engine_args(role: ResolvedRole, index: int = 0) -> dict[str, Any]:
+    """What vLLM's EngineArgs must hold for this role's pod ``index`` (0: the leader, or the
+    only pod of a one-node replica), read off the spec and its layout (not off our argv)."""
     tier, engine, parallelism = role.tier, role.engine, role.parallelism
+    layout = role_layout(role)
     hf = tier.model.source.huggingface
     expected: dict[str, Any] = {
         "model": model_location(tier),
@@ -67,7 +86,27 @@ def expected_engine_args(role: ResolvedRole) -> dict[str, Any]:
         "quantization": tier.model.quantization.value if tier.model.quantization else None,
     }
     if parallelism.data > 1:
-        expected["data_parallel_size_local"] = parallelism.data
+        # The ranks on this pod's node: all of them unless the replica spans nodes.
+        expected["data_parallel_size_local"] = layout.data_local
+        if layout.multi_node:
+            expected["data_parallel_rpc_port"] = DATA_PARALLEL_RPC_PORT
+    # A replica over several nodes: every pod names the group's size, its index and the
+    # leader it meets at; workers serve no API.
+    expected |= {"nnodes": layout.nodes, "node_rank": index}
+    if layout.multi_node:
+        expected |= {"master_addr": LEADER_ADDRESS, "master_port": MASTER_PORT}
+    else:
+        expected["data_parallel_rpc_port"] = None  # only remote engines hand-shake over TCP
+    eplb = parallelism.eplb
+    expected |= {"enable_expert_parallel": parallelism.expert, "enable_eplb": eplb is not None}
+    eplb_config: dict[str, Any] = {
+        "num_redundant_experts": eplb.redundant_experts if eplb is not None else 0
+    }
+    if eplb is not None and eplb.window_size is not None:
+        eplb_config["window_size"] = eplb.window_size
+    if eplb is not None and eplb.step_interval is not None:
+        eplb_config["step_interval"] = eplb.step_interval
+    expected["eplb_config"] = eplb_config  # the fields the spec sets: vLLM's defaults elsewhere
     lora = tier.lora_settings
     if lora is not None:
         expected |= {
@@ -92,14 +131,23 @@ def expected_engine_args(role: ResolvedRole) -> dict[str, Any]:
     return expected
 
 
-def assert_vllm_reads_the_spec(judge: VllmJudge, role: ResolvedRole) -> dict[str, Any]:
-    """vLLM parses the role's line, and its EngineArgs hold what the spec asked for."""
-    argv = vllm_serve_args(launch_for(role))
+def assert_vllm_reads_the_spec(
+    judge: VllmJudge, role: ResolvedRole, index: int = 0
+) -> dict[str, Any]:
+    """vLLM parses the line of the role's pod ``index`` (a worker's past 0, of a replica that
+    spans nodes; ``$(LWS_...)`` expanded as the kubelet does), and its EngineArgs hold what the
+    spec asked for."""
+    argv = expand_group_env(
+        vllm_serve_args(launch_for(role), worker=index > 0), group_env(role, index)
+    )
     verdict = judge.serve(argv)
     assert verdict["ok"], f"vLLM refused {argv}: {verdict['error']}"
     parsed: dict[str, Any] = verdict["engine_args"]
-    expected = expected_engine_args(role)
+    expected = expected_engine_args(role, index)
+    eplb_config = expected.pop("eplb_config")
     assert {k: parsed[k] for k in expected} == expected
+    assert {k: parsed["eplb_config"][k] for k in eplb_config} == eplb_config
+    assert verdict["headless"] is (index > 0)  # workers serve no API
     if role.tier.lora_settings is None:
         assert not parsed["enable_lora"]
     # The adapters vLLM registers at start: each by its name, from where the pod holds it -
@@ -147,6 +195,32 @@ def test_every_example_role_parses_as_the_spec_says(vllm_judge: VllmJudge, examp
     assert roles
     for role in roles:
         assert_vllm_reads_the_spec(vllm_judge, role)
+
+
+MULTI_NODE_ROLES = [
+    pytest.param(role, id=f"{example.name}:{tier.name}/{role.name}")
+    for example in EXAMPLES
+    for service in load_services(example)
+    for tier in service.spec.tiers
+    for role in tier.roles()
+    if spans_nodes(role)
+]
+
+
+def test_some_example_role_spans_nodes() -> None:
+    """The worker-line test below has cases."""
+    assert MULTI_NODE_ROLES
+
+
+@pytest.mark.parametrize("role", MULTI_NODE_ROLES)
+def test_every_multi_node_worker_line_parses_as_the_spec_says(
+    vllm_judge: VllmJudge, role: ResolvedRole
+) -> None:
+    """The workers of a replica that spans nodes run their own line (``--headless``, their
+    index as ``--node-rank``): each worker's, as the kubelet expands it on pod 1 .. N-1,
+    reads back as the spec's parallelism with that index."""
+    for index in range(1, role_layout(role).nodes):
+        assert_vllm_reads_the_spec(vllm_judge, role, index)
 
 
 # A spread of what the API accepts, built as manifests so the API's own validation decides.
@@ -263,7 +337,12 @@ def test_a_spread_of_specs_parses_as_asked(vllm_judge: VllmJudge, tier: dict[str
     """Whatever the API accepts within these ranges, vLLM parses to the same values."""
     service = parse_service(make_manifest(tiers=[tier]))
     for role in service.spec.tiers[0].roles():
-        assert_vllm_reads_the_spec(vllm_judge, role)
+        try:
+            nodes = role_layout(role).nodes
+        except LayoutError:
+            continue  # a layout the planner refuses: it writes no line for it
+        for index in range(nodes):
+            assert_vllm_reads_the_spec(vllm_judge, role, index)
 
 
 def test_a_renamed_flag_fails_with_vllms_own_message(vllm_judge: VllmJudge) -> None:

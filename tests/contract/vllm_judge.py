@@ -10,8 +10,9 @@ vLLM version it runs:
   ``vllm`` command does (``vllm/entrypoints/cli/main.py``: a ``FlexibleArgumentParser`` with the
   serve subcommand's parser, its ``validate``, the positional model tag taking precedence), then
   build ``AsyncEngineArgs.from_cli_args``. Answer ``{"ok": true, "engine_args": {...},
-  "lora_modules": [...]}`` (every field, nested configs as objects; the adapters the OpenAI
-  server would register at start, ``--lora-modules`` as its parser read them) or
+  "lora_modules": [...], "headless": bool}`` (every field, nested configs as objects; the
+  adapters the OpenAI server would register at start, ``--lora-modules`` as its parser read
+  them; whether ``--headless`` is set, a frontend flag outside the engine arguments) or
   ``{"ok": false, "error": "<vLLM's message>"}``.
 - ``{"op": "metrics", "argv": [...], "num_gpu_blocks": N}``: the metric families vLLM's
   Prometheus logger (``vllm/v1/metrics/loggers.py``, ``PrometheusStatLogger``) registers for
@@ -61,6 +62,38 @@ vLLM version it runs:
   load, per sub-module (``q_proj`` ... of a packed ``qkv_proj``), ``A`` [max_lora_rank, in]
   and ``B`` [out, max_lora_rank] as ``{"shape", "float32": "<base64>"}``, zero where the
   adapter has no delta.
+- ``{"op": "parallel", "argv": [...]}``: how one pod of a replica started with ``vllm serve
+  <argv>`` (a local checkpoint folder the caller wrote; no weights are read) takes its part in
+  the replica. The line is parsed as the ``serve`` op parses it, then vLLM's own dispatch
+  (``ServeSubcommand.cmd`` in ``vllm/entrypoints/cli/serve.py``, its entry points replaced by
+  recorders) picks what the command runs - ``run_headless`` (``--headless``: no API server),
+  ``run_multi_api_server`` or ``run_server`` - and fixes ``api_server_count``; the engine
+  config is built as that entry point builds it (``AsyncEngineArgs.from_cli_args``,
+  ``create_engine_config(usage_context=OPENAI_API_SERVER, headless=...)``, the API-process
+  count of ``run_multi_api_server``), with ``run_headless``'s own checks. Answer ``{"ok":
+  true, "entrypoint", "api_server_count", "headless", "parallel": {...}, "model": {"is_moe",
+  "num_experts"}, "launch": {...}}``: ``parallel`` the ``ParallelConfig`` fields a multi-node
+  replica hangs on (nnodes, node_rank, master address and port, world sizes, tensor/pipeline/
+  data sizes, data_parallel_size_local and _rank, the data-parallel master IP and RPC port,
+  the load-balancing mode, nnodes_within_dp, node_rank_within_dp, expert parallelism, EPLB
+  and ``eplb_config`` as an object); ``launch`` what the pod then starts: with
+  ``run_headless``, ``"multiproc_executor"`` (``node_rank_within_dp > 0``: this node's workers
+  of an engine whose head is elsewhere, at ``head_node_address``) or
+  ``"engine_proc_manager"`` (``CoreEngineProcManager``: ``local_engine_count`` engines from
+  ``start_index``, handshaking with ``handshake_address``); from an API server,
+  ``"api_server"`` with the engines ``launch_core_engines`` starts here (``local_engines``) and
+  handshakes with (``handshake_engines``). Every kind carries ``executor_worker_ranks``: the
+  global ranks, within one data-parallel rank's world, of the workers a ``MultiprocExecutor``
+  starts on this node (``global_start_rank = local_world_size x node_rank_within_dp``).
+  The one device check on the way - ``ParallelConfig`` refuses ``enable_eplb`` unless the
+  platform ``is_cuda_alike()`` (``vllm/config/parallel.py``), which this GPU-less CPU platform
+  is not - is answered as on the GPU nodes the pods run on: only ``is_cuda_alike`` of the
+  ``current_platform`` that module sees says True, every other platform question (``is_cuda``,
+  ``device_count``, ``is_xpu``...) gets the CPU platform's answer, and the judge refuses to run
+  if that module asks ``is_cuda_alike`` anywhere else (a vLLM release that gates more on it).
+  No value is set by the judge: every field is what vLLM derived from the argv. Fields a
+  platform chooses (the executor backend, worker class, the EPLB communicator) are the CPU
+  platform's, not a GPU node's.
 
 Nothing here is fleetpilot's: the script imports only vLLM, the standard library and
 ``metric_families`` beside it (plain code shared with the tests), so what it answers is what the
@@ -148,6 +181,7 @@ def serve(parser: _ServeParser, argv: list[str]) -> dict[str, Any]:
         "ok": True,
         "engine_args": _jsonable(engine_args),
         "lora_modules": _jsonable(getattr(args, "lora_modules", None) or []),
+        "headless": bool(args.headless),
     }
 
 
@@ -455,6 +489,182 @@ def _load_lora(worker: Any, request: Any) -> dict[str, Any]:
     }
 
 
+# vLLM's entry points of ``vllm serve``, which ``ServeSubcommand.cmd`` picks between.
+_ENTRYPOINTS = ("run_headless", "run_multi_api_server", "run_dp_supervisor", "run_server")
+_PARALLEL_FIELDS = (
+    "nnodes",
+    "node_rank",
+    "master_addr",
+    "master_port",
+    "world_size",
+    "world_size_across_dp",
+    "local_world_size",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "prefill_context_parallel_size",
+    "data_parallel_size",
+    "data_parallel_size_local",
+    "data_parallel_rank",
+    "data_parallel_master_ip",
+    "data_parallel_rpc_port",
+    "data_parallel_backend",
+    "data_parallel_external_lb",
+    "data_parallel_hybrid_lb",
+    "local_engines_only",
+    "nnodes_within_dp",
+    "node_rank_within_dp",
+    "enable_expert_parallel",
+    "enable_eplb",
+    "eplb_config",
+    "is_moe_model",
+    "_api_process_count",
+    "_api_process_rank",
+)
+
+
+def _serve_dispatch(args: argparse.Namespace) -> str:
+    """The entry point ``vllm serve`` runs for these arguments, as ``ServeSubcommand.cmd``
+    decides it (it also sets ``args.api_server_count``, as it does before running it)."""
+    from unittest import mock
+
+    import vllm.entrypoints.cli.serve as serve_module
+
+    chosen: list[str] = []
+
+    def recorder(name: str) -> Any:
+        def record(*_args: Any, **_kwargs: Any) -> None:
+            chosen.append(name)
+
+        return record
+
+    with contextlib.ExitStack() as stack:
+        for name in _ENTRYPOINTS:
+            stack.enter_context(mock.patch.object(serve_module, name, recorder(name)))
+        # run_server's coroutine is run by uvloop: the recorder returns no coroutine to run.
+        stack.enter_context(
+            mock.patch.object(serve_module, "uvloop", mock.Mock(run=lambda _coro: None))
+        )
+        serve_module.ServeSubcommand.cmd(args)
+    if len(chosen) != 1:
+        raise RuntimeError(f"vllm serve ran {chosen or 'nothing'}; the judge expects one entry")
+    return chosen[0]
+
+
+@contextlib.contextmanager
+def _eplb_allowed_as_on_a_gpu() -> Any:
+    """``ParallelConfig``'s EPLB device check answered as on a GPU node (module docstring)."""
+    import inspect
+
+    import vllm.config.parallel as parallel_module
+
+    if inspect.getsource(parallel_module).count("is_cuda_alike") != 1:
+        raise RuntimeError(
+            "vllm/config/parallel.py asks is_cuda_alike() in more than the EPLB check: "
+            "the judge's stand-in for a GPU platform would answer more than that check"
+        )
+    real = parallel_module.current_platform
+
+    class _CudaAlike:
+        def is_cuda_alike(self) -> bool:
+            return True
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+    parallel_module.current_platform = _CudaAlike()
+    try:
+        yield
+    finally:
+        parallel_module.current_platform = real
+
+
+def parallel(parser: _ServeParser, argv: list[str]) -> dict[str, Any]:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.common.cli_args import propagate_flash_late_interaction
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.utils.network_utils import get_tcp_uri
+
+    try:
+        args = parser.parse(argv)
+        entrypoint = _serve_dispatch(args)
+        headless = entrypoint == "run_headless"
+        if headless and args.api_server_count > 1:  # run_headless's first check
+            raise ValueError("api_server_count can't be set in headless mode")
+        if entrypoint not in ("run_headless", "run_multi_api_server", "run_server"):
+            raise ValueError(f"the judge does not build the config {entrypoint} builds")
+        engine_args = AsyncEngineArgs.from_cli_args(args)
+        propagate_flash_late_interaction(args, engine_args)
+        if entrypoint == "run_multi_api_server":
+            engine_args._api_process_count = args.api_server_count
+            engine_args._api_process_rank = -1
+        with _eplb_allowed_as_on_a_gpu():
+            config = engine_args.create_engine_config(
+                usage_context=UsageContext.OPENAI_API_SERVER, headless=headless
+            )
+        p = config.parallel_config
+        fields = {name: _jsonable(getattr(p, name)) for name in _PARALLEL_FIELDS}
+        # MultiprocExecutor (vllm/v1/executor/multiproc_executor.py): this node's workers.
+        start = p.local_world_size * p.node_rank_within_dp
+        worker_ranks = list(range(start, start + p.local_world_size))
+        launch: dict[str, Any]
+        if headless:
+            # run_headless, after create_engine_config.
+            if engine_args.data_parallel_hybrid_lb:
+                raise ValueError("data_parallel_hybrid_lb is not applicable in headless mode")
+            if p.data_parallel_size_local <= 0:
+                raise ValueError("data_parallel_size_local must be > 0 in headless mode")
+            if p.node_rank_within_dp > 0:
+                launch = {
+                    "kind": "multiproc_executor",
+                    "head_node_address": f"{p.master_addr}:{p.master_port}",
+                }
+            else:
+                launch = {
+                    "kind": "engine_proc_manager",
+                    "local_engine_count": p.data_parallel_size_local,
+                    "start_index": p.data_parallel_rank,
+                    "handshake_address": get_tcp_uri(
+                        p.data_parallel_master_ip, p.data_parallel_rpc_port
+                    ),
+                }
+        else:
+            # launch_core_engines (vllm/v1/engine/utils.py), which either API-server path
+            # runs: rank 0 handshakes with every engine and starts the first
+            # data_parallel_size_local of them; another rank only its own (never with
+            # internal load balancing, which vLLM asserts).
+            size, local = p.data_parallel_size, p.data_parallel_size_local
+            rank = p.data_parallel_rank
+            if entrypoint == "run_multi_api_server" and not (p.local_engines_only or rank == 0):
+                raise ValueError("run_multi_api_server: internal LB needs data_parallel_rank 0")
+            if rank == 0:
+                engines = [(i, i < local) for i in range(size)]
+            elif p.local_engines_only:
+                engines = [(i, True) for i in range(rank, rank + local)]
+            else:
+                raise ValueError(
+                    "Attempting to launch core_engines from dp_rank > 0, but found internal "
+                    "DPLB, which is incompatible."
+                )
+            launch = {
+                "kind": "api_server",
+                "local_engines": [i for i, here in engines if here],
+                "handshake_engines": [i for i, _ in engines],
+            }
+        launch["executor_worker_ranks"] = worker_ranks
+        model = config.model_config
+    except Exception as error:
+        return {"ok": False, "error": f"{type(error).__name__}: {error}"}
+    return {
+        "ok": True,
+        "entrypoint": entrypoint,
+        "api_server_count": args.api_server_count,
+        "headless": headless,
+        "parallel": fields,
+        "model": {"is_moe": model.is_moe, "num_experts": model.get_num_experts()},
+        "launch": launch,
+    }
+
+
 def main() -> None:
     logging.disable(logging.WARNING)
     import vllm
@@ -482,6 +692,8 @@ def main() -> None:
             answer = pd_decode(parser, request)
         elif op == "lora_adapters":
             answer = lora_adapters(parser, list(request["argv"]))
+        elif op == "parallel":
+            answer = parallel(parser, list(request["argv"]))
         else:
             answer = {"ok": False, "error": f"unknown op {op!r}"}
         print(json.dumps(answer), flush=True)
