@@ -16,6 +16,8 @@ from typing import Any
 # name the OpenAI client library raises for that status, or the status phrase in the same style.
 ERROR_TYPES: dict[int, str] = {
     400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     413: "RequestEntityTooLargeError",

@@ -146,6 +146,20 @@ RULE_CASES = [
         "spec.tiers[1].serving.decode.parallelism",
     ),
     RuleCase(
+        "duplicate-tenant-names",
+        _set(
+            ["spec", "routing", "auth"],
+            {
+                "tenants": [
+                    {"name": "team-a", "keysSecretRef": {"name": "keys", "key": "a"}},
+                    {"name": "team-a", "keysSecretRef": {"name": "keys", "key": "b"}},
+                ]
+            },
+        ),
+        Rule.TENANT_NAMES_UNIQUE,
+        "spec.routing.auth",
+    ),
+    RuleCase(
         "disaggregated-without-decode",
         _delete([*T1, "serving", "decode"]),
         Rule.DISAGG_NEEDS_ROLES,

@@ -154,6 +154,39 @@ class Backpressure(ApiModel):
     retry_after: Duration = Field(timedelta(seconds=1), description="Retry-After sent with a 429.")
 
 
+class TenantKeys(ApiModel):
+    """One tenant's keys, as files in the router's pod, and what they may use."""
+
+    name: str = Field(min_length=1, max_length=63)
+    key_files: list[str] = Field(
+        min_length=1,
+        description="Files holding the tenant's API keys, one per line (blank lines and lines "
+        "starting with '#' ignored); re-read when they change.",
+    )
+    tiers: list[str] = Field(default_factory=list, description="Tiers it may use; empty: all.")
+    adapters: list[str] = Field(
+        default_factory=list, description="Adapters it may request; empty: all."
+    )
+    requests_per_minute: int | None = Field(
+        None, ge=1, description="For the whole service; this router admits its share."
+    )
+    tokens_per_minute: int | None = Field(
+        None, ge=1, description="For the whole service; this router admits its share."
+    )
+
+
+class AuthConfig(ApiModel):
+    """API keys the router checks before any routing work."""
+
+    tenants: list[TenantKeys] = Field(min_length=1)
+    router_replicas: int = Field(
+        1, ge=1, description="Routers sharing the tenants' limits: each admits 1/this of them."
+    )
+    reload_interval: Duration = Field(
+        timedelta(seconds=5), description="How often the key files are checked for changes."
+    )
+
+
 class RouterConfig(ApiModel):
     """``fleetpilot.dev/v1alpha1 RouterConfig``."""
 
@@ -163,6 +196,9 @@ class RouterConfig(ApiModel):
     namespace: str
     port: int = Field(8000, ge=1, le=65535)
     tiers: list[RouterTier] = Field(min_length=1)
+    auth: AuthConfig | None = Field(
+        None, description="API keys per tenant; unset: every request is admitted."
+    )
     affinity: Affinity = Field(default_factory=Affinity)
     load_weight: float = Field(1.0, ge=0.0)
     adapter_weight: float = Field(2.0, ge=0.0)

@@ -29,6 +29,7 @@ DnsLabel = Annotated[str, StringConstraints(pattern=DNS_LABEL_PATTERN, max_lengt
 VLLM_VERSION = "0.33.0"
 DEFAULT_VLLM_IMAGE = f"vllm/vllm-openai:v{VLLM_VERSION}"
 MAX_TIERS = 8
+MAX_TENANTS = 64
 MAX_GPUS_PER_ENGINE = 64
 
 
@@ -81,6 +82,7 @@ class Rule:
         "spec.tiers[].adapters[].name must differ from the name every tier's model is "
         "requested by (model.servedName, else model.name)"
     )
+    TENANT_NAMES_UNIQUE = "spec.routing.auth.tenants[].name must be unique"
     NAME_LABEL = (
         "metadata.name must be a DNS-1035 label (lowercase letters, digits and '-', starting "
         "with a letter) of at most 63 characters: it names the Services and labels of the fleet"
@@ -988,6 +990,67 @@ class Spillover(ApiModel):
     )
 
 
+class Tenant(ApiModel):
+    """One client of the fleet: its API keys, and what they may use."""
+
+    name: DnsLabel = Field(description="Tenant name: what logs and metrics say (never a key).")
+    keys_secret_ref: SecretKeyRef = Field(
+        description="The Secret key holding this tenant's API keys, one per line (two during "
+        "a rotation). The router reads it from a mounted file and re-reads it when the "
+        "Secret changes, without a restart.",
+    )
+    tiers: list[DnsLabel] = Field(
+        default_factory=list,
+        max_length=MAX_TIERS,
+        description="Tiers its keys may use (the router chooses among these); empty: all.",
+    )
+    adapters: list[Annotated[str, StringConstraints(min_length=1, max_length=128)]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="LoRA adapters its keys may request; empty: all.",
+    )
+    requests_per_minute: int | None = Field(
+        None,
+        ge=1,
+        le=10_000_000,
+        description="Requests a minute its keys may send, over the whole service (each of the "
+        "routing.replicas routers admits its share); unset: no limit.",
+    )
+    tokens_per_minute: int | None = Field(
+        None,
+        ge=1,
+        le=10_000_000_000,
+        description="Tokens a minute (prompt and completion; max_tokens reserved at "
+        "admission, corrected by the answer's usage), over the whole service; unset: no limit.",
+    )
+
+
+class Auth(ApiModel):
+    """API keys: every request must carry ``Authorization: Bearer <key>`` of a tenant, checked
+    by the router before any routing work (401 without, 403 for a tier or adapter the tenant
+    may not use)."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": cel_rules(
+            (
+                "self.tenants.all(t, self.tenants.exists_one(u, u.name == t.name))",
+                Rule.TENANT_NAMES_UNIQUE,
+            )
+        )
+    }
+
+    tenants: list[Tenant] = Field(
+        min_length=1, max_length=MAX_TENANTS, description="The fleet's clients."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        tenant_names = [t.name for t in self.tenants]
+        if len(set(tenant_names)) != len(tenant_names):
+            raise ValueError(Rule.TENANT_NAMES_UNIQUE)
+        return self
+
+
 class Routing(ApiModel):
     """The router in front of the tiers."""
 
@@ -1016,6 +1079,9 @@ class Routing(ApiModel):
     )
     max_body_bytes: int = Field(
         10 * 1024 * 1024, ge=1024, le=1 << 30, description="Largest accepted request body."
+    )
+    auth: Auth | None = Field(
+        None, description="API keys per tenant; unset: the router admits every request."
     )
     cpu: Quantity = Field("1", description="CPU request per router pod.")
     memory: Quantity = Field("1Gi", description="Memory request and limit per router pod.")

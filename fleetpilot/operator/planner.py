@@ -31,6 +31,7 @@ from fleetpilot.operator.plan_types import (
     PlanOptions,
     object_meta,
 )
+from fleetpilot.operator.router_auth import check_auth
 from fleetpilot.operator.router_objects import router_objects
 
 # Flags the planner derives from the spec; setting them again in extraArgs would make the
@@ -128,6 +129,7 @@ def check(service: InferenceService, options: PlanOptions | None = None) -> None
                     f"{owner} and {seen[name]} would both be named {name!r}; rename a tier",
                 )
         seen |= dict.fromkeys(derived, owner)
+    check_auth(service)
     for role in all_roles(service):
         tier = role.tier
         where = _tier_field(service, role)

@@ -20,6 +20,7 @@ from fleetpilot.kube import names
 from fleetpilot.operator.engine_objects import hub_token_env
 from fleetpilot.operator.plan_types import K8sObject, PlanOptions, object_meta
 from fleetpilot.operator.pod_policy import container_security, pod_security, spread
+from fleetpilot.operator.router_auth import auth_config, auth_volumes
 from fleetpilot.routing.features import CHARS_PER_TOKEN
 
 ROUTER_PORT = 8000
@@ -169,6 +170,7 @@ def router_config(service: InferenceService) -> RouterConfig:
         spillover=routing.spillover,
         request_timeout=routing.request_timeout,
         max_body_bytes=routing.max_body_bytes,
+        auth=auth_config(service),
         cold_start_wait=hold_max if may_be_zero else timedelta(0),
         cold_start_margin=COLD_START_MARGIN + spec.monitoring.scrape_interval,
         **({"prefix_index_blocks": index} if index is not None else {}),
@@ -201,6 +203,7 @@ def router_objects(service: InferenceService, options: PlanOptions) -> list[K8sO
     routing = service.spec.routing
     config_text = yaml.safe_dump(router_config(service).to_wire(), sort_keys=False)
     probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5}
+    key_volumes, key_mounts = auth_volumes(service)
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
         {
@@ -296,12 +299,14 @@ def router_objects(service: InferenceService, options: PlanOptions) -> list[K8sO
                                 "volumeMounts": [
                                     {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
                                     {"name": "tokenizers", "mountPath": TOKENIZER_CACHE},
+                                    *key_mounts,
                                 ],
                             }
                         ],
                         "volumes": [
                             {"name": "config", "configMap": {"name": name}},
                             {"name": "tokenizers", "emptyDir": {"sizeLimit": "1Gi"}},
+                            *key_volumes,
                         ],
                     },
                 },

@@ -23,6 +23,7 @@ from fleetpilot.api.router_config import RouterConfig
 from fleetpilot.argtypes import DefaultsHelpFormatter, port_number
 from fleetpilot.httpserver import run_app
 from fleetpilot.logs import add_log_arguments, configure_logging
+from fleetpilot.routing.auth import AuthGate, KeyRing, Tenant
 from fleetpilot.routing.config import ConfigError, ConfigWatcher, load_config
 from fleetpilot.routing.discovery import (
     EndpointSource,
@@ -86,6 +87,8 @@ class RouterApp:
             kv_live=self._kv_live,
             on_replicas=self._follow_replicas,
         )
+        # API keys (routing.auth): checked before any routing work; re-read as they change.
+        self.auth = AuthGate(config.auth, on_reload=self._keys_loaded)
         self.config_path = config_path
         self.reload_interval_s = reload_interval_s
         self.session: aiohttp.ClientSession | None = None
@@ -112,7 +115,13 @@ class RouterApp:
                 }
             )
 
+    def _keys_loaded(self, ring: KeyRing) -> None:
+        self.metrics.auth_keys.clear()
+        for tenant, count in ring.key_counts().items():
+            self.metrics.auth_keys.labels(tenant).set(count)
+
     def apply_config(self, config: RouterConfig) -> None:
+        self.auth.apply(config.auth)
         self.router.apply_config(config)
         self._retune_loops(config)
         self._follow_tokenizers(config)
@@ -172,8 +181,13 @@ class RouterApp:
             cookie_jar=aiohttp.DummyCookieJar(),
         )
         self.proxy = Proxy(
-            self.router, self.metrics, self.session, debug_route_header=self.debug_route_header
+            self.router,
+            self.metrics,
+            self.session,
+            debug_route_header=self.debug_route_header,
+            auth=self.auth,
         )
+        await self.auth.start()
         self.kv_events = KVEventsClient(
             self.kv_index,
             self.metrics,
@@ -216,6 +230,7 @@ class RouterApp:
         )
 
     async def stop(self) -> None:
+        await self.auth.stop()
         if self.watcher is not None:
             await self.watcher.stop()
         if self.prober is not None:
@@ -244,7 +259,27 @@ class RouterApp:
         return await self.proxy.handle(request, "chat")
 
     async def models(self, request: web.Request) -> web.Response:
+        """The models a client may request: with API keys, only its tenant's tiers and
+        adapters (and a request without a valid key is refused, as on the other routes)."""
         config = self.router.config
+        tenant: Tenant | None = None
+        ring = self.auth.ring
+        if ring is not None:
+            try:
+                tenant = ring.authenticate(request.headers.get("Authorization"))
+            except RouterError as exc:
+                self.metrics.rejected.labels(str(exc.status), exc.reason or "").inc()
+                return error_response(exc)
+        tiers = self.router.tiers
+        if tenant is not None and tenant.allowed_tiers is not None:
+            tiers = [t for t in tiers if t.name in tenant.allowed_tiers]
+        adapters = [
+            (t, adapter)
+            for t in tiers
+            for adapter in t.adapters
+            if tenant is None or tenant.allowed_adapters is None
+            or adapter in tenant.allowed_adapters
+        ]  # fmt: skip
         entries = [
             {
                 "id": config.service,
@@ -264,7 +299,7 @@ class RouterApp:
                 "root": t.model,
                 "parent": None,
             }
-            for t in self.router.tiers
+            for t in tiers
         ]
         # Adapters as vLLM lists them: their parent is the base model they adapt.
         entries += [
@@ -276,8 +311,7 @@ class RouterApp:
                 "root": adapter,
                 "parent": t.model,
             }
-            for t in self.router.tiers
-            for adapter in t.adapters
+            for t, adapter in adapters
         ]
         return web.json_response({"object": "list", "data": entries})
 

@@ -69,6 +69,23 @@ class InvalidRequestError(RouterError):
     status = 400
 
 
+class AuthenticationError(RouterError):
+    """No API key, or one no tenant holds: 401, with the challenge RFC 6750 asks for."""
+
+    status = 401
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        super().__init__(
+            message, reason=reason, headers={"WWW-Authenticate": 'Bearer realm="fleetpilot"'}
+        )
+
+
+class PermissionDeniedError(RouterError):
+    """A tenant's key asking for a tier or adapter the tenant may not use."""
+
+    status = 403
+
+
 class UnknownModelError(RouterError):
     status = 404
 

@@ -198,6 +198,9 @@ class RequestFeatures:
     has_reasoning: bool
     stream: bool
     tier_header: str | None = None
+    # What the request's tenant may use (routing.auth); None: anything.
+    allowed_tiers: frozenset[str] | None = None
+    allowed_adapters: frozenset[str] | None = None
     # The request body as sent, for the router's tokenizer to render and tokenize as the
     # engine will (chat template options included) and match against the engines' KV events.
     payload: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)

@@ -46,6 +46,18 @@ class RouterMetrics:
             ["status", "code"],
             registry=r,
         )
+        self.tenant_requests = Counter(
+            p + "tenant_requests",
+            "Requests whose API key a tenant holds (routing.auth), by tenant.",
+            ["tenant"],
+            registry=r,
+        )
+        self.auth_keys = Gauge(
+            p + "auth_keys",
+            "API keys loaded per tenant (routing.auth).",
+            ["tenant"],
+            registry=r,
+        )
         self.decisions = Counter(
             p + "decisions",
             "Tier decisions by tier and reason (complexity, header, model, spillover).",

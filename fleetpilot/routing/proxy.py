@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -26,6 +26,7 @@ import aiohttp
 from aiohttp import web
 
 from fleetpilot.openai_errors import error_body, normalize_error
+from fleetpilot.routing.auth import AuthGate, Tenant
 from fleetpilot.routing.errors import (
     BodyTooLargeError,
     InvalidRequestError,
@@ -40,6 +41,7 @@ from fleetpilot.routing.features import Kind, RequestFeatures, extract_features
 from fleetpilot.routing.first_byte import FirstByteTimeoutError, FirstByteWatch
 from fleetpilot.routing.health import answers_health
 from fleetpilot.routing.hold import ColdStartHold
+from fleetpilot.routing.limits import DEFAULT_COMPLETION_RESERVE, TenantLimits
 from fleetpilot.routing.metrics import RouterMetrics
 from fleetpilot.routing.policies.pd import (
     KV_TRANSFER_PARAMS,
@@ -88,6 +90,15 @@ class _Exchange:
     """Bookkeeping of one client request."""
 
     started: float
+    # Whose key the request carries (routing.auth); None without auth.
+    tenant: Tenant | None = None
+    # The tenant's buckets when it has limits: what admission reserved, the rate-limit
+    # headers of the answer, and the tokens the answer says it used (usage), when it says.
+    limits: TenantLimits | None = None
+    reserved: int = 0
+    rate_headers: dict[str, str] = field(default_factory=dict)
+    answered: bool = False  # an engine answered 200: tokens were spent
+    used: int | None = None
     route: Route | None = None
     response: web.StreamResponse | None = None
     replica: ReplicaState | None = None
@@ -136,11 +147,14 @@ class Proxy:
         session: aiohttp.ClientSession,
         *,
         debug_route_header: bool = False,
+        auth: AuthGate | None = None,
     ) -> None:
         self.router = router
         self.metrics = metrics
         self.session = session
         self.debug_route_header = debug_route_header
+        # API keys (routing.auth): None or a gate without a ring admits every request.
+        self.auth = auth
         self.in_flight = 0
         self._client_timeout: aiohttp.ClientTimeout | None = None
         self._tokenize_pool = ThreadPoolExecutor(
@@ -157,6 +171,16 @@ class Proxy:
     # -- entry -------------------------------------------------------------------------------
     async def handle(self, request: web.Request, kind: Kind) -> web.StreamResponse:
         config = self.router.config
+        tenant: Tenant | None = None
+        ring = self.auth.ring if self.auth is not None else None
+        if ring is not None:
+            # Before any routing work, the body not even read: a request without a valid key
+            # costs a digest and a header.
+            try:
+                tenant = ring.authenticate(request.headers.get("Authorization"))
+            except RouterError as exc:
+                return self._reject(exc)
+            self.metrics.tenant_requests.labels(tenant.name).inc()
         if self.in_flight >= config.backpressure.max_in_flight:
             retry = max(1, round(config.backpressure.retry_after.total_seconds()))
             return self._reject(
@@ -166,7 +190,7 @@ class Proxy:
                     headers={"Retry-After": str(retry)},
                 )
             )
-        exchange = _Exchange(started=time.perf_counter())
+        exchange = _Exchange(started=time.perf_counter(), tenant=tenant)
         self.in_flight += 1
         self.metrics.in_flight.inc()
         try:
@@ -215,6 +239,11 @@ class Proxy:
         finally:
             self.in_flight -= 1
             self.metrics.in_flight.dec()
+            if exchange.limits is not None:
+                # Nothing generated (refused, failed): the reserve back; else what the answer
+                # says it used, when it says.
+                used = exchange.used if exchange.answered else 0
+                exchange.limits.settle(exchange.reserved, used, time.monotonic())
 
     def _route_header(
         self, route: Route, replica: ReplicaState | None = None, prefill: str | None = None
@@ -248,6 +277,14 @@ class Proxy:
             )
         else:
             body, features = _parse(raw, kind, request.headers)
+        if exchange.tenant is not None:
+            tenant = exchange.tenant
+            features = replace(
+                features,
+                allowed_tiers=tenant.allowed_tiers,
+                allowed_adapters=tenant.allowed_adapters,
+            )
+            self._admit(exchange, features)
         decided = time.perf_counter()
         route = await self._decide(features, exchange)
         self.metrics.decision_seconds.observe(time.perf_counter() - decided)
@@ -262,6 +299,9 @@ class Proxy:
             self.metrics.spillovers.labels(route.spilled_from, tier.name).inc()
 
         headers = _upstream_headers(request)
+        if exchange.tenant is not None:
+            # The tenant's key is the router's to check, not the engines' to see.
+            headers.pop("Authorization", None)
         exchange.request_id = headers[REQUEST_ID_HEADER]
         path = PATHS[kind]
         prefill_id: str | None = None
@@ -301,6 +341,21 @@ class Proxy:
         finally:
             if capture is not None:
                 capture.drop()  # not handed to the tokenizer: its budget back
+
+    def _admit(self, exchange: _Exchange, features: RequestFeatures) -> None:
+        """Take the request and its tokens from the tenant's buckets, or 429 (routing.limits):
+        the prompt's estimated tokens and max_tokens are reserved until the answer's usage."""
+        assert exchange.tenant is not None
+        assert self.auth is not None
+        limits = self.auth.limiter.of(exchange.tenant.name)
+        if limits is None:
+            return
+        completion = features.max_tokens
+        reserve = features.approx_tokens + (
+            completion if completion is not None else DEFAULT_COMPLETION_RESERVE
+        )
+        exchange.rate_headers = limits.admit(reserve, time.monotonic())
+        exchange.limits, exchange.reserved = limits, reserve
 
     async def _decide(self, features: RequestFeatures, exchange: _Exchange) -> Route:
         """The route; while no tier in reach has a replica, the request is held (counted as
@@ -560,6 +615,8 @@ class Proxy:
         out_headers = {h: v for h in RELAYED_HEADERS if (v := response.headers.get(h))}
         out_headers[ROUTE_HEADER] = self._route_header(route, replica, prefill_id)
         out_headers[REQUEST_ID_HEADER] = exchange.request_id
+        out_headers.update(exchange.rate_headers)
+        exchange.answered = response.status < 400
         content_type = response.headers.get("Content-Type", "")
         status = str(response.status)
         done = False
@@ -575,6 +632,8 @@ class Proxy:
                         data = fixed
                         out_headers["Content-Type"] = "application/json"
                 self._count(exchange, status)
+                if exchange.limits is not None and exchange.answered:
+                    exchange.used = usage_tokens(data)
                 if capture is not None and response.status == 200:
                     capture.feed(data)
                     capture.remember(self._remember_pool, streamed=False)
@@ -601,6 +660,8 @@ class Proxy:
                     break
                 if capture is not None:
                     capture.feed(chunk)
+                if exchange.limits is not None and b'"usage"' in chunk:
+                    exchange.used = stream_usage_tokens(chunk, exchange.used)
                 if first:
                     first = False
                     exchange.end_prefill()
@@ -641,6 +702,27 @@ class Proxy:
         event = b"data: " + _json_bytes(error_body(status, message)) + b"\n\n"
         with contextlib.suppress(ConnectionError):
             await out.write(event)
+
+
+def usage_tokens(data: bytes) -> int | None:
+    """``usage.total_tokens`` of a JSON answer (prompt and completion), if it has one."""
+    try:
+        usage = json.loads(data).get("usage")
+        total = usage.get("total_tokens") if isinstance(usage, dict) else None
+    except (ValueError, RecursionError, AttributeError):
+        return None
+    return total if isinstance(total, int) and not isinstance(total, bool) else None
+
+
+def stream_usage_tokens(chunk: bytes, previous: int | None) -> int | None:
+    """The last ``usage`` of a streamed answer's events in ``chunk`` (vLLM sends one in the
+    final event when the client asks ``stream_options.include_usage``), else ``previous``."""
+    found = previous
+    for line in chunk.split(b"\n"):
+        if line.startswith(b"data: {") and b'"usage"' in line:
+            used = usage_tokens(line[len(b"data: ") :])
+            found = used if used is not None else found
+    return found
 
 
 def _parse(raw: bytes, kind: Kind, headers: Mapping[str, str]) -> tuple[Any, RequestFeatures]:

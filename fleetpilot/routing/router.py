@@ -34,6 +34,7 @@ from fleetpilot.routing.discovery import Endpoint, EndpointSource
 from fleetpilot.routing.errors import (
     NoReplicaError,
     OverloadedError,
+    PermissionDeniedError,
     RouterError,
     UnavailableError,
 )
@@ -637,6 +638,11 @@ class Router:
         tier, choice, target = self._choose_tier(features, now)
         spilled = self.tiers[choice.spilled_from].name if choice.spilled_from is not None else None
         adapter = adapter_of(tier, features)
+        allowed = features.allowed_adapters
+        if adapter is not None and allowed is not None and adapter not in allowed:
+            raise PermissionDeniedError(
+                f"this API key may not use adapter {adapter!r}", reason="adapter_not_allowed"
+            )
         hashes: list[int] = []
         if self.config.affinity.weight > 0:
             # An adapter's KV differs from the base model's for the same prompt: as vLLM's
@@ -758,12 +764,15 @@ class Router:
     ) -> tuple[RouterTier, TierChoice, Target]:
         """The tier (and why) for this request now; raises as ``decide`` does."""
         target = resolve_target(features, self.tier_specs, self.config.service, self.weights)
-        choice = choose_tier(
-            target,
-            len(self.tiers),
-            lambda i: self.tier_state(self.tiers[i], now),
-            self.config.spillover.enabled,
-        )
+
+        def state(i: int) -> TierState:
+            return self.tier_state(self.tiers[i], now)
+
+        allowed = features.allowed_tiers
+        states: Callable[[int], TierState] = state
+        if allowed is not None:
+            target, states = self._within(target, allowed, state)
+        choice = choose_tier(target, len(self.tiers), states, self.config.spillover.enabled)
         if choice.index is None:
             if choice.reason == "saturated":
                 raise self._overloaded()
@@ -774,6 +783,29 @@ class Router:
                 roles=tuple(group.role for group in wanted.endpoints),
             )
         return self.tiers[choice.index], choice, target
+
+    def _within(
+        self, target: Target, allowed: frozenset[str], state: Callable[[int], TierState]
+    ) -> tuple[Target, Callable[[int], TierState]]:
+        """The target and tier states for a tenant that may use only the ``allowed`` tiers:
+        a tier it named is used or refused (403); the router's own choice moves to the
+        nearest allowed tier, the next one up first (as a spill would), and never spills to
+        one it may not use."""
+        permitted = [i for i, tier in enumerate(self.tiers) if tier.name in allowed]
+        wanted = self.tiers[target.index].name
+        if target.pinned and target.index not in permitted:
+            raise PermissionDeniedError(
+                f"this API key may not use tier {wanted!r}", reason="tier_not_allowed"
+            )
+        if not permitted:
+            raise PermissionDeniedError(
+                "this API key may use no tier of this service", reason="tier_not_allowed"
+            )
+        if target.index not in permitted:
+            above = [i for i in permitted if i > target.index]
+            target = replace(target, index=above[0] if above else permitted[-1])
+        closed = TierState(has_replicas=False, available=False, saturated=True)
+        return target, lambda i: state(i) if i in permitted else closed
 
     def _none_open(self, tier: RouterTier, message: str) -> RouterError:
         """The error for a pick that found no replica after ``tier_state`` said one was open:

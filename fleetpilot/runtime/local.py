@@ -14,6 +14,7 @@ and resource settings of the service are ignored.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import sys
@@ -27,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from fleetpilot.api import InferenceService, ResolvedRole, RoleName
-from fleetpilot.api.router_config import ROUTER_CONFIG_FILE, RouterConfig
+from fleetpilot.api.router_config import ROUTER_CONFIG_FILE, AuthConfig, RouterConfig
 from fleetpilot.api.status import (
     ColdStart,
     ColdStartSample,
@@ -39,6 +40,7 @@ from fleetpilot.engine.adapter_client import AdapterClient
 from fleetpilot.engine.vllm_args import launch_for
 from fleetpilot.operator.adapter_loading import dynamic_tiers
 from fleetpilot.operator.cold_start import cold_start
+from fleetpilot.operator.router_auth import AUTH_DIR
 from fleetpilot.operator.router_objects import router_config
 from fleetpilot.runtime.engines import EngineBackend, ReferenceBackend
 from fleetpilot.runtime.processes import (
@@ -49,6 +51,8 @@ from fleetpilot.runtime.processes import (
     port_in_use,
     require_free_ports,
 )
+
+log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
 ENDPOINTS_FILE = "endpoints.yaml"
@@ -120,13 +124,16 @@ class LocalFleet:
         cold_start_s: float = 0.0,
         step_delay_s: float = 0.0,
         say: Callable[[str], None] | None = None,
+        auth_dir: Path | None = None,
     ) -> None:
         """``python`` runs the router (and the reference engines of the default backend);
         ``cold_start_s``: how long each engine of the default backend, those added later
         included, waits after loading before it answers /health (a GPU engine's start; its
         readiness wait is that much longer); ``step_delay_s``: how long each engine of the
         default backend sleeps after every busy step (a GPU's pace); ``say`` hears each
-        engine's readiness while the fleet starts (k of N)."""
+        engine's readiness while the fleet starts (k of N); ``auth_dir``: where the tenants'
+        API keys of ``routing.auth`` are, as ``<secret>/<key>`` files (a cluster mounts the
+        Secrets so); without it the local router admits every request."""
         if max_replicas_per_role < 1:
             raise ValueError("max_replicas_per_role must be at least 1")
         if not (math.isfinite(cold_start_s) and cold_start_s >= 0):
@@ -140,6 +147,7 @@ class LocalFleet:
             )
         self.service = service
         self.workdir = workdir
+        self.auth_dir = auth_dir
         # Port 0: every process on its own free port (tests, the demo), instead of the block
         # after base_port, which another process may hold in part.
         taken: set[int] = set()
@@ -158,6 +166,7 @@ class LocalFleet:
         self.cold_start_s = cold_start_s
         self.say = say
         self.python = python
+        self._auth_off_logged = False
         self.backend = (
             backend
             if backend is not None
@@ -283,7 +292,34 @@ class LocalFleet:
                     update={"endpoints": groups, "tokenizer": self.backend.router_tokenizer()}
                 )
             )
-        return config.model_copy(update={"port": self.router_port, "tiers": tiers})
+        return config.model_copy(
+            update={"port": self.router_port, "tiers": tiers, "auth": self._local_auth(config)}
+        )
+
+    def _local_auth(self, config: RouterConfig) -> AuthConfig | None:
+        """The router's key files under ``auth_dir`` instead of the pod's Secret mounts; no
+        auth without one (logged once)."""
+        if config.auth is None:
+            return None
+        if self.auth_dir is None:
+            if not self._auth_off_logged:
+                log.warning(
+                    "routing.auth: the local router admits every request "
+                    "(give the keys as <secret>/<key> files under --auth-dir to check them)"
+                )
+                self._auth_off_logged = True
+            return None
+        tenants = [
+            tenant.model_copy(
+                update={
+                    "key_files": [
+                        str(self.auth_dir / Path(f).relative_to(AUTH_DIR)) for f in tenant.key_files
+                    ]
+                }
+            )
+            for tenant in config.auth.tenants
+        ]
+        return config.auth.model_copy(update={"tenants": tenants})
 
     def endpoints(self) -> dict[str, list[dict[str, object]]]:
         """The router's endpoints file: every serving engine's address and KV-event ports."""

@@ -141,6 +141,7 @@ class LocalStack:
         python: str = sys.executable,
         cold_start_s: float = 0.0,
         step_delay_s: float = 0.0,
+        auth_dir: Path | None = None,
     ) -> None:
         self.fleet = LocalFleet(
             service,
@@ -151,6 +152,7 @@ class LocalStack:
             cold_start_s=cold_start_s,
             step_delay_s=step_delay_s,
             say=say,
+            auth_dir=auth_dir,
         )
         self.service = service
         self.workdir = workdir

@@ -96,6 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="every engine sleeps this long after each busy step: its throughput is set by "
         "this pace rather than by the CPU it shares, so each replica adds capacity",
     )
+    a(
+        "--auth-dir",
+        metavar="DIR",
+        help="where the API keys of routing.auth are, as DIR/<secret>/<key> files (a cluster "
+        "mounts the Secrets so); without it the local router admits every request",
+    )
 
 
 class _Stop(KeyboardInterrupt):
@@ -146,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
             say=_say,
             cold_start_s=args.cold_start,
             step_delay_s=args.step_delay,
+            auth_dir=Path(args.auth_dir) if args.auth_dir else None,
         )
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
         try:

@@ -1,0 +1,174 @@
+"""Per-tenant limits: token buckets per tenant and router replica, 429 with Retry-After and
+OpenAI's rate-limit headers, tokens reserved at admission and corrected by the answer's usage."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from fleetpilot.api.router_config import AuthConfig, TenantKeys
+from fleetpilot.routing.limits import Bucket, Limiter, RateLimitedError, TenantLimits
+from tests.routing.support import FakeEngine, engines, make_config, running_router, tier
+from tests.routing.test_app import SHORT, assert_openai_error, post
+
+KEY = "sk-team-a-0123456789abcdef"
+
+
+def test_a_bucket_refills_at_a_sixtieth_of_its_minute_per_second() -> None:
+    bucket = Bucket.full(60, now=0.0)
+    bucket.level = 0
+    bucket.refill(10.0)
+    assert bucket.level == pytest.approx(10)
+    bucket.refill(1000.0)
+    assert bucket.level == 60  # never above a minute's worth
+    bucket.level = -5
+    assert bucket.wait(1) == pytest.approx(6.0)
+
+
+def test_a_request_takes_both_buckets_or_neither() -> None:
+    """One request and its tokens; refused for either limit, nothing is taken, and the
+    429 says which limit, when to retry, and OpenAI's headers."""
+    limits = TenantLimits(Bucket.full(2, 0.0), Bucket.full(100, 0.0))
+    headers = limits.admit(60, 0.0)
+    assert headers["x-ratelimit-remaining-requests"] == "1"
+    assert headers["x-ratelimit-remaining-tokens"] == "40"
+    with pytest.raises(RateLimitedError) as refused:
+        limits.admit(60, 0.0)  # tokens short (40 left): the request is not taken either
+    assert refused.value.reason == "rate_limited_tokens"
+    assert refused.value.headers["Retry-After"] == "12"  # 20 tokens at 100/60 per second
+    assert refused.value.headers["x-ratelimit-remaining-requests"] == "1"
+    limits.admit(40, 0.0)
+    with pytest.raises(RateLimitedError) as refused:
+        limits.admit(0, 0.0)
+    assert refused.value.reason == "rate_limited_requests"
+    assert refused.value.headers["x-ratelimit-reset-requests"] == "1m0s"
+
+
+def test_a_request_larger_than_the_minute_can_never_pass() -> None:
+    limits = TenantLimits(None, Bucket.full(100, 0.0))
+    with pytest.raises(RateLimitedError) as refused:
+        limits.admit(101, 0.0)
+    assert refused.value.reason == "request_too_large"
+    assert "Retry-After" not in refused.value.headers
+
+
+def test_usage_gives_back_what_the_reserve_overestimated() -> None:
+    limits = TenantLimits(None, Bucket.full(1000, 0.0))
+    limits.admit(600, 0.0)  # prompt + max_tokens
+    limits.settle(600, 150, 0.0)  # the answer used 150
+    assert limits.tokens is not None
+    assert limits.tokens.level == pytest.approx(850)
+    limits.settle(600, None, 0.0)  # unknown usage: the reserve stands
+    assert limits.tokens.level == pytest.approx(850)
+
+
+def test_each_router_replica_admits_its_share_and_unchanged_tenants_keep_their_buckets() -> None:
+    limiter = Limiter()
+    limiter.configure({"a": (100, None), "b": (None, 1000)}, replicas=3, now=0.0)
+    a = limiter.of("a")
+    assert a is not None
+    assert a.requests is not None
+    assert a.requests.capacity == 34  # ceil(100 / 3)
+    a.requests.level = 5
+    limiter.configure({"a": (100, None), "b": (None, 2000)}, replicas=3, now=1.0)
+    assert limiter.of("a") is a
+    b = limiter.of("b")
+    assert b is not None
+    assert b.tokens is not None
+    assert b.tokens.capacity == 667
+    limiter.configure({"a": (None, None)}, replicas=1, now=2.0)
+    assert limiter.of("a") is None
+    assert limiter.of("b") is None
+
+
+@pytest.mark.asyncio
+async def test_the_official_client_reads_the_429_and_its_headers(tmp_path: Path) -> None:
+    """Two requests a minute: the third gets 429, which the openai package raises as its
+    RateLimitError, with Retry-After and x-ratelimit-* it can read; an admitted answer
+    carries the headers too, and a refused request never reaches an engine."""
+    (tmp_path / "a").write_text(KEY)
+    auth = AuthConfig(
+        tenants=[TenantKeys(name="a", key_files=[str(tmp_path / "a")], requests_per_minute=2)]
+    )
+    engine = FakeEngine("e")
+    async with engines(engine):
+        config = make_config([tier("only", 1.0, [engine])], auth=auth)
+        async with running_router(config) as router:
+            async with openai.AsyncOpenAI(
+                base_url=router.url + "/v1", api_key=KEY, max_retries=0
+            ) as client:
+                raw = await client.completions.with_raw_response.create(model="chat", prompt="hi")
+                assert raw.headers["x-ratelimit-limit-requests"] == "2"
+                assert raw.headers["x-ratelimit-remaining-requests"] == "1"
+                await client.completions.create(model="chat", prompt="hi")
+                with pytest.raises(openai.RateLimitError) as refused:
+                    await client.completions.create(model="chat", prompt="hi")
+            headers = refused.value.response.headers
+            assert headers["x-ratelimit-remaining-requests"] == "0"
+            assert 1 <= int(headers["retry-after"]) <= 30  # a request refills in 30 s
+            assert headers["x-fleetpilot-error"] == "rate_limited_requests"
+            assert len(engine.requests) == 2
+            status, payload, _ = await post(
+                router, SHORT, headers={"Authorization": f"Bearer {KEY}"}
+            )
+            assert_openai_error(status, payload, 429)
+
+
+@pytest.mark.asyncio
+async def test_tokens_are_reserved_then_corrected_by_the_answers_usage(tmp_path: Path) -> None:
+    """A tenant of 1,000 tokens a minute sends max_tokens 400: reserved at admission, then
+    the answer's usage (2 tokens) is all that stays taken, so the next such request passes
+    where the reserve alone would have refused the third."""
+    (tmp_path / "a").write_text(KEY)
+    auth = AuthConfig(
+        tenants=[TenantKeys(name="a", key_files=[str(tmp_path / "a")], tokens_per_minute=1000)]
+    )
+    engine = FakeEngine("e")
+    async with engines(engine):
+        config = make_config([tier("only", 1.0, [engine])], auth=auth)
+        async with running_router(config) as router:
+            headers = {"Authorization": f"Bearer {KEY}"}
+            for _ in range(4):
+                status, payload, reply = await post(
+                    router, {**SHORT, "max_tokens": 400}, headers=headers
+                )
+                assert status == 200, payload
+            # Admission saw ~401 reserved of what was left; each answer used 2.
+            assert int(reply["x-ratelimit-remaining-tokens"]) >= 1000 - 3 * 2 - 401 - 1
+            status, payload, _ = await post(router, {**SHORT, "max_tokens": 1001}, headers=headers)
+            assert_openai_error(status, payload, 429)
+            assert "more than the 1000 a minute" in payload["error"]["message"]
+
+
+@pytest.mark.asyncio
+async def test_two_routers_admit_the_services_limit_between_them(tmp_path: Path) -> None:
+    """What a limit means with 2 router replicas: each admits half. A tenant of 40 requests
+    a minute, its requests spread over both routers (as the router Service spreads
+    connections), gets 40 of a burst of 100 at once; sent to one router only, 20."""
+    (tmp_path / "a").write_text(KEY)
+    auth = AuthConfig(
+        tenants=[TenantKeys(name="a", key_files=[str(tmp_path / "a")], requests_per_minute=40)],
+        router_replicas=2,
+    )
+    engine = FakeEngine("e")
+    headers = {"Authorization": f"Bearer {KEY}"}
+    async with engines(engine):
+        config = make_config([tier("only", 1.0, [engine])], auth=auth)
+        async with running_router(config) as first, running_router(config) as second:
+            started = time.monotonic()
+            spread = [
+                (await post(router, SHORT, headers=headers))[0]
+                for _ in range(50)
+                for router in (first, second)
+            ]
+            # Each router refills a third of a request a second: on a slow machine a few more.
+            refill = int((time.monotonic() - started) * 20 / 60)
+            assert 40 <= spread.count(200) <= 40 + 2 * refill
+            async with running_router(config) as alone:
+                started = time.monotonic()
+                statuses = [(await post(alone, SHORT, headers=headers))[0] for _ in range(50)]
+                refill = int((time.monotonic() - started) * 20 / 60)
+            assert 20 <= statuses.count(200) <= 20 + refill
