@@ -50,6 +50,8 @@ class Example:
     engines: dict[str, Engine]
     # What the model cache's Jobs download (spec.modelCache), in plan order.
     downloads: tuple[str, ...] = ()
+    # Tenants whose API keys the router checks (spec.routing.auth), in order.
+    tenants: tuple[str, ...] = ()
 
 
 NIXL = {"--kv-transfer-config": '"kv_connector":"NixlConnector"'}
@@ -180,6 +182,16 @@ EXPECTED = {
             )
         },
     ),
+    "tenants.yaml": Example(
+        "gateway",
+        [("small", 0.4, "unified"), ("large", 1.0, "unified")],
+        {
+            "gateway-small": Engine("unified", 1, 1, {"--served-model-name": "qwen-7b"}),
+            "gateway-large": Engine("unified", 4, 1, {"--tensor-parallel-size": "4"}),
+        },
+        downloads=("Qwen/Qwen2.5-7B-Instruct@main", "Qwen/Qwen2.5-72B-Instruct@main"),
+        tenants=("free", "pro"),
+    ),
     "local-two-tier.yaml": Example(
         "local",
         [("small", 0.4, "unified"), ("large", 1.0, "unified")],
@@ -228,6 +240,8 @@ def test_example_plans_the_tiers_and_roles_it_describes(path: Path) -> None:
     (config_map,) = [o for o in objects if o["kind"] == "ConfigMap"]
     config = RouterConfig.model_validate(yaml.safe_load(config_map["data"][ROUTER_CONFIG_FILE]))
     assert [(t.name, t.up_to, t.mode.value) for t in config.tiers] == expected.tiers
+    tenants = tuple(t.name for t in config.auth.tenants) if config.auth is not None else ()
+    assert tenants == expected.tenants
     router = f"{expected.service}-router"
     workloads = {
         o["metadata"]["name"]: o

@@ -101,10 +101,30 @@ def command_lines(service: InferenceService, role: ResolvedRole) -> list[str]:
     ]
 
 
+def tenant_lines(service: InferenceService) -> list[str]:
+    """Who may call the router (routing.auth), what each tenant may use and its limits."""
+    auth = service.spec.routing.auth
+    if auth is None:
+        return ["  API keys: none (every request is admitted)"]
+    lines = ["  API keys (routing.auth):"]
+    for tenant in auth.tenants:
+        ref = tenant.keys_secret_ref
+        what = [f"tiers {', '.join(tenant.tiers)}" if tenant.tiers else "every tier"]
+        if tenant.adapters:
+            what.append(f"adapters {', '.join(tenant.adapters)}")
+        if tenant.requests_per_minute:
+            what.append(f"{tenant.requests_per_minute:,} requests/min")
+        if tenant.tokens_per_minute:
+            what.append(f"{tenant.tokens_per_minute:,} tokens/min")
+        lines.append(f"    tenant {tenant.name}: Secret {ref.name}/{ref.key}; {'; '.join(what)}")
+    return lines
+
+
 def summarize(service: InferenceService, objects: list[K8sObject]) -> str:
     """Plain text for a person; the YAML/JSON output is for machines."""
     lines = [f"InferenceService {service.namespace}/{service.name}"]
     lines.append(f"  endpoint: {endpoint_url(service)}  (router x{service.spec.routing.replicas})")
+    lines += tenant_lines(service)
     total_start = total_max = 0
     for role in all_roles(service):
         tier = role.tier

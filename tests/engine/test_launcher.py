@@ -112,6 +112,18 @@ GOLDEN = {
         """--speculative-config '{"method":"eagle3","model":"""
         """"yuhuili/EAGLE3-LLaMA3.3-Instruct-70B","num_speculative_tokens":4}'""" + KV_EVENTS
     ),
+    ("tenants.yaml", "small", "unified"): (
+        f"vllm serve Qwen/Qwen2.5-7B-Instruct --served-model-name qwen-7b {COMMON} "
+        "--tensor-parallel-size 1 --pipeline-parallel-size 1 --dtype auto --max-model-len 8192 "
+        "--gpu-memory-utilization 0.9 --max-num-seqs 256 --block-size 16 "
+        "--enable-prefix-caching --kv-cache-dtype auto" + KV_EVENTS
+    ),
+    ("tenants.yaml", "large", "unified"): (
+        f"vllm serve Qwen/Qwen2.5-72B-Instruct --served-model-name qwen-72b {COMMON} "
+        "--tensor-parallel-size 4 --pipeline-parallel-size 1 --dtype auto "
+        "--max-model-len 32768 --gpu-memory-utilization 0.9 --max-num-seqs 256 "
+        "--block-size 16 --enable-prefix-caching --kv-cache-dtype auto" + KV_EVENTS
+    ),
     ("deepseek-wide-ep.yaml", "main", "prefill"): (
         f"vllm serve /models/deepseek-v3 --served-model-name deepseek-v3 {COMMON} "
         "--tensor-parallel-size 1 --pipeline-parallel-size 1 --data-parallel-size 8 "
