@@ -3,7 +3,9 @@ OpenAI's rate-limit headers, tokens reserved at admission and corrected by the a
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import openai
@@ -11,10 +13,34 @@ import pytest
 
 from fleetpilot.api.router_config import AuthConfig, TenantKeys
 from fleetpilot.routing.limits import Bucket, Limiter, RateLimitedError, TenantLimits
-from tests.routing.support import FakeEngine, engines, make_config, running_router, tier
+from tests.routing.support import (
+    FakeEngine,
+    RunningRouter,
+    engines,
+    make_config,
+    running_router,
+    tier,
+)
 from tests.routing.test_app import SHORT, assert_openai_error, post
 
 KEY = "sk-team-a-0123456789abcdef"
+
+
+def _limited(tmp_path: Path, replicas: int = 1, **limits: int) -> AuthConfig:
+    """Tenant "a" holding KEY, with ``limits`` (requests_per_minute, tokens_per_minute)."""
+    (tmp_path / "a").write_text(KEY)
+    tenant = TenantKeys(name="a", key_files=[str(tmp_path / "a")], **limits)
+    return AuthConfig(tenants=[tenant], router_replicas=replicas)
+
+
+@contextlib.asynccontextmanager
+async def _router_for(auth: AuthConfig) -> AsyncIterator[tuple[RunningRouter, FakeEngine]]:
+    """One engine behind a router checking ``auth``."""
+    engine = FakeEngine("e")
+    async with engines(engine):
+        config = make_config([tier("only", 1.0, [engine])], auth=auth)
+        async with running_router(config) as router:
+            yield router, engine
 
 
 def test_a_bucket_refills_at_a_sixtieth_of_its_minute_per_second() -> None:
@@ -89,32 +115,23 @@ async def test_the_official_client_reads_the_429_and_its_headers(tmp_path: Path)
     """Two requests a minute: the third gets 429, which the openai package raises as its
     RateLimitError, with Retry-After and x-ratelimit-* it can read; an admitted answer
     carries the headers too, and a refused request never reaches an engine."""
-    (tmp_path / "a").write_text(KEY)
-    auth = AuthConfig(
-        tenants=[TenantKeys(name="a", key_files=[str(tmp_path / "a")], requests_per_minute=2)]
-    )
-    engine = FakeEngine("e")
-    async with engines(engine):
-        config = make_config([tier("only", 1.0, [engine])], auth=auth)
-        async with running_router(config) as router:
-            async with openai.AsyncOpenAI(
-                base_url=router.url + "/v1", api_key=KEY, max_retries=0
-            ) as client:
-                raw = await client.completions.with_raw_response.create(model="chat", prompt="hi")
-                assert raw.headers["x-ratelimit-limit-requests"] == "2"
-                assert raw.headers["x-ratelimit-remaining-requests"] == "1"
+    async with _router_for(_limited(tmp_path, requests_per_minute=2)) as (router, engine):
+        async with openai.AsyncOpenAI(
+            base_url=router.url + "/v1", api_key=KEY, max_retries=0
+        ) as client:
+            raw = await client.completions.with_raw_response.create(model="chat", prompt="hi")
+            assert raw.headers["x-ratelimit-limit-requests"] == "2"
+            assert raw.headers["x-ratelimit-remaining-requests"] == "1"
+            await client.completions.create(model="chat", prompt="hi")
+            with pytest.raises(openai.RateLimitError) as refused:
                 await client.completions.create(model="chat", prompt="hi")
-                with pytest.raises(openai.RateLimitError) as refused:
-                    await client.completions.create(model="chat", prompt="hi")
-            headers = refused.value.response.headers
-            assert headers["x-ratelimit-remaining-requests"] == "0"
-            assert 1 <= int(headers["retry-after"]) <= 30  # a request refills in 30 s
-            assert headers["x-fleetpilot-error"] == "rate_limited_requests"
-            assert len(engine.requests) == 2
-            status, payload, _ = await post(
-                router, SHORT, headers={"Authorization": f"Bearer {KEY}"}
-            )
-            assert_openai_error(status, payload, 429)
+        headers = refused.value.response.headers
+        assert headers["x-ratelimit-remaining-requests"] == "0"
+        assert 1 <= int(headers["retry-after"]) <= 30  # a request refills in 30 s
+        assert headers["x-fleetpilot-error"] == "rate_limited_requests"
+        assert len(engine.requests) == 2
+        status, payload, _ = await post(router, SHORT, headers={"Authorization": f"Bearer {KEY}"})
+        assert_openai_error(status, payload, 429)
 
 
 @pytest.mark.asyncio
@@ -122,25 +139,18 @@ async def test_tokens_are_reserved_then_corrected_by_the_answers_usage(tmp_path:
     """A tenant of 1,000 tokens a minute sends max_tokens 400: reserved at admission, then
     the answer's usage (2 tokens) is all that stays taken, so the next such request passes
     where the reserve alone would have refused the third."""
-    (tmp_path / "a").write_text(KEY)
-    auth = AuthConfig(
-        tenants=[TenantKeys(name="a", key_files=[str(tmp_path / "a")], tokens_per_minute=1000)]
-    )
-    engine = FakeEngine("e")
-    async with engines(engine):
-        config = make_config([tier("only", 1.0, [engine])], auth=auth)
-        async with running_router(config) as router:
-            headers = {"Authorization": f"Bearer {KEY}"}
-            for _ in range(4):
-                status, payload, reply = await post(
-                    router, {**SHORT, "max_tokens": 400}, headers=headers
-                )
-                assert status == 200, payload
-            # Admission saw ~401 reserved of what was left; each answer used 2.
-            assert int(reply["x-ratelimit-remaining-tokens"]) >= 1000 - 3 * 2 - 401 - 1
-            status, payload, _ = await post(router, {**SHORT, "max_tokens": 1001}, headers=headers)
-            assert_openai_error(status, payload, 429)
-            assert "more than the 1000 a minute" in payload["error"]["message"]
+    async with _router_for(_limited(tmp_path, tokens_per_minute=1000)) as (router, _):
+        headers = {"Authorization": f"Bearer {KEY}"}
+        for _ in range(4):
+            status, payload, reply = await post(
+                router, {**SHORT, "max_tokens": 400}, headers=headers
+            )
+            assert status == 200, payload
+        # Admission saw ~401 reserved of what was left; each answer used 2.
+        assert int(reply["x-ratelimit-remaining-tokens"]) >= 1000 - 3 * 2 - 401 - 1
+        status, payload, _ = await post(router, {**SHORT, "max_tokens": 1001}, headers=headers)
+        assert_openai_error(status, payload, 429)
+        assert "more than the 1000 a minute" in payload["error"]["message"]
 
 
 @pytest.mark.asyncio
@@ -148,11 +158,7 @@ async def test_two_routers_admit_the_services_limit_between_them(tmp_path: Path)
     """What a limit means with 2 router replicas: each admits half. A tenant of 40 requests
     a minute, its requests spread over both routers (as the router Service spreads
     connections), gets 40 of a burst of 100 at once; sent to one router only, 20."""
-    (tmp_path / "a").write_text(KEY)
-    auth = AuthConfig(
-        tenants=[TenantKeys(name="a", key_files=[str(tmp_path / "a")], requests_per_minute=40)],
-        router_replicas=2,
-    )
+    auth = _limited(tmp_path, replicas=2, requests_per_minute=40)
     engine = FakeEngine("e")
     headers = {"Authorization": f"Bearer {KEY}"}
     async with engines(engine):
