@@ -320,7 +320,8 @@ def collection_waits(
     kept = fetch_jobs_of(job)
     waits = [f"Job {name}" for name in kept if not job_complete(jobs.get(name))]
     waits += [
-        f"Deployment {name}"
+        # A LeaderWorkerSet's rollout is read as a Deployment's (the same status fields).
+        f"{(deployments.get(name) or {}).get('kind') or 'Deployment'} {name}"
         for name in _listed(job, ANNOTATION_AFTER_ROLLOUT)
         if not rolled_out(deployments.get(name), set(kept))
     ]

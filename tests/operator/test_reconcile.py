@@ -571,7 +571,7 @@ def test_a_multi_node_role_waits_for_its_model_and_the_gc_waits_for_its_rollout(
 
     second = reconciler.reconcile(service(kube))
     assert "LeaderWorkerSet/chat-big" in second.applied
-    assert second.waiting_to_collect == ["Deployment chat-big"]  # created, not rolled out
+    assert second.waiting_to_collect == ["LeaderWorkerSet chat-big"]  # created, not rolled out
     assert names_of(kube, "Job") == {download}
 
     roll_out_groups(kube, "chat-big", ready=0)  # every group at the spec, none Ready yet
