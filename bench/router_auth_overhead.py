@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -45,22 +46,18 @@ def request_with_key(body: dict[str, Any], key: str | None) -> bytes:
     ).encode() + data
 
 
-def keyed_config(echo_port: int, keys_dir: Path) -> dict[str, Any]:
+def keyed_config(echo_port: int, keys_dir: Path, limits: bool) -> dict[str, Any]:
     tenants = []
     for t in range(TENANTS):
         path = keys_dir / f"tenant-{t}"
         path.write_text(
             "".join(f"sk-bench-{t:03d}-{k}-{'x' * 24}\n" for k in range(KEYS_PER_TENANT))
         )
-        # Limits high enough never to refuse: the buckets' cost, not their refusals.
-        tenants.append(
-            {
-                "name": f"tenant-{t}",
-                "keyFiles": [str(path)],
-                "requestsPerMinute": 10_000_000,
-                "tokensPerMinute": 10_000_000_000,
-            }
-        )
+        tenant: dict[str, Any] = {"name": f"tenant-{t}", "keyFiles": [str(path)]}
+        if limits:
+            # High enough never to refuse: the buckets' cost, not their refusals.
+            tenant |= {"requestsPerMinute": 10_000_000, "tokensPerMinute": 10_000_000_000}
+        tenants.append(tenant)
     return {**router_config(echo_port), "auth": {"tenants": tenants}}
 
 
@@ -74,50 +71,58 @@ def main() -> None:
     client_cpus = pin({1}) if len(cpus) > 1 else cpus
     # The last tenant's second key: the comparison visits every digest whichever matches.
     key = f"sk-bench-{TENANTS - 1:03d}-{KEYS_PER_TENANT - 1}-{'x' * 24}"
-    echo_port, open_port, keyed_port = free_port(), free_port(), free_port()
+    echo_port = free_port()
+    arms = ("open", "keys", "keys+limits")
+    ports = {arm: free_port() for arm in arms}
     samples: dict[str, dict[str, list[float]]] = {
-        arm: {"plain_p50": [], "plain_p99": [], "first_chunk_p50": []} for arm in ("open", "keyed")
+        arm: {"plain_p50": [], "plain_p99": [], "first_chunk_p50": []} for arm in arms
     }
-    errors = {"open": 0, "keyed": 0}
+    errors = dict.fromkeys(arms, 0)
     with tempfile.TemporaryDirectory() as tmp:
-        open_config, keyed_path = Path(tmp) / "open.yaml", Path(tmp) / "keyed.yaml"
-        open_config.write_text(yaml.safe_dump(router_config(echo_port)))
-        keyed_path.write_text(yaml.safe_dump(keyed_config(echo_port, Path(tmp))))
-        with (
-            echo_process(echo_port, client_cpus),
-            router_process(open_config, open_port, router_cpus),
-            router_process(keyed_path, keyed_port, router_cpus),
-        ):
+        configs = {arm: Path(tmp) / f"{i}.yaml" for i, arm in enumerate(arms)}
+        configs["open"].write_text(yaml.safe_dump(router_config(echo_port)))
+        configs["keys"].write_text(yaml.safe_dump(keyed_config(echo_port, Path(tmp), False)))
+        configs["keys+limits"].write_text(yaml.safe_dump(keyed_config(echo_port, Path(tmp), True)))
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(echo_process(echo_port, client_cpus))
+            for arm in arms:
+                stack.enter_context(router_process(configs[arm], ports[arm], router_cpus))
             for _ in range(args.rounds):
-                for arm, port, arm_key in (("open", open_port, None), ("keyed", keyed_port, key)):
+                for arm in arms:
+                    arm_key = None if arm == "open" else key
                     plain = asyncio.run(
-                        load(port, request_with_key(BODY, arm_key), 1, DURATION_S)
+                        load(ports[arm], request_with_key(BODY, arm_key), 1, DURATION_S)
                     ).summary()
+                    body = {**BODY, "stream": True}
                     streamed = asyncio.run(
-                        load(
-                            port, request_with_key({**BODY, "stream": True}, arm_key), 1, DURATION_S
-                        )
+                        load(ports[arm], request_with_key(body, arm_key), 1, DURATION_S)
                     ).summary()
                     samples[arm]["plain_p50"].append(plain["p50_ms"])
                     samples[arm]["plain_p99"].append(plain["p99_ms"])
                     samples[arm]["first_chunk_p50"].append(streamed["first_chunk_p50_ms"])
                     errors[arm] += plain["errors"] + streamed["errors"]
     median = {arm: {k: statistics.median(v) for k, v in s.items()} for arm, s in samples.items()}
-    added = {k: median["keyed"][k] - median["open"][k] for k in median["open"]}
-    print(f"{'':22} {'no auth':>10} {'API keys':>10} {'added':>10}")
+    added = {
+        arm: {k: median[arm][k] - median["open"][k] for k in median["open"]} for arm in arms[1:]
+    }
+    print(f"{'':20} {'no auth':>9} {'keys':>9} {'added':>8} {'+limits':>9} {'added':>8}")
     for k, label in (
         ("plain_p50", "p50 (ms)"),
         ("plain_p99", "p99 (ms)"),
         ("first_chunk_p50", "1st chunk p50 (ms)"),
     ):
         print(
-            f"{label:22} {median['open'][k]:>10.3f} {median['keyed'][k]:>10.3f} {added[k]:>+10.3f}"
+            f"{label:20} {median['open'][k]:>9.3f} {median['keys'][k]:>9.3f} "
+            f"{added['keys'][k]:>+8.3f} {median['keys+limits'][k]:>9.3f} "
+            f"{added['keys+limits'][k]:>+8.3f}"
         )
-    per_round = [
-        k - o
-        for k, o in zip(samples["keyed"]["plain_p50"], samples["open"]["plain_p50"], strict=True)
-    ]
-    print(f"added p50 by round (ms): {', '.join(f'{d:+.3f}' for d in per_round)}; errors {errors}")
+    for arm in arms[1:]:
+        rounds = [
+            a - o
+            for a, o in zip(samples[arm]["plain_p50"], samples["open"]["plain_p50"], strict=True)
+        ]
+        print(f"{arm}: added p50 by round (ms): {', '.join(f'{d:+.3f}' for d in rounds)}")
+    print(f"errors {errors}")
     path = save(
         "router_auth_overhead",
         {

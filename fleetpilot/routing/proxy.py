@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Mapping
@@ -660,8 +661,9 @@ class Proxy:
                     break
                 if capture is not None:
                     capture.feed(chunk)
-                if exchange.limits is not None and b'"usage"' in chunk:
-                    exchange.used = stream_usage_tokens(chunk, exchange.used)
+                if exchange.limits is not None:
+                    used = usage_tokens(chunk)
+                    exchange.used = used if used is not None else exchange.used
                 if first:
                     first = False
                     exchange.end_prefill()
@@ -704,25 +706,20 @@ class Proxy:
             await out.write(event)
 
 
+# The tokens an answer's usage counts, found without parsing the answer: in JSON a quote
+# inside a string is escaped, so '"usage"' can only be the key, and total_tokens follows it.
+_TOTAL_TOKENS = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
+
+
 def usage_tokens(data: bytes) -> int | None:
-    """``usage.total_tokens`` of a JSON answer (prompt and completion), if it has one."""
-    try:
-        usage = json.loads(data).get("usage")
-        total = usage.get("total_tokens") if isinstance(usage, dict) else None
-    except (ValueError, RecursionError, AttributeError):
+    """``usage.total_tokens`` (prompt and completion) of a JSON answer or of the last event
+    carrying one in a chunk of a streamed answer (vLLM sends it in the final event when the
+    client asks ``stream_options.include_usage``); None when there is none."""
+    at = data.rfind(b'"usage"')
+    if at < 0:
         return None
-    return total if isinstance(total, int) and not isinstance(total, bool) else None
-
-
-def stream_usage_tokens(chunk: bytes, previous: int | None) -> int | None:
-    """The last ``usage`` of a streamed answer's events in ``chunk`` (vLLM sends one in the
-    final event when the client asks ``stream_options.include_usage``), else ``previous``."""
-    found = previous
-    for line in chunk.split(b"\n"):
-        if line.startswith(b"data: {") and b'"usage"' in line:
-            used = usage_tokens(line[len(b"data: ") :])
-            found = used if used is not None else found
-    return found
+    found = _TOTAL_TOKENS.search(data, at)
+    return int(found.group(1)) if found is not None else None
 
 
 def _parse(raw: bytes, kind: Kind, headers: Mapping[str, str]) -> tuple[Any, RequestFeatures]:

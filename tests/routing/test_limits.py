@@ -13,6 +13,7 @@ import pytest
 
 from fleetpilot.api.router_config import AuthConfig, TenantKeys
 from fleetpilot.routing.limits import Bucket, Limiter, RateLimitedError, TenantLimits
+from fleetpilot.routing.proxy import usage_tokens
 from tests.routing.support import (
     FakeEngine,
     RunningRouter,
@@ -178,3 +179,28 @@ async def test_two_routers_admit_the_services_limit_between_them(tmp_path: Path)
                 statuses = [(await post(alone, SHORT, headers=headers))[0] for _ in range(50)]
                 refill = int((time.monotonic() - started) * 20 / 60)
             assert 20 <= statuses.count(200) <= 20 + refill
+
+
+@pytest.mark.parametrize(
+    ("data", "used"),
+    [
+        (b'{"choices":[{"text":"hi"}],"usage":{"prompt_tokens":3,"total_tokens":7}}', 7),
+        # vLLM's details object before the total, and a reply that talks about "usage".
+        (
+            b'{"choices":[{"text":"say \\"usage\\": total_tokens: 99"}],"usage":{"prompt_tokens":'
+            b'3,"prompt_tokens_details":{"cached_tokens":2},"total_tokens":12}}',
+            12,
+        ),
+        (b'{"choices":[{"text":"hi"}],"usage":null}', None),
+        (b'{"choices":[{"text":"hi"}]}', None),
+        # The last events of a stream asked with include_usage.
+        (
+            b'data: {"choices":[{"text":"a"}],"usage":null}\n\n'
+            b'data: {"choices":[],"usage":{"prompt_tokens":4,"completion_tokens":2,'
+            b'"total_tokens":6}}\n\ndata: [DONE]\n\n',
+            6,
+        ),
+    ],
+)
+def test_the_tokens_an_answer_used_are_read_from_its_usage(data: bytes, used: int | None) -> None:
+    assert usage_tokens(data) == used
