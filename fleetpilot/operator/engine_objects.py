@@ -216,7 +216,6 @@ def engine_command(
 
 
 def _engine_container(
-    service: InferenceService,
     role: ResolvedRole,
     delivery: ModelDelivery,
     mounts: list[K8sObject],
@@ -280,7 +279,7 @@ def engine_pod_template(
     labels = engine_labels(service, role)
     delivery = delivery_for(service, tier, options or PlanOptions())
     volumes, mounts = _volumes(role, delivery)
-    container = _engine_container(service, role, delivery, mounts, worker)
+    container = _engine_container(role, delivery, mounts, worker)
     metadata: K8sObject = {"labels": labels}
     if not worker:
         # Workers serve no /metrics: the leader's API server reports every rank's.
