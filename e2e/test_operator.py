@@ -32,6 +32,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.chart_support import CRD_PATH, can, install_identity, release_name, render
 from e2e.support import condition, eventually, finish_job_pods, mark_pods_ready
+from fleetpilot.api import parse_service
+from fleetpilot.api.layout import role_layout
 from fleetpilot.api.router_config import ROUTER_CONFIG_FILE, RouterConfig
 from fleetpilot.engine.adapter_client import AdapterClient
 from fleetpilot.engine.reference.lora import random_adapter, save_adapter
@@ -40,6 +42,8 @@ from fleetpilot.engine.vllm_args import ENGINE_PORT
 from fleetpilot.kube import names
 from fleetpilot.kube.client import MERGE_CONTENT_TYPE, RESOURCES, Kube, KubeError, Obj
 from fleetpilot.kube.managers import AUTOSCALER_MANAGER
+from fleetpilot.operator.engine_objects import engine_command
+from fleetpilot.operator.planner import all_roles
 from fleetpilot.operator.reconcile import Reconciler
 from fleetpilot.runtime.processes import free_ports, http_ok
 from fleetpilot.runtime.prometheus import PrometheusServer
@@ -1428,3 +1432,36 @@ def test_a_multi_node_tier_without_leader_worker_set_is_degraded(
     assert (stalled["status"], stalled["reason"]) == ("True", "LeaderWorkerSetMissing")
     assert kube.list("Deployment", namespace, {"fleetpilot.dev/service": "chat"}) == []
     assert kube.list("Service", namespace, {"fleetpilot.dev/service": "chat"}) == []
+
+
+@pytest.mark.parametrize("example", ["deepseek-wide-ep.yaml", "llama-405b-multinode.yaml"])
+def test_the_multi_node_examples_reconcile_to_leader_worker_sets_with_their_command_lines(
+    kube: Kube,
+    namespace: str,
+    leader_worker_set_crd: None,
+    start_operator: OperatorFactory,
+    example: str,
+) -> None:
+    """Each multi-node example, applied as a user would, becomes the LeaderWorkerSets the
+    planner plans: the leader's and the workers' vllm serve lines as planned, the group size,
+    and every one-node role a Deployment."""
+    start_operator()
+    manifest = yaml.safe_load((Path(__file__).parents[1] / "examples" / example).read_text())
+    manifest["metadata"]["namespace"] = namespace
+    live = apply_service(kube, manifest)
+    service = parse_service(live)
+    for role in all_roles(service):
+        kind, name = names.engine_workload(service.name, role)
+        obj = eventually(f"{kind} {name}", lambda k=kind, n=name: get(kube, k, namespace, n))
+        if kind == "Deployment":
+            continue
+        template = obj["spec"]["leaderWorkerTemplate"]
+        assert template["size"] == role_layout(role).nodes
+        for pod, worker in (
+            (template["leaderTemplate"], False),
+            (template["workerTemplate"], True),
+        ):
+            container = pod["spec"]["containers"][0]
+            planned = engine_command(service, role, worker=worker)
+            # The pod runs the model from its mount; the summary's line names the source.
+            assert container["command"] + container["args"][1:] == planned[:2] + planned[3:]
