@@ -250,7 +250,9 @@ class RolePolicy:
                 scaling.max_cold_start.total_seconds() if scaling.max_cold_start else None
             ),
             "max_data_age_s": 3 * scrape_interval_s,
-            "max_num_seqs": resolved.engine.max_num_seqs,
+            # A replica's batch limit: every data-parallel rank runs a batch of its own (the
+            # running and waiting gauges are summed over them).
+            "max_num_seqs": resolved.engine.max_num_seqs * resolved.parallelism.data,
         }
         values.update(overrides)
         return cls(**values)

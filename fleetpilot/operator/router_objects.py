@@ -125,7 +125,9 @@ def router_config(service: InferenceService) -> RouterConfig:
                     service=names.engine_service_name(service.name, role),
                     selector=names.engine_selector(service.name, tier.name, role.name),
                     port=ENGINE_PORT,
-                    max_num_seqs=tier.engine.max_num_seqs,
+                    # One endpoint fronts every data-parallel rank of its replica, each with
+                    # its own batch: the replica is full at all of them together.
+                    max_num_seqs=tier.engine.max_num_seqs * launch.data,
                     kv_events_port=launch.kv_events_port,
                     kv_replay_port=launch.kv_replay_port,
                     # The ranks whose KV events the router can reach: those on the pod it

@@ -273,12 +273,15 @@ class LocalFleet:
         start from the fleet's own status (the router holds a request for a tier at zero that
         long, as in a cluster)."""
         config = router_config(self.service.model_copy(update={"status": self.status()}))
+        specs = {tier.name: tier for tier in self.service.spec.tiers}
         tiers = []
         for tier in config.tiers:
+            # One local engine per replica, whatever its data-parallel ranks in a cluster.
+            planned = specs[tier.name].engine.max_num_seqs
             groups = [
                 group.model_copy(
                     update={
-                        "max_num_seqs": self.backend.max_num_seqs(group.max_num_seqs),
+                        "max_num_seqs": self.backend.max_num_seqs(planned),
                         # Each local engine has KV-event ports of its own (the endpoints file).
                         "kv_events_port": None,
                         "kv_replay_port": None,

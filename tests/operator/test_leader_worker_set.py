@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from fleetpilot.api import InferenceService, load_services
+from fleetpilot.autoscaler.model import RolePolicy
 from fleetpilot.kube import names
 from fleetpilot.operator.plan_types import K8sObject, PlanError, PlanOptions
 from fleetpilot.operator.planner import plan
@@ -129,6 +130,20 @@ def test_wide_expert_parallel_decode_with_rdma_and_one_rack_per_group() -> None:
     groups = {g.role: g for g in router_config(service).tiers[0].endpoints}
     assert groups["decode"].data_parallel == 8
     assert groups["prefill"].data_parallel == 8
+
+
+def test_a_data_parallel_replica_is_full_at_every_ranks_batch() -> None:
+    """The router and the autoscaler sum running and waiting over a replica's ranks, so its
+    batch limit is maxNumSeqs x data: 16 ranks of 256 are full at 4,096, not at 256 (at
+    which a replica a sixteenth busy looked saturated, spilled and scaled up)."""
+    service = _example("deepseek-wide-ep.yaml")
+    groups = {g.role: g for g in router_config(service).tiers[0].endpoints}
+    assert groups["decode"].max_num_seqs == 256 * 16
+    assert groups["prefill"].max_num_seqs == 256 * 8
+    tier = service.spec.tiers[0]
+    assert RolePolicy.for_role(tier, "decode").max_num_seqs == 256 * 16
+    single = make_service(tiers=[make_tier("main")]).spec.tiers[0]
+    assert RolePolicy.for_role(single, "unified").max_num_seqs == 256
 
 
 def test_without_leader_worker_set_the_role_is_refused() -> None:
