@@ -173,6 +173,8 @@ class TenantKeys(ApiModel):
     tokens_per_minute: int | None = Field(
         None, ge=1, description="For the whole service; this router admits its share."
     )
+    weight: float = Field(1.0, gt=0.0, description="Its share when the fleet is saturated.")
+    priority: int = Field(0, ge=0, description="Its class when the fleet is saturated.")
 
 
 class AuthConfig(ApiModel):
@@ -187,6 +189,13 @@ class AuthConfig(ApiModel):
     )
 
 
+class FlowConfig(ApiModel):
+    """Queueing while every replica that could serve a request is saturated."""
+
+    max_wait: Duration = Field(timedelta(seconds=30))
+    max_queued: int = Field(1024, ge=1)
+
+
 class RouterConfig(ApiModel):
     """``fleetpilot.dev/v1alpha1 RouterConfig``."""
 
@@ -198,6 +207,9 @@ class RouterConfig(ApiModel):
     tiers: list[RouterTier] = Field(min_length=1)
     auth: AuthConfig | None = Field(
         None, description="API keys per tenant; unset: every request is admitted."
+    )
+    flow: FlowConfig | None = Field(
+        None, description="Fair queuing under saturation; unset: 429 at once."
     )
     affinity: Affinity = Field(default_factory=Affinity)
     load_weight: float = Field(1.0, ge=0.0)

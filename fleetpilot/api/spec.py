@@ -1023,6 +1023,20 @@ class Tenant(ApiModel):
         description="Tokens a minute (prompt and completion; max_tokens reserved at "
         "admission, corrected by the answer's usage), over the whole service; unset: no limit.",
     )
+    weight: float = Field(
+        1.0,
+        gt=0.0,
+        le=1000.0,
+        description="Its share of a saturated fleet against the other tenants of its priority "
+        "(routing.flowControl): twice the weight, twice the turns.",
+    )
+    priority: int = Field(
+        0,
+        ge=0,
+        le=9,
+        description="Its class when the fleet is saturated (routing.flowControl): a higher "
+        "class always goes first, and is shed last.",
+    )
 
 
 class Auth(ApiModel):
@@ -1049,6 +1063,23 @@ class Auth(ApiModel):
         if len(set(tenant_names)) != len(tenant_names):
             raise ValueError(Rule.TENANT_NAMES_UNIQUE)
         return self
+
+
+class FlowControl(ApiModel):
+    """What the router does when every replica that could serve a request is saturated: queue
+    it, per tenant, instead of answering 429 at once."""
+
+    max_wait: Duration = Field(
+        timedelta(seconds=30),
+        description="Longest a request waits for capacity before 429 (within requestTimeout).",
+    )
+    max_queued: int = Field(
+        1024,
+        ge=1,
+        le=1_000_000,
+        description="Requests one router replica holds waiting; past it the newest of the "
+        "lowest priority class is shed (429).",
+    )
 
 
 class Routing(ApiModel):
@@ -1082,6 +1113,11 @@ class Routing(ApiModel):
     )
     auth: Auth | None = Field(
         None, description="API keys per tenant; unset: the router admits every request."
+    )
+    flow_control: FlowControl | None = Field(
+        None,
+        description="Queue requests fairly across tenants while every replica is saturated; "
+        "unset: answer 429 at once.",
     )
     cpu: Quantity = Field("1", description="CPU request per router pod.")
     memory: Quantity = Field("1Gi", description="Memory request and limit per router pod.")

@@ -39,8 +39,9 @@ selector (service and namespace labels, and the router metric's own ``tier`` and
 - requests spilled elsewhere for want of a replica: ``sum(rate(fleetpilot_router_spillovers_total
   {service labels, from_tier="T"}[W]))``
 
-They stand in for the waiting requests and the arrival rate only when the role has no engine
-series at all.
+They stand in for the waiting requests and the arrival rate when the role has no engine
+series at all; with engines, the held requests (the router's fair queue, ``routing.flow``) add
+to their waiting requests.
 
 Inside each aggregation the series are read under both names, ``rate(vllm:x{S}[W]) or
 rate(vllm_x{S}[W])``: see :func:`escaped_name` for why an engine's series may be stored with an
@@ -447,6 +448,12 @@ def combine(results: dict[str, QueryResult], probe: str) -> Metrics:
             if name in known and r.value is None and r.detail
         ]
         detail = "; ".join(notes)
+    if problem is None:
+        # Requests the router holds for this role (its fair queue while every replica is
+        # saturated: routing.flow) wait as much as those in the engines' queues.
+        held = results.get(ROUTER_PENDING, QueryResult(None)).value
+        if held:
+            values["waiting_requests"] = values.get("waiting_requests", 0.0) + held
     if problem is not None:
         values = {}  # do not decide on a partial picture
     if problem is DataProblem.MISSING:

@@ -37,6 +37,8 @@ def auth_config(service: InferenceService) -> AuthConfig | None:
                 adapters=list(tenant.adapters),
                 requests_per_minute=tenant.requests_per_minute,
                 tokens_per_minute=tenant.tokens_per_minute,
+                weight=tenant.weight,
+                priority=tenant.priority,
             )
             for tenant in auth.tenants
         ],

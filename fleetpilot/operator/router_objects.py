@@ -11,6 +11,7 @@ from fleetpilot.api.capacity import role_capacity
 from fleetpilot.api.router_config import (
     ROUTER_CONFIG_FILE,
     EndpointGroup,
+    FlowConfig,
     RouterConfig,
     RouterTier,
 )
@@ -173,6 +174,11 @@ def router_config(service: InferenceService) -> RouterConfig:
         request_timeout=routing.request_timeout,
         max_body_bytes=routing.max_body_bytes,
         auth=auth_config(service),
+        flow=(
+            FlowConfig.model_validate(routing.flow_control.model_dump())
+            if routing.flow_control is not None
+            else None
+        ),
         cold_start_wait=hold_max if may_be_zero else timedelta(0),
         cold_start_margin=COLD_START_MARGIN + spec.monitoring.scrape_interval,
         **({"prefix_index_blocks": index} if index is not None else {}),

@@ -8,6 +8,7 @@ import shlex
 from fleetpilot.api import InferenceService, ResolvedRole, Tier
 from fleetpilot.api.capacity import architecture_of, format_bytes, gpu_memory_of, role_capacity
 from fleetpilot.api.layout import Span, role_layout
+from fleetpilot.api.units import format_duration
 from fleetpilot.kube import names
 from fleetpilot.operator.engine_objects import engine_command
 from fleetpilot.operator.model_delivery import weights_summary
@@ -102,11 +103,19 @@ def command_lines(service: InferenceService, role: ResolvedRole) -> list[str]:
 
 
 def tenant_lines(service: InferenceService) -> list[str]:
-    """Who may call the router (routing.auth), what each tenant may use and its limits."""
+    """Who may call the router (routing.auth), what each tenant may use and its limits, and
+    what the router does when every replica is busy."""
+    flow = service.spec.routing.flow_control
+    lines = [
+        f"  when saturated: requests wait up to {format_duration(flow.max_wait)} in fair "
+        f"turns (at most {flow.max_queued:,} a router)"
+        if flow is not None
+        else "  when saturated: 429 at once"
+    ]
     auth = service.spec.routing.auth
     if auth is None:
-        return ["  API keys: none (every request is admitted)"]
-    lines = ["  API keys (routing.auth):"]
+        return [*lines, "  API keys: none (every request is admitted)"]
+    lines.append("  API keys (routing.auth):")
     for tenant in auth.tenants:
         ref = tenant.keys_secret_ref
         what = [f"tiers {', '.join(tenant.tiers)}" if tenant.tiers else "every tier"]
@@ -116,6 +125,8 @@ def tenant_lines(service: InferenceService) -> list[str]:
             what.append(f"{tenant.requests_per_minute:,} requests/min")
         if tenant.tokens_per_minute:
             what.append(f"{tenant.tokens_per_minute:,} tokens/min")
+        if tenant.weight != 1.0 or tenant.priority:
+            what.append(f"weight {tenant.weight:g}, class {tenant.priority}")
         lines.append(f"    tenant {tenant.name}: Secret {ref.name}/{ref.key}; {'; '.join(what)}")
     return lines
 

@@ -43,6 +43,9 @@ class Tenant:
     name: str
     tiers: frozenset[str] = frozenset()
     adapters: frozenset[str] = frozenset()
+    # Its share and class when the fleet is saturated (routing.flow).
+    weight: float = 1.0
+    priority: int = 0
 
     @property
     def allowed_tiers(self) -> frozenset[str] | None:
@@ -113,7 +116,9 @@ def build_ring(config: AuthConfig, texts: dict[str, str]) -> KeyRing:
     tenant and file."""
     owners: dict[bytes, list[Tenant]] = {}
     for spec in config.tenants:
-        tenant = Tenant(spec.name, frozenset(spec.tiers), frozenset(spec.adapters))
+        tenant = Tenant(
+            spec.name, frozenset(spec.tiers), frozenset(spec.adapters), spec.weight, spec.priority
+        )
         for path in spec.key_files:
             for number, key in enumerate(parse_keys(texts.get(path, "")), start=1):
                 if len(key) < MIN_KEY_CHARS:

@@ -52,6 +52,18 @@ class RouterMetrics:
             ["tenant"],
             registry=r,
         )
+        self.queued = Gauge(
+            p + "queued_requests",
+            "Requests waiting for capacity in the fair queue (routing.flow), by tenant.",
+            ["tenant"],
+            registry=r,
+        )
+        self.queue_wait_seconds = Histogram(
+            p + "queue_wait_seconds",
+            "How long requests that got capacity waited for it in the fair queue.",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+            registry=r,
+        )
         self.auth_keys = Gauge(
             p + "auth_keys",
             "API keys loaded per tenant (routing.auth).",

@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from fleetpilot.api.router_config import FlowConfig
 from fleetpilot.openai_errors import error_body, normalize_error
 from fleetpilot.routing.auth import AuthGate, Tenant
 from fleetpilot.routing.errors import (
@@ -40,6 +41,7 @@ from fleetpilot.routing.errors import (
 )
 from fleetpilot.routing.features import Kind, RequestFeatures, extract_features
 from fleetpilot.routing.first_byte import FirstByteTimeoutError, FirstByteWatch
+from fleetpilot.routing.flow import FairQueue, QueueFullError, Ticket
 from fleetpilot.routing.health import answers_health
 from fleetpilot.routing.hold import ColdStartHold
 from fleetpilot.routing.limits import DEFAULT_COMPLETION_RESERVE, TenantLimits
@@ -60,6 +62,9 @@ ROUTE_HEADER = "x-fleetpilot-route"
 # How often a held request (its tier at zero replicas) looks for a replica again: an engine
 # takes seconds to start, so a quarter second adds little and costs nothing.
 COLD_START_POLL_S = 0.25
+# How often the head of the fair queue tries again while no request ends (capacity also frees
+# when a scrape shows an engine's batch emptier than the router thought).
+FLOW_POLL_S = 0.05
 REQUEST_ID_HEADER = "X-Request-Id"
 PATHS: dict[Kind, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # Client headers an engine may need; everything else (cookies, hop-by-hop headers, Host) stays
@@ -156,6 +161,9 @@ class Proxy:
         self.debug_route_header = debug_route_header
         # API keys (routing.auth): None or a gate without a ring admits every request.
         self.auth = auth
+        # Requests waiting for capacity (routing.flow), and how to wake each.
+        self.queue = FairQueue(max_queued=1)
+        self._waiters: dict[int, asyncio.Event] = {}
         self.in_flight = 0
         self._client_timeout: aiohttp.ClientTimeout | None = None
         self._tokenize_pool = ThreadPoolExecutor(
@@ -240,6 +248,7 @@ class Proxy:
         finally:
             self.in_flight -= 1
             self.metrics.in_flight.dec()
+            self._wake_head()  # a request ended: the next waiting one may fit now
             if exchange.limits is not None:
                 # Nothing generated (refused, failed): the reserve back; else what the answer
                 # says it used, when it says.
@@ -359,16 +368,33 @@ class Proxy:
         exchange.limits, exchange.reserved = limits, reserve
 
     async def _decide(self, features: RequestFeatures, exchange: _Exchange) -> Route:
-        """The route; while no tier in reach has a replica, the request is held (counted as
-        pending for its tier's roles, which the autoscaler scales from zero on) for the tier's
-        observed cold start and a margin, at most the config's ``cold_start_wait``
-        (``hold.ColdStartHold``), then refused with 503 and Retry-After."""
+        """The route. While no tier in reach has a replica, the request is held for a cold
+        start (``_hold``); while every replica in reach is saturated, it waits in the fair
+        queue when the config has one (``_wait_for_capacity``), else 429."""
+        flow = self.router.config.flow
+        if flow is not None and len(self.queue):
+            # Others wait for capacity already: behind them (or ahead, by class and turn).
+            return await self._wait_for_capacity(features, exchange, flow)
         try:
             return await self._route(features)
         except NoReplicaError as exc:
             if self.router.config.cold_start_wait <= timedelta(0):
                 raise
-            hold = ColdStartHold.of(self.router.config, exc.tier, exc.roles)
+            missing = exc
+        except OverloadedError:
+            if flow is None:
+                raise
+            return await self._wait_for_capacity(features, exchange, flow)
+        return await self._hold(features, exchange, missing)
+
+    async def _hold(
+        self, features: RequestFeatures, exchange: _Exchange, missing: NoReplicaError
+    ) -> Route:
+        """No tier in reach has a replica: the request is held (counted as pending for its
+        tier's roles, which the autoscaler scales from zero on) for the tier's observed cold
+        start and a margin, at most the config's ``cold_start_wait``
+        (``hold.ColdStartHold``), then refused with 503 and Retry-After."""
+        hold = ColdStartHold.of(self.router.config, missing.tier, missing.roles)
         pending = [self.metrics.pending.labels(hold.tier, role) for role in hold.roles]
         for gauge in pending:
             gauge.inc()
@@ -389,6 +415,91 @@ class Proxy:
         finally:
             for gauge in pending:
                 gauge.dec()
+
+    async def _wait_for_capacity(
+        self, features: RequestFeatures, exchange: _Exchange, flow: FlowConfig
+    ) -> Route:
+        """Every replica in the request's reach is saturated: wait in the fair queue
+        (routing.flow) until the request is the next to go and a replica has room, at most
+        ``flow.max_wait``; 429 past it, or when shed from a full queue. While it waits the
+        request counts as pending for its tier's roles, which the autoscaler scales on."""
+        tenant = exchange.tenant
+        name = tenant.name if tenant is not None else ""
+        self.queue.max_queued = flow.max_queued
+        deadline = time.monotonic() + flow.max_wait.total_seconds()
+        try:
+            ticket, shed = self.queue.enqueue(
+                name,
+                tenant.weight if tenant is not None else 1.0,
+                tenant.priority if tenant is not None else 0,
+                deadline,
+            )
+        except QueueFullError:
+            raise self._queue_refusal("the router's queue is full", "queue_full") from None
+        if shed is not None:
+            self._wake(shed)  # it finds itself gone and answers 429
+        key = id(ticket)
+        woken = self._waiters[key] = asyncio.Event()
+        tier = self.router.waiting_tier(features)
+        pending = [self.metrics.pending.labels(tier.name, g.role) for g in tier.endpoints]
+        for gauge in pending:
+            gauge.inc()
+        self.metrics.queued.labels(name).inc()
+        waited = time.monotonic()
+        try:
+            self._wake_head()
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._queue_refusal(
+                        f"no replica had room within {flow.max_wait.total_seconds():g} s",
+                        "queue_timeout",
+                    )
+                is_head = self.queue.head() is ticket
+                with contextlib.suppress(TimeoutError):
+                    # The head polls (capacity also frees as scrapes come in); the others
+                    # wait to be woken, or for their deadline.
+                    await asyncio.wait_for(
+                        woken.wait(), min(left, FLOW_POLL_S) if is_head else left
+                    )
+                woken.clear()
+                if ticket not in self.queue:
+                    raise self._queue_refusal("shed for a request of a higher class", "shed")
+                if self.queue.head() is not ticket:
+                    continue
+                try:
+                    route = await self._route(features)
+                except OverloadedError:
+                    continue
+                self.queue.dispatch(ticket)
+                self.metrics.queue_wait_seconds.observe(time.monotonic() - waited)
+                self._wake_head()  # the next may fit too
+                return route
+        finally:
+            self.queue.remove(ticket)
+            del self._waiters[key]
+            for gauge in pending:
+                gauge.dec()
+            self.metrics.queued.labels(name).dec()
+            self._wake_head()
+
+    def _wake(self, ticket: Ticket) -> None:
+        woken = self._waiters.get(id(ticket))
+        if woken is not None:
+            woken.set()
+
+    def _wake_head(self) -> None:
+        head = self.queue.head()
+        if head is not None:
+            self._wake(head)
+
+    def _queue_refusal(self, why: str, reason: str) -> OverloadedError:
+        retry = max(1, round(self.router.config.backpressure.retry_after.total_seconds()))
+        return OverloadedError(
+            f"every replica that could serve this request is at capacity and {why}; retry later",
+            reason=reason,
+            headers={"Retry-After": str(retry)},
+        )
 
     async def _route(self, features: RequestFeatures) -> Route:
         """The router's decision. A prompt whose tokenizing would stall the loop (a long cold

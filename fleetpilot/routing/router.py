@@ -455,7 +455,9 @@ class Router:
                 config.ejection.failures, config.ejection.window.total_seconds()
             )
         self._health_filter = HealthFilter()
-        self._capacity_filter = CapacityFilter(config.backpressure.max_waiting_per_replica)
+        self._capacity_filter = CapacityFilter(
+            config.backpressure.max_waiting_per_replica, batch_only=config.flow is not None
+        )
         # No headroom filter: the prefill-cost scorer weighs a replica's queue against what
         # its cache saves, where a filter dropped the caching replica at its first queued
         # request and, on evicting engines, spread every tenant over every cache.
@@ -758,6 +760,15 @@ class Router:
             home = large.ring.successors(adapter.encode("utf-8", "surrogatepass"), HOME_CANDIDATES)
             candidates = tuple(dict.fromkeys([*candidates, *holders, *home]))
         return replace(request, adapter=adapter, candidates=candidates)
+
+    def waiting_tier(self, features: RequestFeatures) -> RouterTier:
+        """The tier a request waits for when every replica in its reach is saturated: its
+        base tier, within what its tenant may use."""
+        target = resolve_target(features, self.tier_specs, self.config.service, self.weights)
+        if features.allowed_tiers is not None:
+            closed = TierState(has_replicas=False, available=False, saturated=True)
+            target, _ = self._within(target, features.allowed_tiers, lambda _: closed)
+        return self.tiers[target.index]
 
     def _choose_tier(
         self, features: RequestFeatures, now: float

@@ -261,12 +261,15 @@ def test_a_role_without_engines_reports_the_demand_the_router_holds() -> None:
     m = combine(results, "probe")
     assert m.problem is DataProblem.MISSING
     assert (m.waiting_requests, m.arrival_rate_rps) == (2.0, 0.5)
-    # With engines reporting, the router's numbers are ignored and add no notes.
+    # With engines reporting, the requests the router holds (its fair queue) add to the
+    # engines' waiting ones; its spill rate is not their arrivals; no notes.
     results["data_age_s"] = QueryResult(0.5)
-    results["waiting_requests"] = QueryResult(0.0)
+    results["waiting_requests"] = QueryResult(1.0)
     m = combine(results, "probe")
-    assert (m.problem, m.waiting_requests, m.arrival_rate_rps) == (None, 0.0, None)
+    assert (m.problem, m.waiting_requests, m.arrival_rate_rps) == (None, 3.0, None)
     assert "router" not in m.detail
+    results["router_pending"] = QueryResult(0.0)
+    assert combine(results, "probe").waiting_requests == 1.0
 
 
 def test_router_demand_promql() -> None:

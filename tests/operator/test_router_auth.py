@@ -121,3 +121,22 @@ def test_a_tenant_naming_what_the_service_lacks_is_refused(
         _planned([{"name": "a", "keysSecretRef": {"name": "k"}, **tenant}])
     assert refused.value.field == field
     assert words in refused.value.message
+
+
+def test_flow_control_and_the_tenants_shares_reach_the_router() -> None:
+    """routing.flowControl and each tenant's weight and class are in the router's config;
+    without flowControl the router answers 429 at once (no flow in its config)."""
+    tenants = [
+        {"name": "batch", "keysSecretRef": {"name": "k", "key": "batch"}, "weight": 0.5},
+        {"name": "chat", "keysSecretRef": {"name": "k", "key": "chat"}, "priority": 2},
+    ]
+    manifest = make_manifest(
+        routing={"auth": {"tenants": tenants}, "flowControl": {"maxWait": "10s", "maxQueued": 64}}
+    )
+    _, config = _router(plan(parse_service(manifest)))
+    assert config.flow is not None
+    assert (config.flow.max_wait.total_seconds(), config.flow.max_queued) == (10.0, 64)
+    assert config.auth is not None
+    assert [(t.weight, t.priority) for t in config.auth.tenants] == [(0.5, 0), (1.0, 2)]
+    _, plain = _router(plan(parse_service(make_manifest())))
+    assert plain.flow is None

@@ -12,7 +12,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from fleetpilot.routing.policies.load import has_headroom, is_full
+from fleetpilot.routing.policies.load import has_headroom, is_full, is_saturated
 from fleetpilot.routing.policies.types import Filter, PickRequest, ReplicaView, Scorer
 
 # Scores are sums of a few products of floats; anything closer than this is a tie, so float
@@ -37,14 +37,20 @@ class HealthFilter:
 
 
 class CapacityFilter:
-    """Drops replicas whose queue is at the hard limit (see ``load.is_full``)."""
+    """Drops replicas whose queue is at the hard limit (see ``load.is_full``); with
+    ``batch_only`` (the router's fair queue holds what waits: routing.flow), those where a new
+    request would queue at all (``load.is_saturated`` with no queue allowed): an engine's
+    queue is first come, first served, so fairness across tenants needs it short."""
 
     name = "capacity"
 
-    def __init__(self, max_waiting: int) -> None:
+    def __init__(self, max_waiting: int, *, batch_only: bool = False) -> None:
         self.max_waiting = max_waiting
+        self.batch_only = batch_only
 
     def filter(self, request: PickRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+        if self.batch_only:
+            return [v for v in replicas if not is_saturated(v, 0.0)]
         return [v for v in replicas if not is_full(v, self.max_waiting)]
 
 

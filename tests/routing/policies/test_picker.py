@@ -116,6 +116,21 @@ def test_filters_leave_nothing_gives_none() -> None:
     assert pick(PickRequest(), full, [CapacityFilter(2)], [], random.Random(0)) is None
 
 
+def test_with_a_fair_queue_a_replica_takes_work_only_while_its_batch_has_room() -> None:
+    """Without the router's fair queue a replica is full only past maxNumSeqs plus its queue
+    allowance; with it (batch_only), as soon as a new request would queue at the engine -
+    the engine's queue is first come, first served, so it must stay empty to be fair."""
+    replicas = [
+        ReplicaView("roomy", 4, in_flight=3),
+        ReplicaView("batch-full", 4, in_flight=4),
+        ReplicaView("queueing", 4, in_flight=2, running=2, waiting=1),
+    ]
+    allowance = CapacityFilter(64).filter(PickRequest(), replicas)
+    assert [v.id for v in allowance] == ["roomy", "batch-full", "queueing"]
+    batch_only = CapacityFilter(64, batch_only=True).filter(PickRequest(), replicas)
+    assert [v.id for v in batch_only] == ["roomy"]
+
+
 def test_health_filter_drops_ejected_but_panics_when_all_are() -> None:
     """Ejected replicas are skipped; when all are ejected, all are tried (panic mode)."""
     mixed = [ReplicaView("a", 8, ejected=True), ReplicaView("b", 8)]

@@ -1,0 +1,225 @@
+"""A noisy neighbour on a saturated fleet: tenant A sends ten times its share, tenant B its
+share, with the router's fair queue (``routing.flowControl``) and without it, in one run.
+
+The fleet is what ``fleetpilot up`` runs: CPU reference engines behind the real router, here
+2 replicas of one tier (no autoscaling), each running at most ``--max-num-seqs`` sequences and
+sleeping ``--step-delay`` after every busy step, so its throughput is its pace, not its share
+of this machine's 2 cores. Both tenants hold API keys (``routing.auth``, equal weights). Load:
+``fleetpilot bench``'s open-loop runner, Poisson arrivals of ``shared-prefix`` chats answered
+in ``--max-tokens`` tokens, one runner per tenant with its own key: B at ``--rate-b`` req/s
+(its share: about half of what the fleet serves), A at ten times that.
+
+Arms, each on a fresh fleet:
+
+- **B alone**: B's load with nothing else: its unloaded TTFT.
+- **first come, first served**: A and B without flow control - the router admits while the
+  engines' queues have room (``backpressure.maxWaitingPerReplica``), so B's requests wait in
+  the engines' queues behind A's.
+- **fair queue**: A and B with ``flowControl``: the router keeps the engines' batches full and
+  their queues empty, and hands each freed slot to the tenants in weighted-fair turns; A's
+  excess waits in the router (up to ``maxWait``) or is refused.
+
+Reported per arm and tenant: requests, success rate, TTFT p50/p95 of the successful ones, and
+B's p95 against its unloaded value (the goal: within 1.5x with the fair queue; A gets the
+rest and does not starve). The machine has 2 shared cores: compare arms within one run.
+
+Run: .venv/bin/python bench/router_noisy_neighbour.py [--duration 60] [--seed 0] [--save]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from router_support import machine, save
+
+from fleetpilot.api import InferenceService, load_services
+from fleetpilot.loadgen.runner import RequestRecord, RunConfig, Runner, Schedule
+from fleetpilot.loadgen.workloads import make_workload
+from fleetpilot.runtime.local import LocalFleet
+
+MODEL = "shared-model"
+KEYS = {"a": "sk-noisy-tenant-a-0123456789", "b": "sk-quiet-tenant-b-0123456789"}
+
+SERVICE = """\
+apiVersion: fleetpilot.dev/v1alpha1
+kind: InferenceService
+metadata:
+  name: noisy
+  namespace: default
+spec:
+  tiers:
+    - name: main
+      model:
+        name: Qwen/Qwen2.5-0.5B-Instruct
+        servedName: {model}
+        maxModelLen: 2048
+      engine:
+        maxNumSeqs: {max_num_seqs}
+      serving:
+        replicas: {{min: 2, max: 2}}
+      autoscaling:
+        mode: disabled
+  routing:
+    replicas: 1
+    requestTimeout: 120s
+    auth:
+      tenants:
+        - name: a
+          keysSecretRef: {{name: keys, key: a}}
+        - name: b
+          keysSecretRef: {{name: keys, key: b}}
+{flow}"""
+
+
+def service_for(flow: bool, args: argparse.Namespace, folder: Path) -> InferenceService:
+    path = folder / f"service-{flow}.yaml"
+    flow_text = f"    flowControl: {{maxWait: {args.max_wait:g}s}}\n" if flow else ""
+    path.write_text(SERVICE.format(model=MODEL, max_num_seqs=args.max_num_seqs, flow=flow_text))
+    (service,) = load_services(path)
+    return service
+
+
+def p(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+
+
+def tenant_summary(records: list[RequestRecord]) -> dict[str, Any]:
+    ok = [r for r in records if r.ok and r.ttft_s is not None]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    errors: dict[str, int] = {}
+    for r in records:
+        if not r.ok:
+            errors[r.error or "?"] = errors.get(r.error or "?", 0) + 1
+    return {
+        "requests": len(records),
+        "ok": len(ok),
+        "success_rate": len(ok) / len(records) if records else None,
+        "ttft_p50_s": p(ttfts, 0.5),
+        "ttft_p95_s": p(ttfts, 0.95),
+        "errors": errors,
+    }
+
+
+def run_arm(
+    name: str, flow: bool, rates: dict[str, float], args: argparse.Namespace, folder: Path
+) -> dict[str, Any]:
+    keys = folder / "keys" / "keys"
+    keys.mkdir(parents=True, exist_ok=True)
+    for tenant, key in KEYS.items():
+        (keys / tenant).write_text(key)
+    workdir = folder / name.replace(" ", "-")
+    workdir.mkdir()
+    fleet = LocalFleet(
+        service_for(flow, args, folder),
+        workdir,
+        0,
+        max_replicas_per_role=2,
+        step_delay_s=args.step_delay,
+        auth_dir=keys.parent,
+    )
+    records: dict[str, list[RequestRecord]] = {tenant: [] for tenant in rates}
+    fleet.start()
+    try:
+
+        def load(tenant: str) -> None:
+            config = RunConfig(
+                base_url=fleet.endpoint,
+                model=MODEL,
+                schedule=Schedule.constant(rates[tenant]),
+                duration_s=args.duration,
+                timeout_s=120.0,
+                max_in_flight=4096,
+                seed=args.seed + (1 if tenant == "a" else 0),
+                api_key=KEYS[tenant],
+                ignore_eos=True,
+            )
+            workload = make_workload("shared-prefix", args.seed, max_tokens=args.max_tokens)
+            records[tenant].extend(asyncio.run(Runner(config, workload).run()).records)
+
+        threads = [threading.Thread(target=load, args=(tenant,)) for tenant in rates]
+        for thread in threads:
+            thread.start()
+        while any(thread.is_alive() for thread in threads):
+            fleet.supervise_once()
+            for thread in threads:
+                thread.join(0.2)
+    finally:
+        fleet.stop()
+    return {
+        "arm": name,
+        "flow_control": flow,
+        "rates": rates,
+        "tenants": {tenant: tenant_summary(recs) for tenant, recs in records.items()},
+    }
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:,.0f} ms"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--duration", type=float, default=60.0)
+    parser.add_argument("--rate-b", type=float, default=1.5)
+    parser.add_argument("--noise", type=float, default=10.0, help="A's rate over B's")
+    parser.add_argument("--max-num-seqs", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--step-delay", type=float, default=0.05)
+    parser.add_argument("--max-wait", type=float, default=30.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save", action="store_true")
+    args = parser.parse_args()
+    both = {"a": args.rate_b * args.noise, "b": args.rate_b}
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        for name, flow, rates in (
+            ("B alone", False, {"b": args.rate_b}),
+            ("first come, first served", False, both),
+            ("fair queue", True, both),
+        ):
+            results.append(run_arm(name, flow, rates, args, folder))
+            print(f"done: {name}", flush=True)
+    unloaded = results[0]["tenants"]["b"]["ttft_p95_s"]
+    print(
+        f"\nA {both['a']:g} req/s, B {both['b']:g} req/s, {args.duration:g} s, 2 engines of "
+        f"{args.max_num_seqs} sequences, {args.max_tokens} tokens each, seed {args.seed}"
+    )
+    print(
+        f"{'arm':26} {'tenant':6} {'reqs':>5} {'ok':>6} {'TTFT p50':>10} {'TTFT p95':>10}  vs alone"
+    )
+    for result in results:
+        for tenant, s in result["tenants"].items():
+            ratio = ""
+            if tenant == "b" and unloaded and s["ttft_p95_s"]:
+                ratio = f"{s['ttft_p95_s'] / unloaded:.2f}x"
+            rate = s["success_rate"]
+            print(
+                f"{result['arm']:26} {tenant:6} {s['requests']:>5} "
+                f"{(f'{rate:.0%}' if rate is not None else '-'):>6} "
+                f"{_ms(s['ttft_p50_s']):>10} {_ms(s['ttft_p95_s']):>10}  {ratio}"
+            )
+    if args.save:
+        path = save(
+            "router_noisy_neighbour",
+            {
+                "benchmark": "router_noisy_neighbour",
+                "machine": machine(),
+                "args": vars(args),
+                "results": results,
+            },
+        )
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""The fair queue: strict priority classes, weighted fair order across tenants within one,
+shedding the newest of the lowest class when full."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleetpilot.api.router_config import AuthConfig, RouterConfig, TenantKeys
+from fleetpilot.routing.flow import FairQueue, QueueFullError
+from tests.routing.support import (
+    FakeEngine,
+    RunningRouter,
+    engines,
+    make_config,
+    running_router,
+    tier,
+    wait_for,
+)
+from tests.routing.test_app import SHORT, assert_openai_error, post
+
+
+def _drain(queue: FairQueue) -> list[str]:
+    order = []
+    while (head := queue.head()) is not None:
+        queue.dispatch(head)
+        order.append(head.tenant)
+    return order
+
+
+def test_a_heavy_tenant_queues_behind_itself() -> None:
+    """A sends ten requests before B sends two: B's go second and fourth, not last."""
+    queue = FairQueue(max_queued=100)
+    for _ in range(10):
+        queue.enqueue("a", 1.0, 0, deadline=60.0)
+    for _ in range(2):
+        queue.enqueue("b", 1.0, 0, deadline=60.0)
+    assert _drain(queue)[:5] == ["a", "b", "a", "b", "a"]
+
+
+def test_weights_set_the_shares() -> None:
+    """B of weight 3 gets three turns to A's one while both wait."""
+    queue = FairQueue(max_queued=100)
+    for _ in range(8):
+        queue.enqueue("a", 1.0, 0, deadline=60.0)
+        queue.enqueue("b", 3.0, 0, deadline=60.0)
+    first = _drain(queue)[:8]
+    assert first.count("b") == 6
+    assert first.count("a") == 2
+
+
+def test_a_late_arrival_is_not_owed_the_past() -> None:
+    """A tenant idle while others were served starts at the current virtual time: it does
+    not take every turn to catch up."""
+    queue = FairQueue(max_queued=100)
+    for _ in range(6):
+        queue.enqueue("a", 1.0, 0, deadline=60.0)
+    for _ in range(4):
+        head = queue.head()
+        assert head is not None
+        queue.dispatch(head)
+    for _ in range(3):
+        queue.enqueue("b", 1.0, 0, deadline=60.0)
+    assert _drain(queue) == ["a", "b", "a", "b", "b"]
+
+
+def test_a_higher_class_goes_first_and_the_lowest_newest_is_shed() -> None:
+    queue = FairQueue(max_queued=3)
+    queue.enqueue("batch", 1.0, 0, deadline=60.0)
+    newest_batch, _ = queue.enqueue("batch", 1.0, 0, deadline=60.0)
+    queue.enqueue("chat", 1.0, 1, deadline=60.0)
+    _, shed = queue.enqueue("chat", 1.0, 1, deadline=60.0)  # full: a batch request goes
+    assert shed is newest_batch
+    with pytest.raises(QueueFullError):
+        queue.enqueue("batch", 1.0, 0, deadline=60.0)  # nothing lower to shed: this one
+    assert _drain(queue) == ["chat", "chat", "batch"]
+
+
+# -- at the router -------------------------------------------------------------------------
+
+KEYS = {"a": "sk-tenant-a-0123456789abcdef", "b": "sk-tenant-b-0123456789abcdef"}
+
+
+def _config(
+    tmp_path: Path, engine: FakeEngine, flow: dict[str, Any], **tenants: dict[str, Any]
+) -> RouterConfig:
+    """One engine that runs one request at a time, tenants a and b, and the fair queue."""
+    specs = []
+    for name, extra in tenants.items():
+        (tmp_path / name).write_text(KEYS[name])
+        specs.append(TenantKeys(name=name, key_files=[str(tmp_path / name)], **extra))
+    return make_config(
+        [tier("only", 1.0, [engine], max_num_seqs=1)],
+        auth=AuthConfig(tenants=specs),
+        flow=flow,
+        spillover={"enabled": False},
+    )
+
+
+async def _send(router: RunningRouter, tenant: str, tag: str) -> int:
+    body = {"model": "chat", "prompt": tag, "max_tokens": 1}
+    status, _, _ = await post(router, body, headers={"Authorization": f"Bearer {KEYS[tenant]}"})
+    return status
+
+
+async def _release_one_by_one(engine: FakeEngine, gate: asyncio.Event, count: int) -> None:
+    """Let the engine answer its requests one at a time, as each arrives."""
+    for n in range(1, count + 1):
+        await wait_for(lambda n=n: len(engine.requests) >= n, timeout_s=10.0)
+        gate.set()
+        gate.clear()  # releases exactly the request waiting now
+
+
+@pytest.mark.asyncio
+async def test_a_saturated_fleet_serves_tenants_in_fair_turns(tmp_path: Path) -> None:
+    """The engine runs one request at a time. Tenant a sends four, then b sends two: instead
+    of 429s they wait in the router, and b's take turns with a's, not after all of a's."""
+    gate = asyncio.Event()
+    engine = FakeEngine("e", gate=gate)
+    async with engines(engine):
+        config = _config(tmp_path, engine, {"maxWait": "20s"}, a={}, b={})
+        async with running_router(config) as router:
+            sends = [asyncio.create_task(_send(router, "a", f"a{i}")) for i in range(4)]
+            await wait_for(lambda: len(router.state.proxy.queue) == 3)  # type: ignore[union-attr]
+            sends += [asyncio.create_task(_send(router, "b", f"b{i}")) for i in range(2)]
+            await wait_for(lambda: len(router.state.proxy.queue) == 5)  # type: ignore[union-attr]
+            assert router.metric("fleetpilot_router_queued_requests", tenant="a") == 3
+            assert (
+                router.metric("fleetpilot_router_pending_requests", tier="only", role="unified")
+                == 5
+            )
+            await _release_one_by_one(engine, gate, 6)
+            assert await asyncio.gather(*sends) == [200] * 6
+            # Fair turns: a's queued requests have virtual finish tags 1, 2, 3 and b's 1, 2
+            # (equal tags go by arrival), so b goes third and fifth - first come, first
+            # served would have put both of b's last.
+            order = [r["prompt"] for r in engine.requests]
+            assert order == ["a0", "a1", "b0", "a2", "b1", "a3"]
+            assert (
+                router.metric("fleetpilot_router_pending_requests", tier="only", role="unified")
+                == 0
+            )
+
+
+@pytest.mark.asyncio
+async def test_a_request_that_cannot_get_capacity_in_time_is_refused(tmp_path: Path) -> None:
+    gate = asyncio.Event()
+    engine = FakeEngine("e", gate=gate)
+    async with engines(engine):
+        config = _config(tmp_path, engine, {"maxWait": "300ms"}, a={})
+        async with running_router(config) as router:
+            first = asyncio.create_task(_send(router, "a", "first"))
+            await wait_for(lambda: len(engine.requests) == 1)
+            started = time.monotonic()
+            status, payload, headers = await post(
+                router, SHORT, headers={"Authorization": f"Bearer {KEYS['a']}"}
+            )
+            assert_openai_error(status, payload, 429)
+            assert headers["x-fleetpilot-error"] == "queue_timeout"
+            assert "Retry-After" in headers
+            assert time.monotonic() - started >= 0.3
+            gate.set()
+            assert await first == 200
+
+
+@pytest.mark.asyncio
+async def test_a_higher_class_goes_first_and_sheds_the_lowest_from_a_full_queue(
+    tmp_path: Path,
+) -> None:
+    """One place in the queue: tenant a (class 0) waits in it; tenant b (class 1) arrives
+    and takes it (a is refused, shed), then b is served before anything of class 0."""
+    gate = asyncio.Event()
+    engine = FakeEngine("e", gate=gate)
+    async with engines(engine):
+        config = _config(
+            tmp_path, engine, {"maxWait": "20s", "maxQueued": 1}, a={}, b={"priority": 1}
+        )
+        async with running_router(config) as router:
+            first = asyncio.create_task(_send(router, "a", "a0"))
+            await wait_for(lambda: len(engine.requests) == 1)
+            waiting = asyncio.create_task(_send(router, "a", "a1"))
+            await wait_for(lambda: len(router.state.proxy.queue) == 1)  # type: ignore[union-attr]
+            urgent = asyncio.create_task(_send(router, "b", "b0"))
+            assert await waiting == 429
+            await _release_one_by_one(engine, gate, 2)
+            assert await first == 200
+            assert await urgent == 200
+            assert [r["prompt"] for r in engine.requests] == ["a0", "b0"]
