@@ -12,7 +12,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from fleetpilot.routing.policies.load import has_headroom, is_full, is_saturated
+from fleetpilot.routing.policies.load import has_headroom, is_full
 from fleetpilot.routing.policies.types import Filter, PickRequest, ReplicaView, Scorer
 
 # Scores are sums of a few products of floats; anything closer than this is a tie, so float
@@ -38,9 +38,11 @@ class HealthFilter:
 
 class CapacityFilter:
     """Drops replicas whose queue is at the hard limit (see ``load.is_full``); with
-    ``batch_only`` (the router's fair queue holds what waits: routing.flow), those where a new
-    request would queue at all (``load.is_saturated`` with no queue allowed): an engine's
-    queue is first come, first served, so fairness across tenants needs it short."""
+    ``batch_only`` (the router's fair queue holds what waits: routing.flow), those whose batch
+    this router has filled or whose engine reports a queue: an engine's queue is first come,
+    first served, so fairness across tenants needs it empty. The batch is judged by the
+    router's own in-flight count, which drops the moment a request ends: the scraped running
+    count lags by a scrape interval, and every slot freed meanwhile would sit idle."""
 
     name = "capacity"
 
@@ -50,7 +52,7 @@ class CapacityFilter:
 
     def filter(self, request: PickRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
         if self.batch_only:
-            return [v for v in replicas if not is_saturated(v, 0.0)]
+            return [v for v in replicas if v.in_flight < v.max_num_seqs and v.waiting <= 0]
         return [v for v in replicas if not is_full(v, self.max_waiting)]
 
 

@@ -121,7 +121,8 @@ def test_with_a_fair_queue_a_replica_takes_work_only_while_its_batch_has_room() 
     allowance; with it (batch_only), as soon as a new request would queue at the engine -
     the engine's queue is first come, first served, so it must stay empty to be fair."""
     replicas = [
-        ReplicaView("roomy", 4, in_flight=3),
+        # The last scrape saw a full batch, but one of this router's requests ended since.
+        ReplicaView("roomy", 4, in_flight=3, running=4),
         ReplicaView("batch-full", 4, in_flight=4),
         ReplicaView("queueing", 4, in_flight=2, running=2, waiting=1),
     ]
