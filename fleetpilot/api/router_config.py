@@ -215,6 +215,12 @@ class RouterConfig(ApiModel):
     load_weight: float = Field(1.0, ge=0.0)
     adapter_weight: float = Field(2.0, ge=0.0)
     retries: int = Field(2, ge=0)
+    stream_resumes: int = Field(
+        1,
+        ge=0,
+        description="Times a stream whose replica dies or freezes mid-answer continues on "
+        "another replica; 0: it ends with an error event.",
+    )
     spillover: Spillover = Field(default_factory=Spillover)
     request_timeout: Duration = Field(timedelta(minutes=10))
     max_body_bytes: int = Field(10 * 1024 * 1024, ge=1)

@@ -1095,6 +1095,14 @@ class Routing(ApiModel):
         description="Weight of a replica having the request's LoRA adapter loaded already.",
     )
     retries: int = Field(2, ge=0, le=5, description="Retries on another replica before 1st byte.")
+    stream_resumes: int = Field(
+        1,
+        ge=0,
+        le=3,
+        description="Times a stream whose engine dies or freezes mid-answer is continued on "
+        "another replica (the prompt plus what was sent; the client sees one stream); 0: the "
+        "stream ends with an error event.",
+    )
     spillover: Spillover = nested(Spillover, "Spill-over between tiers.")
     request_timeout: Duration = Field(
         timedelta(minutes=10), description="Upper bound on one request."

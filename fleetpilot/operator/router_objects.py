@@ -170,6 +170,7 @@ def router_config(service: InferenceService) -> RouterConfig:
         load_weight=routing.load_weight,
         adapter_weight=routing.adapter_weight,
         retries=routing.retries,
+        stream_resumes=routing.stream_resumes,
         spillover=routing.spillover,
         request_timeout=routing.request_timeout,
         max_body_bytes=routing.max_body_bytes,

@@ -109,6 +109,14 @@ class RouterMetrics:
             ["from_tier", "to_tier"],
             registry=r,
         )
+        self.stream_resumes = Counter(
+            p + "stream_resumes",
+            "Streams whose replica died or froze mid-answer, by what became of them: resumed "
+            "on another replica, or ended with an error event (no_replica, not_resumable, "
+            "exhausted, failed).",
+            ["tier", "outcome"],
+            registry=r,
+        )
         self.retries = Counter(
             p + "retries",
             "Attempts repeated on another replica after a connect error, a 5xx, or a 404 for a "

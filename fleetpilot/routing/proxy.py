@@ -17,7 +17,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -54,7 +54,18 @@ from fleetpilot.routing.policies.pd import (
     prefill_request,
 )
 from fleetpilot.routing.replies import REPLY_CAPTURE_TOTAL_BYTES, CaptureBudget, ReplyCapture
+from fleetpilot.routing.resume import (
+    Rewriter,
+    Sent,
+    StreamLedger,
+    closing,
+    continuation,
+    read_sent,
+    resumable_body,
+    tokenize_request,
+)
 from fleetpilot.routing.router import ReplicaState, Route, Router
+from fleetpilot.routing.stall import StallError, StallWatch
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +139,17 @@ class _Exchange:
         if self.prefilling is not None:
             self.prefilling.pending_prefill -= self.prefill_blocks
             self.prefilling = None
+
+
+@dataclass
+class _Resumable:
+    """What continuing a stream on another replica needs (routing.streamResumes)."""
+
+    kind: Kind
+    body: dict[str, Any]  # the client's request, as engines are sent it
+    path: str
+    headers: dict[str, str]
+    left: int  # continuations this request may still have
 
 
 def _json_bytes(obj: Any) -> bytes:
@@ -336,6 +358,11 @@ class Proxy:
                 "the request body is nested too deeply", reason="invalid_json"
             ) from None
         capture = self._reply_capture(kind, route, body, len(raw))
+        resumable = None
+        if features.stream and config.stream_resumes > 0 and resumable_body(kind, body):
+            resumable = _Resumable(
+                kind, client_body(body, route.served_model), path, headers, config.stream_resumes
+            )
         try:
             return await self._send(
                 request,
@@ -347,6 +374,7 @@ class Proxy:
                 features.stream,
                 prefill_id,
                 capture,
+                resumable,
             )
         finally:
             if capture is not None:
@@ -587,7 +615,7 @@ class Proxy:
         self, replica: ReplicaState, budget_s: float, *, keep_while_alive: bool
     ) -> FirstByteWatch:
         return FirstByteWatch(
-            lambda timeout_s: answers_health(self.session, replica, timeout_s),
+            self._probe(replica),
             budget_s,
             keep_while_alive=keep_while_alive,
         )
@@ -622,6 +650,7 @@ class Proxy:
         stream: bool,
         prefill_id: str | None,
         capture: ReplyCapture | None = None,
+        resumable: _Resumable | None = None,
     ) -> web.StreamResponse:
         """Send to the route's replica; on a connect error, a disconnect before the answer, a
         5xx, or a 404 saying the replica lacks the request's LoRA adapter, try another replica
@@ -705,7 +734,15 @@ class Proxy:
                 if cause is None and route.adapter is not None and response.status < 400:
                     self.router.record_adapter_served(replica, route.adapter)
                 return await self._relay(
-                    request, exchange, route, replica, response, stream, prefill_id, capture
+                    request,
+                    exchange,
+                    route,
+                    replica,
+                    response,
+                    stream,
+                    prefill_id,
+                    capture,
+                    resumable,
                 )
             finally:
                 attempt.in_flight -= 1
@@ -721,6 +758,7 @@ class Proxy:
         stream: bool,
         prefill_id: str | None,
         capture: ReplyCapture | None = None,
+        resumable: _Resumable | None = None,
     ) -> web.StreamResponse:
         """Pass the upstream answer through, status and all (a successful chat reply also to
         ``capture``)."""
@@ -754,40 +792,17 @@ class Proxy:
             out.enable_chunked_encoding()
             await out.prepare(request)
             exchange.response = out
-            first = True
-            content = response.content
-            while True:
-                try:
-                    chunk = await content.readany()
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    self._upstream_failed(route, replica, "stream")
-                    log.warning(
-                        "upstream stream broke",
-                        extra={"replica": replica.id, "err": type(exc).__name__},
-                    )
-                    await self._stream_error(out, 502, "the upstream replica stopped mid-stream")
-                    self._count(exchange, "502")
-                    return out
-                if not chunk:
-                    break
-                if capture is not None:
-                    capture.feed(chunk)
-                if exchange.limits is not None:
-                    used = usage_tokens(chunk)
-                    exchange.used = used if used is not None else exchange.used
-                if first:
-                    first = False
-                    exchange.end_prefill()
-                    self.metrics.ttft_seconds.labels(route.tier.name).observe(
-                        time.perf_counter() - exchange.started
-                    )
-                try:
-                    await out.write(chunk)
-                except ConnectionError:
-                    # The client left: closing the upstream response (below) cancels the
-                    # generation on the engine.
-                    self._count(exchange, STATUS_CLIENT_CLOSED)
-                    return out
+            whole = await self._relay_stream(
+                out,
+                exchange,
+                route,
+                replica,
+                response,
+                capture,
+                resumable if response.status == 200 else None,
+            )
+            if not whole:
+                return out  # counted: the stream broke, or the client left
             done = True
             self._count(exchange, status)  # the client has every byte of the answer now
             if capture is not None and response.status == 200:
@@ -809,6 +824,195 @@ class Proxy:
                 response.release()
             else:
                 response.close()
+
+    async def _relay_stream(
+        self,
+        out: web.StreamResponse,
+        exchange: _Exchange,
+        route: Route,
+        replica: ReplicaState,
+        response: aiohttp.ClientResponse,
+        capture: ReplyCapture | None,
+        resumable: _Resumable | None,
+    ) -> bool:
+        """Relay a streamed answer as it comes. When its replica dies (the connection breaks,
+        or it goes silent and fails a liveness probe: ``StallWatch``) and the request can be
+        resumed, the answer continues on another replica (``_resume``) in the same client
+        stream. True when the client has the whole answer; otherwise it was told (an error
+        event) or it left, and the request is counted."""
+        ledger = StreamLedger() if resumable is not None else None
+        rewriter: Rewriter | None = None
+        leg, leg_replica = response, replica
+        tried = {replica.id}
+        budget_s = self.router.first_byte_timeout_s(route.tier)
+        first = True
+        try:
+            while True:
+                cause: str | None = None
+                try:
+                    async with StallWatch(self._probe(leg_replica), budget_s) as watch:
+                        while True:
+                            chunk = await leg.content.readany()
+                            watch.progress()
+                            if not chunk:
+                                break
+                            if ledger is not None:
+                                chunk = ledger.whole(chunk)
+                                if not chunk:
+                                    continue
+                                if rewriter is not None:
+                                    chunk = rewriter.events(chunk)
+                                ledger.record(chunk)
+                            if capture is not None:
+                                capture.feed(chunk)
+                            if exchange.limits is not None:
+                                used = usage_tokens(chunk)
+                                exchange.used = used if used is not None else exchange.used
+                            if first:
+                                first = False
+                                exchange.end_prefill()
+                                self.metrics.ttft_seconds.labels(route.tier.name).observe(
+                                    time.perf_counter() - exchange.started
+                                )
+                            try:
+                                await out.write(chunk)
+                            except ConnectionError:
+                                # The client left: closing the upstream response (the caller
+                                # or below) cancels the generation on the engine.
+                                self._count(exchange, STATUS_CLIENT_CLOSED)
+                                return False
+                except StallError:
+                    cause = "stall"
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    cause = "stream"
+                    log.warning(
+                        "upstream stream broke",
+                        extra={"replica": leg_replica.id, "err": type(exc).__name__},
+                    )
+                if cause is None and (ledger is None or ledger.done):
+                    if ledger is not None and (rest := ledger.rest()):
+                        with contextlib.suppress(ConnectionError):
+                            await out.write(rest)
+                    return True
+                # Broken, frozen, or ended without [DONE] (an engine shutting down).
+                self._upstream_failed(route, leg_replica, cause or "stream")
+                leg.close()
+                resumed = None
+                if resumable is not None and ledger is not None:
+                    resumed = await self._resume(route, leg_replica, resumable, ledger, tried)
+                if isinstance(resumed, bytes):  # the answer was whole: only its end was lost
+                    with contextlib.suppress(ConnectionError):
+                        await out.write(resumed)
+                    return True
+                if resumed is None:
+                    await self._stream_error(out, 502, "the upstream replica stopped mid-stream")
+                    self._count(exchange, "502")
+                    return False
+                if leg_replica is not replica:
+                    leg_replica.in_flight -= 1
+                leg_replica, leg, rewriter = resumed
+                exchange.replica = leg_replica
+        finally:
+            if leg is not response:
+                leg.close()
+                leg_replica.in_flight -= 1
+
+    async def _resume(
+        self,
+        route: Route,
+        failed: ReplicaState,
+        resumable: _Resumable,
+        ledger: StreamLedger,
+        tried: set[str],
+    ) -> tuple[ReplicaState, aiohttp.ClientResponse, Rewriter] | bytes | None:
+        """Continue a broken stream on another replica of the route's group: the request
+        extended by what the client was sent (``resume.continuation``). Returns the new
+        replica (its in_flight counted), its streaming response and the rewriter of its
+        events; the stream's closing bytes when nothing was left to generate; None when it
+        cannot continue (counted by outcome)."""
+        tier = route.tier.name
+        outcome = self.metrics.stream_resumes
+        if resumable.left <= 0:
+            outcome.labels(tier, "exhausted").inc()
+            return None
+        sent = read_sent(resumable.kind, ledger)
+        if sent.not_resumable is not None:
+            log.info("stream not resumed", extra={"tier": tier, "why": sent.not_resumable})
+            outcome.labels(tier, "not_resumable").inc()
+            return None
+        if sent.finished:
+            outcome.labels(tier, "resumed").inc()
+            return closing(resumable.kind, sent)
+        replica = self.router.alternative(route, tried)
+        if replica is None:
+            outcome.labels(tier, "no_replica").inc()
+            return None
+        tried.add(replica.id)
+        resumable.left -= 1
+        replica.in_flight += 1
+        handed_over = False
+        try:
+            count = await self._count_tokens(replica, sent) if sent.text else 0
+            body = continuation(resumable.kind, resumable.body, sent, count)
+            if body is None:
+                outcome.labels(tier, "resumed").inc()
+                return closing(resumable.kind, sent)
+            budget_s = self.router.first_byte_timeout_s(route.tier)
+            try:
+                async with self._watch(replica, budget_s, keep_while_alive=True):
+                    response = await self.session.post(
+                        replica.url(resumable.path),
+                        data=_json_bytes(body),
+                        headers=resumable.headers,
+                        timeout=self._timeout(),
+                    )
+            except (FirstByteTimeoutError, aiohttp.ClientError) as exc:
+                self._upstream_failed(route, replica, _cause(exc))
+                outcome.labels(tier, "failed").inc()
+                return None
+            if response.status != 200 or response.content_type != "text/event-stream":
+                log.warning(
+                    "stream continuation refused",
+                    extra={"replica": replica.id, "status": response.status},
+                )
+                response.close()
+                outcome.labels(tier, "failed").inc()
+                return None
+            log.info(
+                "stream resumed",
+                extra={"tier": tier, "from": failed.id, "to": replica.id, "sent_tokens": count},
+            )
+            outcome.labels(tier, "resumed").inc()
+            handed_over = True
+            return replica, response, Rewriter(resumable.kind, sent, count)
+        finally:
+            if not handed_over:
+                replica.in_flight -= 1
+
+    async def _count_tokens(self, replica: ReplicaState, sent: Sent) -> int:
+        """The tokens of the text sent, by the replica's own tokenizer (vLLM's ``/tokenize``);
+        the number of events that carried it when the replica cannot say (an event is a token
+        unless the engine batches them)."""
+        body = tokenize_request(sent)
+        try:
+            async with self.session.post(
+                replica.url("/tokenize"),
+                data=_json_bytes(body),
+                headers={"Content-Type": "application/json"},
+                timeout=aiohttp.ClientTimeout(
+                    total=2 * self.router.config.connect_timeout.total_seconds()
+                ),
+            ) as answer:
+                if answer.status == 200:
+                    count = (await answer.json()).get("count")
+                    if isinstance(count, int):
+                        return count
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            pass
+        return sent.events
+
+    def _probe(self, replica: ReplicaState) -> Callable[[float], Awaitable[bool]]:
+        return lambda timeout_s: answers_health(self.session, replica, timeout_s)
 
     async def _stream_error(self, out: web.StreamResponse, status: int, message: str) -> None:
         """An error event mid-stream, shaped as vLLM's (its HTTP status is already sent)."""

@@ -62,6 +62,14 @@ vLLM version it runs:
   load, per sub-module (``q_proj`` ... of a packed ``qkv_proj``), ``A`` [max_lora_rank, in]
   and ``B`` [out, max_lora_rank] as ``{"shape", "float32": "<base64>"}``, zero where the
   adapter has no delta.
+- ``{"op": "openai_request", "kind": "chat"|"completions"|"tokenize", "body": {...}}``: the
+  body read by vLLM's own request model (``ChatCompletionRequest``, ``CompletionRequest``,
+  ``TokenizeCompletionRequest``). Answer ``{"ok": true, "fields": {...}}`` with the fields a
+  stream's continuation sets and the sampling parameters they become (``max_tokens``,
+  ``allowed_token_ids``), or ``{"ok": false, "error"}`` with vLLM's refusal.
+- ``{"op": "chat_render", "tokenizer": "<dir>", "messages": [...], "add_generation_prompt":
+  ..., "continue_final_message": ...}``: the chat prompt text as vLLM renders it, through the
+  tokenizer's own chat template (transformers' ``apply_chat_template``, which vLLM calls).
 - ``{"op": "parallel", "argv": [...]}``: how one pod of a replica started with ``vllm serve
   <argv>`` (a local checkpoint folder the caller wrote; no weights are read) takes its part in
   the replica. The line is parsed as the ``serve`` op parses it, then vLLM's own dispatch
@@ -665,6 +673,60 @@ def parallel(parser: _ServeParser, argv: list[str]) -> dict[str, Any]:
     }
 
 
+def openai_request(kind: str, body: dict[str, Any]) -> dict[str, Any]:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.serve.tokenize.protocol import TokenizeCompletionRequest
+
+    try:
+        if kind == "tokenize":
+            tokenize = TokenizeCompletionRequest.model_validate(body)
+            return {
+                "ok": True,
+                "fields": {
+                    "prompt": tokenize.prompt,
+                    "add_special_tokens": tokenize.add_special_tokens,
+                },
+            }
+        fields: dict[str, Any]
+        parsed: Any
+        if kind == "chat":
+            parsed = ChatCompletionRequest.model_validate(body)
+            requested = parsed.max_completion_tokens
+            requested = parsed.max_tokens if requested is None else requested
+            fields = {
+                "continue_final_message": parsed.continue_final_message,
+                "add_generation_prompt": parsed.add_generation_prompt,
+                "messages": len(parsed.messages),
+            }
+        else:
+            parsed = CompletionRequest.model_validate(body)
+            requested = parsed.max_tokens
+            fields = {"prompt": parsed.prompt}
+        params = parsed.to_sampling_params(requested or 16, {})
+    except Exception as error:
+        return {"ok": False, "error": f"{type(error).__name__}: {error}"}
+    fields["max_tokens"] = params.max_tokens
+    fields["allowed_token_ids"] = params.allowed_token_ids
+    return {"ok": True, "fields": fields}
+
+
+def chat_render(request: dict[str, Any]) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(request["tokenizer"])
+        text = tokenizer.apply_chat_template(
+            request["messages"],
+            tokenize=False,
+            add_generation_prompt=request["add_generation_prompt"],
+            continue_final_message=request["continue_final_message"],
+        )
+    except Exception as error:
+        return {"ok": False, "error": f"{type(error).__name__}: {error}"}
+    return {"ok": True, "text": text}
+
+
 def main() -> None:
     logging.disable(logging.WARNING)
     import vllm
@@ -692,6 +754,10 @@ def main() -> None:
             answer = pd_decode(parser, request)
         elif op == "lora_adapters":
             answer = lora_adapters(parser, list(request["argv"]))
+        elif op == "openai_request":
+            answer = openai_request(str(request["kind"]), dict(request["body"]))
+        elif op == "chat_render":
+            answer = chat_render(request)
         elif op == "parallel":
             answer = parallel(parser, list(request["argv"]))
         else:

@@ -29,6 +29,7 @@ from fleetpilot.kv_events import END_SEQ, EventBatch, encode_batch, seq_bytes, s
 from fleetpilot.routing.app import ROUTER_APP, RouterApp, build_app
 from fleetpilot.routing.discovery import EndpointSource, StaticSource
 from fleetpilot.routing.policies.pd import PREFILL_KV_PARAMS
+from fleetpilot.runtime.processes import Child, Supervisor, free_port
 
 
 @dataclass
@@ -474,3 +475,49 @@ class KVEventPublisher:
                         [client, b"", self.topic, seq_bytes(seq), payload]
                     )
             await self._router.send_multipart([client, b"", b"", END_SEQ, b""])
+
+
+# -- reference engines as processes (to freeze with SIGSTOP, or kill) ----------------------
+
+
+def engine_argv(port: int, model: str, kv_role: str | None = None) -> list[str]:
+    argv = [sys.executable, "-m", "fleetpilot", "engine", "--backend", "reference",
+            "--host", "127.0.0.1", "--port", str(port), "--model-config", "tiny",
+            "--served-model-name", model, "--max-model-len", "512"]  # fmt: skip
+    if kv_role is not None:
+        config = {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_ip": "127.0.0.1"}
+        argv += ["--kv-transfer-config", json.dumps(config)]
+    return argv
+
+
+class Engines:
+    """Reference engines as supervised processes, by name."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+        self.children: dict[str, Child] = {}
+        self.addresses: dict[str, str] = {}
+
+    def start(self, name: str, model: str, kv_role: str | None = None) -> None:
+        port = free_port()
+        self.addresses[name] = f"127.0.0.1:{port}"
+        self.children[name] = self.supervisor.start(
+            name,
+            engine_argv(port, model, kv_role),
+            health_url=f"http://127.0.0.1:{port}/health",
+            env={"PYTHONUNBUFFERED": "1"},
+        )
+
+    def wait(self) -> None:
+        for child in self.children.values():
+            self.supervisor.wait_healthy(child, 180.0)
+
+
+@contextlib.contextmanager
+def frozen(child: Child) -> Iterator[None]:
+    """SIGSTOP the engine's process group; always SIGCONT it again."""
+    os.killpg(child.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.killpg(child.pid, signal.SIGCONT)

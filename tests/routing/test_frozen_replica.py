@@ -9,11 +9,6 @@ replica stopped its P/D tier.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import os
-import signal
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,8 +18,15 @@ import aiohttp
 import pytest
 
 from fleetpilot.api.router_config import EndpointGroup, RouterTier
-from fleetpilot.runtime.processes import Child, Supervisor, free_port
-from tests.routing.support import RunningRouter, make_config, running_router, wait_for
+from fleetpilot.runtime.processes import Supervisor
+from tests.routing.support import (
+    Engines,
+    RunningRouter,
+    frozen,
+    make_config,
+    running_router,
+    wait_for,
+)
 
 pytestmark = pytest.mark.asyncio
 
@@ -44,39 +46,6 @@ FAST = {
 RETRY_ALLOWANCE_S = 15.0
 
 
-def engine_argv(port: int, model: str, kv_role: str | None = None) -> list[str]:
-    argv = [sys.executable, "-m", "fleetpilot", "engine", "--backend", "reference",
-            "--host", "127.0.0.1", "--port", str(port), "--model-config", "tiny",
-            "--served-model-name", model, "--max-model-len", "512"]  # fmt: skip
-    if kv_role is not None:
-        config = {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_ip": "127.0.0.1"}
-        argv += ["--kv-transfer-config", json.dumps(config)]
-    return argv
-
-
-class Engines:
-    """Reference engines as supervised processes, by name."""
-
-    def __init__(self, supervisor: Supervisor) -> None:
-        self.supervisor = supervisor
-        self.children: dict[str, Child] = {}
-        self.addresses: dict[str, str] = {}
-
-    def start(self, name: str, model: str, kv_role: str | None = None) -> None:
-        port = free_port()
-        self.addresses[name] = f"127.0.0.1:{port}"
-        self.children[name] = self.supervisor.start(
-            name,
-            engine_argv(port, model, kv_role),
-            health_url=f"http://127.0.0.1:{port}/health",
-            env={"PYTHONUNBUFFERED": "1"},
-        )
-
-    def wait(self) -> None:
-        for child in self.children.values():
-            self.supervisor.wait_healthy(child, 180.0)
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
     supervisor = Supervisor(Path(tmp_path_factory.mktemp("frozen")))
@@ -91,16 +60,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
         yield engines
     finally:
         supervisor.stop_all()
-
-
-@contextlib.contextmanager
-def frozen(child: Child) -> Iterator[None]:
-    """SIGSTOP the engine's process group; always SIGCONT it again."""
-    os.killpg(child.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.killpg(child.pid, signal.SIGCONT)
 
 
 def group(role: str, addresses: list[str]) -> EndpointGroup:

@@ -64,6 +64,7 @@ from fleetpilot.engine.reference.request import (
 from fleetpilot.engine.reference.sampling import (
     SamplingParams,
     probs_from_logits,
+    restrict,
     sample,
     sample_from_probs,
 )
@@ -275,6 +276,8 @@ class LLMEngine:
             raise RequestRejectedError("the prompt is empty")
         if any(not 0 <= t < vocab for t in ids):
             raise RequestRejectedError(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.allowed_token_ids):
+            raise RequestRejectedError("allowed_token_ids contains out-of-vocab token id!")
         max_len = self.config.max_model_len
         if len(ids) >= max_len:
             raise RequestRejectedError(
@@ -502,7 +505,12 @@ class LLMEngine:
         done = self.clock()
 
         sampling = {id(s): (row, n) for s, row, n in samplers}
-        greedy_rows = [row for s, row, n in samplers if n == 1 and s.request.params.greedy]
+        # Greedy rows free to pick any token: one batched argmax (the rest go through sample).
+        greedy_rows = [
+            row
+            for s, row, n in samplers
+            if n == 1 and s.request.params.greedy and not s.request.params.allowed_token_ids
+        ]
         argmax = dict(zip(greedy_rows, logits[greedy_rows].argmax(-1).tolist(), strict=True))
         for s in plan.scheduled:
             r = s.request
@@ -604,7 +612,7 @@ class LLMEngine:
             for i, s in enumerate(step):
                 r = s.request
                 if r.params.greedy:
-                    drafts[r.request_id].append(int(logits[i].argmax()))
+                    drafts[r.request_id].append(int(restrict(logits[i], r.params).argmax()))
                     continue
                 q = probs_from_logits(logits[i : i + 1], r.params)
                 drafts[r.request_id] += sample_from_probs(q, r.generator or self._generator)
@@ -616,7 +624,7 @@ class LLMEngine:
         self._stats.spec_decode_num_drafts_total += 1
         self._stats.spec_decode_num_draft_tokens_total += len(draft)
         if r.params.greedy:
-            new = verify_greedy(draft, logits.argmax(-1).tolist())
+            new = verify_greedy(draft, restrict(logits, r.params).argmax(-1).tolist())
         else:
             target = probs_from_logits(logits, r.params)
             new = rejection_sample(

@@ -119,6 +119,7 @@ class _SamplingRequest(_Request):
     n: int = Field(default=1, ge=1)
     user: str | None = None
     return_token_ids: bool = False  # vLLM extension: token ids in the response
+    allowed_token_ids: list[StrictInt] | None = None  # vLLM extension: the tokens it may use
     kv_transfer_params: KVTransferParams | None = None
     # Accepted only at their neutral values: the engine does not implement them.
     presence_penalty: float | None = None
@@ -171,6 +172,7 @@ class _SamplingRequest(_Request):
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                allowed_token_ids=tuple(self.allowed_token_ids or ()),
             )
         except ValueError as e:  # the engine's own range checks, as a 400
             raise APIError(400, str(e)) from e
@@ -255,6 +257,10 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's template switches: continue_final_message continues the final (assistant) message
+    # in place of opening a new one.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def check(self) -> None:
         self._refuse_unsupported(
@@ -266,6 +272,7 @@ class ChatCompletionRequest(_SamplingRequest):
         )
         if self.tool_choice not in (None, "none", "auto"):
             raise APIError(400, "tool_choice is not supported by this engine", "tool_choice")
+        check_template_switches(self.add_generation_prompt, self.continue_final_message)
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise APIError(
                 400, "only response_format type 'text' is supported", param="response_format"
@@ -279,6 +286,15 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+def check_template_switches(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    if add_generation_prompt and continue_final_message:
+        # vLLM's own refusal.
+        raise APIError(
+            400,
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+        )
 
 
 @dataclass
@@ -301,6 +317,7 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # BOS for a plain prompt
     add_generation_prompt: bool = True  # for messages
+    continue_final_message: bool = False  # for messages
 
 
 class DetokenizeRequest(_Request):

@@ -29,6 +29,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # vLLM's allowed_token_ids: the only tokens the request may generate (empty: all).
+    allowed_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -41,10 +43,23 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 or positive, got {self.top_k}")
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if any(t < 0 for t in self.allowed_token_ids):
+            raise ValueError("allowed_token_ids contains out-of-vocab token id!")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS or self.top_k == 1
+
+
+def restrict(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``logits`` with every token outside ``allowed_token_ids`` impossible (-inf)."""
+    if not params.allowed_token_ids:
+        return logits
+    # The engine refused ids past the vocabulary when the request came in.
+    allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=logits.device)
+    mask = torch.full_like(logits, float("-inf"))
+    mask[..., allowed] = 0.0
+    return logits + mask
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -53,7 +68,7 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     Greedy requests get a one-hot distribution on the argmax, which makes speculative
     verification with rejection sampling reduce to "accept iff the draft equals the argmax".
     """
-    logits = logits.float()
+    logits = restrict(logits.float(), params)
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
     logits = logits / params.temperature
@@ -81,6 +96,7 @@ def sample(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> list[int]:
     """One token per row of ``logits``; greedy rows consume no randomness."""
+    logits = restrict(logits, params)
     if params.greedy:
         return [int(t) for t in logits.argmax(dim=-1)]
     return sample_from_probs(probs_from_logits(logits, params), generator)

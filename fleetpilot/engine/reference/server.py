@@ -99,6 +99,7 @@ from fleetpilot.engine.reference.protocol import (
     TokenizeResponse,
     UnloadLoRAAdapterRequest,
     Usage,
+    check_template_switches,
     error_body,
     to_json,
     validation_error,
@@ -505,8 +506,11 @@ class EngineServer:
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            check_template_switches(req.add_generation_prompt, req.continue_final_message)
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt
+                messages,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
             )
             tokens = self._encode(text, param="messages")
         else:
@@ -542,7 +546,11 @@ class EngineServer:
         req = await self._parse(request, ChatCompletionRequest)
         model, lora = self._check_model(req.model)
         req.check()
-        text = self.tokenizer.apply_chat_template(req.chat_messages())
+        text = self.tokenizer.apply_chat_template(
+            req.chat_messages(),
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+        )
         ids = self._encode(text, param="messages")
         params = req.sampling_params(req.effective_max_tokens)
         prepared = PreparedRequest("chat", req, ids, params, model)

@@ -66,10 +66,20 @@ class ByteTokenizer:
         return data.decode("utf-8", errors="replace")
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> str:
-        """A minimal ChatML-like template, so chat prompts with equal history share a prefix."""
+        """A minimal ChatML-like template, so chat prompts with equal history share a prefix.
+
+        ``continue_final_message`` ends the text right after the final message's content, as
+        transformers cuts a rendered chat, so the model continues that message (a prefilled
+        reply, or a stream the router resumes on another replica)."""
         parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
+        if continue_final_message:
+            return "".join(parts)[:-1]  # the final message's closing newline
         if add_generation_prompt:
             parts.append("<|assistant|>\n")
         return "".join(parts)
