@@ -15,9 +15,12 @@ Arms, each on a fresh fleet:
 - **first come, first served**: A and B without flow control - the router admits while the
   engines' queues have room (``backpressure.maxWaitingPerReplica``), so B's requests wait in
   the engines' queues behind A's.
-- **fair queue**: A and B with ``flowControl``: the router keeps the engines' batches full and
-  their queues empty, and hands each freed slot to the tenants in weighted-fair turns; A's
-  excess waits in the router (up to ``maxWait``) or is refused.
+- **fair queue, headroom H** (``--headroom``, default 0 and 2): A and B with ``flowControl``:
+  the router keeps the engines' queues empty and hands each freed slot to the tenants in
+  weighted-fair turns; A's excess waits in the router (up to ``maxWait``) or is refused. With
+  headroom 0 every slot is filled (work-conserving), so B's request waits for the next slot to
+  free; with H > 0 B keeps H slots free while it is active (within its share), so it starts at
+  once and A has the other slots.
 
 Reported per arm and tenant: requests, success rate, TTFT p50/p95 of the successful ones, and
 B's p95 against its unloaded value (the goal: within 1.5x with the fair queue; A gets the
@@ -77,9 +80,13 @@ spec:
 {flow}"""
 
 
-def service_for(flow: bool, args: argparse.Namespace, folder: Path) -> InferenceService:
-    path = folder / f"service-{flow}.yaml"
-    flow_text = f"    flowControl: {{maxWait: {args.max_wait:g}s}}\n" if flow else ""
+def service_for(
+    flow: bool, headroom: int, args: argparse.Namespace, folder: Path
+) -> InferenceService:
+    path = folder / f"service-{flow}-{headroom}.yaml"
+    flow_text = (
+        f"    flowControl: {{maxWait: {args.max_wait:g}s, headroom: {headroom}}}\n" if flow else ""
+    )
     path.write_text(SERVICE.format(model=MODEL, max_num_seqs=args.max_num_seqs, flow=flow_text))
     (service,) = load_services(path)
     return service
@@ -110,7 +117,12 @@ def tenant_summary(records: list[RequestRecord]) -> dict[str, Any]:
 
 
 def run_arm(
-    name: str, flow: bool, rates: dict[str, float], args: argparse.Namespace, folder: Path
+    name: str,
+    flow: bool,
+    headroom: int,
+    rates: dict[str, float],
+    args: argparse.Namespace,
+    folder: Path,
 ) -> dict[str, Any]:
     keys = folder / "keys" / "keys"
     keys.mkdir(parents=True, exist_ok=True)
@@ -119,7 +131,7 @@ def run_arm(
     workdir = folder / name.replace(" ", "-")
     workdir.mkdir()
     fleet = LocalFleet(
-        service_for(flow, args, folder),
+        service_for(flow, headroom, args, folder),
         workdir,
         0,
         max_replicas_per_role=2,
@@ -157,6 +169,7 @@ def run_arm(
     return {
         "arm": name,
         "flow_control": flow,
+        "headroom": headroom if flow else None,
         "rates": rates,
         "tenants": {tenant: tenant_summary(recs) for tenant, recs in records.items()},
     }
@@ -175,6 +188,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--step-delay", type=float, default=0.05)
     parser.add_argument("--max-wait", type=float, default=30.0)
+    parser.add_argument("--headroom", type=int, nargs="+", default=[0, 2])
+    parser.add_argument("--skip-fcfs", action="store_true", help="no first-come arm")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save", action="store_true")
     args = parser.parse_args()
@@ -182,12 +197,14 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        for name, flow, rates in (
-            ("B alone", False, {"b": args.rate_b}),
-            ("first come, first served", False, both),
-            ("fair queue", True, both),
-        ):
-            results.append(run_arm(name, flow, rates, args, folder))
+        arms: list[tuple[str, bool, int, dict[str, float]]] = [
+            ("B alone", False, 0, {"b": args.rate_b})
+        ]
+        if not args.skip_fcfs:
+            arms.append(("first come, first served", False, 0, both))
+        arms += [(f"fair queue, headroom {h}", True, h, both) for h in args.headroom]
+        for name, flow, headroom, rates in arms:
+            results.append(run_arm(name, flow, headroom, rates, args, folder))
             print(f"done: {name}", flush=True)
     unloaded = results[0]["tenants"]["b"]["ttft_p95_s"]
     print(
@@ -195,7 +212,7 @@ def main() -> None:
         f"{args.max_num_seqs} sequences, {args.max_tokens} tokens each, seed {args.seed}"
     )
     print(
-        f"{'arm':26} {'tenant':6} {'reqs':>5} {'ok':>6} {'TTFT p50':>10} {'TTFT p95':>10}  vs alone"
+        f"{'arm':28} {'tenant':6} {'reqs':>5} {'ok':>6} {'TTFT p50':>10} {'TTFT p95':>10}  vs alone"
     )
     for result in results:
         for tenant, s in result["tenants"].items():
@@ -204,7 +221,7 @@ def main() -> None:
                 ratio = f"{s['ttft_p95_s'] / unloaded:.2f}x"
             rate = s["success_rate"]
             print(
-                f"{result['arm']:26} {tenant:6} {s['requests']:>5} "
+                f"{result['arm']:28} {tenant:6} {s['requests']:>5} "
                 f"{(f'{rate:.0%}' if rate is not None else '-'):>6} "
                 f"{_ms(s['ttft_p50_s']):>10} {_ms(s['ttft_p95_s']):>10}  {ratio}"
             )

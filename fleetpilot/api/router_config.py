@@ -194,6 +194,12 @@ class FlowConfig(ApiModel):
 
     max_wait: Duration = Field(timedelta(seconds=30))
     max_queued: int = Field(1024, ge=1)
+    headroom: int = Field(
+        2,
+        ge=0,
+        description="Batch slots of a tier each other active tenant keeps free for its next "
+        "requests (within its weighted share); 0: work-conserving.",
+    )
 
 
 class RouterConfig(ApiModel):

@@ -1080,6 +1080,15 @@ class FlowControl(ApiModel):
         description="Requests one router replica holds waiting; past it the newest of the "
         "lowest priority class is shed (429).",
     )
+    headroom: int = Field(
+        2,
+        ge=0,
+        le=1024,
+        description="While several tenants are active on a tier, the batch slots each keeps "
+        "free for its next requests (within its weighted share of the tier's slots), so its "
+        "request starts at once however much another sends; 0: work-conserving (a request "
+        "waits for the next slot to free).",
+    )
 
 
 class Routing(ApiModel):

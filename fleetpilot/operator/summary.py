@@ -108,7 +108,8 @@ def tenant_lines(service: InferenceService) -> list[str]:
     flow = service.spec.routing.flow_control
     lines = [
         f"  when saturated: requests wait up to {format_duration(flow.max_wait)} in fair "
-        f"turns (at most {flow.max_queued:,} a router)"
+        f"turns (at most {flow.max_queued:,} a router), each active tenant keeping "
+        f"{flow.headroom} batch slots of a tier free"
         if flow is not None
         else "  when saturated: 429 at once"
     ]

@@ -41,7 +41,7 @@ from fleetpilot.routing.errors import (
 )
 from fleetpilot.routing.features import Kind, RequestFeatures, extract_features
 from fleetpilot.routing.first_byte import FirstByteTimeoutError, FirstByteWatch
-from fleetpilot.routing.flow import FairQueue, QueueFullError, Ticket
+from fleetpilot.routing.flow import FairQueue, QueueFullError, Ticket, may_start
 from fleetpilot.routing.health import answers_health
 from fleetpilot.routing.hold import ColdStartHold
 from fleetpilot.routing.limits import DEFAULT_COMPLETION_RESERVE, TenantLimits
@@ -76,6 +76,9 @@ COLD_START_POLL_S = 0.25
 # How often the head of the fair queue tries again while no request ends (capacity also frees
 # when a scrape shows an engine's batch emptier than the router thought).
 FLOW_POLL_S = 0.05
+# A tenant that sent a request within this long is active on its tier (it keeps its headroom
+# there: routing.flow) even while nothing of its is in flight or queued.
+ACTIVE_WINDOW_S = 10.0
 REQUEST_ID_HEADER = "X-Request-Id"
 PATHS: dict[Kind, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # Client headers an engine may need; everything else (cookies, hop-by-hop headers, Host) stays
@@ -129,6 +132,8 @@ class _Exchange:
     # the request timeout ending it answers as the hold running out does.
     hold: ColdStartHold | None = None
     held_since: float = 0.0
+    # The tier whose batch slots count this request as its tenant's (routing.flow).
+    flight_tier: str | None = None
 
     def begin_prefill(self, replica: ReplicaState, blocks: int) -> None:
         self.end_prefill()
@@ -186,6 +191,11 @@ class Proxy:
         # Requests waiting for capacity (routing.flow), and how to wake each.
         self.queue = FairQueue(max_queued=1)
         self._waiters: dict[int, asyncio.Event] = {}
+        # Per tier, each tenant's requests in flight, when it last sent one, and its weight:
+        # who is active there, and what each holds (flow.may_start).
+        self._flight: dict[str, dict[str, int]] = {}
+        self._seen: dict[tuple[str, str], float] = {}
+        self._weights: dict[str, float] = {}
         self.in_flight = 0
         self._client_timeout: aiohttp.ClientTimeout | None = None
         self._tokenize_pool = ThreadPoolExecutor(
@@ -270,6 +280,8 @@ class Proxy:
         finally:
             self.in_flight -= 1
             self.metrics.in_flight.dec()
+            if exchange.flight_tier is not None:
+                self._end_flight(exchange)
             self._wake_head()  # a request ended: the next waiting one may fit now
             if exchange.limits is not None:
                 # Nothing generated (refused, failed): the reserve back; else what the answer
@@ -321,6 +333,7 @@ class Proxy:
         route = await self._decide(features, exchange)
         self.metrics.decision_seconds.observe(time.perf_counter() - decided)
         exchange.route = route
+        self._start_flight(exchange, route.tier.name)
         tier = route.tier
         self.metrics.count_decision(
             tier.name, route.reason, route.prefix_match, route.prefix_source
@@ -400,6 +413,14 @@ class Proxy:
         start (``_hold``); while every replica in reach is saturated, it waits in the fair
         queue when the config has one (``_wait_for_capacity``), else 429."""
         flow = self.router.config.flow
+        tenant = exchange.tenant
+        if flow is not None and tenant is not None and flow.headroom > 0:
+            tier = self.router.waiting_tier(features).name
+            self._seen[(tier, tenant.name)] = time.monotonic()
+            self._weights[tenant.name] = tenant.weight
+            if not self._may_start(tenant.name, tier):
+                # Its share is taken and others keep slots free: wait for one of its own.
+                return await self._wait_for_capacity(features, exchange, flow)
         if flow is not None and len(self.queue):
             # Others wait for capacity already: behind them (or ahead, by class and turn).
             return await self._wait_for_capacity(features, exchange, flow)
@@ -455,12 +476,14 @@ class Proxy:
         name = tenant.name if tenant is not None else ""
         self.queue.max_queued = flow.max_queued
         deadline = time.monotonic() + flow.max_wait.total_seconds()
+        tier = self.router.waiting_tier(features)
         try:
             ticket, shed = self.queue.enqueue(
                 name,
                 tenant.weight if tenant is not None else 1.0,
                 tenant.priority if tenant is not None else 0,
                 deadline,
+                tier.name,
             )
         except QueueFullError:
             raise self._queue_refusal("the router's queue is full", "queue_full") from None
@@ -468,7 +491,6 @@ class Proxy:
             self._wake(shed)  # it finds itself gone and answers 429
         key = id(ticket)
         woken = self._waiters[key] = asyncio.Event()
-        tier = self.router.waiting_tier(features)
         pending = [self.metrics.pending.labels(tier.name, g.role) for g in tier.endpoints]
         for gauge in pending:
             gauge.inc()
@@ -483,7 +505,7 @@ class Proxy:
                         f"no replica had room within {flow.max_wait.total_seconds():g} s",
                         "queue_timeout",
                     )
-                is_head = self.queue.head() is ticket
+                is_head = self._next() is ticket
                 with contextlib.suppress(TimeoutError):
                     # The head polls (capacity also frees as scrapes come in); the others
                     # wait to be woken, or for their deadline.
@@ -493,7 +515,7 @@ class Proxy:
                 woken.clear()
                 if ticket not in self.queue:
                     raise self._queue_refusal("shed for a request of a higher class", "shed")
-                if self.queue.head() is not ticket:
+                if self._next() is not ticket:
                     continue
                 try:
                     route = await self._route(features)
@@ -517,9 +539,58 @@ class Proxy:
             woken.set()
 
     def _wake_head(self) -> None:
-        head = self.queue.head()
+        head = self._next()
         if head is not None:
             self._wake(head)
+
+    def _next(self) -> Ticket | None:
+        """The waiting request that goes next: the first in turn whose tenant may start one
+        more on its tier now (``flow.may_start``)."""
+        if not len(self.queue):
+            return None
+        flow = self.router.config.flow
+        if flow is None or flow.headroom <= 0:
+            return self.queue.head()
+        verdicts: dict[tuple[str, str], bool] = {}
+
+        def eligible(ticket: Ticket) -> bool:
+            key = (ticket.tier, ticket.tenant)
+            verdict = verdicts.get(key)
+            if verdict is None:
+                verdict = verdicts[key] = self._may_start(ticket.tenant, ticket.tier)
+            return verdict
+
+        return self.queue.head(eligible)
+
+    def _may_start(self, tenant: str, tier: str) -> bool:
+        """Whether ``tenant`` may start one more request on ``tier`` now, the other tenants
+        active there keeping their headroom (``flow.may_start``)."""
+        flow = self.router.config.flow
+        if flow is None or flow.headroom <= 0 or not tenant:
+            return True
+        flight = self._flight.get(tier, {})
+        since = time.monotonic() - ACTIVE_WINDOW_S
+        active = {t for t, n in flight.items() if n > 0}
+        active.update(t for (tr, t), at in self._seen.items() if tr == tier and at >= since)
+        active.add(tenant)
+        if len(active) < 2:
+            return True
+        weights = {t: self._weights.get(t, 1.0) for t in active}
+        return may_start(tenant, weights, flight, self.router.batch_slots(tier), flow.headroom)
+
+    def _start_flight(self, exchange: _Exchange, tier: str) -> None:
+        if exchange.tenant is None or self.router.config.flow is None:
+            return
+        exchange.flight_tier = tier
+        flight = self._flight.setdefault(tier, {})
+        flight[exchange.tenant.name] = flight.get(exchange.tenant.name, 0) + 1
+
+    def _end_flight(self, exchange: _Exchange) -> None:
+        tenant, tier = exchange.tenant, exchange.flight_tier
+        assert tenant is not None
+        assert tier is not None
+        self._flight[tier][tenant.name] -= 1
+        exchange.flight_tier = None
 
     def _queue_refusal(self, why: str, reason: str) -> OverloadedError:
         retry = max(1, round(self.router.config.backpressure.retry_after.total_seconds()))

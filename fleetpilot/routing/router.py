@@ -1023,6 +1023,16 @@ class Router:
         self._note_adapter(route.tier, state.id, route.adapter, self.clock())
         return state
 
+    def batch_slots(self, tier_name: str) -> int:
+        """The sequences the tier's serving replicas in rotation run at once."""
+        self.sync()
+        tier = self.tiers[self.tier_index[tier_name]]
+        return sum(
+            r.max_num_seqs
+            for r in self.group(tier.name, serving_role(tier))
+            if not self.health.is_ejected(r.id)
+        )
+
     def first_byte_timeout_s(self, tier: RouterTier) -> float:
         """The tier's time-to-first-byte budget per upstream attempt, in seconds."""
         budget = tier.first_byte_timeout or self.config.first_byte_timeout

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from fleetpilot.api.router_config import AuthConfig, RouterConfig, TenantKeys
-from fleetpilot.routing.flow import FairQueue, QueueFullError
+from fleetpilot.routing.flow import FairQueue, QueueFullError, may_start
 from tests.routing.support import (
     FakeEngine,
     RunningRouter,
@@ -82,7 +82,30 @@ def test_a_higher_class_goes_first_and_the_lowest_newest_is_shed() -> None:
 
 # -- at the router -------------------------------------------------------------------------
 
+
+def test_each_other_active_tenant_keeps_its_headroom_within_its_share() -> None:
+    """8 slots, a and b active with equal weights, headroom 2: a may fill the slots b leaves
+    but two, b may always start while it is under its share; headroom 0 fills every slot."""
+    both = {"a": 1.0, "b": 1.0}
+    assert may_start("a", both, {"a": 5}, slots=8, headroom=2)  # 6 held with b's 2 kept
+    assert not may_start("a", both, {"a": 6}, slots=8, headroom=2)
+    assert not may_start("a", both, {"a": 4, "b": 2}, slots=8, headroom=2)
+    assert may_start("b", both, {"a": 6, "b": 1}, slots=8, headroom=2)
+    assert may_start("a", both, {"a": 7}, slots=8, headroom=0)
+    # b's share caps what it keeps: at its share it keeps nothing, and a has the rest.
+    assert may_start("a", both, {"a": 3, "b": 4}, slots=8, headroom=2)
+    # Weights set the share: b of weight 1 against a's 3 holds 2 of 8 at most.
+    assert may_start("a", {"a": 3.0, "b": 1.0}, {"a": 5, "b": 1}, slots=8, headroom=4)
+    assert not may_start("a", {"a": 3.0, "b": 1.0}, {"a": 6, "b": 0}, slots=8, headroom=4)
+
+
 KEYS = {"a": "sk-tenant-a-0123456789abcdef", "b": "sk-tenant-b-0123456789abcdef"}
+
+
+def _tenants(tmp_path: Path, *names: str) -> list[TenantKeys]:
+    for name in names:
+        (tmp_path / name).write_text(KEYS[name])
+    return [TenantKeys(name=name, key_files=[str(tmp_path / name)]) for name in names]
 
 
 def _config(
@@ -190,3 +213,39 @@ async def test_a_higher_class_goes_first_and_sheds_the_lowest_from_a_full_queue(
             assert await first == 200
             assert await urgent == 200
             assert [r["prompt"] for r in engine.requests] == ["a0", "b0"]
+
+
+@pytest.mark.parametrize("headroom", [0, 2])
+@pytest.mark.asyncio
+async def test_a_flood_leaves_an_active_tenant_its_headroom(tmp_path: Path, headroom: int) -> None:
+    """An engine of 4 slots. Tenant b has been active; tenant a sends 5 at once. With
+    headroom 2, a runs 2 and queues 3, and b's next request starts at once; with headroom 0,
+    a fills all 4 slots and b's request waits for one to free."""
+    gate = asyncio.Event()
+    engine = FakeEngine("e", gate=gate)
+    async with engines(engine):
+        config = make_config(
+            [tier("only", 1.0, [engine], max_num_seqs=4)],
+            auth=AuthConfig(tenants=_tenants(tmp_path, "a", "b")),
+            flow={"maxWait": "20s", "headroom": headroom},
+            spillover={"enabled": False},
+        )
+        async with running_router(config) as router:
+            proxy = router.state.proxy
+            assert proxy is not None
+            first = asyncio.create_task(_send(router, "b", "b0"))
+            await _release_one_by_one(engine, gate, 1)
+            assert await first == 200
+            floods = [asyncio.create_task(_send(router, "a", f"a{i}")) for i in range(5)]
+            running = 2 if headroom else 4
+            await wait_for(lambda: len(engine.requests) == 1 + running)
+            await wait_for(lambda: len(proxy.queue) == 5 - running)
+            b = asyncio.create_task(_send(router, "b", "b1"))
+            if headroom:
+                await wait_for(lambda: len(engine.requests) == 4)
+                assert engine.requests[-1]["prompt"] == "b1"
+            else:
+                await wait_for(lambda: len(proxy.queue) == 2)
+                assert len(engine.requests) == 5
+            gate.set()
+            assert await asyncio.gather(*floods, b) == [200] * 6
