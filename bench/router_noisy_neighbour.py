@@ -39,6 +39,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from router_support import machine, save
 
 from fleetpilot.api import InferenceService, load_services
@@ -164,6 +166,7 @@ def run_arm(
             fleet.supervise_once()
             for thread in threads:
                 thread.join(0.2)
+        waits = queue_waits(fleet.endpoint.removesuffix("/v1"))
     finally:
         fleet.stop()
     return {
@@ -172,7 +175,26 @@ def run_arm(
         "headroom": headroom if flow else None,
         "rates": rates,
         "tenants": {tenant: tenant_summary(recs) for tenant, recs in records.items()},
+        "queue_waits": waits,
     }
+
+
+def queue_waits(base_url: str) -> dict[str, dict[str, float]]:
+    """Per tenant, the router's fair-queue wait histogram: how many requests waited for
+    capacity, and how many of those longer than each bucket bound."""
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "fleetpilot_router_queue_wait_seconds":
+            continue
+        for sample in family.samples:
+            tenant = sample.labels.get("tenant", "")
+            entry = out.setdefault(tenant, {})
+            if sample.name.endswith("_count"):
+                entry["queued"] = sample.value
+            elif sample.name.endswith("_bucket"):
+                entry[f"le_{sample.labels['le']}"] = sample.value
+    return out
 
 
 def _ms(seconds: float | None) -> str:
@@ -224,6 +246,16 @@ def main() -> None:
                 f"{result['arm']:28} {tenant:6} {s['requests']:>5} "
                 f"{(f'{rate:.0%}' if rate is not None else '-'):>6} "
                 f"{_ms(s['ttft_p50_s']):>10} {_ms(s['ttft_p95_s']):>10}  {ratio}"
+            )
+    print("\nB's requests that waited in the router's fair queue (and longer than):")
+    for result in results:
+        b = result["queue_waits"].get("b")
+        if b:
+            queued = b.get("queued", 0.0)
+            longer = {bound: queued - b.get(f"le_{bound}", 0.0) for bound in ("0.1", "0.25", "0.5")}
+            print(
+                f"  {result['arm']:28} {queued:4.0f} queued; "
+                + ", ".join(f"{n:.0f} > {bound} s" for bound, n in longer.items())
             )
     if args.save:
         path = save(

@@ -60,7 +60,8 @@ class RouterMetrics:
         )
         self.queue_wait_seconds = Histogram(
             p + "queue_wait_seconds",
-            "How long requests that got capacity waited for it in the fair queue.",
+            "How long requests that got capacity waited for it in the fair queue, by tenant.",
+            ["tenant"],
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
             registry=r,
         )

@@ -516,13 +516,18 @@ class Proxy:
                 if ticket not in self.queue:
                     raise self._queue_refusal("shed for a request of a higher class", "shed")
                 if self._next() is not ticket:
+                    # Woken, but another goes next now (the counts moved since): pass the
+                    # wake-up on, or that one would wait for its deadline.
+                    self._wake_head()
                     continue
                 try:
                     route = await self._route(features)
                 except OverloadedError:
                     continue
                 self.queue.dispatch(ticket)
-                self.metrics.queue_wait_seconds.observe(time.monotonic() - waited)
+                # Counted before the next is woken, which judges its turn by these counts.
+                self._start_flight(exchange, route.tier.name)
+                self.metrics.queue_wait_seconds.labels(name).observe(time.monotonic() - waited)
                 self._wake_head()  # the next may fit too
                 return route
         finally:
@@ -579,7 +584,12 @@ class Proxy:
         return may_start(tenant, weights, flight, self.router.batch_slots(tier), flow.headroom)
 
     def _start_flight(self, exchange: _Exchange, tier: str) -> None:
-        if exchange.tenant is None or self.router.config.flow is None:
+        """Count the request as its tenant's on ``tier`` (once)."""
+        if (
+            exchange.tenant is None
+            or self.router.config.flow is None
+            or exchange.flight_tier is not None
+        ):
             return
         exchange.flight_tier = tier
         flight = self._flight.setdefault(tier, {})

@@ -163,6 +163,10 @@ async def test_a_saturated_fleet_serves_tenants_in_fair_turns(tmp_path: Path) ->
             # served would have put both of b's last.
             order = [r["prompt"] for r in engine.requests]
             assert order == ["a0", "a1", "b0", "a2", "b1", "a3"]
+            # Every request but the first waited for capacity, each counted for its tenant.
+            waited = "fleetpilot_router_queue_wait_seconds_count"
+            assert router.metric(waited, tenant="a") == 3
+            assert router.metric(waited, tenant="b") == 2
             assert (
                 router.metric("fleetpilot_router_pending_requests", tier="only", role="unified")
                 == 0
