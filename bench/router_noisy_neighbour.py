@@ -79,6 +79,7 @@ spec:
           keysSecretRef: {{name: keys, key: a}}
         - name: b
           keysSecretRef: {{name: keys, key: b}}
+          weight: {weight_b:g}
 {flow}"""
 
 
@@ -89,7 +90,11 @@ def service_for(
     flow_text = (
         f"    flowControl: {{maxWait: {args.max_wait:g}s, headroom: {headroom}}}\n" if flow else ""
     )
-    path.write_text(SERVICE.format(model=MODEL, max_num_seqs=args.max_num_seqs, flow=flow_text))
+    path.write_text(
+        SERVICE.format(
+            model=MODEL, max_num_seqs=args.max_num_seqs, flow=flow_text, weight_b=args.weight_b
+        )
+    )
     (service,) = load_services(path)
     return service
 
@@ -212,6 +217,7 @@ def main() -> None:
     parser.add_argument("--max-wait", type=float, default=30.0)
     parser.add_argument("--headroom", type=int, nargs="+", default=[0, 2])
     parser.add_argument("--skip-fcfs", action="store_true", help="no first-come arm")
+    parser.add_argument("--weight-b", type=float, default=1.0, help="B's flowControl weight")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save", action="store_true")
     args = parser.parse_args()
@@ -231,7 +237,8 @@ def main() -> None:
     unloaded = results[0]["tenants"]["b"]["ttft_p95_s"]
     print(
         f"\nA {both['a']:g} req/s, B {both['b']:g} req/s, {args.duration:g} s, 2 engines of "
-        f"{args.max_num_seqs} sequences, {args.max_tokens} tokens each, seed {args.seed}"
+        f"{args.max_num_seqs} sequences, {args.max_tokens} tokens each, seed {args.seed}, "
+        f"B's weight {args.weight_b:g}"
     )
     print(
         f"{'arm':28} {'tenant':6} {'reqs':>5} {'ok':>6} {'TTFT p50':>10} {'TTFT p95':>10}  vs alone"
@@ -258,8 +265,11 @@ def main() -> None:
                 + ", ".join(f"{n:.0f} > {bound} s" for bound, n in longer.items())
             )
     if args.save:
+        name = "router_noisy_neighbour"
+        if args.weight_b != 1.0:
+            name += f"_weight_b_{args.weight_b:g}"
         path = save(
-            "router_noisy_neighbour",
+            name,
             {
                 "benchmark": "router_noisy_neighbour",
                 "machine": machine(),
