@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from fleetpilot.api.router_config import FlowConfig
+from fleetpilot.api.router_config import FlowConfig, RouterTier
 from fleetpilot.openai_errors import error_body, normalize_error
 from fleetpilot.routing.auth import AuthGate, Tenant
 from fleetpilot.routing.errors import (
@@ -414,16 +414,17 @@ class Proxy:
         queue when the config has one (``_wait_for_capacity``), else 429."""
         flow = self.router.config.flow
         tenant = exchange.tenant
+        waiting: RouterTier | None = None  # the tier it would wait for, once known
         if flow is not None and tenant is not None and flow.headroom > 0:
-            tier = self.router.waiting_tier(features).name
-            self._seen[(tier, tenant.name)] = time.monotonic()
+            waiting = self.router.waiting_tier(features)
+            self._seen[(waiting.name, tenant.name)] = time.monotonic()
             self._weights[tenant.name] = tenant.weight
-            if not self._may_start(tenant.name, tier):
+            if not self._may_start(tenant.name, waiting.name):
                 # Its share is taken and others keep slots free: wait for one of its own.
-                return await self._wait_for_capacity(features, exchange, flow)
+                return await self._wait_for_capacity(features, exchange, flow, waiting)
         if flow is not None and len(self.queue):
             # Others wait for capacity already: behind them (or ahead, by class and turn).
-            return await self._wait_for_capacity(features, exchange, flow)
+            return await self._wait_for_capacity(features, exchange, flow, waiting)
         try:
             return await self._route(features)
         except NoReplicaError as exc:
@@ -433,7 +434,7 @@ class Proxy:
         except OverloadedError:
             if flow is None:
                 raise
-            return await self._wait_for_capacity(features, exchange, flow)
+            return await self._wait_for_capacity(features, exchange, flow, waiting)
         return await self._hold(features, exchange, missing)
 
     async def _hold(
@@ -466,7 +467,11 @@ class Proxy:
                 gauge.dec()
 
     async def _wait_for_capacity(
-        self, features: RequestFeatures, exchange: _Exchange, flow: FlowConfig
+        self,
+        features: RequestFeatures,
+        exchange: _Exchange,
+        flow: FlowConfig,
+        tier: RouterTier | None = None,
     ) -> Route:
         """Every replica in the request's reach is saturated: wait in the fair queue
         (routing.flow) until the request is the next to go and a replica has room, at most
@@ -476,7 +481,8 @@ class Proxy:
         name = tenant.name if tenant is not None else ""
         self.queue.max_queued = flow.max_queued
         deadline = time.monotonic() + flow.max_wait.total_seconds()
-        tier = self.router.waiting_tier(features)
+        if tier is None:
+            tier = self.router.waiting_tier(features)
         try:
             ticket, shed = self.queue.enqueue(
                 name,
