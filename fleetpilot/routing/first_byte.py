@@ -8,7 +8,11 @@ may legitimately take long (a non-streamed generation sends its first byte only 
 unless the caller wants a slow replica given up on too (the prefill hop: past the budget the
 decode replica computing the prompt itself is the quicker answer).
 
-Cheap on the common path: no task of its own per attempt, one timer handle and one
+An attempt can also be given up before its budget: ``give_up`` is asked from
+``give_up_after_s`` on, every ``GIVE_UP_POLL_S``, and ends the attempt when it says so (the
+proxy asks whether the replica has turned suspect: ``policies.suspicion``).
+
+Cheap on the common path: no task of its own per attempt, one or two timer handles and one
 ``asyncio.timeout`` around the caller's own await; the probe runs only when the budget is
 nearly spent.
 """
@@ -20,16 +24,20 @@ from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Literal
 
-Verdict = Literal["dead", "slow"]
+Verdict = Literal["dead", "slow", "suspect"]
 
 # The liveness probe gets at most this much of the budget (and at most half of it): /health of
 # a live engine is answered by its API server, never queued behind generation.
 LIVENESS_PROBE_S = 2.0
+# How often ``give_up`` is asked once due: it turns with a scrape's or probe's outcome, and a
+# tenth of a second is small beside the second or more a frozen replica takes to turn suspect.
+GIVE_UP_POLL_S = 0.1
 
 
 class FirstByteTimeoutError(Exception):
-    """The attempt was ended at its budget: ``verdict`` says why ("dead": the replica failed
-    its liveness probe; "slow": it is alive, but the caller does not wait for slow ones)."""
+    """The attempt was ended: ``verdict`` says why ("dead": at its budget, the replica failed
+    its liveness probe; "slow": it is alive, but the caller does not wait for slow ones;
+    "suspect": before its budget, ``give_up`` said so)."""
 
     def __init__(self, verdict: Verdict, budget_s: float) -> None:
         super().__init__(f"no first byte within {budget_s:g}s ({verdict})")
@@ -51,9 +59,14 @@ class FirstByteWatch:
         budget_s: float,
         *,
         keep_while_alive: bool,
+        give_up: Callable[[], bool] | None = None,
+        give_up_after_s: float = 0.0,
     ) -> None:
         if budget_s <= 0:
             raise ValueError("the first-byte budget must be positive")
+        self.give_up = give_up
+        self.give_up_after_s = give_up_after_s
+        self._give_up_timer: asyncio.TimerHandle | None = None
         self.probe = probe
         self.budget_s = budget_s
         self.probe_s = min(LIVENESS_PROBE_S, budget_s / 2)
@@ -68,7 +81,21 @@ class FirstByteWatch:
         self._loop = asyncio.get_running_loop()
         await self._timeout.__aenter__()
         self._arm()
+        if self.give_up is not None and self.give_up_after_s < self.budget_s:
+            self._give_up_timer = self._loop.call_later(self.give_up_after_s, self._ask)
         return self
+
+    def _ask(self) -> None:
+        assert self._loop is not None
+        assert self.give_up is not None
+        self._give_up_timer = None
+        if self.verdict is not None:
+            return
+        if self.give_up():
+            self.verdict = "suspect"
+            self._timeout.reschedule(self._loop.time())  # ends the attempt now
+            return
+        self._give_up_timer = self._loop.call_later(GIVE_UP_POLL_S, self._ask)
 
     def _arm(self) -> None:
         assert self._loop is not None
@@ -81,6 +108,8 @@ class FirstByteWatch:
 
     async def _judge(self) -> None:
         alive = await self.probe(self.probe_s)
+        if self.verdict is not None:
+            return  # given up meanwhile
         if alive and self.keep_while_alive:
             self._arm()  # probed again one budget later
             return
@@ -96,6 +125,8 @@ class FirstByteWatch:
     ) -> None:
         if self._timer is not None:
             self._timer.cancel()
+        if self._give_up_timer is not None:
+            self._give_up_timer.cancel()
         if self._probe_task is not None:
             self._probe_task.cancel()  # a probe still out is moot now
         try:

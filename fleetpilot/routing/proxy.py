@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from types import TracebackType
 from typing import Any
 
 import aiohttp
@@ -90,6 +91,13 @@ STATUS_CLIENT_CLOSED = "499"  # nginx's code for "client closed the request"
 # The cause of an attempt that got no first byte within its budget from a replica that then
 # failed its liveness probe: frozen (SIGSTOP), wedged, or its node gone without a RST.
 FIRST_BYTE_TIMEOUT = "first-byte-timeout"
+# The cause of an attempt given up before its budget because its replica turned suspect
+# (policies.suspicion) while another could take the request: retried, counted as no failure
+# (the replica's own missed scrapes count towards its ejection).
+SUSPECT = "suspect"
+# Causes that are waits which ran out (the replica said nothing), not quick refusals: an
+# ejection they led to is not worth a try in panic mode (``picker.HealthFilter``).
+HUNG_CAUSES = frozenset({"timeout", FIRST_BYTE_TIMEOUT, "stall"})
 # The cause of an attempt answered 404 for its LoRA adapter by a healthy replica that has not
 # loaded it yet (dynamic LoRA): retried like a failure, counted as none.
 ADAPTER_MISSING = "adapter-missing"
@@ -661,13 +669,19 @@ class Proxy:
         replica.in_flight += 1
         # The hop is the prefill: its blocks are pending on the replica until it answers.
         replica.pending_prefill += route.prefill_blocks
+        now = self.router.clock
         try:
-            async with self._watch(replica, budget_s, keep_while_alive=False):
+            # Given up as soon as the replica turns suspect: decode-only is always there.
+            async with self._watch(
+                replica, budget_s, keep_while_alive=False, give_up=lambda: replica.suspect(now())
+            ):
                 status, data = await self._prefill_exchange(replica, path, payload, headers)
         except FirstByteTimeoutError as exc:
             if exc.verdict == "dead":
                 self._upstream_failed(route, replica, FIRST_BYTE_TIMEOUT)
                 return None, "prefill-" + FIRST_BYTE_TIMEOUT
+            if exc.verdict == SUSPECT:
+                return None, "prefill-" + SUSPECT
             return None, "prefill-slow"
         except aiohttp.ClientError as exc:
             self._upstream_failed(route, replica, _cause(exc))
@@ -699,12 +713,23 @@ class Proxy:
             return 200, await response.json(content_type=None)
 
     def _watch(
-        self, replica: ReplicaState, budget_s: float, *, keep_while_alive: bool
-    ) -> FirstByteWatch:
-        return FirstByteWatch(
+        self,
+        replica: ReplicaState,
+        budget_s: float,
+        *,
+        keep_while_alive: bool,
+        give_up: Callable[[], bool] | None = None,
+    ) -> _ReplicaWatch:
+        """The first-byte watch of one attempt on ``replica``; ``give_up`` is asked once the
+        attempt has waited as long as makes a silent replica suspect."""
+        return _ReplicaWatch(
+            replica,
+            self.router.clock,
             self._probe(replica),
             budget_s,
             keep_while_alive=keep_while_alive,
+            give_up=give_up,
+            give_up_after_s=replica.suspect_after_s,
         )
 
     def _timeout(self) -> aiohttp.ClientTimeout:
@@ -719,7 +744,9 @@ class Proxy:
 
     def _upstream_failed(self, route: Route, replica: ReplicaState, cause: str) -> None:
         self.metrics.upstream_errors.labels(route.tier.name, replica.id, cause).inc()
-        self.router.record_failure(replica)  # the router's on_eject counts an ejection
+        if cause != SUSPECT:
+            # The router's on_eject counts an ejection.
+            self.router.record_failure(replica, hung=cause in HUNG_CAUSES)
 
     def _adapter_missing(self, route: Route, replica: ReplicaState) -> None:
         assert route.adapter is not None
@@ -747,6 +774,16 @@ class Proxy:
         retries_left = self.router.config.retries
         timeout = self._timeout()
         budget_s = self.router.first_byte_timeout_s(route.tier)
+        now = self.router.clock
+
+        def give_up() -> bool:
+            # A suspect replica's wait goes to a sound one, while a retry is left for it.
+            return (
+                retries_left > 0
+                and attempt.suspect(now())
+                and self.router.has_sound_peer(route, attempt)
+            )
+
         while True:
             exchange.replica = replica
             attempt = replica  # `replica` moves on for a retry; this attempt's count stays here
@@ -760,13 +797,15 @@ class Proxy:
                 cause: str | None = None
                 error: Exception | None = None
                 try:
-                    async with self._watch(replica, budget_s, keep_while_alive=True):
+                    async with self._watch(
+                        replica, budget_s, keep_while_alive=True, give_up=give_up
+                    ):
                         response = await self.session.post(
                             replica.url(path), data=payload, headers=headers, timeout=timeout
                         )
                     cause = "5xx" if response.status >= 500 else None
-                except FirstByteTimeoutError:
-                    cause = FIRST_BYTE_TIMEOUT
+                except FirstByteTimeoutError as exc:
+                    cause = SUSPECT if exc.verdict == SUSPECT else FIRST_BYTE_TIMEOUT
                 except aiohttp.ClientError as exc:
                     cause = _cause(exc)
                     error = exc
@@ -1099,13 +1138,68 @@ class Proxy:
         return sent.events
 
     def _probe(self, replica: ReplicaState) -> Callable[[float], Awaitable[bool]]:
-        return lambda timeout_s: answers_health(self.session, replica, timeout_s)
+        async def probe(timeout_s: float) -> bool:
+            alive = await answers_health(self.session, replica, timeout_s)
+            if alive:
+                replica.heard_from()
+            else:
+                replica.went_silent(self.router.clock())
+            return alive
+
+        return probe
 
     async def _stream_error(self, out: web.StreamResponse, status: int, message: str) -> None:
         """An error event mid-stream, shaped as vLLM's (its HTTP status is already sent)."""
         event = b"data: " + _json_bytes(error_body(status, message)) + b"\n\n"
         with contextlib.suppress(ConnectionError):
             await out.write(event)
+
+
+class _ReplicaWatch(FirstByteWatch):
+    """A first-byte watch that keeps the replica's record of the requests waiting for a first
+    byte there (``ReplicaState.waits``, which suspicion reads): every upstream attempt's wait
+    goes through one, so this is that record's one writer. An attempt that got its answer
+    means the replica was heard from."""
+
+    def __init__(
+        self,
+        replica: ReplicaState,
+        clock: Callable[[], float],
+        probe: Callable[[float], Awaitable[bool]],
+        budget_s: float,
+        *,
+        keep_while_alive: bool,
+        give_up: Callable[[], bool] | None,
+        give_up_after_s: float,
+    ) -> None:
+        super().__init__(
+            probe,
+            budget_s,
+            keep_while_alive=keep_while_alive,
+            give_up=give_up,
+            give_up_after_s=give_up_after_s,
+        )
+        self.replica = replica
+        self.clock = clock
+        self._token: int | None = None
+
+    async def __aenter__(self) -> _ReplicaWatch:
+        await super().__aenter__()
+        self._token = self.replica.waits.begin(self.clock())
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._token is not None:
+            # Ended by the watch (its budget, or suspicion): the replica never answered.
+            self.replica.waits.end(self._token, given_up=self.verdict in ("dead", SUSPECT))
+        if exc_type is None:
+            self.replica.heard_from()
+        await super().__aexit__(exc_type, exc, tb)
 
 
 # The tokens an answer's usage counts, found without parsing the answer: in JSON a quote

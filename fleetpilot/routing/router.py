@@ -83,6 +83,7 @@ from fleetpilot.routing.policies.prefix import (
     matched_blocks,
 )
 from fleetpilot.routing.policies.recent import RecentSends
+from fleetpilot.routing.policies.suspicion import FirstByteWaits, is_suspect
 from fleetpilot.routing.policies.types import Filter, PickRequest, ReplicaView
 from fleetpilot.routing.tokenize import TokenizerError
 
@@ -182,6 +183,13 @@ class ReplicaState:
     # The endpoint's "host:port", formatted once: a decision reads it several times for every
     # replica of a group (a thousand-replica group: millions of times a second).
     id: str = field(init=False)
+    # Suspicion (``policies.suspicion``): the requests waiting for a first byte here (the
+    # proxy's first-byte watch is their one writer), since when its scrapes or probes have
+    # gone unanswered with nothing heard from it since (None: it answers), and how long a
+    # request waits before that makes it suspect (its tier's budget x ejection.suspectFraction).
+    waits: FirstByteWaits = field(default_factory=FirstByteWaits, init=False, repr=False)
+    silent_since: float | None = field(default=None, init=False, repr=False)
+    suspect_after_s: float = field(default=math.inf, init=False, repr=False)
 
     # LoRA adapters this router sent requests for here, least recently first (``note_adapter``).
     # Each with when it was last sent: the oldest of ``max_loras`` is the one a new adapter
@@ -201,7 +209,25 @@ class ReplicaState:
         self.kv_streams = tuple(self.endpoint.kv_streams())
         self.id = self.endpoint.id
 
-    def view(self, now: float, stale_after_s: float, ejected: bool) -> ReplicaView:
+    def went_silent(self, now: float) -> None:
+        """A scrape or /health probe of the replica got no answer at ``now``."""
+        if self.silent_since is None:
+            self.silent_since = now
+
+    def heard_from(self) -> None:
+        """The replica answered something (a scrape, a probe, a first byte): not silent."""
+        self.silent_since = None
+        self.waits.heard_from()
+
+    def suspect(self, now: float) -> bool:
+        """Whether the replica is passed over for new requests now (``is_suspect``)."""
+        if self.silent_since is None:  # the common case, read per replica per decision
+            return False
+        return is_suspect(now, self.waits.oldest(), self.silent_since, self.suspect_after_s)
+
+    def view(
+        self, now: float, stale_after_s: float, ejected: bool, hangs: bool = False
+    ) -> ReplicaView:
         """The replica as the policies see it now (``load.make_view``): the last view again
         while nothing it shows has changed. A large group's tier state reads every replica's
         view every ``TIER_STATE_MAX_AGE_S``, and between two reads most replicas took no
@@ -214,11 +240,14 @@ class ReplicaState:
             metrics = None  # stale: the view shows none, as make_view does
         adapters = self._adapters
         missing = self._missing_now(now) if self.missing_adapters else self._missing
+        suspect = self.suspect(now)
         made_of = (
             self.in_flight,
             self.pending_prefill,
             self.max_num_seqs,
             ejected,
+            hangs,
+            suspect,
             metrics,
             adapters,
             self._adapter_lru_at,
@@ -239,6 +268,8 @@ class ReplicaState:
                 adapters,
                 self._adapter_lru_at,
                 missing,
+                hangs=hangs,
+                suspect=suspect,
             )
             self._view_of = made_of
         return view
@@ -479,6 +510,10 @@ class Router:
         self._block_sizes: dict[tuple[str, str], int] = {
             (t.name, g.role): g.block_size for t in config.tiers for g in t.endpoints
         }
+        self._suspect_after_s = {
+            t.name: config.ejection.suspect_fraction * self.first_byte_timeout_s(t)
+            for t in config.tiers
+        }
         self.source.configure(config)
         self._seen_version = -1
         self.sync()
@@ -525,6 +560,7 @@ class Router:
             if state is None or state.endpoint != ep:
                 state = ReplicaState(ep, max_seqs)
             state.max_num_seqs = max_seqs
+            state.suspect_after_s = self._suspect_after_s.get(ep.tier, math.inf)
             replicas[ep.id] = state
             groups.setdefault((ep.tier, ep.role), []).append(state)
         self._replicas = replicas
@@ -565,8 +601,13 @@ class Router:
 
     def _views_of(self, states: Iterable[ReplicaState], now: float) -> list[ReplicaView]:
         stale = self.config.scrape.stale_after.total_seconds()
-        is_ejected = self.health.is_ejected
-        return [r.view(now, stale, is_ejected(r.id)) for r in states]
+        health = self.health
+        is_ejected = health.is_ejected
+        return [
+            r.view(now, stale, True, health.hangs(r.id)) if is_ejected(r.id)
+            else r.view(now, stale, False)
+            for r in states
+        ]  # fmt: skip
 
     def tier_state(self, tier: RouterTier, now: float) -> TierState:
         large = self._large.get((tier.name, serving_role(tier)))
@@ -584,7 +625,9 @@ class Router:
         healthy = self._health_filter.filter(PickRequest(), views)
         open_ = self._capacity_filter.filter(PickRequest(), healthy)
         return TierState(
-            has_replicas=True,
+            # Every replica ejected as frozen: as good as none (503, or a cold-start hold,
+            # until a /health probe readmits one), not "at capacity".
+            has_replicas=bool(healthy),
             available=bool(open_),
             saturated=group_saturated(healthy, self.config.spillover.queue_threshold),
         )
@@ -686,7 +729,10 @@ class Router:
                 )
             request, chained = self._pick_request(tier, RoleName.PREFILL, hashes, keys, now)
             request = self._with_adapter(tier, RoleName.PREFILL, request, adapter)
-            prefill = self._pick(tier, RoleName.PREFILL, request, now, self._affinity_scorers)
+            # Optional: with no sound prefill replica the decode replica prefills itself.
+            prefill = self._pick(
+                tier, RoleName.PREFILL, replace(request, optional=True), now, self._affinity_scorers
+            )
             prefill_state = None
             matched = 0.0
             if prefill is not None:
@@ -1039,9 +1085,10 @@ class Router:
         return budget.total_seconds()
 
     # -- outcomes ----------------------------------------------------------------------------
-    def record_failure(self, replica: ReplicaState) -> bool:
-        """Count a failure; True (and ``on_eject`` called) when it ejects the replica."""
-        ejected = self.health.record_failure(replica.id, self.clock())
+    def record_failure(self, replica: ReplicaState, *, hung: bool = False) -> bool:
+        """Count a failure (``hung``: a wait that ran out, not a quick refusal); True (and
+        ``on_eject`` called) when it ejects the replica."""
+        ejected = self.health.record_failure(replica.id, self.clock(), hung=hung)
         if ejected:
             log.warning(
                 "replica ejected",
@@ -1052,7 +1099,17 @@ class Router:
         return ejected
 
     def record_success(self, replica: ReplicaState) -> None:
+        replica.heard_from()
         self.health.record_success(replica.id)
+
+    def has_sound_peer(self, route: Route, replica: ReplicaState) -> bool:
+        """Whether another replica of the route's serving group is neither ejected nor
+        suspect: where a request waiting on ``replica`` could go instead."""
+        now = self.clock()
+        return any(
+            r is not replica and not self.health.is_ejected(r.id) and not r.suspect(now)
+            for r in self.group(route.tier.name, serving_role(route.tier))
+        )
 
     def record_adapter_missing(self, replica: ReplicaState, adapter: str) -> None:
         """The replica answered a request for ``adapter`` with 404: it has not loaded it yet
@@ -1073,6 +1130,9 @@ class Router:
             replica.note_adapter_served(adapter)
 
     def readmit(self, replica_id: str) -> bool:
+        replica = self._replicas.get(replica_id)
+        if replica is not None:
+            replica.heard_from()  # its /health answered
         readmitted = self.health.readmit(replica_id)
         if readmitted:
             log.info("replica readmitted", extra={"replica": replica_id})

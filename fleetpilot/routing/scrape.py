@@ -23,7 +23,9 @@ class Scraper(ReplicaRounds):
     (SIGSTOP, a wedged process), and without traffic nothing else would notice. A busy engine
     is safe from this: /metrics is served by its API server, not queued behind generation,
     and every request it completes clears its failure count, so only an engine that answers
-    neither scrapes nor requests reaches ``ejection.failures`` in a row.
+    neither scrapes nor requests reaches ``ejection.failures`` in a row. A timeout counts as a
+    failure that hung (``ejection``), and either failure makes the replica silent until it
+    answers again (``policies.suspicion``): with a request waiting there, suspect at once.
     """
 
     name = "scraper"
@@ -42,13 +44,15 @@ class Scraper(ReplicaRounds):
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         try:
             async with session.get(replica.endpoint.base_url + "/metrics", timeout=timeout) as r:
+                replica.heard_from()
                 if r.status != 200:
                     self.metrics.scrape_errors.labels(replica.id).inc()
                     return
                 text = await r.text(errors="replace")
-        except (aiohttp.ClientConnectorError, TimeoutError):  # aiohttp's timeouts are TimeoutErrors
+        except (aiohttp.ClientConnectorError, TimeoutError) as exc:  # aiohttp's are TimeoutErrors
             self.metrics.scrape_errors.labels(replica.id).inc()
-            self.router.record_failure(replica)
+            replica.went_silent(self.router.clock())
+            self.router.record_failure(replica, hung=isinstance(exc, TimeoutError))
             return
         except aiohttp.ClientError:
             self.metrics.scrape_errors.labels(replica.id).inc()

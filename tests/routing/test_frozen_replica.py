@@ -169,6 +169,6 @@ async def test_a_pd_tier_whose_only_prefill_replica_is_frozen_serves_decode_only
         assert all(route["prefill"] == "none" for _, _, route in results)
         fallbacks = sum(
             router.metric("fleetpilot_router_pd_fallbacks_total", tier="large", cause=cause)
-            for cause in ("prefill-first-byte-timeout", "no-prefill-replica")
+            for cause in ("prefill-first-byte-timeout", "prefill-suspect", "no-prefill-replica")
         )
         assert fallbacks == 3

@@ -114,6 +114,9 @@ def make_view(
     adapters: frozenset[str] = frozenset(),
     adapter_lru_at: float = -math.inf,
     missing_adapters: frozenset[str] = frozenset(),
+    *,
+    hangs: bool = False,
+    suspect: bool = False,
 ) -> ReplicaView:
     """A view of a replica, ignoring scraped metrics older than ``stale_after_s``;
     ``adapters``: those the router itself sent there lately (the scrape's are added), the
@@ -128,6 +131,8 @@ def make_view(
             max_num_seqs,
             in_flight,
             ejected=ejected,
+            hangs=hangs,
+            suspect=suspect,
             pending_prefill=pending_prefill,
             adapters=adapters - missing_adapters if missing_adapters else adapters,
             adapter_lru_at=adapter_lru_at,
@@ -142,6 +147,8 @@ def make_view(
         running=metrics.running,
         kv_usage=metrics.kv_usage,
         ejected=ejected,
+        hangs=hangs,
+        suspect=suspect,
         pending_prefill=pending_prefill,
         adapters=adapters - missing_adapters if missing_adapters else adapters,
         adapter_lru_at=adapter_lru_at,

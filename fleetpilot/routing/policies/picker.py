@@ -21,19 +21,32 @@ TIE_EPSILON = 1e-9
 
 
 class HealthFilter:
-    """Drops ejected replicas; if every replica is ejected, keeps them all.
+    """Drops ejected and suspect replicas; what it keeps when that leaves none is an explicit
+    rule, by what a try would cost:
 
-    Panic mode, as Envoy's outlier detection does: with every replica ejected, a failure that
-    hit all of them at once (a network blip) is likelier than all being dead, and trying is
-    better than a certain 503. A dead replica refuses the connection at once, so it costs
-    little.
+    - a group the request can do without (``PickRequest.optional``: the P/D prefill hop, whose
+      fallback is decode-only) keeps none: the fallback is certain and costs nothing, where a
+      frozen prefill replica would hold each request for its whole first-byte budget;
+    - otherwise the suspect replicas, not ejected (suspicion is no verdict: slow ones answer);
+    - otherwise, panic mode as Envoy's outlier detection has it, the ejected replicas that fail
+      fast (refused connections, 5xx: ``ReplicaView.hangs`` false): with every replica ejected,
+      a failure that hit all at once (a network blip) is likelier than all being dead, and a
+      dead replica refuses the connection at once, so trying costs little;
+    - never an ejected replica that hangs (frozen): each try would wait out a whole budget for
+      a failure, where none kept answers 503 at once (or holds the request for a cold start)
+      until its /health probe readmits it.
     """
 
     name = "health"
 
     def filter(self, request: PickRequest, replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
-        healthy = [v for v in replicas if not v.ejected]
-        return healthy if healthy else list(replicas)
+        sound = [v for v in replicas if not v.ejected and not v.suspect]
+        if sound or request.optional:
+            return sound
+        suspect = [v for v in replicas if not v.ejected]
+        if suspect:
+            return suspect
+        return [v for v in replicas if not v.hangs]
 
 
 class CapacityFilter:

@@ -20,6 +20,12 @@ class ReplicaView:
     running: float = 0.0
     kv_usage: float = 0.0
     ejected: bool = False
+    # Ejected, and some failure that ejected it was a wait that ran out (a frozen replica),
+    # not a quick refusal: trying it again costs a whole first-byte budget.
+    hangs: bool = False
+    # Passed over for new requests before any ejection: a request has waited a while for its
+    # first byte there and its last scrape or probe went unanswered (``policies.suspicion``).
+    suspect: bool = False
     # Prompt blocks this router has sent to the replica that it has not yet seen a first token
     # for: the prefill work queued ahead of a new request there (our requests only).
     pending_prefill: float = 0.0
@@ -77,6 +83,9 @@ class PickRequest:
     candidates: tuple[str, ...] | None = None
     # The LoRA adapter the request names (None: the base model).
     adapter: str | None = None
+    # The request can do without this group (a P/D prefill hop: the decode replica computes
+    # the prompt itself), so no unsound replica of it is worth a try (``HealthFilter``).
+    optional: bool = False
 
 
 class Filter(Protocol):

@@ -39,3 +39,23 @@ def test_readmit_and_retain() -> None:
     assert not t.is_ejected("a")
     t.retain(set())
     assert t.ejected() == []
+
+
+def test_an_ejection_hangs_when_a_failure_that_ejected_it_was_a_timeout() -> None:
+    """Issue 41: panic mode keeps only replicas that fail fast, so the tracker tells a frozen
+    replica (timeouts) from a killed one (refused connections); a timeout while ejected marks
+    it too, and readmission forgets it."""
+    t = HealthTracker(3, 10.0)
+    for now in (0.0, 1.0, 2.0):
+        t.record_failure("killed", now)
+    t.record_failure("frozen", 0.0)
+    t.record_failure("frozen", 1.0, hung=True)
+    t.record_failure("frozen", 2.0)
+    assert (t.is_ejected("killed"), t.hangs("killed")) == (True, False)
+    assert (t.is_ejected("frozen"), t.hangs("frozen")) == (True, True)
+    t.record_failure("killed", 3.0, hung=True)
+    assert t.hangs("killed")
+    t.readmit("frozen")
+    assert not t.hangs("frozen")
+    t.retain({"frozen"})
+    assert not t.hangs("killed")

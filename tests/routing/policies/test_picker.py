@@ -133,11 +133,52 @@ def test_with_a_fair_queue_a_replica_takes_work_only_while_its_batch_has_room() 
 
 
 def test_health_filter_drops_ejected_but_panics_when_all_are() -> None:
-    """Ejected replicas are skipped; when all are ejected, all are tried (panic mode)."""
+    """Ejected replicas are skipped; when all are ejected by quick failures (refused
+    connections), all are tried (panic mode)."""
     mixed = [ReplicaView("a", 8, ejected=True), ReplicaView("b", 8)]
     assert [v.id for v in HealthFilter().filter(PickRequest(), mixed)] == ["b"]
     dead = [ReplicaView("a", 8, ejected=True)]
     assert [v.id for v in HealthFilter().filter(PickRequest(), dead)] == ["a"]
+
+
+KILLED = {"ejected": True}  # its failures were refused connections
+FROZEN = {"ejected": True, "hangs": True}  # its failures were waits that ran out
+SUSPECT = {"suspect": True}  # not ejected yet: a request waits there, its scrape failed
+SOUND: dict[str, bool] = {}
+
+SERVING = PickRequest()
+PREFILL = PickRequest(optional=True)  # the P/D prefill hop: decode-only is the fallback
+
+
+@pytest.mark.parametrize(
+    ("scenario", "request_", "replicas", "kept"),
+    [
+        # Unified (or decode) replicas: the request has no other way to be served.
+        ("unified, all killed: panic", SERVING, [KILLED, KILLED], ["r0", "r1"]),
+        ("unified, all frozen: none (503)", SERVING, [FROZEN, FROZEN], []),
+        ("unified, one of several frozen", SERVING, [FROZEN, SOUND, SOUND], ["r1", "r2"]),
+        ("unified, one of several suspect", SERVING, [SUSPECT, SOUND], ["r1"]),
+        ("unified, all suspect: kept", SERVING, [SUSPECT, SUSPECT], ["r0", "r1"]),
+        ("unified, suspect beats ejected", SERVING, [SUSPECT, KILLED], ["r0"]),
+        ("unified, killed and frozen: the killed", SERVING, [FROZEN, KILLED], ["r1"]),
+        # Prefill replicas: the request can do without them.
+        ("prefill, all killed: skipped", PREFILL, [KILLED, KILLED], []),
+        ("prefill, all frozen: skipped", PREFILL, [FROZEN], []),
+        ("prefill, one of several frozen", PREFILL, [FROZEN, SOUND], ["r1"]),
+        ("prefill, the only one suspect: skipped", PREFILL, [SUSPECT], []),
+        ("prefill, one of several suspect", PREFILL, [SUSPECT, SOUND], ["r1"]),
+    ],
+)
+def test_health_filter_keeps_unsound_replicas_only_where_a_try_is_cheap(
+    scenario: str, request_: PickRequest, replicas: list[dict[str, bool]], kept: list[str]
+) -> None:
+    """Issue 41: an ejected prefill role was kept in panic mode, so a frozen prefill engine
+    held every request for its whole first-byte budget; and a frozen replica was kept when
+    every one was ejected. Now: a prefill group with no sound replica is skipped (decode-only),
+    suspect replicas are passed over while a sound one exists, and panic mode keeps only
+    ejected replicas that fail fast."""
+    views = [ReplicaView(f"r{i}", 8, **flags) for i, flags in enumerate(replicas)]
+    assert [v.id for v in HealthFilter().filter(request_, views)] == kept, scenario
 
 
 @pytest.mark.parametrize(
