@@ -112,3 +112,36 @@ async def test_a_budget_must_be_positive() -> None:
     """A zero budget is refused when the watch is made, not a timer that fires at once."""
     with pytest.raises(ValueError, match="positive"):
         FirstByteWatch(Probe(), 0.0, keep_while_alive=True)
+
+
+async def test_give_up_ends_the_attempt_before_its_budget_without_a_probe() -> None:
+    """Issue 41: a wait on a replica that turned suspect is given up (verdict suspect) as soon
+    as ``give_up`` says so, asked from ``give_up_after_s`` on - not only at the budget's end,
+    and with no liveness probe of its own."""
+    probe = Probe()
+    asked = 0
+
+    def give_up() -> bool:
+        nonlocal asked
+        asked += 1
+        return asked >= 2  # suspect from the second question on
+
+    with pytest.raises(FirstByteTimeoutError) as caught:
+        async with FirstByteWatch(
+            probe, 3600.0, keep_while_alive=True, give_up=give_up, give_up_after_s=0.01
+        ):
+            await asyncio.sleep(3600)
+    assert caught.value.verdict == "suspect"
+    assert (asked, probe.calls) == (2, 0)
+
+
+async def test_give_up_is_not_asked_of_an_attempt_answered_in_time() -> None:
+    """An answer before ``give_up_after_s`` costs no question, and no timer fires later."""
+    asked = []
+    async with FirstByteWatch(
+        Probe(), BUDGET_S, keep_while_alive=True, give_up=lambda: asked.append(1) or True,
+        give_up_after_s=BUDGET_S / 2,
+    ):  # fmt: skip
+        pass
+    await asyncio.sleep(BUDGET_S)
+    assert asked == []
