@@ -385,10 +385,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="one round, 8 s freeze")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--warmup", type=float, default=3.0)
-    parser.add_argument("--before", type=float, default=6.0)
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--before", type=float, default=5.0)
     parser.add_argument("--freeze", type=float, default=15.0)
-    parser.add_argument("--after", type=float, default=6.0)
+    parser.add_argument("--after", type=float, default=5.0)
     parser.add_argument("--pd-clients", type=int, default=4)
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--parts", default="pd,unified")
@@ -411,24 +411,32 @@ def main() -> None:
     print(f"\nfrozen for {args.freeze:g} s; router defaults; old rules = {old_ref}")
     if "pd" in results:
         print(f"(a) P/D 1 prefill + 1 decode, {args.pd_clients} clients: req/s")
-        print(f"{'rules':5} {'before':>8} {'during':>8} {'after':>8} {'during/before':>14}")
+        print(
+            f"{'rules':5} {'before':>8} {'during':>8} {'after':>8} {'during/before':>14} "
+            f"{'held >=1s':>10}"
+        )
         for rules in ("old", "new"):
             rows = [r for r in results["pd"] if r["rules"] == rules]
             for key in ("before", "during", "after"):
                 for r in rows:
                     r[key] = r["req_per_s"][key]
             summary[f"pd_{rules}"] = {
-                k: spread(rows, k) for k in ("before", "during", "after", "during_over_before")
+                k: spread(rows, k)
+                for k in ("before", "during", "after", "during_over_before", "held_1s_or_more")
             }
             s = summary[f"pd_{rules}"]
             print(
                 f"{rules:5} {s['before']['mean']:8.1f} {s['during']['mean']:8.1f} "
                 f"{s['after']['mean']:8.1f} {s['during_over_before']['mean']:>9.0%} "
-                f"({s['during_over_before']['min']:.0%}-{s['during_over_before']['max']:.0%})"
+                f"({s['during_over_before']['min']:.0%}-{s['during_over_before']['max']:.0%}) "
+                f"{s['held_1s_or_more']['mean']:10.1f}"
             )
     if "unified" in results:
         print("(b) unified, 2 replicas, the busier frozen: seconds of the freeze with none done")
-        print(f"{'clients':>7} {'rules':5} {'zero s':>7} {'req/s before':>13} {'during':>8}")
+        print(
+            f"{'clients':>7} {'rules':5} {'zero s':>7} {'req/s before':>13} {'during':>8} "
+            f"{'held >=1s':>10}"
+        )
         for clients in args.clients:
             for rules in ("old", "new"):
                 rows = [
@@ -436,11 +444,15 @@ def main() -> None:
                 ]
                 for r in rows:
                     r["before"], r["during"] = r["req_per_s"]["before"], r["req_per_s"]["during"]
-                s = {k: spread(rows, k) for k in ("zero_seconds_during", "before", "during")}
+                s = {
+                    k: spread(rows, k)
+                    for k in ("zero_seconds_during", "before", "during", "held_1s_or_more")
+                }
                 summary[f"unified_{clients}_{rules}"] = s
                 print(
                     f"{clients:>7} {rules:5} {s['zero_seconds_during']['mean']:7.1f} "
-                    f"{s['before']['mean']:13.1f} {s['during']['mean']:8.1f}  "
+                    f"{s['before']['mean']:13.1f} {s['during']['mean']:8.1f} "
+                    f"{s['held_1s_or_more']['mean']:10.1f}  "
                     f"(zero s per round: {[r['zero_seconds_during'] for r in rows]})"
                 )
     if args.save:

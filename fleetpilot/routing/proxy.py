@@ -781,7 +781,7 @@ class Proxy:
             return (
                 retries_left > 0
                 and attempt.suspect(now())
-                and self.router.has_sound_peer(route, attempt)
+                and self.router.has_sound_peer(route, tried)
             )
 
         while True:
@@ -842,7 +842,7 @@ class Proxy:
                         replica = alternative
                         continue
                     if response is None:
-                        if cause in ("timeout", FIRST_BYTE_TIMEOUT):
+                        if cause in ("timeout", FIRST_BYTE_TIMEOUT, SUSPECT):
                             self._count(exchange, "504")
                             raise UpstreamTimeoutError(
                                 f"no replica of tier {route.tier.name} answered in time "

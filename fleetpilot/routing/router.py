@@ -1102,14 +1102,18 @@ class Router:
         replica.heard_from()
         self.health.record_success(replica.id)
 
-    def has_sound_peer(self, route: Route, replica: ReplicaState) -> bool:
-        """Whether another replica of the route's serving group is neither ejected nor
-        suspect: where a request waiting on ``replica`` could go instead."""
-        now = self.clock()
-        return any(
-            r is not replica and not self.health.is_ejected(r.id) and not r.suspect(now)
-            for r in self.group(route.tier.name, serving_role(route.tier))
+    def has_sound_peer(self, route: Route, tried: Iterable[str]) -> bool:
+        """Whether a retry of the route would find a replica of its serving group, none of
+        ``tried``, that is neither ejected nor suspect and has room: where a request waiting on
+        a suspect replica can go instead. The pick ``alternative`` would make, without its
+        bookkeeping."""
+        self.sync()
+        role = serving_role(route.tier)
+        scorers = self._load_scorers if route.disaggregated else self._affinity_scorers
+        chosen = self._pick(
+            route.tier, role, route.request, self.clock(), scorers, frozenset(tried)
         )
+        return chosen is not None and not chosen.replica.ejected and not chosen.replica.suspect
 
     def record_adapter_missing(self, replica: ReplicaState, adapter: str) -> None:
         """The replica answered a request for ``adapter`` with 404: it has not loaded it yet
