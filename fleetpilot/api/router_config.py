@@ -124,19 +124,21 @@ class Ejection(ApiModel):
     probe_interval: Duration = Field(
         timedelta(seconds=2), description="How often an ejected replica's /health is probed."
     )
-    # 0.2: a fifth of the default 5 s first-byte budget is 1 s, one default scrape period, so a
-    # replica frozen since a request was sent has missed a scrape (800 ms timeout) by the time
-    # the request has waited this long; a live replica's scrapes answer however long its
-    # requests wait, so a small fraction costs healthy replicas nothing.
+    # 0.1: a tenth of the default 5 s budget is 0.5 s; with the router's /health question then
+    # (250 ms, ``proxy.SUSPICION_PROBE_S``) and its 50 ms polls, a replica frozen under a
+    # request is passed over, and that request moved, within about 0.8 s: under a second, so
+    # two clients on a tier of two never see a second without an answer. The wait alone
+    # decides nothing - a live replica answers the question - so a small fraction costs a
+    # healthy replica one /health request per slow request, at most one at a time.
     suspect_fraction: float = Field(
-        0.2,
+        0.1,
         gt=0.0,
         le=1.0,
         description=(
             "A replica where a request has waited this fraction of the first-byte budget for "
-            "its first byte while its last scrape or /health probe went unanswered is suspect: "
-            "passed over for new requests, and its waiting requests go elsewhere, until it "
-            "answers anything."
+            "its first byte (its /health is asked then) while its last scrape or /health probe "
+            "went unanswered is suspect: passed over for new requests, and its waiting "
+            "requests go elsewhere, until it answers anything."
         ),
     )
 

@@ -95,6 +95,11 @@ FIRST_BYTE_TIMEOUT = "first-byte-timeout"
 # (policies.suspicion) while another could take the request: retried, counted as no failure
 # (the replica's own missed scrapes count towards its ejection).
 SUSPECT = "suspect"
+# The /health question asked of a replica where a request has waited ``suspect_after_s``:
+# a live engine's API server answers it in milliseconds (vLLM's does not wait on the engine
+# core); a quarter second covers a busy event loop, and a wrong "silent" costs little - the
+# replica is passed over only until its next scrape or answer.
+SUSPICION_PROBE_S = 0.25
 # Causes that are waits which ran out (the replica said nothing), not quick refusals: an
 # ejection they led to is not worth a try in panic mode (``picker.HealthFilter``).
 HUNG_CAUSES = frozenset({"timeout", FIRST_BYTE_TIMEOUT, "stall"})
@@ -211,11 +216,15 @@ class Proxy:
         )
         self._remember_pool = ThreadPoolExecutor(1, thread_name_prefix="fleetpilot-remember")
         self._capture_budget = CaptureBudget(REPLY_CAPTURE_TOTAL_BYTES)
+        # The /health questions in flight (``_question``), one per replica at most.
+        self._questions: dict[str, asyncio.Task[None]] = {}
 
     def close(self) -> None:
         """Stop the worker threads (a prompt being tokenized finishes; queued work is dropped)."""
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
         self._remember_pool.shutdown(wait=False, cancel_futures=True)
+        for task in self._questions.values():
+            task.cancel()
 
     # -- entry -------------------------------------------------------------------------------
     async def handle(self, request: web.Request, kind: Kind) -> web.StreamResponse:
@@ -660,7 +669,9 @@ class Proxy:
 
         The hop has the tier's first-byte budget: a prefill is one forward pass, and past the
         budget the decode replica computing the prompt itself is the quicker answer. It counts
-        as a failure of the prefill replica only if its liveness probe failed too."""
+        as a failure of the prefill replica only if its liveness probe failed too. It is given
+        up sooner, counting no failure, once the replica turns suspect (a frozen prefill
+        engine costs each hop in flight about a second, not the budget)."""
         replica = route.prefill
         if replica is None:
             return None, "no-prefill-replica"
@@ -730,7 +741,25 @@ class Proxy:
             keep_while_alive=keep_while_alive,
             give_up=give_up,
             give_up_after_s=replica.suspect_after_s,
+            on_due=(lambda: self._question(replica)) if give_up is not None else None,
         )
+
+    def _question(self, replica: ReplicaState) -> None:
+        """A request has waited long enough on ``replica`` to ask whether it is alive: its
+        /health, within ``SUSPICION_PROBE_S``, unless it is known silent already or asked now.
+        No answer makes it silent, so suspect (``policies.suspicion``) a scrape period sooner
+        than a missed scrape would."""
+        if replica.silent_since is not None or replica.id in self._questions:
+            return
+        probe = self._probe(replica)
+
+        async def ask() -> None:
+            try:
+                await probe(SUSPICION_PROBE_S)
+            finally:
+                self._questions.pop(replica.id, None)
+
+        self._questions[replica.id] = asyncio.get_running_loop().create_task(ask())
 
     def _timeout(self) -> aiohttp.ClientTimeout:
         connect = self.router.config.connect_timeout.total_seconds()
@@ -1171,6 +1200,7 @@ class _ReplicaWatch(FirstByteWatch):
         keep_while_alive: bool,
         give_up: Callable[[], bool] | None,
         give_up_after_s: float,
+        on_due: Callable[[], None] | None,
     ) -> None:
         super().__init__(
             probe,
@@ -1178,6 +1208,7 @@ class _ReplicaWatch(FirstByteWatch):
             keep_while_alive=keep_while_alive,
             give_up=give_up,
             give_up_after_s=give_up_after_s,
+            on_due=on_due,
         )
         self.replica = replica
         self.clock = clock
