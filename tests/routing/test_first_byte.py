@@ -117,9 +117,11 @@ async def test_a_budget_must_be_positive() -> None:
 async def test_give_up_ends_the_attempt_before_its_budget_without_a_probe() -> None:
     """Issue 41: a wait on a replica that turned suspect is given up (verdict suspect) as soon
     as ``give_up`` says so, asked from ``give_up_after_s`` on - not only at the budget's end,
-    and with no liveness probe of its own."""
+    and with no liveness probe of its own; ``on_due`` (the proxy's /health question) runs once,
+    when the first question is due."""
     probe = Probe()
     asked = 0
+    due = []
 
     def give_up() -> bool:
         nonlocal asked
@@ -128,11 +130,16 @@ async def test_give_up_ends_the_attempt_before_its_budget_without_a_probe() -> N
 
     with pytest.raises(FirstByteTimeoutError) as caught:
         async with FirstByteWatch(
-            probe, 3600.0, keep_while_alive=True, give_up=give_up, give_up_after_s=0.01
+            probe,
+            3600.0,
+            keep_while_alive=True,
+            give_up=give_up,
+            give_up_after_s=0.01,
+            on_due=lambda: due.append(asked),
         ):
             await asyncio.sleep(3600)
     assert caught.value.verdict == "suspect"
-    assert (asked, probe.calls) == (2, 0)
+    assert (asked, probe.calls, due) == (2, 0, [0])
 
 
 async def test_give_up_is_not_asked_of_an_attempt_answered_in_time() -> None:
