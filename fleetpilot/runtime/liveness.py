@@ -20,15 +20,17 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
-# Kubelet's defaults are a 10 s period, a 1 s timeout and 3 failures. A frozen router hangs
-# every request of the fleet, so it is probed twice as often: 5 s.
-DEFAULT_PERIOD_S = 5.0
+# Kubelet's defaults are a 10 s period, a 1 s timeout and 3 failures: up to 31 s of a freeze
+# unnoticed. A frozen router hangs every request of the fleet (bench/up_frozen_router.py: 25 s
+# of nothing served without a probe), and a probe of /health costs microseconds: every 2 s.
+DEFAULT_PERIOD_S = 2.0
 # /health of the router and the engines is answered on their event loop with no I/O, in
-# milliseconds; on a busy 2-core machine a process may wait a few hundred ms for a CPU, and a
-# restart costs an engine its cache and its requests: 3 s before a probe counts as failed.
-DEFAULT_TIMEOUT_S = 3.0
-# One slow answer never restarts anything; three in a row (10 s or more) is not a hiccup. A
-# frozen child is restarted within period x threshold + timeout = 18 s of its freeze.
+# milliseconds; on a busy 2-core machine a process may wait a few hundred ms for a CPU: 2 s is
+# ten times that. No longer than the period, so a probe ends before the next is due.
+DEFAULT_TIMEOUT_S = 2.0
+# One or two slow answers never restart anything (a restart costs an engine its cache and its
+# requests); three in a row is not a hiccup. A frozen child is found within
+# period x threshold + timeout = 8 s of its freeze.
 DEFAULT_FAILURE_THRESHOLD = 3
 
 
@@ -57,7 +59,7 @@ class LivenessProbe:
         return self.period_s * self.failure_threshold + self.timeout_s
 
     def describe(self) -> str:
-        """``3 probes in a row, 5 s apart, 3 s timeout``: for reports."""
+        """``3 probes in a row, 2 s apart, 2 s timeout``: for reports."""
         return (
             f"{self.failure_threshold} probe{'s' if self.failure_threshold > 1 else ''} in a "
             f"row, {self.period_s:g} s apart, {self.timeout_s:g} s timeout"

@@ -64,9 +64,9 @@ def test_a_child_is_probed_once_a_period() -> None:
 
 def test_the_defaults_restart_a_frozen_child_within_its_detection_time() -> None:
     """The longest freeze that goes unnoticed: a probe passed just before it, then the
-    threshold's probes a period apart each waited out the timeout (18 s with the defaults,
-    within the 25 s freeze of issue 41's probe)."""
-    assert LivenessProbe().detection_s == 18.0
+    threshold's probes a period apart each waited out the timeout (8 s with the defaults,
+    well within the 25 s freeze of issue 41's probe)."""
+    assert LivenessProbe().detection_s == 8.0
     assert PROBE.describe() == "3 probes in a row, 5 s apart, 3 s timeout"
 
 
