@@ -5,10 +5,10 @@ router, Prometheus when installed, the control API and ``fleetpilot autoscaler``
 endpoint and a status table every few seconds, restarts crashed children, and stops everything
 it started on Ctrl-C, SIGTERM or when ``--duration`` expires. A child that still runs but stops
 answering its health URL (frozen) is found by a liveness probe (``--liveness-*``), reported
-once and restarted. What it reports is also logged, structured (JSON lines), in
-``WORKDIR/logs/up.log``. ``--cold-start SECONDS`` makes
-every engine (those the autoscaler adds included) answer /health, and so join the router, only
-that long after loading its model: a GPU engine's start, for the autoscaler to reckon with.
+once and killed and restarted. What it reports is also logged, structured (JSON lines), in
+``WORKDIR/logs/up.log``. ``--cold-start SECONDS`` makes every engine (those the autoscaler adds
+included) answer /health, and so join the router, only that long after loading its model: a
+GPU engine's start, for the autoscaler to reckon with.
 ``--step-delay SECONDS`` makes every engine sleep that long after each busy step: its
 throughput is then its pace, not its share of the CPU, so each added replica adds capacity as
 a GPU's does.
@@ -113,7 +113,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where the API keys of routing.auth are, as DIR/<secret>/<key> files (a cluster "
         "mounts the Secrets so); without it the local router admits every request",
     )
-
     a(
         "--liveness-period",
         type=float,
@@ -187,7 +186,6 @@ def run(args: argparse.Namespace) -> int:
     service = services[0]
     with tempfile.TemporaryDirectory(prefix="fleetpilot-up-") as tmp:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)
-        handlers = _log_to(workdir / "logs" / "up.log")
         stack = LocalStack(
             service,
             workdir,
@@ -202,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
             auth_dir=Path(args.auth_dir) if args.auth_dir else None,
             liveness=liveness,
         )
+        handlers = _log_to(workdir / "logs" / "up.log")
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
         try:
             return _serve(stack, args)
