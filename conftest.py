@@ -12,32 +12,34 @@ is harmless, and the list costs one ``threading.enumerate()`` per test.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Generator
 
 import pytest
 
-# Thread ident -> (thread name, the test during which it was first seen running).
-_first_seen: dict[int, tuple[str, str]] = {}
+# Each thread seen -> the test during which it was first seen running. Keyed by the thread
+# itself, not its ident: the kernel reuses the ident of a thread that ended.
+_first_seen: weakref.WeakKeyDictionary[threading.Thread, str] = weakref.WeakKeyDictionary()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
-    before = {thread.ident for thread in threading.enumerate()}
+    before = set(threading.enumerate())
     yield
     for thread in threading.enumerate():
-        if thread.ident is not None and thread.ident not in before:
-            _first_seen.setdefault(thread.ident, (thread.name, item.nodeid))
+        if thread not in before:
+            _first_seen.setdefault(thread, item.nodeid)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     left = [
-        (thread, _first_seen[thread.ident])
+        (thread, _first_seen[thread])
         for thread in threading.enumerate()
-        if thread.ident in _first_seen and thread.is_alive()
+        if thread in _first_seen and thread.is_alive()
     ]
     if not left:
         return
     terminalreporter.section("threads left running by tests")
-    for thread, (_, nodeid) in sorted(left, key=lambda entry: entry[1][1]):
+    for thread, nodeid in sorted(left, key=lambda entry: entry[1]):
         kind = "daemon" if thread.daemon else "non-daemon"
         terminalreporter.line(f"{thread.name} ({kind}), started during {nodeid}")
