@@ -43,6 +43,7 @@ from fleetpilot.operator.cold_start import cold_start
 from fleetpilot.operator.router_auth import AUTH_DIR
 from fleetpilot.operator.router_objects import router_config
 from fleetpilot.runtime.engines import EngineBackend, ReferenceBackend
+from fleetpilot.runtime.liveness import LivenessProbe
 from fleetpilot.runtime.processes import (
     Child,
     ChildFailedError,
@@ -104,6 +105,26 @@ class StatusRow:
     ports: list[int] = field(default_factory=list)
 
 
+def unresponsive_report(child: Child, probe: LivenessProbe) -> str:
+    """The one line a person reads when ``child`` stopped answering its liveness probe."""
+    return (
+        f"{child.name} (pid {child.pid}) stopped answering {child.probed_url} "
+        f"({probe.describe()}); killing and restarting it"
+    )
+
+
+def unresponsive_fields(child: Child, probe: LivenessProbe) -> dict[str, object]:
+    """The structured log fields of the same event."""
+    return {
+        "child": child.name,
+        "pid": child.pid,
+        "url": child.probed_url,
+        "failures": probe.failure_threshold,
+        "period_s": probe.period_s,
+        "timeout_s": probe.timeout_s,
+    }
+
+
 def _log_name(name: str) -> str:
     return name.replace("/", "-").replace("#", "-")
 
@@ -125,6 +146,7 @@ class LocalFleet:
         step_delay_s: float = 0.0,
         say: Callable[[str], None] | None = None,
         auth_dir: Path | None = None,
+        liveness: LivenessProbe | None = None,
     ) -> None:
         """``python`` runs the router (and the reference engines of the default backend);
         ``cold_start_s``: how long each engine of the default backend, those added later
@@ -133,7 +155,9 @@ class LocalFleet:
         default backend sleeps after every busy step (a GPU's pace); ``say`` hears each
         engine's readiness while the fleet starts (k of N); ``auth_dir``: where the tenants'
         API keys of ``routing.auth`` are, as ``<secret>/<key>`` files (a cluster mounts the
-        Secrets so); without it the local router admits every request."""
+        Secrets so); without it the local router admits every request; ``liveness``: how
+        every child (engines, router, what else is started under this fleet's supervisor) is
+        probed for liveness by :meth:`supervise_once` (the kubelet-like defaults)."""
         if max_replicas_per_role < 1:
             raise ValueError("max_replicas_per_role must be at least 1")
         if not (math.isfinite(cold_start_s) and cold_start_s >= 0):
@@ -163,6 +187,7 @@ class LocalFleet:
 
         self.router_port = next_port(-1) if base_port == 0 else base_port
         self.health_timeout_s = health_timeout_s
+        self.liveness = liveness if liveness is not None else LivenessProbe()
         self.cold_start_s = cold_start_s
         self.say = say
         self.python = python
@@ -390,26 +415,47 @@ class LocalFleet:
             raise
 
     def supervise_once(self) -> list[str]:
-        """Restart every child that exited unasked; returns one report per crash (log tail).
+        """Restart every child that exited unasked or stopped answering its liveness probe;
+        returns one report per restart, each also logged (structured) once.
 
-        Raises ChildFailedError when a restarted child does not become healthy again.
+        A crash is reported with its exit code and log tail; an unresponsive (frozen) child
+        in one line, then killed with SIGKILL, which a stopped process cannot miss. Raises
+        ChildFailedError when a restarted child does not become healthy again.
         """
         reports = []
         for child in self.supervisor.crashed():
             code = child.popen.returncode if child.popen is not None else "?"
+            log.warning(
+                "child exited; restarting it",
+                extra={"child": child.name, "pid": child.pid, "exit_code": code, "reported": True},
+            )
             reports.append(
                 f"{child.name} exited with code {code}; restarting. Last lines of "
                 f"{child.log_path}:\n{child.tail(10)}"
             )
-            self.supervisor.restart(child)
-            engine = any(replica.child is child for replica in self.replicas)
-            timeout = self.engine_timeout_s if engine else self.health_timeout_s
-            self.supervisor.wait_healthy(child, timeout)
-            # A restarted engine holds no adapters loaded at run time: give them back.
-            for replica in self.replicas:
-                if replica.child is child:
-                    reports += [f"{replica.name}: {e}" for e in self.load_adapters(replica)]
+            reports += self._restart(child, kill=False)
+        for child in self.supervisor.unresponsive(self.liveness):
+            reports.append(unresponsive_report(child, self.liveness))
+            log.warning(
+                "child unresponsive; killing and restarting it",
+                extra={**unresponsive_fields(child, self.liveness), "reported": True},
+            )
+            reports += self._restart(child, kill=True)
         return reports
+
+    def _restart(self, child: Child, *, kill: bool) -> list[str]:
+        """Restart ``child`` and wait until it is healthy; an engine gets its run-time
+        adapters back (a new process holds none). What failed, if anything."""
+        self.supervisor.restart(child, kill=kill)
+        engine = any(replica.child is child for replica in self.replicas)
+        timeout = self.engine_timeout_s if engine else self.health_timeout_s
+        self.supervisor.wait_healthy(child, timeout)
+        return [
+            f"{replica.name}: {error}"
+            for replica in self.replicas
+            if replica.child is child
+            for error in self.load_adapters(replica)
+        ]
 
     def load_adapters(self, replica: Replica) -> list[str]:
         """Load the declared adapters of a ``lora.dynamic`` tier into ``replica``'s engine (and

@@ -9,6 +9,10 @@ A supervisor can also *adopt* a process group another process started and left r
 ``make cluster-up`` leaves for ``make cluster-down``), knowing only its pid and executable: it
 watches and stops it like its own children, checking the executable so a reused pid is never
 signalled.
+
+Besides exits, the supervisor watches liveness: a child that still runs but stopped answering
+its health URL (frozen) is found by :meth:`Supervisor.unresponsive`, as :mod:`.liveness`
+decides, for its caller to report and restart with ``kill=True``.
 """
 
 from __future__ import annotations
@@ -26,10 +30,12 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleetpilot.argtypes import MAX_PORT
+from fleetpilot.runtime.liveness import Liveness, LivenessProbe, Verdict, due, judge
 
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
@@ -188,6 +194,10 @@ class Child:
     stopping: bool = False
     cwd: Path | None = None
     adopted: int | None = None
+    # Probed for liveness once it runs (health_url when None: what answers "ready" answers
+    # "alive" too, except where a server has a separate endpoint, Prometheus' /-/healthy).
+    liveness_url: str | None = None
+    liveness: Liveness = field(default_factory=Liveness)
 
     @property
     def started(self) -> bool:
@@ -229,6 +239,20 @@ class Child:
             return self.alive()
         return http_ok(self.health_url, timeout_s)
 
+    @property
+    def probed_url(self) -> str | None:
+        """What its liveness probe asks (None: only its exit is watched)."""
+        return self.liveness_url or self.health_url
+
+    def watched(self) -> bool:
+        """Whether its liveness is probed: a running process of ours, not being stopped."""
+        return (
+            self.popen is not None
+            and not self.stopping
+            and self.probed_url is not None
+            and self.alive()
+        )
+
 
 class Supervisor:
     """Starts, watches and stops children; ``stop_all`` leaves no process behind.
@@ -251,9 +275,16 @@ class Supervisor:
         health_url: str | None = None,
         env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
+        liveness_url: str | None = None,
     ) -> Child:
         child = Child(
-            name, list(argv), self.log_dir / f"{name}.log", health_url, dict(env or {}), cwd=cwd
+            name,
+            list(argv),
+            self.log_dir / f"{name}.log",
+            health_url,
+            dict(env or {}),
+            cwd=cwd,
+            liveness_url=liveness_url,
         )
         self._spawn(child)
         self.children.append(child)
@@ -284,12 +315,34 @@ class Supervisor:
                 preexec_fn=die_with_parent(os.getpid()) if self.die_with_parent else None,
             )
         child.stopping = False
+        child.liveness = Liveness()  # a new process: judged once it has answered
 
-    def restart(self, child: Child) -> None:
+    def restart(self, child: Child, *, kill: bool = False) -> None:
+        """Stop the child (``kill``: SIGKILL at once, for a frozen one) and start it again."""
         if child.adopted is not None:
             raise ValueError(f"{child.name} was adopted; its command line is unknown")
-        self.stop(child)
+        if kill:
+            self.kill(child)
+        else:
+            self.stop(child)
         self._spawn(child)
+
+    def unresponsive(self, probe: LivenessProbe, now_s: float | None = None) -> list[Child]:
+        """Probe every watched child that is due (all at once, so frozen children cost one
+        ``timeout_s`` together, not one each) and return those the probes found unresponsive:
+        each once, for the caller to report and restart (``restart(child, kill=True)``)."""
+        clock = time.monotonic() if now_s is None else now_s
+        probed = [c for c in self.children if c.watched() and due(c.liveness, clock, probe)]
+        if not probed:
+            return []
+        with ThreadPoolExecutor(len(probed), thread_name_prefix="liveness-probe") as pool:
+            answers = list(pool.map(lambda c: http_ok(str(c.probed_url), probe.timeout_s), probed))
+        found = []
+        for child, answered in zip(probed, answers, strict=True):
+            child.liveness, verdict = judge(child.liveness, answered, clock, probe)
+            if verdict is Verdict.UNRESPONSIVE and not child.stopping:
+                found.append(child)
+        return found
 
     def wait_healthy(self, child: Child, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -310,6 +363,16 @@ class Supervisor:
     def crashed(self) -> list[Child]:
         """Children that exited without being asked to."""
         return [c for c in self.children if not c.stopping and c.started and not c.alive()]
+
+    def kill(self, child: Child) -> None:
+        """SIGKILL the child's process group at once: a stopped (frozen) process never acts on
+        SIGTERM, and a wedged one would only use up the grace period."""
+        child.stopping = True
+        if not child.started or child.reused():
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, signal.SIGKILL)
+        self._wait_exit(child, 5)
 
     def stop(self, child: Child, grace_s: float = 10.0) -> bool:
         """SIGTERM the child's process group, SIGKILL what is left after the grace period.

@@ -43,6 +43,7 @@ from typing import Any, Self
 
 import yaml
 
+from fleetpilot.runtime.liveness import LivenessProbe
 from fleetpilot.runtime.processes import (
     Child,
     ChildFailedError,
@@ -233,7 +234,14 @@ class PrometheusServer:
         ]
         # The supervisor gives it its own process group (stop() signals exactly this tree)
         # and the parent-death signal (a test run killed with SIGKILL leaves no Prometheus).
-        self._child = self._supervisor.start("prometheus", args, health_url=f"{self.url}/-/ready")
+        # Ready once it can serve queries; alive while it answers /-/healthy (a TSDB replaying
+        # its write-ahead log after a restart is alive but not ready).
+        self._child = self._supervisor.start(
+            "prometheus",
+            args,
+            health_url=f"{self.url}/-/ready",
+            liveness_url=f"{self.url}/-/healthy",
+        )
         self.pids.add(self._child.pid)
         self._started_at = time.monotonic()
 
@@ -280,6 +288,16 @@ class PrometheusServer:
                 + (f" in {self._restart_delay_s:.0f}s" if self._restart_delay_s else "")
                 + f". Last lines of {child.log_path}:\n{child.tail(10)}"
             )
+            log.warning(
+                "prometheus exited; restarting it",
+                extra={
+                    "child": "prometheus",
+                    "pid": child.pid,
+                    "exit_code": child.popen.returncode,
+                    "restart_in_s": self._restart_delay_s,
+                    "reported": True,
+                },
+            )
             if self._restart_delay_s == 0.0:
                 self._respawn(child)
             return report
@@ -287,11 +305,40 @@ class PrometheusServer:
             self._respawn(child)
         return None
 
-    def _respawn(self, child: Child) -> None:
+    def restart_if_unresponsive(self, probe: LivenessProbe, now: float | None = None) -> str | None:
+        """Probe a running Prometheus' /-/healthy when due; one that stopped answering (as
+        ``probe`` decides) is killed with SIGKILL and restarted on the same port and TSDB,
+        without waiting for it. Returns the one-line report, once per freeze; None otherwise.
+        """
+        child = self._child
+        if child is None:
+            return None
+        for frozen in self._supervisor.unresponsive(probe, now):
+            report = (
+                f"prometheus (pid {frozen.pid}) stopped answering {frozen.probed_url} "
+                f"({probe.describe()}); killing and restarting it on {self.url}"
+            )
+            log.warning(
+                "prometheus unresponsive; killing and restarting it",
+                extra={
+                    "child": "prometheus",
+                    "pid": frozen.pid,
+                    "url": frozen.probed_url,
+                    "failures": probe.failure_threshold,
+                    "period_s": probe.period_s,
+                    "timeout_s": probe.timeout_s,
+                    "reported": True,
+                },
+            )
+            self._respawn(frozen, kill=True)
+            return report
+        return None
+
+    def _respawn(self, child: Child, *, kill: bool = False) -> None:
         self._restart_at = None
         self.restarts += 1
         self._write_config()
-        self._supervisor.restart(child)
+        self._supervisor.restart(child, kill=kill)
         assert child.popen is not None
         self.pids.add(child.pid)
         self._started_at = time.monotonic()

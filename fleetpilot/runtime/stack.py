@@ -12,7 +12,8 @@
   operator's policy and scales through the control API.
 
 Call :meth:`LocalStack.step` from the thread that started the stack, every half second or so:
-it restarts crashed children, Prometheus included (reported with their log tail), lists newly
+it restarts crashed children, Prometheus included (reported with their log tail), and those
+that stopped answering their liveness probe (reported in one line, killed), lists newly
 healthy engines in the router's config and updates Prometheus' targets. While Prometheus is
 down the autoscaler reads the engines' /metrics directly, and says so.
 """
@@ -30,6 +31,7 @@ from fleetpilot.api import InferenceService
 from fleetpilot.kube.names import engine_selector, router_selector
 from fleetpilot.runtime.autoscale import LocalActuator, RoleScaling, capped_service
 from fleetpilot.runtime.control import ControlServer
+from fleetpilot.runtime.liveness import LivenessProbe
 from fleetpilot.runtime.local import DEFAULT_MAX_REPLICAS_PER_ROLE, HOST, LocalFleet, StatusRow
 from fleetpilot.runtime.processes import Child, free_port, group_members, require_free_ports
 from fleetpilot.runtime.prometheus import (
@@ -142,6 +144,7 @@ class LocalStack:
         cold_start_s: float = 0.0,
         step_delay_s: float = 0.0,
         auth_dir: Path | None = None,
+        liveness: LivenessProbe | None = None,
     ) -> None:
         self.fleet = LocalFleet(
             service,
@@ -153,6 +156,7 @@ class LocalStack:
             step_delay_s=step_delay_s,
             say=say,
             auth_dir=auth_dir,
+            liveness=liveness,
         )
         self.service = service
         self.workdir = workdir
@@ -252,9 +256,9 @@ class LocalStack:
         self.fleet.supervisor.wait_healthy(self.autoscaler, self.fleet.health_timeout_s)
 
     def step(self) -> list[str]:
-        """Supervise once; returns one report per crashed child (with its log tail),
-        Prometheus included (restarted without waiting: meanwhile the autoscaler reads the
-        engines directly)."""
+        """Supervise once; returns one report per restarted child - crashed (with its log
+        tail) or unresponsive to its liveness probe (killed) -, Prometheus included (restarted
+        without waiting: meanwhile the autoscaler reads the engines directly)."""
         with self.lock:
             reports = self.fleet.supervise_once()
             self.fleet.refresh_serving()
@@ -263,10 +267,13 @@ class LocalStack:
             if targets != self._targets:
                 self._targets = targets
                 self.prometheus.set_targets(targets)
-            report = self.prometheus.restart_if_exited()
-            if report is not None:
-                log.warning("%s", report)
-                reports.append(report)
+            # Each logs its event itself (structured); the report is for the person.
+            for report in (
+                self.prometheus.restart_if_exited(),
+                self.prometheus.restart_if_unresponsive(self.fleet.liveness),
+            ):
+                if report is not None:
+                    reports.append(report)
         return reports
 
     def scrape_targets(self) -> list[ScrapeTarget]:

@@ -3,9 +3,12 @@
 Validates the file first (nothing starts for an invalid one), starts the fleet (engines, the
 router, Prometheus when installed, the control API and ``fleetpilot autoscaler``), prints its
 endpoint and a status table every few seconds, restarts crashed children, and stops everything
-it started on Ctrl-C, SIGTERM or when ``--duration`` expires. ``--cold-start SECONDS`` makes
-every engine (those the autoscaler adds included) answer /health, and so join the router, only
-that long after loading its model: a GPU engine's start, for the autoscaler to reckon with.
+it started on Ctrl-C, SIGTERM or when ``--duration`` expires. A child that still runs but stops
+answering its health URL (frozen) is found by a liveness probe (``--liveness-*``), reported
+once and killed and restarted. What it reports is also logged, structured (JSON lines), in
+``WORKDIR/logs/up.log``. ``--cold-start SECONDS`` makes every engine (those the autoscaler adds
+included) answer /health, and so join the router, only that long after loading its model: a
+GPU engine's start, for the autoscaler to reckon with.
 ``--step-delay SECONDS`` makes every engine sleep that long after each busy step: its
 throughput is then its pace, not its share of the CPU, so each added replica adds capacity as
 a GPU's does.
@@ -14,6 +17,7 @@ a GPU's does.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import signal
 import sys
@@ -25,6 +29,13 @@ from types import FrameType
 
 from fleetpilot.api import InvalidManifestError, load_services
 from fleetpilot.argtypes import DefaultsHelpFormatter, port_number
+from fleetpilot.logs import json_formatter
+from fleetpilot.runtime.liveness import (
+    DEFAULT_FAILURE_THRESHOLD,
+    DEFAULT_PERIOD_S,
+    DEFAULT_TIMEOUT_S,
+    LivenessProbe,
+)
 from fleetpilot.runtime.local import DEFAULT_MAX_REPLICAS_PER_ROLE
 from fleetpilot.runtime.processes import ChildFailedError, PortInUseError
 from fleetpilot.runtime.prometheus import PrometheusError
@@ -102,6 +113,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where the API keys of routing.auth are, as DIR/<secret>/<key> files (a cluster "
         "mounts the Secrets so); without it the local router admits every request",
     )
+    a(
+        "--liveness-period",
+        type=float,
+        default=DEFAULT_PERIOD_S,
+        metavar="SECONDS",
+        help="how often every child (router, engines, Prometheus, autoscaler) is probed on its "
+        "health URL",
+    )
+    a(
+        "--liveness-timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="how long a liveness probe waits for its answer",
+    )
+    a(
+        "--liveness-failures",
+        type=int,
+        default=DEFAULT_FAILURE_THRESHOLD,
+        metavar="N",
+        help="failed liveness probes in a row after which a child (frozen, not exited) is "
+        "reported, killed and restarted",
+    )
 
 
 class _Stop(KeyboardInterrupt):
@@ -138,6 +172,17 @@ def run(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.step_delay) and args.step_delay >= 0):
         print("error: --step-delay must be a finite number of seconds, 0 or more", file=sys.stderr)
         return EXIT_INVALID
+    for option, seconds in (
+        ("--liveness-period", args.liveness_period),
+        ("--liveness-timeout", args.liveness_timeout),
+    ):
+        if not (math.isfinite(seconds) and seconds > 0):
+            print(f"error: {option} must be a finite number of seconds above 0", file=sys.stderr)
+            return EXIT_INVALID
+    if args.liveness_failures < 1:
+        print("error: --liveness-failures must be at least 1", file=sys.stderr)
+        return EXIT_INVALID
+    liveness = LivenessProbe(args.liveness_period, args.liveness_timeout, args.liveness_failures)
     service = services[0]
     with tempfile.TemporaryDirectory(prefix="fleetpilot-up-") as tmp:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)
@@ -153,7 +198,9 @@ def run(args: argparse.Namespace) -> int:
             cold_start_s=args.cold_start,
             step_delay_s=args.step_delay,
             auth_dir=Path(args.auth_dir) if args.auth_dir else None,
+            liveness=liveness,
         )
+        handlers = _log_to(workdir / "logs" / "up.log")
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
         try:
             return _serve(stack, args)
@@ -164,6 +211,49 @@ def run(args: argparse.Namespace) -> int:
         finally:
             stack.stop()
             signal.signal(signal.SIGTERM, previous)
+            handlers.close()
+
+
+class _NotReported(logging.Filter):
+    """Passes records whose event is not also in a report the stack returned (``reported``
+    extra): those are printed once already, in full."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, "reported", False)
+
+
+class _LogHandlers:
+    """The process's log handlers while ``up`` runs: removed again by :meth:`close`."""
+
+    def __init__(self, handlers: list[logging.Handler], level: int) -> None:
+        self.handlers = handlers
+        self.previous_level = level
+
+    def close(self) -> None:
+        root = logging.getLogger()
+        for handler in self.handlers:
+            root.removeHandler(handler)
+            handler.close()
+        root.setLevel(self.previous_level)
+
+
+def _log_to(path: Path) -> _LogHandlers:
+    """Every record of this process at info and above as a JSON line in ``path`` (the
+    structured log); warnings also on stderr as the bare message, unless their event is one
+    the stack reported (printed on stdout already: printing both showed a crash twice)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    structured = logging.FileHandler(path, encoding="utf-8")
+    structured.setFormatter(json_formatter())
+    structured.setLevel(logging.INFO)
+    terminal = logging.StreamHandler(sys.stderr)
+    terminal.setLevel(logging.WARNING)
+    terminal.addFilter(_NotReported())
+    root = logging.getLogger()
+    previous = root.level
+    root.setLevel(min(previous or logging.INFO, logging.INFO))
+    root.addHandler(structured)
+    root.addHandler(terminal)
+    return _LogHandlers([structured, terminal], previous)
 
 
 def _serve(stack: LocalStack, args: argparse.Namespace) -> int:

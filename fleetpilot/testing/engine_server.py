@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import threading
 from collections.abc import Awaitable, Sequence
 from typing import Any
@@ -46,8 +47,19 @@ class BackgroundServer:
 
     def start(self, timeout: float = 120.0) -> BackgroundServer:
         self._thread.start()
-        self._run(self.server.start(), timeout)
-        self._run(self.server.wait_ready(timeout), timeout)
+        try:
+            self._run(self.server.start(), timeout)
+            self._run(self.server.wait_ready(timeout), timeout)
+        except BaseException:
+            # A server that failed to start (a taken port, a bad flag) must not leave its loop's
+            # thread running beside every later test of the process (issue 41: a thread left
+            # behind broke an unrelated test).
+            with contextlib.suppress(Exception):
+                self._run(self.server.close(), 30.0)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10.0)
+            self._loop.close()
+            raise
         return self
 
     def stop(self, grace_s: float = 5.0) -> None:

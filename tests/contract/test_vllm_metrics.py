@@ -10,8 +10,13 @@ side is its live ``/metrics`` after real requests.
 from __future__ import annotations
 
 import ast
+import contextlib
+import functools
+import gc
 import json
-import re
+import subprocess
+import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,7 +39,9 @@ SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_ma
 # Names read only as a fallback for engines older than the pinned release; each must be gone
 # from the pinned vLLM (else the fallback is the name to read) and its successor read too.
 OLDER_VLLM_NAMES = {"vllm:gpu_cache_usage_perc": "vllm:kv_cache_usage_perc"}  # renamed in v0.10
-_METRIC_NAME = re.compile(r"^vllm:[a-z_]+$")
+METRIC_NAMES = Path(__file__).with_name("metric_names.py")
+# Parsing fleetpilot's few hundred files takes about a second; a loaded 2-core machine, ten.
+SCAN_TIMEOUT_S = 120
 Families = dict[str, dict[str, Any]]
 
 
@@ -44,20 +51,25 @@ Families = dict[str, dict[str, Any]]
 REFERENCE_ONLY_READERS = {PACKAGE / "simulate" / "calibrate.py"}
 
 
-def names_fleetpilot_reads() -> set[str]:
+@functools.cache
+def names_fleetpilot_reads() -> frozenset[str]:
     """Every string constant that is a whole ``vllm:`` metric name in fleetpilot's source,
     outside the reference engine (which writes them; it does not read them) and what reads
-    only the reference engine (``REFERENCE_ONLY_READERS``)."""
-    names: set[str] = set()
+    only the reference engine (``REFERENCE_ONLY_READERS``).
+
+    Parsed in a process of its own (``metric_names.py``): ``ast.parse`` in this process would
+    race any thread an earlier test left that parses too (python/cpython#106905)."""
     exporter = PACKAGE / "engine" / "reference"
-    for path in PACKAGE.rglob("*.py"):
-        if exporter in path.parents or path in REFERENCE_ONLY_READERS:
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            value = node.value if isinstance(node, ast.Constant) else None
-            if isinstance(value, str) and _METRIC_NAME.match(value):
-                names.add(value)
-    return names
+    skip = [str(path) for path in (exporter, *REFERENCE_ONLY_READERS)]
+    scan = subprocess.run(
+        [sys.executable, str(METRIC_NAMES), str(PACKAGE), *skip],
+        capture_output=True,
+        text=True,
+        timeout=SCAN_TIMEOUT_S,
+        check=False,
+    )
+    assert scan.returncode == 0, scan.stderr
+    return frozenset(json.loads(scan.stdout))
 
 
 def family_of(name: str, families: Families) -> str | None:
@@ -113,6 +125,43 @@ def test_fleetpilot_reads_metrics_of_its_own(vllm_families: Families) -> None:
             "vllm:time_to_first_token_seconds", "vllm:prefix_cache_hits_total"} <= read  # fmt: skip
     assert len(vllm_families) > 20
     assert all(path.is_file() for path in REFERENCE_ONLY_READERS)
+
+
+def _parse_until(stop: threading.Event, source: str) -> None:
+    """What a thread an earlier test left may do: parse (a logged traceback does, in 3.11)."""
+    while not stop.is_set():
+        with contextlib.suppress(SystemError):  # this thread's own parse may lose the race
+            ast.parse(source)
+
+
+def _python_code_at_every_collection(phase: str, info: dict[str, int]) -> None:
+    """A gc callback (as a finalizer would be): Python code run inside one thread's
+    ``ast.parse`` whenever it triggers a collection, where the interpreter may switch threads."""
+
+
+def test_the_scan_is_unharmed_by_a_thread_that_parses_beside_it() -> None:
+    """Regression (issue 41, probe 6): the scan of fleetpilot's source failed once in a full
+    run with ``SystemError: AST constructor recursion depth mismatch``, because another
+    thread parsed at the same time (python/cpython#106905). With a thread parsing in a loop
+    and the interpreter switching threads as often as it can, the scan still finds the names,
+    every time."""
+    source = Path(ast.__file__).read_text()
+    stop = threading.Event()
+    parser = threading.Thread(target=_parse_until, args=(stop, source), daemon=True)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    gc.callbacks.append(_python_code_at_every_collection)
+    parser.start()
+    try:
+        for _ in range(3):
+            names_fleetpilot_reads.cache_clear()
+            assert "vllm:num_requests_waiting" in names_fleetpilot_reads()
+    finally:
+        stop.set()
+        parser.join(timeout=30)
+        gc.callbacks.remove(_python_code_at_every_collection)
+        sys.setswitchinterval(interval)
+    assert not parser.is_alive()
 
 
 def test_every_metric_fleetpilot_reads_is_one_vllm_exports(vllm_families: Families) -> None:

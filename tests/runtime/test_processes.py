@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from fleetpilot.runtime.liveness import LivenessProbe
 from fleetpilot.runtime.processes import (
+    Child,
     ChildFailedError,
     PortInUseError,
     Supervisor,
@@ -27,6 +29,7 @@ from fleetpilot.runtime.processes import (
     group_members,
     http_ok,
     port_in_use,
+    proc_stat,
     require_free_ports,
 )
 
@@ -125,6 +128,51 @@ def test_restart_replaces_the_process(tmp_path: Path) -> None:
     assert child.pid != first
     assert group_members({first}) == []
     supervisor.stop_all(grace_s=1)
+
+
+def test_a_frozen_child_is_found_unresponsive_once_and_killed_by_its_restart(
+    tmp_path: Path,
+) -> None:
+    """Regression (issue 41, probe 7): a SIGSTOPped child still runs, so no crash is seen.
+    Its liveness probes fail and the supervisor names it - once - while a live child and one
+    that has never answered (still loading) are left alone; ``restart(kill=True)`` replaces
+    it at once (SIGTERM cannot reach a stopped process) and the new one is not reported."""
+    supervisor = Supervisor(tmp_path)
+    ports = free_ports(2)
+    frozen, live = (
+        supervisor.start(name, _http_server(port), health_url=f"http://127.0.0.1:{port}/")
+        for name, port in zip(("frozen", "live"), ports, strict=True)
+    )
+    loading = supervisor.start(
+        "loading",
+        [sys.executable, "-c", "import time; time.sleep(120)"],
+        health_url=f"http://127.0.0.1:{free_port()}/health",
+    )
+    probe = LivenessProbe(period_s=0.2, timeout_s=2.0, failure_threshold=2)
+    try:
+        for child in (frozen, live):
+            supervisor.wait_healthy(child, timeout_s=20)
+        assert supervisor.unresponsive(probe, now_s=0.0) == []
+        old = frozen.pid
+        os.kill(old, signal.SIGSTOP)
+        found: list[Child] = []
+        deadline = time.monotonic() + 60
+        now = 0.0
+        while not found and time.monotonic() < deadline:
+            now += probe.period_s
+            found = supervisor.unresponsive(probe, now_s=now)
+        assert found == [frozen]
+        supervisor.restart(frozen, kill=True)
+        assert proc_stat(old) is None  # killed and reaped, not left stopped
+        supervisor.wait_healthy(frozen, timeout_s=20)
+        for _ in range(5):
+            now += probe.period_s
+            assert supervisor.unresponsive(probe, now_s=now) == []
+        assert frozen.pid != old
+        assert loading.alive()
+    finally:
+        supervisor.stop_all(grace_s=2)
+    assert supervisor.leftovers(wait_s=10) == []
 
 
 def test_taken_port_is_refused_by_name() -> None:

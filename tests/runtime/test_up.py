@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from fleetpilot.runtime import up
+from fleetpilot.runtime.liveness import LivenessProbe
 from fleetpilot.runtime.local import Replica
 from fleetpilot.runtime.stack import LocalStack
 from tests.factories import make_manifest, make_tier
@@ -70,3 +71,49 @@ def test_a_bad_cold_start_or_step_delay_is_refused_before_anything_starts(
     argv = ["-f", str(service_file(tmp_path)), option, value]
     assert up.main(argv) == up.EXIT_INVALID
     assert f"{option} must be a finite number of seconds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--liveness-period", "0", "--liveness-period must be a finite number of seconds above 0"),
+        ("--liveness-timeout", "nan", "--liveness-timeout must be a finite number of seconds"),
+        ("--liveness-failures", "0", "--liveness-failures must be at least 1"),
+    ],
+)
+def test_a_liveness_probe_that_cannot_work_is_refused_before_anything_starts(
+    option: str,
+    value: str,
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A zero period would probe in a busy loop, a zero threshold restart every child: each
+    is a one-line error, exit 2, and nothing starts."""
+
+    def serve(stack: LocalStack, args: argparse.Namespace) -> int:
+        raise AssertionError("nothing may start")
+
+    monkeypatch.setattr(up, "_serve", serve)
+    assert up.main(["-f", str(service_file(tmp_path)), option, value]) == up.EXIT_INVALID
+    assert f"error: {message}" in capsys.readouterr().err
+
+
+def test_the_liveness_options_reach_the_fleet(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--liveness-period/-timeout/-failures`` are the probe the fleet's supervision uses."""
+    stacks: list[LocalStack] = []
+
+    def serve(stack: LocalStack, args: argparse.Namespace) -> int:
+        stacks.append(stack)
+        return up.EXIT_OK
+
+    monkeypatch.setattr(up, "_serve", serve)
+    argv = ["-f", str(service_file(tmp_path)), "--workdir", str(tmp_path / "w"),
+            "--liveness-period", "1.5", "--liveness-timeout", "0.5",
+            "--liveness-failures", "4"]  # fmt: skip
+    assert up.main(argv) == up.EXIT_OK
+    (stack,) = stacks
+    assert stack.fleet.liveness == LivenessProbe(1.5, 0.5, 4)
