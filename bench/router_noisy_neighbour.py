@@ -171,7 +171,7 @@ def run_arm(
             fleet.supervise_once()
             for thread in threads:
                 thread.join(0.2)
-        waits = queue_waits(fleet.endpoint.removesuffix("/v1"))
+        waits = queue_waits(fleet.router_metrics_address)
     finally:
         fleet.stop()
     return {
@@ -184,10 +184,10 @@ def run_arm(
     }
 
 
-def queue_waits(base_url: str) -> dict[str, dict[str, float]]:
+def queue_waits(metrics_address: str) -> dict[str, dict[str, float]]:
     """Per tenant, the router's fair-queue wait histogram: how many requests waited for
     capacity, and how many of those longer than each bucket bound."""
-    text = httpx.get(base_url + "/metrics", timeout=10).text
+    text = httpx.get(f"http://{metrics_address}/metrics", timeout=10).text
     out: dict[str, dict[str, float]] = {}
     for family in text_string_to_metric_families(text):
         if family.name != "fleetpilot_router_queue_wait_seconds":

@@ -135,10 +135,10 @@ async def load(url: str, args: argparse.Namespace, stop_at: float) -> list[Strea
     return records
 
 
-def resumes_by_outcome(url: str) -> dict[str, float]:
+def resumes_by_outcome(metrics_address: str) -> dict[str, float]:
     import httpx
 
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = httpx.get(f"http://{metrics_address}/metrics", timeout=10).text
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -177,7 +177,7 @@ def run_arm(fault: str, resumes: int, args: argparse.Namespace, folder: Path) ->
         faulted = time.monotonic()
         os.killpg(victim.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
         thread.join()
-        outcomes = resumes_by_outcome(base)
+        outcomes = resumes_by_outcome(fleet.router_metrics_address)
     finally:
         if fault == "freeze":
             os.killpg(victim.pid, signal.SIGCONT)

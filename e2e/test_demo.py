@@ -23,6 +23,8 @@ def test_demo_shows_tiers_cache_hits_and_cleans_up() -> None:
     out = result.stdout
     assert "tier=small" in out
     assert "tier=large" in out
+    # The router's counters, read from its metrics port (its public port serves no /metrics).
+    assert re.search(r"== router metrics \(requests by tier\):\n   \S*requests_total\{", out), out
     cached = [int(n) for n in re.findall(r"served from prefix cache (\d+)", out)]
     assert len(cached) == 4
     assert max(cached) > 0  # the repeated system prompt was served from the cache

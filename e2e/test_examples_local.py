@@ -72,8 +72,8 @@ def test_example_serves_every_tier_locally(example: Path, tmp_path: Path) -> Non
         max_replicas_per_role=MAX_REPLICAS_PER_ROLE,
     )
     ports = fleet.ports()
-    # The router, and per engine its HTTP port and its KV-event publisher and replay ports.
-    assert len(ports) == len(set(ports.values())) == 1 + 3 * sum(engines.values())
+    # The router's two, and per engine its HTTP port and its KV-event publisher and replay ports.
+    assert len(ports) == len(set(ports.values())) == 2 + 3 * sum(engines.values())
     with (
         fleet,
         # The client's default retries: on a starved machine a fresh engine's first forward pass

@@ -1,13 +1,15 @@
 """API keys end to end on the local fleet: examples/tenants.yaml with its keys in --auth-dir
 files laid out as a cluster mounts the Secret, reference engines, the real router process and
 the official openai client - refused without a tenant's key, limited to the tenant's tiers,
-held to its request limit, and a rotated key taken without a restart."""
+held to its request limit, a rotated key taken without a restart, and the tenants' metrics
+on the router's metrics port only."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -58,6 +60,17 @@ def test_tenants_of_the_example_behind_the_local_router(tmp_path: Path) -> None:
                 free.chat.completions.create(
                     model="qwen-72b", messages=[{"role": "user", "content": "hi"}], max_tokens=4
                 )
+        # The tenants' names and counts only on the metrics port, as a cluster's PodMonitor
+        # scrapes it; the public port refuses /metrics, with a key too.
+        public = fleet.endpoint.removesuffix("/v1") + "/metrics"
+        for headers in ({}, {"Authorization": f"Bearer {PRO}"}):
+            refused = httpx.get(public, headers=headers, timeout=30, trust_env=False)
+            assert refused.status_code == 404
+            assert "free" not in refused.text
+        scraped = httpx.get(
+            f"http://{fleet.router_metrics_address}/metrics", timeout=30, trust_env=False
+        ).text
+        assert 'fleetpilot_router_tenant_requests_total{tenant="free"}' in scraped
         (keys / "free").write_text(f"{ROTATED}\n")
         deadline = time.monotonic() + 15
         with client(ROTATED) as rotated:

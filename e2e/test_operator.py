@@ -530,6 +530,55 @@ def test_pods_are_admitted_where_the_restricted_pod_security_standard_is_enforce
     assert stalled is None or stalled["status"] == "False"
 
 
+def _token_volumes(pod: Obj) -> list[str]:
+    """The pod's volumes carrying a ServiceAccount token: what the API server's ServiceAccount
+    admission adds (``kube-api-access-*``) unless the pod opts out."""
+    return [
+        volume["name"]
+        for volume in pod["spec"].get("volumes", [])
+        for source in volume.get("projected", {}).get("sources", [])
+        if "serviceAccountToken" in source
+    ]
+
+
+def test_engine_pods_get_their_own_account_and_no_token_and_the_router_keeps_its_own(
+    kube: Kube, namespace: str, operator: Any, gpu_node: None
+) -> None:
+    """Regression (issue 41): engine pods ran as the namespace's default account with its API
+    token mounted. The operator creates the service's engine account (owned by the service,
+    bound to nothing); the engine pods the real controllers create run as it, and the API
+    server's ServiceAccount admission mounts no token in them; the router pod keeps its own
+    account's token, which its EndpointSlice discovery needs."""
+    apply_service(kube, small_service(namespace))
+    account = eventually(
+        "engine ServiceAccount", lambda: get(kube, "ServiceAccount", namespace, "chat-engines")
+    )
+    assert account["metadata"]["ownerReferences"][0]["kind"] == "InferenceService"
+    assert account["automountServiceAccountToken"] is False
+    selector = {"fleetpilot.dev/service": "chat"}
+
+    def pods() -> list[Obj] | None:
+        found = kube.list("Pod", namespace, selector)
+        return found if len(found) >= 2 else None
+
+    by_component = {
+        pod["metadata"]["labels"]["app.kubernetes.io/component"]: pod
+        for pod in eventually("engine and router pods", pods, timeout=60)
+    }
+    engine, router = by_component["engine"], by_component["router"]
+    assert engine["spec"]["serviceAccountName"] == "chat-engines"
+    assert engine["spec"]["automountServiceAccountToken"] is False
+    assert _token_volumes(engine) == []
+    assert all(
+        "/var/run/secrets/kubernetes.io" not in mount["mountPath"]
+        for mount in engine["spec"]["containers"][0].get("volumeMounts", [])
+    )
+    assert router["spec"]["serviceAccountName"] == "chat-router"
+    assert _token_volumes(router) != []
+    bindings = kube.list("RoleBinding", namespace, selector)
+    assert [s["name"] for b in bindings for s in b["subjects"]] == ["chat-router"]
+
+
 LEASE = "fleetpilot-e2e"
 LEASE_DURATION_S = 6
 
@@ -888,6 +937,14 @@ def test_policies_select_exactly_the_services_pods_and_are_pruned_and_collected(
     assert names_selected(kube, "Pod", namespace, policy["spec"]["podSelector"]) == engine_pods
     guarded_routers = names_selected(kube, "Pod", namespace, router_policy["spec"]["podSelector"])
     assert guarded_routers == router_pods
+    # The router's API port to anyone; its metrics port to the metrics namespace only.
+    to_all, to_scrapers = router_policy["spec"]["ingress"]
+    assert to_all == {"ports": [{"protocol": "TCP", "port": 8000}]}
+    assert to_scrapers["ports"] == [{"protocol": "TCP", "port": 9090}]
+    (router_scraper,) = to_scrapers["from"]
+    assert names_selected(kube, "Namespace", None, router_scraper["namespaceSelector"]) == {
+        namespace
+    }
     # Who gets in: the router rule admits only this service's router pod, the peer rule only
     # its engine pods (not "other"'s, in the same namespace), the scrape rule one namespace.
     from_router, from_peers, from_scrapers = policy["spec"]["ingress"]

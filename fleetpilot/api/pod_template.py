@@ -181,7 +181,14 @@ class PodTemplateOverlay(ApiModel):
         json_schema_extra=FREE_FORM,
     )
     service_account_name: str | None = Field(
-        None, max_length=253, description="ServiceAccount of the engine pods."
+        None,
+        max_length=253,
+        description=(
+            "ServiceAccount of the engine pods, instead of the one fleetpilot plans for them "
+            "(<service>-engines, bound to no role). Its API token is not mounted either "
+            "(automountServiceAccountToken: false): engines never call the Kubernetes API; "
+            "workload identity (projected tokens, the metadata server) is unaffected."
+        ),
     )
     image_pull_secrets: list[LocalObjectReference] = Field(
         default_factory=list, max_length=16, description="Secrets for pulling the engine image."

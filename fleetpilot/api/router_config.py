@@ -7,9 +7,9 @@ resources, and the config it runs with can be inspected with ``kubectl get confi
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from fleetpilot.api.base import ApiModel
 from fleetpilot.api.spec import Affinity, RoleName, ServingMode, Spillover
@@ -227,6 +227,17 @@ class RouterConfig(ApiModel):
     service: str
     namespace: str
     port: int = Field(8000, ge=1, le=65535)
+    metrics_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description=(
+            "Port of a second listener that serves only /metrics and /health, for Prometheus: "
+            "the public port then answers 404 for /metrics, so clients never read replica "
+            "addresses, tenant names or per-tenant counts. Unset: /metrics on the public "
+            "port while auth is unset, and on no port while it is set. Read at start only."
+        ),
+    )
     tiers: list[RouterTier] = Field(min_length=1)
     auth: AuthConfig | None = Field(
         None, description="API keys per tenant; unset: every request is admitted."
@@ -310,3 +321,12 @@ class RouterConfig(ApiModel):
     )
     scrape: Scrape = Field(default_factory=Scrape)
     backpressure: Backpressure = Field(default_factory=Backpressure)
+
+    @model_validator(mode="after")
+    def _check_metrics_port(self) -> Self:
+        if self.metrics_port is not None and self.metrics_port == self.port:
+            raise ValueError(
+                f"metricsPort {self.metrics_port} is the public port: give /metrics a port "
+                "of its own, or leave metricsPort unset"
+            )
+        return self

@@ -82,6 +82,11 @@ def engine_service_name(service: str, role: ResolvedRole) -> str:
     return engine_name(service, role.tier.name, role.name)
 
 
+def engine_service_account_name(service: str) -> str:
+    """The ServiceAccount every engine pod of the service runs as (no RBAC binds it)."""
+    return bounded_name(service, "engines")
+
+
 def router_name(service: str) -> str:
     return bounded_name(service, "router")
 

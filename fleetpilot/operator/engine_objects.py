@@ -1,4 +1,11 @@
-"""Engine Deployments, Services and PodDisruptionBudgets of one role. Purely computational."""
+"""Engine Deployments, Services and PodDisruptionBudgets of one role, and the ServiceAccount
+of every engine pod of a service. Purely computational.
+
+Engine pods run as a ServiceAccount of their own that no RBAC binds, with no token mounted
+(``automountServiceAccountToken: false``): an engine never calls the Kubernetes API (the router
+discovers it, the operator loads its adapters), so an engine taken over through a malicious
+model, adapter or request must not hold credentials - not even the namespace default
+account's, which other workloads may have been granted rights through."""
 
 from __future__ import annotations
 
@@ -42,6 +49,19 @@ STARTUP_FAILURES = 180
 TERMINATION_GRACE_S = 120
 CACHE_MOUNT = "/cache"
 EMPTY_OVERLAY = PodTemplateOverlay()
+
+
+def engine_service_account(service: InferenceService) -> K8sObject:
+    """The engine pods' ServiceAccount: no RBAC binds it and it mounts no token by default,
+    so even a pod that names it without saying ``automountServiceAccountToken`` gets none."""
+    name = names.engine_service_account_name(service.name)
+    labels = {**names.service_labels(service.name), names.LABEL_NAME: "fleetpilot-engine"}
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": object_meta(service, name, labels),
+        "automountServiceAccountToken": False,
+    }
 
 
 def engine_labels(service: InferenceService, role: ResolvedRole) -> dict[str, str]:
@@ -292,6 +312,10 @@ def engine_pod_template(
         "metadata": metadata,
         "spec": {
             "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
+            # A podTemplate overlay may name another account (workload identity for a bucket);
+            # the API token stays unmounted whichever it names (module docstring).
+            "serviceAccountName": names.engine_service_account_name(service.name),
+            "automountServiceAccountToken": False,
             "enableServiceLinks": False,
             "securityContext": pod_security(),
             "topologySpreadConstraints": spread(

@@ -253,6 +253,8 @@ def _job(
                 },
                 "spec": {
                     "restartPolicy": "Never",
+                    # A download or the GC never calls the Kubernetes API: no token to steal.
+                    "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
                     "securityContext": pod_security(),
                     "containers": [container],

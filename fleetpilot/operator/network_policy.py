@@ -15,7 +15,9 @@ blocks and token ids to any peer that asks. So, per service:
   LoRA adapters at run time (``lora.dynamic``), the serving port from the operator's pods
   (the chart's ``app.kubernetes.io/component: operator`` and ``part-of: fleetpilot`` labels,
   in the operator's namespace), which call the engines' load/unload endpoints;
-* router pods accept their port from anywhere: they are the fleet's endpoint.
+* router pods accept their API port from anywhere: they are the fleet's endpoint; and their
+  metrics port (``/metrics``, which names replicas, tenants and per-tenant counts) only from
+  the namespaces in ``spec.networkPolicy.metricsNamespaces``, as the engines' scrape.
 
 What this does not cover, by design of NetworkPolicy: kubelet probes come from the node and
 most CNIs always allow them; a pod in the namespace that copies the engine or router labels is
@@ -30,7 +32,7 @@ from fleetpilot.api import InferenceService
 from fleetpilot.engine.vllm_args import ENGINE_PORT, kv_event_ports, launch_for
 from fleetpilot.kube import names
 from fleetpilot.operator.plan_types import K8sObject, object_meta
-from fleetpilot.operator.router_objects import ROUTER_PORT
+from fleetpilot.operator.router_objects import ROUTER_METRICS_PORT, ROUTER_PORT
 
 API_VERSION = "networking.k8s.io/v1"
 # Set by the API server on every namespace since Kubernetes 1.21: selects namespaces by name.
@@ -68,6 +70,20 @@ def _operator_peer(operator_namespace: str | None) -> K8sObject:
     return {"podSelector": {"matchLabels": OPERATOR_POD_LABELS}, "namespaceSelector": namespaces}
 
 
+def _scrapers(service: InferenceService) -> K8sObject | None:
+    """The peer of ``spec.networkPolicy.metricsNamespaces`` (where Prometheus runs); None when
+    it names none."""
+    scrapers = service.spec.network_policy.metrics_namespaces
+    if not scrapers:
+        return None
+    selector = {
+        "matchExpressions": [
+            {"key": NAMESPACE_NAME_LABEL, "operator": "In", "values": list(scrapers)}
+        ]
+    }
+    return {"namespaceSelector": selector}
+
+
 def engine_policy(service: InferenceService, operator_namespace: str | None = None) -> K8sObject:
     """Ingress of the engine pods: the router, peer engines, the metrics scrape, and the
     operator when it loads adapters into them."""
@@ -79,14 +95,9 @@ def engine_policy(service: InferenceService, operator_namespace: str | None = No
         # No ports: the KV hand-off's ports are not all known in advance (module docstring).
         {"from": [{"podSelector": {"matchLabels": names.engines_selector(service.name)}}]},
     ]
-    scrapers = service.spec.network_policy.metrics_namespaces
-    if scrapers:
-        selector = {
-            "matchExpressions": [
-                {"key": NAMESPACE_NAME_LABEL, "operator": "In", "values": list(scrapers)}
-            ]
-        }
-        ingress.append({"from": [{"namespaceSelector": selector}], "ports": _tcp(ENGINE_PORT)})
+    scrapers = _scrapers(service)
+    if scrapers is not None:
+        ingress.append({"from": [scrapers], "ports": _tcp(ENGINE_PORT)})
     if any(tier.lora is not None and tier.lora.dynamic for tier in service.spec.tiers):
         ingress.append({"from": [_operator_peer(operator_namespace)], "ports": _tcp(ENGINE_PORT)})
     return {
@@ -104,7 +115,12 @@ def engine_policy(service: InferenceService, operator_namespace: str | None = No
 
 
 def router_policy(service: InferenceService) -> K8sObject:
-    """Ingress of the router pods: their port, from anywhere (clients, Prometheus, probes)."""
+    """Ingress of the router pods: their API port from anywhere (clients, probes), their
+    metrics port from the metrics namespaces."""
+    ingress: list[K8sObject] = [{"ports": _tcp(ROUTER_PORT)}]
+    scrapers = _scrapers(service)
+    if scrapers is not None:
+        ingress.append({"from": [scrapers], "ports": _tcp(ROUTER_METRICS_PORT)})
     return {
         "apiVersion": API_VERSION,
         "kind": "NetworkPolicy",
@@ -114,7 +130,7 @@ def router_policy(service: InferenceService) -> K8sObject:
         "spec": {
             "podSelector": {"matchLabels": names.router_selector(service.name)},
             "policyTypes": ["Ingress"],
-            "ingress": [{"ports": _tcp(ROUTER_PORT)}],
+            "ingress": ingress,
         },
     }
 

@@ -9,6 +9,8 @@ so nothing is ever half-applied.
 
 from __future__ import annotations
 
+import re
+
 from fleetpilot.api import InferenceService, ResolvedRole
 from fleetpilot.api.capacity import (
     RESERVE_BYTES_PER_GPU,
@@ -20,7 +22,12 @@ from fleetpilot.api.layout import LayoutError, role_layout
 from fleetpilot.api.spec import PodMonitorMode, Tier
 from fleetpilot.api.units import format_duration
 from fleetpilot.kube import names
-from fleetpilot.operator.engine_objects import engine_deployment, engine_pdb, engine_service
+from fleetpilot.operator.engine_objects import (
+    engine_deployment,
+    engine_pdb,
+    engine_service,
+    engine_service_account,
+)
 from fleetpilot.operator.leader_worker_set import engine_leader_worker_set
 from fleetpilot.operator.model_cache import cache_claim, collection_job, fetch_jobs
 from fleetpilot.operator.network_policy import network_policies
@@ -32,7 +39,7 @@ from fleetpilot.operator.plan_types import (
     object_meta,
 )
 from fleetpilot.operator.router_auth import check_auth
-from fleetpilot.operator.router_objects import router_objects
+from fleetpilot.operator.router_objects import METRICS_PORT_NAME, router_objects
 
 # Flags the planner derives from the spec; setting them again in extraArgs would make the
 # spec and the running engine disagree, so they are refused instead.
@@ -255,8 +262,16 @@ def capacity_warnings(service: InferenceService) -> list[str]:
     return warnings
 
 
+def pod_label_meta(label: str) -> str:
+    """The Prometheus Kubernetes discovery label of a pod label: ``app.kubernetes.io/component``
+    -> ``__meta_kubernetes_pod_label_app_kubernetes_io_component``."""
+    return "__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", label)
+
+
 def pod_monitor(service: InferenceService) -> K8sObject:
-    """One PodMonitor scraping every engine and router pod of the service."""
+    """One PodMonitor scraping every engine and router pod of the service: the engines on
+    their serving port, the routers on their metrics port (their serving port answers 404 for
+    /metrics: the exposition names tenants and replicas, which clients must not read)."""
     meta = object_meta(
         service, names.bounded_name(service.name, "metrics"), names.service_labels(service.name)
     )
@@ -270,7 +285,22 @@ def pod_monitor(service: InferenceService) -> K8sObject:
             # Copied onto every series (as fleetpilot_dev_service, ...): the autoscaler's
             # PromQL selects a tier's role by them.
             "podTargetLabels": [names.LABEL_SERVICE, names.LABEL_TIER, names.LABEL_ROLE],
-            "podMetricsEndpoints": [{"port": "http", "path": "/metrics", "interval": interval}],
+            "podMetricsEndpoints": [
+                {
+                    "port": "http",
+                    "path": "/metrics",
+                    "interval": interval,
+                    # The routers' pods have an "http" port too; theirs is scraped below.
+                    "relabelings": [
+                        {
+                            "action": "keep",
+                            "sourceLabels": [pod_label_meta(names.LABEL_COMPONENT)],
+                            "regex": "engine",
+                        }
+                    ],
+                },
+                {"port": METRICS_PORT_NAME, "path": "/metrics", "interval": interval},
+            ],
         },
     }
 
@@ -286,6 +316,7 @@ def plan(service: InferenceService, options: PlanOptions | None = None) -> list[
     claim = cache_claim(service)
     objects += [claim] if claim is not None else []
     objects += fetch_jobs(service, options)
+    objects.append(engine_service_account(service))
     objects += [engine_service(service, role) for role in roles]
     objects += [
         engine_leader_worker_set(service, role, options)

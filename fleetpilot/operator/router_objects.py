@@ -25,6 +25,12 @@ from fleetpilot.operator.router_auth import auth_config, auth_volumes
 from fleetpilot.routing.features import CHARS_PER_TOKEN
 
 ROUTER_PORT = 8000
+# The router's /metrics on a port of its own (RouterConfig.metricsPort): its Service exposes
+# only ROUTER_PORT to clients, the PodMonitor scrapes this one, and the NetworkPolicy lets in
+# only the metrics namespaces - the exposition names replicas, tenants and their counts.
+# 9090: the port Prometheus exporters conventionally serve on; nothing else in the pod uses it.
+ROUTER_METRICS_PORT = 9090
+METRICS_PORT_NAME = "metrics"
 CONFIG_DIR = "/etc/fleetpilot"
 # The router downloads each tier's tokenizer files (a few MB) here; its root filesystem is
 # read-only.
@@ -165,6 +171,7 @@ def router_config(service: InferenceService) -> RouterConfig:
         service=service.name,
         namespace=service.namespace,
         port=ROUTER_PORT,
+        metrics_port=ROUTER_METRICS_PORT,
         tiers=tiers,
         affinity=routing.affinity,
         load_weight=routing.load_weight,
@@ -204,7 +211,8 @@ def prefix_index_blocks(service: InferenceService) -> int | None:
 
 
 def router_objects(service: InferenceService, options: PlanOptions) -> list[K8sObject]:
-    """ServiceAccount, Role, RoleBinding, ConfigMap, Deployment, Service and PDB."""
+    """ServiceAccount, Role, RoleBinding, ConfigMap, Deployment, Service and PDB. The Service
+    exposes only the API port: /metrics is on the pods' ``metrics`` port, for the PodMonitor."""
     name = names.router_name(service.name)
     labels = router_labels(service)
     selector = names.router_selector(service.name)
@@ -265,7 +273,7 @@ def router_objects(service: InferenceService, options: PlanOptions) -> list[K8sO
                         "labels": labels,
                         "annotations": {
                             "prometheus.io/scrape": "true",
-                            "prometheus.io/port": str(ROUTER_PORT),
+                            "prometheus.io/port": str(ROUTER_METRICS_PORT),
                             "prometheus.io/path": "/metrics",
                         },
                     },
@@ -295,7 +303,12 @@ def router_objects(service: InferenceService, options: PlanOptions) -> list[K8sO
                                         "name": "http",
                                         "containerPort": ROUTER_PORT,
                                         "protocol": "TCP",
-                                    }
+                                    },
+                                    {
+                                        "name": METRICS_PORT_NAME,
+                                        "containerPort": ROUTER_METRICS_PORT,
+                                        "protocol": "TCP",
+                                    },
                                 ],
                                 "resources": {
                                     "requests": {"cpu": routing.cpu, "memory": routing.memory},

@@ -3,6 +3,12 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (proxied), ``GET /v1/models``
 (the service name, which lets the router choose, and each tier's model alias), ``GET /health``,
 ``GET /metrics``. Every error is OpenAI-shaped JSON.
+
+``/metrics`` names replicas (their addresses), tenants and what each tenant sent: with the
+config's ``metricsPort`` it is served on a second listener of its own (``/metrics`` and
+``/health`` only, the port a Kubernetes Service for clients does not expose) and the public
+port answers 404 for it; without one, the public port serves it only while no API keys are
+configured (:func:`metrics_on_public_port`).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from aiohttp import web
 
 from fleetpilot.api.router_config import RouterConfig
 from fleetpilot.argtypes import DefaultsHelpFormatter, port_number
-from fleetpilot.httpserver import run_app
+from fleetpilot.httpserver import make_runner, run_app, start_site
 from fleetpilot.logs import add_log_arguments, configure_logging
 from fleetpilot.routing.auth import AuthGate, KeyRing, Tenant
 from fleetpilot.routing.config import ConfigError, ConfigWatcher, load_config
@@ -55,6 +61,14 @@ TOKENIZER_RETRY_S = 30.0
 
 EXIT_INVALID = 2
 STARTED = int(time.time())
+
+
+def metrics_on_public_port(*, auth_on: bool, metrics_listener: bool) -> bool:
+    """Whether the public port answers ``GET /metrics``: only when no metrics listener of its
+    own serves it and no API keys guard the fleet - with keys on, the exposition's replica
+    addresses, tenant names and per-tenant counts are not for any client that can reach the
+    router. Purely computational."""
+    return not auth_on and not metrics_listener
 
 
 class RouterApp:
@@ -96,6 +110,9 @@ class RouterApp:
         self.watcher: ConfigWatcher | None = None
         self.scraper: Scraper | None = None
         self.prober: Prober | None = None
+        # The metrics listener (config.metricsPort), when one runs: bound once, at start.
+        self.metrics_runner: web.AppRunner | None = None
+        self.metrics_port: int | None = None
 
     def _ejected(self, replica: ReplicaState) -> None:
         # Every ejection, whether a request or a /metrics scrape found the failure.
@@ -121,6 +138,11 @@ class RouterApp:
             self.metrics.auth_keys.labels(tenant).set(count)
 
     def apply_config(self, config: RouterConfig) -> None:
+        if config.metrics_port != self.metrics_port:
+            log.warning(
+                "metricsPort changed; the metrics listener keeps its port until a restart",
+                extra={"metrics_port": self.metrics_port, "configured": config.metrics_port},
+            )
         self.auth.apply(config.auth)
         self.router.apply_config(config)
         self._retune_loops(config)
@@ -229,7 +251,35 @@ class RouterApp:
             },
         )
 
+    async def start_metrics_listener(self, host: str) -> None:
+        """Serve ``/metrics`` and ``/health`` on the config's ``metricsPort`` (nothing without
+        one), with the same listener guards as the public port."""
+        port = self.router.config.metrics_port
+        if port is None:
+            if self.router.config.auth is not None:
+                log.warning(
+                    "API keys are on and no metricsPort is set: /metrics is served on no port "
+                    "(set metricsPort to scrape the router)"
+                )
+            return
+        app = web.Application(middlewares=[openai_errors])
+        app.router.add_get("/metrics", self.metrics_exposition)
+        app.router.add_get("/health", self.health)
+        runner = make_runner(app, access_log=None)
+        try:
+            await start_site(runner, host, port)
+        except OSError as exc:
+            await runner.cleanup()
+            # One line naming the port that failed, not the public one the caller reports.
+            raise OSError(exc.errno, f"metrics port {host}:{port}: {exc.strerror or exc}") from None
+        self.metrics_runner = runner
+        self.metrics_port = port
+        log.info("metrics listener started", extra={"host": host, "port": port})
+
     async def stop(self) -> None:
+        if self.metrics_runner is not None:
+            await self.metrics_runner.cleanup()
+            self.metrics_runner = None
         await self.auth.stop()
         if self.watcher is not None:
             await self.watcher.stop()
@@ -323,6 +373,22 @@ class RouterApp:
         )
 
     async def metrics_view(self, request: web.Request) -> web.Response:
+        """``GET /metrics`` on the public port: the exposition where that port serves it
+        (:func:`metrics_on_public_port`), else a 404 as for any unknown route."""
+        listener = self.metrics_runner is not None
+        if not metrics_on_public_port(
+            auth_on=self.router.config.auth is not None, metrics_listener=listener
+        ):
+            where = "its metrics port" if listener else "no port while API keys are on"
+            return error_response(
+                UnknownModelError(
+                    f"no route for GET /metrics on this port: the router serves it on {where}",
+                    reason="not_found",
+                )
+            )
+        return await self.metrics_exposition(request)
+
+    async def metrics_exposition(self, request: web.Request) -> web.Response:
         self._update_endpoint_gauges()
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
@@ -380,9 +446,11 @@ def build_app(
     reload_interval_s: float = 1.0,
     seed: int | None = None,
     debug_route_header: bool = False,
+    metrics_host: str = "127.0.0.1",
 ) -> web.Application:
     """The aiohttp application; run it with ``handler_cancellation=True`` so a client that
-    disconnects cancels its upstream request."""
+    disconnects cancels its upstream request. The metrics listener (the config's
+    ``metricsPort``) listens on ``metrics_host``: the public listener's address."""
     state = RouterApp(
         config,
         source,
@@ -402,6 +470,7 @@ def build_app(
     app.router.add_get("/metrics", state.metrics_view)
 
     async def on_startup(_: web.Application) -> None:
+        await state.start_metrics_listener(metrics_host)
         await state.start()
 
     async def on_cleanup(_: web.Application) -> None:
@@ -476,6 +545,7 @@ def run(args: argparse.Namespace) -> int:
         reload_interval_s=args.reload_interval,
         seed=args.seed,
         debug_route_header=args.debug_route_header,
+        metrics_host=args.host,
     )
     port = args.port or config.port
     try:

@@ -58,7 +58,7 @@ class ControlServer:
         router_address: str | None = None,
         port: int = 0,
     ) -> None:
-        self.router_address = router_address
+        self.router_address = router_address  # its metrics listener: what the autoscaler reads
         self.actuator = actuator
         self.service = service
         self.max_replicas = max_replicas

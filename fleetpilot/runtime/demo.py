@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"   prompt tokens {usage['prompt_tokens']}, served from prefix cache "
                         f"{cached}\n"
                     )
-                metrics = client.get(stack.endpoint.removesuffix("/v1") + "/metrics").text
+                metrics = client.get(f"http://{stack.fleet.router_metrics_address}/metrics").text
             routed = [line for line in metrics.splitlines() if "requests_total{" in line]
             print("== router metrics (requests by tier):")
             print("\n".join(f"   {line}" for line in routed[:8]) or "   (none)")

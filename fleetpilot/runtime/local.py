@@ -228,6 +228,9 @@ class LocalFleet:
             self.replicas.append(
                 self._replica(role, i, engine_port, (more[0], more[1]), tuple(more[2:]))
             )
+        # The router's /metrics on a port of its own, as the operator plans it (after every
+        # other, so the engines' ports stay where they were).
+        self.router_metrics_port = next_port(port)
         self.router: Child | None = None
 
     def _replica(
@@ -274,6 +277,12 @@ class LocalFleet:
         return f"http://{HOST}:{self.router_port}/v1"
 
     @property
+    def router_metrics_address(self) -> str:
+        """``host:port`` of the router's metrics listener (its public port serves no
+        /metrics, as in a cluster)."""
+        return f"{HOST}:{self.router_metrics_port}"
+
+    @property
     def config_path(self) -> Path:
         return self.workdir / ROUTER_CONFIG_FILE
 
@@ -283,7 +292,7 @@ class LocalFleet:
 
     def ports(self) -> dict[str, int]:
         """Every port the fleet listens on, by what listens there."""
-        ports = {"router": self.router_port}
+        ports = {"router": self.router_port, "router metrics": self.router_metrics_port}
         for r in self.replicas:
             ports[r.name] = r.port
             if r.kv_ports is not None:
@@ -321,7 +330,12 @@ class LocalFleet:
                 )
             )
         return config.model_copy(
-            update={"port": self.router_port, "tiers": tiers, "auth": self._local_auth(config)}
+            update={
+                "port": self.router_port,
+                "metrics_port": self.router_metrics_port,
+                "tiers": tiers,
+                "auth": self._local_auth(config),
+            }
         )
 
     def _local_auth(self, config: RouterConfig) -> AuthConfig | None:

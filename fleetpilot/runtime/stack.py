@@ -202,7 +202,7 @@ class LocalStack:
                 capped_service(self.service, self.max_replicas_per_role),
                 max_replicas=self.max_replicas_per_role,
                 prometheus_url=self.prometheus_url,
-                router_address=f"{HOST}:{self.fleet.router_port}",
+                router_address=self.fleet.router_metrics_address,
                 port=self.control_port,
             )
             self.control.start()
@@ -280,7 +280,7 @@ class LocalStack:
         """Every engine process and the router, labeled as the planner labels their pods."""
         namespace = self.service.namespace
         router = ScrapeTarget(
-            f"{HOST}:{self.fleet.router_port}", router_selector(self.service.name), namespace
+            self.fleet.router_metrics_address, router_selector(self.service.name), namespace
         )
         engines = [
             ScrapeTarget(r.address, engine_selector(self.service.name, r.tier, r.role), namespace)

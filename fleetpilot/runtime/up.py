@@ -53,8 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--port",
         type=port_number,
         default=8000,
-        help="router port; engines, then their KV-event publishers, use the ports after it "
-        "(0: any free ports)",
+        help="router port; engines, then their KV-event publishers, then the router's /metrics "
+        "use the ports after it (0: any free ports)",
     )
     a("--workdir", help="directory for the router config and logs (default: a temporary one)")
     a(

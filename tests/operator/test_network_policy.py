@@ -16,7 +16,7 @@ from fleetpilot.engine.vllm_args import ENGINE_PORT
 from fleetpilot.operator.network_policy import OPERATOR_POD_LABELS
 from fleetpilot.operator.plan_types import K8sObject, PlanOptions
 from fleetpilot.operator.planner import plan
-from fleetpilot.operator.router_objects import ROUTER_PORT
+from fleetpilot.operator.router_objects import ROUTER_METRICS_PORT, ROUTER_PORT
 from tests.factories import make_manifest, make_service, make_tier
 
 ENGINE_MATCH = {"fleetpilot.dev/service": "chat", "app.kubernetes.io/component": "engine"}
@@ -113,11 +113,21 @@ def test_engine_ports_open_only_to_the_router_peers_and_the_scrape() -> None:
     assert all("namespaceSelector" not in peer for peer in rules[0]["from"] + rules[1]["from"])
 
 
-def test_router_port_is_open_to_all() -> None:
-    """The router is the public endpoint: its policy opens its port to every source and nothing
-    else."""
+def test_router_api_port_is_open_to_all_and_its_metrics_port_to_the_scrapers() -> None:
+    """The router is the public endpoint: its policy opens its API port to every source; its
+    metrics port (tenant names, replica addresses) only to the metrics namespaces, and to
+    nobody when none are listed."""
     rules = policies(pd_plan())["chat-router"]["spec"]["ingress"]
-    assert rules == [{"ports": [{"protocol": "TCP", "port": ROUTER_PORT}]}]
+    engine_scrape = policies(pd_plan())["chat-engines"]["spec"]["ingress"][2]
+    assert rules == [
+        {"ports": [{"protocol": "TCP", "port": ROUTER_PORT}]},
+        {
+            "from": engine_scrape["from"],
+            "ports": [{"protocol": "TCP", "port": ROUTER_METRICS_PORT}],
+        },
+    ]
+    none = pd_plan(networkPolicy={"metricsNamespaces": []})
+    assert policies(none)["chat-router"]["spec"]["ingress"] == rules[:1]
 
 
 def test_metrics_namespaces_are_configurable_and_may_be_none() -> None:

@@ -67,8 +67,9 @@ def test_the_default_backend_runs_the_reference_engine_as_before(tmp_path: Path)
     for replica in fleet.replicas:
         assert replica.argv == reference_argv(launch_of(service, replica), HOST, "py")
         assert replica.env == {}
-    # Engines on 9101-9103, then each one's two KV-event ports.
-    assert sorted(fleet.ports().values()) == list(range(9100, 9110))
+    # Engines on 9101-9103, then each one's two KV-event ports, then the router's metrics.
+    assert sorted(fleet.ports().values()) == list(range(9100, 9111))
+    assert fleet.ports()["router metrics"] == 9110
     config = fleet.router_config()
     for tier in config.tiers:
         assert tier.tokenizer == str(REFERENCE_TOKENIZER)
@@ -107,7 +108,7 @@ def test_the_vllm_backend_runs_the_launchers_serve_line_on_loopback(tmp_path: Pa
         side_channels.add(side_channel)
     assert len(side_channels) == 3
     ports = list(fleet.ports().values())
-    assert len(ports) == len(set(ports)) == 1 + 3 * 4
+    assert len(ports) == len(set(ports)) == 2 + 3 * 4
     config = fleet.router_config()
     for tier in config.tiers:
         assert tier.tokenizer == str(MODEL_DIR)

@@ -104,6 +104,8 @@ the same table: a change here must change it there too.
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, list, watch, create, patch, delete]
+# ServiceAccounts: each router's (bound to its discovery Role) and the engine pods' (bound to
+# nothing, no token mounted).
 - apiGroups: [""]
   resources: [services, configmaps, serviceaccounts]
   verbs: [get, list, watch, create, patch, delete]
