@@ -231,7 +231,7 @@ def test_yaml_nested_thousands_deep_is_one_line(tmp_path: Path) -> None:
     path = tmp_path / "deep.yaml"
     path.write_text("spec: " + "[" * 5000 + "]" * 5000 + "\n")
     line = _one_line_error("plan", "-f", str(path))
-    assert line == f"error: {path}: YAML nested too deeply to be an InferenceService"
+    assert line == f"error: {path}: YAML nested deeper than 100 levels (at line 1, column 106)"
 
 
 @pytest.mark.parametrize(

@@ -21,13 +21,16 @@ from aiohttp import web
 
 from fleetpilot.api.router_config import RouterConfig
 from fleetpilot.argtypes import DefaultsHelpFormatter, port_number
+from fleetpilot.files import FileError
 from fleetpilot.httpserver import run_app
 from fleetpilot.logs import add_log_arguments, configure_logging
-from fleetpilot.routing.auth import AuthGate, KeyRing, Tenant
+from fleetpilot.routing.auth import AuthGate, KeyRing, Tenant, check_key_files
 from fleetpilot.routing.config import ConfigError, ConfigWatcher, load_config
 from fleetpilot.routing.discovery import (
     EndpointSource,
+    FileSource,
     KubeSliceClient,
+    MergedSource,
     SliceClient,
     build_source,
     replica_of_stream,
@@ -88,7 +91,14 @@ class RouterApp:
             on_replicas=self._follow_replicas,
         )
         # API keys (routing.auth): checked before any routing work; re-read as they change.
-        self.auth = AuthGate(config.auth, on_reload=self._keys_loaded)
+        self.auth = AuthGate(
+            config.auth,
+            on_reload=self._keys_loaded,
+            on_result=lambda r: self.metrics.file_reloads.labels("auth_keys", r).inc(),
+        )
+        for part in source.sources if isinstance(source, MergedSource) else [source]:
+            if isinstance(part, FileSource):
+                part.on_result = lambda r: self.metrics.file_reloads.labels("endpoints", r).inc()
         self.config_path = config_path
         self.reload_interval_s = reload_interval_s
         self.session: aiohttp.ClientSession | None = None
@@ -459,7 +469,8 @@ def run(args: argparse.Namespace) -> int:
     config_path = Path(args.config)
     try:
         config = load_config(config_path)
-    except ConfigError as exc:
+        check_key_files(config.auth)
+    except (ConfigError, FileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INVALID
     endpoints_file = Path(args.endpoints_file) if args.endpoints_file else None
