@@ -80,9 +80,10 @@ def read_limited(path: Path, limit: int) -> bytes:
 
 def size_reason(limit: int, what: str) -> str:
     """Why a file over ``limit`` bytes is refused, in words a user can act on."""
+    article = "an" if what[:1].lower() in "aeiou" else "a"
     return (
-        f"larger than {limit} bytes ({limit / (1 << 20):g} MiB), the most a {what} may be: "
-        "is it the right file?"
+        f"larger than {limit} bytes ({limit / (1 << 20):g} MiB), the most {article} {what} "
+        "may be: is it the right file?"
     )
 
 
