@@ -132,6 +132,14 @@ class WatchedFile:
         self._digest: bytes | None = None  # of the last content read (valid UTF-8 or not)
         self._refusal: str | None = None  # why the file could not be read, until it can again
 
+    def prime(self) -> None:
+        """Take the content there now as already seen (the caller loaded it itself), without
+        reporting it; a file that cannot be read now is reported by the next read."""
+        try:
+            self.read_change()
+        except FileError:
+            self._digest, self._refusal = None, None
+
     def read_change(self) -> str | None:
         source = str(self.path)
         try:

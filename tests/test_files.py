@@ -144,3 +144,20 @@ def test_a_watched_file_tells_each_change_once(tmp_path: Path) -> None:
     assert refusals == ["FileError", "FileError", "UnreadableError"]
     path.write_text("two")
     assert watched.read_change() == "two"
+
+
+def test_priming_takes_the_current_content_as_seen_but_reports_a_refusal_later(
+    tmp_path: Path,
+) -> None:
+    """A watcher primed on the file its caller just loaded reports no change; primed on a
+    file that has just become unreadable, it still reports the refusal at the next read."""
+    path = tmp_path / "watched"
+    path.write_text("one")
+    primed = WatchedFile(path)
+    primed.prime()
+    assert primed.read_change() is None
+    path.write_bytes(b"\xff")
+    late = WatchedFile(path)
+    late.prime()
+    with pytest.raises(FileError, match="not UTF-8"):
+        late.read_change()

@@ -4,7 +4,6 @@ reloading it when the file changes."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -83,9 +82,7 @@ class ConfigWatcher:
         self.on_result = on_result
         self.interval_s = interval_s
         self.file = files.WatchedFile(path, limit=MAX_CONFIG_BYTES, what=WHAT)
-        # The content the router started with is no change (the caller loaded it just now).
-        with contextlib.suppress(files.FileError):
-            self.file.read_change()
+        self.file.prime()  # the content the router started with (just loaded) is no change
         self._task: asyncio.Task[None] | None = None
 
     def check(self) -> bool:
