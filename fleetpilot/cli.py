@@ -17,6 +17,7 @@ from fleetpilot import __version__
 from fleetpilot.api import InvalidManifestError, load_services
 from fleetpilot.api.crd import CRD_FILENAME, render_crd
 from fleetpilot.argtypes import DefaultsHelpFormatter, port_number
+from fleetpilot.listening import ListenError, listening_on
 from fleetpilot.operator.plan_types import DEFAULT_FLEETPILOT_IMAGE, PlanError, PlanOptions
 from fleetpilot.operator.planner import capacity_warnings, plan
 from fleetpilot.operator.summary import summarize
@@ -25,6 +26,7 @@ EXIT_INVALID = 2
 EXIT_STALE = 1
 # A leader that could not renew its Lease: the process stops so that only one replica acts.
 EXIT_LOST_LEADERSHIP = 3
+EXIT_BIND = 1  # a port that cannot be listened on, as `router` and `engine` exit
 
 
 class _Parser(argparse.ArgumentParser):
@@ -115,7 +117,12 @@ def _operator(args: argparse.Namespace) -> int:
     if not args.verbose:
         quiet_watch_handlers()
     if args.metrics_port:
-        start_http_server(args.metrics_port, addr=args.bind)
+        try:
+            with listening_on(args.bind, args.metrics_port):
+                start_http_server(args.metrics_port, addr=args.bind)
+        except ListenError as exc:
+            print(f"error: --metrics-port: {exc}", file=sys.stderr)
+            return EXIT_BIND
     priority = 0
     if args.leader_election:
         lease_namespace = (
@@ -129,7 +136,11 @@ def _operator(args: argparse.Namespace) -> int:
         if args.lease_duration < 3:
             print("error: --lease-duration must be at least 3 seconds", file=sys.stderr)
             return EXIT_INVALID
-        _wait_for_leadership(args, lease_namespace)
+        try:
+            _wait_for_leadership(args, lease_namespace)
+        except ListenError as exc:  # the standby's /healthz
+            print(f"error: --liveness-port: {exc}", file=sys.stderr)
+            return EXIT_BIND
         # A newer leader outranks an older one in kopf's peering: a killed leader's peering
         # record never pauses its successor, and an operator outside the election yields.
         priority = int(time.time())
@@ -181,7 +192,10 @@ def _wait_for_leadership(args: argparse.Namespace, lease_namespace: str) -> None
         retry_period_s=max(1, args.lease_duration // 7),
     )
     leadership = Leadership(connect(args.kubeconfig), settings, lost)
-    standby = StandbyHealth(args.bind, args.liveness_port) if args.liveness_port else None
+    standby = None
+    if args.liveness_port:
+        with listening_on(args.bind, args.liveness_port):
+            standby = StandbyHealth(args.bind, args.liveness_port)
     leadership.start()
     leadership.wait()
     if standby is not None:

@@ -33,6 +33,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
+from fleetpilot.listening import listening_on
 from fleetpilot.text import one_line
 
 log = logging.getLogger(__name__)
@@ -325,10 +326,12 @@ def open_connections(app: web.Application) -> int:
 
 
 async def start_site(runner: web.AppRunner, host: str, port: int) -> GuardedSite:
-    """Set ``runner`` up (made by :func:`make_runner`) and listen on ``host:port``."""
+    """Set ``runner`` up (made by :func:`make_runner`) and listen on ``host:port``;
+    :class:`~fleetpilot.listening.ListenError` when the address cannot be bound."""
     await runner.setup()
     site = GuardedSite(runner, host, port)
-    await site.start()
+    with listening_on(host, port):
+        await site.start()
     return site
 
 

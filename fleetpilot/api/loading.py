@@ -8,15 +8,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
 from fleetpilot.api.service import InferenceService
-from fleetpilot.files import TooLargeError, read_limited
+from fleetpilot.files import (
+    MAX_CONFIG_BYTES,
+    FileError,
+    TooLargeError,
+    decode_text,
+    parse_yaml_documents,
+    read_text,
+    size_reason,
+)
 
-# An InferenceService manifest is a few KiB; even a file of many services stays far below this.
+# An InferenceService manifest is a few KiB; even a file of many services stays far below this
+# (the cap of every config file an entry point reads, which Kubernetes sets for a ConfigMap).
 # Reading stops here, so `-f /dev/zero` or a wrong multi-GB file is refused, not swallowed.
-MAX_MANIFEST_BYTES = 1 << 20
+MAX_MANIFEST_BYTES = MAX_CONFIG_BYTES
 
 
 @dataclass(frozen=True)
@@ -87,22 +95,13 @@ def parse_service(obj: Any, source: str = "<object>") -> InferenceService:
 
 
 def load_documents(text: str, source: str) -> list[Any]:
-    """Parse YAML documents; a syntax error names the line and column."""
+    """Parse YAML documents with the guards every file an entry point reads gets
+    (:mod:`fleetpilot.files`): a syntax error names the line and column; nesting past
+    ``MAX_DEPTH`` and alias bombs are refused."""
     try:
-        return [doc for doc in yaml.safe_load_all(text) if doc is not None]
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
-        raise InvalidManifestError(
-            source, [FieldProblem("", f"YAML syntax error at {where}: {exc.problem}")]
-        ) from None
-    except yaml.YAMLError as exc:
-        raise InvalidManifestError(source, [FieldProblem("", f"YAML error: {exc}")]) from None
-    except RecursionError:
-        # PyYAML composes nested nodes recursively: thousands of levels exhaust the stack.
-        raise InvalidManifestError(
-            source, [FieldProblem("", "YAML nested too deeply to be an InferenceService")]
-        ) from None
+        return parse_yaml_documents(text, source)
+    except FileError as exc:
+        raise InvalidManifestError(source, [FieldProblem("", exc.reason)]) from None
 
 
 # `-f -`: the manifest comes on standard input (kubectl's convention).
@@ -125,23 +124,16 @@ def read_manifest(path: Path, limit: int = MAX_MANIFEST_BYTES) -> str:
     unreadable, larger than ``limit`` bytes or not UTF-8. Reads at most ``limit + 1`` bytes,
     whatever the file is."""
     source = _source(path)
-
-    def refuse(message: str) -> InvalidManifestError:
-        return InvalidManifestError(source, [FieldProblem("", message)])
-
     try:
-        data = _read_stdin(limit) if str(path) == STDIN else read_limited(path, limit)
-    except OSError as exc:
-        raise refuse(f"cannot read file: {exc.strerror or exc}") from None
-    except TooLargeError:
-        raise refuse(
-            f"larger than {limit} bytes ({limit / (1 << 20):g} MiB), the most a manifest "
-            "file may be: is it the right file?"
-        ) from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise refuse(f"not UTF-8 text (byte {exc.start}: {data[exc.start]:#04x})") from None
+        if str(path) != STDIN:
+            return read_text(path, limit=limit, what="manifest file")
+        try:
+            data = _read_stdin(limit)
+        except TooLargeError:
+            raise FileError(source, size_reason(limit, "manifest file")) from None
+        return decode_text(data, source)
+    except FileError as exc:
+        raise InvalidManifestError(source, [FieldProblem("", exc.reason)]) from None
 
 
 def load_services(path: Path) -> list[InferenceService]:

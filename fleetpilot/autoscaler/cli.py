@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import sys
 import threading
 import time
 from types import FrameType
@@ -29,6 +30,7 @@ from fleetpilot.autoscaler.fallback import FallbackSource
 from fleetpilot.autoscaler.loop import Histories, interval_s, tick
 from fleetpilot.autoscaler.prometheus import MetricsSource, PrometheusSource
 from fleetpilot.autoscaler.remote import FleetActuator, FleetClient, FleetError, RoleState
+from fleetpilot.listening import ListenError, listening_on
 from fleetpilot.logs import add_log_arguments, configure_logging
 
 log = logging.getLogger("fleetpilot.autoscaler")
@@ -111,7 +113,12 @@ def run(args: argparse.Namespace) -> int:
             # this port sees "ready" only when the autoscaler can work.
             from prometheus_client import start_http_server
 
-            start_http_server(args.metrics_port, addr="127.0.0.1")
+            try:
+                with listening_on("127.0.0.1", args.metrics_port):
+                    start_http_server(args.metrics_port, addr="127.0.0.1")
+            except ListenError as exc:
+                print(f"error: --metrics-port: {exc}", file=sys.stderr)
+                return EXIT_FAILED
         actuator = FleetActuator(client, default_metrics())
         histories: Histories = {}
         unreachable_since: float | None = None

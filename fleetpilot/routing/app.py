@@ -27,13 +27,17 @@ from aiohttp import web
 
 from fleetpilot.api.router_config import RouterConfig
 from fleetpilot.argtypes import DefaultsHelpFormatter, port_number
+from fleetpilot.files import FileError
 from fleetpilot.httpserver import make_runner, run_app, start_site
+from fleetpilot.listening import ListenError
 from fleetpilot.logs import add_log_arguments, configure_logging
-from fleetpilot.routing.auth import AuthGate, KeyRing, Tenant
+from fleetpilot.routing.auth import AuthGate, KeyRing, Tenant, check_key_files
 from fleetpilot.routing.config import ConfigError, ConfigWatcher, load_config
 from fleetpilot.routing.discovery import (
     EndpointSource,
+    FileSource,
     KubeSliceClient,
+    MergedSource,
     SliceClient,
     build_source,
     replica_of_stream,
@@ -102,7 +106,14 @@ class RouterApp:
             on_replicas=self._follow_replicas,
         )
         # API keys (routing.auth): checked before any routing work; re-read as they change.
-        self.auth = AuthGate(config.auth, on_reload=self._keys_loaded)
+        self.auth = AuthGate(
+            config.auth,
+            on_reload=self._keys_loaded,
+            on_result=lambda r: self.metrics.file_reloads.labels("auth_keys", r).inc(),
+        )
+        for part in source.sources if isinstance(source, MergedSource) else [source]:
+            if isinstance(part, FileSource):
+                part.on_result = lambda r: self.metrics.file_reloads.labels("endpoints", r).inc()
         self.config_path = config_path
         self.reload_interval_s = reload_interval_s
         self.session: aiohttp.ClientSession | None = None
@@ -267,11 +278,11 @@ class RouterApp:
         app.router.add_get("/health", self.health)
         runner = make_runner(app, access_log=None)
         try:
+            # A bind failure leaves as ListenError naming this (the metrics) address.
             await start_site(runner, host, port)
-        except OSError as exc:
+        except OSError:
             await runner.cleanup()
-            # One line naming the port that failed, not the public one the caller reports.
-            raise OSError(exc.errno, f"metrics port {host}:{port}: {exc.strerror or exc}") from None
+            raise
         self.metrics_runner = runner
         self.metrics_port = port
         log.info("metrics listener started", extra={"host": host, "port": port})
@@ -528,7 +539,8 @@ def run(args: argparse.Namespace) -> int:
     config_path = Path(args.config)
     try:
         config = load_config(config_path)
-    except ConfigError as exc:
+        check_key_files(config.auth)
+    except (ConfigError, FileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INVALID
     endpoints_file = Path(args.endpoints_file) if args.endpoints_file else None
@@ -559,7 +571,10 @@ def run(args: argparse.Namespace) -> int:
             access_log=None,  # per-request logging would cost more than routing; metrics count
             shutdown_timeout=30.0,
         )
-    except OSError as exc:  # the port is taken, or the address is not ours
+    except ListenError as exc:  # a port is taken, or the address is not ours: it names which
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
         print(f"error: cannot listen on {args.host}:{port}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     return 0

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from fleetpilot import files
 from fleetpilot.api.router_config import AuthConfig
 from fleetpilot.routing.errors import AuthenticationError
 from fleetpilot.routing.limits import Limiter
@@ -98,16 +99,14 @@ class KeyRing:
         return counts
 
 
-def _read_files(config: AuthConfig) -> tuple[dict[str, str], list[str]]:
-    """Each key file's text, and the files that could not be read."""
-    texts: dict[str, str] = {}
-    unreadable: list[str] = []
-    for path in sorted({f for tenant in config.tenants for f in tenant.key_files}):
-        try:
-            texts[path] = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            unreadable.append(path)
-    return texts, unreadable
+def check_key_files(config: AuthConfig | None) -> None:
+    """At start: every key file readable, within the size cap and UTF-8 text, or
+    :class:`fleetpilot.files.FileError` naming the first that is not (a router that started
+    without a tenant's keys would refuse the tenant until someone read its log)."""
+    for path in sorted(
+        {f for tenant in config.tenants for f in tenant.key_files} if config else ()
+    ):
+        files.read_text(Path(path), what="API key file")
 
 
 def build_ring(config: AuthConfig, texts: dict[str, str]) -> KeyRing:
@@ -156,10 +155,16 @@ class AuthGate:
         config: AuthConfig | None,
         *,
         on_reload: Callable[[KeyRing], None] | None = None,
+        on_result: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
         self.on_reload = on_reload
+        # Each key file's change, told once: "applied", "invalid" (too large, not UTF-8),
+        # "unreadable".
+        self.on_result = on_result
         self.ring: KeyRing | None = None
+        self._files: dict[str, files.WatchedFile] = {}
+        self._texts: dict[str, str] = {}  # each file's last good text
         # The tenants' request and token buckets in this router (routing.limits).
         self.limiter = Limiter()
         self._seen: tuple[AuthConfig, dict[str, str]] | None = None
@@ -184,13 +189,7 @@ class AuthGate:
             changed = self.ring is not None
             self.ring, self._seen = None, None
             return changed
-        texts, unreadable = _read_files(config)
-        if unreadable:
-            log.warning(
-                "API key files unreadable; keeping their last keys", extra={"files": unreadable}
-            )
-            previous = self._seen[1] if self._seen is not None else {}
-            texts |= {path: previous[path] for path in unreadable if path in previous}
+        texts = self._read_files(config)
         if self._seen == (config, texts):
             return False
         self.ring = build_ring(config, texts)
@@ -199,6 +198,39 @@ class AuthGate:
         if self.on_reload is not None:
             self.on_reload(self.ring)
         return True
+
+    def _read_files(self, config: AuthConfig) -> dict[str, str]:
+        """Each key file's text: its new text where it changed and is usable, else the last
+        good one (a file mid-swap, or one a kubelet has not written yet, keeps its keys). A
+        file that cannot be used is logged once per change, never with its content."""
+        paths = sorted({f for tenant in config.tenants for f in tenant.key_files})
+        for gone in set(self._files) - set(paths):
+            del self._files[gone]
+            self._texts.pop(gone, None)
+        for path in paths:
+            watched = self._files.get(path)
+            if watched is None:
+                watched = self._files[path] = files.WatchedFile(Path(path), what="API key file")
+            try:
+                text = watched.read_change()
+            except files.FileError as exc:
+                result = "unreadable" if isinstance(exc, files.UnreadableError) else "invalid"
+                log.warning(
+                    "API key file refused; keeping its last keys",
+                    extra={"file": path, "result": result, "reason": exc.reason},
+                )
+                self._result(result)
+                continue
+            if text is not None:
+                reread = path in self._texts  # the first read of a file is no reload
+                self._texts[path] = text
+                if reread:
+                    self._result("applied")
+        return {path: self._texts[path] for path in paths if path in self._texts}
+
+    def _result(self, result: str) -> None:
+        if self.on_result is not None:
+            self.on_result(result)
 
     async def _poll(self) -> None:
         while True:

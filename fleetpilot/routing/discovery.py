@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import threading
@@ -26,8 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import yaml
-
+from fleetpilot import files
 from fleetpilot.api.router_config import EndpointGroup, RouterConfig
 from fleetpilot.api.spec import RoleName
 from fleetpilot.routing.tasks import cancel
@@ -193,9 +191,19 @@ class StaticSource(_Published):
         return None
 
 
-def parse_endpoints_file(data: Any) -> tuple[Endpoint, ...]:
+def parse_endpoints_file(data: Any, source: str | None = None) -> tuple[Endpoint, ...]:
     """``{"endpoints": [{"tier", "role", "address", "name"?, "kvEventsPort"?,
-    "kvReplayPort"?}, ...]}`` -> endpoints (the KV ports on the address's host)."""
+    "kvReplayPort"?}, ...]}`` -> endpoints (the KV ports on the address's host). ``source``
+    (the file's name) prefixes the error."""
+    try:
+        return _endpoints_of(data)
+    except ValueError as exc:
+        if source is None:
+            raise
+        raise ValueError(f"{source}: {exc}") from None
+
+
+def _endpoints_of(data: Any) -> tuple[Endpoint, ...]:
     if not isinstance(data, dict) or not isinstance(data.get("endpoints"), list):
         raise ValueError("an endpoints file is a mapping with an 'endpoints' list")
     out = []
@@ -240,16 +248,28 @@ class FileSource(_Published):
 
     Polled (a stat and a read per interval) rather than watched with inotify: it works the same
     on every platform and for files replaced by rename, and one small read a second is free.
-    A file that does not parse keeps the previous endpoints.
+    The file gets the guards of every file an entry point reads (:mod:`fleetpilot.files`): at
+    start a bad file is an error; later, a change that cannot be used keeps the previous
+    endpoints and is told once - one warning naming the file and the reason, one
+    ``on_result`` count (``invalid`` or ``unreadable``).
     """
 
-    def __init__(self, path: Path, interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        path: Path,
+        interval_s: float = 1.0,
+        *,
+        on_result: Callable[[str], None] | None = None,
+    ) -> None:
         super().__init__()
         self.path = path
         self.interval_s = interval_s
-        self._digest = b""
+        self.on_result = on_result
+        self.file = files.WatchedFile(path, what="endpoints file")
         self._task: asyncio.Task[None] | None = None
-        self.reload()
+        text = self.file.read_change()  # FileError (a ValueError) at start: the caller says so
+        assert text is not None  # the first read of a readable file is a change
+        self._set_endpoints(parse_endpoints_file(files.parse_yaml(text, str(path)), str(path)))
 
     def configure(self, config: RouterConfig) -> None:
         return None
@@ -257,25 +277,28 @@ class FileSource(_Published):
     def reload(self) -> bool:
         """Re-read the file; True if the endpoints changed."""
         try:
-            raw = self.path.read_bytes()
-        except OSError as exc:
+            text = self.file.read_change()
+            if text is None:
+                return False
+            new = parse_endpoints_file(files.parse_yaml(text, str(self.path)))
+        except ValueError as exc:  # FileError included
+            result = "unreadable" if isinstance(exc, files.UnreadableError) else "invalid"
+            reason = exc.reason if isinstance(exc, files.FileError) else str(exc)
             log.warning(
-                "endpoints file unreadable", extra={"path": str(self.path), "err": str(exc)}
+                "endpoints file refused; keeping the last endpoints",
+                extra={"path": str(self.path), "result": result, "reason": reason},
             )
+            self._result(result)
             return False
-        digest = hashlib.sha256(raw).digest()
-        if digest == self._digest:
-            return False
-        try:
-            new = parse_endpoints_file(yaml.safe_load(raw))
-        except (ValueError, yaml.YAMLError) as exc:
-            log.error("endpoints file invalid", extra={"path": str(self.path), "err": str(exc)})
-            return False
-        self._digest = digest
+        self._result("applied")
         if not self._set_endpoints(new):
             return False
         log.info("endpoints changed", extra={"source": "file", "count": len(new)})
         return True
+
+    def _result(self, result: str) -> None:
+        if self.on_result is not None:
+            self.on_result(result)
 
     async def _poll(self) -> None:
         while True:

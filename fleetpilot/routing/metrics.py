@@ -181,7 +181,18 @@ class RouterMetrics:
             registry=r,
         )
         self.config_reloads = Counter(
-            p + "config_reloads", "Config file reloads by result.", ["result"], registry=r
+            p + "config_reloads",
+            "Config file changes by result: applied, invalid, unreadable, failed (valid but "
+            "not applied). A refused change is counted once, not per poll.",
+            ["result"],
+            registry=r,
+        )
+        self.file_reloads = Counter(
+            p + "file_reloads",
+            "Changes of the other files the router re-reads (file: endpoints, auth_keys) by "
+            "result: applied, invalid, unreadable. A refused change is counted once.",
+            ["file", "result"],
+            registry=r,
         )
         self.scrape_errors = Counter(
             p + "scrape_errors", "Failed /metrics scrapes of replicas.", ["replica"], registry=r

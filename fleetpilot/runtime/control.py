@@ -23,6 +23,7 @@ from urllib.parse import unquote
 from fleetpilot.api import InferenceService
 from fleetpilot.api.status import Condition
 from fleetpilot.autoscaler.remote import decision_from_wire
+from fleetpilot.listening import listening_on
 from fleetpilot.runtime.autoscale import LocalActuator
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,8 @@ class ControlServer:
         self.service = service
         self.max_replicas = max_replicas
         self.prometheus_url = prometheus_url
-        self._server = ThreadingHTTPServer((HOST, port), _handler_for(self))
+        with listening_on(HOST, port):
+            self._server = ThreadingHTTPServer((HOST, port), _handler_for(self))
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
 

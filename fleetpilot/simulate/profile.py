@@ -23,13 +23,13 @@ replica serves ``cold_start_s`` after it was asked for. Purely computational.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from fleetpilot import files
 from fleetpilot.api import ResolvedRole
 from fleetpilot.api.capacity import architecture_of, role_capacity
 
@@ -307,9 +307,9 @@ def load_profile(text: str) -> Profile:
         known = ", ".join(sorted(GPUS))
         raise ProfileError(f"profile {text!r}: not auto, a GPU ({known}) or a profile file")
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ProfileError(f"profile {text!r}: {e}") from None
+        data = files.load_json(path, what="simulator profile")
+    except files.FileError as e:
+        raise ProfileError(f"profile {text!r}: {e.reason}") from None
     return MeasuredProfile.from_json(data)
 
 

@@ -16,13 +16,12 @@ Pure parsing: every problem is a :class:`TraceError` naming the field.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from fleetpilot.files import TooLargeError, read_limited
+from fleetpilot.files import FileError, TooLargeError, decode_text, parse_json, read_limited
 from fleetpilot.loadgen.workloads import WORKLOADS
 
 # A record is ~600 bytes as the bench writes it (indented JSON), so this is ~1.7 million
@@ -64,9 +63,10 @@ def load_trace(path: Path) -> Trace:
             "replays (about 1.7 million requests): is it the right file?"
         ) from None
     try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise TraceError(f"trace {path}: not JSON ({e})") from None
+        # A trace may be a GiB: the decoder's own depth limit, not a second walk.
+        doc = parse_json(decode_text(raw, str(path)), str(path), max_depth=None)
+    except FileError as e:
+        raise TraceError(f"trace {e}") from None
     return parse_trace(doc, str(path))
 
 

@@ -119,4 +119,5 @@ def test_non_utf8_and_deeply_nested_files_name_their_problem(tmp_path: Path) -> 
     assert _file_error(latin1) == f"{latin1}: not UTF-8 text (byte 28: 0xe9)"
     deep = tmp_path / "deep.yaml"
     deep.write_text("spec: " + "{a: " * 5000 + "1" + "}" * 5000)
-    assert _file_error(deep) == f"{deep}: YAML nested too deeply to be an InferenceService"
+    expected = f"{deep}: YAML nested deeper than 100 levels (at line 1, column 403)"
+    assert _file_error(deep) == expected

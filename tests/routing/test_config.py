@@ -62,7 +62,7 @@ tiers:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("{", "not YAML"),
+        ("{", "YAML syntax error at line 1, column 2"),
         ("- a\n", "a RouterConfig is a mapping"),
         ("service: x\n", "tiers"),
         ("service: x\nnamespace: y\ntiers: []\nbogus: 1\n", "bogus"),
@@ -92,7 +92,7 @@ def test_missing_file(tmp_path: Path) -> None:
 
 def test_watcher_applies_valid_changes_and_refuses_invalid_ones(tmp_path: Path) -> None:
     """Same content: nothing; new valid content: applied; invalid: refused and counted, the
-    next valid one applied again."""
+    next valid one applied again; a file that disappears is counted once, not per poll."""
     path = tmp_path / ROUTER_CONFIG_FILE
     path.write_text(yaml.safe_dump(make_config([tier("a", 1.0)]).to_wire()))
     applied: list[RouterConfig] = []
@@ -105,10 +105,11 @@ def test_watcher_applies_valid_changes_and_refuses_invalid_ones(tmp_path: Path) 
     path.write_text("service: [")
     assert not watcher.check()
     path.unlink()
-    assert not watcher.check()  # mid-swap: try later
+    assert not watcher.check()
+    assert not watcher.check()
     path.write_text(yaml.safe_dump(make_config([tier("c", 1.0)]).to_wire()))
     assert watcher.check()
-    assert results == ["applied", "invalid", "applied"]
+    assert results == ["applied", "invalid", "unreadable", "applied"]
 
 
 @pytest.mark.parametrize(

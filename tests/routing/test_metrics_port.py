@@ -130,7 +130,7 @@ async def test_keys_added_by_a_reload_close_the_public_metrics(tmp_path: Path) -
 
 def test_a_taken_metrics_port_is_one_line_and_a_non_zero_exit(tmp_path: Path) -> None:
     """The metrics port held by another process: the router exits non-zero with one
-    ``error:`` line naming the metrics port (not only the public one), no traceback."""
+    ``error:`` line naming the metrics address (not the public one), no traceback."""
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
@@ -144,7 +144,7 @@ def test_a_taken_metrics_port_is_one_line_and_a_non_zero_exit(tmp_path: Path) ->
     assert done.returncode != 0
     assert "Traceback" not in done.stderr
     (line,) = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
-    assert f"metrics port 127.0.0.1:{taken}" in line
+    assert f"cannot listen on 127.0.0.1:{taken}" in line
 
 
 def test_the_metrics_port_must_differ_from_the_public_one() -> None:

@@ -135,6 +135,17 @@ def test_a_broken_profile_file_is_refused(tmp_path: Path) -> None:
         load_profile(str(path))
 
 
+def test_a_profile_file_too_deep_or_not_utf8_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Regression: a 100,000-deep profile file was a RecursionError traceback."""
+    path = tmp_path / "p.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ProfileError, match="JSON nested deeper than 100 levels"):
+        load_profile(str(path))
+    path.write_bytes(b'{"name": "caf\xe9"}')
+    with pytest.raises(ProfileError, match=r"not UTF-8 text \(byte 13: 0xe9\)"):
+        load_profile(str(path))
+
+
 def test_a_negative_router_hop_is_refused(tmp_path: Path) -> None:
     doc = json.loads((RESULTS / "simulate_profile_reference.json").read_text())
     doc["router_s"] = -0.001

@@ -125,8 +125,15 @@ def test_an_unreadable_trace_file_is_refused(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="No such file"):
         load_trace(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_bytes(b"\xff\xfe{")
-    with pytest.raises(TraceError, match="not JSON"):
+    with pytest.raises(TraceError, match=r"not UTF-8 text \(byte 0: 0xff\)"):
         load_trace(tmp_path / "bad.json")
+    (tmp_path / "broken.json").write_text('{"config": ')
+    with pytest.raises(TraceError, match="invalid JSON at line 1, column 12"):
+        load_trace(tmp_path / "broken.json")
+    # Regression: a 100,000-deep file was a RecursionError traceback.
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(TraceError, match="JSON nested deeper than the decoder's limit"):
+        load_trace(tmp_path / "deep.json")
 
 
 def test_cli_replays_a_trace_and_refuses_a_workload_beside_it(

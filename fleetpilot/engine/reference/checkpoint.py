@@ -14,6 +14,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from fleetpilot import files
 from fleetpilot.engine.reference.model import LlamaModel, ModelConfig
 
 CONFIG_FILE = "config.json"
@@ -44,9 +45,11 @@ def save_checkpoint(model: LlamaModel, directory: Path) -> None:
 def load_checkpoint(directory: Path, *, torch_dtype: str | None = None) -> LlamaModel:
     """Load the model in ``directory``; ``torch_dtype`` overrides the config's."""
     try:
-        config_data = json.loads((directory / CONFIG_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read {directory / CONFIG_FILE}: {e}") from e
+        config_data = files.load_json(directory / CONFIG_FILE, what="model config")
+    except files.FileError as e:
+        raise CheckpointError(str(e)) from None
+    if not isinstance(config_data, dict):
+        raise CheckpointError(f"{directory / CONFIG_FILE}: must be a JSON object")
     if torch_dtype is not None:
         config_data["torch_dtype"] = torch_dtype
     try:

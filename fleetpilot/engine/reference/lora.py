@@ -37,6 +37,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from fleetpilot import files
 from fleetpilot.engine.reference.model import (
     LoRAProjection,
     LoRATarget,
@@ -358,9 +359,9 @@ def read_adapter(path: str | Path, config: ModelConfig, *, max_lora_rank: int) -
         what = "is not a folder" if not folder.is_dir() else f"has no {CONFIG_FILE}"
         raise LoRANotFoundError(f"{folder} {what}")
     try:
-        data = json.loads(config_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LoRAError(f"cannot read {config_path}: {e}") from e
+        data = files.load_json(config_path, what="adapter config")
+    except files.FileError as e:
+        raise LoRAError(f"cannot read {e}") from None
     if not isinstance(data, dict):
         raise LoRAError(f"{config_path} is not a JSON object")
     adapter = parse_adapter_config(data, max_lora_rank=max_lora_rank)

@@ -120,6 +120,7 @@ from fleetpilot.engine.reference.settings import (
 from fleetpilot.engine.reference.sse import stream_events
 from fleetpilot.engine.reference.tokenizer import ByteTokenizer
 from fleetpilot.httpserver import make_runner, start_site
+from fleetpilot.listening import ListenError
 from fleetpilot.logs import configure_logging
 
 # The command line: ``fleetpilot engine --backend reference`` calls add_arguments, then run.
@@ -762,6 +763,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:  # found at start: a KV-event endpoint that cannot be bound
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except ListenError as e:  # the port is taken, or the address is not this machine's
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

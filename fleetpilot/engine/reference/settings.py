@@ -19,7 +19,6 @@ lines by default).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import uuid
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final, Literal
 
+from fleetpilot import files
 from fleetpilot.api import RoleName
 from fleetpilot.argtypes import port_number
 from fleetpilot.engine.reference.checkpoint import load_checkpoint
@@ -318,18 +318,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_json_option(flag: str, value: str) -> dict[str, Any]:
-    text = value
-    if not value.lstrip().startswith("{"):
-        path = Path(value)
-        if not path.is_file():
-            raise ConfigError(f"{flag}: not a JSON object or a file: {value!r}")
-        text = path.read_text()
+    """A JSON-valued flag, given inline or as a file, with the guards of every file an entry
+    point reads (:mod:`fleetpilot.files`: size, UTF-8, nesting)."""
+    source = flag  # what each message names: the flag, and its file if it names one
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{flag}: invalid JSON: {e}") from e
+        if value.lstrip().startswith("{"):
+            data = files.parse_json(value, flag)
+        else:
+            path = Path(value)
+            if not path.is_file():
+                raise ConfigError(f"{flag}: not a JSON object or a file: {value!r}")
+            source = f"{flag}: {path}"
+            data = files.load_json(path, what=f"{flag} file")
+    except files.FileError as e:
+        raise ConfigError(f"{source}: {e.reason}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{flag}: must be a JSON object")
+        raise ConfigError(f"{source}: must be a JSON object")
     return data
 
 
@@ -504,9 +508,11 @@ def settings_from_args(
     if args.model is not None:
         checkpoint = _checkpoint_dir(args, env)
         try:
-            config_data = json.loads((checkpoint / "config.json").read_text())
+            config_data = files.load_json(checkpoint / "config.json", what="model config")
             max_positions = int(config_data.get("max_position_embeddings", 4096))
-        except (OSError, ValueError, TypeError) as e:
+        except files.FileError as e:
+            raise ConfigError(f"--model: {e}") from None
+        except (AttributeError, ValueError, TypeError) as e:
             raise ConfigError(f"--model: cannot read {checkpoint / 'config.json'}: {e}") from e
         default_name = args.model
     else:
