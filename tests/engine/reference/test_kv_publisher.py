@@ -159,7 +159,9 @@ def test_a_request_publishes_block_stored_that_chains_to_the_engines_hashes(
     whose token ids are the prompt as the engine held it (BOS, then its bytes), whose hashes
     recompute from parent + token ids, and are the engine's own prefix-cache hashes; batches
     carry rank 0 and consecutive sequence numbers."""
-    port = free_port()
+    # Free on every address, as the wildcard bind needs: a port free on 127.0.0.1 alone may be
+    # the local port of a client socket on another address (any loopback load does that).
+    port = free_port("0.0.0.0")
     bg = start(endpoint=f"tcp://*:{port}")
     try:
         pub = publisher(bg)
