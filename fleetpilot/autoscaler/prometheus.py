@@ -50,7 +50,7 @@ underscore for the colon.
 
 from __future__ import annotations
 
-import ast
+import codecs
 import json
 import logging
 import math
@@ -233,6 +233,18 @@ class QueryResult:
 _STATUS_RE = re.compile(r"HTTP Status Code (\d+) \((.*)\)\s*$", re.DOTALL)
 
 
+def _unrepr(text: str) -> str:
+    """The text of a ``repr()`` of bytes or str (``b'...'``), without ``ast``: CPython 3.11's
+    parser keeps its recursion depth in state shared by threads, so parsing here beside another
+    thread that parses can fail with SystemError (python/cpython#106905)."""
+    if text[:2] in ("b'", 'b"'):
+        text = text[1:]
+    if len(text) < 2 or text[0] not in "'\"" or text[-1] != text[0]:
+        raise ValueError("not a repr")
+    raw, _ = codecs.escape_decode(text[1:-1].encode("latin-1", "backslashreplace"))
+    return bytes(raw).decode("utf-8", "replace")
+
+
 def _api_error(exc: PrometheusApiClientException) -> QueryResult:
     """Classify a non-200 answer: 5xx means Prometheus is in trouble, 4xx that the query is."""
     text = str(exc)
@@ -242,10 +254,9 @@ def _api_error(exc: PrometheusApiClientException) -> QueryResult:
     status = int(match.group(1))
     message = match.group(2)
     try:  # the client puts repr(response.content) in its message; Prometheus' JSON is inside
-        body = ast.literal_eval(message)
-        decoded = json.loads(body.decode() if isinstance(body, bytes) else body)
+        decoded = json.loads(_unrepr(message))
         message = f"{decoded.get('errorType', 'error')}: {decoded.get('error', '')}"
-    except (ValueError, SyntaxError, AttributeError, TypeError):
+    except (ValueError, AttributeError, TypeError):
         message = message[:300]
     problem = DataProblem.UNREACHABLE if status >= 500 else DataProblem.QUERY_ERROR
     return QueryResult(None, problem, f"prometheus answered {status}: {message}")
