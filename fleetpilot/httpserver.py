@@ -64,6 +64,9 @@ class ServerLimits:
     # :func:`connection_budget`); a fixed number here would be too low for a router in front
     # of thousands of clients or too high for a 1024-descriptor default.
     max_connections: int | None = None
+    # With max_connections None: the most connections the process opens itself while serving
+    # (see connection_budget); None: one per client connection.
+    upstream_connections: int | None = None
     # One warning line per kind of bad client per this many seconds.
     warn_interval_s: float = 10.0
     # The body rule is Apache's mod_reqtimeout default (``body=20,MinRate=500``): 20 s for any
@@ -91,7 +94,7 @@ class ServerLimits:
             raise ValueError("max_connections must be at least 1")
 
     def connection_limit(self) -> int:
-        return self.max_connections or connection_budget()
+        return self.max_connections or connection_budget(self.upstream_connections)
 
 
 # Descriptors kept out of the connection budget: logs, metrics, the KV-event sockets, the
@@ -100,9 +103,12 @@ RESERVED_FDS = 64
 MIN_CONNECTIONS = 64
 
 
-def connection_budget() -> int:
-    """Connections this process can hold open: half of what its open-file limit leaves after a
-    reserve (a proxied request spends two descriptors: the client's and the upstream's).
+def connection_budget(upstream: int | None = None) -> int:
+    """Connections this process can hold open: what its open-file limit leaves after a
+    reserve, less the connections it opens itself. ``upstream``: at most that many of its own
+    (a router opens one per request in flight, and counts a request in flight only once its
+    body has arrived: ``backpressure.maxInFlight``), never less than half of it; None: one of
+    its own per client connection, so half.
 
     The soft limit is raised to the hard one first, as Go's runtime does: the soft default
     (often 1024) is a relic of select(2), which nothing here uses.
@@ -115,7 +121,10 @@ def connection_budget() -> int:
             soft = target
         except (ValueError, OSError):
             pass  # not allowed here: live with the soft limit
-    return max(MIN_CONNECTIONS, (soft - RESERVED_FDS) // 2)
+    usable = soft - RESERVED_FDS
+    if upstream is None:
+        return max(MIN_CONNECTIONS, usable // 2)
+    return max(MIN_CONNECTIONS, usable // 2, usable - upstream)
 
 
 @dataclass(frozen=True)

@@ -251,6 +251,12 @@ def test_the_default_connection_limit_follows_the_open_file_limit() -> None:
     assert raised >= soft
     assert budget == max(MIN_CONNECTIONS, (raised - RESERVED_FDS) // 2)
     assert ServerLimits().connection_limit() == budget
+    # A router opens an upstream connection only per request in flight (its body arrived):
+    # the budget is what the limit leaves after those, never less than half.
+    usable = raised - RESERVED_FDS
+    assert connection_budget(upstream=100) == max(MIN_CONNECTIONS, usable // 2, usable - 100)
+    assert connection_budget(upstream=usable) == budget
+    assert ServerLimits(upstream_connections=100).connection_limit() == connection_budget(100)
     assert ServerLimits(max_connections=7).connection_limit() == 7
 
 

@@ -257,9 +257,11 @@ class Proxy:
                 )
             )
         self._unfinished[client] = unfinished + 1
+        self.metrics.unfinished.inc()
         try:
             return await self._admitted(request, kind, tenant)
         finally:
+            self.metrics.unfinished.dec()
             left = self._unfinished[client] - 1
             if left:
                 self._unfinished[client] = left
