@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import datetime
 import json
+import math
 import os
 import resource
 import subprocess
@@ -221,9 +222,14 @@ def legit(port: int, clients: int, duration_s: float) -> dict[str, Any]:
         "requests": len(stats.latencies),
         "errors": stats.errors,
         "statuses": {str(k): v for k, v in stats.statuses.items()},
-        "p50_ms": round(percentile(stats.latencies, 0.50) * 1e3, 1),
-        "p99_ms": round(percentile(stats.latencies, 0.99) * 1e3, 1),
+        "p50_ms": _ms(percentile(stats.latencies, 0.50)),
+        "p99_ms": _ms(percentile(stats.latencies, 0.99)),
     }
+
+
+def _ms(seconds: float) -> float | None:
+    """Milliseconds, or None where no request succeeded (JSON has no NaN)."""
+    return None if math.isnan(seconds) else round(seconds * 1e3, 1)
 
 
 def run_variant(
@@ -261,7 +267,8 @@ def run_variant(
                 result["flood"] = json.loads(status.read_text())
         print(f"{name}: flooded {result['flooded']}  flood {result.get('flood')}", flush=True)
     unloaded, flooded = result["unloaded"], result["flooded"]
-    result["p99_ratio"] = round(flooded["p99_ms"] / unloaded["p99_ms"], 2)
+    both = flooded["p99_ms"] is not None and unloaded["p99_ms"]
+    result["p99_ratio"] = round(flooded["p99_ms"] / unloaded["p99_ms"], 2) if both else None
     return result
 
 
@@ -332,8 +339,8 @@ def main() -> None:
     for r in results:
         u, f = r["unloaded"], r["flooded"]
         print(
-            f"{r['router']:16} {u['p50_ms']:>6} -> {f['p50_ms']:<6} {u['p99_ms']:>7} -> "
-            f"{f['p99_ms']:<7} {r['p99_ratio']:>6} {u['errors']:>4} -> {f['errors']:<5}  "
+            f"{r['router']:16} {u['p50_ms']!s:>6} -> {f['p50_ms']!s:<6} {u['p99_ms']!s:>7} -> "
+            f"{f['p99_ms']!s:<7} {r['p99_ratio']!s:>6} {u['errors']:>4} -> {f['errors']:<5}  "
             f"{r.get('flood', {}).get('answers')}"
         )
     if args.save:
