@@ -263,6 +263,11 @@ def run_variant(
             result["flood_open_at_start"] = reached
             print(f"{name}: flood at {reached} connections", flush=True)
             result["flooded"] = legit(port, args.clients, args.phase)
+            # The control: the same client straight to the engine, the flood still on. What
+            # this costs too is the machine's CPU (flood generator, router and engine share
+            # it), not the router's handling of the flood.
+            engine_port = int(engine.rsplit(":", 1)[1])
+            result["flooded_engine_direct"] = legit(engine_port, args.clients, args.phase / 2)
             with contextlib.suppress(OSError, ValueError):
                 result["flood"] = json.loads(status.read_text())
         print(f"{name}: flooded {result['flooded']}  flood {result.get('flood')}", flush=True)
@@ -328,6 +333,8 @@ def main() -> None:
         results = []
         with child(engine_argv, ROOT, env):
             wait_healthy(engine_port, 180)
+            direct = legit(engine_port, args.clients, args.phase / 2)
+            print(f"engine direct, unloaded: {direct}", flush=True)
             for name, code in variants:
                 results.append(run_variant(name, code, f"127.0.0.1:{engine_port}", args, folder))
     print(
@@ -335,6 +342,7 @@ def main() -> None:
         f"{args.byte_every:g} s); legitimate client: {args.clients} keep-alive connections, "
         f"{args.phase:g} s a phase"
     )
+    print(f"engine direct, unloaded: p50 {direct['p50_ms']} ms, p99 {direct['p99_ms']} ms")
     print(f"{'router':16} {'p50 ms':>14} {'p99 ms':>16} {'p99 x':>6} {'errors':>12}  flood answers")
     for r in results:
         u, f = r["unloaded"], r["flooded"]
@@ -343,6 +351,9 @@ def main() -> None:
             f"{f['p99_ms']!s:<7} {r['p99_ratio']!s:>6} {u['errors']:>4} -> {f['errors']:<5}  "
             f"{r.get('flood', {}).get('answers')}"
         )
+        control = r["flooded_engine_direct"]
+        print(f"{'':16} engine direct under the flood: p50 {control['p50_ms']}, p99 "
+              f"{control['p99_ms']} ms, errors {control['errors']}")  # fmt: skip
     if args.save:
         path = save(
             "router_slow_bodies",
@@ -352,6 +363,7 @@ def main() -> None:
                 "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "machine": {**machine(), "open_files": fds},
                 "args": {k: v for k, v in vars(args).items() if k != "cmd"},
+                "engine_direct_unloaded": direct,
                 "results": results,
             },
         )
