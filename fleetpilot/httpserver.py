@@ -11,6 +11,12 @@ connection limit. Here:
 - a connection must deliver complete request headers within ``header_timeout_s`` of opening,
   and a later request on a kept-alive connection within ``header_timeout_s`` of its first byte,
   or it is closed; an idle kept-alive connection lives ``keepalive_timeout_s``;
+- a request body (Content-Length or chunked) must keep arriving: after ``body_timeout_s`` its
+  average rate since the headers must be at least ``min_body_rate`` bytes a second, and it may
+  never pause longer than ``body_idle_timeout_s`` (:func:`body_verdict`). A body cut so is
+  answered 408 (OpenAI-shaped, ``Connection: close``) and counted in a throttled warning: a
+  client trickling a byte every few seconds holds its connection ~20 s, not the request
+  timeout, while a large prompt on a slow link (any rate above ``min_body_rate``) is never cut;
 - beyond ``max_connections`` open connections, a new one is closed at once (and counted in a
   throttled warning), so clients that never finish cannot exhaust file descriptors.
 
@@ -31,9 +37,11 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 
 from fleetpilot.listening import listening_on
+from fleetpilot.openai_errors import error_body
 from fleetpilot.text import one_line
 
 log = logging.getLogger(__name__)
@@ -57,17 +65,37 @@ class ServerLimits:
     # :func:`connection_budget`); a fixed number here would be too low for a router in front
     # of thousands of clients or too high for a 1024-descriptor default.
     max_connections: int | None = None
+    # With max_connections None: the most connections the process opens itself while serving
+    # (see connection_budget); None: one per client connection.
+    upstream_connections: int | None = None
     # One warning line per kind of bad client per this many seconds.
     warn_interval_s: float = 10.0
+    # The body rule is Apache's mod_reqtimeout default (``body=20,MinRate=500``): 20 s for any
+    # body, extended by a second for every 500 bytes received. 500 B/s is 4 kbit/s, below any
+    # link a client could use at all (a GPRS uplink carries ~20 kbit/s), so a 10 MiB prompt
+    # sent over the slowest real link passes, while a client trickling a byte every few
+    # seconds is cut after 20 s. 20 s also covers a real client's first body write on a busy
+    # machine, as the header timeout does for its headers.
+    body_timeout_s: float = 20.0
+    min_body_rate: float = 500.0  # bytes a second, averaged since the headers
+    # A body that stops for this long is cut whatever it sent before (a client that sent most
+    # of a large body at once would otherwise hold its connection for the rest at the rate
+    # above). As for headers: nothing real pauses 10 s mid-body; TCP gets there only after
+    # about five retransmissions lost in a row (backoff 0.2, 0.4, ..., 6.4 s).
+    body_idle_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.header_timeout_s <= 0 or self.keepalive_timeout_s <= 0:
             raise ValueError("header_timeout_s and keepalive_timeout_s must be positive")
+        if self.body_timeout_s <= 0 or self.body_idle_timeout_s <= 0 or self.min_body_rate <= 0:
+            raise ValueError(
+                "body_timeout_s, body_idle_timeout_s and min_body_rate must be positive"
+            )
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError("max_connections must be at least 1")
 
     def connection_limit(self) -> int:
-        return self.max_connections or connection_budget()
+        return self.max_connections or connection_budget(self.upstream_connections)
 
 
 # Descriptors kept out of the connection budget: logs, metrics, the KV-event sockets, the
@@ -76,9 +104,12 @@ RESERVED_FDS = 64
 MIN_CONNECTIONS = 64
 
 
-def connection_budget() -> int:
-    """Connections this process can hold open: half of what its open-file limit leaves after a
-    reserve (a proxied request spends two descriptors: the client's and the upstream's).
+def connection_budget(upstream: int | None = None) -> int:
+    """Connections this process can hold open: what its open-file limit leaves after a
+    reserve, less the connections it opens itself. ``upstream``: at most that many of its own
+    (a router opens one per request in flight, and counts a request in flight only once its
+    body has arrived: ``backpressure.maxInFlight``), never less than half of it; None: one of
+    its own per client connection, so half.
 
     The soft limit is raised to the hard one first, as Go's runtime does: the soft default
     (often 1024) is a relic of select(2), which nothing here uses.
@@ -91,7 +122,81 @@ def connection_budget() -> int:
             soft = target
         except (ValueError, OSError):
             pass  # not allowed here: live with the soft limit
-    return max(MIN_CONNECTIONS, (soft - RESERVED_FDS) // 2)
+    usable = soft - RESERVED_FDS
+    if upstream is None:
+        return max(MIN_CONNECTIONS, usable // 2)
+    return max(MIN_CONNECTIONS, usable // 2, usable - upstream)
+
+
+@dataclass(frozen=True)
+class BodyVerdict:
+    """What the body rule says of a request body still arriving."""
+
+    cut: str | None  # why it is cut, in words; None: it may go on
+    # Seconds from now after which the rule could cut it if no further byte arrived.
+    recheck_s: float
+
+
+def body_verdict(
+    elapsed_s: float, received: int, idle_s: float, limits: ServerLimits
+) -> BodyVerdict:
+    """Whether a request body ``elapsed_s`` into its arrival, ``received`` bytes of it so far,
+    the last byte ``idle_s`` ago, is cut (:class:`ServerLimits`: ``body_timeout_s``,
+    ``min_body_rate``, ``body_idle_timeout_s``). Purely computational.
+
+    A client sending at ``min_body_rate`` or more always has ``received / min_body_rate >=
+    elapsed_s``, so it is never cut for its rate, and a body of known length is complete
+    within ``max(body_timeout_s, length / min_body_rate)``, however it is spread over time.
+    """
+    if idle_s >= limits.body_idle_timeout_s:
+        return BodyVerdict(f"no byte of it for {idle_s:.1f}s", 0.0)
+    allowed_s = max(limits.body_timeout_s, received / limits.min_body_rate)
+    if elapsed_s >= allowed_s:
+        return BodyVerdict(
+            f"{received} bytes in {elapsed_s:.1f}s, under {limits.min_body_rate:g} bytes/s",
+            0.0,
+        )
+    return BodyVerdict(None, min(limits.body_idle_timeout_s - idle_s, allowed_s - elapsed_s))
+
+
+def is_json_content_type(value: str | None) -> bool:
+    """Whether a request's Content-Type says JSON: ``application/json`` or ``application/
+    <anything>+json``, with any parameters (``; charset=utf-8``). Purely computational.
+
+    The OpenAI endpoints of the router and the engine refuse anything else (415), as vLLM's
+    server (FastAPI with ``strict_content_type``) parses no other body as JSON: a web page can
+    send ``text/plain``, a form type or no type to any address without a CORS preflight, and
+    must not be able to start generations so on a fleet without keys. Every JSON client (the
+    openai library, the router's own upstream requests) sends ``application/json``.
+    """
+    if not value:
+        return False
+    media = value.split(";", 1)[0].strip().lower()
+    maintype, _, subtype = media.partition("/")
+    return maintype == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+def content_type_refusal(value: str | None) -> str:
+    """The 415 message for a request whose Content-Type is ``value`` (not JSON)."""
+    got = f"'{one_line(value, 100)}'" if value else "none"
+    return (
+        f"unsupported Content-Type ({got}): send the request body as JSON with "
+        "'Content-Type: application/json'"
+    )
+
+
+class BodyTimeoutError(web.HTTPRequestTimeout):
+    """Raised by the body reads of a request whose body the listener cut (:func:`body_verdict`);
+    the listener answers 408 whatever the handler makes of it."""
+
+
+# How long a connection whose body was cut stays half-closed after its 408, dropping what the
+# client still sends, before it is closed: a client reads an answer already in its socket
+# buffer within milliseconds; 2 s is Apache's lingering-close read time, and a trickler
+# holds nothing meanwhile (its request has ended).
+LINGER_S = 2.0
+# Timer resolution of the body checks: a check that fires a hair early rearms at least this far.
+_MIN_RECHECK_S = 0.05
 
 
 class Throttle:
@@ -181,6 +286,16 @@ class _Guard(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.busy = False  # a request is in the application
         self._deadline: asyncio.TimerHandle | None = None
+        # The body of the request in the application while it still arrives (the body rule).
+        self._body: StreamReader | None = None
+        self._body_check: asyncio.TimerHandle | None = None
+        self._body_since = 0.0  # loop time the rule started counting from
+        self._body_base = 0  # bytes of the body received before then
+        self._body_seen = 0  # bytes received at the last check
+        self._body_progress = 0.0  # loop time a check last saw new bytes
+        # Why the body was cut (408 answered, connection closed after it); None: it was not.
+        self.body_cut: str | None = None
+        self._linger: asyncio.TimerHandle | None = None
 
     # -- the header deadline -------------------------------------------------------------
     def arm(self) -> None:
@@ -208,6 +323,76 @@ class _Guard(asyncio.Protocol):
         )
         self.transport.abort()
 
+    # -- the body rule -------------------------------------------------------------------
+    def begin_body(self, body: StreamReader) -> None:
+        """The request in the application has a body still arriving: hold it to the rule."""
+        if self.transport is None:
+            return
+        now = asyncio.get_running_loop().time()
+        self._body = body
+        self._body_since = self._body_progress = now
+        self._body_base = self._body_seen = body.total_bytes
+        self.body_cut = None
+        self._check_body()
+
+    def end_body(self) -> None:
+        self._body = None
+        if self._body_check is not None:
+            self._body_check.cancel()
+            self._body_check = None
+
+    def _check_body(self) -> None:
+        self._body_check = None
+        body = self._body
+        if body is None or body.is_eof() or self.transport is None:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if getattr(self.handler, "_reading_paused", False):
+            # aiohttp's flow control holds the socket (the application reads slower than the
+            # body comes): our delay, not the client's. The rule starts over from here.
+            self._body_since = self._body_progress = now
+            self._body_base = body.total_bytes
+        if body.total_bytes != self._body_seen:
+            self._body_seen = body.total_bytes
+            self._body_progress = now
+        verdict = body_verdict(
+            now - self._body_since,
+            self._body_seen - self._body_base,
+            now - self._body_progress,
+            self.connections.limits,
+        )
+        if verdict.cut is None:
+            delay = max(_MIN_RECHECK_S, verdict.recheck_s)
+            self._body_check = loop.call_later(delay, self._check_body)
+            return
+        self.body_cut = verdict.cut
+        peer = self.transport.get_extra_info("peername")
+        self.connections.warnings.warn(
+            "body-timeout",
+            "cut a request body from %s: %s",
+            peer[0] if isinstance(peer, tuple) else peer,
+            verdict.cut,
+        )
+        # Its reads fail at once; the request tracker answers 408 and closes the connection.
+        body.set_exception(BodyTimeoutError())
+        self._body = None
+
+    def linger(self) -> None:
+        """The 408 of a cut body is written: half-close, drop what the client still sends,
+        and close after ``LINGER_S``. Closing at once would answer the client's next bytes
+        with a reset, which can destroy the 408 before the client reads it (RFC 9112 9.6)."""
+        if self.transport is None:
+            return
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._linger = asyncio.get_running_loop().call_later(LINGER_S, self._linger_over)
+
+    def _linger_over(self) -> None:
+        self._linger = None
+        if self.transport is not None:
+            self.transport.abort()
+
     # -- asyncio.Protocol ----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -228,6 +413,8 @@ class _Guard(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.transport is None:
             return
+        if self.body_cut is not None:
+            return  # the rest of a cut body: the connection closes once 408 is sent
         # The first byte of a request on an idle kept-alive connection starts its deadline.
         if not self.busy:
             self.arm()
@@ -240,6 +427,10 @@ class _Guard(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.disarm()
+        self.end_body()
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
         if self.transport is None:
             return
         self.transport = None
@@ -261,13 +452,51 @@ def _request_tracker(connections: _Connections) -> Callable[..., Awaitable[web.S
             return await handler(request)
         guard.busy = True
         guard.disarm()
+        if request.body_exists and not request.content.is_eof():
+            guard.begin_body(request.content)
         try:
-            return await handler(request)
+            response: web.StreamResponse | None = None
+            try:
+                response = await handler(request)
+            except BodyTimeoutError:
+                if guard.body_cut is None:
+                    raise
+            if guard.body_cut is not None:
+                return await _answer_cut(request, response, guard.body_cut, guard)
+            assert response is not None
+            return response
         finally:
+            guard.end_body()
             # Idle until the next request's first byte (data_received arms the deadline).
             guard.busy = False
 
     return track
+
+
+async def _answer_cut(
+    request: web.Request, response: web.StreamResponse | None, why: str, guard: _Guard
+) -> web.StreamResponse:
+    """The answer to a request whose body was cut: 408, then the connection closed - unless an
+    answer was already under way, which ends with the connection."""
+    if response is not None and response.prepared:
+        response.force_close()
+        return response
+    answer = web.json_response(
+        error_body(
+            408,
+            f"the request body did not arrive in time ({why}); send it at once, as JSON clients do",
+        ),
+        status=408,
+        headers={"Connection": "close"},
+    )
+    # No more of the body reaches aiohttp (_Guard.data_received drops it): as far as aiohttp
+    # knows the request is complete, so it neither lingers reading it nor closes at once. The
+    # guard closes instead, once the client has had time to read the 408 (_Guard.linger).
+    request.content.feed_eof()
+    await answer.prepare(request)
+    await answer.write_eof()
+    guard.linger()
+    return answer
 
 
 def make_runner(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import resource
 import socket
@@ -19,6 +21,7 @@ from fleetpilot.httpserver import (
     RESERVED_FDS,
     ServerLimits,
     Throttle,
+    body_verdict,
     connection_budget,
     make_runner,
     open_connections,
@@ -48,6 +51,37 @@ def test_limits_refuse_nonsense() -> None:
         ServerLimits(max_connections=0)
     with pytest.raises(ValueError, match="positive"):
         ServerLimits(header_timeout_s=0)
+    with pytest.raises(ValueError, match="positive"):
+        ServerLimits(min_body_rate=0)
+
+
+BODY_LIMITS = ServerLimits(body_timeout_s=20.0, min_body_rate=500.0, body_idle_timeout_s=10.0)
+
+
+@pytest.mark.parametrize(
+    ("elapsed_s", "received", "idle_s", "cut", "recheck_s"),
+    [
+        (0.0, 0, 0.0, None, 10.0),  # just started: the idle limit is nearest
+        (19.0, 5, 3.0, None, 1.0),  # a trickler, within the first 20 s
+        (20.0, 5, 3.0, "under 500 bytes/s", 0.0),  # ... and at 20 s
+        (60.0, 40_000, 1.0, None, 9.0),  # a slow link above the rate: 80 s allowed
+        (80.0, 40_000, 1.0, "under 500 bytes/s", 0.0),
+        (5.0, 4_000_000, 10.0, "no byte of it for 10.0s", 0.0),  # sent a lot, then stopped
+    ],
+)
+def test_body_rule(
+    elapsed_s: float, received: int, idle_s: float, cut: str | None, recheck_s: float
+) -> None:
+    """The body rule cuts a body trickling under the minimum rate once the grace time is over,
+    and a body that stops, but never a body arriving at the minimum rate or faster; its recheck
+    time is when it could next cut, so a trickler costs one timer, not one per byte."""
+    verdict = body_verdict(elapsed_s, received, idle_s, BODY_LIMITS)
+    if cut is None:
+        assert verdict.cut is None
+    else:
+        assert verdict.cut is not None
+        assert cut in verdict.cut
+    assert verdict.recheck_s == pytest.approx(recheck_s)
 
 
 Serve = Callable[[ServerLimits], Awaitable[tuple[web.Application, int]]]
@@ -61,8 +95,12 @@ async def serve() -> AsyncIterator[Serve]:
         async def hello(request: web.Request) -> web.Response:
             return web.Response(text="hello")
 
+        async def echo(request: web.Request) -> web.Response:
+            return web.Response(text=f"got {len(await request.read())}")
+
         app = web.Application()
         app.router.add_get("/", hello)
+        app.router.add_post("/echo", echo)
         runner = make_runner(app, limits, access_log=None)
         runners.append(runner)
         site = await start_site(runner, "127.0.0.1", 0)
@@ -213,4 +251,107 @@ def test_the_default_connection_limit_follows_the_open_file_limit() -> None:
     assert raised >= soft
     assert budget == max(MIN_CONNECTIONS, (raised - RESERVED_FDS) // 2)
     assert ServerLimits().connection_limit() == budget
+    # A router opens an upstream connection only per request in flight (its body arrived):
+    # the budget is what the limit leaves after those, never less than half.
+    usable = raised - RESERVED_FDS
+    assert connection_budget(upstream=100) == max(MIN_CONNECTIONS, usable // 2, usable - 100)
+    assert connection_budget(upstream=usable) == budget
+    assert ServerLimits(upstream_connections=100).connection_limit() == connection_budget(100)
     assert ServerLimits(max_connections=7).connection_limit() == 7
+
+
+async def _trickle(
+    writer: asyncio.StreamWriter, reader: asyncio.StreamReader, pause_s: float
+) -> bytes:
+    """Sends a byte every ``pause_s`` until the server answers; the answer."""
+    answer = asyncio.ensure_future(reader.read())
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WAIT_S
+        while not answer.done() and loop.time() < deadline:
+            with contextlib.suppress(ConnectionError):
+                writer.write(b"x")
+            await asyncio.wait([answer], timeout=pause_s)
+        return await asyncio.wait_for(answer, WAIT_S)
+    finally:
+        writer.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+async def test_a_trickled_body_is_cut_with_408_and_one_warning(
+    serve: Serve, caplog: pytest.LogCaptureFixture, framing: str
+) -> None:
+    """Regression (issue 41, probe 1): the header timeout did not cover the body, so a client
+    sending its body a byte at a time held its connection and its request until the request
+    timeout. Now the body rule cuts it: 408 OpenAI-shaped, the connection closed, one throttled
+    warning; other clients are served meanwhile."""
+    app, port = await serve(
+        ServerLimits(body_timeout_s=0.5, min_body_rate=1000.0, body_idle_timeout_s=30.0)
+    )
+    caplog.set_level(logging.WARNING)
+    framing_header = (
+        b"Content-Length: 100000" if framing == "content-length" else b"Transfer-Encoding: chunked"
+    )
+    answers = []
+    for _ in range(3):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\n" + framing_header + b"\r\n\r\n")
+        if framing == "chunked":
+            writer.write(b"186A0\r\n")  # one chunk of 100000 bytes, sent a byte at a time
+        answers.append(await _trickle(writer, reader, 0.1))
+        assert b"hello" in await _get(port)
+    for answer in answers:
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.split(b" ", 2)[1] == b"408", answer
+        assert b"connection: close" in head.lower()
+        error = json.loads(body)["error"]
+        assert error["code"] == 408
+        assert "did not arrive in time" in error["message"]
+    cut = [r for r in caplog.records if "cut a request body" in r.getMessage()]
+    assert len(cut) == 1
+    assert cut[0].levelno == logging.WARNING
+    assert cut[0].exc_info is None
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT_S
+    while open_connections(app) and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    assert open_connections(app) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_body_that_stops_midway_is_cut(serve: Serve) -> None:
+    """A client that sent most of its body at once and then stopped is cut by the idle limit,
+    not held for the rest of its length at the minimum rate."""
+    _, port = await serve(
+        ServerLimits(body_timeout_s=0.5, min_body_rate=1.0, body_idle_timeout_s=0.5)
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n" + b"x" * 50_000
+    )
+    answer = await asyncio.wait_for(reader.read(), WAIT_S)
+    writer.close()
+    assert answer.split(b" ", 2)[1] == b"408", answer
+    assert b"no byte of it" in answer
+
+
+@pytest.mark.asyncio
+async def test_a_large_body_on_a_slow_link_above_the_minimum_rate_is_served(serve: Serve) -> None:
+    """A real client sending a large prompt over a slow link is not a trickler: a body arriving
+    for longer than body_timeout_s but faster than min_body_rate is read whole and answered."""
+    _, port = await serve(
+        ServerLimits(body_timeout_s=0.3, min_body_rate=100.0, body_idle_timeout_s=30.0)
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    size = 40 * 500
+    writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n")
+    writer.write(f"Content-Length: {size}\r\n\r\n".encode())
+    for _ in range(40):  # ~2 s at ~10 kB/s, 100x the minimum rate
+        writer.write(b"x" * 500)
+        await writer.drain()
+        await asyncio.sleep(0.05)
+    answer = await asyncio.wait_for(reader.read(), WAIT_S)
+    writer.close()
+    assert answer.split(b" ", 2)[1] == b"200", answer
+    assert answer.endswith(f"got {size}".encode())

@@ -166,9 +166,35 @@ class Backpressure(ApiModel):
         ),
     )
     max_in_flight: int = Field(
-        8192, ge=1, description="Requests the router process holds at once; beyond: 429."
+        8192,
+        ge=1,
+        description="Requests the router process holds at once, counted once their body has "
+        "arrived (a body still being sent holds no slot); beyond: 429.",
     )
     retry_after: Duration = Field(timedelta(seconds=1), description="Retry-After sent with a 429.")
+    # Unset: a quarter of maxInFlight, so that no single client - however slowly it sends -
+    # holds more than a quarter of the router, and four clients at their cap still leave it
+    # room (8192 / 4 = 2048 by default, far above what one real client keeps open).
+    max_unfinished_per_client: int | None = Field(
+        None,
+        ge=0,
+        description=(
+            "Unfinished requests (still sending their body, or being answered) one client may "
+            "have at once; beyond: 429 with Retry-After, before its body is read. A client is "
+            "its tenant when API keys are on, else its source address. Behind a load balancer "
+            "or ingress that does not keep client addresses, every request comes from the "
+            "proxy's few addresses and the per-address cap limits them all together: size it "
+            "for one proxy replica, set 0 to turn it off, or turn API keys on (the cap is then "
+            "per tenant). X-Forwarded-For is not used: any client can write it. Unset: "
+            "maxInFlight / 4."
+        ),
+    )
+
+    def per_client_cap(self) -> int | None:
+        """Unfinished requests allowed per client; None: no cap."""
+        if self.max_unfinished_per_client is None:
+            return max(1, self.max_in_flight // 4)
+        return self.max_unfinished_per_client or None
 
 
 class TenantKeys(ApiModel):

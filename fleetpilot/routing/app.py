@@ -28,7 +28,7 @@ from aiohttp import web
 from fleetpilot.api.router_config import RouterConfig
 from fleetpilot.argtypes import DefaultsHelpFormatter, port_number
 from fleetpilot.files import FileError
-from fleetpilot.httpserver import make_runner, run_app, start_site
+from fleetpilot.httpserver import ServerLimits, make_runner, run_app, start_site
 from fleetpilot.listening import ListenError
 from fleetpilot.logs import add_log_arguments, configure_logging
 from fleetpilot.routing.auth import AuthGate, KeyRing, Tenant, check_key_files
@@ -567,6 +567,11 @@ def run(args: argparse.Namespace) -> int:
             app,
             args.host,
             port,
+            # Upstream connections are opened only for requests in flight (bodies arrived),
+            # so a client connection still sending its body costs one descriptor, not two:
+            # the connection budget is what the open-file limit leaves after maxInFlight of
+            # them (taken at start; a reloaded maxInFlight does not change it).
+            ServerLimits(upstream_connections=config.backpressure.max_in_flight),
             handler_cancellation=True,
             access_log=None,  # per-request logging would cost more than routing; metrics count
             shutdown_timeout=30.0,

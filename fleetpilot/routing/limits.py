@@ -64,6 +64,13 @@ class Bucket:
         return max(0.0, (self.capacity - self.level) / self.rate)
 
 
+def client_may_start(unfinished: int, cap: int | None) -> bool:
+    """Whether a client (a tenant, or a source address without keys) that has ``unfinished``
+    requests in this router - sending their bodies or being answered - may start one more
+    (``backpressure.maxUnfinishedPerClient``; None: no cap). Purely computational."""
+    return cap is None or unfinished < cap
+
+
 def _share(limit: int, replicas: int) -> int:
     return max(1, math.ceil(limit / max(1, replicas)))
 
@@ -98,10 +105,31 @@ class TenantLimits:
 
     def admit(self, tokens: int, now: float) -> dict[str, str]:
         """Take one request and ``tokens``, or raise 429 (nothing taken); the headers."""
-        for bucket in (self.requests, self.tokens):
-            if bucket is not None:
-                bucket.refill(now)
-        if self.tokens is not None and tokens > self.tokens.capacity:
+        self.admit_request(now)
+        return self.admit_tokens(tokens, now)
+
+    def admit_request(self, now: float) -> dict[str, str]:
+        """Take one request, or raise 429 (nothing taken); the headers.
+
+        The router calls this on the request's headers, before it reads the body: a key at its
+        request limit cannot hold more connections open by sending bodies slowly (issue 41).
+        """
+        self._refill(now)
+        if self.requests is not None:
+            if self.requests.level < 1:
+                raise self._refusal("requests", self.requests.wait(1))
+            self.requests.level -= 1
+        return self.headers()
+
+    def admit_tokens(self, tokens: int, now: float) -> dict[str, str]:
+        """Take ``tokens`` for a request :meth:`admit_request` took, once its body says how
+        many; or raise 429 and give that request back: a request is taken with its tokens or
+        not at all. The headers."""
+        self._refill(now)
+        if self.tokens is None:
+            return self.headers()
+        if tokens > self.tokens.capacity:
+            self._give_back_request()
             raise RateLimitedError(
                 f"this request may need {tokens} tokens (its prompt and max_tokens), more "
                 f"than the {round(self.tokens.capacity)} a minute this API key may use here; "
@@ -109,24 +137,28 @@ class TenantLimits:
                 reason="request_too_large",
                 headers=self.headers(),
             )
-        waits = []
-        if self.requests is not None and self.requests.level < 1:
-            waits.append(("requests", self.requests.wait(1)))
-        if self.tokens is not None and self.tokens.level < tokens:
-            waits.append(("tokens", self.tokens.wait(tokens)))
-        if waits:
-            which, wait = max(waits, key=lambda w: w[1])
-            raise RateLimitedError(
-                f"rate limit of this API key reached ({which} per minute); retry after "
-                f"{_duration(wait)}",
-                reason=f"rate_limited_{which}",
-                headers={**self.headers(), "Retry-After": str(max(1, math.ceil(wait)))},
-            )
-        if self.requests is not None:
-            self.requests.level -= 1
-        if self.tokens is not None:
-            self.tokens.level -= tokens
+        if self.tokens.level < tokens:
+            self._give_back_request()
+            raise self._refusal("tokens", self.tokens.wait(tokens))
+        self.tokens.level -= tokens
         return self.headers()
+
+    def _refill(self, now: float) -> None:
+        for bucket in (self.requests, self.tokens):
+            if bucket is not None:
+                bucket.refill(now)
+
+    def _give_back_request(self) -> None:
+        if self.requests is not None:
+            self.requests.level = min(self.requests.capacity, self.requests.level + 1)
+
+    def _refusal(self, which: str, wait: float) -> RateLimitedError:
+        return RateLimitedError(
+            f"rate limit of this API key reached ({which} per minute); retry after "
+            f"{_duration(wait)}",
+            reason=f"rate_limited_{which}",
+            headers={**self.headers(), "Retry-After": str(max(1, math.ceil(wait)))},
+        )
 
     def settle(self, reserved: int, used: int | None, now: float) -> None:
         """The answer used ``used`` tokens of the ``reserved`` (None: unknown, the reserve

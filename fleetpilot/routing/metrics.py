@@ -167,6 +167,12 @@ class RouterMetrics:
         self.in_flight = Gauge(
             p + "in_flight_requests", "Requests the router is handling now.", registry=r
         )
+        self.unfinished = Gauge(
+            p + "unfinished_requests",
+            "Requests from their headers to their end, bodies still arriving included "
+            "(in_flight_requests counts those whose body arrived).",
+            registry=r,
+        )
         self.endpoints = Gauge(
             p + "endpoints",
             "Discovered Ready endpoints by tier, role and state (active or ejected).",

@@ -28,6 +28,7 @@ import aiohttp
 from aiohttp import web
 
 from fleetpilot.api.router_config import FlowConfig, RouterTier
+from fleetpilot.httpserver import content_type_refusal, is_json_content_type
 from fleetpilot.openai_errors import error_body, normalize_error
 from fleetpilot.routing.auth import AuthGate, Tenant
 from fleetpilot.routing.errors import (
@@ -45,7 +46,12 @@ from fleetpilot.routing.first_byte import FirstByteTimeoutError, FirstByteWatch
 from fleetpilot.routing.flow import FairQueue, QueueFullError, Ticket, may_start
 from fleetpilot.routing.health import answers_health
 from fleetpilot.routing.hold import ColdStartHold
-from fleetpilot.routing.limits import DEFAULT_COMPLETION_RESERVE, TenantLimits
+from fleetpilot.routing.limits import (
+    DEFAULT_COMPLETION_RESERVE,
+    RateLimitedError,
+    TenantLimits,
+    client_may_start,
+)
 from fleetpilot.routing.metrics import RouterMetrics
 from fleetpilot.routing.policies.pd import (
     KV_TRANSFER_PARAMS,
@@ -147,6 +153,7 @@ class _Exchange:
     held_since: float = 0.0
     # The tier whose batch slots count this request as its tenant's (routing.flow).
     flight_tier: str | None = None
+    in_flight: bool = False  # counted against backpressure.maxInFlight (its body arrived)
 
     def begin_prefill(self, replica: ReplicaState, blocks: int) -> None:
         self.end_prefill()
@@ -210,6 +217,9 @@ class Proxy:
         self._seen: dict[tuple[str, str], float] = {}
         self._weights: dict[str, float] = {}
         self.in_flight = 0
+        # Per client (tenant, or source address without keys): requests from their headers
+        # to their end, bodies still arriving included (backpressure.maxUnfinishedPerClient).
+        self._unfinished: dict[str, int] = {}
         self._client_timeout: aiohttp.ClientTimeout | None = None
         self._tokenize_pool = ThreadPoolExecutor(
             TOKENIZE_WORKERS, thread_name_prefix="fleetpilot-tokenize"
@@ -228,6 +238,10 @@ class Proxy:
 
     # -- entry -------------------------------------------------------------------------------
     async def handle(self, request: web.Request, kind: Kind) -> web.StreamResponse:
+        """Admission from the headers alone (key, Content-Type, the client's unfinished
+        requests, the tenant's request rate), then the body; only a request whose body has
+        arrived counts against ``maxInFlight``, so clients sending bodies slowly - each cut by
+        the listener's body rule (``httpserver.body_verdict``) - cannot fill it (issue 41)."""
         config = self.router.config
         tenant: Tenant | None = None
         ring = self.auth.ring if self.auth is not None else None
@@ -239,18 +253,46 @@ class Proxy:
             except RouterError as exc:
                 return self._reject(exc)
             self.metrics.tenant_requests.labels(tenant.name).inc()
-        if self.in_flight >= config.backpressure.max_in_flight:
-            retry = max(1, round(config.backpressure.retry_after.total_seconds()))
+        content_type = request.headers.get("Content-Type")
+        if not is_json_content_type(content_type):
             return self._reject(
-                OverloadedError(
-                    "the router is at its in-flight limit; retry later",
-                    reason="overloaded",
-                    headers={"Retry-After": str(retry)},
+                RouterError(
+                    content_type_refusal(content_type),
+                    status=415,
+                    reason="unsupported_media_type",
                 )
             )
+        client = tenant.name if tenant is not None else (request.remote or "")
+        unfinished = self._unfinished.get(client, 0)
+        if not client_may_start(unfinished, config.backpressure.per_client_cap()):
+            return self._reject(
+                OverloadedError(
+                    f"this client has {unfinished} unfinished requests, its limit on this "
+                    "router; retry when one has ended",
+                    reason="client_overloaded",
+                    headers={"Retry-After": self._retry_after()},
+                )
+            )
+        self._unfinished[client] = unfinished + 1
+        self.metrics.unfinished.inc()
+        try:
+            return await self._admitted(request, kind, tenant)
+        finally:
+            self.metrics.unfinished.dec()
+            left = self._unfinished[client] - 1
+            if left:
+                self._unfinished[client] = left
+            else:
+                del self._unfinished[client]
+
+    def _retry_after(self) -> str:
+        return str(max(1, round(self.router.config.backpressure.retry_after.total_seconds())))
+
+    async def _admitted(
+        self, request: web.Request, kind: Kind, tenant: Tenant | None
+    ) -> web.StreamResponse:
+        config = self.router.config
         exchange = _Exchange(started=time.perf_counter(), tenant=tenant)
-        self.in_flight += 1
-        self.metrics.in_flight.inc()
         try:
             async with asyncio.timeout(config.request_timeout.total_seconds()):
                 return await self._handle(request, kind, exchange)
@@ -295,8 +337,9 @@ class Proxy:
                 )
             )
         finally:
-            self.in_flight -= 1
-            self.metrics.in_flight.dec()
+            if exchange.in_flight:
+                self.in_flight -= 1
+                self.metrics.in_flight.dec()
             if exchange.flight_tier is not None:
                 self._end_flight(exchange)
             self._wake_head()  # a request ended: the next waiting one may fit now
@@ -330,7 +373,22 @@ class Proxy:
         self, request: web.Request, kind: Kind, exchange: _Exchange
     ) -> web.StreamResponse:
         config = self.router.config
+        limits = self._tenant_limits(exchange)
+        if limits is not None:
+            # The request itself is taken now, from the headers: a key at its request limit
+            # gets 429 before it may send (or trickle) a body. Its tokens, once parsed.
+            exchange.rate_headers = limits.admit_request(time.monotonic())
+            exchange.limits = limits
         raw = await _read_body(request, config.max_body_bytes)
+        if self.in_flight >= config.backpressure.max_in_flight:
+            raise OverloadedError(
+                "the router is at its in-flight limit; retry later",
+                reason="overloaded",
+                headers={"Retry-After": self._retry_after()},
+            )
+        exchange.in_flight = True
+        self.in_flight += 1
+        self.metrics.in_flight.inc()
         if len(raw) > PARSE_OFF_LOOP_BYTES:
             loop = asyncio.get_running_loop()
             body, features = await loop.run_in_executor(
@@ -410,20 +468,28 @@ class Proxy:
             if capture is not None:
                 capture.drop()  # not handed to the tokenizer: its budget back
 
+    def _tenant_limits(self, exchange: _Exchange) -> TenantLimits | None:
+        if exchange.tenant is None or self.auth is None:
+            return None
+        return self.auth.limiter.of(exchange.tenant.name)
+
     def _admit(self, exchange: _Exchange, features: RequestFeatures) -> None:
-        """Take the request and its tokens from the tenant's buckets, or 429 (routing.limits):
-        the prompt's estimated tokens and max_tokens are reserved until the answer's usage."""
-        assert exchange.tenant is not None
-        assert self.auth is not None
-        limits = self.auth.limiter.of(exchange.tenant.name)
+        """Take the request's tokens from the tenant's bucket, or 429 (routing.limits): the
+        prompt's estimated tokens and max_tokens are reserved until the answer's usage. The
+        request itself was taken from the headers (``_handle``)."""
+        limits = exchange.limits
         if limits is None:
             return
         completion = features.max_tokens
         reserve = features.approx_tokens + (
             completion if completion is not None else DEFAULT_COMPLETION_RESERVE
         )
-        exchange.rate_headers = limits.admit(reserve, time.monotonic())
-        exchange.limits, exchange.reserved = limits, reserve
+        try:
+            exchange.rate_headers = limits.admit_tokens(reserve, time.monotonic())
+        except RateLimitedError:
+            exchange.limits = None  # nothing reserved: nothing to settle
+            raise
+        exchange.reserved = reserve
 
     async def _decide(self, features: RequestFeatures, exchange: _Exchange) -> Route:
         """The route. While no tier in reach has a replica, the request is held for a cold

@@ -54,6 +54,9 @@ async def post(
 ) -> tuple[int, Any, aiohttp.typedefs.LooseHeaders]:
     async with aiohttp.ClientSession() as session:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        # A JSON client's Content-Type unless the test says otherwise (the router answers 415
+        # to anything else).
+        headers = {"Content-Type": "application/json", **(headers or {})}
         async with session.post(router.url + path, data=data, headers=headers) as resp:
             text = await resp.text()
             try:
@@ -362,7 +365,11 @@ async def test_429_at_the_router_in_flight_limit() -> None:
     gate = asyncio.Event()
     engine = FakeEngine("e", gate=gate)
     async with engines(engine):
-        config = make_config([tier("only", 1.0, [engine])], backpressure={"maxInFlight": 2})
+        # One client sends them all: no per-client cap (it would be maxInFlight / 4).
+        config = make_config(
+            [tier("only", 1.0, [engine])],
+            backpressure={"maxInFlight": 2, "maxUnfinishedPerClient": 0},
+        )
         async with running_router(config) as router:
             held = [asyncio.create_task(post(router, SHORT)) for _ in range(2)]
             await wait_for(lambda: len(engine.requests) == 2)

@@ -119,7 +119,12 @@ from fleetpilot.engine.reference.settings import (
 )
 from fleetpilot.engine.reference.sse import stream_events
 from fleetpilot.engine.reference.tokenizer import ByteTokenizer
-from fleetpilot.httpserver import make_runner, start_site
+from fleetpilot.httpserver import (
+    content_type_refusal,
+    is_json_content_type,
+    make_runner,
+    start_site,
+)
 from fleetpilot.listening import ListenError
 from fleetpilot.logs import configure_logging
 
@@ -380,6 +385,10 @@ class EngineServer:
         raise APIError(503, reasons.get(self.state, f"the server is {self.state}"))
 
     async def _parse(self, request: web.Request, model: type[M]) -> M:
+        content_type = request.headers.get("Content-Type")
+        if not is_json_content_type(content_type):
+            # Before the body is read: a cross-site "simple" request starts nothing.
+            raise APIError(415, content_type_refusal(content_type))
         raw = await request.read()
         try:
             data = json.loads(raw)
