@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from fleetpilot.api.router_config import EndpointGroup, RouterTier, TenantKeys
-from fleetpilot.runtime.processes import Supervisor
+from fleetpilot.runtime.processes import Supervisor, free_port
 from tests.routing.support import Engines, make_config, router_process
 
 # Generous bounds: the machine running the suite may be busy.
@@ -180,7 +180,11 @@ def test_a_key_at_its_request_limit_cannot_hold_more_slow_bodies(
     as the in-flight cap allowed, each counted against it); another tenant is served
     meanwhile."""
     auth = tenants(tmp_path, free={"requests_per_minute": 3}, paid={})
-    path = write_config(tmp_path, engine, auth=auth, backpressure={"maxInFlight": 64})
+    # With keys on, /metrics is served on the metrics port only.
+    metrics_port = free_port()
+    path = write_config(
+        tmp_path, engine, auth=auth, backpressure={"maxInFlight": 64}, metricsPort=metrics_port
+    )
     with router_process(path, wait_s=WAIT_S) as (_, port):
         slow = [
             slow_body(port, "127.0.0.20", Authorization="Bearer sk-free-0123456789abcdef")
@@ -189,7 +193,8 @@ def test_a_key_at_its_request_limit_cannot_hold_more_slow_bodies(
         try:
             poll(
                 lambda: (
-                    metric(port, "fleetpilot_router_tenant_requests_total", tenant="free") >= 10
+                    metric(metrics_port, "fleetpilot_router_tenant_requests_total", tenant="free")
+                    >= 10
                 ),
                 "the router sees the free key's requests",
             )
