@@ -212,7 +212,8 @@ def router_config(engine: str) -> dict[str, Any]:
     tier = RouterTier(name="main", model=MODEL, up_to=1.0, mode="unified", endpoints=[group])
     # Every other field at its default (maxInFlight 8,192; the body rule's defaults).
     config = RouterConfig(service="bench", namespace="default", tiers=[tier])
-    return config.to_wire()
+    # Without the defaults: an older router (--old-rev) refuses fields it does not know.
+    return config.model_dump(mode="json", by_alias=True, exclude_none=True, exclude_defaults=True)
 
 
 def legit(port: int, clients: int, duration_s: float) -> dict[str, Any]:
