@@ -47,6 +47,10 @@ MAX_YAML_NODES = 1 << 20
 class FileError(ValueError):
     """A file refused, with one line that names it and says why."""
 
+    # How a re-read that met this error is counted (the routers' reload metrics): the file
+    # was read but cannot be used.
+    result = "invalid"
+
     def __init__(self, source: str, reason: str) -> None:
         super().__init__(f"{source}: {reason}")
         self.source = source
@@ -55,6 +59,8 @@ class FileError(ValueError):
 
 class UnreadableError(FileError):
     """The file could not be read at all (missing, no permission, a directory)."""
+
+    result = "unreadable"
 
 
 class TooLargeError(FileError):

@@ -214,12 +214,11 @@ class AuthGate:
             try:
                 text = watched.read_change()
             except files.FileError as exc:
-                result = "unreadable" if isinstance(exc, files.UnreadableError) else "invalid"
                 log.warning(
                     "API key file refused; keeping its last keys",
-                    extra={"file": path, "result": result, "reason": exc.reason},
+                    extra={"file": path, "result": exc.result, "reason": exc.reason},
                 )
-                self._result(result)
+                self._result(exc.result)
                 continue
             if text is not None:
                 reread = path in self._texts  # the first read of a file is no reload

@@ -90,8 +90,7 @@ class ConfigWatcher:
         try:
             text = self.file.read_change()
         except files.FileError as exc:
-            unreadable = isinstance(exc, files.UnreadableError)
-            return self._refused("unreadable" if unreadable else "invalid", exc.reason)
+            return self._refused(exc.result, exc.reason)
         if text is None:
             return False
         try:

@@ -282,8 +282,10 @@ class FileSource(_Published):
                 return False
             new = parse_endpoints_file(files.parse_yaml(text, str(self.path)))
         except ValueError as exc:  # FileError included
-            result = "unreadable" if isinstance(exc, files.UnreadableError) else "invalid"
-            reason = exc.reason if isinstance(exc, files.FileError) else str(exc)
+            if isinstance(exc, files.FileError):
+                result, reason = exc.result, exc.reason
+            else:  # the YAML is fine, its endpoints are not
+                result, reason = "invalid", str(exc)
             log.warning(
                 "endpoints file refused; keeping the last endpoints",
                 extra={"path": str(self.path), "result": result, "reason": reason},
