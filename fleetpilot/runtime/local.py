@@ -51,6 +51,8 @@ from fleetpilot.runtime.processes import (
     free_port,
     port_in_use,
     require_free_ports,
+    unresponsive_fields,
+    unresponsive_report,
 )
 
 log = logging.getLogger(__name__)
@@ -103,26 +105,6 @@ class StatusRow:
     alive: int
     healthy: int
     ports: list[int] = field(default_factory=list)
-
-
-def unresponsive_report(child: Child, probe: LivenessProbe) -> str:
-    """The one line a person reads when ``child`` stopped answering its liveness probe."""
-    return (
-        f"{child.name} (pid {child.pid}) stopped answering {child.probed_url} "
-        f"({probe.describe()}); killing and restarting it"
-    )
-
-
-def unresponsive_fields(child: Child, probe: LivenessProbe) -> dict[str, object]:
-    """The structured log fields of the same event."""
-    return {
-        "child": child.name,
-        "pid": child.pid,
-        "url": child.probed_url,
-        "failures": probe.failure_threshold,
-        "period_s": probe.period_s,
-        "timeout_s": probe.timeout_s,
-    }
 
 
 def _log_name(name: str) -> str:

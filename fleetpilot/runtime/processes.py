@@ -154,6 +154,26 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             sock.close()
 
 
+def unresponsive_report(child: Child, probe: LivenessProbe) -> str:
+    """The one line a person reads when ``child`` stopped answering its liveness probe."""
+    return (
+        f"{child.name} (pid {child.pid}) stopped answering {child.probed_url} "
+        f"({probe.describe()}); killing and restarting it"
+    )
+
+
+def unresponsive_fields(child: Child, probe: LivenessProbe) -> dict[str, object]:
+    """The structured log fields of the same event."""
+    return {
+        "child": child.name,
+        "pid": child.pid,
+        "url": child.probed_url,
+        "failures": probe.failure_threshold,
+        "period_s": probe.period_s,
+        "timeout_s": probe.timeout_s,
+    }
+
+
 def http_ok(url: str, timeout_s: float = 1.0, context: ssl.SSLContext | None = None) -> bool:
     """Whether ``url`` answers 2xx; a connection or HTTP error reads as not ready (yet).
 

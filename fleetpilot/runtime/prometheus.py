@@ -50,6 +50,8 @@ from fleetpilot.runtime.processes import (
     Supervisor,
     free_port,
     group_members,
+    unresponsive_fields,
+    unresponsive_report,
 )
 
 log = logging.getLogger(__name__)
@@ -314,21 +316,10 @@ class PrometheusServer:
         if child is None:
             return None
         for frozen in self._supervisor.unresponsive(probe, now):
-            report = (
-                f"prometheus (pid {frozen.pid}) stopped answering {frozen.probed_url} "
-                f"({probe.describe()}); killing and restarting it on {self.url}"
-            )
+            report = f"{unresponsive_report(frozen, probe)} on {self.url}"
             log.warning(
                 "prometheus unresponsive; killing and restarting it",
-                extra={
-                    "child": "prometheus",
-                    "pid": frozen.pid,
-                    "url": frozen.probed_url,
-                    "failures": probe.failure_threshold,
-                    "period_s": probe.period_s,
-                    "timeout_s": probe.timeout_s,
-                    "reported": True,
-                },
+                extra={**unresponsive_fields(frozen, probe), "reported": True},
             )
             self._respawn(frozen, kill=True)
             return report
