@@ -243,7 +243,7 @@ def run_variant(
     argv = [sys.executable, "-m", "fleetpilot", "router", "--config", str(config),
             "--host", "127.0.0.1", "--port", str(port), "--discovery", "static"]  # fmt: skip
     result: dict[str, Any] = {"router": name}
-    with child(argv, code, env):
+    with child(argv, code, env) as router:
         wait_healthy(port, 120)
         result["unloaded"] = legit(port, args.clients, args.phase)
         print(f"{name}: unloaded {result['unloaded']}", flush=True)
@@ -264,6 +264,7 @@ def run_variant(
             result["flood_open_at_start"] = reached
             print(f"{name}: flood at {reached} connections", flush=True)
             result["flooded"] = legit(port, args.clients, args.phase)
+            result["router_rss_mib_flooded"] = rss_mib(router.pid)
             # The control: the same client straight to the engine, the flood still on. What
             # this costs too is the machine's CPU (flood generator, router and engine share
             # it), not the router's handling of the flood.
@@ -276,6 +277,15 @@ def run_variant(
     both = flooded["p99_ms"] is not None and unloaded["p99_ms"]
     result["p99_ratio"] = round(flooded["p99_ms"] / unloaded["p99_ms"], 2) if both else None
     return result
+
+
+def rss_mib(pid: int) -> float | None:
+    """Resident memory of process ``pid`` in MiB (Linux), None where unreadable."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        line = next(line for line in status if line.startswith("VmRSS:"))
+        return round(int(line.split()[1]) / 1024, 1)
+    return None
 
 
 def old_checkout(rev: str, folder: Path) -> Path:
@@ -354,7 +364,8 @@ def main() -> None:
         )
         control = r["flooded_engine_direct"]
         print(f"{'':16} engine direct under the flood: p50 {control['p50_ms']}, p99 "
-              f"{control['p99_ms']} ms, errors {control['errors']}")  # fmt: skip
+              f"{control['p99_ms']} ms, errors {control['errors']}; router RSS "
+              f"{r.get('router_rss_mib_flooded')} MiB at the flood's end")  # fmt: skip
     if args.save:
         path = save(
             "router_slow_bodies",

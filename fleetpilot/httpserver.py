@@ -40,6 +40,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 
+from fleetpilot.heap import settle_heap
 from fleetpilot.listening import listening_on
 from fleetpilot.openai_errors import error_body
 from fleetpilot.text import one_line
@@ -467,10 +468,25 @@ def _request_tracker(connections: _Connections) -> Callable[..., Awaitable[web.S
             return response
         finally:
             guard.end_body()
+            if guard.body_cut is not None:
+                _release_cut_body(request.content)
             # Idle until the next request's first byte (data_received arms the deadline).
             guard.busy = False
 
     return track
+
+
+def _release_cut_body(body: StreamReader) -> None:
+    """Break the reference cycle a cut body leaves: the reader keeps the BodyTimeoutError it
+    raised, whose traceback keeps the frames that awaited the reader (and through them the
+    request, its handler and transport). Left alone, every cut connection's objects wait for
+    the cyclic collector, and under a flood of slow bodies (hundreds of cuts a second) its
+    full collections, which scan every open connection, paused the router for up to a second
+    (bench/router_slow_bodies.py). Without the traceback, reference counting frees them."""
+    error = body.exception()
+    if error is not None:
+        error.__traceback__ = None
+        error.__context__ = None
 
 
 async def _answer_cut(
@@ -581,6 +597,7 @@ def run_app(
         runner = make_runner(app, limits, **kwargs)
         try:
             await start_site(runner, host, port)
+            settle_heap()
             await stop.wait()
         finally:
             await runner.cleanup()

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import resource
 import socket
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -355,3 +357,43 @@ async def test_a_large_body_on_a_slow_link_above_the_minimum_rate_is_served(serv
     writer.close()
     assert answer.split(b" ", 2)[1] == b"200", answer
     assert answer.endswith(f"got {size}".encode())
+
+
+@pytest.mark.asyncio
+async def test_a_cut_body_leaves_no_garbage_for_the_cyclic_collector() -> None:
+    """Regression (issue 41, slow-body p99): the reader of a cut body kept the timeout error it
+    raised, whose traceback kept the frames awaiting that reader, a cycle through the request,
+    its handler and its transport. Every cut connection waited for the cyclic collector, whose
+    full collections under a flood of slow bodies scanned every open connection and paused the
+    router for up to a second. With the collector off, a cut request must be freed anyway."""
+    requests: list[weakref.ref[web.Request]] = []
+
+    async def read(request: web.Request) -> web.Response:
+        requests.append(weakref.ref(request))
+        return web.Response(text=f"got {len(await request.read())}")
+
+    app = web.Application()
+    app.router.add_post("/read", read)
+    limits = ServerLimits(body_timeout_s=0.3, min_body_rate=1000.0, body_idle_timeout_s=30.0)
+    runner = make_runner(app, limits, access_log=None)
+    site = await start_site(runner, "127.0.0.1", 0)
+    assert site._server is not None
+    port = int(site._server.sockets[0].getsockname()[1])
+    gc.collect()
+    gc.disable()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /read HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\nx")
+        answer = await asyncio.wait_for(reader.read(), WAIT_S)
+        writer.close()
+        assert answer.split(b" ", 2)[1] == b"408", answer
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WAIT_S
+        while open_connections(app) and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the closed transport's callbacks run
+        assert len(requests) == 1
+        assert requests[0]() is None, "the cut request is only freed by the cyclic collector"
+    finally:
+        gc.enable()
+        await runner.cleanup()
