@@ -15,7 +15,7 @@ from fleetpilot.api.router_config import (
     RouterConfig,
     RouterTier,
 )
-from fleetpilot.api.spec import Tier
+from fleetpilot.api.spec import EngineBackend, Tier
 from fleetpilot.engine.vllm_args import ENGINE_PORT, launch_for
 from fleetpilot.kube import names
 from fleetpilot.operator.engine_objects import hub_token_env
@@ -70,8 +70,12 @@ def tokenizer_ref(tier: Tier) -> str | None:
     """Where the router gets the tier model's tokenizer: the Hub repository the engines load
     (at the same revision), None for weights on a PVC (the router does not mount the engines'
     volume) or a name that is no ``org/name`` repository: the router then guesses what the
-    engines cache from prompt text."""
+    engines cache from prompt text. A reference tier's too: its engines tokenize with the files
+    shipped in the package, which the router's image holds at a path the planner cannot know
+    (its own installation is not the router's)."""
     source = tier.model.source
+    if tier.engine.backend is EngineBackend.REFERENCE:
+        return None
     if source.pvc is not None or tier.model.name.count("/") != 1:
         return None  # a PVC, or a model name that is no Hub repository id
     revision = source.huggingface.revision if source.huggingface is not None else None

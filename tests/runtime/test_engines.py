@@ -16,6 +16,11 @@ from pathlib import Path
 import pytest
 
 from fleetpilot.api import InferenceService, parse_service
+from fleetpilot.engine.reference_launch import (
+    CPU_MAX_NUM_SEQS,
+    REFERENCE_TOKENIZER,
+    reference_argv,
+)
 from fleetpilot.engine.vllm_args import EngineLaunch, launch_for, vllm_serve_args
 from fleetpilot.runtime.engines import (
     NIXL_SIDE_CHANNEL,
@@ -23,11 +28,6 @@ from fleetpilot.runtime.engines import (
     VllmBackend,
 )
 from fleetpilot.runtime.local import HOST, LocalFleet, Replica
-from fleetpilot.runtime.reference_argv import (
-    CPU_MAX_NUM_SEQS,
-    REFERENCE_TOKENIZER,
-    reference_argv,
-)
 from tests.factories import make_manifest, make_tier
 
 MODEL_DIR = Path("/models/check")

@@ -16,9 +16,9 @@ import pytest
 
 from fleetpilot.api import InferenceService, ResolvedRole, RoleName, parse_service
 from fleetpilot.engine.reference import settings
+from fleetpilot.engine.reference_launch import REFERENCE_TOKENIZER, reference_argv
 from fleetpilot.engine.vllm_args import launch_for
 from fleetpilot.runtime.engines import ReferenceBackend
-from fleetpilot.runtime.reference_argv import REFERENCE_TOKENIZER, reference_argv
 from tests.factories import make_manifest, make_tier
 
 HOST = "127.0.0.1"
