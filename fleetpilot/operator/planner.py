@@ -195,11 +195,16 @@ def _check_reference(role: ResolvedRole, where: str) -> None:
     cap = REFERENCE_MAX_MODEL_LEN[preset]
     asked = tier.model.max_model_len
     if asked is not None and asked > cap:
+        larger = [
+            f"engine.referenceModel {other.value} ({limit})"
+            for other, limit in REFERENCE_MAX_MODEL_LEN.items()
+            if limit >= asked
+        ]
         raise PlanError(
             f"{where}.model.maxModelLen",
             f"{owner}: maxModelLen {asked} > {cap}, the most the reference engine's "
             f"{preset.value} preset holds (its max_position_embeddings); set at most {cap}"
-            + (" or engine.referenceModel small (4096)" if cap < 4096 else ""),
+            + "".join(f" or {choice}" for choice in larger[:1]),
         )
     source = tier.model.source
     given = [
@@ -341,8 +346,6 @@ def capacity_warnings(service: InferenceService) -> list[str]:
     """What a user should know about each role's KV capacity before deploying."""
     warnings = []
     for role in all_roles(service):
-        if role.tier.engine.backend is EngineBackend.REFERENCE:
-            continue  # no GPU to size
         sized = role_capacity(role)
         if sized is not None:
             warnings += [f"tier {role.tier.name} / {role.name}: {w}" for w in sized.warnings()]
