@@ -11,6 +11,7 @@ really serves /health and a chat completion.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -31,6 +32,7 @@ from fleetpilot.engine.vllm_args import launch_for
 from fleetpilot.operator.engine_objects import REFERENCE_RESOURCES
 from fleetpilot.operator.plan_types import K8sObject, PlanOptions
 from fleetpilot.operator.planner import plan
+from fleetpilot.routing.policies.pd import decode_request, kv_params_of, prefill_request
 from fleetpilot.runtime.processes import free_ports
 from tests.factories import make_manifest, make_service, make_tier
 
@@ -212,40 +214,53 @@ def pod_process(
     return argv, {**keep, **env}, ports
 
 
+@contextlib.contextmanager
+def run_pod(container: dict[str, Any], folder: Path, pod_ip: str) -> Iterator[str]:
+    """The container running as :func:`pod_process` starts it, until /health answers 200;
+    yields its base URL (at ``pod_ip``)."""
+    folder.mkdir()
+    argv, env, ports = pod_process(container, folder, pod_ip)
+    log_path = folder / "engine.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://{pod_ip}:{ports[8000]}"
+            deadline = time.monotonic() + 120
+            while True:
+                if process.poll() is not None:
+                    raise AssertionError(f"the engine exited: {log_path.read_text()}")
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.2)
+            yield url
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=POD_DRAIN_GRACE_S + 10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def served_tier(mode: str) -> list[K8sObject]:
+    tier = reference_tier(mode=mode, engine={"maxNumSeqs": 4})
+    tier["model"] |= {"servedName": "cpu-model", "maxModelLen": 512}
+    return planned(tier)
+
+
 @pytest.fixture
 def running(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, str]]:
     """The planned engine container of the role ``request.param`` running; yields its base URL
     and served model name."""
-    tier = reference_tier(mode=request.param, engine={"maxNumSeqs": 4})
-    tier["model"] |= {"servedName": "cpu-model", "maxModelLen": 512}
-    objects = planned(tier)
+    objects = served_tier(request.param)
     name = "chat-small" if request.param == "unified" else "chat-small-prefill"
     (container,) = pod_spec(objects, name)["containers"]
-    argv, env, ports = pod_process(container, tmp_path, "127.0.0.1")
-    log = (tmp_path / "engine.log").open("wb")
-    process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{ports[8000]}"
-        deadline = time.monotonic() + 120
-        while True:
-            if process.poll() is not None:
-                raise AssertionError(f"the engine exited: {(tmp_path / 'engine.log').read_text()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, (tmp_path / "engine.log").read_text()
-            time.sleep(0.2)
+    with run_pod(container, tmp_path / "pod", "127.0.0.1") as url:
         yield url, "cpu-model"
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=POD_DRAIN_GRACE_S + 10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
 
 
 @pytest.mark.parametrize("running", ["unified", "disaggregated"], indirect=True)
@@ -275,3 +290,46 @@ def test_vllm_tier_ignores_the_reference_preset() -> None:
     named = planned(make_tier("small", engine={"referenceModel": "small"}))
     assert plain == named
     assert parse_service(make_manifest()).spec.tiers[0].engine.backend.value == "vllm"
+
+
+def test_planned_pd_pods_hand_off_kv_between_pod_addresses(tmp_path: Path) -> None:
+    """A P/D reference tier's planned prefill and decode pods, each run with its own pod IP,
+    complete the router's two hops: the prefill answers a KV handle advertising its pod IP
+    (its $(POD_IP), expanded as the kubelet does), and the decode pulls the prompt's KV from
+    there rather than computing it again (no fallback counted)."""
+    objects = served_tier("disaggregated")
+    (prefill,) = pod_spec(objects, "chat-small-prefill")["containers"]
+    (decode,) = pod_spec(objects, "chat-small-decode")["containers"]
+    body = {
+        "model": "cpu-model",
+        "messages": [{"role": "user", "content": "a prompt long enough to fill blocks " * 4}],
+        "max_tokens": 6,
+    }
+    with (
+        run_pod(prefill, tmp_path / "prefill", "127.0.0.2") as prefill_url,
+        run_pod(decode, tmp_path / "decode", "127.0.0.3") as decode_url,
+    ):
+        first = httpx.post(
+            f"{prefill_url}/v1/chat/completions",
+            json=prefill_request(body, "cpu-model"),
+            timeout=60,
+        )
+        assert first.status_code == 200, first.text
+        handle = kv_params_of(first.json())
+        assert handle is not None
+        assert handle["remote_host"] == "127.0.0.2"
+        second = httpx.post(
+            f"{decode_url}/v1/chat/completions",
+            json=decode_request(body, "cpu-model", handle),
+            timeout=60,
+        )
+        assert second.status_code == 200, second.text
+        assert second.json()["usage"]["completion_tokens"] == 6
+        metrics = httpx.get(f"{decode_url}/metrics", timeout=10).text
+        fallbacks = [
+            line
+            for line in metrics.splitlines()
+            if line.startswith("fleetpilot:kv_transfer_fallbacks_total")
+        ]
+        assert fallbacks
+        assert all(line.endswith(" 0.0") for line in fallbacks), fallbacks
