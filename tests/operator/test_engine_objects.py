@@ -117,13 +117,16 @@ def test_reference_pod_asks_for_no_gpu_and_lands_on_any_node() -> None:
 def test_reference_pod_keeps_the_vllm_pods_ports_probes_and_pod_settings() -> None:
     """Ports (HTTP, KV events and replay: the router subscribes to them), probes, grace period,
     security and the unmounted token are a vLLM pod's: the router, the NetworkPolicy and the
-    Deployment's rollout treat both engines alike."""
+    Deployment's rollout treat both engines alike. Only the start is probed more often: a new
+    reference pod is Ready seconds after it starts, not at the next 10-second probe."""
     vllm = pod_spec(planned(make_tier("small")), "chat-small")
     reference = pod_spec(planned(reference_tier()), "chat-small")
     (v,) = vllm["containers"]
     (r,) = reference["containers"]
-    for key in ("ports", "startupProbe", "readinessProbe", "livenessProbe", "securityContext"):
+    for key in ("ports", "readinessProbe", "livenessProbe", "securityContext"):
         assert r[key] == v[key], key
+    # Started in seconds, not minutes: probed every 2 s, for as long as 4 minutes.
+    assert r["startupProbe"] == v["startupProbe"] | {"periodSeconds": 2, "failureThreshold": 120}
     for key in (
         "terminationGracePeriodSeconds",
         "serviceAccountName",
