@@ -188,7 +188,8 @@ def pod_process(
     ``fleetpilot`` is this environment's, the env is the pod's (downward-API fields resolved,
     the emptyDir mounts as folders), $(VAR) expanded. A pod's own network namespace is what
     frees its fixed ports; on a shared machine each planned port maps to a free one instead
-    (the returned map), changed wherever the command names it."""
+    (the returned map), changed wherever the command names it - free on every interface, as
+    the pod binds them (a port free on loopback may still be held elsewhere)."""
     assert container["command"][0] == "fleetpilot"
     mounts = {m["mountPath"]: tmp_path / m["name"] for m in container["volumeMounts"]}
     for folder in mounts.values():
@@ -205,7 +206,7 @@ def pod_process(
             assert item["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
             env[item["name"]] = pod_ip
     planned_ports = [p["containerPort"] for p in container["ports"]]
-    ports = dict(zip(planned_ports, free_ports(len(planned_ports)), strict=True))
+    ports = dict(zip(planned_ports, free_ports(len(planned_ports), "0.0.0.0"), strict=True))
     argv = [sys.executable, "-m", "fleetpilot", *container["command"][1:], *container["args"]]
     argv = [kubelet_expand(a, env) for a in argv]
     for planned_port, port in ports.items():
