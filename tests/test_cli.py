@@ -55,8 +55,8 @@ def test_plan_summary_shows_the_engine_backend(capsys: pytest.CaptureFixture[str
     a GPU example vLLM."""
     assert main(["plan", "-f", str(REPO / "examples" / "cpu-two-tier.yaml"), "-o", "summary"]) == 0
     out = capsys.readouterr().out
-    assert "engine: reference (CPU, no GPU; tiny preset, context up to 2048), cpu 1" in out
-    assert "engine: reference (CPU, no GPU; small preset, context up to 4096)" in out
+    assert "engine: reference (CPU, no GPU; tiny preset, context 2048 tokens), cpu 1" in out
+    assert "engine: reference (CPU, no GPU; small preset, context 4096 tokens)" in out
     assert "weights: none: a seeded random model (small preset)" in out
     assert "image: ghcr.io/fleetpilot/fleetpilot-reference:" in out
     assert "command: fleetpilot engine --backend reference --host 0.0.0.0 --port 8000" in out

@@ -79,6 +79,9 @@ POD_DRAIN_GRACE_S = 30
 # MODEL_PRESETS, which loads torch: a test holds the two equal). A reference tier's
 # maxModelLen above it is refused by the planner; unset, the engine runs min(2048, this).
 REFERENCE_MAX_MODEL_LEN = {ReferenceModel.TINY: 2048, ReferenceModel.SMALL: 4096}
+# The context the engine runs without --max-model-len (settings.DEFAULT_MAX_MODEL_LEN), within
+# the preset's limit.
+REFERENCE_DEFAULT_MAX_MODEL_LEN = 2048
 # The environment variable a reference pod's P/D engine advertises its address from (the
 # kubelet expands $(POD_IP) in the container's args; engine_objects sets it from status.podIP).
 POD_IP_ENV = "POD_IP"
@@ -220,6 +223,7 @@ __all__ = [
     "CPU_MODEL_CONFIG",
     "POD_DRAIN_GRACE_S",
     "POD_IP_ENV",
+    "REFERENCE_DEFAULT_MAX_MODEL_LEN",
     "REFERENCE_MAX_MODEL_LEN",
     "REFERENCE_TOKENIZER",
     "cpu_launch",

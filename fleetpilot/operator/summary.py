@@ -9,6 +9,10 @@ from fleetpilot.api import InferenceService, ResolvedRole, Tier
 from fleetpilot.api.capacity import architecture_of, format_bytes, gpu_memory_of, role_capacity
 from fleetpilot.api.layout import Span, role_layout
 from fleetpilot.api.units import format_duration
+from fleetpilot.engine.reference_launch import (
+    REFERENCE_DEFAULT_MAX_MODEL_LEN,
+    REFERENCE_MAX_MODEL_LEN,
+)
 from fleetpilot.kube import names
 from fleetpilot.operator.engine_objects import REFERENCE_RESOURCES, engine_command, is_reference
 from fleetpilot.operator.model_delivery import weights_summary
@@ -109,6 +113,9 @@ def reference_lines(
     planned: the image is the operator's --reference-image)."""
     engine = role.tier.engine
     resources = REFERENCE_RESOURCES
+    context = role.tier.model.max_model_len or min(
+        REFERENCE_DEFAULT_MAX_MODEL_LEN, REFERENCE_MAX_MODEL_LEN[engine.reference_model]
+    )
     workload = names.engine_name(service.name, role.tier.name, role.name)
     container = next(
         (
@@ -120,7 +127,7 @@ def reference_lines(
     )
     lines = [
         f"    engine: reference (CPU, no GPU; {engine.reference_model.value} preset, "
-        f"context up to {role.tier.model.max_model_len or 'the preset default'}), "
+        f"context {context} tokens), "
         f"cpu {resources['requests']['cpu']} (limit {resources['limits']['cpu']}), "
         f"memory {resources['limits']['memory']} per replica",
     ]

@@ -21,6 +21,7 @@ from fleetpilot.engine.reference import settings
 from fleetpilot.engine.reference_launch import (
     CPU_MAX_NUM_SEQS,
     POD_DRAIN_GRACE_S,
+    REFERENCE_DEFAULT_MAX_MODEL_LEN,
     REFERENCE_MAX_MODEL_LEN,
     REFERENCE_TOKENIZER,
     reference_argv,
@@ -327,5 +328,6 @@ def test_the_planners_preset_limits_are_the_engines() -> None:
     """The API's presets and the context limits the planner refuses beyond are the engine's
     own (its MODEL_PRESETS, which the planner cannot import: they load torch)."""
     assert {p.value for p in ReferenceModel} == set(settings.MODEL_PRESETS)
+    assert settings.DEFAULT_MAX_MODEL_LEN == REFERENCE_DEFAULT_MAX_MODEL_LEN
     for preset, limit in REFERENCE_MAX_MODEL_LEN.items():
         assert settings.MODEL_PRESETS[preset.value].max_position_embeddings == limit
