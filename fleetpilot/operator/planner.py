@@ -158,6 +158,15 @@ def check(service: InferenceService, options: PlanOptions | None = None) -> None
                 )
 
 
+def check_reference_tiers(service: InferenceService) -> None:
+    """Refuse what the reference engine cannot run in the service's reference tiers: also
+    where no cluster plans them (``fleetpilot up``), so a spec runs the same engines, or is
+    refused with the same words, on a laptop and in a cluster."""
+    for role in all_roles(service):
+        if role.tier.engine.backend is EngineBackend.REFERENCE:
+            _check_reference(role, _tier_field(service, role))
+
+
 def _check_model_cache(service: InferenceService) -> None:
     """A model cache that no tier downloads into would be a claim (and Jobs) for nothing: the
     reference engine builds its model from a seed."""
