@@ -28,8 +28,8 @@ from typing import Any
 from router_support import machine, save, wait_healthy
 from simulate_validation import engine_ttft
 
+from fleetpilot.engine.reference_launch import CPU_MAX_NUM_SEQS, reference_argv
 from fleetpilot.engine.vllm_args import EngineLaunch
-from fleetpilot.runtime.reference_argv import CPU_MAX_NUM_SEQS, reference_argv
 
 HOST = "127.0.0.1"
 MODEL = "m"

@@ -68,9 +68,9 @@ from router_prefix_workloads import (
 from router_support import busy_core, free_ports, machine, save
 
 from fleetpilot.api.router_config import RouterConfig
+from fleetpilot.engine.reference_launch import REFERENCE_TOKENIZER
 from fleetpilot.routing.app import ROUTER_APP, build_app
 from fleetpilot.routing.discovery import FileSource
-from fleetpilot.runtime.reference_argv import REFERENCE_TOKENIZER
 
 EVICTION_KV_BLOCKS = 128
 

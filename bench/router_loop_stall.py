@@ -34,9 +34,9 @@ from router_support import machine, percentile, save
 import fleetpilot.routing.proxy as proxy_module
 import fleetpilot.routing.router as router_module
 from fleetpilot.api.router_config import EndpointGroup, RouterConfig, RouterTier
+from fleetpilot.engine.reference_launch import REFERENCE_TOKENIZER
 from fleetpilot.routing.app import ROUTER_APP, build_app
 from fleetpilot.routing.discovery import StaticSource
-from fleetpilot.runtime.reference_argv import REFERENCE_TOKENIZER
 
 CHUNK_INTERVAL_S = 0.005
 TICK_S = 0.001

@@ -18,7 +18,12 @@ from fleetpilot.api import InvalidManifestError, load_services
 from fleetpilot.api.crd import CRD_FILENAME, render_crd
 from fleetpilot.argtypes import DefaultsHelpFormatter, port_number
 from fleetpilot.listening import ListenError, listening_on
-from fleetpilot.operator.plan_types import DEFAULT_FLEETPILOT_IMAGE, PlanError, PlanOptions
+from fleetpilot.operator.plan_types import (
+    DEFAULT_FLEETPILOT_IMAGE,
+    DEFAULT_REFERENCE_IMAGE,
+    PlanError,
+    PlanOptions,
+)
 from fleetpilot.operator.planner import capacity_warnings, plan
 from fleetpilot.operator.summary import summarize
 
@@ -146,6 +151,7 @@ def _operator(args: argparse.Namespace) -> int:
         priority = int(time.time())
     registry = build_registry(
         fleetpilot_image=args.image,
+        reference_image=args.reference_image,
         kubeconfig=args.kubeconfig,
         prometheus_url=args.prometheus_url,
     )
@@ -298,6 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--identity", help="this replica's name in the Lease (default: $POD_NAME or host, unique)"
     )
     op.add_argument("--image", default=DEFAULT_FLEETPILOT_IMAGE, help="router image to deploy")
+    op.add_argument(
+        "--reference-image",
+        default=DEFAULT_REFERENCE_IMAGE,
+        help="CPU reference engine image, for tiers with engine.backend reference "
+        f"(default: {DEFAULT_REFERENCE_IMAGE})",
+    )
     op.add_argument(
         "--prometheus-url",
         help="Prometheus the autoscaler reads (a service's spec.monitoring.prometheusUrl wins); "

@@ -49,6 +49,23 @@ def test_plan_summary_shows_roles_gpus_and_command(capsys: pytest.CaptureFixture
     assert "command: vllm serve /models/llama-3.1-70b-instruct" in out
 
 
+def test_plan_summary_shows_the_engine_backend(capsys: pytest.CaptureFixture[str]) -> None:
+    """`-o summary` says which engine each tier runs: for the CPU example the reference
+    engine, its preset, its CPU and memory, its image and command, no weights and no GPU; for
+    a GPU example vLLM."""
+    assert main(["plan", "-f", str(REPO / "examples" / "cpu-two-tier.yaml"), "-o", "summary"]) == 0
+    out = capsys.readouterr().out
+    assert "engine: reference (CPU, no GPU; tiny preset, context 2048 tokens), cpu 1" in out
+    assert "engine: reference (CPU, no GPU; small preset, context 4096 tokens)" in out
+    assert "weights: none: a seeded random model (small preset)" in out
+    assert "image: ghcr.io/fleetpilot/fleetpilot-reference:" in out
+    assert "command: fleetpilot engine --backend reference --host 0.0.0.0 --port 8000" in out
+    assert "GPUs: 0 at start, up to 0 at max scale" in out
+    assert "GPUs per replica" not in out
+    assert main(["plan", "-f", str(REPO / "examples" / "two-tier.yaml"), "-o", "summary"]) == 0
+    assert "    engine: vllm\n    GPUs per replica: 1" in capsys.readouterr().out
+
+
 def test_plan_summary_shows_nodes_per_replica_and_both_command_lines(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

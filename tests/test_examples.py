@@ -35,9 +35,10 @@ class Engine:
     """One engine Deployment (or LeaderWorkerSet, with ``nodes`` > 1) an example must plan."""
 
     role: str
-    gpus: int  # per pod
+    gpus: int  # per pod; 0: a CPU reference engine, which asks for none
     replicas: int
-    # Flags of `vllm serve` (the leader's) and a text their value must contain.
+    # Flags of `vllm serve` (the leader's) or of the reference engine, and a text their value
+    # must contain.
     flags: dict[str, str] = field(default_factory=dict)
     nodes: int = 1
 
@@ -192,6 +193,18 @@ EXPECTED = {
         downloads=("Qwen/Qwen2.5-7B-Instruct@main", "Qwen/Qwen2.5-72B-Instruct@main"),
         tenants=("free", "pro"),
     ),
+    "cpu-two-tier.yaml": Example(
+        "cpu",
+        [("small", 0.4, "unified"), ("large", 1.0, "unified")],
+        {
+            "cpu-small": Engine(
+                "unified", 0, 1, {"--model-config": "tiny", "--served-model-name": "small-model"}
+            ),
+            "cpu-large": Engine(
+                "unified", 0, 1, {"--model-config": "small", "--max-model-len": "4096"}
+            ),
+        },
+    ),
     "local-two-tier.yaml": Example(
         "local",
         [("small", 0.4, "unified"), ("large", 1.0, "unified")],
@@ -268,14 +281,18 @@ def test_example_plans_the_tiers_and_roles_it_describes(path: Path) -> None:
             pod = deployment["spec"]["template"]
         (container,) = pod["spec"]["containers"]
         assert pod["metadata"]["labels"]["fleetpilot.dev/role"] == engine.role, deployment_name
-        assert container["resources"]["limits"]["nvidia.com/gpu"] == str(engine.gpus)
+        if engine.gpus:
+            assert container["resources"]["limits"]["nvidia.com/gpu"] == str(engine.gpus)
+        else:
+            assert not [r for r in container["resources"]["limits"] if "gpu" in r]
+            assert "tolerations" not in pod["spec"], deployment_name
         assert deployment["spec"]["replicas"] == engine.replicas, deployment_name
         for flag, text in engine.flags.items():
             value = _flag(container["args"], flag)
             assert value is not None, (deployment_name, flag)
             assert text in value, (deployment_name, flag, value)
-            if flag.endswith("-config"):
-                json.loads(value)  # vLLM parses these as JSON
+            if flag.endswith("-config") and flag != "--model-config":  # a preset's name
+                json.loads(value)  # vLLM (and the reference engine) parse these as JSON
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,7 @@ from fleetpilot.api import parse_service
 from fleetpilot.autoscaler.prometheus import MetricNames, escaped_name
 from fleetpilot.engine.reference.checkpoint import save_checkpoint
 from fleetpilot.engine.reference.model import LlamaModel, ModelConfig
+from fleetpilot.engine.reference_launch import REFERENCE_TOKENIZER
 from fleetpilot.loadgen import cli as loadgen
 from fleetpilot.loadgen.runner import ROUTE_HEADER, route_fields
 from fleetpilot.loadgen.workloads import words
@@ -52,7 +53,6 @@ from fleetpilot.routing.features import TIER_HEADER
 from fleetpilot.runtime.engines import EngineBackend, ReferenceBackend, VllmBackend
 from fleetpilot.runtime.local import LocalFleet, Replica
 from fleetpilot.runtime.processes import ChildFailedError
-from fleetpilot.runtime.reference_argv import REFERENCE_TOKENIZER
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED = 0

@@ -44,6 +44,7 @@ from typing import Any
 
 from fleetpilot.api import ResolvedRole
 from fleetpilot.api.spec import (
+    EngineBackend,
     KvCacheDtype,
     LoraSettings,
     ModelArchitecture,
@@ -401,7 +402,10 @@ def role_capacity(
     role: ResolvedRole, config: ModelArchitecture | None = None
 ) -> RoleCapacity | None:
     """One replica of ``role`` sized, or None when its architecture, its weights' size or its
-    GPU memory is unknown (``config`` as for :func:`architecture_of`)."""
+    GPU memory is unknown (``config`` as for :func:`architecture_of`), or it runs on no GPU
+    (the CPU reference engine's seeded model, whatever model name the tier gives)."""
+    if role.engine.backend is EngineBackend.REFERENCE:
+        return None
     found = architecture_of(role, config)
     memory = gpu_memory_of(role)
     if found is None or memory is None:

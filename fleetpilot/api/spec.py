@@ -415,8 +415,21 @@ class EnvVar(ApiModel):
     value: str = Field("", max_length=4096)
 
 
+class EngineBackend(StrEnum):
+    VLLM = "vllm"
+    REFERENCE = "reference"
+
+
+class ReferenceModel(StrEnum):
+    """The reference engine's model presets (its ``--model-config``): seeded random Llama-style
+    models small enough for a CPU, built at start, never downloaded."""
+
+    TINY = "tiny"  # 3 layers x 64 wide, up to 2048 tokens: answers in milliseconds
+    SMALL = "small"  # 4 layers x 128 wide, up to 4096 tokens: the engine's default
+
+
 class EngineSettings(ApiModel):
-    """How the engine (vLLM) runs the model."""
+    """How the engine (vLLM, or the CPU reference engine) runs the model."""
 
     model_config = ApiModel.model_config | {
         "json_schema_extra": cel_rules(
@@ -427,12 +440,34 @@ class EngineSettings(ApiModel):
         )
     }
 
+    backend: EngineBackend = Field(
+        EngineBackend.VLLM,
+        description=(
+            "vllm: vLLM on GPUs (production). reference: fleetpilot's CPU reference engine "
+            "from the fleetpilot reference image (the operator's --reference-image), a small "
+            "seeded random model (referenceModel) with real paged KV, prefix caching, KV "
+            "events and the P/D hand-off, on no GPU: for trying fleetpilot on a GPU-less "
+            "cluster such as kind, and for CI checks of GitOps pipelines; never for real "
+            "weights. With reference the planner ignores image, gpuMemoryUtilization and "
+            "resources, sizes the pods' CPU and memory itself (no GPU), downloads nothing, "
+            "and refuses what the engine cannot run: parallelism above 1, maxModelLen above "
+            "the preset's, a model source, quantization, a dtype or KV cache dtype other "
+            "than auto, speculative decoding, LoRA adapters and extraArgs."
+        ),
+    )
+    reference_model: ReferenceModel = Field(
+        ReferenceModel.TINY,
+        description=(
+            "backend reference only: the random model's preset. tiny (up to 2048 tokens) "
+            "answers in milliseconds; small (up to 4096 tokens) is four times the compute."
+        ),
+    )
     image: str = Field(
         DEFAULT_VLLM_IMAGE,
         min_length=1,
         max_length=512,
         pattern=r"^[^\s]+$",
-        description="Engine container image; pin a release, never `latest`.",
+        description="Engine container image (backend vllm); pin a release, never `latest`.",
     )
     gpu_memory_utilization: float = Field(
         0.9, gt=0.0, le=0.99, description="Share of each GPU's memory vLLM may use."

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from fleetpilot.api import InvalidManifestError, RoleName, load_services
+from fleetpilot.api.spec import EngineBackend
 from fleetpilot.engine.vllm_args import (
     RUNTIME_LORA_ENV,
     EngineLaunch,
@@ -88,6 +89,11 @@ def launch_from_file(path: Path, tier_name: str, role: str) -> EngineLaunch:
     if tier_name not in tiers:
         raise LaunchError(f"no tier {tier_name!r} in {path} (tiers: {', '.join(tiers)})")
     tier = tiers[tier_name]
+    if tier.engine.backend is not EngineBackend.VLLM:
+        raise LaunchError(
+            f"tier {tier_name!r} runs engine.backend {tier.engine.backend.value}, not vLLM; "
+            "`fleetpilot plan -o summary` shows its engine command"
+        )
     resolved = tier.role(role)
     if resolved is None:
         roles = ", ".join(tier.role_names)

@@ -20,7 +20,15 @@ import json
 from dataclasses import dataclass, field
 
 from fleetpilot.api.layout import role_layout
-from fleetpilot.api.spec import Adapter, KvConnector, ResolvedRole, RoleName, Tier
+from fleetpilot.api.spec import (
+    Adapter,
+    EngineBackend,
+    KvConnector,
+    ReferenceModel,
+    ResolvedRole,
+    RoleName,
+    Tier,
+)
 from fleetpilot.kv_events import kv_events_config
 
 ENGINE_PORT = 8000
@@ -111,6 +119,10 @@ class EngineLaunch:
     kv_events_port: int | None = KV_EVENTS_PORT
     kv_replay_port: int | None = KV_REPLAY_PORT
     extra_args: tuple[str, ...] = field(default_factory=tuple)
+    # Which engine runs the launch (engine.backend); the reference engine's model preset.
+    # vllm_serve_args reads neither; engine.reference_launch reads both.
+    backend: EngineBackend = EngineBackend.VLLM
+    reference_model: ReferenceModel = ReferenceModel.TINY
 
 
 def model_location(tier: Tier) -> str:
@@ -226,6 +238,8 @@ def launch_for(role: ResolvedRole) -> EngineLaunch:
         # vLLM offsets both ports by the data-parallel rank: keep the ranges apart.
         kv_replay_port=KV_EVENTS_PORT + max(1, parallelism.data),
         extra_args=tuple(engine.extra_args),
+        backend=engine.backend,
+        reference_model=engine.reference_model,
     )
 
 

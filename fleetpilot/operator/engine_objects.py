@@ -1,6 +1,12 @@
 """Engine Deployments, Services and PodDisruptionBudgets of one role, and the ServiceAccount
 of every engine pod of a service. Purely computational.
 
+A tier's pods run vLLM on GPUs (``engine.backend: vllm``), or fleetpilot's CPU reference engine
+(``reference``): the reference image, the command of the one mapping the local runtime runs
+too (engine.reference_launch), CPU and memory sized for it, no GPU request or GPU placement,
+nothing downloaded or mounted but a writable home, a start probed every 2 s rather than 10 s; the
+same ports, other probes, labels, security and overlays as a vLLM pod.
+
 Engine pods run as a ServiceAccount of their own that no RBAC binds, with no token mounted
 (``automountServiceAccountToken: false``): an engine never calls the Kubernetes API (the router
 discovers it, the operator loads its adapters), so an engine taken over through a malicious
@@ -15,11 +21,13 @@ from typing import Any
 from fleetpilot.api import InferenceService, ResolvedRole
 from fleetpilot.api.layout import role_layout
 from fleetpilot.api.pod_template import GPU_PRODUCT_LABEL, PodTemplateOverlay
-from fleetpilot.api.spec import HuggingFaceSource, Tier
+from fleetpilot.api.spec import EngineBackend, HuggingFaceSource, Tier
+from fleetpilot.engine.reference_launch import POD_IP_ENV, reference_pod_command
 from fleetpilot.engine.vllm_args import (
     ADAPTER_MOUNT,
     ENGINE_PORT,
     RUNTIME_LORA_ENV,
+    EngineLaunch,
     adapter_claim_mount,
     adapter_dir,
     kv_event_ports,
@@ -49,6 +57,24 @@ STARTUP_FAILURES = 180
 TERMINATION_GRACE_S = 120
 CACHE_MOUNT = "/cache"
 EMPTY_OVERLAY = PodTemplateOverlay()
+# A reference engine's pod (engine.backend reference), either preset. Memory: measured peak RSS
+# 630 MiB (tiny) and 645 MiB (small) serving 16 concurrent 1200-character prompts of 200
+# tokens each: about 560 MiB of Python, torch and the server, the 64 MiB KV pool (the engine's
+# default --kv-cache-memory-bytes) and under 4 MiB of weights (0.7 MiB tiny, 3.2 MiB small), so
+# the presets differ by less than the noise. x1.5 for larger batches' activations -> 1Gi, the
+# limit too: over it the engine is killed rather than the node's other pods squeezed. CPU: the
+# engine computes on one thread (--num-threads 1), the request; the limit adds the HTTP server's
+# event loop thread, so a busy engine cannot take every core of a laptop's kind node.
+# The reference engine starts in seconds (torch's import and a seeded model; 2-3 s measured
+# on a shared 2-core machine), not minutes of weight loading: probing its start every 2 s makes
+# a new pod Ready (a scale-up, a scale from zero) up to 8 s sooner than the vLLM pods' 10 s
+# period would, and 120 failures still give a starved node 4 minutes.
+REFERENCE_STARTUP_PERIOD_S = 2
+REFERENCE_STARTUP_FAILURES = 120
+REFERENCE_RESOURCES: K8sObject = {
+    "requests": {"cpu": "1", "memory": "1Gi"},
+    "limits": {"cpu": "2", "memory": "1Gi"},
+}
 
 
 def engine_service_account(service: InferenceService) -> K8sObject:
@@ -149,6 +175,17 @@ def _env(role: ResolvedRole, delivery: ModelDelivery) -> list[K8sObject]:
     return env
 
 
+def _reference_env(role: ResolvedRole) -> list[K8sObject]:
+    """A reference engine's environment: the writable home, the pod's IP that a P/D engine
+    advertises to its peers (``$(POD_IP)`` in its args), the tier's own variables."""
+    env = _cache_env()
+    if role.disaggregated:
+        env.append({"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    managed = {item["name"] for item in env}
+    env += [{"name": e.name, "value": e.value} for e in role.engine.env if e.name not in managed]
+    return env
+
+
 def _probe(path: str, period_s: int, failures: int) -> K8sObject:
     return {
         "httpGet": {"path": path, "port": "http"},
@@ -199,13 +236,17 @@ def _volumes(
 
 
 def _placement(service: InferenceService, role: ResolvedRole) -> K8sObject:
+    """Where the role's pods may run: GPU nodes of the tier's product (tolerating their
+    taint) and the spec's scheduling; a reference tier, which needs no GPU, the latter only."""
     scheduling = service.spec.scheduling
     selector = dict(scheduling.node_selector)
-    if role.tier.resources.gpu_product:
-        selector[GPU_PRODUCT_LABEL] = role.tier.resources.gpu_product
-    tolerations: list[K8sObject] = [GPU_TOLERATION]
+    tolerations: list[K8sObject] = []
+    if not is_reference(role.tier):
+        if role.tier.resources.gpu_product:
+            selector[GPU_PRODUCT_LABEL] = role.tier.resources.gpu_product
+        tolerations.append(GPU_TOLERATION)
     tolerations += [t.to_wire() for t in scheduling.tolerations]
-    placement: K8sObject = {"tolerations": tolerations}
+    placement: K8sObject = {"tolerations": tolerations} if tolerations else {}
     if selector:
         placement["nodeSelector"] = selector
     if scheduling.priority_class_name:
@@ -226,13 +267,58 @@ def _init_containers(tier: Tier, delivery: ModelDelivery) -> K8sObject:
     return {"initContainers": init} if init else {}
 
 
+def is_reference(tier: Tier) -> bool:
+    return tier.engine.backend is EngineBackend.REFERENCE
+
+
 def engine_command(
     service: InferenceService, role: ResolvedRole, *, worker: bool = False
 ) -> list[str]:
     """The full command line of the role's engine container (of a multi-node replica's
     leader, or with ``worker`` its workers)."""
+    if is_reference(role.tier):
+        return reference_pod_command(launch_for(role))
     launch = replace(launch_for(role), model=model_path(service, role.tier))
     return ["vllm", "serve", *vllm_serve_args(launch, worker=worker)]
+
+
+def _reference_container(role: ResolvedRole, image: str) -> K8sObject:
+    """The engine container of a reference tier's pod: the reference image running the one
+    shared mapping's command (engine.reference_launch), CPU and memory for it, no GPU."""
+    launch = launch_for(role)
+    command = reference_pod_command(launch)
+    return {
+        "name": "engine",
+        "image": image,
+        "command": command[:2],
+        "args": command[2:],
+        "env": _reference_env(role),
+        "resources": REFERENCE_RESOURCES,
+        "volumeMounts": [{"name": "cache", "mountPath": CACHE_MOUNT}],
+        # Not read-only: torch writes beside its caches, as in a vLLM pod.
+        "securityContext": container_security(read_only_root=False),
+        **_serving(launch, REFERENCE_STARTUP_PERIOD_S, REFERENCE_STARTUP_FAILURES),
+    }
+
+
+def _serving(
+    launch: EngineLaunch,
+    startup_period_s: int = STARTUP_PERIOD_S,
+    startup_failures: int = STARTUP_FAILURES,
+) -> K8sObject:
+    """What a pod that serves the API adds: the HTTP port, the KV-event PUB and replay sockets
+    the router subscribes to, and the health probes (the startup one as the engine loads)."""
+    ports: list[K8sObject] = [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
+    ports += [
+        {"name": port_name, "containerPort": port, "protocol": "TCP"}
+        for port_name, port in kv_event_ports(launch)
+    ]
+    return {
+        "ports": ports,
+        "startupProbe": _probe("/health", startup_period_s, startup_failures),
+        "readinessProbe": _probe("/health", 5, 3),
+        "livenessProbe": _probe("/health", 15, 4),
+    }
 
 
 def _engine_container(
@@ -271,19 +357,7 @@ def _engine_container(
     }
     if worker:
         return container
-    # The HTTP API, then the KV-event PUB and replay sockets the router subscribes to.
-    ports: list[K8sObject] = [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
-    ports += [
-        {"name": port_name, "containerPort": port, "protocol": "TCP"}
-        for port_name, port in kv_event_ports(launch)
-    ]
-    return {
-        **container,
-        "ports": ports,
-        "startupProbe": _probe("/health", STARTUP_PERIOD_S, STARTUP_FAILURES),
-        "readinessProbe": _probe("/health", 5, 3),
-        "livenessProbe": _probe("/health", 15, 4),
-    }
+    return {**container, **_serving(launch)}
 
 
 def engine_pod_template(
@@ -297,9 +371,17 @@ def engine_pod_template(
     ``worker`` its workers), the tier's and role's podTemplate overlays merged in."""
     tier = role.tier
     labels = engine_labels(service, role)
-    delivery = delivery_for(service, tier, options or PlanOptions())
-    volumes, mounts = _volumes(role, delivery)
-    container = _engine_container(role, delivery, mounts, worker)
+    options = options or PlanOptions()
+    if is_reference(tier):
+        # Nothing to download or mount: the model is built from a seed.
+        volumes: list[K8sObject] = [{"name": "cache", "emptyDir": {}}]
+        container = _reference_container(role, options.reference_image)
+        init: K8sObject = {}
+    else:
+        delivery = delivery_for(service, tier, options)
+        volumes, mounts = _volumes(role, delivery)
+        container = _engine_container(role, delivery, mounts, worker)
+        init = _init_containers(tier, delivery)
     metadata: K8sObject = {"labels": labels}
     if not worker:
         # Workers serve no /metrics: the leader's API server reports every rank's.
@@ -322,7 +404,7 @@ def engine_pod_template(
                 names.engine_selector(service.name, tier.name, role.name)
             ),
             **_placement(service, role),
-            **_init_containers(tier, delivery),
+            **init,
             "containers": [container],
             "volumes": volumes,
         },
@@ -343,7 +425,8 @@ def workload_annotations(
     """What the workload object says of its replicas: GPUs (and nodes) each takes, and the
     model downloads it waits for."""
     layout = role_layout(role)
-    annotations = {"fleetpilot.dev/gpus-per-replica": str(layout.nodes * layout.gpus_per_pod)}
+    gpus = 0 if is_reference(role.tier) else layout.nodes * layout.gpus_per_pod
+    annotations = {"fleetpilot.dev/gpus-per-replica": str(gpus)}
     if layout.multi_node:
         annotations["fleetpilot.dev/nodes-per-replica"] = str(layout.nodes)
     return annotations | fetch_job_annotation(service, role.tier, options)

@@ -46,7 +46,11 @@ from fleetpilot.operator.children import (
 )
 from fleetpilot.operator.model_cache import COMPONENT as FETCH_COMPONENT
 from fleetpilot.operator.model_cache import job_complete, job_failed
-from fleetpilot.operator.plan_types import DEFAULT_FLEETPILOT_IMAGE, PlanOptions
+from fleetpilot.operator.plan_types import (
+    DEFAULT_FLEETPILOT_IMAGE,
+    DEFAULT_REFERENCE_IMAGE,
+    PlanOptions,
+)
 from fleetpilot.operator.reconcile import OPTIONAL_KINDS, Reconciler
 from fleetpilot.operator.refresh_queue import RefreshQueue
 
@@ -131,6 +135,7 @@ def serves_leader_worker_sets(kube: Kube) -> bool:
 def build_registry(
     *,
     fleetpilot_image: str = DEFAULT_FLEETPILOT_IMAGE,
+    reference_image: str = DEFAULT_REFERENCE_IMAGE,
     kubeconfig: str | None = None,
     prometheus_url: str | None = None,
     leader_worker_sets: bool | None = None,
@@ -186,6 +191,7 @@ def build_registry(
         options = PlanOptions(
             image_volumes=image_volumes,
             fleetpilot_image=fleetpilot_image,
+            reference_image=reference_image,
             pod_monitor_available=pod_monitors,
             leader_worker_set_available=leader_worker_sets,
             operator_namespace=os.environ.get("POD_NAMESPACE") or None,

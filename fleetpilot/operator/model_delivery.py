@@ -23,7 +23,15 @@ import json
 from dataclasses import dataclass, field
 
 from fleetpilot.api import InferenceService
-from fleetpilot.api.spec import OciMount, OciSource, S3Source, SecretKeyRef, SecretRef, Tier
+from fleetpilot.api.spec import (
+    EngineBackend,
+    OciMount,
+    OciSource,
+    S3Source,
+    SecretKeyRef,
+    SecretRef,
+    Tier,
+)
 from fleetpilot.engine.vllm_args import MODEL_MOUNT, model_location
 from fleetpilot.kube import names
 from fleetpilot.operator.plan_types import K8sObject, PlanOptions
@@ -55,8 +63,11 @@ class ModelDelivery:
 
 
 def cached(service: InferenceService, tier: Tier) -> bool:
-    """Whether the tier's weights come from the service's model cache (Hub and S3 sources)."""
+    """Whether the tier's weights come from the service's model cache (Hub and S3 sources;
+    never for the reference engine, which builds its model from a seed)."""
     source = tier.model.source
+    if tier.engine.backend is EngineBackend.REFERENCE:
+        return False
     return service.spec.model_cache is not None and (source.from_hub or source.s3 is not None)
 
 
@@ -174,6 +185,8 @@ def _s3_in_pod(s3: S3Source, options: PlanOptions, model: str) -> ModelDelivery:
 def weights_summary(service: InferenceService, tier: Tier) -> str:
     """Where the tier's weights come from and how, in words (``fleetpilot plan -o summary``)."""
     source = tier.model.source
+    if tier.engine.backend is EngineBackend.REFERENCE:
+        return f"none: a seeded random model ({tier.engine.reference_model.value} preset)"
     if source.pvc is not None:
         return f"pvc {source.pvc.claim_name}"
     if source.oci is not None:

@@ -12,6 +12,11 @@ K8sObject = dict[str, Any]
 
 # The router and operator ship in one image, tagged with the package version it was built from.
 DEFAULT_FLEETPILOT_IMAGE = f"ghcr.io/fleetpilot/fleetpilot:{__version__}"
+# The CPU reference engine of a tier with engine.backend reference: the fleetpilot image has no
+# torch (engine_image/Dockerfile.operator), this one is the package with its engine extra
+# (engine_image/Dockerfile.reference), tagged with the same version so the engine speaks the
+# operator's and router's contract.
+DEFAULT_REFERENCE_IMAGE = f"ghcr.io/fleetpilot/fleetpilot-reference:{__version__}"
 
 
 # Condition (and Event) reasons of a refused plan: what the status says is in the way.
@@ -49,6 +54,7 @@ class PlanOptions:
     """What the planner may assume about the cluster it plans for."""
 
     fleetpilot_image: str = DEFAULT_FLEETPILOT_IMAGE
+    reference_image: str = DEFAULT_REFERENCE_IMAGE
     pod_monitor_available: bool = False
     # LeaderWorkerSet (leaderworkerset.x-k8s.io/v1) runs replicas that span nodes; without it
     # such a role is refused. Assumed served when planning offline (fleetpilot plan).

@@ -19,8 +19,9 @@ from fleetpilot.api.capacity import (
     smallest_fitting_tensor,
 )
 from fleetpilot.api.layout import LayoutError, role_layout
-from fleetpilot.api.spec import PodMonitorMode, Tier
+from fleetpilot.api.spec import EngineBackend, KvCacheDtype, ModelDtype, PodMonitorMode, Tier
 from fleetpilot.api.units import format_duration
+from fleetpilot.engine.reference_launch import REFERENCE_MAX_MODEL_LEN
 from fleetpilot.kube import names
 from fleetpilot.operator.engine_objects import (
     engine_deployment,
@@ -137,9 +138,13 @@ def check(service: InferenceService, options: PlanOptions | None = None) -> None
                 )
         seen |= dict.fromkeys(derived, owner)
     check_auth(service)
+    _check_model_cache(service)
     for role in all_roles(service):
         tier = role.tier
         where = _tier_field(service, role)
+        if tier.engine.backend is EngineBackend.REFERENCE:
+            _check_reference(role, where)
+            continue  # one CPU process: no layout, no GPU capacity, none of vLLM's flags
         _check_layout(role, where, options)
         _check_capacity(role, where)
         _check_run_time_adapters(tier, where, service.spec.model_cache is not None)
@@ -151,6 +156,100 @@ def check(service: InferenceService, options: PlanOptions | None = None) -> None
                     f"{flag} is set by fleetpilot from the spec; change the matching "
                     "spec field instead",
                 )
+
+
+def check_reference_tiers(service: InferenceService) -> None:
+    """Refuse what the reference engine cannot run in the service's reference tiers: also
+    where no cluster plans them (``fleetpilot up``), so a spec runs the same engines, or is
+    refused with the same words, on a laptop and in a cluster."""
+    for role in all_roles(service):
+        if role.tier.engine.backend is EngineBackend.REFERENCE:
+            _check_reference(role, _tier_field(service, role))
+
+
+def _check_model_cache(service: InferenceService) -> None:
+    """A model cache that no tier downloads into would be a claim (and Jobs) for nothing: the
+    reference engine builds its model from a seed."""
+    if service.spec.model_cache is None:
+        return
+    if all(tier.engine.backend is EngineBackend.REFERENCE for tier in service.spec.tiers):
+        raise PlanError(
+            "spec.modelCache",
+            "no tier downloads weights: every tier's engine.backend is reference, whose model "
+            "is built from a seed; remove modelCache",
+        )
+
+
+def _check_reference(role: ResolvedRole, where: str) -> None:
+    """Refuse, with the numbers, what the CPU reference engine cannot run. A cluster user chose
+    ``backend: reference`` for this tier, so a setting it cannot honour is a mistake to say
+    (the local runtime, which runs GPU specs on a CPU, caps instead)."""
+    tier, p = role.tier, role.parallelism
+    owner = f"tier {tier.name!r} role {role.name}"
+    engine = tier.engine
+    one_process = "the reference engine is one CPU process"
+    for name, value in (("tensor", p.tensor), ("pipeline", p.pipeline), ("data", p.data)):
+        if value > 1:
+            raise PlanError(
+                f"{_parallelism_field(role, where)}.{name}",
+                f"{owner}: {name} {value} > 1: {one_process} (no GPUs, no parallel ranks, "
+                "no multi-node groups); set it to 1 or use engine.backend vllm",
+            )
+    if p.expert:
+        raise PlanError(
+            f"{_parallelism_field(role, where)}.expert",
+            f"{owner}: {one_process}, with no experts to spread; remove it",
+        )
+    preset = engine.reference_model
+    cap = REFERENCE_MAX_MODEL_LEN[preset]
+    asked = tier.model.max_model_len
+    if asked is not None and asked > cap:
+        larger = [
+            f"engine.referenceModel {other.value} ({limit})"
+            for other, limit in REFERENCE_MAX_MODEL_LEN.items()
+            if limit >= asked
+        ]
+        raise PlanError(
+            f"{where}.model.maxModelLen",
+            f"{owner}: maxModelLen {asked} > {cap}, the most the reference engine's "
+            f"{preset.value} preset holds (its max_position_embeddings); set at most {cap}"
+            + "".join(f" or {choice}" for choice in larger[:1]),
+        )
+    source = tier.model.source
+    given = [
+        name
+        for name, value in (
+            ("huggingface", source.huggingface),
+            ("pvc", source.pvc),
+            ("oci", source.oci),
+            ("s3", source.s3),
+        )
+        if value is not None
+    ]
+    if given:
+        raise PlanError(
+            f"{where}.model.source.{given[0]}",
+            f"{owner}: the reference engine builds a seeded random model of its preset "
+            f"({preset.value}) and reads no weights; remove model.source",
+        )
+    refused = [
+        ("model.quantization", tier.model.quantization is not None, "runs float32 weights"),
+        ("model.dtype", tier.model.dtype is not ModelDtype.AUTO, "runs its preset's dtype"),
+        (
+            "engine.kvCache.dtype",
+            engine.kv_cache.dtype is not KvCacheDtype.AUTO,
+            "stores KV in the model's dtype",
+        ),
+        ("engine.speculative", engine.speculative is not None, "has none of vLLM's proposers"),
+        ("adapters", bool(tier.adapters), "serves no LoRA adapters in a cluster"),
+        ("lora", tier.lora is not None, "serves no LoRA adapters in a cluster"),
+        ("engine.extraArgs", bool(engine.extra_args), "takes no vLLM arguments"),
+    ]
+    for field, set_, why in refused:
+        if set_:
+            raise PlanError(
+                f"{where}.{field}", f"{owner}: the reference engine {why}; remove {field}"
+            )
 
 
 def _parallelism_field(role: ResolvedRole, where: str) -> str:

@@ -1,7 +1,9 @@
-"""The router of a service: config, identity, Deployment, Service. Purely computational."""
+"""The router of a service: config, identity, Deployment, Service. Purely computational (the
+reference tokenizer's files are read once from the package: data fixed at install)."""
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
 
 import yaml
@@ -15,7 +17,8 @@ from fleetpilot.api.router_config import (
     RouterConfig,
     RouterTier,
 )
-from fleetpilot.api.spec import Tier
+from fleetpilot.api.spec import EngineBackend, Tier
+from fleetpilot.engine.reference_launch import REFERENCE_TOKENIZER
 from fleetpilot.engine.vllm_args import ENGINE_PORT, launch_for
 from fleetpilot.kube import names
 from fleetpilot.operator.engine_objects import hub_token_env
@@ -35,6 +38,42 @@ CONFIG_DIR = "/etc/fleetpilot"
 # The router downloads each tier's tokenizer files (a few MB) here; its root filesystem is
 # read-only.
 TOKENIZER_CACHE = "/var/cache/fleetpilot/hf"
+# A reference tier's engines tokenize with the files the package ships (6 KB); the router's
+# image may hold the package elsewhere than the operator's, so the files travel in the
+# router's ConfigMap (as REFERENCE_TOKENIZER_KEY_PREFIX + name) and are mounted here.
+REFERENCE_TOKENIZER_DIR = "/etc/fleetpilot-tokenizers/reference"
+REFERENCE_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+REFERENCE_TOKENIZER_KEY_PREFIX = "reference-"
+
+
+@functools.cache
+def reference_tokenizer_data() -> dict[str, str]:
+    """The router ConfigMap's copy of the reference engine's tokenizer files. Reads the
+    package's own data files, fixed at install: the same bytes on every call."""
+    return {
+        REFERENCE_TOKENIZER_KEY_PREFIX + file: (REFERENCE_TOKENIZER / file).read_text("utf-8")
+        for file in REFERENCE_TOKENIZER_FILES
+    }
+
+
+def has_reference_tier(service: InferenceService) -> bool:
+    return any(t.engine.backend is EngineBackend.REFERENCE for t in service.spec.tiers)
+
+
+def reference_tokenizer_volume(
+    service: InferenceService, config_map: str
+) -> tuple[list[K8sObject], list[K8sObject]]:
+    """The router pod's volume and mount of the reference tokenizer (none without a reference
+    tier): the ConfigMap's copies under their own names."""
+    if not has_reference_tier(service):
+        return [], []
+    items = [
+        {"key": REFERENCE_TOKENIZER_KEY_PREFIX + file, "path": file}
+        for file in REFERENCE_TOKENIZER_FILES
+    ]
+    volume = {"name": "reference-tokenizer", "configMap": {"name": config_map, "items": items}}
+    mount = {"name": "reference-tokenizer", "mountPath": REFERENCE_TOKENIZER_DIR, "readOnly": True}
+    return [volume], [mount]
 
 
 def router_labels(service: InferenceService) -> dict[str, str]:
@@ -70,8 +109,11 @@ def tokenizer_ref(tier: Tier) -> str | None:
     """Where the router gets the tier model's tokenizer: the Hub repository the engines load
     (at the same revision), None for weights on a PVC (the router does not mount the engines'
     volume) or a name that is no ``org/name`` repository: the router then guesses what the
-    engines cache from prompt text."""
+    engines cache from prompt text. A reference tier's engines tokenize with the files shipped
+    in the package: the router reads its ConfigMap's copy (:func:`reference_tokenizer_volume`)."""
     source = tier.model.source
+    if tier.engine.backend is EngineBackend.REFERENCE:
+        return REFERENCE_TOKENIZER_DIR
     if source.pvc is not None or tier.model.name.count("/") != 1:
         return None  # a PVC, or a model name that is no Hub repository id
     revision = source.huggingface.revision if source.huggingface is not None else None
@@ -221,6 +263,10 @@ def router_objects(service: InferenceService, options: PlanOptions) -> list[K8sO
     config_text = yaml.safe_dump(router_config(service).to_wire(), sort_keys=False)
     probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5}
     key_volumes, key_mounts = auth_volumes(service)
+    tokenizer_volumes, tokenizer_mounts = reference_tokenizer_volume(service, name)
+    data = {ROUTER_CONFIG_FILE: config_text}
+    if has_reference_tier(service):
+        data |= reference_tokenizer_data()
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
         {
@@ -247,7 +293,7 @@ def router_objects(service: InferenceService, options: PlanOptions) -> list[K8sO
             "apiVersion": "v1",
             "kind": "ConfigMap",
             "metadata": meta,
-            "data": {ROUTER_CONFIG_FILE: config_text},
+            "data": data,
         },
         {
             "apiVersion": "v1",
@@ -321,6 +367,7 @@ def router_objects(service: InferenceService, options: PlanOptions) -> list[K8sO
                                 "volumeMounts": [
                                     {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
                                     {"name": "tokenizers", "mountPath": TOKENIZER_CACHE},
+                                    *tokenizer_mounts,
                                     *key_mounts,
                                 ],
                             }
@@ -328,6 +375,7 @@ def router_objects(service: InferenceService, options: PlanOptions) -> list[K8sO
                         "volumes": [
                             {"name": "config", "configMap": {"name": name}},
                             {"name": "tokenizers", "emptyDir": {"sizeLimit": "1Gi"}},
+                            *tokenizer_volumes,
                             *key_volumes,
                         ],
                     },

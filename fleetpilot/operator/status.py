@@ -22,6 +22,7 @@ from typing import Any
 
 from fleetpilot.api import InferenceService
 from fleetpilot.api.capacity import role_capacity
+from fleetpilot.api.spec import EngineBackend
 from fleetpilot.api.status import (
     Condition,
     ConditionStatus,
@@ -280,7 +281,8 @@ def _capacity_condition(service: InferenceService, now: datetime) -> Condition:
     unsized = [
         f"tier {role.tier.name} / {role.name}"
         for role in all_roles(service)
-        if role_capacity(role) is None
+        # A reference tier has no GPU to size: nothing for the spec to say.
+        if role_capacity(role) is None and role.engine.backend is not EngineBackend.REFERENCE
     ]
     if warnings:
         status, reason, message = ConditionStatus.FALSE, "CapacityWarning", "; ".join(warnings)

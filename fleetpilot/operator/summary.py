@@ -9,8 +9,12 @@ from fleetpilot.api import InferenceService, ResolvedRole, Tier
 from fleetpilot.api.capacity import architecture_of, format_bytes, gpu_memory_of, role_capacity
 from fleetpilot.api.layout import Span, role_layout
 from fleetpilot.api.units import format_duration
+from fleetpilot.engine.reference_launch import (
+    REFERENCE_DEFAULT_MAX_MODEL_LEN,
+    REFERENCE_MAX_MODEL_LEN,
+)
 from fleetpilot.kube import names
-from fleetpilot.operator.engine_objects import engine_command
+from fleetpilot.operator.engine_objects import REFERENCE_RESOURCES, engine_command, is_reference
 from fleetpilot.operator.model_delivery import weights_summary
 from fleetpilot.operator.plan_types import K8sObject
 from fleetpilot.operator.planner import all_roles, capacity_warnings
@@ -102,6 +106,39 @@ def command_lines(service: InferenceService, role: ResolvedRole) -> list[str]:
     ]
 
 
+def reference_lines(
+    service: InferenceService, role: ResolvedRole, objects: list[K8sObject]
+) -> list[str]:
+    """A reference tier's engine: what it is, the pod it asks for, its image and command (as
+    planned: the image is the operator's --reference-image)."""
+    engine = role.tier.engine
+    resources = REFERENCE_RESOURCES
+    context = role.tier.model.max_model_len or min(
+        REFERENCE_DEFAULT_MAX_MODEL_LEN, REFERENCE_MAX_MODEL_LEN[engine.reference_model]
+    )
+    workload = names.engine_name(service.name, role.tier.name, role.name)
+    container = next(
+        (
+            obj["spec"]["template"]["spec"]["containers"][0]
+            for obj in objects
+            if obj["kind"] == "Deployment" and obj["metadata"]["name"] == workload
+        ),
+        None,
+    )
+    lines = [
+        f"    engine: reference (CPU, no GPU; {engine.reference_model.value} preset, "
+        f"context {context} tokens), "
+        f"cpu {resources['requests']['cpu']} (limit {resources['limits']['cpu']}), "
+        f"memory {resources['limits']['memory']} per replica",
+    ]
+    if container is not None:
+        lines += [
+            f"    image: {container['image']}",
+            f"    command: {shlex.join([*container['command'], *container['args']])}",
+        ]
+    return lines
+
+
 def tenant_lines(service: InferenceService) -> list[str]:
     """Who may call the router (routing.auth), what each tenant may use and its limits, and
     what the router does when every replica is busy."""
@@ -140,12 +177,7 @@ def summarize(service: InferenceService, objects: list[K8sObject]) -> str:
     total_start = total_max = 0
     for role in all_roles(service):
         tier = role.tier
-        gpus = role.parallelism.gpus
         bounds = role.replicas
-        total_start += gpus * bounds.start
-        total_max += gpus * bounds.max
-        product = tier.resources.gpu_product or "any GPU"
-        p = role.parallelism
         lines += [
             "",
             f"  tier {tier.name} / {role.name}: model {tier.model.alias}"
@@ -153,6 +185,17 @@ def summarize(service: InferenceService, objects: list[K8sObject]) -> str:
             f"    replicas: {bounds.start} now, {bounds.min}..{bounds.max} autoscaled"
             f" ({tier.autoscaling.mode.value})",
             f"    weights: {weights_summary(service, tier)}",
+        ]
+        if is_reference(tier):
+            lines += reference_lines(service, role, objects)
+            continue
+        gpus = role.parallelism.gpus
+        total_start += gpus * bounds.start
+        total_max += gpus * bounds.max
+        product = tier.resources.gpu_product or "any GPU"
+        p = role.parallelism
+        lines += [
+            "    engine: vllm",
             f"    GPUs per replica: {gpus} x {product}"
             f"  (tensor {p.tensor} x pipeline {p.pipeline} x data {p.data}"
             f"{', expert parallel' if p.expert else ''})",

@@ -5,8 +5,9 @@ port) from the planner's launch of each role; a backend turns one such launch, a
 local ports, into a command and environment, and says what the router of the fleet needs to
 know of its engines (the tokenizer, the batch limit). Purely computational.
 
-- :class:`ReferenceBackend` (the default): ``fleetpilot engine --backend reference`` with a
-  tiny random model, capped for a CPU (:mod:`fleetpilot.runtime.reference_argv`), optionally
+- :class:`ReferenceBackend` (the default): ``fleetpilot engine --backend reference`` as a
+  cluster's reference pods run it for a tier with ``engine.backend: reference``, else with a
+  tiny random model, capped for a CPU (:mod:`fleetpilot.engine.reference_launch`); optionally
   with a cold start (``fleetpilot up --cold-start``) and a step delay (``--step-delay``).
 - :class:`VllmBackend`: the launcher's exact ``vllm serve`` line
   (:func:`~fleetpilot.engine.vllm_args.vllm_serve_args`) with a local checkpoint and a share
@@ -21,13 +22,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from fleetpilot.engine.vllm_args import RUNTIME_LORA_ENV, EngineLaunch, vllm_serve_args
-from fleetpilot.runtime.reference_argv import (
-    CPU_MAX_NUM_SEQS,
+from fleetpilot.engine.reference_launch import (
     CPU_MODEL_CONFIG,
     REFERENCE_TOKENIZER,
+    cpu_launch,
     reference_argv,
 )
+from fleetpilot.engine.vllm_args import RUNTIME_LORA_ENV, EngineLaunch, vllm_serve_args
 
 NIXL_SIDE_CHANNEL = "nixl-side-channel"
 # Several engines share one GPU, so each gets a slice of its memory (vLLM's default, 0.9, is
@@ -62,9 +63,10 @@ class EngineBackend(ABC):
         """What the router tokenizes prompts with to match them against the engines' KV
         events: the engines' own tokenizer."""
 
-    def max_num_seqs(self, planned: int) -> int:
-        """The batch limit the engines run with, for the router's saturation estimate."""
-        return planned
+    def max_num_seqs(self, launch: EngineLaunch) -> int:
+        """The batch limit the engines of ``launch`` run with, for the router's saturation
+        estimate."""
+        return launch.max_num_seqs
 
 
 @dataclass(frozen=True)
@@ -97,9 +99,9 @@ class ReferenceBackend(EngineBackend):
     def router_tokenizer(self) -> str:
         return str(REFERENCE_TOKENIZER)
 
-    def max_num_seqs(self, planned: int) -> int:
-        # The engines run with the CPU batch limit: saturation comes sooner.
-        return min(planned, CPU_MAX_NUM_SEQS)
+    def max_num_seqs(self, launch: EngineLaunch) -> int:
+        # A GPU tier's engines run with the CPU batch limit: saturation comes sooner.
+        return cpu_launch(launch).max_num_seqs
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ The same planner code decides what runs (tiers, roles, initial replicas, each ro
 launch, the router's config); only the realization differs from Kubernetes: each engine
 replica is a process its backend (:mod:`fleetpilot.runtime.engines`) starts from its role's
 launch - by default a CPU reference engine with a tiny random model
-(:mod:`fleetpilot.runtime.reference_argv` says what of the launch a CPU keeps), or ``vllm
+(:mod:`fleetpilot.engine.reference_launch` says what of the launch a CPU keeps), or ``vllm
 serve`` on a GPU machine - publishing its KV events on two ports of its own, and the router
 finds them through an endpoints file (address and KV-event ports of every serving engine)
 beside its config file, and tokenizes with the engines' tokenizer to read those events. Image
@@ -293,11 +293,11 @@ class LocalFleet:
         tiers = []
         for tier in config.tiers:
             # One local engine per replica, whatever its data-parallel ranks in a cluster.
-            planned = specs[tier.name].engine.max_num_seqs
+            launch = launch_for(specs[tier.name].roles()[0])  # both roles run one engine
             groups = [
                 group.model_copy(
                     update={
-                        "max_num_seqs": self.backend.max_num_seqs(planned),
+                        "max_num_seqs": self.backend.max_num_seqs(launch),
                         # Each local engine has KV-event ports of its own (the endpoints file).
                         "kv_events_port": None,
                         "kv_replay_port": None,

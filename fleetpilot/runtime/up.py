@@ -30,6 +30,8 @@ from types import FrameType
 from fleetpilot.api import InvalidManifestError, load_services
 from fleetpilot.argtypes import DefaultsHelpFormatter, port_number
 from fleetpilot.logs import json_formatter
+from fleetpilot.operator.plan_types import PlanError
+from fleetpilot.operator.planner import check_reference_tiers
 from fleetpilot.runtime.liveness import (
     DEFAULT_FAILURE_THRESHOLD,
     DEFAULT_PERIOD_S,
@@ -184,6 +186,12 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_INVALID
     liveness = LivenessProbe(args.liveness_period, args.liveness_timeout, args.liveness_failures)
     service = services[0]
+    try:
+        # The local fleet caps a GPU spec for a CPU; a reference tier runs as its pods would.
+        check_reference_tiers(service)
+    except PlanError as exc:
+        print(f"error: {path}: {service.name}: {exc}", file=sys.stderr)
+        return EXIT_INVALID
     with tempfile.TemporaryDirectory(prefix="fleetpilot-up-") as tmp:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)
         stack = LocalStack(

@@ -3,7 +3,7 @@ fleet (``fleetpilot up``) runs it, and write the
 :class:`~fleetpilot.simulate.profile.MeasuredProfile` the simulator times engines with.
 
 Every engine is started with the local fleet's own command line
-(:func:`~fleetpilot.runtime.reference_argv.reference_argv`: the tiny model, 16 sequences, 2048
+(:func:`~fleetpilot.engine.reference_launch.reference_argv`: the tiny model, 16 sequences, 2048
 tokens of context, the engine's default token budget (512) and block size (16), prefix caching
 and KV events on) and measured over HTTP with the load generator ``fleetpilot bench`` uses,
 because that is what the profile must predict: an engine serving HTTP spends a large share of a
@@ -88,18 +88,18 @@ from prometheus_client.parser import text_string_to_metric_families
 import fleetpilot
 from fleetpilot.api import API_VERSION, KIND, parse_service
 from fleetpilot.api.spec import KvConnector, RoleName
+from fleetpilot.engine.reference_launch import (
+    CPU_MAX_MODEL_LEN,
+    CPU_MAX_NUM_SEQS,
+    CPU_MODEL_CONFIG,
+    reference_argv,
+)
 from fleetpilot.engine.vllm_args import EngineLaunch
 from fleetpilot.loadgen.runner import RequestRecord, RunConfig, Runner
 from fleetpilot.loadgen.workloads import WORKLOADS, RequestSpec, make_workload, words
 from fleetpilot.routing.policies.pd import decode_request, kv_params_of, prefill_request
 from fleetpilot.runtime.local import LocalFleet
 from fleetpilot.runtime.processes import Child, ChildFailedError, Supervisor, free_ports
-from fleetpilot.runtime.reference_argv import (
-    CPU_MAX_MODEL_LEN,
-    CPU_MAX_NUM_SEQS,
-    CPU_MODEL_CONFIG,
-    reference_argv,
-)
 from fleetpilot.simulate.profile import EngineCosts, EngineShape, MeasuredProfile
 
 if TYPE_CHECKING:

@@ -20,8 +20,8 @@ import torch
 from bench.gpu import vllm_check as check
 from fleetpilot.engine.reference.checkpoint import load_checkpoint
 from fleetpilot.engine.reference.model import LlamaModel
+from fleetpilot.engine.reference_launch import REFERENCE_TOKENIZER
 from fleetpilot.routing.tokenize import RequestTokenizer
-from fleetpilot.runtime.reference_argv import REFERENCE_TOKENIZER
 
 SCRIPT = Path(check.__file__)
 # A vLLM engine's page, trimmed: labelled histograms, counters and gauges as vLLM writes them.

@@ -99,6 +99,7 @@ NAMESPACED_PEERING_RULES: RuleTable = {("kopf.dev", "kopfpeerings"): verbs("get 
 NON_DEFAULT_VALUES: Obj = {
     "image": {"tag": "0.1.0-rc.1"},
     "routerImage": "registry.example.com/fleetpilot/router:0.1.0",
+    "referenceImage": "registry.example.com/fleetpilot/reference:0.1.0",
     "prometheusURL": "http://prometheus-operated.monitoring:9090",
     "watchNamespaces": ["ml-prod", "ml-staging"],
     "peering": {"name": "fleet.prod"},
@@ -348,6 +349,7 @@ def test_non_default_values_reach_the_objects(chart: helm.Chart) -> None:
         f"--leader-election-name={FULLNAME}",
         "--lease-duration=15",
         "--image=registry.example.com/fleetpilot/router:0.1.0",
+        "--reference-image=registry.example.com/fleetpilot/reference:0.1.0",
         "--prometheus-url=http://prometheus-operated.monitoring:9090",
         "--bind=0.0.0.0",
         "--liveness-port=8081",

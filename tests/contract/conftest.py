@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from fleetpilot.runtime.reference_argv import REFERENCE_TOKENIZER
+from fleetpilot.engine.reference_launch import REFERENCE_TOKENIZER
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"

@@ -49,8 +49,8 @@ from fleetpilot.engine.reference.lora import (
 from fleetpilot.engine.reference.lora_serving import RUNTIME_UPDATING_ENV
 from fleetpilot.engine.reference.model import LoRAWeights, ModelConfig, lora_targets
 from fleetpilot.engine.reference.settings import MODEL_PRESETS
+from fleetpilot.engine.reference_launch import adapter_stand_in, lora_argv
 from fleetpilot.engine.vllm_args import LoraLaunch, lora_args
-from fleetpilot.runtime.reference_argv import adapter_stand_in, lora_argv
 from fleetpilot.testing.engine_server import BackgroundServer
 from tests.contract.conftest import VllmJudge
 

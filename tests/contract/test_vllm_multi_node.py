@@ -32,10 +32,10 @@ import pytest
 from fleetpilot.api import InferenceService, ResolvedRole, load_services, parse_service
 from fleetpilot.api.layout import ReplicaLayout, Span, role_layout
 from fleetpilot.engine.launcher import expand_group_env
+from fleetpilot.engine.reference_launch import REFERENCE_TOKENIZER
 from fleetpilot.engine.vllm_args import DATA_PARALLEL_RPC_PORT, MASTER_PORT
 from fleetpilot.kube.names import leader_worker_set_name, spans_nodes
 from fleetpilot.operator.engine_objects import engine_command
-from fleetpilot.runtime.reference_argv import REFERENCE_TOKENIZER
 from tests.contract.conftest import VllmJudge
 from tests.factories import make_manifest, make_tier
 

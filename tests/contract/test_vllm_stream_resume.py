@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from fleetpilot.engine.reference.tokenizer import ByteTokenizer
+from fleetpilot.engine.reference_launch import REFERENCE_TOKENIZER
 from fleetpilot.routing.features import Kind
 from fleetpilot.routing.resume import Sent, continuation, tokenize_request
-from fleetpilot.runtime.reference_argv import REFERENCE_TOKENIZER
 from tests.contract.conftest import VllmJudge
 
 PRINTABLE = list(range(32, 127))

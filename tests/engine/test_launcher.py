@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from fleetpilot.api import load_services
+from fleetpilot.api.spec import EngineBackend
 from fleetpilot.cli import main
 from fleetpilot.engine.launcher import (
     LaunchError,
@@ -171,14 +172,23 @@ WORKER_GOLDEN = {
 
 
 def test_every_example_role_has_a_golden_command() -> None:
-    """Every role of every example has a golden command, and no golden command is left for a role
-    that no longer exists."""
+    """Every role of every example's vLLM tiers has a golden command, and no golden command is
+    left for a role that no longer exists."""
     roles = set()
     for path in EXAMPLES.glob("*.yaml"):
         for service in load_services(path):
             for tier in service.spec.tiers:
-                roles |= {(path.name, tier.name, role) for role in tier.role_names}
+                if tier.engine.backend is EngineBackend.VLLM:
+                    roles |= {(path.name, tier.name, role) for role in tier.role_names}
     assert roles == set(GOLDEN)
+
+
+def test_a_reference_tier_is_not_launched_as_vllm(capsys: pytest.CaptureFixture[str]) -> None:
+    """The vLLM launcher refuses a tier of the CPU reference engine rather than print (or
+    exec) a `vllm serve` line its pods never run."""
+    argv = ["engine", "--backend", "vllm", "-f", str(EXAMPLES / "cpu-two-tier.yaml")]
+    assert main([*argv, "--tier", "small", "--role", "unified", "--dry-run"]) != 0
+    assert "tier 'small' runs engine.backend reference, not vLLM" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("example", "tier", "role"), sorted(GOLDEN))

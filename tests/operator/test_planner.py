@@ -580,3 +580,124 @@ def test_dynamic_adapters_with_data_parallel_ranks_run_one_api_server() -> None:
     with pytest.raises(PlanError) as info:
         plan(make_service(tiers=[tier]))
     assert info.value.field == "spec.tiers[0].engine.extraArgs[0]"
+
+
+# -- engine.backend reference: what one CPU process cannot run ------------------------------
+
+
+def _reference(**extra: Any) -> dict[str, Any]:
+    engine = {"backend": "reference", **extra.pop("engine", {})}
+    return make_tier("main", model="reference-tiny", engine=engine, **extra)
+
+
+def _with_model(tier: dict[str, Any], **model: Any) -> dict[str, Any]:
+    tier["model"] = {**tier["model"], **model}
+    return tier
+
+
+def _decode_data_2() -> dict[str, Any]:
+    tier = _reference(mode="disaggregated")
+    tier["serving"]["decode"]["parallelism"] = {"data": 2}
+    return tier
+
+
+REFERENCE_REFUSALS = [
+    # (case, tier, field, words the message must hold)
+    ("tensor", _reference(tensor=2), "spec.tiers[0].parallelism.tensor", ["tensor 2 > 1"]),
+    (
+        "a replica spanning nodes",
+        _reference(tensor=16),
+        "spec.tiers[0].parallelism.tensor",
+        ["tensor 16 > 1", "no multi-node groups"],
+    ),
+    (
+        "a role's own data parallelism",
+        _decode_data_2(),
+        "spec.tiers[0].serving.decode.parallelism.data",
+        ["role decode", "data 2 > 1"],
+    ),
+    (
+        "maxModelLen over the tiny preset",
+        _with_model(_reference(), maxModelLen=4096),
+        "spec.tiers[0].model.maxModelLen",
+        ["maxModelLen 4096 > 2048", "tiny preset", "referenceModel small (4096)"],
+    ),
+    (
+        "maxModelLen over the small preset",
+        _with_model(_reference(engine={"referenceModel": "small"}), maxModelLen=8192),
+        "spec.tiers[0].model.maxModelLen",
+        ["maxModelLen 8192 > 4096", "small preset"],
+    ),
+    (
+        "weights on a PVC",
+        _with_model(_reference(), source={"pvc": {"claimName": "models"}}),
+        "spec.tiers[0].model.source.pvc",
+        ["reads no weights"],
+    ),
+    (
+        "quantization",
+        _with_model(_reference(), quantization="awq"),
+        "spec.tiers[0].model.quantization",
+        ["float32"],
+    ),
+    (
+        "an fp8 KV cache",
+        _reference(engine={"kvCache": {"dtype": "fp8"}}),
+        "spec.tiers[0].engine.kvCache.dtype",
+        ["remove engine.kvCache.dtype"],
+    ),
+    (
+        "speculative decoding",
+        _reference(engine={"speculative": {"method": "ngram"}}),
+        "spec.tiers[0].engine.speculative",
+        ["proposers"],
+    ),
+    (
+        "LoRA adapters",
+        _reference(
+            adapters=[{"name": "sql", "source": {"pvc": {"claimName": "a", "path": "sql"}}}]
+        ),
+        "spec.tiers[0].adapters",
+        ["LoRA"],
+    ),
+    (
+        "vLLM arguments",
+        _reference(engine={"extraArgs": ["--enforce-eager"]}),
+        "spec.tiers[0].engine.extraArgs",
+        ["no vLLM arguments"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("tier", "field", "words"),
+    [case[1:] for case in REFERENCE_REFUSALS],
+    ids=[case[0] for case in REFERENCE_REFUSALS],
+)
+def test_reference_tier_refuses_what_the_cpu_engine_cannot_run(
+    tier: dict[str, Any], field: str, words: list[str]
+) -> None:
+    """A cluster user chose backend reference, so a setting the CPU engine cannot honour is
+    refused at its field with the numbers (not capped, as the local runtime caps a GPU spec):
+    otherwise the pods would crash-loop on a refused flag, or silently serve less context than
+    the spec promises."""
+    with pytest.raises(PlanError) as info:
+        plan(make_service(tiers=[tier]))
+    assert info.value.field == field
+    for text in words:
+        assert text in info.value.message
+
+
+def test_reference_preset_limits_are_accepted() -> None:
+    """The presets' own limits plan: tiny at 2048 tokens, small at 4096."""
+    plan(make_service(tiers=[_with_model(_reference(), maxModelLen=2048)]))
+    small = _reference(engine={"referenceModel": "small"})
+    plan(make_service(tiers=[_with_model(small, maxModelLen=4096)]))
+
+
+def test_model_cache_of_only_reference_tiers_is_refused() -> None:
+    """A model cache no tier downloads into would be a claim (and its GC Job) for nothing."""
+    with pytest.raises(PlanError) as info:
+        plan(make_service(tiers=[_reference()], modelCache={"size": "10Gi"}))
+    assert info.value.field == "spec.modelCache"
+    assert "every tier's engine.backend is reference" in info.value.message

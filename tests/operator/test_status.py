@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from fleetpilot.api import InferenceService
+from fleetpilot.api.capacity import role_capacity
 from fleetpilot.api.status import Condition, InferenceServiceStatus, RoleStatus, TierStatus
 from fleetpilot.operator.plan_types import LEADER_WORKER_SET_MISSING, Refusal
 from fleetpilot.operator.status import Observed, compute_status
@@ -327,6 +328,22 @@ def test_capacity_sufficient_says_what_the_planner_computed(
     capacity = _conditions(compute_status(svc, _observed(), None, NOW))["CapacitySufficient"]
     assert (capacity.status, capacity.reason) == (status, reason)
     assert words in capacity.message
+
+
+def test_a_reference_tier_is_not_sized_as_a_gpu_model() -> None:
+    """A reference tier runs a seeded CPU model whatever model name and GPU product its spec
+    carries: it is not sized as that model on that GPU (no false warning, no advice to set
+    an architecture), and CapacitySufficient does not report it as unsized."""
+    tier = make_tier(
+        model="meta-llama/Llama-3.1-70B-Instruct",
+        engine={"backend": "reference", "maxNumSeqs": 512},
+        resources={"gpuProduct": "NVIDIA-H100-80GB-HBM3"},
+    )
+    svc = make_service(tiers=[tier])
+    assert role_capacity(svc.spec.tiers[0].roles()[0]) is None
+    capacity = _conditions(compute_status(svc, _observed(), None, NOW))["CapacitySufficient"]
+    assert "not sized" not in capacity.message
+    assert capacity.reason == "Sized"
 
 
 def _as_written(service: InferenceService, status: InferenceServiceStatus) -> dict[str, Any]:

@@ -17,11 +17,11 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetpilot.api.router_config import EndpointGroup, RouterConfig, RouterTier
+from fleetpilot.engine.reference_launch import REFERENCE_TOKENIZER
 from fleetpilot.routing.discovery import FileSource
 from fleetpilot.routing.features import extract_features
 from fleetpilot.routing.policies.prefix import block_hashes
 from fleetpilot.runtime.processes import free_port
-from fleetpilot.runtime.reference_argv import REFERENCE_TOKENIZER
 from fleetpilot.testing.engine_server import BackgroundServer
 from tests.routing.support import make_config, router_process, running_router, wait_for
 

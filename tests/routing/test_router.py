@@ -9,6 +9,7 @@ import random
 import pytest
 
 from fleetpilot.api.router_config import EndpointGroup, RouterTier
+from fleetpilot.engine.reference_launch import REFERENCE_TOKENIZER
 from fleetpilot.kv_events import BlockRemoved, BlockStored
 from fleetpilot.routing.discovery import Endpoint, StaticSource
 from fleetpilot.routing.errors import OverloadedError, UnavailableError
@@ -23,7 +24,6 @@ from fleetpilot.routing.router import (
     Router,
 )
 from fleetpilot.routing.tokenize import RequestTokenizer
-from fleetpilot.runtime.reference_argv import REFERENCE_TOKENIZER
 from tests.routing.support import make_config
 
 

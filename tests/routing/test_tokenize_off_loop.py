@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from fleetpilot.api.router_config import EndpointGroup, RouterTier
+from fleetpilot.engine.reference_launch import REFERENCE_TOKENIZER
 from fleetpilot.kv_events import BlockStored
 from fleetpilot.routing.discovery import StaticSource
 from fleetpilot.routing.features import extract_features
@@ -24,7 +25,6 @@ from fleetpilot.routing.metrics import RouterMetrics
 from fleetpilot.routing.proxy import Proxy
 from fleetpilot.routing.router import OFF_LOOP_TOKENIZE_CHARS, PromptPlan, Router
 from fleetpilot.routing.tokenize import PLAN_INLINE_MAX_CHARS, RequestTokenizer
-from fleetpilot.runtime.reference_argv import REFERENCE_TOKENIZER
 from tests.routing.support import FakeEngine, engines, make_config, running_router, wait_for
 
 BS = 16

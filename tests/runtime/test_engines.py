@@ -16,6 +16,11 @@ from pathlib import Path
 import pytest
 
 from fleetpilot.api import InferenceService, parse_service
+from fleetpilot.engine.reference_launch import (
+    CPU_MAX_NUM_SEQS,
+    REFERENCE_TOKENIZER,
+    reference_argv,
+)
 from fleetpilot.engine.vllm_args import EngineLaunch, launch_for, vllm_serve_args
 from fleetpilot.runtime.engines import (
     NIXL_SIDE_CHANNEL,
@@ -23,11 +28,6 @@ from fleetpilot.runtime.engines import (
     VllmBackend,
 )
 from fleetpilot.runtime.local import HOST, LocalFleet, Replica
-from fleetpilot.runtime.reference_argv import (
-    CPU_MAX_NUM_SEQS,
-    REFERENCE_TOKENIZER,
-    reference_argv,
-)
 from tests.factories import make_manifest, make_tier
 
 MODEL_DIR = Path("/models/check")
@@ -74,6 +74,34 @@ def test_the_default_backend_runs_the_reference_engine_as_before(tmp_path: Path)
     for tier in config.tiers:
         assert tier.tokenizer == str(REFERENCE_TOKENIZER)
         assert {g.max_num_seqs for g in tier.endpoints} == {CPU_MAX_NUM_SEQS}
+
+
+def test_a_reference_tier_runs_its_own_preset_and_batch_locally(tmp_path: Path) -> None:
+    """A tier with engine.backend reference runs locally as its pods would (its preset, its
+    batch limit, uncapped), and the router expects that batch; a GPU tier beside it is still
+    capped for the CPU."""
+    reference = make_tier(
+        "small",
+        up_to=0.4,
+        model="reference-small",
+        engine={"backend": "reference", "referenceModel": "small", "maxNumSeqs": 64},
+    )
+    reference["serving"] = {"replicas": {"min": 1, "max": 1}}
+    gpu = make_tier("large", engine={"maxNumSeqs": 64})
+    gpu["serving"] = {"replicas": {"min": 1, "max": 1}}
+    service = parse_service(make_manifest(tiers=[reference, gpu]))
+    fleet = LocalFleet(service, tmp_path, 9100, python="py")
+    argv = {r.tier: r.argv for r in fleet.replicas}
+    assert (flag(argv["small"], "--model-config"), flag(argv["small"], "--max-num-seqs")) == (
+        "small",
+        "64",
+    )
+    assert (flag(argv["large"], "--model-config"), flag(argv["large"], "--max-num-seqs")) == (
+        "tiny",
+        str(CPU_MAX_NUM_SEQS),
+    )
+    batches = {t.name: {g.max_num_seqs for g in t.endpoints} for t in fleet.router_config().tiers}
+    assert batches == {"small": {64}, "large": {CPU_MAX_NUM_SEQS}}
 
 
 def test_the_vllm_backend_runs_the_launchers_serve_line_on_loopback(tmp_path: Path) -> None:

@@ -73,6 +73,27 @@ def test_a_bad_cold_start_or_step_delay_is_refused_before_anything_starts(
     assert f"{option} must be a finite number of seconds" in capsys.readouterr().err
 
 
+def test_a_reference_tier_the_planner_refuses_is_refused_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A reference tier runs locally as its pods would, so what the planner refuses for it
+    (here a context over the tiny preset's 2048) `up` refuses with the same words, exit 2,
+    instead of starting an engine that exits on its flags."""
+
+    def serve(stack: LocalStack, args: argparse.Namespace) -> int:
+        raise AssertionError("nothing may start")
+
+    monkeypatch.setattr(up, "_serve", serve)
+    tier = make_tier("small", model="reference-tiny", engine={"backend": "reference"})
+    tier["model"]["maxModelLen"] = 4096
+    path = tmp_path / "service.yaml"
+    path.write_text(yaml.safe_dump(make_manifest(tiers=[tier])))
+    assert up.main(["-f", str(path)]) == up.EXIT_INVALID
+    err = capsys.readouterr().err
+    assert "spec.tiers[0].model.maxModelLen" in err
+    assert "maxModelLen 4096 > 2048" in err
+
+
 @pytest.mark.parametrize(
     ("option", "value", "message"),
     [

@@ -9,16 +9,26 @@ reference engine accepts (parsed by its own settings code into the role the plan
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from fleetpilot.api import InferenceService, ResolvedRole, RoleName, parse_service
+from fleetpilot.api.spec import ReferenceModel
 from fleetpilot.engine.reference import settings
+from fleetpilot.engine.reference_launch import (
+    CPU_MAX_NUM_SEQS,
+    POD_DRAIN_GRACE_S,
+    REFERENCE_DEFAULT_MAX_MODEL_LEN,
+    REFERENCE_MAX_MODEL_LEN,
+    REFERENCE_TOKENIZER,
+    reference_argv,
+    reference_pod_command,
+)
 from fleetpilot.engine.vllm_args import launch_for
 from fleetpilot.runtime.engines import ReferenceBackend
-from fleetpilot.runtime.reference_argv import REFERENCE_TOKENIZER, reference_argv
 from tests.factories import make_manifest, make_tier
 
 HOST = "127.0.0.1"
@@ -249,3 +259,75 @@ def test_a_step_delay_reaches_the_engine_as_its_flag() -> None:
     assert paced == [*plain, "--step-delay-seconds", "0.04"]
     assert parsed(paced).step_delay_s == 0.04
     assert parsed(plain).step_delay_s == 0.0
+
+
+# -- a tier with engine.backend reference: the same engine up and in a cluster ---------------
+
+
+def reference_role(mode: str = "unified", **engine: object) -> ResolvedRole:
+    tier = make_tier(
+        "small", model="reference-tiny", mode=mode, engine={"backend": "reference", **engine}
+    )
+    return service_of(tier).spec.tiers[0].roles()[0]
+
+
+def flags_of(args: list[str]) -> dict[str, str | None]:
+    """Flag -> value (None for a switch), in order."""
+    flags: dict[str, str | None] = {}
+    for i, arg in enumerate(args):
+        if arg.startswith("--"):
+            value = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else None
+            flags[arg] = value
+    return flags
+
+
+@pytest.mark.parametrize("mode", ["unified", "disaggregated"])
+def test_a_reference_tier_runs_the_same_engine_up_and_in_a_pod(mode: str) -> None:
+    """`fleetpilot up` and a cluster run the same flags for a reference tier: the pod's
+    command and the local argv differ only in binding (host, the KV-event and hand-off
+    addresses, the peers admitted) and the drain on SIGTERM - never in what the engine is
+    (preset, batch, context, block size, prefix caching, P/D side)."""
+    launch = launch_for(reference_role(mode, maxNumSeqs=64, referenceModel="small"))
+    pod = reference_pod_command(launch)
+    local = reference_argv(launch, HOST, "py")
+    assert pod[:2] == ["fleetpilot", "engine"]
+    assert local[:4] == ["py", "-m", "fleetpilot", "engine"]
+    in_pod, up = flags_of(pod[2:]), flags_of(local[4:])
+    assert list(in_pod) == list(up)
+    binding = {
+        "--host",
+        "--kv-events-config",
+        "--kv-transfer-config",
+        "--allowed-remote-hosts",
+        "--drain-grace-seconds",
+    }
+    assert {flag for flag in in_pod if in_pod[flag] != up[flag]} <= binding
+    assert (in_pod["--host"], up["--host"]) == ("0.0.0.0", HOST)
+    assert in_pod["--drain-grace-seconds"] == f"{POD_DRAIN_GRACE_S:g}"
+    if mode == "disaggregated":
+        pod_kv = json.loads(in_pod["--kv-transfer-config"] or "")
+        up_kv = json.loads(up["--kv-transfer-config"] or "")
+        assert (pod_kv.pop("kv_ip"), up_kv.pop("kv_ip")) == ("$(POD_IP)", HOST)
+        assert pod_kv == up_kv
+    assert (up["--model-config"], up["--max-num-seqs"]) == ("small", "64")
+
+
+def test_a_reference_tier_is_not_capped_locally() -> None:
+    """The local runtime caps a GPU spec for a CPU, not a reference tier: its user chose the
+    engine and preset, and the planner refused what it cannot run. The local router expects
+    the batch the engines run."""
+    launch = launch_for(reference_role(maxNumSeqs=64, referenceModel="small"))
+    engine = parsed(reference_argv(launch, HOST, "py"))
+    assert engine.max_model_len == 2048  # the engine's default for the small preset's 4096
+    assert ReferenceBackend().max_num_seqs(launch) == 64
+    gpu = launch_for(role_of(service_of(make_tier("small")), RoleName.UNIFIED))
+    assert ReferenceBackend().max_num_seqs(gpu) == CPU_MAX_NUM_SEQS
+
+
+def test_the_planners_preset_limits_are_the_engines() -> None:
+    """The API's presets and the context limits the planner refuses beyond are the engine's
+    own (its MODEL_PRESETS, which the planner cannot import: they load torch)."""
+    assert {p.value for p in ReferenceModel} == set(settings.MODEL_PRESETS)
+    assert settings.DEFAULT_MAX_MODEL_LEN == REFERENCE_DEFAULT_MAX_MODEL_LEN
+    for preset, limit in REFERENCE_MAX_MODEL_LEN.items():
+        assert settings.MODEL_PRESETS[preset.value].max_position_embeddings == limit
