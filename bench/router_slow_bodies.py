@@ -329,6 +329,7 @@ def main() -> None:
     parser.add_argument("--old-rev", default="", help="also run the router of this revision")
     parser.add_argument("--flood-nice", type=int, default=19,
                         help="the flood generator's niceness (0: an equal)")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=1, help="runs of this router")
     parser.add_argument("--quick", action="store_true", help="300 connections, 10 s phases")
     parser.add_argument("--save", action="store_true")
     args = parser.parse_args()
@@ -345,7 +346,10 @@ def main() -> None:
                        "--host", "127.0.0.1", "--port", str(engine_port), "--model-config",
                        "tiny", "--served-model-name", MODEL, "--max-model-len", "512"]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-        variants = [("ours", ROOT)]
+        # Ours is repeated (--rounds; each round a fresh router and flood) to show the spread;
+        # the old router is run once: it refuses everything under the flood every time.
+        variants = [(f"ours #{n + 1}" if args.rounds > 1 else "ours", ROOT)
+                    for n in range(args.rounds)]  # fmt: skip
         if args.old_rev:
             variants.append((f"old {args.old_rev}", old_checkout(args.old_rev, folder)))
         results = []
