@@ -1,0 +1,508 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	dto "github.com/prometheus/client_model/go"
+	"github.com/virtual-kubelet/virtual-kubelet/errdefs"
+	"github.com/virtual-kubelet/virtual-kubelet/log"
+	"github.com/virtual-kubelet/virtual-kubelet/node/api"
+	"github.com/virtual-kubelet/virtual-kubelet/node/nodeutil"
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/record"
+	statsv1alpha1 "k8s.io/kubelet/pkg/apis/stats/v1alpha1"
+)
+
+// agent is what every node of this process shares: one address pool, one image table.
+type agent struct {
+	client kubernetes.Interface
+	images *imageTable
+	// stopping: the node is shutting down; pods the scheduler still binds here are not
+	// started (their predecessors' Failed status makes controllers create replacements).
+	stoppingMu  sync.Mutex
+	stopping    bool
+	self        string
+	stateDir    string
+	net         *network
+	backoffBase time.Duration
+	backoffMax  time.Duration
+	dirs        *dirTracker
+}
+
+// provider is one node's pod lifecycle handler.
+type provider struct {
+	a        *agent
+	nodeName string
+	cfg      nodeutil.ProviderConfig
+	rec      record.EventRecorder
+
+	mu     sync.Mutex
+	pods   map[string]*podRun
+	notify func(*v1.Pod)
+}
+
+func newProvider(a *agent, name string, cfg nodeutil.ProviderConfig, rec record.EventRecorder) *provider {
+	return &provider{a: a, nodeName: name, cfg: cfg, rec: rec, pods: map[string]*podRun{}, notify: func(*v1.Pod) {}}
+}
+
+func key(ns, name string) string { return ns + "/" + name }
+
+func (p *provider) configMap(ns, name string) (*v1.ConfigMap, error) {
+	return p.cfg.ConfigMaps.ConfigMaps(ns).Get(name)
+}
+
+func (p *provider) secret(ns, name string) (*v1.Secret, error) {
+	return p.cfg.Secrets.Secrets(ns).Get(name)
+}
+
+// NotifyPods is how status reaches the API server: every state change calls it.
+func (p *provider) NotifyPods(_ context.Context, f func(*v1.Pod)) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.notify = f
+}
+
+func (p *provider) CreatePod(ctx context.Context, pod *v1.Pod) error {
+	p.a.stoppingMu.Lock()
+	stopping := p.a.stopping
+	p.a.stoppingMu.Unlock()
+	if stopping {
+		return fmt.Errorf("node is shutting down")
+	}
+	p.mu.Lock()
+	if _, ok := p.pods[key(pod.Namespace, pod.Name)]; ok {
+		p.mu.Unlock()
+		return nil
+	}
+	r := newPodRun(p, pod)
+	p.pods[key(pod.Namespace, pod.Name)] = r
+	p.mu.Unlock()
+	go r.run()
+	return nil
+}
+
+// UpdatePod: a kubelet acts on few spec updates (image changes restart a container); this
+// node keeps running what it started, and takes the new deletion fields on delete.
+func (p *provider) UpdatePod(ctx context.Context, pod *v1.Pod) error { return nil }
+
+func (p *provider) DeletePod(ctx context.Context, pod *v1.Pod) error {
+	p.mu.Lock()
+	r, ok := p.pods[key(pod.Namespace, pod.Name)]
+	p.mu.Unlock()
+	if !ok {
+		return errdefs.NotFoundf("pod %s/%s is not on this node", pod.Namespace, pod.Name)
+	}
+	grace := int64(30)
+	if pod.DeletionGracePeriodSeconds != nil {
+		grace = *pod.DeletionGracePeriodSeconds
+	} else if pod.Spec.TerminationGracePeriodSeconds != nil {
+		grace = *pod.Spec.TerminationGracePeriodSeconds
+	}
+	r.mu.Lock()
+	r.pod.DeletionTimestamp = pod.DeletionTimestamp
+	r.pod.DeletionGracePeriodSeconds = pod.DeletionGracePeriodSeconds
+	r.mu.Unlock()
+	go func() {
+		r.stop(time.Duration(grace) * time.Second)
+		p.mu.Lock()
+		if p.pods[key(pod.Namespace, pod.Name)] == r {
+			delete(p.pods, key(pod.Namespace, pod.Name))
+		}
+		p.mu.Unlock()
+	}()
+	return nil
+}
+
+// stopAll stops every pod, as at node shutdown, each with its own grace period.
+func (p *provider) stopAll() {
+	p.mu.Lock()
+	runs := make([]*podRun, 0, len(p.pods))
+	for _, r := range p.pods {
+		runs = append(runs, r)
+	}
+	p.mu.Unlock()
+	var wg sync.WaitGroup
+	for _, r := range runs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			grace := int64(30)
+			if r.pod.Spec.TerminationGracePeriodSeconds != nil {
+				grace = *r.pod.Spec.TerminationGracePeriodSeconds
+			}
+			r.stop(time.Duration(grace) * time.Second)
+		}()
+	}
+	wg.Wait()
+}
+
+func (p *provider) get(ns, name string) (*podRun, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	r, ok := p.pods[key(ns, name)]
+	if !ok {
+		return nil, errdefs.NotFoundf("pod %s/%s is not on this node", ns, name)
+	}
+	return r, nil
+}
+
+func (p *provider) GetPod(ctx context.Context, ns, name string) (*v1.Pod, error) {
+	r, err := p.get(ns, name)
+	if err != nil {
+		return nil, err
+	}
+	return r.snapshot(), nil
+}
+
+func (p *provider) GetPodStatus(ctx context.Context, ns, name string) (*v1.PodStatus, error) {
+	r, err := p.get(ns, name)
+	if err != nil {
+		return nil, err
+	}
+	return &r.snapshot().Status, nil
+}
+
+func (p *provider) GetPods(ctx context.Context) ([]*v1.Pod, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	out := make([]*v1.Pod, 0, len(p.pods))
+	for _, r := range p.pods {
+		out = append(out, r.snapshot())
+	}
+	return out, nil
+}
+
+// GetContainerLogs serves `kubectl logs` from the container's log files, one per run.
+func (p *provider) GetContainerLogs(ctx context.Context, ns, name, container string, opts api.ContainerLogOpts) (io.ReadCloser, error) {
+	r, err := p.get(ns, name)
+	if err != nil {
+		return nil, err
+	}
+	c := r.container(container)
+	if c == nil {
+		return nil, errdefs.NotFoundf("container %s not in pod %s/%s", container, ns, name)
+	}
+	r.mu.Lock()
+	runs := c.status.RestartCount
+	if c.status.State.Running == nil && c.status.State.Terminated == nil {
+		runs-- // in back-off: the latest file is the previous run's
+	}
+	r.mu.Unlock()
+	if opts.Previous {
+		runs--
+	}
+	if runs < 0 {
+		return nil, errdefs.NotFoundf("previous terminated container %q in pod %q not found", container, name)
+	}
+	data, err := os.ReadFile(c.logPath(int(runs)))
+	if err != nil {
+		return nil, errdefs.NotFoundf("no logs for container %s: %v", container, err)
+	}
+	if opts.Tail > 0 {
+		lines := strings.SplitAfter(string(data), "\n")
+		if lines[len(lines)-1] == "" {
+			lines = lines[:len(lines)-1]
+		}
+		if len(lines) > opts.Tail {
+			lines = lines[len(lines)-opts.Tail:]
+		}
+		data = []byte(strings.Join(lines, ""))
+	}
+	if opts.LimitBytes > 0 && len(data) > opts.LimitBytes {
+		data = data[:opts.LimitBytes]
+	}
+	return io.NopCloser(strings.NewReader(string(data))), nil
+}
+
+func (p *provider) RunInContainer(ctx context.Context, ns, name, container string, cmd []string, attach api.AttachIO) error {
+	return errdefs.InvalidInput("exec is not supported by the process node")
+}
+
+func (p *provider) AttachToContainer(ctx context.Context, ns, name, container string, attach api.AttachIO) error {
+	return errdefs.InvalidInput("attach is not supported by the process node")
+}
+
+func (p *provider) GetStatsSummary(context.Context) (*statsv1alpha1.Summary, error) {
+	return nil, errdefs.InvalidInput("stats are not supported by the process node")
+}
+
+func (p *provider) GetMetricsResource(context.Context) ([]*dto.MetricFamily, error) {
+	return nil, errdefs.InvalidInput("metrics are not supported by the process node")
+}
+
+func (p *provider) PortForward(ctx context.Context, ns, pod string, port int32, stream io.ReadWriteCloser) error {
+	return errdefs.InvalidInput("port-forward is not supported by the process node")
+}
+
+// podRun is one pod on this node: its namespace, volumes and containers.
+type podRun struct {
+	p   *provider
+	dir string
+
+	mu          sync.Mutex
+	pod         *v1.Pod
+	ip          string
+	netns       string
+	startTime   metav1.Time
+	reason      string // why the pod cannot start (refused image, volume), shown on the pod
+	message     string
+	initialized bool
+	netReady    bool
+	stopping    bool
+	done        bool
+	inits       []*container
+	ctrs        []*container
+	mounts      map[string]string // volume name -> host directory
+	ctx         context.Context
+	cancel      context.CancelFunc
+	finished    chan struct{}
+}
+
+func newPodRun(p *provider, pod *v1.Pod) *podRun {
+	ctx, cancel := context.WithCancel(context.Background())
+	r := &podRun{
+		p: p, pod: pod.DeepCopy(), dir: filepath.Join(p.a.stateDir, "pods", string(pod.UID)),
+		startTime: metav1.Now(), ctx: ctx, cancel: cancel, finished: make(chan struct{}),
+	}
+	for _, c := range pod.Spec.InitContainers {
+		r.inits = append(r.inits, newContainer(r, c, true))
+	}
+	for _, c := range pod.Spec.Containers {
+		r.ctrs = append(r.ctrs, newContainer(r, c, false))
+	}
+	return r
+}
+
+func (r *podRun) container(name string) *container {
+	for _, c := range append(append([]*container{}, r.inits...), r.ctrs...) {
+		if c.spec.Name == name {
+			return c
+		}
+	}
+	return nil
+}
+
+func (r *podRun) publish() {
+	r.p.mu.Lock()
+	notify := r.p.notify
+	r.p.mu.Unlock()
+	notify(r.snapshot())
+}
+
+func (r *podRun) fail(reason, message string) {
+	r.mu.Lock()
+	r.reason, r.message = reason, message
+	r.mu.Unlock()
+	r.p.rec.Event(r.pod, v1.EventTypeWarning, reason, message)
+	r.publish()
+}
+
+func (r *podRun) run() {
+	defer close(r.finished)
+	pod := r.pod
+	for _, c := range append(append([]*container{}, r.inits...), r.ctrs...) {
+		if c.rule == nil {
+			msg := fmt.Sprintf("Failed to pull image %q: the process node runs only images in its image table", c.spec.Image)
+			r.mu.Lock()
+			c.status.State = v1.ContainerState{Waiting: &v1.ContainerStateWaiting{Reason: "ErrImagePull", Message: msg}}
+			r.mu.Unlock()
+			r.fail("Failed", msg)
+			return
+		}
+	}
+	ip, err := r.p.a.net.allocate()
+	if err != nil {
+		r.fail("FailedCreatePodSandBox", err.Error())
+		return
+	}
+	r.mu.Lock()
+	r.ip = ip
+	r.mu.Unlock()
+	ns, err := setupPod(ip)
+	if err != nil {
+		r.p.a.net.release(ip)
+		r.mu.Lock()
+		r.ip = ""
+		r.mu.Unlock()
+		r.fail("FailedCreatePodSandBox", err.Error())
+		return
+	}
+	r.mu.Lock()
+	r.netns, r.netReady = ns, true
+	r.mu.Unlock()
+	if err := r.setupVolumes(); err != nil {
+		r.fail("FailedMount", err.Error())
+		return
+	}
+	go r.syncVolumes()
+	r.publish()
+	for _, c := range r.inits {
+		if !c.supervise(r.ctx) {
+			r.publish()
+			return
+		}
+	}
+	r.mu.Lock()
+	r.initialized = true
+	r.mu.Unlock()
+	r.publish()
+	var wg sync.WaitGroup
+	for _, c := range r.ctrs {
+		wg.Add(1)
+		go func() { defer wg.Done(); c.supervise(r.ctx) }()
+	}
+	wg.Wait()
+	_ = pod
+	r.publish()
+}
+
+// stop ends the pod as a kubelet does on delete: no more restarts, SIGTERM to every
+// container, SIGKILL after the grace period, then the sandbox (namespace, volumes) goes.
+func (r *podRun) stop(grace time.Duration) {
+	r.mu.Lock()
+	if r.stopping {
+		r.mu.Unlock()
+		<-r.finished
+		return
+	}
+	r.stopping = true
+	r.mu.Unlock()
+	r.cancel()
+	var wg sync.WaitGroup
+	for _, c := range append(append([]*container{}, r.inits...), r.ctrs...) {
+		wg.Add(1)
+		go func() { defer wg.Done(); c.terminate(grace) }()
+	}
+	wg.Wait()
+	<-r.finished
+	r.mu.Lock()
+	ip, ns := r.ip, r.netns
+	r.mu.Unlock()
+	if ns != "" {
+		killNamespace(ns)
+		teardownPod(ip)
+	}
+	if ip != "" {
+		r.p.a.net.release(ip)
+	}
+	r.teardownVolumes()
+	r.mu.Lock()
+	r.done = true
+	r.mu.Unlock()
+	r.publish()
+	log.G(context.Background()).Infof("pod %s/%s stopped", r.pod.Namespace, r.pod.Name)
+}
+
+// snapshot is the pod with the status a kubelet would report now.
+func (r *podRun) snapshot() *v1.Pod {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	pod := r.pod.DeepCopy()
+	st := v1.PodStatus{
+		HostIP:    "127.0.0.1",
+		HostIPs:   []v1.HostIP{{IP: "127.0.0.1"}},
+		StartTime: &r.startTime,
+		QOSClass:  pod.Status.QOSClass,
+		Reason:    r.reason,
+		Message:   r.message,
+	}
+	if r.ip != "" {
+		st.PodIP = r.ip
+		st.PodIPs = []v1.PodIP{{IP: r.ip}}
+	}
+	allReady, anyRunning, allDone, allSucceeded := true, false, true, true
+	for _, c := range r.inits {
+		st.InitContainerStatuses = append(st.InitContainerStatuses, *c.status.DeepCopy())
+	}
+	for _, c := range r.ctrs {
+		s := *c.status.DeepCopy()
+		if r.done && s.State.Terminated == nil {
+			// Stopped before it ran, or in back-off: a terminal pod has terminal containers.
+			s.State = v1.ContainerState{Terminated: &v1.ContainerStateTerminated{ExitCode: 0, Reason: "Completed", FinishedAt: metav1.Now()}}
+			if s.LastTerminationState.Terminated != nil {
+				s.State.Terminated = s.LastTerminationState.Terminated.DeepCopy()
+			}
+		}
+		st.ContainerStatuses = append(st.ContainerStatuses, s)
+		allReady = allReady && s.Ready
+		anyRunning = anyRunning || s.State.Running != nil
+		if !c.finished {
+			allDone = false
+		}
+		if s.State.Terminated == nil || s.State.Terminated.ExitCode != 0 {
+			allSucceeded = false
+		}
+	}
+	initFailed := false
+	for _, c := range r.inits {
+		if c.finished && (c.status.State.Terminated == nil || c.status.State.Terminated.ExitCode != 0) {
+			initFailed = true
+		}
+	}
+	switch {
+	case r.done || initFailed:
+		st.Phase = v1.PodFailed
+		if allSucceeded && !initFailed {
+			st.Phase = v1.PodSucceeded
+		}
+	case r.initialized && allDone:
+		st.Phase = v1.PodFailed
+		if allSucceeded {
+			st.Phase = v1.PodSucceeded
+		}
+	case r.initialized && (anyRunning || r.anyStarted()):
+		st.Phase = v1.PodRunning
+	default:
+		st.Phase = v1.PodPending
+	}
+	ready := allReady && r.initialized && !r.done && !r.stopping
+	cond := func(t v1.PodConditionType, ok bool, reason string) v1.PodCondition {
+		c := v1.PodCondition{Type: t, Status: v1.ConditionFalse, Reason: reason}
+		if ok {
+			c.Status, c.Reason = v1.ConditionTrue, ""
+		}
+		// Keep the transition time while the status does not change.
+		c.LastTransitionTime = metav1.Now()
+		for _, old := range r.pod.Status.Conditions {
+			if old.Type == t && old.Status == c.Status {
+				c.LastTransitionTime = old.LastTransitionTime
+			}
+		}
+		return c
+	}
+	st.Conditions = []v1.PodCondition{
+		cond(v1.PodReadyToStartContainers, r.netReady && !r.done, "SandboxNotReady"),
+		cond(v1.PodInitialized, r.initialized, "ContainersNotInitialized"),
+		cond(v1.ContainersReady, ready, "ContainersNotReady"),
+		cond(v1.PodReady, ready, "ContainersNotReady"),
+		cond(v1.PodScheduled, true, ""),
+	}
+	if r.reason == "" && r.ip == "" && !r.done {
+		st.Conditions[0].Reason = "SandboxNotReady"
+	}
+	r.pod.Status.Conditions = st.Conditions
+	pod.Status = st
+	return pod
+}
+
+// anyStarted: a container between runs (back-off) still counts the pod as Running.
+func (r *podRun) anyStarted() bool {
+	for _, c := range r.ctrs {
+		if c.status.RestartCount > 0 || c.status.State.Terminated != nil {
+			return true
+		}
+	}
+	return false
+}
+
+func killPid(pid int) error { return syscall.Kill(pid, syscall.SIGKILL) }
