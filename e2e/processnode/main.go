@@ -77,6 +77,8 @@ type options struct {
 	portBase    int
 	backoffBase time.Duration
 	backoffMax  time.Duration
+	taints      string
+	ports       string
 }
 
 func main() {
@@ -96,6 +98,8 @@ func main() {
 	flag.IntVar(&o.portBase, "port-base", 10250, "kubelet port of the first node; node i listens on port-base+i")
 	flag.DurationVar(&o.backoffBase, "backoff-base", 10*time.Second, "first restart back-off (kubelet: 10s)")
 	flag.DurationVar(&o.backoffMax, "backoff-max", 300*time.Second, "longest restart back-off (kubelet: 5m)")
+	flag.StringVar(&o.taints, "taints", "", "comma-separated key=value:Effect taints on every node, so only pods that tolerate them land here")
+	flag.StringVar(&o.ports, "ports", "", "comma-separated kubelet ports, one per node (instead of -port-base)")
 	flag.Parse()
 	if err := run(o); err != nil {
 		fmt.Fprintln(os.Stderr, "processnode:", err)
@@ -157,6 +161,11 @@ func run(o options) error {
 		var prov *provider
 		mux := http.NewServeMux()
 		port := o.portBase + i
+		if ports := strings.Split(o.ports, ","); o.ports != "" && i < len(ports) {
+			if _, err := fmt.Sscan(ports[i], &port); err != nil {
+				return fmt.Errorf("-ports: %w", err)
+			}
+		}
 		n, err := nodeutil.NewNode(name,
 			func(cfg nodeutil.ProviderConfig) (nodeutil.Provider, node.NodeProvider, error) {
 				prov = newProvider(agent, name, cfg, recorder)
@@ -230,6 +239,14 @@ func describeNode(n *v1.Node, o options, port int) {
 		if o.gpuProduct != "" {
 			n.Labels["nvidia.com/gpu.product"] = o.gpuProduct
 		}
+	}
+	for _, t := range strings.Split(o.taints, ",") {
+		if t = strings.TrimSpace(t); t == "" {
+			continue
+		}
+		kv, effect, _ := strings.Cut(t, ":")
+		k, v, _ := strings.Cut(kv, "=")
+		n.Spec.Taints = append(n.Spec.Taints, v1.Taint{Key: k, Value: v, Effect: v1.TaintEffect(effect)})
 	}
 	n.Status.Capacity = res
 	n.Status.Allocatable = res.DeepCopy()

@@ -93,7 +93,34 @@ func (p *provider) CreatePod(ctx context.Context, pod *v1.Pod) error {
 
 // UpdatePod: a kubelet acts on few spec updates (image changes restart a container); this
 // node keeps running what it started, and takes the new deletion fields on delete.
-func (p *provider) UpdatePod(ctx context.Context, pod *v1.Pod) error { return nil }
+func (p *provider) UpdatePod(ctx context.Context, pod *v1.Pod) error {
+	r, err := p.get(pod.Namespace, pod.Name)
+	if err != nil || r.pod.UID == pod.UID {
+		return err
+	}
+	// A new pod of the same name (a StatefulSet's) while the old one still stops: start it
+	// once the old one is gone.
+	go func() {
+		r.stop(time.Duration(grace(r.pod)) * time.Second)
+		p.mu.Lock()
+		if p.pods[key(pod.Namespace, pod.Name)] == r {
+			delete(p.pods, key(pod.Namespace, pod.Name))
+		}
+		p.mu.Unlock()
+		_ = p.CreatePod(context.Background(), pod)
+	}()
+	return nil
+}
+
+func grace(pod *v1.Pod) int64 {
+	if pod.DeletionGracePeriodSeconds != nil {
+		return *pod.DeletionGracePeriodSeconds
+	}
+	if pod.Spec.TerminationGracePeriodSeconds != nil {
+		return *pod.Spec.TerminationGracePeriodSeconds
+	}
+	return 30
+}
 
 func (p *provider) DeletePod(ctx context.Context, pod *v1.Pod) error {
 	p.mu.Lock()
@@ -102,12 +129,7 @@ func (p *provider) DeletePod(ctx context.Context, pod *v1.Pod) error {
 	if !ok {
 		return errdefs.NotFoundf("pod %s/%s is not on this node", pod.Namespace, pod.Name)
 	}
-	grace := int64(30)
-	if pod.DeletionGracePeriodSeconds != nil {
-		grace = *pod.DeletionGracePeriodSeconds
-	} else if pod.Spec.TerminationGracePeriodSeconds != nil {
-		grace = *pod.Spec.TerminationGracePeriodSeconds
-	}
+	grace := grace(pod)
 	r.mu.Lock()
 	r.pod.DeletionTimestamp = pod.DeletionTimestamp
 	r.pod.DeletionGracePeriodSeconds = pod.DeletionGracePeriodSeconds
@@ -136,11 +158,7 @@ func (p *provider) stopAll() {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			grace := int64(30)
-			if r.pod.Spec.TerminationGracePeriodSeconds != nil {
-				grace = *r.pod.Spec.TerminationGracePeriodSeconds
-			}
-			r.stop(time.Duration(grace) * time.Second)
+			r.stop(time.Duration(grace(r.pod)) * time.Second)
 		}()
 	}
 	wg.Wait()

@@ -1,0 +1,311 @@
+"""The process node (e2e/processnode) on the real control plane: pods that really run.
+
+Every pod here runs the fleetpilot image, which the node maps to this checkout's environment,
+as a process in a network namespace of its own. What is checked is what a kubelet owes the
+cluster: Ready pods become EndpointSlice addresses that answer; the image table refuses other
+images with an Event; init containers run in order and reach the API server with in-cluster
+config; ConfigMap volumes appear at their mountPath for that pod only and follow edits; logs come
+back through the API server; crashes restart with growing counts; deleting a pod or stopping
+the node leaves no process and no namespace behind.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client as k8s
+
+from e2e.support import eventually
+from fleetpilot.testing.processnode import (
+    FLEETPILOT_IMAGE_PATTERN,
+    PROCESS_NODE_LABEL,
+    PROCESS_NODE_TOLERATION,
+    ProcessNode,
+    netns_name,
+    network_namespaces,
+)
+
+pytestmark = pytest.mark.cluster
+
+IMAGE = FLEETPILOT_IMAGE_PATTERN.replace("*", "e2e")
+#: Where the web pods mount their ConfigMap: absent on the host, so only the pod can see it.
+CONFIG_DIR = "/etc/fleetpilot-e2e-web"
+#: Init containers write here (an emptyDir); the server shows it to the test.
+SCRATCH_DIR = "/srv/fleetpilot-e2e"
+
+# The first init container starts the order file; the second appends the API server's version
+# read with in-cluster config (KUBERNETES_SERVICE_HOST, the projected token and CA), as the
+# operator and router pods do.
+INIT_FIRST = f"open('{SCRATCH_DIR}/order.txt', 'w').write('first\\n')"
+INIT_API = (
+    "from kubernetes import client, config; config.load_incluster_config(); "
+    "v = client.VersionApi().get_code().git_version; "
+    f"open('{SCRATCH_DIR}/order.txt', 'a').write('api ' + v + '\\n'); print('api', v)"
+)
+# The server logs its downward-API environment (and $(VAR) expansion in args), then serves /
+# as the pod sees it.
+SERVER = (
+    "import os, runpy, sys; "
+    "print('pod', os.environ['POD_IP'], sys.argv[1], os.environ['POD_NAME'], "
+    "os.environ['NODE_NAME'], flush=True); "
+    "sys.argv = ['http.server', '8000', '--directory', '/']; "
+    "runpy.run_module('http.server', run_name='__main__')"
+)
+
+
+def on_process_node(spec: dict[str, Any]) -> dict[str, Any]:
+    """A pod spec pinned to the process nodes, tolerating their taint."""
+    return {
+        "nodeSelector": {PROCESS_NODE_LABEL: "true"},
+        "tolerations": [PROCESS_NODE_TOLERATION],
+        **spec,
+    }
+
+
+def python(name: str, code: str, *args: str, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "image": IMAGE, "command": ["python", "-c", code, *args], **extra}
+
+
+def get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return str(response.read().decode())
+
+
+def pids_running(marker: str) -> list[int]:
+    """Pids whose command line holds `marker` (a token unique to one test)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def pod(core: k8s.CoreV1Api, namespace: str, name: str) -> k8s.V1Pod:
+    return core.read_namespaced_pod(name, namespace)
+
+
+def test_deployment_serves_from_pod_ips(
+    process_node: ProcessNode, k8s_api: k8s.ApiClient, namespace: str
+) -> None:
+    core, apps = k8s.CoreV1Api(k8s_api), k8s.AppsV1Api(k8s_api)
+    core.create_namespaced_config_map(
+        namespace, {"metadata": {"name": "web"}, "data": {"greeting.txt": "hello v1\n"}}
+    )
+    env = [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+    ]
+    scratch = {"name": "scratch", "mountPath": SCRATCH_DIR}
+    server = python(
+        "web",
+        SERVER,
+        "$(POD_IP)",
+        env=env,
+        ports=[{"name": "http", "containerPort": 8000}],
+        readinessProbe={
+            "httpGet": {"path": f"{CONFIG_DIR}/greeting.txt", "port": "http"},
+            "periodSeconds": 1,
+        },
+        volumeMounts=[{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}, scratch],
+    )
+    spec = on_process_node(
+        {
+            "initContainers": [
+                python("first", INIT_FIRST, volumeMounts=[scratch]),
+                python("api", INIT_API, volumeMounts=[scratch]),
+            ],
+            "containers": [server],
+            "volumes": [
+                {"name": "config", "configMap": {"name": "web"}},
+                {"name": "scratch", "emptyDir": {}},
+            ],
+            "terminationGracePeriodSeconds": 5,
+        }
+    )
+    labels = {"app": "web"}
+    apps.create_namespaced_deployment(namespace, {
+        "metadata": {"name": "web"},
+        "spec": {
+            "replicas": 2,
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": labels}, "spec": spec},
+        },
+    })  # fmt: skip
+    core.create_namespaced_service(namespace, {
+        "metadata": {"name": "web"},
+        "spec": {"selector": labels, "ports": [{"port": 80, "targetPort": 8000}]},
+    })  # fmt: skip
+
+    def available() -> bool | None:
+        status = apps.read_namespaced_deployment_status("web", namespace).status
+        return True if status.available_replicas == 2 else None
+
+    eventually("the Deployment Available with 2 ready pods", available, timeout=60)
+    pods = core.list_namespaced_pod(namespace, label_selector="app=web").items
+    ips = {p.status.pod_ip for p in pods}
+    assert len(ips) == 2
+    assert all(ip.startswith("10.244.") for ip in ips)
+    assert {p.spec.node_name for p in pods} <= set(process_node.names)
+
+    discovery = k8s.DiscoveryV1Api(k8s_api)
+
+    def endpoint_ips() -> set[str] | None:
+        slices = discovery.list_namespaced_endpoint_slice(
+            namespace, label_selector="kubernetes.io/service-name=web"
+        ).items
+        found = {
+            address
+            for s in slices
+            for e in s.endpoints or []
+            if e.conditions.ready
+            for address in e.addresses
+        }
+        return found if found == ips else None
+
+    eventually("the EndpointSlice listing both pod IPs", endpoint_ips)
+    for p in pods:
+        ip = p.status.pod_ip
+        # Both pods bind 0.0.0.0:8000: their own namespaces keep the ports apart.
+        assert get(f"http://{ip}:8000{CONFIG_DIR}/greeting.txt") == "hello v1\n"
+        order = get(f"http://{ip}:8000{SCRATCH_DIR}/order.txt").splitlines()
+        assert order[0] == "first"
+        assert order[1].startswith("api v1.37"), order
+        log = core.read_namespaced_pod_log(p.metadata.name, namespace, container="web")
+        assert f"pod {ip} {ip} {p.metadata.name} {p.spec.node_name}" in log
+        api_log = core.read_namespaced_pod_log(p.metadata.name, namespace, container="api")
+        assert api_log.startswith("api v1.37")
+    # The mount is the pod's own: nothing of it on the host.
+    assert not Path(CONFIG_DIR, "greeting.txt").exists()
+
+    core.patch_namespaced_config_map("web", namespace, {"data": {"greeting.txt": "hello v2\n"}})
+    for ip in ips:
+        url = f"http://{ip}:8000{CONFIG_DIR}/greeting.txt"
+        eventually(
+            f"{ip} serving the edited ConfigMap",
+            lambda url=url: True if get(url) == "hello v2\n" else None,  # type: ignore[misc]
+            timeout=20,
+        )
+
+
+def test_unknown_image_is_refused_with_an_event(
+    process_node: ProcessNode, k8s_api: k8s.ApiClient, namespace: str
+) -> None:
+    core = k8s.CoreV1Api(k8s_api)
+    image = "docker.io/library/nginx:1.27"
+    core.create_namespaced_pod(namespace, {
+        "metadata": {"name": "nginx"},
+        "spec": on_process_node({"containers": [{"name": "nginx", "image": image}]}),
+    })  # fmt: skip
+
+    def refused() -> k8s.CoreV1Event | None:
+        events = core.list_namespaced_event(
+            namespace, field_selector="involvedObject.name=nginx"
+        ).items
+        return next((e for e in events if e.type == "Warning" and image in e.message), None)
+
+    event = eventually("an Event naming the refused image", refused)
+    assert event.reason == "Failed"
+    status = pod(core, namespace, "nginx").status
+    assert status.phase == "Pending"
+    assert status.container_statuses[0].state.waiting.reason == "ErrImagePull"
+
+
+def test_crashing_container_restarts_with_back_off(
+    process_node: ProcessNode, k8s_api: k8s.ApiClient, namespace: str
+) -> None:
+    core = k8s.CoreV1Api(k8s_api)
+    code = "import sys; print('crashing', flush=True); sys.exit(3)"
+    core.create_namespaced_pod(namespace, {
+        "metadata": {"name": "crash"},
+        "spec": on_process_node({"containers": [python("crash", code)]}),
+    })  # fmt: skip
+
+    def restarted_twice() -> k8s.V1ContainerStatus | None:
+        statuses = pod(core, namespace, "crash").status.container_statuses or []
+        return statuses[0] if statuses and statuses[0].restart_count >= 2 else None
+
+    status = eventually("two restarts", restarted_twice, timeout=30)
+    assert status.last_state.terminated.exit_code == 3
+    assert status.last_state.terminated.reason == "Error"
+    assert pod(core, namespace, "crash").status.phase == "Running"
+    previous = core.read_namespaced_pod_log("crash", namespace, previous=True)
+    assert previous == "crashing\n"
+
+
+def test_pod_delete_leaves_no_process_or_namespace(
+    process_node: ProcessNode, k8s_api: k8s.ApiClient, namespace: str
+) -> None:
+    core = k8s.CoreV1Api(k8s_api)
+    marker = f"e2e-{uuid.uuid4().hex}"
+    # Ignores SIGTERM and leaves a child behind: only SIGKILL after the grace period, for
+    # the whole process group, ends it.
+    code = (
+        "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', sys.argv[1]]); "
+        "time.sleep(600)"
+    )
+    core.create_namespaced_pod(namespace, {
+        "metadata": {"name": "stubborn"},
+        "spec": on_process_node({
+            "containers": [python("stubborn", code, marker)],
+            "terminationGracePeriodSeconds": 2,
+        }),
+    })  # fmt: skip
+    eventually(
+        "the pod and its child running", lambda: True if len(pids_running(marker)) == 2 else None
+    )
+    ip = pod(core, namespace, "stubborn").status.pod_ip
+    assert netns_name(ip) in network_namespaces()
+
+    core.delete_namespaced_pod("stubborn", namespace)
+
+    def gone() -> bool | None:
+        try:
+            pod(core, namespace, "stubborn")
+        except k8s.ApiException as e:
+            return True if e.status == 404 else None
+        return None
+
+    eventually("the pod deleted once its processes stopped", gone, timeout=30)
+    eventually("no process left", lambda: True if not pids_running(marker) else None, timeout=10)
+    assert netns_name(ip) not in network_namespaces()
+
+
+def test_node_stop_leaves_no_process_or_namespace(
+    process_node: ProcessNode, k8s_api: k8s.ApiClient, namespace: str
+) -> None:
+    """Last in this module: it stops the module's node (the fixture's stop is then a no-op)."""
+    core = k8s.CoreV1Api(k8s_api)
+    marker = f"e2e-{uuid.uuid4().hex}"
+    code = "import sys, time; time.sleep(600)"
+    for name in ("sleeper-0", "sleeper-1"):
+        core.create_namespaced_pod(namespace, {
+            "metadata": {"name": name},
+            "spec": on_process_node({
+                "containers": [python("sleep", code, marker)],
+                "terminationGracePeriodSeconds": 2,
+            }),
+        })  # fmt: skip
+    eventually("both pods running", lambda: True if len(pids_running(marker)) == 2 else None)
+    assert network_namespaces()
+
+    process_node.stop()
+
+    assert not process_node.alive()
+    assert pids_running(marker) == []
+    assert network_namespaces() == set()
+    assert not (process_node.workdir / "state" / "pods").exists() or not any(
+        (process_node.workdir / "state" / "pods").iterdir()
+    )
