@@ -244,6 +244,60 @@ def test_crashing_container_restarts_with_back_off(
     assert previous == "crashing\n"
 
 
+# Serves / as the pod sees it, with a file that says it is alive for 6 seconds per run.
+FLAKY_SERVER = (
+    "import os, runpy, sys, threading, time; "
+    f"open('{SCRATCH_DIR}/alive', 'w').write('ok'); "
+    f"threading.Timer(6, os.remove, ['{SCRATCH_DIR}/alive']).start(); "
+    "sys.argv = ['http.server', '8000', '--directory', '/']; "
+    "runpy.run_module('http.server', run_name='__main__')"
+)
+
+
+def test_probes_drive_ready_and_restarts(
+    process_node: ProcessNode, k8s_api: k8s.ApiClient, namespace: str
+) -> None:
+    core = k8s.CoreV1Api(k8s_api)
+    alive = f"{SCRATCH_DIR}/alive"
+    container = python(
+        "flaky",
+        FLAKY_SERVER,
+        volumeMounts=[{"name": "scratch", "mountPath": SCRATCH_DIR}],
+        # A startup probe over TCP; readiness runs a command in the pod (it sees the pod's
+        # own mounts); liveness asks over HTTP.
+        startupProbe={"tcpSocket": {"port": 8000}, "periodSeconds": 1, "failureThreshold": 30},
+        readinessProbe={"exec": {"command": ["test", "-f", alive]}, "periodSeconds": 1},
+        livenessProbe={"httpGet": {"path": alive, "port": 8000}, "periodSeconds": 1},
+    )
+    core.create_namespaced_pod(namespace, {
+        "metadata": {"name": "flaky"},
+        "spec": on_process_node({
+            "containers": [container],
+            "volumes": [{"name": "scratch", "emptyDir": {}}],
+            "terminationGracePeriodSeconds": 2,
+        }),
+    })  # fmt: skip
+
+    def ready(p: k8s.V1Pod) -> bool:
+        return any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
+
+    def restarted_and_ready() -> k8s.V1ContainerStatus | None:
+        p = pod(core, namespace, "flaky")
+        statuses = p.status.container_statuses or []
+        if statuses and statuses[0].restart_count >= 1 and ready(p):
+            return statuses[0]
+        return None
+
+    status = eventually("a liveness restart, then Ready again", restarted_and_ready, timeout=40)
+    # SIGTERM ended the server: 128 + 15.
+    assert status.last_state.terminated.exit_code == 143
+    events = core.list_namespaced_event(namespace, field_selector="involvedObject.name=flaky")
+    messages = {(e.reason, e.message.split(":")[0]) for e in events.items}
+    assert ("Unhealthy", "Liveness probe failed") in messages
+    assert ("Unhealthy", "Readiness probe failed") in messages
+    assert any(reason == "Killing" for reason, _ in messages)
+
+
 def test_pod_delete_leaves_no_process_or_namespace(
     process_node: ProcessNode, k8s_api: k8s.ApiClient, namespace: str
 ) -> None:
