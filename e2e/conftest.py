@@ -160,4 +160,6 @@ def process_node(
     try:
         yield node
     finally:
+        with control_plane.api_client() as api:
+            node.delete_volumes(api)
         node.stop()

@@ -298,6 +298,36 @@ def test_probes_drive_ready_and_restarts(
     assert any(reason == "Killing" for reason, _ in messages)
 
 
+def test_claim_bound_to_a_host_path_volume_is_mounted(
+    process_node: ProcessNode, k8s_api: k8s.ApiClient, namespace: str
+) -> None:
+    core = k8s.CoreV1Api(k8s_api)
+    directory = process_node.bind_claim(k8s_api, namespace, "data")
+    mount_path = "/var/lib/fleetpilot-e2e-data"
+    code = f"open('{mount_path}/hello.txt', 'w').write('from the pod')"
+    writer = python("writer", code, volumeMounts=[{"name": "data", "mountPath": mount_path}])
+    core.create_namespaced_pod(namespace, {
+        "metadata": {"name": "writer"},
+        "spec": on_process_node({
+            "restartPolicy": "Never",
+            "containers": [writer],
+            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}],
+        }),
+    })  # fmt: skip
+
+    def finished() -> str | None:
+        phase = pod(core, namespace, "writer").status.phase
+        return phase if phase in ("Succeeded", "Failed") else None
+
+    assert eventually("the writer pod finished", finished) == "Succeeded"
+    assert (directory / "hello.txt").read_text() == "from the pod"
+    # A finished pod's volumes are unmounted and its mount point gone, as with a kubelet;
+    # its logs stay until it is deleted.
+    eventually("the mount point removed", lambda: None if Path(mount_path).exists() else True)
+    assert core.read_namespaced_pod_log("writer", namespace) == ""
+    assert netns_name(pod(core, namespace, "writer").status.pod_ip) not in network_namespaces()
+
+
 def test_pod_delete_leaves_no_process_or_namespace(
     process_node: ProcessNode, k8s_api: k8s.ApiClient, namespace: str
 ) -> None:

@@ -277,6 +277,7 @@ type podRun struct {
 	initialized bool
 	netReady    bool
 	stopping    bool
+	sandboxGone bool
 	done        bool
 	inits       []*container
 	ctrs        []*container
@@ -381,7 +382,30 @@ func (r *podRun) run() {
 	}
 	wg.Wait()
 	_ = pod
+	if r.ctx.Err() == nil {
+		// Every container is done for good (a Job's pod, say): as the kubelet does, the
+		// sandbox and the volumes go now; the logs stay until the pod is deleted.
+		r.releaseSandbox()
+	}
 	r.publish()
+}
+
+// releaseSandbox kills what is left in the pod's network namespace, removes it and the
+// volumes with their mount points. The pod IP stays reserved (and reported) until stop.
+func (r *podRun) releaseSandbox() {
+	r.mu.Lock()
+	ip, ns, gone := r.ip, r.netns, r.sandboxGone
+	r.sandboxGone, r.netReady = true, false
+	r.mu.Unlock()
+	if gone {
+		return
+	}
+	if ns != "" {
+		killNamespace(ns)
+		teardownPod(ip)
+	}
+	r.p.a.dirs.release(string(r.pod.UID))
+	_ = os.RemoveAll(filepath.Join(r.dir, "volumes"))
 }
 
 // stop ends the pod as a kubelet does on delete: no more restarts, SIGTERM to every
@@ -403,13 +427,10 @@ func (r *podRun) stop(grace time.Duration) {
 	}
 	wg.Wait()
 	<-r.finished
+	r.releaseSandbox()
 	r.mu.Lock()
-	ip, ns := r.ip, r.netns
+	ip := r.ip
 	r.mu.Unlock()
-	if ns != "" {
-		killNamespace(ns)
-		teardownPod(ip)
-	}
 	if ip != "" {
 		r.p.a.net.release(ip)
 	}

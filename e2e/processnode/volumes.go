@@ -372,7 +372,6 @@ func (r *podRun) teardownVolumes() {
 		}
 	}
 	tokensMu.Unlock()
-	r.p.a.dirs.release(string(r.pod.UID))
 	_ = os.RemoveAll(r.dir)
 }
 

@@ -28,6 +28,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+from kubernetes import client as k8s
+
 from fleetpilot.runtime.processes import Child, Supervisor, free_ports
 from fleetpilot.testing.binaries import repo_root
 from fleetpilot.testing.errors import ControlPlaneError
@@ -129,6 +131,7 @@ class ProcessNode:
         self._build = build
         self._supervisor = Supervisor(self.workdir / "logs")
         self._child: Child | None = None
+        self._volumes: list[str] = []
 
     @property
     def log_path(self) -> Path:
@@ -186,6 +189,54 @@ class ProcessNode:
         clean = self._supervisor.stop(self._child, grace_s=timeout)
         if not clean:
             raise ControlPlaneError(f"process node ignored SIGTERM for {timeout:.0f}s; killed")
+
+    def bind_claim(self, api: k8s.ApiClient, namespace: str, claim: str, size: str = "1Gi") -> Path:
+        """Create PVC `claim`, bound to a new hostPath PersistentVolume: a directory under
+        `workdir`, returned, that pods mounting the claim on these nodes read and write.
+
+        The node has no provisioner: claims are bound here, before the pods that use them,
+        as an administrator pre-binds static volumes (`claimRef` and `volumeName`).
+        """
+        directory = self.workdir / "volumes" / namespace / claim
+        directory.mkdir(parents=True, exist_ok=True)
+        name = f"{namespace}-{claim}"
+        core = k8s.CoreV1Api(api)
+        modes = ["ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany"]
+        volume: Any = {
+            "metadata": {"name": name, "labels": {PROCESS_NODE_LABEL: "true"}},
+            "spec": {
+                "capacity": {"storage": size},
+                "accessModes": modes,
+                "persistentVolumeReclaimPolicy": "Retain",
+                "storageClassName": "",
+                "hostPath": {"path": str(directory), "type": "Directory"},
+                "claimRef": {"namespace": namespace, "name": claim},
+            },
+        }
+        core.create_persistent_volume(volume)
+        self._volumes.append(name)
+        claim_body: Any = {
+            "metadata": {"name": claim},
+            "spec": {
+                "accessModes": ["ReadWriteOnce"],
+                "storageClassName": "",
+                "volumeName": name,
+                "resources": {"requests": {"storage": size}},
+            },
+        }
+        core.create_namespaced_persistent_volume_claim(namespace, claim_body)
+        return directory
+
+    def delete_volumes(self, api: k8s.ApiClient) -> None:
+        """Delete the PersistentVolumes `bind_claim` made (they are cluster-wide)."""
+        core = k8s.CoreV1Api(api)
+        for name in self._volumes:
+            try:
+                core.delete_persistent_volume(name)
+            except k8s.ApiException as e:
+                if e.status != 404:
+                    raise
+        self._volumes.clear()
 
     def __enter__(self) -> Self:
         return self.start()
