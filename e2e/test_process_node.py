@@ -11,6 +11,7 @@ the node leaves no process and no namespace behind.
 
 from __future__ import annotations
 
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
@@ -34,6 +35,8 @@ pytestmark = pytest.mark.cluster
 IMAGE = FLEETPILOT_IMAGE_PATTERN.replace("*", "e2e")
 #: Where the web pods mount their ConfigMap: absent on the host, so only the pod can see it.
 CONFIG_DIR = "/etc/fleetpilot-e2e-web"
+#: Where they mount one key of their Secret.
+SECRET_DIR = "/etc/fleetpilot-e2e-secret"
 #: Init containers write here (an emptyDir); the server shows it to the test.
 SCRATCH_DIR = "/srv/fleetpilot-e2e"
 
@@ -51,7 +54,7 @@ INIT_API = (
 SERVER = (
     "import os, runpy, sys; "
     "print('pod', os.environ['POD_IP'], sys.argv[1], os.environ['POD_NAME'], "
-    "os.environ['NODE_NAME'], flush=True); "
+    "os.environ['NODE_NAME'], os.environ['FLAVOUR'], os.environ['TOKEN'], flush=True); "
     "sys.argv = ['http.server', '8000', '--directory', '/']; "
     "runpy.run_module('http.server', run_name='__main__')"
 )
@@ -99,13 +102,16 @@ def test_deployment_serves_from_pod_ips(
     process_node: ProcessNode, k8s_api: k8s.ApiClient, namespace: str
 ) -> None:
     core, apps = k8s.CoreV1Api(k8s_api), k8s.AppsV1Api(k8s_api)
-    core.create_namespaced_config_map(
-        namespace, {"metadata": {"name": "web"}, "data": {"greeting.txt": "hello v1\n"}}
-    )
+    config = {"greeting.txt": "hello v1\n", "flavour": "plain"}
+    core.create_namespaced_config_map(namespace, {"metadata": {"name": "web"}, "data": config})
+    secret = {"token": "s3cret", "other": "x"}
+    core.create_namespaced_secret(namespace, {"metadata": {"name": "web"}, "stringData": secret})
     env = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "FLAVOUR", "valueFrom": {"configMapKeyRef": {"name": "web", "key": "flavour"}}},
+        {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "web", "key": "token"}}},
     ]
     scratch = {"name": "scratch", "mountPath": SCRATCH_DIR}
     server = python(
@@ -118,7 +124,11 @@ def test_deployment_serves_from_pod_ips(
             "httpGet": {"path": f"{CONFIG_DIR}/greeting.txt", "port": "http"},
             "periodSeconds": 1,
         },
-        volumeMounts=[{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}, scratch],
+        volumeMounts=[
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "secret", "mountPath": SECRET_DIR, "readOnly": True},
+            scratch,
+        ],
     )
     spec = on_process_node(
         {
@@ -129,6 +139,10 @@ def test_deployment_serves_from_pod_ips(
             "containers": [server],
             "volumes": [
                 {"name": "config", "configMap": {"name": "web"}},
+                {
+                    "name": "secret",
+                    "secret": {"secretName": "web", "items": [{"key": "token", "path": "t"}]},
+                },
                 {"name": "scratch", "emptyDir": {}},
             ],
             "terminationGracePeriodSeconds": 5,
@@ -183,9 +197,28 @@ def test_deployment_serves_from_pod_ips(
         assert order[0] == "first"
         assert order[1].startswith("api v1.37"), order
         log = core.read_namespaced_pod_log(p.metadata.name, namespace, container="web")
-        assert f"pod {ip} {ip} {p.metadata.name} {p.spec.node_name}" in log
+        assert f"pod {ip} {ip} {p.metadata.name} {p.spec.node_name} plain s3cret" in log
+        assert get(f"http://{ip}:8000{SECRET_DIR}/t") == "s3cret"
+        with pytest.raises(urllib.error.HTTPError):
+            get(f"http://{ip}:8000{SECRET_DIR}/other")  # not among the volume's items
         api_log = core.read_namespaced_pod_log(p.metadata.name, namespace, container="api")
         assert api_log.startswith("api v1.37")
+    # `kubectl logs -f`: the stream shows a request made after it opened.
+    first = pods[0]
+    stream = core.read_namespaced_pod_log(
+        first.metadata.name, namespace, container="web", follow=True,
+        _preload_content=False, _request_timeout=15,
+    )  # fmt: skip
+    marker = uuid.uuid4().hex
+    with pytest.raises(urllib.error.HTTPError):
+        get(f"http://{first.status.pod_ip}:8000/{marker}")
+    seen = b""
+    for chunk in stream.stream(1024):
+        seen += chunk
+        if marker.encode() in seen:
+            break
+    stream.release_conn()
+    assert marker.encode() in seen
     # The mount is the pod's own: nothing of it on the host.
     assert not Path(CONFIG_DIR, "greeting.txt").exists()
 
@@ -197,6 +230,23 @@ def test_deployment_serves_from_pod_ips(
             lambda url=url: True if get(url) == "hello v2\n" else None,  # type: ignore[misc]
             timeout=20,
         )
+
+
+def test_nodes_register_with_their_resources(
+    process_node: ProcessNode, k8s_api: k8s.ApiClient
+) -> None:
+    core = k8s.CoreV1Api(k8s_api)
+    for name in process_node.names:
+        node = core.read_node(name)
+        assert node.metadata.labels[PROCESS_NODE_LABEL] == "true"
+        assert node.metadata.labels["nvidia.com/gpu.product"] == process_node.gpu_product
+        assert node.status.allocatable["nvidia.com/gpu"] == str(process_node.gpus)
+        assert node.status.allocatable["cpu"] == "8"
+        ready = next(c for c in node.status.conditions if c.type == "Ready")
+        assert ready.status == "True"
+        # virtual-kubelet renews the node's Lease, as a kubelet does.
+        lease = k8s.CoordinationV1Api(k8s_api).read_namespaced_lease(name, "kube-node-lease")
+        assert lease.spec.holder_identity == name
 
 
 def test_unknown_image_is_refused_with_an_event(
@@ -305,7 +355,13 @@ def test_claim_bound_to_a_host_path_volume_is_mounted(
     directory = process_node.bind_claim(k8s_api, namespace, "data")
     mount_path = "/var/lib/fleetpilot-e2e-data"
     code = f"open('{mount_path}/hello.txt', 'w').write('from the pod')"
-    writer = python("writer", code, volumeMounts=[{"name": "data", "mountPath": mount_path}])
+    # It asks for a GPU too: the scheduler places it by the nodes' nvidia.com/gpu.
+    writer = python(
+        "writer",
+        code,
+        volumeMounts=[{"name": "data", "mountPath": mount_path}],
+        resources={"limits": {"nvidia.com/gpu": "1"}},
+    )
     core.create_namespaced_pod(namespace, {
         "metadata": {"name": "writer"},
         "spec": on_process_node({

@@ -71,12 +71,12 @@ func newNetwork(ctx context.Context, client kubernetes.Interface, server string)
 	target := u.Host
 	n.apiHost = svc.Spec.ClusterIP
 	n.apiPort = fmt.Sprint(svc.Spec.Ports[0].Port)
+	// "File exists": an agent that was SIGKILLed left it; this one removes it at exit.
 	if err := ipCmd("addr", "add", n.apiHost+"/32", "dev", "lo"); err != nil && !strings.Contains(err.Error(), "File exists") {
 		n.close()
 		return nil, err
-	} else if err == nil {
-		n.addedLoAddr = true
 	}
+	n.addedLoAddr = true
 	n.listener, err = net.Listen("tcp", net.JoinHostPort(n.apiHost, n.apiPort))
 	if err != nil {
 		n.close()

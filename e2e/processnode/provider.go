@@ -222,24 +222,86 @@ func (p *provider) GetContainerLogs(ctx context.Context, ns, name, container str
 	if runs < 0 {
 		return nil, errdefs.NotFoundf("previous terminated container %q in pod %q not found", container, name)
 	}
-	data, err := os.ReadFile(c.logPath(int(runs)))
+	path := c.logPath(int(runs))
+	data, err := os.ReadFile(path)
 	if err != nil {
 		return nil, errdefs.NotFoundf("no logs for container %s: %v", container, err)
 	}
-	if opts.Tail > 0 {
-		lines := strings.SplitAfter(string(data), "\n")
-		if lines[len(lines)-1] == "" {
-			lines = lines[:len(lines)-1]
+	if opts.Follow && !opts.Previous {
+		r.mu.Lock()
+		exited := c.exited
+		r.mu.Unlock()
+		if exited != nil {
+			return follow(ctx, path, opts.Tail, exited)
 		}
-		if len(lines) > opts.Tail {
-			lines = lines[len(lines)-opts.Tail:]
-		}
-		data = []byte(strings.Join(lines, ""))
 	}
+	data = tail(data, opts.Tail)
 	if opts.LimitBytes > 0 && len(data) > opts.LimitBytes {
 		data = data[:opts.LimitBytes]
 	}
 	return io.NopCloser(strings.NewReader(string(data))), nil
+}
+
+func tail(data []byte, n int) []byte {
+	if n <= 0 {
+		return data
+	}
+	lines := strings.SplitAfter(string(data), "\n")
+	if lines[len(lines)-1] == "" {
+		lines = lines[:len(lines)-1]
+	}
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return []byte(strings.Join(lines, ""))
+}
+
+// follow streams a log file as it grows (`kubectl logs -f`) until the run ends or the
+// client goes: first what is there (its last `lines` lines when set), then every byte after.
+func follow(ctx context.Context, path string, lines int, exited <-chan struct{}) (io.ReadCloser, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	data, err := io.ReadAll(f) // leaves f at the end: nothing written meanwhile is lost
+	if err != nil {
+		f.Close()
+		return nil, err
+	}
+	head := tail(data, lines)
+	pr, pw := io.Pipe()
+	go func() {
+		defer f.Close()
+		if _, err := pw.Write(head); err != nil {
+			return
+		}
+		buf := make([]byte, 32*1024)
+		for {
+			n, err := f.Read(buf)
+			if n > 0 {
+				if _, werr := pw.Write(buf[:n]); werr != nil {
+					return
+				}
+				continue
+			}
+			if err != nil && err != io.EOF {
+				pw.CloseWithError(err)
+				return
+			}
+			select {
+			case <-ctx.Done():
+				pw.Close()
+				return
+			case <-exited:
+				// The process is gone: copy what it wrote last, then end the stream.
+				_, _ = io.Copy(pw, f)
+				pw.Close()
+				return
+			case <-time.After(200 * time.Millisecond):
+			}
+		}
+	}()
+	return pr, nil
 }
 
 func (p *provider) RunInContainer(ctx context.Context, ns, name, container string, cmd []string, attach api.AttachIO) error {

@@ -119,6 +119,8 @@ class ProcessNode:
         self.kubeconfig = kubeconfig
         self.workdir = workdir.resolve()
         self.names = list(names)
+        self.gpus = gpus
+        self.gpu_product = gpu_product
         self._args = {
             "cpu": cpu,
             "memory": memory,
