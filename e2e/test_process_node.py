@@ -272,6 +272,38 @@ def test_unknown_image_is_refused_with_an_event(
     assert status.container_statuses[0].state.waiting.reason == "ErrImagePull"
 
 
+def test_pod_waits_for_a_config_map_made_after_it(
+    process_node: ProcessNode, k8s_api: k8s.ApiClient, namespace: str
+) -> None:
+    core = k8s.CoreV1Api(k8s_api)
+    mount = {"name": "late", "mountPath": CONFIG_DIR}
+    code = f"print(open('{CONFIG_DIR}/value').read(), flush=True)"
+    core.create_namespaced_pod(namespace, {
+        "metadata": {"name": "patient"},
+        "spec": on_process_node({
+            "restartPolicy": "Never",
+            "containers": [python("patient", code, volumeMounts=[mount])],
+            "volumes": [{"name": "late", "configMap": {"name": "late"}}],
+        }),
+    })  # fmt: skip
+
+    def failed_mount() -> bool | None:
+        events = core.list_namespaced_event(namespace, field_selector="involvedObject.name=patient")
+        return True if any(e.reason == "FailedMount" for e in events.items) else None
+
+    eventually("a FailedMount Event", failed_mount)
+    assert pod(core, namespace, "patient").status.phase == "Pending"
+    core.create_namespaced_config_map(
+        namespace, {"metadata": {"name": "late"}, "data": {"value": "arrived"}}
+    )
+
+    def succeeded() -> bool | None:
+        return True if pod(core, namespace, "patient").status.phase == "Succeeded" else None
+
+    eventually("the pod run once its ConfigMap exists", succeeded, timeout=30)
+    assert core.read_namespaced_pod_log("patient", namespace) == "arrived\n"
+
+
 def test_crashing_container_restarts_with_back_off(
     process_node: ProcessNode, k8s_api: k8s.ApiClient, namespace: str
 ) -> None:

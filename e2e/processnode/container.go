@@ -65,6 +65,9 @@ func (c *container) supervise(ctx context.Context) bool {
 			c.setFinished()
 			return false
 		}
+		if code == notStarted {
+			continue // configError waited; the kubelet retries without a restart
+		}
 		restart := policy == v1.RestartPolicyAlways && !c.init ||
 			policy != v1.RestartPolicyNever && code != 0
 		if c.init && code == 0 {
@@ -221,8 +224,11 @@ func (c *container) configError(err error) int {
 	case <-c.r.ctx.Done():
 	case <-time.After(2 * time.Second):
 	}
-	return 1
+	return notStarted
 }
+
+// notStarted is runOnce's answer when no process started: no restart is counted.
+const notStarted = -1
 
 // terminate sends SIGTERM to the container's process group, and SIGKILL after grace.
 func (c *container) terminate(grace time.Duration) {

@@ -421,14 +421,32 @@ func (r *podRun) run() {
 	r.mu.Lock()
 	r.netns, r.netReady = ns, true
 	r.mu.Unlock()
-	if err := r.setupVolumes(); err != nil {
-		r.fail("FailedMount", err.Error())
-		return
+	// A ConfigMap, Secret or claim may come after the pod (or the informer may not have it
+	// yet): as the kubelet does, keep trying until the pod is deleted.
+	for attempt := 0; ; attempt++ {
+		err := r.setupVolumes()
+		if err == nil {
+			break
+		}
+		if attempt%15 == 0 { // an Event every 30 s, not every try
+			r.fail("FailedMount", err.Error())
+		}
+		select {
+		case <-r.ctx.Done():
+			return
+		case <-time.After(volumeSyncPeriod):
+		}
 	}
+	r.mu.Lock()
+	r.reason, r.message = "", ""
+	r.mu.Unlock()
 	go r.syncVolumes()
 	r.publish()
 	for _, c := range r.inits {
 		if !c.supervise(r.ctx) {
+			if r.ctx.Err() == nil {
+				r.releaseSandbox() // a failed init container with restartPolicy Never
+			}
 			r.publish()
 			return
 		}
