@@ -128,6 +128,9 @@ def test_deployment_serves_from_pod_ips(
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": "secret", "mountPath": SECRET_DIR, "readOnly": True},
             scratch,
+            # As the operator's own pod does. The node's volume folders are under /tmp here
+            # (pytest's tmp_path): mounting this one first must not hide the others.
+            {"name": "tmp", "mountPath": "/tmp"},
         ],
     )
     spec = on_process_node(
@@ -144,6 +147,7 @@ def test_deployment_serves_from_pod_ips(
                     "secret": {"secretName": "web", "items": [{"key": "token", "path": "t"}]},
                 },
                 {"name": "scratch", "emptyDir": {}},
+                {"name": "tmp", "emptyDir": {}},
             ],
             "terminationGracePeriodSeconds": 5,
         }
@@ -438,7 +442,8 @@ def test_pod_delete_leaves_no_process_or_namespace(
     eventually(
         "the pod and its child running", lambda: True if len(pids_running(marker)) == 2 else None
     )
-    ip = pod(core, namespace, "stubborn").status.pod_ip
+    # The processes run before the status saying so reaches the API server.
+    ip = eventually("the pod's IP", lambda: pod(core, namespace, "stubborn").status.pod_ip)
     assert netns_name(ip) in network_namespaces()
 
     core.delete_namespaced_pod("stubborn", namespace)
