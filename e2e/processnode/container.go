@@ -29,7 +29,6 @@ type container struct {
 	status   v1.ContainerStatus
 	proc     *os.Process
 	exited   chan struct{} // closed when the current process has been reaped
-	killed   bool          // a probe or stop ended the process on purpose
 	finished bool          // will not run again
 }
 
@@ -146,7 +145,7 @@ func (c *container) runOnce(ctx context.Context) int {
 	exited := make(chan struct{})
 	r.mu.Lock()
 	f, t := false, true
-	c.proc, c.exited, c.killed = cmd.Process, exited, false
+	c.proc, c.exited = cmd.Process, exited
 	c.status.ContainerID = fmt.Sprintf("process://%d", cmd.Process.Pid)
 	c.status.ImageID = "process://" + c.spec.Image
 	c.status.State = v1.ContainerState{Running: &v1.ContainerStateRunning{StartedAt: metav1.Now()}}
@@ -234,7 +233,6 @@ const notStarted = -1
 func (c *container) terminate(grace time.Duration) {
 	c.r.mu.Lock()
 	proc, exited := c.proc, c.exited
-	c.killed = true
 	c.r.mu.Unlock()
 	if proc == nil {
 		return

@@ -80,7 +80,8 @@ func newNetwork(ctx context.Context, client kubernetes.Interface, server string)
 	n.listener, err = net.Listen("tcp", net.JoinHostPort(n.apiHost, n.apiPort))
 	if err != nil {
 		n.close()
-		return nil, fmt.Errorf("API server forwarder: %w", err)
+		// One agent per machine: namespaces, the address pool and this port are its own.
+		return nil, fmt.Errorf("API server forwarder (is another process node agent running here?): %w", err)
 	}
 	go n.forward(ctx, target)
 	return n, nil
