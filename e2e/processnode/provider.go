@@ -17,6 +17,7 @@ import (
 	"github.com/virtual-kubelet/virtual-kubelet/node/api"
 	"github.com/virtual-kubelet/virtual-kubelet/node/nodeutil"
 	v1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/record"
@@ -141,8 +142,24 @@ func (p *provider) DeletePod(ctx context.Context, pod *v1.Pod) error {
 			delete(p.pods, key(pod.Namespace, pod.Name))
 		}
 		p.mu.Unlock()
+		if pod.DeletionTimestamp != nil {
+			p.finishDeletion(pod)
+		}
 	}()
 	return nil
+}
+
+// finishDeletion removes the pod object once its containers are gone, as the kubelet's
+// status manager does (grace 0, for this pod's UID only). virtual-kubelet alone would
+// wait out the whole grace period even when the processes exited at SIGTERM.
+func (p *provider) finishDeletion(pod *v1.Pod) {
+	zero := int64(0)
+	uid := pod.UID
+	opts := metav1.DeleteOptions{GracePeriodSeconds: &zero, Preconditions: &metav1.Preconditions{UID: &uid}}
+	err := p.a.client.CoreV1().Pods(pod.Namespace).Delete(context.Background(), pod.Name, opts)
+	if err != nil && !apierrors.IsNotFound(err) && !apierrors.IsConflict(err) {
+		log.G(context.Background()).WithError(err).Warnf("pod %s/%s: final delete", pod.Namespace, pod.Name)
+	}
 }
 
 // stopAll stops every pod, as at node shutdown, each with its own grace period.
