@@ -166,6 +166,9 @@ def process_node(
     try:
         yield node
     finally:
-        with control_plane.api_client() as api:
-            node.delete_volumes(api)
-        node.stop()
+        try:
+            node.stop()
+        finally:
+            with control_plane.api_client() as api:
+                node.delete_volumes(api)
+                node.delete_nodes(api)

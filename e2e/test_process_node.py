@@ -271,9 +271,15 @@ def test_unknown_image_is_refused_with_an_event(
 
     event = eventually("an Event naming the refused image", refused)
     assert event.reason == "Failed"
-    status = pod(core, namespace, "nginx").status
-    assert status.phase == "Pending"
-    assert status.container_statuses[0].state.waiting.reason == "ErrImagePull"
+
+    def image_pull_error() -> bool | None:
+        # The Event and the status travel separately: either may arrive first.
+        statuses = pod(core, namespace, "nginx").status.container_statuses or []
+        waiting = statuses[0].state.waiting if statuses else None
+        return True if waiting and waiting.reason == "ErrImagePull" else None
+
+    eventually("the container waiting with ErrImagePull", image_pull_error)
+    assert pod(core, namespace, "nginx").status.phase == "Pending"
 
 
 def test_pod_waits_for_a_config_map_made_after_it(

@@ -229,6 +229,18 @@ class ProcessNode:
         core.create_namespaced_persistent_volume_claim(namespace, claim_body)
         return directory
 
+    def delete_nodes(self, api: k8s.ApiClient) -> None:
+        """Delete the Node objects (after stop()): with the node-lifecycle controller off, a
+        stopped node would stay Ready in the API for good, and pods bound to it with it. A
+        kubelet leaves its Node; a test harness should not leave dead ones to later tests."""
+        core = k8s.CoreV1Api(api)
+        for name in self.names:
+            try:
+                core.delete_node(name)
+            except k8s.ApiException as e:
+                if e.status != 404:
+                    raise
+
     def delete_volumes(self, api: k8s.ApiClient) -> None:
         """Delete the PersistentVolumes `bind_claim` made (they are cluster-wide)."""
         core = k8s.CoreV1Api(api)
