@@ -17,10 +17,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import helm_python as helm
 import pytest
 from kubernetes import client as k8s
 
+from e2e.chart_support import Discovery, apply, release_name, render
 from e2e.support import eventually
+from fleetpilot.kube.client import Kube
 from fleetpilot.testing.processnode import (
     FLEETPILOT_IMAGE_PATTERN,
     PROCESS_NODE_LABEL,
@@ -251,6 +254,59 @@ def test_nodes_register_with_their_resources(
         # virtual-kubelet renews the node's Lease, as a kubelet does.
         lease = k8s.CoordinationV1Api(k8s_api).read_namespaced_lease(name, "kube-node-lease")
         assert lease.spec.holder_identity == name
+
+
+def test_the_charts_operator_runs_ready_on_a_process_node(
+    process_node: ProcessNode,
+    k8s_api: k8s.ApiClient,
+    kube: Kube,
+    chart: helm.Chart,
+    chart_crds: None,
+    namespace: str,
+) -> None:
+    """The chart installed as `helm install` would, its operator pinned to the process nodes:
+    the hardest pod here (restricted securityContext, /tmp as an emptyDir, the projected
+    ServiceAccount token, probes on a named port) runs, turns Ready and wins its Lease through
+    in-cluster config."""
+    values = {
+        "watchNamespaces": [namespace],
+        "nodeSelector": {PROCESS_NODE_LABEL: "true"},
+        "tolerations": [PROCESS_NODE_TOLERATION],
+    }
+    release = release_name()
+    objects = [
+        o
+        for o in render(chart, values, release, namespace)
+        if "helm.sh/hook" not in o["metadata"].get("annotations", {})
+    ]
+    discovery = Discovery(kube)
+    cluster_scoped = []
+    try:
+        for obj in objects:
+            path = discovery.path(obj)
+            if path is None:
+                continue  # PodMonitor and the like: no such API here
+            apply(kube, path, obj, dry_run=False)
+            if "namespace" not in obj["metadata"]:
+                cluster_scoped.append(path)
+        apps, core = k8s.AppsV1Api(k8s_api), k8s.CoreV1Api(k8s_api)
+        name = next(o for o in objects if o["kind"] == "Deployment")["metadata"]["name"]
+
+        def available() -> bool | None:
+            status = apps.read_namespaced_deployment_status(name, namespace).status
+            return True if status.available_replicas == 1 else None
+
+        eventually("the operator Deployment Available", available, timeout=90)
+        selector = "app.kubernetes.io/component=operator"
+        pods = core.list_namespaced_pod(namespace, label_selector=selector).items
+        assert len(pods) == 1
+        operator = pods[0]
+        assert operator.spec.node_name in process_node.names
+        lease = k8s.CoordinationV1Api(k8s_api).read_namespaced_lease(name, namespace)
+        assert lease.spec.holder_identity.startswith(operator.metadata.name)
+    finally:
+        for path in cluster_scoped:
+            kube.request("DELETE", path)
 
 
 def test_unknown_image_is_refused_with_an_event(
