@@ -542,10 +542,18 @@ def test_node_stop_leaves_no_process_or_namespace(
             }),
         })  # fmt: skip
     eventually("both pods running", lambda: True if len(pids_running(marker)) == 2 else None)
+    for name in ("sleeper-0", "sleeper-1"):
+        eventually(
+            f"{name} Running",
+            lambda n=name: pod(core, namespace, n).status.phase == "Running" or None,
+        )  # type: ignore[misc]
     assert network_namespaces()
 
     process_node.stop()
 
+    for name in ("sleeper-0", "sleeper-1"):
+        status = pod(core, namespace, name).status
+        assert (status.phase, status.reason) == ("Failed", "Terminated")
     assert not process_node.alive()
     assert pids_running(marker) == []
     assert network_namespaces() == set()

@@ -175,10 +175,34 @@ func (p *provider) stopAll() {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
+			// As the kubelet's graceful node shutdown reports it: the pod ends Failed, and
+			// its controller replaces it.
+			r.mu.Lock()
+			r.reason, r.message = "Terminated", "Pod was terminated in response to imminent node shutdown."
+			r.mu.Unlock()
 			r.stop(time.Duration(grace(r.pod)) * time.Second)
+			p.writeFinalStatus(r)
 		}()
 	}
 	wg.Wait()
+}
+
+// writeFinalStatus writes the pod's last status itself: virtual-kubelet's status queue stops
+// with the node, before it would get to it.
+func (p *provider) writeFinalStatus(r *podRun) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	pods := p.a.client.CoreV1().Pods(r.pod.Namespace)
+	for range 3 {
+		current, err := pods.Get(ctx, r.pod.Name, metav1.GetOptions{})
+		if err != nil || current.UID != r.pod.UID {
+			return
+		}
+		current.Status = r.snapshot().Status
+		if _, err = pods.UpdateStatus(ctx, current, metav1.UpdateOptions{}); !apierrors.IsConflict(err) {
+			return
+		}
+	}
 }
 
 func (p *provider) get(ns, name string) (*podRun, error) {
