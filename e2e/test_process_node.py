@@ -104,6 +104,12 @@ def pod(core: k8s.CoreV1Api, namespace: str, name: str) -> k8s.V1Pod:
 def test_deployment_serves_from_pod_ips(
     process_node: ProcessNode, k8s_api: k8s.ApiClient, namespace: str
 ) -> None:
+    """A 2-replica Deployment of the fleetpilot image turns Available through its readiness
+    probes; its EndpointSlice lists both pod IPs, each of which answers the test on the same
+    port. Init containers ran in order and reached the API server with in-cluster config;
+    downward-API, ConfigMap and Secret env and $(VAR) args arrived; the ConfigMap and Secret
+    volumes are the pod's own and follow an edit; pods/log serves, also with follow. Also
+    protects the mount order: an emptyDir at /tmp once hid the other volumes' sources."""
     core, apps = k8s.CoreV1Api(k8s_api), k8s.AppsV1Api(k8s_api)
     config = {"greeting.txt": "hello v1\n", "flavour": "plain"}
     core.create_namespaced_config_map(namespace, {"metadata": {"name": "web"}, "data": config})
@@ -242,6 +248,8 @@ def test_deployment_serves_from_pod_ips(
 def test_nodes_register_with_their_resources(
     process_node: ProcessNode, k8s_api: k8s.ApiClient
 ) -> None:
+    """Each node registers with its allocatable CPU and GPUs, the GPU product label, Ready,
+    and a Lease that virtual-kubelet renews."""
     core = k8s.CoreV1Api(k8s_api)
     for name in process_node.names:
         node = core.read_node(name)
@@ -312,6 +320,8 @@ def test_the_charts_operator_runs_ready_on_a_process_node(
 def test_unknown_image_is_refused_with_an_event(
     process_node: ProcessNode, k8s_api: k8s.ApiClient, namespace: str
 ) -> None:
+    """An image outside the table is refused as a kubelet refuses one it cannot pull: the
+    container waits with ErrImagePull and an Event names the image."""
     core = k8s.CoreV1Api(k8s_api)
     image = "docker.io/library/nginx:1.27"
     core.create_namespaced_pod(namespace, {
@@ -341,6 +351,8 @@ def test_unknown_image_is_refused_with_an_event(
 def test_pod_waits_for_a_config_map_made_after_it(
     process_node: ProcessNode, k8s_api: k8s.ApiClient, namespace: str
 ) -> None:
+    """A pod whose ConfigMap does not exist yet waits (a FailedMount Event) and runs once it
+    does; it once stayed Pending for good."""
     core = k8s.CoreV1Api(k8s_api)
     mount = {"name": "late", "mountPath": CONFIG_DIR}
     code = f"print(open('{CONFIG_DIR}/value').read(), flush=True)"
@@ -373,6 +385,8 @@ def test_pod_waits_for_a_config_map_made_after_it(
 def test_crashing_container_restarts_with_back_off(
     process_node: ProcessNode, k8s_api: k8s.ApiClient, namespace: str
 ) -> None:
+    """A container that exits 3 under restartPolicy Always restarts with a growing count; the
+    last termination and the previous run's log are reported."""
     core = k8s.CoreV1Api(k8s_api)
     code = "import sys; print('crashing', flush=True); sys.exit(3)"
     core.create_namespaced_pod(namespace, {
@@ -405,6 +419,9 @@ FLAKY_SERVER = (
 def test_probes_drive_ready_and_restarts(
     process_node: ProcessNode, k8s_api: k8s.ApiClient, namespace: str
 ) -> None:
+    """Startup (TCP), readiness (a command in the pod, which must see the pod's own mounts) and
+    liveness (HTTP) probes: the pod turns Ready, a failing liveness probe restarts it (SIGTERM:
+    exit 143), and it turns Ready again, with the kubelet's Unhealthy and Killing Events."""
     core = k8s.CoreV1Api(k8s_api)
     alive = f"{SCRATCH_DIR}/alive"
     container = python(
@@ -449,6 +466,8 @@ def test_probes_drive_ready_and_restarts(
 def test_claim_bound_to_a_host_path_volume_is_mounted(
     process_node: ProcessNode, k8s_api: k8s.ApiClient, namespace: str
 ) -> None:
+    """A PVC pre-bound to a hostPath PersistentVolume is mounted; what the pod writes lands in
+    the volume's directory; a finished pod's mount point is gone at once, its log kept."""
     core = k8s.CoreV1Api(k8s_api)
     directory = process_node.bind_claim(k8s_api, namespace, "data")
     mount_path = "/var/lib/fleetpilot-e2e-data"
@@ -485,6 +504,8 @@ def test_claim_bound_to_a_host_path_volume_is_mounted(
 def test_pod_delete_leaves_no_process_or_namespace(
     process_node: ProcessNode, k8s_api: k8s.ApiClient, namespace: str
 ) -> None:
+    """Deleting a pod whose process ignores SIGTERM and leaves a child: SIGKILL after the
+    grace period ends the whole process group, and the network namespace goes."""
     core = k8s.CoreV1Api(k8s_api)
     marker = f"e2e-{uuid.uuid4().hex}"
     # Ignores SIGTERM and leaves a child behind: only SIGKILL after the grace period, for
@@ -529,7 +550,9 @@ def test_pod_delete_leaves_no_process_or_namespace(
 def test_node_stop_leaves_no_process_or_namespace(
     process_node: ProcessNode, k8s_api: k8s.ApiClient, namespace: str
 ) -> None:
-    """Last in this module: it stops the module's node (the fixture's stop is then a no-op)."""
+    """Stopping the agent stops every pod (they end Failed, reason Terminated) and leaves no
+    process and no namespace. Last in this module: it stops the module's node (the fixture's
+    stop is then a no-op)."""
     core = k8s.CoreV1Api(k8s_api)
     marker = f"e2e-{uuid.uuid4().hex}"
     code = "import sys, time; time.sleep(600)"
