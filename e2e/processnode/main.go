@@ -40,6 +40,7 @@ import (
 	"encoding/json"
 	"flag"
 	"fmt"
+	"log/slog"
 	"math/big"
 	"net"
 	"os"
@@ -51,6 +52,7 @@ import (
 	"time"
 
 	"github.com/virtual-kubelet/virtual-kubelet/log"
+	vkslog "github.com/virtual-kubelet/virtual-kubelet/log/slog"
 	"github.com/virtual-kubelet/virtual-kubelet/node"
 	"github.com/virtual-kubelet/virtual-kubelet/node/nodeutil"
 	v1 "k8s.io/api/core/v1"
@@ -108,6 +110,9 @@ func main() {
 }
 
 func run(o options) error {
+	// virtual-kubelet logs nothing by default; its warnings (status updates that failed, pods
+	// it could not sync) and ours go to stderr, which the harness keeps as the agent's log.
+	log.L = vkslog.FromSlog(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo})))
 	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer cancel()
 
@@ -115,6 +120,8 @@ func run(o options) error {
 	if err != nil {
 		return err
 	}
+	// nodeutil.NewNode builds a client from $KUBECONFIG before taking ours, and warns without it.
+	_ = os.Setenv("KUBECONFIG", o.kubeconfig)
 	restCfg, err := clientcmd.BuildConfigFromFlags("", o.kubeconfig)
 	if err != nil {
 		return fmt.Errorf("kubeconfig: %w", err)
