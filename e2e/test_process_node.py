@@ -500,6 +500,20 @@ def test_claim_bound_to_a_host_path_volume_is_mounted(
     assert core.read_namespaced_pod_log("writer", namespace) == ""
     assert netns_name(pod(core, namespace, "writer").status.pod_ip) not in network_namespaces()
 
+    # A volume reserved for a claim made later by someone else (as the operator makes its
+    # model cache's claim, with no storage class): the two are bound when the claim appears.
+    process_node.bind_claim(k8s_api, namespace, "later", create_claim=False)
+    core.create_namespaced_persistent_volume_claim(namespace, {
+        "metadata": {"name": "later"},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}},
+    })  # fmt: skip
+
+    def bound() -> str | None:
+        claim = core.read_namespaced_persistent_volume_claim("later", namespace)
+        return claim.spec.volume_name if claim.status.phase == "Bound" else None
+
+    assert eventually("the later claim bound", bound) == f"{namespace}-later"
+
 
 def test_pod_delete_leaves_no_process_or_namespace(
     process_node: ProcessNode, k8s_api: k8s.ApiClient, namespace: str

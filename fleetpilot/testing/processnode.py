@@ -192,12 +192,23 @@ class ProcessNode:
         if not clean:
             raise ControlPlaneError(f"process node ignored SIGTERM for {timeout:.0f}s; killed")
 
-    def bind_claim(self, api: k8s.ApiClient, namespace: str, claim: str, size: str = "1Gi") -> Path:
+    def bind_claim(
+        self,
+        api: k8s.ApiClient,
+        namespace: str,
+        claim: str,
+        size: str = "1Gi",
+        *,
+        create_claim: bool = True,
+    ) -> Path:
         """Create PVC `claim`, bound to a new hostPath PersistentVolume: a directory under
         `workdir`, returned, that pods mounting the claim on these nodes read and write.
 
         The node has no provisioner: claims are bound here, before the pods that use them,
-        as an administrator pre-binds static volumes (`claimRef` and `volumeName`).
+        as an administrator pre-binds static volumes (`claimRef` and `volumeName`). With
+        `create_claim=False` only the volume is made, reserved for a claim of that name that
+        someone else creates later without a storage class (the operator's model cache): the
+        PersistentVolume controller binds the two when it appears.
         """
         directory = self.workdir / "volumes" / namespace / claim
         directory.mkdir(parents=True, exist_ok=True)
@@ -217,6 +228,8 @@ class ProcessNode:
         }
         core.create_persistent_volume(volume)
         self._volumes.append(name)
+        if not create_claim:
+            return directory
         claim_body: Any = {
             "metadata": {"name": claim},
             "spec": {
