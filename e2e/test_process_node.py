@@ -214,6 +214,10 @@ def test_deployment_serves_from_pod_ips(
         assert get(f"http://{ip}:8000{SECRET_DIR}/t") == "s3cret"
         with pytest.raises(urllib.error.HTTPError):
             get(f"http://{ip}:8000{SECRET_DIR}/other")  # not among the volume's items
+        assert [(s.name, s.ready) for s in p.status.init_container_statuses] == [
+            ("first", True),
+            ("api", True),
+        ]
         api_log = core.read_namespaced_pod_log(p.metadata.name, namespace, container="api")
         assert api_log.startswith("api v1.37")
     # `kubectl logs -f`: the stream shows a request made after it opened.

@@ -582,7 +582,10 @@ func (r *podRun) snapshot() *v1.Pod {
 	}
 	allReady, anyRunning, allDone, allSucceeded := true, false, true, true
 	for _, c := range r.inits {
-		st.InitContainerStatuses = append(st.InitContainerStatuses, *c.status.DeepCopy())
+		s := *c.status.DeepCopy()
+		// The kubelet's prober: an init container is ready once it exited 0.
+		s.Ready = s.State.Terminated != nil && s.State.Terminated.ExitCode == 0
+		st.InitContainerStatuses = append(st.InitContainerStatuses, s)
 	}
 	for _, c := range r.ctrs {
 		s := *c.status.DeepCopy()
