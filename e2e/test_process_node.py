@@ -475,7 +475,11 @@ def test_claim_bound_to_a_host_path_volume_is_mounted(
     core = k8s.CoreV1Api(k8s_api)
     directory = process_node.bind_claim(k8s_api, namespace, "data")
     mount_path = "/var/lib/fleetpilot-e2e-data"
-    code = f"open('{mount_path}/hello.txt', 'w').write('from the pod')"
+    # HOME is the pod's own (not the agent's): what lands there goes with the pod.
+    code = (
+        f"import os; open('{mount_path}/hello.txt', 'w').write('from the pod'); "
+        "open(os.path.expanduser('~/note'), 'w').write('x'); print(os.environ['HOME'])"
+    )
     # It asks for a GPU too: the scheduler places it by the nodes' nvidia.com/gpu.
     writer = python(
         "writer",
@@ -501,7 +505,8 @@ def test_claim_bound_to_a_host_path_volume_is_mounted(
     # A finished pod's volumes are unmounted and its mount point gone, as with a kubelet;
     # its logs stay until it is deleted.
     eventually("the mount point removed", lambda: None if Path(mount_path).exists() else True)
-    assert core.read_namespaced_pod_log("writer", namespace) == ""
+    home = Path(core.read_namespaced_pod_log("writer", namespace).strip())
+    assert home.is_relative_to(process_node.workdir)
     assert netns_name(pod(core, namespace, "writer").status.pod_ip) not in network_namespaces()
 
     # A volume reserved for a claim made later by someone else (as the operator makes its

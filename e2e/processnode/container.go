@@ -118,6 +118,7 @@ func (c *container) runOnce(ctx context.Context) int {
 	if err != nil {
 		return c.configError(err)
 	}
+	r.defaultHome(vars)
 	argv := commandLine(&c.spec, c.rule, vars)
 	if len(argv) == 0 {
 		return c.configError(fmt.Errorf("no command: the container sets none and the image table gives none"))
@@ -410,6 +411,7 @@ func (c *container) probeOnce(ctx context.Context, p *v1.Probe) error {
 		if err != nil {
 			return err
 		}
+		c.r.defaultHome(vars)
 		cmd := c.command(vars, c.spec.WorkingDir, p.Exec.Command)
 		done := make(chan error, 1)
 		if err := cmd.Start(); err != nil {

@@ -29,9 +29,22 @@ const volumeSyncPeriod = 2 * time.Second
 
 func (r *podRun) volumeDir(name string) string { return filepath.Join(r.dir, "volumes", name) }
 
+// defaultHome gives a container that neither its image table entry nor its pod sets HOME
+// for a home of the pod's own: in a cluster HOME lies in the container's private
+// filesystem, so what a process writes there (caches, say) goes with it; here it would
+// otherwise land in the agent's home on the host and stay.
+func (r *podRun) defaultHome(vars map[string]string) {
+	if _, ok := vars["HOME"]; !ok {
+		vars["HOME"] = filepath.Join(r.dir, "home")
+	}
+}
+
 // setupVolumes makes each volume's directory and the mountPaths on the host (the bind mounts
 // themselves happen in each container's own mount namespace).
 func (r *podRun) setupVolumes() error {
+	if err := os.MkdirAll(filepath.Join(r.dir, "home"), 0o755); err != nil {
+		return err
+	}
 	mounts := map[string]string{}
 	for _, vol := range r.pod.Spec.Volumes {
 		dir := r.volumeDir(vol.Name)
