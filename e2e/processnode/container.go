@@ -13,7 +13,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/virtual-kubelet/virtual-kubelet/log"
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
@@ -427,6 +426,7 @@ func (c *container) probeOnce(ctx context.Context, p *v1.Probe) error {
 			return fmt.Errorf("command timed out after %s", timeout)
 		}
 	}
-	log.G(ctx).Warnf("pod %s: probe kind not supported, counted as success", c.r.pod.Name)
-	return nil
+	// gRPC probes: not offered here. Failing says so in Events and status; passing would
+	// report a health nobody checked.
+	return fmt.Errorf("this probe's kind (gRPC) is not supported by the process node")
 }
