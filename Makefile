@@ -8,7 +8,7 @@ SRC := fleetpilot
 
 CLUSTER_DIR := .cache/cluster
 
-.PHONY: setup vllm baselines test lint typecheck imports unit controlplane kstatus prometheus chart-readme cluster-up cluster-down demo crds clean
+.PHONY: setup vllm baselines test lint typecheck imports unit controlplane kstatus processnode prometheus chart-readme cluster-up cluster-down demo crds clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -67,13 +67,21 @@ controlplane:
 kstatus:
 	e2e/kstatus/build.sh
 
+# The process node (e2e/processnode): a virtual-kubelet provider that runs the test cluster's
+# pods as local processes, each pod in its own network namespace (the tests run it as root).
+# Its Go tests cover the pure parts (env and $(VAR) expansion, image table, volume files);
+# e2e/test_process_node.py the rest, on the real control plane.
+processnode:
+	e2e/processnode/build.sh
+	cd e2e/processnode && GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=readonly go test ./...
+
 prometheus:
 	@command -v prometheus >/dev/null || { \
 		echo "installing Debian's prometheus package for the autoscaler tests"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
 	@prometheus --version 2>&1 | head -1
 
-unit: setup vllm baselines controlplane kstatus prometheus
+unit: setup vllm baselines controlplane kstatus processnode prometheus
 	$(BIN)/pytest
 
 cluster-up: setup controlplane

@@ -27,6 +27,7 @@ from e2e.support import eventually
 from fleetpilot.kube.client import Kube
 from fleetpilot.testing.cluster import Cluster, ExistingCluster
 from fleetpilot.testing.controlplane import ControlPlane
+from fleetpilot.testing.processnode import ProcessNode, skip_reason
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -129,3 +130,45 @@ def leader_worker_set_crd(kube: Kube) -> Iterator[None]:
     finally:
         kube.request("DELETE", path)
         eventually("LeaderWorkerSet gone", lambda: None if kube.serves(*LWS_API) else True)
+
+
+#: The process nodes' names; tests pin pods to them with the label every process node carries.
+PROCESS_NODES = ("process-node-0", "process-node-1")
+#: What the process nodes report as their GPUs (the pods run on the CPU all the same): so the
+#: scheduler places GPU requests on them as on a GPU cluster.
+PROCESS_NODE_GPU = "NVIDIA-L4"
+
+
+@pytest.fixture(scope="module")
+def process_node(
+    control_plane: Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessNode]:
+    """Two nodes that run pods as local processes (e2e/processnode), for one test module,
+    each offering 2 `nvidia.com/gpu` (PROCESS_NODE_GPU).
+
+    Tainted, so other tests' pods never land there; pods tolerate the taint to run there. The
+    restart back-off starts at 1s (the kubelet's 10s) so crash-loop tests stay short.
+    """
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    if use_existing_cluster():
+        pytest.skip("the process node joins the test control plane, not an existing cluster")
+    node = ProcessNode(
+        control_plane.kubeconfig,
+        tmp_path_factory.mktemp("processnode"),
+        PROCESS_NODES,
+        gpus=2,
+        gpu_product=PROCESS_NODE_GPU,
+        backoff_base_s=1.0,
+    )
+    node.start()
+    try:
+        yield node
+    finally:
+        try:
+            node.stop()
+        finally:
+            with control_plane.api_client() as api:
+                node.delete_volumes(api)
+                node.delete_nodes(api)

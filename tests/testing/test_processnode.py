@@ -1,0 +1,47 @@
+"""The process node's image table (``fleetpilot.testing.processnode``): what the harness
+writes must cover the images the operator and the chart put in pods, and point at programs
+that exist, or every pod they make would be refused on the process nodes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import yaml
+
+from fleetpilot.operator.plan_types import DEFAULT_FLEETPILOT_IMAGE
+from fleetpilot.testing.processnode import fleetpilot_image_table, netns_name
+
+CHART = Path(__file__).resolve().parents[2] / "charts" / "fleetpilot"
+
+
+def matches(pattern: str, image: str) -> bool:
+    """The agent's rule (imageTable.lookup in e2e/processnode/main.go): exact, or a prefix
+    before a trailing `*`."""
+    return image == pattern or (pattern.endswith("*") and image.startswith(pattern[:-1]))
+
+
+def test_the_table_covers_the_images_the_operator_and_the_chart_use() -> None:
+    """The operator's default image (engine, router, fetcher pods) and the chart's operator
+    image, with the chart's appVersion tag, both map to this environment."""
+    (rule,) = fleetpilot_image_table()["images"]
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    chart_image = f"{values['image']['repository']}:{chart['appVersion']}"
+    for image in (DEFAULT_FLEETPILOT_IMAGE, chart_image):
+        assert matches(rule["pattern"], image), image
+    assert not matches(rule["pattern"], "ghcr.io/fleetpilot/fleetpilot-other:1")
+
+
+def test_the_table_points_at_this_environments_programs() -> None:
+    """`python` and the image's entrypoint resolve in the table's PATH entry, as in the image."""
+    (rule,) = fleetpilot_image_table()["images"]
+    (bin_dir,) = (Path(p) for p in rule["path"])
+    for program in ("python", *rule["entrypoint"]):
+        assert os.access(bin_dir / program, os.X_OK), program
+
+
+def test_netns_names_are_unique_per_pod_ip() -> None:
+    """The agent names each pod's namespace after its IP (podNames in network.go)."""
+    assert netns_name("10.244.1.2") == "fpn-1-2"
+    assert netns_name("10.244.12.1") != netns_name("10.244.1.21")
