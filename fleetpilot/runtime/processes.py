@@ -33,6 +33,8 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
+from typing import Self
 
 from fleetpilot.argtypes import MAX_PORT
 from fleetpilot.runtime.liveness import Liveness, LivenessProbe, Verdict, due, judge
@@ -89,6 +91,28 @@ def group_members(pgids: set[int]) -> list[int]:
         if stat is not None and stat[0] not in ("Z", "X") and stat[1] in pgids:
             found.append(int(entry.name))
     return found
+
+
+class StartsAndStops:
+    """A server or agent the caller starts and must stop: ``with X(...) as x:`` starts it and
+    stops it on the way out, whatever happened inside."""
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
 
 
 class PortInUseError(RuntimeError):

@@ -38,7 +38,6 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Self
 
 import yaml
@@ -47,6 +46,7 @@ from fleetpilot.runtime.liveness import LivenessProbe
 from fleetpilot.runtime.processes import (
     Child,
     ChildFailedError,
+    StartsAndStops,
     Supervisor,
     free_port,
     group_members,
@@ -155,7 +155,7 @@ def _opener() -> urllib.request.OpenerDirector:
     return urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-class PrometheusServer:
+class PrometheusServer(StartsAndStops):
     """One Prometheus process; ``start()``/``stop()`` or a ``with`` block."""
 
     def __init__(
@@ -334,17 +334,6 @@ class PrometheusServer:
         self.pids.add(child.pid)
         self._started_at = time.monotonic()
         log.info("prometheus restarted at %s (pid %s)", self.url, child.pid)
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     # -- targets ---------------------------------------------------------------------------
     def set_targets(self, targets: Sequence[ScrapeTarget]) -> None:

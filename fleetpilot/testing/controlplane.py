@@ -32,12 +32,11 @@ import ssl
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Self
 
 from kubernetes import client as k8s
 
-from fleetpilot.runtime.processes import Child, Supervisor, free_ports, http_ok
+from fleetpilot.runtime.processes import Child, StartsAndStops, Supervisor, free_ports, http_ok
 from fleetpilot.testing.binaries import ensure_binaries
 from fleetpilot.testing.cluster import Cluster
 from fleetpilot.testing.errors import ControlPlaneError
@@ -74,7 +73,7 @@ _PROBE_TIMEOUT_S = 3.0
 _LOG_LINES = 40
 
 
-class ControlPlane(Cluster):
+class ControlPlane(Cluster, StartsAndStops):
     """etcd + kube-apiserver + kube-controller-manager + kube-scheduler on loopback.
 
     `workdir` holds everything: certificates, kubeconfigs, etcd data, logs and state.json (pids
@@ -135,17 +134,6 @@ class ControlPlane(Cluster):
     def leftover_processes(self) -> list[int]:
         """Live processes in any of our components' process groups (empty after stop())."""
         return self._supervisor.leftovers() if self._supervisor is not None else []
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     # ---- lifecycle
 

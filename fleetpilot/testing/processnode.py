@@ -23,14 +23,13 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Self
 
 from kubernetes import client as k8s
 
-from fleetpilot.runtime.processes import Child, Supervisor, free_ports
+from fleetpilot.runtime.processes import Child, StartsAndStops, Supervisor, free_ports
 from fleetpilot.testing.binaries import repo_root
 from fleetpilot.testing.errors import ControlPlaneError
 
@@ -94,7 +93,7 @@ def fleetpilot_image_table(venv_bin: Path | None = None) -> dict[str, Any]:
     }
 
 
-class ProcessNode:
+class ProcessNode(StartsAndStops):
     """The agent, registering `names` as nodes of the cluster whose admin kubeconfig is given.
 
     `backoff_base_s` is the first restart back-off (the kubelet's is 10s; tests shorten it).
@@ -248,33 +247,23 @@ class ProcessNode:
         kubelet leaves its Node; a test harness should not leave dead ones to later tests."""
         core = k8s.CoreV1Api(api)
         for name in self.names:
-            try:
-                core.delete_node(name)
-            except k8s.ApiException as e:
-                if e.status != 404:
-                    raise
+            _delete_if_present(core.delete_node, name)
 
     def delete_volumes(self, api: k8s.ApiClient) -> None:
         """Delete the PersistentVolumes `bind_claim` made (they are cluster-wide)."""
         core = k8s.CoreV1Api(api)
         for name in self._volumes:
-            try:
-                core.delete_persistent_volume(name)
-            except k8s.ApiException as e:
-                if e.status != 404:
-                    raise
+            _delete_if_present(core.delete_persistent_volume, name)
         self._volumes.clear()
 
-    def __enter__(self) -> Self:
-        return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
+def _delete_if_present(delete: Callable[[str], object], name: str) -> None:
+    """``delete(name)``, where an object already gone (404) is what was wanted."""
+    try:
+        delete(name)
+    except k8s.ApiException as e:
+        if e.status != 404:
+            raise
 
 
 def netns_name(pod_ip: str) -> str:
