@@ -6,8 +6,8 @@ and runs the pods the scheduler binds to them as processes on this machine, each
 network namespace of its own with a 10.244.0.0/16 address (see the package doc in
 e2e/processnode/main.go). It needs root (namespaces, veth links, bind mounts) and Go to build.
 
-Images map to local programs through a table this module writes: the fleetpilot image runs
-the project's own environment (its `python` and `fleetpilot` come first on PATH). Pods with any
+Images map to local programs through a table this module writes: the fleetpilot image (and
+the reference engine's, which holds the same package) runs the project's own environment (its `python` and `fleetpilot` come first on PATH). Pods with any
 other image are refused by the agent with ErrImagePull and an Event naming the image.
 
 The nodes carry the `fleetpilot.dev/process-node=true:NoSchedule` taint by default, so only
@@ -47,6 +47,9 @@ PROCESS_NODE_TOLERATION: dict[str, str] = {
     "effect": "NoSchedule",
 }
 FLEETPILOT_IMAGE_PATTERN = "ghcr.io/fleetpilot/fleetpilot:*"
+#: The CPU reference engine's image (engine_image/Dockerfile.reference): the same package and
+#: torch, so the same environment runs it.
+REFERENCE_IMAGE_PATTERN = "ghcr.io/fleetpilot/fleetpilot-reference:*"
 #: The agent prints this line once every node is registered and Ready.
 READY_LINE = "processnode: ready"
 
@@ -79,17 +82,21 @@ def agent_binary(*, build: bool = True) -> Path:
 
 
 def fleetpilot_image_table(venv_bin: Path | None = None) -> dict[str, Any]:
-    """The image table: the fleetpilot image runs this environment (the interpreter running
-    this module), as its Dockerfile's ENTRYPOINT `fleetpilot` does."""
+    """The image table: the fleetpilot image and the reference engine's run this environment
+    (the interpreter running this module), as their Dockerfiles' ENTRYPOINT `fleetpilot` does."""
     bin_dir = venv_bin if venv_bin is not None else Path(sys.executable).parent
     return {
         "images": [
             {
-                "pattern": FLEETPILOT_IMAGE_PATTERN,
+                "pattern": pattern,
                 "path": [str(bin_dir)],
-                "entrypoint": ["fleetpilot"],
+                "entrypoint": entrypoint,
                 "env": {"PYTHONUNBUFFERED": "1"},
             }
+            for pattern, entrypoint in (
+                (FLEETPILOT_IMAGE_PATTERN, ["fleetpilot"]),
+                (REFERENCE_IMAGE_PATTERN, ["fleetpilot", "engine", "--backend", "reference"]),
+            )
         ]
     }
 
