@@ -7,8 +7,9 @@ network namespace of its own with a 10.244.0.0/16 address (see the package doc i
 e2e/processnode/main.go). It needs root (namespaces, veth links, bind mounts) and Go to build.
 
 Images map to local programs through a table this module writes: the fleetpilot image (and
-the reference engine's, which holds the same package) runs the project's own environment (its `python` and `fleetpilot` come first on PATH). Pods with any
-other image are refused by the agent with ErrImagePull and an Event naming the image.
+the reference engine's, which holds the same package) runs the project's own environment (its
+`python` and `fleetpilot` come first on PATH). Pods with any other image are refused by the
+agent with ErrImagePull and an Event naming the image.
 
 The nodes carry the `fleetpilot.dev/process-node=true:NoSchedule` taint by default, so only
 pods that tolerate it land there while other tests' fake GPU nodes share the cluster.
@@ -16,6 +17,7 @@ pods that tolerate it land there while other tests' fake GPU nodes share the clu
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -50,6 +52,10 @@ FLEETPILOT_IMAGE_PATTERN = "ghcr.io/fleetpilot/fleetpilot:*"
 #: The CPU reference engine's image (engine_image/Dockerfile.reference): the same package and
 #: torch, so the same environment runs it.
 REFERENCE_IMAGE_PATTERN = "ghcr.io/fleetpilot/fleetpilot-reference:*"
+#: One agent per machine: each sweeps the `fpn-` namespaces it finds at start as its own
+#: leftovers and claims the `kubernetes` ClusterIP on lo, so a second one, started while
+#: another test run's is up, tore that run's pods' networks down. Held from start to stop.
+MACHINE_LOCK = Path("/run/fleetpilot-processnode.lock")
 #: The agent prints this line once every node is registered and Ready.
 READY_LINE = "processnode: ready"
 
@@ -141,6 +147,7 @@ class ProcessNode:
         self._supervisor = Supervisor(self.workdir / "logs")
         self._child: Child | None = None
         self._volumes: list[str] = []
+        self._lock: int | None = None
 
     @property
     def log_path(self) -> Path:
@@ -155,9 +162,39 @@ class ProcessNode:
     def alive(self) -> bool:
         return self._child is not None and self._child.alive()
 
-    def start(self, timeout: float = 60.0) -> Self:
-        """Start the agent and wait until every node is registered and Ready."""
+    def start(self, timeout: float = 60.0, lock_timeout: float = 900.0) -> Self:
+        """Start the agent and wait until every node is registered and Ready: after any other
+        run's agent on this machine stopped (`MACHINE_LOCK`; up to `lock_timeout`)."""
         binary = agent_binary(build=self._build)
+        self._take_machine_lock(lock_timeout)
+        try:
+            return self._start(binary, timeout)
+        except BaseException:
+            self._release_machine_lock()
+            raise
+
+    def _take_machine_lock(self, timeout: float) -> None:
+        fd = os.open(MACHINE_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    raise ControlPlaneError(
+                        f"another process node held {MACHINE_LOCK} for {timeout:.0f}s"
+                    ) from None
+                time.sleep(1.0)
+        self._lock = fd
+
+    def _release_machine_lock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)  # closing the descriptor drops the flock
+            self._lock = None
+
+    def _start(self, binary: Path, timeout: float) -> Self:
         self.workdir.mkdir(parents=True, exist_ok=True)
         table = self.workdir / "images.json"
         table.write_text(json.dumps(self._images, indent=2) + "\n")
@@ -195,7 +232,10 @@ class ProcessNode:
         namespaces, links, addresses and directories. Raises if it had to be killed."""
         if self._child is None:
             return
-        clean = self._supervisor.stop(self._child, grace_s=timeout)
+        try:
+            clean = self._supervisor.stop(self._child, grace_s=timeout)
+        finally:
+            self._release_machine_lock()
         if not clean:
             raise ControlPlaneError(f"process node ignored SIGTERM for {timeout:.0f}s; killed")
 

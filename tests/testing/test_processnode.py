@@ -7,10 +7,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import yaml
 
 from fleetpilot.operator.plan_types import DEFAULT_FLEETPILOT_IMAGE, DEFAULT_REFERENCE_IMAGE
-from fleetpilot.testing.processnode import fleetpilot_image_table, netns_name
+from fleetpilot.testing import processnode
+from fleetpilot.testing.errors import ControlPlaneError
+from fleetpilot.testing.processnode import ProcessNode, fleetpilot_image_table, netns_name
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "fleetpilot"
 
@@ -46,3 +49,20 @@ def test_netns_names_are_unique_per_pod_ip() -> None:
     """The agent names each pod's namespace after its IP (podNames in network.go)."""
     assert netns_name("10.244.1.2") == "fpn-1-2"
     assert netns_name("10.244.12.1") != netns_name("10.244.1.21")
+
+
+def test_a_second_node_waits_for_the_machine_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two agents on one machine sweep each other's pod networks: while one ProcessNode holds
+    the machine lock, another's start gives up (here at once) rather than start its agent;
+    the lock is free again once the first lets go."""
+    monkeypatch.setattr(processnode, "MACHINE_LOCK", tmp_path / "lock")
+    first = ProcessNode(tmp_path / "kubeconfig", tmp_path / "first", build=False)
+    second = ProcessNode(tmp_path / "kubeconfig", tmp_path / "second", build=False)
+    first._take_machine_lock(timeout=0)
+    with pytest.raises(ControlPlaneError, match="another process node"):
+        second._take_machine_lock(timeout=0)
+    first._release_machine_lock()
+    second._take_machine_lock(timeout=0)
+    second._release_machine_lock()
