@@ -7,7 +7,13 @@ examples/cpu-two-tier.yaml), a wait for its Ready condition as `kubectl wait` do
 official `openai` client talking to the router pod - at the address its Service's EndpointSlice
 lists, as there is no kube-proxy here - getting answers from both tiers and prefix-cache hits.
 Then an engine's process is killed: the node restarts it, and the router keeps answering and
-takes the replica back.
+takes the replica back. Then a load step: the operator's autoscaler reads the queue from a
+Prometheus pod, scales the tier through /scale, and the new pod serves.
+
+Prometheus is Debian's binary run as a pod (the image table maps an image to it). That build
+lacks Kubernetes service discovery, so the test plays it (`ScrapeTargets`: annotated pods
+written to a file_sd file in Prometheus' ConfigMap); the relabeling is the one documented in
+fleetpilot.autoscaler.prometheus.
 
 The nodes of this module are untainted: the router has no placement fields, so while the module
 runs every other node (the session's fake GPU nodes, which run nothing) is cordoned instead.
@@ -16,8 +22,10 @@ runs every other node (the session's fake GPU nodes, which run nothing) is cordo
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import threading
 import time
 import urllib.request
 import uuid
@@ -39,6 +47,7 @@ from e2e.support import eventually
 from fleetpilot.engine.vllm_args import ENGINE_PORT
 from fleetpilot.kube import names
 from fleetpilot.kube.client import Kube
+from fleetpilot.kube.managers import AUTOSCALER_MANAGER, owns_field
 from fleetpilot.operator.router_objects import ROUTER_METRICS_PORT, ROUTER_PORT
 from fleetpilot.testing.cluster import Cluster
 from fleetpilot.testing.processnode import ProcessNode, fleetpilot_image_table, skip_reason
@@ -59,11 +68,32 @@ class Loop:
     namespace: str
     router: str
     ready_s: float
+    prometheus: str
 
 
 def cordon(core: k8s.CoreV1Api, nodes: list[str], unschedulable: bool) -> None:
     for node in nodes:
         core.patch_node(node, {"spec": {"unschedulable": unschedulable}})
+
+
+#: Prometheus runs as a pod too, from Debian's binary (`make prometheus`), as a cluster without
+#: the Prometheus Operator runs it: scraping pods found through the API by their
+#: prometheus.io annotations, which the operator sets on engine pods.
+PROMETHEUS_IMAGE = "quay.io/prometheus/prometheus:v2.42.0"
+PROMETHEUS_BINARY = Path("/usr/bin/prometheus")
+
+
+def image_table() -> dict[str, Any]:
+    table = fleetpilot_image_table()
+    table["images"].append(
+        {
+            "pattern": PROMETHEUS_IMAGE,
+            "path": [str(PROMETHEUS_BINARY.parent)],
+            "entrypoint": ["prometheus"],
+            "env": {},
+        }
+    )
+    return table
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +107,15 @@ def loop_nodes(
         pytest.skip(reason)
     if use_existing_cluster():
         pytest.skip("the process node joins the test control plane, not an existing cluster")
+    if not os.access(PROMETHEUS_BINARY, os.X_OK):
+        pytest.skip(f"no Prometheus at {PROMETHEUS_BINARY}: `make prometheus` installs it")
     node = ProcessNode(
         control_plane.kubeconfig,
         tmp_path_factory.mktemp("loopnode"),
         LOOP_NODES,
         cpu="8",
         memory="32Gi",
-        images=fleetpilot_image_table(),
+        images=image_table(),
         backoff_base_s=1.0,
         taints=(),
     )
@@ -118,13 +150,118 @@ def _exists(core: k8s.CoreV1Api, node: str) -> bool:
     return True
 
 
-def service_manifest(namespace: str) -> dict[str, Any]:
-    """examples/cpu-two-tier.yaml in `namespace`, with two small-tier replicas at least, so a
-    killed engine leaves a replica to answer."""
+def service_manifest(namespace: str, prometheus_url: str) -> dict[str, Any]:
+    """examples/cpu-two-tier.yaml in `namespace`, read from `prometheus_url`, with two
+    small-tier replicas at least (a killed engine leaves one to answer) and up to three; those
+    run 2 sequences at once, so a short load step queues requests; the autoscaler decides
+    every 2s on 1s scrapes, so the test waits seconds, not minutes."""
     obj: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
     obj["metadata"]["namespace"] = namespace
-    obj["spec"]["tiers"][0]["serving"]["replicas"] = {"min": 2, "max": 2}
+    small = obj["spec"]["tiers"][0]
+    small["serving"]["replicas"] = {"min": 2, "max": 3}
+    small["engine"]["maxNumSeqs"] = 2
+    small["autoscaling"].update({"interval": "2s", "window": "10s"})
+    obj["spec"]["tiers"][1]["autoscaling"].update({"interval": "2s", "window": "10s"})
+    obj["spec"]["monitoring"] = {"prometheusUrl": prometheus_url, "scrapeInterval": "1s"}
     return obj
+
+
+class ScrapeTargets:
+    """Plays Kubernetes pod discovery for Prometheus: every second, the namespace's running
+    pods annotated prometheus.io/scrape, at podIP:prometheus.io/port, with their fleetpilot.dev
+    labels as `labelmap` makes them and `namespace`, written to the ConfigMap's targets.json
+    (which the node keeps up to date in the pod, as a kubelet does)."""
+
+    def __init__(self, api: k8s.ApiClient, namespace: str) -> None:
+        self.core = k8s.CoreV1Api(api)
+        self.namespace = namespace
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._written = "[]"
+
+    def __enter__(self) -> ScrapeTargets:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def targets(self) -> list[dict[str, Any]]:
+        found = []
+        for pod in self.core.list_namespaced_pod(self.namespace).items:
+            annotations = pod.metadata.annotations or {}
+            if annotations.get("prometheus.io/scrape") != "true" or not pod.status.pod_ip:
+                continue
+            labels = {
+                k.replace(".", "_").replace("/", "_").replace("-", "_"): v
+                for k, v in (pod.metadata.labels or {}).items()
+                if k.startswith("fleetpilot.dev/")
+            }
+            found.append({
+                "targets": [f"{pod.status.pod_ip}:{annotations['prometheus.io/port']}"],
+                "labels": {**labels, "namespace": self.namespace, "pod": pod.metadata.name},
+            })  # fmt: skip
+        return sorted(found, key=lambda t: str(t["targets"]))
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            text = json.dumps(self.targets())
+            if text != self._written:
+                self.core.patch_namespaced_config_map(
+                    "prometheus", self.namespace, {"data": {"targets.json": text}}
+                )
+                self._written = text
+
+
+def prometheus_objects(namespace: str) -> list[dict[str, Any]]:
+    """Prometheus as a pod: its config and the pod. Debian's build lacks kubernetes_sd_configs,
+    so it reads its targets from a file in its ConfigMap, which `ScrapeTargets` keeps to the
+    namespace's annotated pods as Kubernetes discovery with the usual relabeling would (the
+    pod labels as the autoscaler's reader expects them: see fleetpilot.autoscaler.prometheus)."""
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [
+            {
+                "job_name": "fleetpilot-engines",
+                "scrape_timeout": "1s",
+                "file_sd_configs": [
+                    {"files": ["/etc/prometheus/targets.json"], "refresh_interval": "1s"}
+                ],
+            }
+        ],
+    }
+    return [
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "prometheus"},
+         "data": {"prometheus.yml": yaml.safe_dump(config), "targets.json": "[]"}},
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "prometheus"},
+            "spec": {
+                "containers": [{
+                    "name": "prometheus",
+                    "image": PROMETHEUS_IMAGE,
+                    "args": [
+                        "--config.file=/etc/prometheus/prometheus.yml",
+                        "--storage.tsdb.path=/prometheus",
+                        "--web.listen-address=:9090",
+                    ],
+                    "ports": [{"name": "http", "containerPort": 9090}],
+                    "readinessProbe": {"httpGet": {"path": "/-/ready", "port": "http"},
+                                       "periodSeconds": 1},
+                    "volumeMounts": [
+                        {"name": "config", "mountPath": "/etc/prometheus"},
+                        {"name": "data", "mountPath": "/prometheus"},
+                    ],
+                }],
+                "volumes": [
+                    {"name": "config", "configMap": {"name": "prometheus"}},
+                    {"name": "data", "emptyDir": {}},
+                ],
+            },
+        },
+    ]  # fmt: skip
 
 
 def ready_condition(kube: Kube, namespace: str) -> dict[str, Any] | None:
@@ -154,10 +291,10 @@ def router_address(discovery: k8s.DiscoveryV1Api, namespace: str) -> str | None:
 def loop(
     loop_nodes: ProcessNode, control_plane: Cluster, chart: helm.Chart, chart_crds: None
 ) -> Iterator[Loop]:
-    """The chart's operator installed (its non-hook objects, as `helm install`), then the
-    service applied and waited for."""
+    """Prometheus as a pod, the chart's operator installed (its non-hook objects, as `helm
+    install`), then the service applied, read from that Prometheus, and waited for."""
     namespace = f"loop-{uuid.uuid4().hex[:8]}"
-    with control_plane.api_client() as api:
+    with control_plane.api_client() as api, contextlib.ExitStack() as stack:
         kube = Kube(api)
         core = k8s.CoreV1Api(api)
         core.create_namespace(k8s.V1Namespace(metadata=k8s.V1ObjectMeta(name=namespace)))
@@ -170,6 +307,25 @@ def loop(
         paths = Discovery(kube)
         cluster_scoped = []
         try:
+            for obj in prometheus_objects(namespace):
+                path = paths.path({**obj, "metadata": {**obj["metadata"], "namespace": namespace}})
+                assert path is not None
+                apply(kube, path, obj, dry_run=False)
+
+            def prometheus_ip() -> str | None:
+                pod = core.read_namespaced_pod("prometheus", namespace)
+                ready = any(
+                    c.type == "Ready" and c.status == "True" for c in pod.status.conditions or []
+                )
+                return str(pod.status.pod_ip) if ready else None
+
+            try:
+                prometheus = f"http://{eventually('Prometheus Ready', prometheus_ip)}:9090"
+            except AssertionError as e:
+                pod = core.read_namespaced_pod("prometheus", namespace)
+                logs = core.read_namespaced_pod_log("prometheus", namespace, tail_lines=20)
+                raise AssertionError(f"{e}\n{pod.status}\n{logs}") from None
+            stack.enter_context(ScrapeTargets(api, namespace))
             for obj in objects:
                 path = paths.path(obj)
                 if path is None:
@@ -177,7 +333,7 @@ def loop(
                 apply(kube, path, obj, dry_run=False)
                 if "namespace" not in obj["metadata"]:
                     cluster_scoped.append(path)
-            isvc = service_manifest(namespace)
+            isvc = service_manifest(namespace, prometheus)
             started = time.monotonic()
             apply(
                 kube,
@@ -196,7 +352,7 @@ def loop(
                 "the router's EndpointSlice address", lambda: router_address(discovery, namespace)
             )
             print(f"\nwhole loop: apply -> Ready {ready_s:.1f}s")
-            yield Loop(namespace, f"{ip}", ready_s)
+            yield Loop(namespace, f"{ip}", ready_s, prometheus)
         finally:
             # Absent when the apply failed: the namespace goes all the same.
             with contextlib.suppress(Exception):
@@ -354,3 +510,98 @@ def test_killed_engine_restarts_and_the_router_takes_it_back(
             return True if metric(text, "vllm:request_success_total") > 0 else None
 
         eventually("a chat served by the restarted engine", served, timeout=30)
+
+
+def engine_served(ip: str) -> float:
+    """The engine's successful requests, from its own /metrics (0 for a fresh process)."""
+    with urllib.request.urlopen(f"http://{ip}:{ENGINE_PORT}/metrics", timeout=5) as response:
+        return metric(response.read().decode(), "vllm:request_success_total")
+
+
+def test_load_step_scales_up_through_prometheus_and_the_new_pod_serves(
+    loop: Loop, control_plane: Cluster
+) -> None:
+    """A load step on the small tier (twelve chats at a time against two engines running two
+    each) queues requests; the operator's autoscaler reads that from the Prometheus pod and
+    scales the tier's Deployment through /scale; the new pod turns Ready, enters the router's
+    EndpointSlice discovery and serves. Measured: the decision to the first served request."""
+    deployment = names.engine_name(SERVICE, "small", "unified")
+    selector = ",".join(
+        f"{k}={v}" for k, v in names.engine_selector(SERVICE, "small", "unified").items()
+    )
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def load(worker: int) -> None:
+        with client(loop) as api:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                try:
+                    api.chat.completions.create(
+                        model="small-model",
+                        messages=[{"role": "user", "content": f"Worker {worker} asks {n}."}],
+                        max_tokens=64,
+                    )
+                except (openai.APIError, httpx.HTTPError) as e:
+                    failures.append(e)
+
+    with control_plane.api_client() as api:
+        apps, core = k8s.AppsV1Api(api), k8s.CoreV1Api(api)
+        before = {
+            p.metadata.name
+            for p in core.list_namespaced_pod(loop.namespace, label_selector=selector).items
+        }
+        assert apps.read_namespaced_deployment(deployment, loop.namespace).spec.replicas == 2
+        workers = [threading.Thread(target=load, args=(i,)) for i in range(12)]
+        started = time.monotonic()
+        for w in workers:
+            w.start()
+        try:
+
+            def scaled() -> float | None:
+                spec = apps.read_namespaced_deployment(deployment, loop.namespace).spec
+                return time.monotonic() if spec.replicas == 3 else None
+
+            decided = eventually("the autoscaler's scale-up to 3", scaled, timeout=90)
+
+            def new_ready_pod_ip() -> str | None:
+                pods = core.list_namespaced_pod(loop.namespace, label_selector=selector).items
+                fresh = [
+                    p
+                    for p in pods
+                    if p.metadata.name not in before
+                    and any(
+                        c.type == "Ready" and c.status == "True" for c in p.status.conditions or []
+                    )
+                ]
+                return str(fresh[0].status.pod_ip) if fresh else None
+
+            ip = eventually("the new pod Ready", new_ready_pod_ip, timeout=60)
+            ready_at = time.monotonic()
+            served_at = eventually(
+                "a request served by the new pod",
+                lambda: time.monotonic() if engine_served(ip) > 0 else None,
+                timeout=60,
+            )
+        finally:
+            stop.set()
+            for w in workers:
+                w.join()
+        # The autoscaler wrote it, through /scale, and said why in an Event on the service.
+        live = api.sanitize_for_serialization(
+            apps.read_namespaced_deployment(deployment, loop.namespace)
+        )
+        assert owns_field(live, AUTOSCALER_MANAGER, ("spec", "replicas"))
+        events = core.list_namespaced_event(
+            loop.namespace, field_selector=f"involvedObject.name={SERVICE},reason=ScaledUp"
+        ).items
+        assert events, "no ScaledUp Event on the InferenceService"
+        print(f"whole loop: {events[0].message}")
+    print(
+        f"whole loop: load step -> scale-up decision {decided - started:.1f}s, decision -> "
+        f"new pod Ready {ready_at - decided:.1f}s, -> first request served by the new pod "
+        f"{served_at - decided:.1f}s; "
+        f"{len(failures)} chats failed"
+    )
+    assert failures == []
