@@ -354,6 +354,7 @@ def loop(
             print(f"\nwhole loop: apply -> Ready {ready_s:.1f}s")
             yield Loop(namespace, f"{ip}", ready_s, prometheus)
         finally:
+            stack.close()  # stops ScrapeTargets before its ConfigMap goes
             # Absent when the apply failed: the namespace goes all the same.
             with contextlib.suppress(Exception):
                 kube.request(
