@@ -8,7 +8,7 @@ SRC := fleetpilot
 
 CLUSTER_DIR := .cache/cluster
 
-.PHONY: setup vllm baselines test lint typecheck imports unit controlplane kstatus processnode prometheus chart-readme cluster-up cluster-down demo crds clean
+.PHONY: setup vllm baselines test lint typecheck imports unit controlplane kstatus processnode prometheus chart-readme cluster-up cluster-down cluster-demo demo crds clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -89,6 +89,13 @@ cluster-up: setup controlplane
 
 cluster-down: setup
 	@$(BIN)/python -m fleetpilot.testing.cli down --dir $(CLUSTER_DIR)
+
+# The whole loop on Kubernetes on this machine: the control plane, two process nodes (root, Go),
+# the chart's operator, examples/cpu-two-tier.yaml applied and waited for with kubectl (on
+# PATH), chats through the router pod showing tiers and prefix hits, a scale-up served by the
+# new pod, then teardown with nothing left running (fleetpilot/testing/cluster_demo.py).
+cluster-demo: setup
+	@$(BIN)/python -m fleetpilot.testing.cluster_demo
 
 test: lint typecheck imports unit
 

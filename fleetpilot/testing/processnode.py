@@ -6,9 +6,10 @@ and runs the pods the scheduler binds to them as processes on this machine, each
 network namespace of its own with a 10.244.0.0/16 address (see the package doc in
 e2e/processnode/main.go). It needs root (namespaces, veth links, bind mounts) and Go to build.
 
-Images map to local programs through a table this module writes: the fleetpilot image runs
-the project's own environment (its `python` and `fleetpilot` come first on PATH). Pods with any
-other image are refused by the agent with ErrImagePull and an Event naming the image.
+Images map to local programs through a table this module writes: the fleetpilot image (and
+the reference engine's, which holds the same package) runs the project's own environment (its
+`python` and `fleetpilot` come first on PATH). Pods with any other image are refused by the
+agent with ErrImagePull and an Event naming the image.
 
 The nodes carry the `fleetpilot.dev/process-node=true:NoSchedule` taint by default, so only
 pods that tolerate it land there while other tests' fake GPU nodes share the cluster.
@@ -16,6 +17,7 @@ pods that tolerate it land there while other tests' fake GPU nodes share the clu
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -46,6 +48,13 @@ PROCESS_NODE_TOLERATION: dict[str, str] = {
     "effect": "NoSchedule",
 }
 FLEETPILOT_IMAGE_PATTERN = "ghcr.io/fleetpilot/fleetpilot:*"
+#: The CPU reference engine's image (engine_image/Dockerfile.reference): the same package and
+#: torch, so the same environment runs it.
+REFERENCE_IMAGE_PATTERN = "ghcr.io/fleetpilot/fleetpilot-reference:*"
+#: One agent per machine: each sweeps the `fpn-` namespaces it finds at start as its own
+#: leftovers and claims the `kubernetes` ClusterIP on lo, so a second one, started while
+#: another test run's is up, tore that run's pods' networks down. Held from start to stop.
+MACHINE_LOCK = Path("/run/fleetpilot-processnode.lock")
 #: The agent prints this line once every node is registered and Ready.
 READY_LINE = "processnode: ready"
 
@@ -78,17 +87,21 @@ def agent_binary(*, build: bool = True) -> Path:
 
 
 def fleetpilot_image_table(venv_bin: Path | None = None) -> dict[str, Any]:
-    """The image table: the fleetpilot image runs this environment (the interpreter running
-    this module), as its Dockerfile's ENTRYPOINT `fleetpilot` does."""
+    """The image table: the fleetpilot image and the reference engine's run this environment
+    (the interpreter running this module), as their Dockerfiles' ENTRYPOINT `fleetpilot` does."""
     bin_dir = venv_bin if venv_bin is not None else Path(sys.executable).parent
     return {
         "images": [
             {
-                "pattern": FLEETPILOT_IMAGE_PATTERN,
+                "pattern": pattern,
                 "path": [str(bin_dir)],
-                "entrypoint": ["fleetpilot"],
+                "entrypoint": entrypoint,
                 "env": {"PYTHONUNBUFFERED": "1"},
             }
+            for pattern, entrypoint in (
+                (FLEETPILOT_IMAGE_PATTERN, ["fleetpilot"]),
+                (REFERENCE_IMAGE_PATTERN, ["fleetpilot", "engine", "--backend", "reference"]),
+            )
         ]
     }
 
@@ -133,6 +146,7 @@ class ProcessNode(StartsAndStops):
         self._supervisor = Supervisor(self.workdir / "logs")
         self._child: Child | None = None
         self._volumes: list[str] = []
+        self._lock: int | None = None
 
     @property
     def log_path(self) -> Path:
@@ -147,9 +161,39 @@ class ProcessNode(StartsAndStops):
     def alive(self) -> bool:
         return self._child is not None and self._child.alive()
 
-    def start(self, timeout: float = 60.0) -> Self:
-        """Start the agent and wait until every node is registered and Ready."""
+    def start(self, timeout: float = 60.0, lock_timeout: float = 900.0) -> Self:
+        """Start the agent and wait until every node is registered and Ready: after any other
+        run's agent on this machine stopped (`MACHINE_LOCK`; up to `lock_timeout`)."""
         binary = agent_binary(build=self._build)
+        self._take_machine_lock(lock_timeout)
+        try:
+            return self._start(binary, timeout)
+        except BaseException:
+            self._release_machine_lock()
+            raise
+
+    def _take_machine_lock(self, timeout: float) -> None:
+        fd = os.open(MACHINE_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    raise ControlPlaneError(
+                        f"another process node held {MACHINE_LOCK} for {timeout:.0f}s"
+                    ) from None
+                time.sleep(1.0)
+        self._lock = fd
+
+    def _release_machine_lock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)  # closing the descriptor drops the flock
+            self._lock = None
+
+    def _start(self, binary: Path, timeout: float) -> Self:
         self.workdir.mkdir(parents=True, exist_ok=True)
         table = self.workdir / "images.json"
         table.write_text(json.dumps(self._images, indent=2) + "\n")
@@ -187,7 +231,10 @@ class ProcessNode(StartsAndStops):
         namespaces, links, addresses and directories. Raises if it had to be killed."""
         if self._child is None:
             return
-        clean = self._supervisor.stop(self._child, grace_s=timeout)
+        try:
+            clean = self._supervisor.stop(self._child, grace_s=timeout)
+        finally:
+            self._release_machine_lock()
         if not clean:
             raise ControlPlaneError(f"process node ignored SIGTERM for {timeout:.0f}s; killed")
 

@@ -1,0 +1,608 @@
+"""The whole loop on Kubernetes (issue 42 part 3): the chart's operator, its router and CPU
+reference engines all running as pods on process nodes (e2e/processnode), on the real control
+plane.
+
+`kubectl apply` of a two-tier service with `engine.backend: reference` (the shape of
+examples/cpu-two-tier.yaml), a wait for its Ready condition as `kubectl wait` does, then the
+official `openai` client talking to the router pod - at the address its Service's EndpointSlice
+lists, as there is no kube-proxy here - getting answers from both tiers and prefix-cache hits.
+Then an engine's process is killed: the node restarts it, and the router keeps answering and
+takes the replica back. Then a load step: the operator's autoscaler reads the queue from a
+Prometheus pod, scales the tier through /scale, and the new pod serves.
+
+Prometheus is Debian's binary run as a pod (the image table maps an image to it). That build
+lacks Kubernetes service discovery, so the test plays it (`ScrapeTargets`: annotated pods
+written to a file_sd file in Prometheus' ConfigMap); the relabeling is the one documented in
+fleetpilot.autoscaler.prometheus.
+
+The nodes of this module are untainted: the router has no placement fields, so while the module
+runs every other node (the session's fake GPU nodes, which run nothing) is cordoned instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import httpx
+import openai
+import pytest
+import yaml
+from kubernetes import client as k8s
+
+from e2e.chart_support import Discovery, apply, release_name, render
+from e2e.conftest import use_existing_cluster
+from e2e.support import eventually
+from fleetpilot.engine.vllm_args import ENGINE_PORT
+from fleetpilot.kube import names
+from fleetpilot.kube.client import Kube
+from fleetpilot.kube.managers import AUTOSCALER_MANAGER, owns_field
+from fleetpilot.operator.router_objects import ROUTER_METRICS_PORT, ROUTER_PORT
+from fleetpilot.testing.cluster import Cluster
+from fleetpilot.testing.processnode import ProcessNode, fleetpilot_image_table, skip_reason
+
+pytestmark = pytest.mark.cluster
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "cpu-two-tier.yaml"
+SERVICE = "cpu"
+LOOP_NODES = ("loop-node-0", "loop-node-1")
+ISVC_API = "/apis/fleetpilot.dev/v1alpha1"
+
+
+@dataclass
+class Loop:
+    """What the module's fixtures set up: the namespace, the service's router address, and
+    the seconds from `kubectl apply` to the service's Ready condition."""
+
+    namespace: str
+    router: str
+    ready_s: float
+    prometheus: str
+
+
+def cordon(core: k8s.CoreV1Api, nodes: list[str], unschedulable: bool) -> None:
+    for node in nodes:
+        core.patch_node(node, {"spec": {"unschedulable": unschedulable}})
+
+
+#: Prometheus runs as a pod too, from Debian's binary (`make prometheus`), as a cluster without
+#: the Prometheus Operator runs it: scraping pods found through the API by their
+#: prometheus.io annotations, which the operator sets on engine pods.
+PROMETHEUS_IMAGE = "quay.io/prometheus/prometheus:v2.42.0"
+PROMETHEUS_BINARY = Path("/usr/bin/prometheus")
+
+
+def image_table() -> dict[str, Any]:
+    table = fleetpilot_image_table()
+    table["images"].append(
+        {
+            "pattern": PROMETHEUS_IMAGE,
+            "path": [str(PROMETHEUS_BINARY.parent)],
+            "entrypoint": ["prometheus"],
+            "env": {},
+        }
+    )
+    return table
+
+
+@pytest.fixture(scope="module")
+def loop_nodes(
+    control_plane: Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessNode]:
+    """Two untainted process nodes, enough CPU for the operator, a router and the engines,
+    the only schedulable nodes while the module runs."""
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    if use_existing_cluster():
+        pytest.skip("the process node joins the test control plane, not an existing cluster")
+    if not os.access(PROMETHEUS_BINARY, os.X_OK):
+        pytest.skip(f"no Prometheus at {PROMETHEUS_BINARY}: `make prometheus` installs it")
+    node = ProcessNode(
+        control_plane.kubeconfig,
+        tmp_path_factory.mktemp("loopnode"),
+        LOOP_NODES,
+        cpu="8",
+        memory="32Gi",
+        images=image_table(),
+        backoff_base_s=1.0,
+        taints=(),
+    )
+    with control_plane.api_client() as api:
+        core = k8s.CoreV1Api(api)
+        others = [
+            n.metadata.name
+            for n in core.list_node().items
+            if n.metadata.name not in LOOP_NODES and not n.spec.unschedulable
+        ]
+        cordon(core, others, True)
+        try:
+            node.start()
+            try:
+                yield node
+            finally:
+                try:
+                    node.stop()
+                finally:
+                    node.delete_nodes(api)
+        finally:
+            cordon(core, [n for n in others if _exists(core, n)], False)
+
+
+def _exists(core: k8s.CoreV1Api, node: str) -> bool:
+    try:
+        core.read_node(node)
+    except k8s.ApiException as e:
+        if e.status == 404:
+            return False
+        raise
+    return True
+
+
+def service_manifest(namespace: str, prometheus_url: str) -> dict[str, Any]:
+    """examples/cpu-two-tier.yaml in `namespace`, read from `prometheus_url`, with two
+    small-tier replicas at least (a killed engine leaves one to answer) and up to three; those
+    run 2 sequences at once, so a short load step queues requests; the autoscaler decides
+    every 2s on 1s scrapes, so the test waits seconds, not minutes."""
+    obj: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    obj["metadata"]["namespace"] = namespace
+    small = obj["spec"]["tiers"][0]
+    small["serving"]["replicas"] = {"min": 2, "max": 3}
+    small["engine"]["maxNumSeqs"] = 2
+    small["autoscaling"].update({"interval": "2s", "window": "10s"})
+    obj["spec"]["tiers"][1]["autoscaling"].update({"interval": "2s", "window": "10s"})
+    obj["spec"]["monitoring"] = {"prometheusUrl": prometheus_url, "scrapeInterval": "1s"}
+    return obj
+
+
+class ScrapeTargets:
+    """Plays Kubernetes pod discovery for Prometheus: every second, the namespace's running
+    pods annotated prometheus.io/scrape, at podIP:prometheus.io/port, with their fleetpilot.dev
+    labels as `labelmap` makes them and `namespace`, written to the ConfigMap's targets.json
+    (which the node keeps up to date in the pod, as a kubelet does)."""
+
+    def __init__(self, api: k8s.ApiClient, namespace: str) -> None:
+        self.core = k8s.CoreV1Api(api)
+        self.namespace = namespace
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._written = "[]"
+
+    def __enter__(self) -> ScrapeTargets:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def targets(self) -> list[dict[str, Any]]:
+        found = []
+        for pod in self.core.list_namespaced_pod(self.namespace).items:
+            annotations = pod.metadata.annotations or {}
+            if annotations.get("prometheus.io/scrape") != "true" or not pod.status.pod_ip:
+                continue
+            labels = {
+                k.replace(".", "_").replace("/", "_").replace("-", "_"): v
+                for k, v in (pod.metadata.labels or {}).items()
+                if k.startswith("fleetpilot.dev/")
+            }
+            found.append({
+                "targets": [f"{pod.status.pod_ip}:{annotations['prometheus.io/port']}"],
+                "labels": {**labels, "namespace": self.namespace, "pod": pod.metadata.name},
+            })  # fmt: skip
+        return sorted(found, key=lambda t: str(t["targets"]))
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            text = json.dumps(self.targets())
+            if text != self._written:
+                self.core.patch_namespaced_config_map(
+                    "prometheus", self.namespace, {"data": {"targets.json": text}}
+                )
+                self._written = text
+
+
+def prometheus_objects(namespace: str) -> list[dict[str, Any]]:
+    """Prometheus as a pod: its config and the pod. Debian's build lacks kubernetes_sd_configs,
+    so it reads its targets from a file in its ConfigMap, which `ScrapeTargets` keeps to the
+    namespace's annotated pods as Kubernetes discovery with the usual relabeling would (the
+    pod labels as the autoscaler's reader expects them: see fleetpilot.autoscaler.prometheus)."""
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [
+            {
+                "job_name": "fleetpilot-engines",
+                "scrape_timeout": "1s",
+                "file_sd_configs": [
+                    {"files": ["/etc/prometheus/targets.json"], "refresh_interval": "1s"}
+                ],
+            }
+        ],
+    }
+    return [
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "prometheus"},
+         "data": {"prometheus.yml": yaml.safe_dump(config), "targets.json": "[]"}},
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "prometheus"},
+            "spec": {
+                "containers": [{
+                    "name": "prometheus",
+                    "image": PROMETHEUS_IMAGE,
+                    "args": [
+                        "--config.file=/etc/prometheus/prometheus.yml",
+                        "--storage.tsdb.path=/prometheus",
+                        "--web.listen-address=:9090",
+                    ],
+                    "ports": [{"name": "http", "containerPort": 9090}],
+                    "readinessProbe": {"httpGet": {"path": "/-/ready", "port": "http"},
+                                       "periodSeconds": 1},
+                    "volumeMounts": [
+                        {"name": "config", "mountPath": "/etc/prometheus"},
+                        {"name": "data", "mountPath": "/prometheus"},
+                    ],
+                }],
+                "volumes": [
+                    {"name": "config", "configMap": {"name": "prometheus"}},
+                    {"name": "data", "emptyDir": {}},
+                ],
+            },
+        },
+    ]  # fmt: skip
+
+
+def ready_condition(kube: Kube, namespace: str) -> dict[str, Any] | None:
+    obj = kube.request("GET", f"{ISVC_API}/namespaces/{namespace}/inferenceservices/{SERVICE}")
+    generation = obj["metadata"]["generation"]
+    for c in obj.get("status", {}).get("conditions", []):
+        # As `kubectl wait --for=condition=Ready`, and of this generation, not a stale one.
+        fresh = c.get("observedGeneration", generation) == generation
+        if c["type"] == "Ready" and c["status"] == "True" and fresh:
+            return dict(c)
+    return None
+
+
+def router_address(discovery: k8s.DiscoveryV1Api, namespace: str) -> str | None:
+    """The router pod's address from its Service's EndpointSlice: proof that the endpointslice
+    controller saw the pod Ready (no kube-proxy here turns the ClusterIP into it)."""
+    slices = discovery.list_namespaced_endpoint_slice(
+        namespace, label_selector=f"kubernetes.io/service-name={names.router_name(SERVICE)}"
+    ).items
+    ready = [
+        a for s in slices for e in s.endpoints or [] if e.conditions.ready for a in e.addresses
+    ]
+    return ready[0] if ready else None
+
+
+@pytest.fixture(scope="module")
+def loop(
+    loop_nodes: ProcessNode, control_plane: Cluster, chart: helm.Chart, chart_crds: None
+) -> Iterator[Loop]:
+    """Prometheus as a pod, the chart's operator installed (its non-hook objects, as `helm
+    install`), then the service applied, read from that Prometheus, and waited for."""
+    namespace = f"loop-{uuid.uuid4().hex[:8]}"
+    with control_plane.api_client() as api, contextlib.ExitStack() as stack:
+        kube = Kube(api)
+        core = k8s.CoreV1Api(api)
+        core.create_namespace(k8s.V1Namespace(metadata=k8s.V1ObjectMeta(name=namespace)))
+        release = release_name()
+        objects = [
+            o
+            for o in render(chart, {"watchNamespaces": [namespace]}, release, namespace)
+            if "helm.sh/hook" not in o["metadata"].get("annotations", {})
+        ]
+        paths = Discovery(kube)
+        cluster_scoped = []
+        try:
+            for obj in prometheus_objects(namespace):
+                path = paths.path({**obj, "metadata": {**obj["metadata"], "namespace": namespace}})
+                assert path is not None
+                apply(kube, path, obj, dry_run=False)
+
+            def prometheus_ip() -> str | None:
+                pod = core.read_namespaced_pod("prometheus", namespace)
+                ready = any(
+                    c.type == "Ready" and c.status == "True" for c in pod.status.conditions or []
+                )
+                return str(pod.status.pod_ip) if ready else None
+
+            try:
+                prometheus = f"http://{eventually('Prometheus Ready', prometheus_ip)}:9090"
+            except AssertionError as e:
+                pod = core.read_namespaced_pod("prometheus", namespace)
+                logs = core.read_namespaced_pod_log("prometheus", namespace, tail_lines=20)
+                raise AssertionError(f"{e}\n{pod.status}\n{logs}") from None
+            stack.enter_context(ScrapeTargets(api, namespace))
+            for obj in objects:
+                path = paths.path(obj)
+                if path is None:
+                    continue  # PodMonitor and the like: no such API here
+                apply(kube, path, obj, dry_run=False)
+                if "namespace" not in obj["metadata"]:
+                    cluster_scoped.append(path)
+            isvc = service_manifest(namespace, prometheus)
+            started = time.monotonic()
+            apply(
+                kube,
+                f"{ISVC_API}/namespaces/{namespace}/inferenceservices/{SERVICE}",
+                isvc,
+                dry_run=False,
+            )
+            eventually(
+                "the InferenceService Ready",
+                lambda: ready_condition(kube, namespace),
+                timeout=150,
+            )
+            ready_s = time.monotonic() - started
+            discovery = k8s.DiscoveryV1Api(api)
+            ip = eventually(
+                "the router's EndpointSlice address", lambda: router_address(discovery, namespace)
+            )
+            print(f"\nwhole loop: apply -> Ready {ready_s:.1f}s")
+            yield Loop(namespace, f"{ip}", ready_s, prometheus)
+        finally:
+            stack.close()  # stops ScrapeTargets before its ConfigMap goes
+            # Absent when the apply failed: the namespace goes all the same.
+            with contextlib.suppress(Exception):
+                kube.request(
+                    "DELETE", f"{ISVC_API}/namespaces/{namespace}/inferenceservices/{SERVICE}"
+                )
+            apps = k8s.AppsV1Api(api)
+            apps.delete_collection_namespaced_deployment(namespace)
+            core.delete_collection_namespaced_pod(namespace, grace_period_seconds=0)
+            core.delete_namespace(namespace)
+            for path in cluster_scoped:
+                kube.request("DELETE", path)
+
+
+def client(loop: Loop) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"http://{loop.router}:{ROUTER_PORT}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=60,
+    )
+
+
+def chat(api: openai.OpenAI, model: str, text: str) -> tuple[str, Any]:
+    """One chat; the router's route header (its tier) and the usage."""
+    raw = api.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": text}], max_tokens=8
+    )
+    return raw.headers["x-fleetpilot-route"], raw.parse().usage
+
+
+def route_tier(header: str) -> str:
+    return dict(p.split("=", 1) for p in header.split("; "))["tier"]
+
+
+def test_chats_through_the_router_pod_reach_both_tiers_with_prefix_hits(loop: Loop) -> None:
+    """An easy chat is served by the small tier, one asking for the large tier's model by the
+    large one; a long prompt repeated is served from the prefix cache the second time."""
+    with client(loop) as api:
+        chats_reach_both_tiers_with_prefix_hits(api)
+
+
+def chats_reach_both_tiers_with_prefix_hits(api: openai.OpenAI) -> None:
+    started = time.monotonic()
+    header, usage = chat(api, "auto", "Hi!")
+    first_s = time.monotonic() - started
+    print(f"whole loop: first answer {first_s:.2f}s")
+    assert route_tier(header) == "small"
+    assert usage.completion_tokens > 0
+    header, usage = chat(api, "large-model", "Hi!")
+    assert route_tier(header) == "large"
+    assert usage.completion_tokens > 0
+
+    # The reference engines' tokenizer is bytes: about 900 tokens, within the small tier's 2048.
+    long_prompt = " ".join(f"line {i} of a long shared document." for i in range(25))
+    _, first = chat(api, "auto", long_prompt)
+    header, second = chat(api, "auto", long_prompt)
+    assert first.prompt_tokens == second.prompt_tokens
+    cached = second.prompt_tokens_details.cached_tokens
+    assert cached >= second.prompt_tokens // 2, (header, second)
+    # The router predicted the hit from the engines' KV events: the prefix was in a replica.
+    assert "prefix-match=0.00" not in header, header
+
+
+def router_metrics(loop: Loop) -> str:
+    url = f"http://{loop.router}:{ROUTER_METRICS_PORT}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return str(response.read().decode())
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        head, _, value = line.rpartition(" ")
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def container_pid(pod: k8s.V1Pod) -> int:
+    container_id = pod.status.container_statuses[0].container_id
+    scheme, _, pid = container_id.partition("://")
+    assert scheme == "process", container_id
+    return int(pid)
+
+
+def test_killed_engine_restarts_and_the_router_takes_it_back(
+    loop: Loop, control_plane: Cluster, request: pytest.FixtureRequest
+) -> None:
+    """SIGKILL one of the small tier's two engines: its pod's restartCount grows, chats keep
+    being answered by the other replica meanwhile, and the router counts both replicas active
+    again once the engine is back (ejecting it in between, by its failures or its Ready)."""
+    selector = ",".join(
+        f"{k}={v}" for k, v in names.engine_selector(SERVICE, "small", "unified").items()
+    )
+    with control_plane.api_client() as api:
+        core = k8s.CoreV1Api(api)
+        pods = core.list_namespaced_pod(loop.namespace, label_selector=selector).items
+        assert len(pods) == 2
+        victim = pods[0]
+        restarts = victim.status.container_statuses[0].restart_count
+        api_client = client(loop)
+        request.addfinalizer(api_client.close)
+        before = router_metrics(loop)
+        os.kill(container_pid(victim), signal.SIGKILL)
+        killed = time.monotonic()
+
+        failures = 0
+        sent = 0
+        saw_out = ""
+        back_s = None
+        restarted_s = None
+        deadline = killed + 120
+        while time.monotonic() < deadline:
+            try:
+                header, _ = chat(api_client, "auto", f"Hi {sent}!")
+                assert route_tier(header) == "small"
+            except (openai.APIError, httpx.HTTPError):
+                failures += 1
+            sent += 1
+            text = router_metrics(loop)
+            active = metric(text, "fleetpilot_router_endpoints", tier="small", state="active")
+            ejected = metric(text, "fleetpilot_router_ejections_total", tier="small") > metric(
+                before, "fleetpilot_router_ejections_total", tier="small"
+            )
+            if not saw_out and (active < 2 or ejected):
+                saw_out = "ejected" if ejected else "left discovery"
+            status = core.read_namespaced_pod(victim.metadata.name, loop.namespace).status
+            if restarted_s is None and status.container_statuses[0].restart_count > restarts:
+                restarted_s = time.monotonic() - killed
+            if restarted_s is not None and saw_out and active == 2:
+                back_s = time.monotonic() - killed
+                break
+            time.sleep(0.2)
+        print(
+            f"whole loop: killed engine restarted after {restarted_s}s, {saw_out}, back in "
+            f"rotation after {back_s}s; {failures} of {sent} chats failed meanwhile"
+        )
+        assert restarted_s is not None, "the pod's restartCount did not grow"
+        assert saw_out, "the router never took the killed replica out"
+        assert back_s is not None, "the router did not take the replica back"
+        assert failures == 0
+
+        # Back means served: the new process's own counter (from 0) grows with chats that
+        # the router spreads over both replicas again.
+        ip = core.read_namespaced_pod(victim.metadata.name, loop.namespace).status.pod_ip
+
+        def served() -> bool | None:
+            chat(api_client, "auto", f"Hi again {uuid.uuid4().hex}!")
+            with urllib.request.urlopen(f"http://{ip}:{ENGINE_PORT}/metrics", timeout=5) as r:
+                text = r.read().decode()
+            return True if metric(text, "vllm:request_success_total") > 0 else None
+
+        eventually("a chat served by the restarted engine", served, timeout=30)
+
+
+def engine_served(ip: str) -> float:
+    """The engine's successful requests, from its own /metrics (0 for a fresh process)."""
+    with urllib.request.urlopen(f"http://{ip}:{ENGINE_PORT}/metrics", timeout=5) as response:
+        return metric(response.read().decode(), "vllm:request_success_total")
+
+
+def test_load_step_scales_up_through_prometheus_and_the_new_pod_serves(
+    loop: Loop, control_plane: Cluster
+) -> None:
+    """A load step on the small tier (twelve chats at a time against two engines running two
+    each) queues requests; the operator's autoscaler reads that from the Prometheus pod and
+    scales the tier's Deployment through /scale; the new pod turns Ready, enters the router's
+    EndpointSlice discovery and serves. Measured: the decision to the first served request."""
+    deployment = names.engine_name(SERVICE, "small", "unified")
+    selector = ",".join(
+        f"{k}={v}" for k, v in names.engine_selector(SERVICE, "small", "unified").items()
+    )
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def load(worker: int) -> None:
+        with client(loop) as api:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                try:
+                    api.chat.completions.create(
+                        model="small-model",
+                        messages=[{"role": "user", "content": f"Worker {worker} asks {n}."}],
+                        max_tokens=64,
+                    )
+                except (openai.APIError, httpx.HTTPError) as e:
+                    failures.append(e)
+
+    with control_plane.api_client() as api:
+        apps, core = k8s.AppsV1Api(api), k8s.CoreV1Api(api)
+        before = {
+            p.metadata.name
+            for p in core.list_namespaced_pod(loop.namespace, label_selector=selector).items
+        }
+        assert apps.read_namespaced_deployment(deployment, loop.namespace).spec.replicas == 2
+        workers = [threading.Thread(target=load, args=(i,)) for i in range(12)]
+        started = time.monotonic()
+        for w in workers:
+            w.start()
+        try:
+
+            def scaled() -> float | None:
+                spec = apps.read_namespaced_deployment(deployment, loop.namespace).spec
+                return time.monotonic() if spec.replicas == 3 else None
+
+            decided = eventually("the autoscaler's scale-up to 3", scaled, timeout=90)
+
+            def new_ready_pod_ip() -> str | None:
+                pods = core.list_namespaced_pod(loop.namespace, label_selector=selector).items
+                fresh = [
+                    p
+                    for p in pods
+                    if p.metadata.name not in before
+                    and any(
+                        c.type == "Ready" and c.status == "True" for c in p.status.conditions or []
+                    )
+                ]
+                return str(fresh[0].status.pod_ip) if fresh else None
+
+            ip = eventually("the new pod Ready", new_ready_pod_ip, timeout=60)
+            ready_at = time.monotonic()
+            served_at = eventually(
+                "a request served by the new pod",
+                lambda: time.monotonic() if engine_served(ip) > 0 else None,
+                timeout=60,
+            )
+        finally:
+            stop.set()
+            for w in workers:
+                w.join()
+        # The autoscaler wrote it, through /scale, and said why in an Event on the service.
+        live = api.sanitize_for_serialization(
+            apps.read_namespaced_deployment(deployment, loop.namespace)
+        )
+        assert owns_field(live, AUTOSCALER_MANAGER, ("spec", "replicas"))
+        events = core.list_namespaced_event(
+            loop.namespace, field_selector=f"involvedObject.name={SERVICE},reason=ScaledUp"
+        ).items
+        assert events, "no ScaledUp Event on the InferenceService"
+        print(f"whole loop: {events[0].message}")
+    print(
+        f"whole loop: load step -> scale-up decision {decided - started:.1f}s, decision -> "
+        f"new pod Ready {ready_at - decided:.1f}s, -> first request served by the new pod "
+        f"{served_at - decided:.1f}s; "
+        f"{len(failures)} chats failed"
+    )
+    assert failures == []
