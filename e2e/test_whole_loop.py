@@ -606,3 +606,82 @@ def test_load_step_scales_up_through_prometheus_and_the_new_pod_serves(
         f"{len(failures)} chats failed"
     )
     assert failures == []
+
+
+def test_a_rolling_update_under_steady_load_fails_no_request(
+    loop: Loop, control_plane: Cluster
+) -> None:
+    """A changed engine setting on the large tier (maxNumSeqs 16 -> 12: a new pod template)
+    rolls its Deployment (maxSurge 1, maxUnavailable 0) while four clients chat with it without
+    pause: the new pod starts, turns Ready and joins the router's EndpointSlice discovery; the
+    old one leaves it and drains what it holds. Measured: the requests that failed (goal 0)
+    and the seconds from the apply to the rollout's end."""
+    deployment = names.engine_name(SERVICE, "large", "unified")
+    selector = ",".join(
+        f"{k}={v}" for k, v in names.engine_selector(SERVICE, "large", "unified").items()
+    )
+    stop = threading.Event()
+    failures: list[BaseException] = []
+    served: list[int] = []
+
+    def load(worker: int) -> None:
+        with client(loop) as api:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                try:
+                    header, _ = chat(api, "large-model", f"Worker {worker} asks {n}.")
+                    assert route_tier(header) == "large", header
+                    served.append(worker)
+                except (openai.APIError, httpx.HTTPError) as e:
+                    failures.append(e)
+
+    with control_plane.api_client() as api:
+        kube = Kube(api)
+        apps, core = k8s.AppsV1Api(api), k8s.CoreV1Api(api)
+        old = {
+            p.metadata.name
+            for p in core.list_namespaced_pod(loop.namespace, label_selector=selector).items
+        }
+        assert old
+        workers = [threading.Thread(target=load, args=(i,)) for i in range(4)]
+        for w in workers:
+            w.start()
+        try:
+            time.sleep(2.0)  # the load is steady before the change
+            manifest = service_manifest(loop.namespace, loop.prometheus)
+            manifest["spec"]["tiers"][1]["engine"]["maxNumSeqs"] = 12
+            started = time.monotonic()
+            apply(
+                kube,
+                f"{ISVC_API}/namespaces/{loop.namespace}/inferenceservices/{SERVICE}",
+                manifest,
+                dry_run=False,
+            )
+
+            def rolled() -> float | None:
+                live = apps.read_namespaced_deployment(deployment, loop.namespace)
+                status, wanted = live.status, live.spec.replicas
+                pods = core.list_namespaced_pod(loop.namespace, label_selector=selector).items
+                done = (
+                    (status.observed_generation or 0) >= live.metadata.generation
+                    and status.updated_replicas == wanted
+                    and status.ready_replicas == wanted
+                    and status.replicas == wanted
+                    and not {p.metadata.name for p in pods} & old
+                )
+                return time.monotonic() if done else None
+
+            finished = eventually("the large tier's rollout", rolled, timeout=150)
+            served_at_end = len(served)
+            time.sleep(2.0)  # and stays served after it
+        finally:
+            stop.set()
+            for w in workers:
+                w.join()
+    print(
+        f"whole loop: rolling update of the large tier under 4 clients: rollout "
+        f"{finished - started:.1f}s, {len(served)} chats served, {len(failures)} failed"
+    )
+    assert failures == [], failures[:3]
+    assert len(served) > served_at_end > 0
