@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from router_support import process_memory_mib
 
 from fleetpilot.api import parse_service
 from fleetpilot.kube.client import Kube, KubeError
@@ -167,17 +168,6 @@ def write_directly(kube: Kube, index: int) -> None:
     )
 
 
-def rss_mb(pid: int) -> tuple[float, float]:
-    """(resident, peak resident) of a process, in MB."""
-    fields = dict(
-        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-    )
-    return (
-        int(fields["VmRSS"].split()[0]) / 1024,
-        int(fields["VmHWM"].split()[0]) / 1024,
-    )
-
-
 def start_operator(kubeconfig: Path, metrics_port: int, log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
         return subprocess.Popen(
@@ -286,7 +276,7 @@ def run(
                 except KubeError:
                     continue
             settle_s = time.monotonic() - started
-            rss, peak = rss_mb(operator.pid) if operator else (0.0, 0.0)
+            rss, peak = process_memory_mib(operator.pid) if operator else (0.0, 0.0)
             cpu_after = cpu_by_process(plane, operator)
             settle_cpu = {k: round(cpu_after[k] - cpu_before[k], 1) for k in cpu_after}
             requests_after = api_writes(kube, ALL_VERBS)
@@ -332,7 +322,7 @@ def run(
             after = api_writes(kube)
             writes = {k: after[k] - before[k] for k in after if after[k] - before[k] > 0}
             ours = {k: v for k, v in writes.items() if _operators(k)}
-            resync_rss, resync_peak = rss_mb(operator.pid)
+            resync_rss, resync_peak = process_memory_mib(operator.pid)
             print(f"{count}: resync of {resumed} services in {resync_s:.1f} s: writes to the "
                   f"operator's kinds {ours or 0}; events {writes.get('events', 0)}; "
                   f"RSS {resync_rss:.0f} MB (peak {resync_peak:.0f})", flush=True)  # fmt: skip

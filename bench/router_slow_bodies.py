@@ -48,6 +48,7 @@ from router_support import (
     load,
     machine,
     percentile,
+    process_memory_mib,
     request_bytes,
     save,
     wait_healthy,
@@ -269,7 +270,10 @@ def run_variant(
             result["flood_open_at_start"] = reached
             print(f"{name}: flood at {reached} connections", flush=True)
             result["flooded"] = legit(port, args.clients, args.phase)
-            result["router_rss_mib_flooded"] = rss_mib(router.pid)
+            result["router_rss_mib_flooded"] = None
+            with contextlib.suppress(OSError):
+                rss, _ = process_memory_mib(router.pid)
+                result["router_rss_mib_flooded"] = round(rss, 1)
             # The control: the same client straight to the engine, the flood still on. What
             # this costs too is the machine's CPU (flood generator, router and engine share
             # it), not the router's handling of the flood.
@@ -282,15 +286,6 @@ def run_variant(
     both = flooded["p99_ms"] is not None and unloaded["p99_ms"]
     result["p99_ratio"] = round(flooded["p99_ms"] / unloaded["p99_ms"], 2) if both else None
     return result
-
-
-def rss_mib(pid: int) -> float | None:
-    """Resident memory of process ``pid`` in MiB (Linux), None where unreadable."""
-    with contextlib.suppress(OSError, ValueError, StopIteration):
-        status = Path(f"/proc/{pid}/status").read_text().splitlines()
-        line = next(line for line in status if line.startswith("VmRSS:"))
-        return round(int(line.split()[1]) / 1024, 1)
-    return None
 
 
 def old_checkout(rev: str, folder: Path) -> Path:

@@ -392,6 +392,15 @@ def busy_core() -> Iterator[None]:
         spinner.wait(10)
 
 
+def process_memory_mib(pid: int) -> tuple[float, float]:
+    """(resident, peak resident) memory of process ``pid`` in MiB, from /proc (Linux); OSError
+    once the process is gone."""
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
 def save(name: str, data: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"

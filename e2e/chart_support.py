@@ -13,8 +13,9 @@ from typing import Any
 import helm_python as helm
 import yaml
 
-from e2e.support import condition, eventually
+from e2e.support import condition
 from fleetpilot.kube.client import APPLY_CONTENT_TYPE, Kube, KubeError
+from fleetpilot.testing.polling import eventually
 
 Obj = dict[str, Any]
 

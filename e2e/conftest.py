@@ -23,10 +23,10 @@ import yaml
 from kubernetes import client as k8s
 
 from e2e.chart_support import CHART, CRD_PATH, apply, install_crds
-from e2e.support import eventually
 from fleetpilot.kube.client import Kube
 from fleetpilot.testing.cluster import Cluster, ExistingCluster
 from fleetpilot.testing.controlplane import ControlPlane
+from fleetpilot.testing.polling import eventually
 from fleetpilot.testing.processnode import ProcessNode, skip_reason
 
 

@@ -19,18 +19,6 @@ from fleetpilot.runtime.stack import LocalStack
 T = TypeVar("T")
 
 
-def eventually(what: str, probe: Callable[[], T | None], timeout: float = 60.0) -> T:
-    """Poll ``probe`` until it returns something other than None (controllers are async)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value is not None:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.25)
-
-
 def _stamp(at: datetime) -> str:
     return at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 

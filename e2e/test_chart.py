@@ -28,11 +28,11 @@ from e2e.chart_support import (
     release_name,
     render,
 )
-from e2e.support import eventually
 from fleetpilot.kube.client import MERGE_CONTENT_TYPE, Kube
 from fleetpilot.operator.plan_types import PlanOptions
 from fleetpilot.operator.planner import plan
 from fleetpilot.testing.cluster import Cluster
+from fleetpilot.testing.polling import eventually
 from tests.factories import make_service, make_tier
 
 pytestmark = pytest.mark.cluster

@@ -20,11 +20,11 @@ from typing import Any, TypeVar
 import pytest
 from kubernetes import client as k8s
 
-from e2e.support import eventually
 from fleetpilot.runtime.processes import group_members
 from fleetpilot.testing.cluster import Cluster
 from fleetpilot.testing.controlplane import STATE_FILE
 from fleetpilot.testing.nodes import GPU_PRODUCT_LABEL, GPU_RESOURCE
+from fleetpilot.testing.polling import eventually
 
 pytestmark = pytest.mark.cluster
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e.support import eventually
 from fleetpilot.runtime.processes import http_ok, proc_stat
 from fleetpilot.runtime.stack import prometheus_installed
+from fleetpilot.testing.polling import eventually
 from tests.factories import make_local_manifest
 
 ROOT = Path(__file__).resolve().parents[1]

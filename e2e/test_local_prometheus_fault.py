@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e.support import autoscaler_log, eventually, running_stack, step_until
+from e2e.support import autoscaler_log, running_stack, step_until
 from fleetpilot.runtime.stack import LocalStack, prometheus_installed
+from fleetpilot.testing.polling import eventually
 from tests.factories import make_local_manifest
 
 SERVICE = yaml.safe_dump(

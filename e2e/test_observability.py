@@ -38,10 +38,11 @@ import yaml
 from prometheus_client import CollectorRegistry, start_http_server
 
 from e2e.chart_support import render
-from e2e.support import eventually, running_stack
+from e2e.support import running_stack
 from fleetpilot.operator import metrics as operator_metrics
 from fleetpilot.runtime.prometheus import ScrapeTarget
 from fleetpilot.runtime.stack import LocalStack, prometheus_installed
+from fleetpilot.testing.polling import eventually
 from tests.factories import make_local_manifest
 
 Obj = dict[str, Any]

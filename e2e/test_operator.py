@@ -31,7 +31,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.chart_support import CRD_PATH, can, install_identity, release_name, render
-from e2e.support import condition, eventually, finish_job_pods, mark_pods_ready
+from e2e.support import condition, finish_job_pods, mark_pods_ready
 from fleetpilot.api import parse_service
 from fleetpilot.api.layout import role_layout
 from fleetpilot.api.router_config import ROUTER_CONFIG_FILE, RouterConfig
@@ -49,6 +49,7 @@ from fleetpilot.runtime.processes import free_ports, http_ok
 from fleetpilot.runtime.prometheus import PrometheusServer
 from fleetpilot.testing.cluster import Cluster
 from fleetpilot.testing.engine_server import BackgroundServer
+from fleetpilot.testing.polling import eventually
 from tests.autoscaler.support import Engine, EngineKey, Load
 from tests.factories import make_manifest, make_tier
 from tests.support.argocd import argocd_health

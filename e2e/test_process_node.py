@@ -22,8 +22,8 @@ import pytest
 from kubernetes import client as k8s
 
 from e2e.chart_support import Discovery, apply, release_name, render
-from e2e.support import eventually
 from fleetpilot.kube.client import Kube
+from fleetpilot.testing.polling import eventually
 from fleetpilot.testing.processnode import (
     FLEETPILOT_IMAGE_PATTERN,
     PROCESS_NODE_LABEL,

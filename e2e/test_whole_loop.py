@@ -43,13 +43,13 @@ from kubernetes import client as k8s
 
 from e2e.chart_support import Discovery, apply, release_name, render
 from e2e.conftest import use_existing_cluster
-from e2e.support import eventually
 from fleetpilot.engine.vllm_args import ENGINE_PORT
 from fleetpilot.kube import names
 from fleetpilot.kube.client import Kube
 from fleetpilot.kube.managers import AUTOSCALER_MANAGER, owns_field
 from fleetpilot.operator.router_objects import ROUTER_METRICS_PORT, ROUTER_PORT
 from fleetpilot.testing.cluster import Cluster
+from fleetpilot.testing.polling import eventually
 from fleetpilot.testing.processnode import ProcessNode, fleetpilot_image_table, skip_reason
 
 pytestmark = pytest.mark.cluster

@@ -39,9 +39,16 @@ from fleetpilot.kube import names
 from fleetpilot.operator.router_objects import ROUTER_PORT
 from fleetpilot.testing.binaries import repo_root
 from fleetpilot.testing.controlplane import ControlPlane
+from fleetpilot.testing.polling import eventually
 from fleetpilot.testing.processnode import ProcessNode, skip_reason
 
 T = TypeVar("T")
+
+
+def demo_wait(what: str, probe: Callable[[], T | None]) -> T:
+    """A demo's wait: a TimeoutError (the demo's failure, not a test's) after two minutes."""
+    return eventually(what, probe, 120.0, interval=0.5, error=TimeoutError)
+
 
 NAMESPACE = "default"  # the example's
 OPERATOR_NAMESPACE = "fleetpilot-system"
@@ -55,17 +62,6 @@ SHARED_DOCUMENT = " ".join(f"line {i} of a long shared document." for i in range
 
 def say(text: str) -> None:
     print(text, flush=True)
-
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 120.0) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value is not None:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not in {timeout:.0f}s")
-        time.sleep(0.5)
 
 
 class Kubectl:
@@ -165,7 +161,7 @@ def demo(kubectl: Kubectl, root: Path) -> None:
     )  # fmt: skip
     say(f"(Ready {time.monotonic() - started:.1f}s after the apply)")
     kubectl.run("-n", NAMESPACE, "get", "inferenceservices,pods", "-o", "wide")
-    ip = wait_for("the router's EndpointSlice address", lambda: router_address(kubectl))
+    ip = demo_wait("the router's EndpointSlice address", lambda: router_address(kubectl))
     say(f"\n== chats through the router pod at {ip}:{ROUTER_PORT} (its EndpointSlice address)")
     with openai.OpenAI(
         base_url=f"http://{ip}:{ROUTER_PORT}/v1", api_key="unused", max_retries=0, timeout=60
@@ -199,7 +195,7 @@ def demo(kubectl: Kubectl, root: Path) -> None:
             fresh = [i for i in ready if engine_served(i) == 0]
             return fresh[0] if len(ready) == 2 and fresh else None
 
-        fresh_ip = wait_for("a second small engine Ready", new_pod_ip)
+        fresh_ip = demo_wait("a second small engine Ready", new_pod_ip)
         ready_s = time.monotonic() - scaled
         sent = 0
         while engine_served(fresh_ip) == 0:
