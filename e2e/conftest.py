@@ -154,21 +154,12 @@ def process_node(
         pytest.skip(reason)
     if use_existing_cluster():
         pytest.skip("the process node joins the test control plane, not an existing cluster")
-    node = ProcessNode(
+    with ProcessNode(
         control_plane.kubeconfig,
         tmp_path_factory.mktemp("processnode"),
         PROCESS_NODES,
         gpus=2,
         gpu_product=PROCESS_NODE_GPU,
         backoff_base_s=1.0,
-    )
-    node.start()
-    try:
+    ) as node:
         yield node
-    finally:
-        try:
-            node.stop()
-        finally:
-            with control_plane.api_client() as api:
-                node.delete_volumes(api)
-                node.delete_nodes(api)

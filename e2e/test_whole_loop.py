@@ -22,6 +22,7 @@ runs every other node (the session's fake GPU nodes, which run nothing) is cordo
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -29,7 +30,8 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,7 @@ import helm_python as helm
 import httpx
 import openai
 import pytest
+import urllib3
 import yaml
 from kubernetes import client as k8s
 
@@ -58,6 +61,7 @@ EXAMPLE = Path(__file__).parent.parent / "examples" / "cpu-two-tier.yaml"
 SERVICE = "cpu"
 LOOP_NODES = ("loop-node-0", "loop-node-1")
 ISVC_API = "/apis/fleetpilot.dev/v1alpha1"
+FIGURES_ENV = "FLEETPILOT_WHOLE_LOOP_FIGURES"
 
 
 @dataclass
@@ -113,7 +117,7 @@ def loop_nodes(
         control_plane.kubeconfig,
         tmp_path_factory.mktemp("loopnode"),
         LOOP_NODES,
-        cpu="8",
+        cpu="16",
         memory="32Gi",
         images=image_table(),
         backoff_base_s=1.0,
@@ -128,14 +132,8 @@ def loop_nodes(
         ]
         cordon(core, others, True)
         try:
-            node.start()
-            try:
+            with node:
                 yield node
-            finally:
-                try:
-                    node.stop()
-                finally:
-                    node.delete_nodes(api)
         finally:
             cordon(core, [n for n in others if _exists(core, n)], False)
 
@@ -151,10 +149,10 @@ def _exists(core: k8s.CoreV1Api, node: str) -> bool:
 
 
 def service_manifest(namespace: str, prometheus_url: str) -> dict[str, Any]:
-    """examples/cpu-two-tier.yaml in `namespace`, read from `prometheus_url`, with two
-    small-tier replicas at least (a killed engine leaves one to answer) and up to three; those
-    run 2 sequences at once, so a short load step queues requests; the autoscaler decides
-    every 2s on 1s scrapes, so the test waits seconds, not minutes."""
+    """examples/cpu-two-tier.yaml in `namespace`, read from `prometheus_url`, behind two
+    routers, with two small-tier replicas at least (a killed engine leaves one to answer) and
+    up to three; those run 2 sequences at once, so a short load step queues requests; the
+    autoscaler decides every 2s on 1s scrapes, so the test waits seconds, not minutes."""
     obj: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
     obj["metadata"]["namespace"] = namespace
     small = obj["spec"]["tiers"][0]
@@ -163,7 +161,17 @@ def service_manifest(namespace: str, prometheus_url: str) -> dict[str, Any]:
     small["autoscaling"].update({"interval": "2s", "window": "10s"})
     obj["spec"]["tiers"][1]["autoscaling"].update({"interval": "2s", "window": "10s"})
     obj["spec"]["monitoring"] = {"prometheusUrl": prometheus_url, "scrapeInterval": "1s"}
+    # The chart's default: two routers, so a drained node never takes the only one.
+    obj["spec"]["routing"]["replicas"] = 2
     return obj
+
+
+def rolled_manifest(loop: Loop) -> dict[str, Any]:
+    """The service as the rolling update leaves it: the large tier at maxNumSeqs 12 (16 in
+    the example), so the tests after it change only what they mean to."""
+    manifest = service_manifest(loop.namespace, loop.prometheus)
+    manifest["spec"]["tiers"][1]["engine"]["maxNumSeqs"] = 12
+    return manifest
 
 
 class ScrapeTargets:
@@ -288,8 +296,23 @@ def router_address(discovery: k8s.DiscoveryV1Api, namespace: str) -> str | None:
 
 
 @pytest.fixture(scope="module")
+def figures() -> Iterator[dict[str, Any]]:
+    """The module's measured figures, by test; written as JSON to the file named by
+    $FLEETPILOT_WHOLE_LOOP_FIGURES when set (bench/whole_loop.py reads them from there)."""
+    found: dict[str, Any] = {}
+    yield found
+    path = os.environ.get(FIGURES_ENV)
+    if path:
+        Path(path).write_text(json.dumps(found, indent=2) + "\n")
+
+
+@pytest.fixture(scope="module")
 def loop(
-    loop_nodes: ProcessNode, control_plane: Cluster, chart: helm.Chart, chart_crds: None
+    loop_nodes: ProcessNode,
+    control_plane: Cluster,
+    chart: helm.Chart,
+    chart_crds: None,
+    figures: dict[str, Any],
 ) -> Iterator[Loop]:
     """Prometheus as a pod, the chart's operator installed (its non-hook objects, as `helm
     install`), then the service applied, read from that Prometheus, and waited for."""
@@ -352,6 +375,7 @@ def loop(
                 "the router's EndpointSlice address", lambda: router_address(discovery, namespace)
             )
             print(f"\nwhole loop: apply -> Ready {ready_s:.1f}s")
+            figures["apply_to_ready_s"] = round(ready_s, 1)
             yield Loop(namespace, f"{ip}", ready_s, prometheus)
         finally:
             stack.close()  # stops ScrapeTargets before its ConfigMap goes
@@ -368,13 +392,115 @@ def loop(
                 kube.request("DELETE", path)
 
 
-def client(loop: Loop) -> openai.OpenAI:
+def client_at(address: str) -> openai.OpenAI:
     return openai.OpenAI(
-        base_url=f"http://{loop.router}:{ROUTER_PORT}/v1",
+        base_url=f"http://{address}:{ROUTER_PORT}/v1",
         api_key="unused",
         max_retries=0,
         timeout=60,
     )
+
+
+def client(loop: Loop) -> openai.OpenAI:
+    return client_at(loop.router)
+
+
+class SteadyChats:
+    """`workers` clients chatting without pause while the block runs, worker i with
+    `models[i % len(models)]` at the router address `address()` gives for each chat; each
+    answer's route must name `tier` when given. What was served and what failed is kept."""
+
+    def __init__(
+        self,
+        workers: int,
+        address: Callable[[], str],
+        models: Sequence[str],
+        *,
+        tier: str | None = None,
+        max_tokens: int = 8,
+    ) -> None:
+        self.address = address
+        self.models = models
+        self.tier = tier
+        self.max_tokens = max_tokens
+        self.served: list[int] = []
+        self.failures: list[BaseException] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._chat, args=(i,)) for i in range(workers)]
+
+    def __enter__(self) -> SteadyChats:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+
+    def _chat(self, worker: int) -> None:
+        model = self.models[worker % len(self.models)]
+        clients: dict[str, openai.OpenAI] = {}
+        n = 0
+        try:
+            while not self._stop.is_set():
+                n += 1
+                address = self.address()
+                api = clients.get(address) or clients.setdefault(address, client_at(address))
+                try:
+                    raw = api.chat.completions.with_raw_response.create(
+                        model=model,
+                        messages=[{"role": "user", "content": f"Worker {worker} asks {n}."}],
+                        max_tokens=self.max_tokens,
+                    )
+                    header = raw.headers["x-fleetpilot-route"]
+                    assert self.tier is None or route_tier(header) == self.tier, header
+                    self.served.append(worker)
+                except (openai.APIError, httpx.HTTPError) as e:
+                    self.failures.append(e)
+        finally:
+            for api in clients.values():
+                api.close()
+
+
+class RouterAddresses:
+    """What kube-proxy would do for the router Service, which has no kube-proxy here: the
+    ready addresses of its EndpointSlices, refreshed twice a second, taken in turn."""
+
+    def __init__(self, api: k8s.ApiClient, namespace: str) -> None:
+        self.discovery = k8s.DiscoveryV1Api(api)
+        self.namespace = namespace
+        self._ready: list[str] = []
+        self._turn = itertools.count()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> RouterAddresses:
+        self._refresh()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _refresh(self) -> None:
+        slices = self.discovery.list_namespaced_endpoint_slice(
+            self.namespace,
+            label_selector=f"kubernetes.io/service-name={names.router_name(SERVICE)}",
+        ).items
+        self._ready = sorted(
+            a for s in slices for e in s.endpoints or [] if e.conditions.ready for a in e.addresses
+        )
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            with contextlib.suppress(k8s.ApiException, urllib3.exceptions.HTTPError):
+                self._refresh()
+
+    def pick(self) -> str:
+        ready = eventually("a ready router address", lambda: self._ready or None, timeout=30)
+        return ready[next(self._turn) % len(ready)]
 
 
 def chat(api: openai.OpenAI, model: str, text: str) -> tuple[str, Any]:
@@ -444,7 +570,7 @@ def container_pid(pod: k8s.V1Pod) -> int:
 
 
 def test_killed_engine_restarts_and_the_router_takes_it_back(
-    loop: Loop, control_plane: Cluster, request: pytest.FixtureRequest
+    loop: Loop, control_plane: Cluster, request: pytest.FixtureRequest, figures: dict[str, Any]
 ) -> None:
     """SIGKILL one of the small tier's two engines: its pod's restartCount grows, chats keep
     being answered by the other replica meanwhile, and the router counts both replicas active
@@ -495,6 +621,12 @@ def test_killed_engine_restarts_and_the_router_takes_it_back(
             f"whole loop: killed engine restarted after {restarted_s}s, {saw_out}, back in "
             f"rotation after {back_s}s; {failures} of {sent} chats failed meanwhile"
         )
+        figures["killed_engine"] = {
+            "restarted_s": restarted_s and round(restarted_s, 1),
+            "back_in_rotation_s": back_s and round(back_s, 1),
+            "failed": failures,
+            "sent": sent,
+        }
         assert restarted_s is not None, "the pod's restartCount did not grow"
         assert saw_out, "the router never took the killed replica out"
         assert back_s is not None, "the router did not take the replica back"
@@ -520,7 +652,7 @@ def engine_served(ip: str) -> float:
 
 
 def test_load_step_scales_up_through_prometheus_and_the_new_pod_serves(
-    loop: Loop, control_plane: Cluster
+    loop: Loop, control_plane: Cluster, figures: dict[str, Any]
 ) -> None:
     """A load step on the small tier (twelve chats at a time against two engines running two
     each) queues requests; the operator's autoscaler reads that from the Prometheus pod and
@@ -530,23 +662,6 @@ def test_load_step_scales_up_through_prometheus_and_the_new_pod_serves(
     selector = ",".join(
         f"{k}={v}" for k, v in names.engine_selector(SERVICE, "small", "unified").items()
     )
-    stop = threading.Event()
-    failures: list[BaseException] = []
-
-    def load(worker: int) -> None:
-        with client(loop) as api:
-            n = 0
-            while not stop.is_set():
-                n += 1
-                try:
-                    api.chat.completions.create(
-                        model="small-model",
-                        messages=[{"role": "user", "content": f"Worker {worker} asks {n}."}],
-                        max_tokens=64,
-                    )
-                except (openai.APIError, httpx.HTTPError) as e:
-                    failures.append(e)
-
     with control_plane.api_client() as api:
         apps, core = k8s.AppsV1Api(api), k8s.CoreV1Api(api)
         before = {
@@ -554,11 +669,8 @@ def test_load_step_scales_up_through_prometheus_and_the_new_pod_serves(
             for p in core.list_namespaced_pod(loop.namespace, label_selector=selector).items
         }
         assert apps.read_namespaced_deployment(deployment, loop.namespace).spec.replicas == 2
-        workers = [threading.Thread(target=load, args=(i,)) for i in range(12)]
         started = time.monotonic()
-        for w in workers:
-            w.start()
-        try:
+        with SteadyChats(12, lambda: loop.router, ["small-model"], max_tokens=64) as chats:
 
             def scaled() -> float | None:
                 spec = apps.read_namespaced_deployment(deployment, loop.namespace).spec
@@ -585,10 +697,6 @@ def test_load_step_scales_up_through_prometheus_and_the_new_pod_serves(
                 lambda: time.monotonic() if engine_served(ip) > 0 else None,
                 timeout=60,
             )
-        finally:
-            stop.set()
-            for w in workers:
-                w.join()
         # The autoscaler wrote it, through /scale, and said why in an Event on the service.
         live = api.sanitize_for_serialization(
             apps.read_namespaced_deployment(deployment, loop.namespace)
@@ -603,13 +711,19 @@ def test_load_step_scales_up_through_prometheus_and_the_new_pod_serves(
         f"whole loop: load step -> scale-up decision {decided - started:.1f}s, decision -> "
         f"new pod Ready {ready_at - decided:.1f}s, -> first request served by the new pod "
         f"{served_at - decided:.1f}s; "
-        f"{len(failures)} chats failed"
+        f"{len(chats.failures)} chats failed"
     )
-    assert failures == []
+    figures["load_step"] = {
+        "decision_s": round(decided - started, 1),
+        "decision_to_ready_s": round(ready_at - decided, 1),
+        "decision_to_served_s": round(served_at - decided, 1),
+        "failed": len(chats.failures),
+    }
+    assert chats.failures == []
 
 
 def test_a_rolling_update_under_steady_load_fails_no_request(
-    loop: Loop, control_plane: Cluster
+    loop: Loop, control_plane: Cluster, figures: dict[str, Any]
 ) -> None:
     """A changed engine setting on the large tier (maxNumSeqs 16 -> 12: a new pod template)
     rolls its Deployment (maxSurge 1, maxUnavailable 0) while four clients chat with it without
@@ -620,22 +734,6 @@ def test_a_rolling_update_under_steady_load_fails_no_request(
     selector = ",".join(
         f"{k}={v}" for k, v in names.engine_selector(SERVICE, "large", "unified").items()
     )
-    stop = threading.Event()
-    failures: list[BaseException] = []
-    served: list[int] = []
-
-    def load(worker: int) -> None:
-        with client(loop) as api:
-            n = 0
-            while not stop.is_set():
-                n += 1
-                try:
-                    header, _ = chat(api, "large-model", f"Worker {worker} asks {n}.")
-                    assert route_tier(header) == "large", header
-                    served.append(worker)
-                except (openai.APIError, httpx.HTTPError) as e:
-                    failures.append(e)
-
     with control_plane.api_client() as api:
         kube = Kube(api)
         apps, core = k8s.AppsV1Api(api), k8s.CoreV1Api(api)
@@ -644,13 +742,9 @@ def test_a_rolling_update_under_steady_load_fails_no_request(
             for p in core.list_namespaced_pod(loop.namespace, label_selector=selector).items
         }
         assert old
-        workers = [threading.Thread(target=load, args=(i,)) for i in range(4)]
-        for w in workers:
-            w.start()
-        try:
+        with SteadyChats(4, lambda: loop.router, ["large-model"], tier="large") as chats:
             time.sleep(2.0)  # the load is steady before the change
-            manifest = service_manifest(loop.namespace, loop.prometheus)
-            manifest["spec"]["tiers"][1]["engine"]["maxNumSeqs"] = 12
+            manifest = rolled_manifest(loop)
             started = time.monotonic()
             apply(
                 kube,
@@ -673,15 +767,240 @@ def test_a_rolling_update_under_steady_load_fails_no_request(
                 return time.monotonic() if done else None
 
             finished = eventually("the large tier's rollout", rolled, timeout=150)
-            served_at_end = len(served)
+            served_at_end = len(chats.served)
             time.sleep(2.0)  # and stays served after it
-        finally:
-            stop.set()
-            for w in workers:
-                w.join()
     print(
         f"whole loop: rolling update of the large tier under 4 clients: rollout "
-        f"{finished - started:.1f}s, {len(served)} chats served, {len(failures)} failed"
+        f"{finished - started:.1f}s, {len(chats.served)} chats served, "
+        f"{len(chats.failures)} failed"
     )
-    assert failures == [], failures[:3]
-    assert len(served) > served_at_end > 0
+    figures["rolling_update"] = {
+        "rollout_s": round(finished - started, 1),
+        "served": len(chats.served),
+        "failed": len(chats.failures),
+    }
+    assert chats.failures == [], chats.failures[:3]
+    assert len(chats.served) > served_at_end > 0
+
+
+def is_ready(pod: k8s.V1Pod) -> bool:
+    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+
+
+def evict(core: k8s.CoreV1Api, pod: k8s.V1Pod, deadline: float) -> int:
+    """Evict `pod` as `kubectl drain` does: through the Eviction API, again every second while
+    a disruption budget refuses it (429). Returns how many times it was refused."""
+    name, namespace = pod.metadata.name, pod.metadata.namespace
+    body = k8s.V1Eviction(metadata=k8s.V1ObjectMeta(name=name, namespace=namespace))
+    refused = 0
+    while True:
+        try:
+            core.create_namespaced_pod_eviction(name, namespace, body)
+            return refused
+        except k8s.ApiException as e:
+            if e.status == 404:
+                return refused
+            if e.status != 429 or time.monotonic() > deadline:
+                raise
+            refused += 1
+            time.sleep(1.0)
+
+
+class BudgetWatch:
+    """Samples, twice a second while the block runs, every disruption budget of the namespace
+    (its healthy pods against the ones it needs) and the service's Ready condition."""
+
+    def __init__(self, api: k8s.ApiClient, namespace: str) -> None:
+        self.policy = k8s.PolicyV1Api(api)
+        self.kube = Kube(api)
+        self.namespace = namespace
+        self.breaches: list[str] = []
+        self.not_ready: list[float] = []
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> BudgetWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            with contextlib.suppress(k8s.ApiException, urllib3.exceptions.HTTPError):
+                budgets = self.policy.list_namespaced_pod_disruption_budget(self.namespace)
+                for pdb in budgets.items:
+                    status = pdb.status
+                    if status and (status.current_healthy or 0) < (status.desired_healthy or 0):
+                        self.breaches.append(
+                            f"{pdb.metadata.name}: {status.current_healthy} healthy < "
+                            f"{status.desired_healthy}"
+                        )
+                if ready_condition(self.kube, self.namespace) is None:
+                    self.not_ready.append(time.monotonic())
+                self.samples += 1
+
+
+def test_a_node_drain_keeps_the_disruption_budgets_and_the_service(
+    loop: Loop, control_plane: Cluster, figures: dict[str, Any]
+) -> None:
+    """`kubectl drain` of the node holding most of the service's pods while four clients chat
+    with both tiers through the router Service (its ready EndpointSlice addresses, as
+    kube-proxy would): the node is cordoned, every pod a controller owns is evicted through the
+    Eviction API (retried while a budget refuses), its replacement lands on the other node.
+    Every disruption budget keeps its healthy pods at what it needs, the service stays Ready,
+    and no chat fails. Measured: the refusals, the drain's seconds, failed chats."""
+    with control_plane.api_client() as api:
+        core, apps = k8s.CoreV1Api(api), k8s.AppsV1Api(api)
+
+        def owned_pods(node: str) -> list[k8s.V1Pod]:
+            return [
+                p
+                for p in core.list_namespaced_pod(
+                    loop.namespace, field_selector=f"spec.nodeName={node}"
+                ).items
+                if p.metadata.owner_references and not p.metadata.deletion_timestamp
+            ]
+
+        def of_service(pod: k8s.V1Pod) -> bool:
+            """A router or engine pod (the only other pod a controller owns: the operator)."""
+            return names.LABEL_SERVICE in (pod.metadata.labels or {})
+
+        def serving_pods(node: str) -> int:
+            return sum(of_service(p) for p in owned_pods(node))
+
+        def operator_on(node: str) -> bool:
+            return not all(of_service(p) for p in owned_pods(node))
+
+        # The node without the operator, if it holds any of the service: its status is then
+        # written throughout, so the Ready samples are the operator's word, not a stale one.
+        node = max(LOOP_NODES, key=lambda n: (serving_pods(n) > 0, not operator_on(n)))
+        victims = owned_pods(node)
+        assert victims, f"no pods on {node}"
+        print(f"whole loop: draining {node}: {sorted(p.metadata.name for p in victims)}")
+        with (
+            RouterAddresses(api, loop.namespace) as routers,
+            SteadyChats(4, routers.pick, ["small-model", "large-model"]) as chats,
+            BudgetWatch(api, loop.namespace) as watch,
+        ):
+            time.sleep(2.0)  # the load is steady before the drain
+            started = time.monotonic()
+            cordon(core, [node], True)
+            try:
+                deadline = started + 150
+                with ThreadPoolExecutor(len(victims)) as pool:
+                    refusals = sum(pool.map(lambda p: evict(core, p, deadline), victims))
+
+                def drained() -> float | None:
+                    if owned_pods(node):
+                        return None
+                    for d in apps.list_namespaced_deployment(loop.namespace).items:
+                        if d.status is None or (d.status.ready_replicas or 0) < d.spec.replicas:
+                            return None
+                    return time.monotonic()
+
+                finished = eventually("the drain's pods running elsewhere", drained, timeout=150)
+                time.sleep(2.0)  # and the service stays served after it
+            finally:
+                cordon(core, [node], False)
+    print(
+        f"whole loop: drain of {node} ({len(victims)} pods): {refusals} evictions refused by "
+        f"a budget, all back in {finished - started:.1f}s; {len(chats.served)} chats served, "
+        f"{len(chats.failures)} failed; {len(watch.not_ready)} of {watch.samples} samples "
+        "not Ready"
+    )
+    figures["drain"] = {
+        "pods": len(victims),
+        "evictions_refused": refusals,
+        "drain_s": round(finished - started, 1),
+        "served": len(chats.served),
+        "failed": len(chats.failures),
+    }
+    assert watch.samples > 0
+    assert watch.breaches == [], watch.breaches[:3]
+    assert watch.not_ready == [], "the service left Ready during the drain"
+    assert chats.failures == [], [f"{type(e).__name__}: {e}" for e in chats.failures]
+    assert len(chats.served) > 0
+
+
+def test_a_tier_scales_to_zero_and_a_held_request_brings_it_back(
+    loop: Loop, control_plane: Cluster, figures: dict[str, Any]
+) -> None:
+    """The large tier allowed to go to zero (replicas.min 0, a 4 s scale-down window): idle,
+    the autoscaler scales it to zero and its pods go. Then one streamed chat for it: the router
+    holds it, Prometheus sees it held (the router's pending requests), the autoscaler scales
+    the tier from zero, the pod starts, turns Ready and joins the router's discovery, and the
+    held chat is answered. Measured: its time to first token. The tier is given back its
+    minimum of one at the end."""
+    deployment = names.engine_name(SERVICE, "large", "unified")
+    selector = ",".join(
+        f"{k}={v}" for k, v in names.engine_selector(SERVICE, "large", "unified").items()
+    )
+    path = f"{ISVC_API}/namespaces/{loop.namespace}/inferenceservices/{SERVICE}"
+    with control_plane.api_client() as api:
+        kube = Kube(api)
+        apps, core = k8s.AppsV1Api(api), k8s.CoreV1Api(api)
+        manifest = rolled_manifest(loop)
+        large = manifest["spec"]["tiers"][1]
+        large["serving"]["replicas"] = {"min": 0, "max": 1}
+        large["autoscaling"]["scaleDown"] = {"stabilization": "4s"}
+        started = time.monotonic()
+        apply(kube, path, manifest, dry_run=False)
+        try:
+
+            def at_zero() -> float | None:
+                spec = apps.read_namespaced_deployment(deployment, loop.namespace).spec
+                pods = core.list_namespaced_pod(loop.namespace, label_selector=selector).items
+                return time.monotonic() if spec.replicas == 0 and not pods else None
+
+            zero_at = eventually("the large tier at zero", at_zero, timeout=120)
+            print(f"whole loop: large tier idle -> zero pods in {zero_at - started:.1f}s")
+            with RouterAddresses(api, loop.namespace) as routers:
+                api_client = client_at(routers.pick())
+                sent = time.monotonic()
+                first_token = None
+                text = ""
+                raw = api_client.chat.completions.with_raw_response.create(
+                    model="large-model",
+                    messages=[{"role": "user", "content": "Anyone there?"}],
+                    max_tokens=8,
+                    stream=True,
+                )
+                header = raw.headers["x-fleetpilot-route"]
+                for chunk in raw.parse():
+                    delta = chunk.choices[0].delta.content if chunk.choices else None
+                    if delta and first_token is None:
+                        first_token = time.monotonic()
+                    text += delta or ""
+                done = time.monotonic()
+                api_client.close()
+            assert route_tier(header) == "large", header
+            assert first_token is not None, "the held chat got no tokens"
+            assert text
+            assert apps.read_namespaced_deployment(deployment, loop.namespace).spec.replicas == 1
+            events = core.list_namespaced_event(
+                loop.namespace, field_selector=f"involvedObject.name={SERVICE},reason=ScaledUp"
+            ).items
+            from_zero = [e.message for e in events if "no replicas" in (e.message or "")]
+            assert from_zero, [e.message for e in events]
+            print(f"whole loop: {from_zero[-1]}")
+        finally:
+            apply(kube, path, rolled_manifest(loop), dry_run=False)
+
+        def serving_again() -> bool | None:
+            pods = core.list_namespaced_pod(loop.namespace, label_selector=selector).items
+            return True if any(is_ready(p) for p in pods) else None
+
+        eventually("the large tier back at its minimum of one", serving_again, timeout=120)
+    print(
+        f"whole loop: held chat for the large tier at zero: first token after "
+        f"{first_token - sent:.1f}s, done after {done - sent:.1f}s"
+    )
+    figures["scale_from_zero"] = {
+        "idle_to_zero_s": round(zero_at - started, 1),
+        "held_ttft_s": round(first_token - sent, 1),
+        "held_total_s": round(done - sent, 1),
+    }

@@ -4,6 +4,7 @@ anything starts, with one line that names the flag."""
 from __future__ import annotations
 
 import argparse
+import math
 
 MAX_PORT = 65535
 
@@ -17,6 +18,17 @@ def port_number(text: str) -> int:
     if not 0 <= port <= MAX_PORT:
         raise argparse.ArgumentTypeError(f"{port} is not a port (0 to {MAX_PORT})")
     return port
+
+
+def non_negative_seconds(text: str) -> float:
+    """A finite number of seconds, 0 or more."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number of seconds, 0 or more")
+    return seconds
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):

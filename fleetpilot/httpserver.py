@@ -585,9 +585,15 @@ def run_app(
     host: str,
     port: int,
     limits: ServerLimits = ServerLimits(),
+    shutdown_delay_s: float = 0.0,
     **kwargs: Any,
 ) -> None:
-    """Serve ``app`` until SIGINT or SIGTERM, then shut down gracefully (on_cleanup runs)."""
+    """Serve ``app`` until SIGINT or SIGTERM, then shut down gracefully (on_cleanup runs).
+
+    ``shutdown_delay_s``: after the signal, keep listening and serving that long before the
+    listener closes. A pod that is deleted is taken out of its Service's EndpointSlices at
+    the same moment it gets SIGTERM, and the clients, proxies and kube-proxies that route to
+    it learn that a moment later: a listener closed at once refuses what they still send."""
 
     async def serve() -> None:
         stop = asyncio.Event()
@@ -599,6 +605,12 @@ def run_app(
             await start_site(runner, host, port)
             settle_heap()
             await stop.wait()
+            if shutdown_delay_s > 0:
+                log.info(
+                    "stopping: still serving while clients learn of it",
+                    extra={"seconds": shutdown_delay_s},
+                )
+                await asyncio.sleep(shutdown_delay_s)
         finally:
             await runner.cleanup()
 

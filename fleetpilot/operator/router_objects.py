@@ -33,6 +33,12 @@ ROUTER_PORT = 8000
 # only the metrics namespaces - the exposition names replicas, tenants and their counts.
 # 9090: the port Prometheus exporters conventionally serve on; nothing else in the pod uses it.
 ROUTER_METRICS_PORT = 9090
+# A deleted router pod (a drain, a rolling update) keeps serving this long after SIGTERM: it
+# leaves its Service's EndpointSlices at that moment, and whatever routes to it (kube-proxy,
+# a gateway, a client's own list) learns so a moment later. Then it finishes what it holds
+# (routing.app.SHUTDOWN_TIMEOUT_S, 30 s), inside the pod's grace period.
+ROUTER_SHUTDOWN_DELAY_S = 5
+ROUTER_TERMINATION_GRACE_S = 45
 METRICS_PORT_NAME = "metrics"
 CONFIG_DIR = "/etc/fleetpilot"
 # The router downloads each tier's tokenizer files (a few MB) here; its root filesystem is
@@ -328,6 +334,7 @@ def router_objects(service: InferenceService, options: PlanOptions) -> list[K8sO
                         "enableServiceLinks": False,
                         "securityContext": pod_security(),
                         "topologySpreadConstraints": spread(selector),
+                        "terminationGracePeriodSeconds": ROUTER_TERMINATION_GRACE_S,
                         **(
                             {"priorityClassName": routing.priority_class_name}
                             if routing.priority_class_name
@@ -343,6 +350,8 @@ def router_objects(service: InferenceService, options: PlanOptions) -> list[K8sO
                                     f"{CONFIG_DIR}/{ROUTER_CONFIG_FILE}",
                                     "--port",
                                     str(ROUTER_PORT),
+                                    "--shutdown-delay",
+                                    str(ROUTER_SHUTDOWN_DELAY_S),
                                 ],
                                 "ports": [
                                     {

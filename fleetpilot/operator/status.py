@@ -2,7 +2,11 @@
 
 Ready means what a user means by it: every planned workload (a role's Deployment, or its
 LeaderWorkerSet when a replica spans nodes; the router's Deployment) has seen the latest spec
-and has all its replicas ready - not "the objects were created". Degraded
+and has all its replicas ready - not "the objects were created". Once Ready, a service stays
+Ready while a workload that has rolled out its latest spec is one replica short (and has one
+ready at least): what its PodDisruptionBudget allows (a node drained, an evicted or crashed
+pod being replaced, a scale-up's new replica starting). It still serves; the reason
+(WithinDisruptionBudget) and message say which replica is missing. Degraded
 carries the reason a person would otherwise dig out of pods: crash loops, image pulls that
 fail, pods no node can take (with the scheduler's words), rollouts past their deadline, or a
 plan the operator refused (a spec it cannot run, or a cluster without the LeaderWorkerSet API a
@@ -86,6 +90,9 @@ class Rollout:
     wanted: int
     ready: int
     done: bool
+    # The latest spec rolled out (no pod of an older one left) and at most one replica short,
+    # one ready at least: what the workload's disruption budget allows.
+    within_budget: bool = False
 
 
 def _rollout(tier: str | None, workload: WorkloadKey, label: str, live: Obj | None) -> Rollout:
@@ -102,10 +109,10 @@ def _rollout(tier: str | None, workload: WorkloadKey, label: str, live: Obj | No
     updated = int(status.get("updatedReplicas", 0))
     # Old pods still terminating or surplus surge pods mean the rollout has not settled.
     total = int(status.get("replicas", 0))
-    done = (
-        current and ready >= spec_replicas and updated >= spec_replicas and total <= spec_replicas
-    )
-    return Rollout(tier, workload, label, spec_replicas, ready, done)
+    rolled = current and updated >= spec_replicas and total <= spec_replicas
+    done = rolled and ready >= spec_replicas
+    within_budget = rolled and ready >= max(1, spec_replicas - 1)
+    return Rollout(tier, workload, label, spec_replicas, ready, done, within_budget)
 
 
 def _pod_problems(pods: list[Obj]) -> list[tuple[str, str]]:
@@ -206,6 +213,13 @@ def compute_status(
         problems.insert(0, (refusal.reason, refusal.message))
         stalls.insert(0, (refusal.reason, refusal.message))
     pending = [r for r in rollouts if not r.done]
+    # A service that was Ready stays so while every workload short of replicas is within its
+    # budget; one that was not becomes Ready only with every replica ready.
+    was_ready = any(
+        c.type == ConditionType.READY.value and c.status == ConditionStatus.TRUE
+        for c in old_conditions
+    )
+    short = [r for r in pending if not (was_ready and r.within_budget)]
 
     def cond(kind: ConditionType, status: bool, reason: str, message: str) -> Condition:
         return Condition(
@@ -219,9 +233,17 @@ def compute_status(
 
     if refusal is not None:
         ready = cond(ConditionType.READY, False, refusal.reason, refusal.message)
+    elif short:
+        waiting = "; ".join(f"{r.label}: {r.ready}/{r.wanted} ready" for r in short)
+        ready = cond(ConditionType.READY, False, "ReplicasNotReady", waiting)
     elif pending:
         waiting = "; ".join(f"{r.label}: {r.ready}/{r.wanted} ready" for r in pending)
-        ready = cond(ConditionType.READY, False, "ReplicasNotReady", waiting)
+        ready = cond(
+            ConditionType.READY,
+            True,
+            "WithinDisruptionBudget",
+            f"serving, one replica short at most: {waiting}",
+        )
     else:
         ready = cond(
             ConditionType.READY, True, "AllReplicasReady", "every role and the router are ready"
@@ -262,7 +284,7 @@ def compute_status(
     for fresh in (ready, progressing, degraded, capacity, reconciling, stalled):
         conditions = set_condition(conditions, fresh)
     conditions += [c for c in old_conditions if c.type == ConditionType.SCALING_ACTIVE.value]
-    unready_tiers = {r.tier for r in pending if r.tier is not None}
+    unready_tiers = {r.tier for r in short if r.tier is not None}
     ready_tiers = sum(1 for name in tiers if name not in unready_tiers)
     return InferenceServiceStatus(
         observed_generation=generation,

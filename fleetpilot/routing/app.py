@@ -26,7 +26,7 @@ import aiohttp
 from aiohttp import web
 
 from fleetpilot.api.router_config import RouterConfig
-from fleetpilot.argtypes import DefaultsHelpFormatter, port_number
+from fleetpilot.argtypes import DefaultsHelpFormatter, non_negative_seconds, port_number
 from fleetpilot.files import FileError
 from fleetpilot.httpserver import ServerLimits, make_runner, run_app, start_site
 from fleetpilot.listening import ListenError
@@ -62,6 +62,9 @@ log = logging.getLogger("fleetpilot.routing")
 # A tokenizer that failed to load (the Hub unreachable, a file missing) is tried again this
 # often; meanwhile its tier routes on the guessed index.
 TOKENIZER_RETRY_S = 30.0
+
+# After SIGTERM (and the --shutdown-delay), how long requests in flight may take to finish.
+SHUTDOWN_TIMEOUT_S = 30.0
 
 EXIT_INVALID = 2
 STARTED = int(time.time())
@@ -517,6 +520,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, help="tie-break random seed (reproducible runs)")
     parser.add_argument(
+        "--shutdown-delay",
+        type=non_negative_seconds,
+        default=0.0,
+        help="seconds to keep serving after SIGTERM before the listener closes, while the "
+        "router's pod leaves its Service's endpoints (the operator sets it in pods)",
+    )
+    parser.add_argument(
         "--debug-route-header",
         action="store_true",
         help="show replica addresses in x-fleetpilot-route (the config's debugRouteHeader); "
@@ -574,7 +584,8 @@ def run(args: argparse.Namespace) -> int:
             ServerLimits(upstream_connections=config.backpressure.max_in_flight),
             handler_cancellation=True,
             access_log=None,  # per-request logging would cost more than routing; metrics count
-            shutdown_timeout=30.0,
+            shutdown_delay_s=args.shutdown_delay,
+            shutdown_timeout=SHUTDOWN_TIMEOUT_S,
         )
     except ListenError as exc:  # a port is taken, or the address is not ours: it names which
         print(f"error: {exc}", file=sys.stderr)

@@ -12,10 +12,9 @@ import os
 from pathlib import Path
 
 from kubernetes import client as k8s
-from kubernetes import config as k8s_config
 
 from fleetpilot.testing.errors import ControlPlaneError
-from fleetpilot.testing.kubeconfig import write_kubeconfig
+from fleetpilot.testing.kubeconfig import api_client, write_kubeconfig
 from fleetpilot.testing.nodes import register_gpu_node
 
 
@@ -45,12 +44,7 @@ class Cluster:
 
     def api_client(self) -> k8s.ApiClient:
         """A fresh, independent client for this cluster (safe to use from any test)."""
-        conf = k8s.Configuration()
-        # kubernetes.config, unlike the generated client, has no type hints.
-        k8s_config.load_kube_config(  # type: ignore[no-untyped-call]
-            config_file=self._kubeconfig, client_configuration=conf, persist_config=False
-        )
-        return k8s.ApiClient(configuration=conf)
+        return api_client(self._kubeconfig)
 
     def add_gpu_node(
         self,

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
 
 
 def write_kubeconfig(
@@ -46,3 +48,13 @@ def client_cert_user(cert: Path, key: Path) -> dict[str, str]:
         "client-certificate-data": base64.b64encode(cert.read_bytes()).decode(),
         "client-key-data": base64.b64encode(key.read_bytes()).decode(),
     }
+
+
+def api_client(kubeconfig: str | Path) -> k8s.ApiClient:
+    """A fresh, independent admin client from a kubeconfig file (or an os.pathsep-joined list)."""
+    conf = k8s.Configuration()
+    # kubernetes.config, unlike the generated client, has no type hints.
+    k8s_config.load_kube_config(  # type: ignore[no-untyped-call]
+        config_file=str(kubeconfig), client_configuration=conf, persist_config=False
+    )
+    return k8s.ApiClient(configuration=conf)

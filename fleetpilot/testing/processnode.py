@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from types import TracebackType
 from typing import Any, Self
 
 from kubernetes import client as k8s
@@ -34,6 +35,7 @@ from kubernetes import client as k8s
 from fleetpilot.runtime.processes import Child, StartsAndStops, Supervisor, free_ports
 from fleetpilot.testing.binaries import repo_root
 from fleetpilot.testing.errors import ControlPlaneError
+from fleetpilot.testing.kubeconfig import api_client
 
 log = logging.getLogger(__name__)
 
@@ -287,6 +289,21 @@ class ProcessNode(StartsAndStops):
         }
         core.create_namespaced_persistent_volume_claim(namespace, claim_body)
         return directory
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Stop the agent, then delete what it leaves in the cluster: its Nodes, the volumes
+        `bind_claim` made."""
+        try:
+            self.stop()
+        finally:
+            with api_client(self.kubeconfig) as api:
+                self.delete_volumes(api)
+                self.delete_nodes(api)
 
     def delete_nodes(self, api: k8s.ApiClient) -> None:
         """Delete the Node objects (after stop()): with the node-lifecycle controller off, a

@@ -4,6 +4,7 @@ hashes of token ids) match what it routes. A vLLM-only service's router is uncha
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from fleetpilot.engine.reference_launch import REFERENCE_TOKENIZER
 from fleetpilot.operator.plan_types import K8sObject
 from fleetpilot.operator.planner import plan
 from fleetpilot.operator.router_objects import REFERENCE_TOKENIZER_DIR
+from fleetpilot.routing.app import SHUTDOWN_TIMEOUT_S, add_arguments
 from fleetpilot.routing.tokenize import load_tokenizer
 from tests.factories import make_service, make_tier
 
@@ -66,3 +68,16 @@ def test_a_vllm_only_router_carries_no_reference_tokenizer() -> None:
     data, pod = router_parts(plan(make_service(tiers=[make_tier("small")])))
     assert list(data) == [ROUTER_CONFIG_FILE]
     assert "reference-tokenizer" not in str(pod)
+
+
+def test_a_deleted_router_pod_serves_on_then_drains_within_its_grace_period() -> None:
+    """The router pod's flags, as the router's own parser reads them, keep it serving for a
+    while after SIGTERM (clients learn late that it left its Service); the delay and the
+    drain that follows both fit in the pod's grace period, so no reply is cut by SIGKILL."""
+    _, pod = router_parts(plan(make_service(tiers=[make_tier("small")])))
+    (container,) = pod["containers"]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(container["args"])
+    assert args.shutdown_delay > 0
+    assert pod["terminationGracePeriodSeconds"] >= args.shutdown_delay + SHUTDOWN_TIMEOUT_S

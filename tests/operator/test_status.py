@@ -479,3 +479,57 @@ def test_argocd_health_test_cases_pass() -> None:
     for case in cases:
         obj = yaml.safe_load((CUSTOMIZATION / case["inputPath"]).read_text())
         assert argocd_health(obj) == case["healthStatus"], case["inputPath"]
+
+
+def _was_ready(service: InferenceService) -> InferenceServiceStatus:
+    observed = _observed(_deployment("chat-small", 2, 2), _deployment("chat-router", 2, 2))
+    status = compute_status(service, observed, None, NOW)
+    assert _conditions(status)["Ready"].status == "True"
+    return status
+
+
+def test_a_ready_service_stays_ready_one_replica_short(service: InferenceService) -> None:
+    """A pod evicted by a drain (or crashed) and being replaced: the role at the latest spec
+    with one of two ready is what its disruption budget allows. The service still serves:
+    Ready stays True, its reason and message say which replica is missing, the tier counts."""
+    previous = _was_ready(service)
+    for short in (
+        _observed(_deployment("chat-small", 2, 1), _deployment("chat-router", 2, 2)),
+        _observed(_deployment("chat-small", 2, 2), _deployment("chat-router", 2, 1)),
+        _observed(_deployment("chat-small", 3, 2), _deployment("chat-router", 2, 2)),  # scale-up
+    ):
+        status = compute_status(service, short, previous, NOW)
+        ready = _conditions(status)["Ready"]
+        assert (ready.status, ready.reason) == ("True", "WithinDisruptionBudget")
+        assert "1/2 ready" in ready.message or "2/3 ready" in ready.message
+        assert status.tiers_ready == "1/1"
+
+
+def _reporting(**status: int) -> Any:
+    """The small role's Deployment (2 wanted, 1 ready) with these status fields."""
+    deployment = _deployment("chat-small", 2, 1)
+    deployment["status"].update(status)
+    return deployment
+
+
+@pytest.mark.parametrize(
+    ("small", "why"),
+    [
+        (_deployment("chat-small", 2, 0), "no replica ready"),
+        (_deployment("chat-small", 3, 1), "two replicas short"),
+        (_deployment("chat-small", 1, 0), "the only replica gone"),
+        # The last step of a rollout: every new pod made, an old one still there.
+        (_reporting(replicas=3), "an older pod left"),
+        (_reporting(updatedReplicas=1), "the new spec half rolled out"),
+        (_reporting(observedGeneration=0), "the new spec not seen"),
+    ],
+)
+def test_a_ready_service_leaves_ready_beyond_its_budget(
+    service: InferenceService, small: Any, why: str
+) -> None:
+    """Past what a disruption budget allows, or before the latest spec is rolled out,
+    Ready goes False as for a service that never was."""
+    previous = _was_ready(service)
+    observed = _observed(small, _deployment("chat-router", 2, 2))
+    ready = _conditions(compute_status(service, observed, previous, NOW))["Ready"]
+    assert (ready.status, ready.reason) == ("False", "ReplicasNotReady"), why
