@@ -591,3 +591,19 @@ def test_a_hub_mirror_reaches_an_engine_that_downloads_at_start_and_not_an_offli
     ((fetch,),) = [j["spec"]["template"]["spec"]["containers"] for j in jobs_of(plain)]
     assert "HF_ENDPOINT" not in env_of(fetch)
     assert "HF_ENDPOINT" not in env_of(pod_of(planned([tier_with({})]))["containers"][0])
+
+
+def test_the_summary_says_where_a_reference_checkpoint_comes_from() -> None:
+    """`fleetpilot plan -o summary`: a checkpoint's repo, revision and mirror, fetched once
+    by a Job; a reference tier without one is its seeded preset, as before."""
+    from fleetpilot.operator.model_delivery import weights_summary
+
+    service = make_service(
+        tiers=[reference_checkpoint_tier(endpoint=MIRROR)], modelCache={"claimName": "m"}
+    )
+    assert weights_summary(service, service.spec.tiers[0]) == (
+        f"hub {CHECKPOINT}@v1 from {MIRROR} "
+        "(downloaded once into the model cache by a Job; engines wait for it)"
+    )
+    seeded = make_service(tiers=[make_tier("small", engine={"backend": "reference"})])
+    assert weights_summary(seeded, seeded.spec.tiers[0]).startswith("none: a seeded random model")
