@@ -141,7 +141,8 @@ class SecretRef(ApiModel):
 
 
 class HuggingFaceSource(ApiModel):
-    """Weights downloaded from the Hugging Face Hub by the engine at start."""
+    """Weights downloaded from the Hugging Face Hub (or a mirror): by the engine at start, or
+    once by the model cache's Job (spec.modelCache)."""
 
     revision: str | None = Field(
         None, max_length=128, description="Branch, tag or commit of the model repository."
