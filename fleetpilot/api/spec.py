@@ -141,13 +141,22 @@ class SecretRef(ApiModel):
 
 
 class HuggingFaceSource(ApiModel):
-    """Weights downloaded from the Hugging Face Hub by the engine at start."""
+    """Weights downloaded from the Hugging Face Hub (or a mirror): by the engine at start, or
+    once by the model cache's Job (spec.modelCache)."""
 
     revision: str | None = Field(
         None, max_length=128, description="Branch, tag or commit of the model repository."
     )
     token_secret_ref: SecretKeyRef | None = Field(
         None, description="Secret key holding a Hub token, for gated or private models."
+    )
+    endpoint: str | None = Field(
+        None,
+        max_length=2048,
+        pattern=r"^https?://",
+        description="Hub endpoint (a private mirror: Artifactory, hf-mirror...); huggingface.co "
+        "when unset. Given to the download (the model cache's Job, or a vLLM engine that "
+        "downloads at start) as HF_ENDPOINT.",
     )
 
 
@@ -448,18 +457,22 @@ class EngineSettings(ApiModel):
             "seeded random model (referenceModel) with real paged KV, prefix caching, KV "
             "events and the P/D hand-off, on no GPU: for trying fleetpilot on a GPU-less "
             "cluster such as kind, and for CI checks of GitOps pipelines; never for real "
-            "weights. With reference the planner ignores image, gpuMemoryUtilization and "
-            "resources, sizes the pods' CPU and memory itself (no GPU), downloads nothing, "
-            "and refuses what the engine cannot run: parallelism above 1, maxModelLen above "
-            "the preset's, a model source, quantization, a dtype or KV cache dtype other "
-            "than auto, speculative decoding, LoRA adapters and extraArgs."
+            "weights. It may instead read a checkpoint of its own format (config.json and "
+            "model.safetensors) from the Hub: model.source.huggingface with spec.modelCache "
+            "(the cache's Job downloads it once; the engines read it offline). With reference "
+            "the planner ignores image, gpuMemoryUtilization and resources, sizes the pods' "
+            "CPU and memory itself (no GPU), and refuses what the engine cannot run: "
+            "parallelism above 1, maxModelLen above the preset's, a pvc, oci or s3 model "
+            "source, a Hub source without spec.modelCache, quantization, a dtype or KV cache "
+            "dtype other than auto, speculative decoding, LoRA adapters and extraArgs."
         ),
     )
     reference_model: ReferenceModel = Field(
         ReferenceModel.TINY,
         description=(
             "backend reference only: the random model's preset. tiny (up to 2048 tokens) "
-            "answers in milliseconds; small (up to 4096 tokens) is four times the compute."
+            "answers in milliseconds; small (up to 4096 tokens) is four times the compute. "
+            "Ignored with a checkpoint (model.source.huggingface): its config.json wins."
         ),
     )
     image: str = Field(

@@ -12,8 +12,11 @@ publisher and replay sockets (at the launch's ports) and, for a role of a disagg
 the KV connector and the ``kv_role`` the planner gives vLLM for it (``kv_both`` with NIXL: the
 reference engine then takes both sides of the hand-off, as a vLLM pod does, and the router's
 request parameters say which side each request is). A launch of a reference tier adds what
-the reference engine runs as the spec says: its model preset (``engine.referenceModel``), KV
-block size and prefix caching, and the step token budget when the spec sets one.
+the reference engine runs as the spec says: its model - the preset (``engine.referenceModel``),
+or a checkpoint (``model.source.huggingface``: ``--model <model.name>`` at ``--revision``, a
+Hub repo id the engine reads from the Hub cache offline, which the pod's environment names as
+a cached vLLM pod's does) -, KV block size and prefix caching, and the step token budget when
+the spec sets one.
 
 Where the two callers differ, and why:
 
@@ -35,9 +38,12 @@ Where the two callers differ, and why:
   sleeps that long after every busy step, so each replica adds capacity as a GPU's would; the
   autoscaling benchmarks need that on two cores).
 
-Not taken: the model location and revision, parallelism, dtype, GPU memory, quantization,
-speculative decoding and extra vLLM arguments (the planner refuses them for a reference tier);
-for a GPU spec run locally also the KV block size and dtype and the step budget.
+Not taken: parallelism, dtype, GPU memory, quantization, speculative decoding and extra vLLM
+arguments (the planner refuses them for a reference tier); the model location and revision
+but for a reference checkpoint; for a GPU spec run locally also the KV block size and dtype
+and the step budget. A reference checkpoint is never run locally (:func:`reference_argv`
+refuses it: the local fleet has no model cache to read it from, and ``fleetpilot up`` refuses
+the spec first).
 
 LoRA (local only: the planner refuses adapters for a reference tier): the launch's sizes, and
 each adapter by its name - but not from the pod's path: the local fleet cannot download a Hub
@@ -113,12 +119,21 @@ def reference_engine_args(
 
     ``host``: the one address the engine binds, advertises to decoders and takes KV hand-offs
     from (a local fleet's loopback); None (a pod): every interface, the pod's IP, any peer.
-    ``model_config``: the random model's architecture (a preset name or ModelConfig JSON).
+    ``model_config``: the random model's architecture (a preset name or ModelConfig JSON),
+    unless the launch reads a checkpoint (``launch.reference_checkpoint``).
     """
+    if launch.backend is EngineBackend.REFERENCE and launch.reference_checkpoint:
+        # The Hub repo id, found offline in the Hub cache the environment names (HF_HUB_CACHE),
+        # as vLLM reads it in a cached tier's pod; the checkpoint's config.json is the model.
+        model = ["--model", launch.model]
+        model += ["--revision", launch.revision] if launch.revision else []
+    else:
+        model = ["--model-config", model_config]
     argv = [
         *("--backend", "reference"),
         *("--host", host or "0.0.0.0", "--port", str(launch.port)),
-        *("--model-config", model_config),
+        *model,
+        # Explicit: the engine would name itself after --model otherwise.
         *("--served-model-name", launch.served_name),
         *("--max-num-seqs", str(launch.max_num_seqs)),
     ]
@@ -177,6 +192,11 @@ def reference_argv(
     model only); ``cold_start_s``: how long each engine waits after loading before it reports
     healthy (0: none); ``step_delay_s``: how long each engine sleeps after every busy step (0:
     none)."""
+    if launch.reference_checkpoint:
+        raise ValueError(
+            f"{launch.served_name}: the local fleet cannot run a reference checkpoint "
+            f"({launch.model}): it has no model cache to read it from"
+        )
     local = cpu_launch(launch)
     if launch.backend is EngineBackend.REFERENCE:
         model_config = launch.reference_model.value

@@ -119,10 +119,13 @@ class EngineLaunch:
     kv_events_port: int | None = KV_EVENTS_PORT
     kv_replay_port: int | None = KV_REPLAY_PORT
     extra_args: tuple[str, ...] = field(default_factory=tuple)
-    # Which engine runs the launch (engine.backend); the reference engine's model preset.
-    # vllm_serve_args reads neither; engine.reference_launch reads both.
+    # Which engine runs the launch (engine.backend); the reference engine's model preset;
+    # whether the reference engine reads ``model`` at ``revision`` (a checkpoint, a Hub repo id
+    # found in the Hub cache) instead of building its preset (see reference_checkpoint).
+    # vllm_serve_args reads none; engine.reference_launch reads them.
     backend: EngineBackend = EngineBackend.VLLM
     reference_model: ReferenceModel = ReferenceModel.TINY
+    reference_checkpoint: bool = False
 
 
 def model_location(tier: Tier) -> str:
@@ -135,6 +138,16 @@ def model_location(tier: Tier) -> str:
     if source.oci is not None or source.s3 is not None:
         return MODEL_MOUNT
     return tier.model.name
+
+
+def reference_checkpoint(tier: Tier) -> bool:
+    """Whether a reference tier's engines read a checkpoint (a named Hub source, which the
+    model cache's Job downloads) rather than build the seeded preset of ``referenceModel``.
+    Only a named source: by default a tier's source is the Hub (``ModelSource.from_hub``), but
+    a reference tier without one has always meant the preset."""
+    return (
+        tier.engine.backend is EngineBackend.REFERENCE and tier.model.source.huggingface is not None
+    )
 
 
 def adapter_dir(index: int, adapter: Adapter) -> str:
@@ -240,6 +253,7 @@ def launch_for(role: ResolvedRole) -> EngineLaunch:
         extra_args=tuple(engine.extra_args),
         backend=engine.backend,
         reference_model=engine.reference_model,
+        reference_checkpoint=reference_checkpoint(tier),
     )
 
 

@@ -4,8 +4,10 @@ of every engine pod of a service. Purely computational.
 A tier's pods run vLLM on GPUs (``engine.backend: vllm``), or fleetpilot's CPU reference engine
 (``reference``): the reference image, the command of the one mapping the local runtime runs
 too (engine.reference_launch), CPU and memory sized for it, no GPU request or GPU placement,
-nothing downloaded or mounted but a writable home, a start probed every 2 s rather than 10 s; the
-same ports, other probes, labels, security and overlays as a vLLM pod.
+nothing downloaded or mounted but a writable home (and, for a checkpoint read from the model
+cache, the cache and its environment exactly as a cached vLLM pod has them), a start probed
+every 2 s rather than 10 s; the same ports, other probes, labels, security and overlays as a
+vLLM pod.
 
 Engine pods run as a ServiceAccount of their own that no RBAC binds, with no token mounted
 (``automountServiceAccountToken: false``): an engine never calls the Kubernetes API (the router
@@ -39,6 +41,7 @@ from fleetpilot.kube.names import LWS_WORKER_INDEX_LABEL, spans_nodes
 from fleetpilot.operator.model_cache import ANNOTATION_FETCH_JOB, fetch_job_names
 from fleetpilot.operator.model_delivery import (
     ModelDelivery,
+    cached,
     delivery_for,
     model_path,
     token_env,
@@ -175,10 +178,13 @@ def _env(role: ResolvedRole, delivery: ModelDelivery) -> list[K8sObject]:
     return env
 
 
-def _reference_env(role: ResolvedRole) -> list[K8sObject]:
-    """A reference engine's environment: the writable home, the pod's IP that a P/D engine
-    advertises to its peers (``$(POD_IP)`` in its args), the tier's own variables."""
+def _reference_env(role: ResolvedRole, delivery: ModelDelivery | None) -> list[K8sObject]:
+    """A reference engine's environment: the writable home, where a checkpoint's Hub cache is
+    (``delivery``, a cached tier's: HF_HUB_CACHE, HF_HUB_OFFLINE), the pod's IP that a P/D
+    engine advertises to its peers (``$(POD_IP)`` in its args), the tier's own variables."""
     env = _cache_env()
+    if delivery is not None:
+        env += delivery.env
     if role.disaggregated:
         env.append({"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     managed = {item["name"] for item in env}
@@ -282,19 +288,24 @@ def engine_command(
     return ["vllm", "serve", *vllm_serve_args(launch, worker=worker)]
 
 
-def _reference_container(role: ResolvedRole, image: str) -> K8sObject:
+def _reference_container(
+    role: ResolvedRole, image: str, delivery: ModelDelivery | None
+) -> K8sObject:
     """The engine container of a reference tier's pod: the reference image running the one
-    shared mapping's command (engine.reference_launch), CPU and memory for it, no GPU."""
+    shared mapping's command (engine.reference_launch), CPU and memory for it, no GPU; with a
+    checkpoint (``delivery``) the model cache mounted and named as in a cached vLLM pod."""
     launch = launch_for(role)
     command = reference_pod_command(launch)
+    mounts: list[K8sObject] = [{"name": "cache", "mountPath": CACHE_MOUNT}]
+    mounts += delivery.mounts if delivery is not None else []
     return {
         "name": "engine",
         "image": image,
         "command": command[:2],
         "args": command[2:],
-        "env": _reference_env(role),
+        "env": _reference_env(role, delivery),
         "resources": REFERENCE_RESOURCES,
-        "volumeMounts": [{"name": "cache", "mountPath": CACHE_MOUNT}],
+        "volumeMounts": mounts,
         # Not read-only: torch writes beside its caches, as in a vLLM pod.
         "securityContext": container_security(read_only_root=False),
         **_serving(launch, REFERENCE_STARTUP_PERIOD_S, REFERENCE_STARTUP_FAILURES),
@@ -373,9 +384,13 @@ def engine_pod_template(
     labels = engine_labels(service, role)
     options = options or PlanOptions()
     if is_reference(tier):
-        # Nothing to download or mount: the model is built from a seed.
+        # The model is built from a seed, or read from the model cache (a checkpoint the
+        # cache's Job downloaded: mounted and named as for a cached vLLM tier, and the
+        # workload held until the Job completed, by workload_annotations).
+        reference = delivery_for(service, tier, options) if cached(service, tier) else None
         volumes: list[K8sObject] = [{"name": "cache", "emptyDir": {}}]
-        container = _reference_container(role, options.reference_image)
+        volumes += reference.volumes if reference is not None else []
+        container = _reference_container(role, options.reference_image, reference)
         init: K8sObject = {}
     else:
         delivery = delivery_for(service, tier, options)

@@ -47,7 +47,7 @@ from datetime import datetime
 from typing import Any
 
 from fleetpilot.api import InferenceService
-from fleetpilot.api.spec import SecretKeyRef, Tier
+from fleetpilot.api.spec import HuggingFaceSource, Tier
 from fleetpilot.api.status import Condition, ConditionStatus, ConditionType
 from fleetpilot.kube import names
 from fleetpilot.operator.model_delivery import (
@@ -57,6 +57,7 @@ from fleetpilot.operator.model_delivery import (
     cache_claim_name,
     cache_volume,
     cached,
+    hub_endpoint_env,
     s3_credentials_env,
     s3_fetch_args,
     s3_key,
@@ -110,14 +111,17 @@ def cache_claim(service: InferenceService) -> K8sObject | None:
     }
 
 
-def _hub_fetch(repo: str, revision: str | None, token: SecretKeyRef | None) -> _Download:
+def _hub_fetch(repo: str, revision: str | None, hub: HuggingFaceSource | None) -> _Download:
     command = ["fleetpilot", "model", "fetch", "hub", "--repo", repo]
     if revision:
         command += ["--revision", revision]
     command += ["--cache-dir", HUB_CACHE_DIR]
     # The fetcher's default revision is main: the GC keeps what the fetch wrote.
     what = f"{repo}@{revision or 'main'}"
-    return _Download(what, command, token_env(token), ("--keep-hub", what))
+    # The fetcher reads a mirror from HF_ENDPOINT (delivery.hub.hub_endpoint), as vLLM would.
+    token = hub.token_secret_ref if hub is not None else None
+    env = token_env(token) + hub_endpoint_env(hub)
+    return _Download(what, command, env, ("--keep-hub", what))
 
 
 def _downloads(service: InferenceService, tier: Tier) -> list[_Download]:
@@ -127,7 +131,6 @@ def _downloads(service: InferenceService, tier: Tier) -> list[_Download]:
         return []
     source = tier.model.source
     hub = source.huggingface
-    token = hub.token_secret_ref if hub is not None else None
     if source.s3 is not None:
         s3 = source.s3
         fetches = [
@@ -139,10 +142,11 @@ def _downloads(service: InferenceService, tier: Tier) -> list[_Download]:
             )
         ]
     else:
-        fetches = [_hub_fetch(tier.model.name, hub.revision if hub is not None else None, token)]
+        fetches = [_hub_fetch(tier.model.name, hub.revision if hub is not None else None, hub)]
     draft = tier.engine.speculative.model if tier.engine.speculative is not None else None
     if draft is not None and source.from_hub:
-        fetches.append(_hub_fetch(draft, None, token))
+        # From the model's Hub (its mirror and token), at the default branch.
+        fetches.append(_hub_fetch(draft, None, hub))
     return fetches
 
 

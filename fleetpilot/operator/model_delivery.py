@@ -1,8 +1,11 @@
 """How a tier's weights reach its engine pods, by source. Purely computational.
 
 - ``huggingface`` (the default): vLLM downloads the repo at start into the pod's cache
-  emptyDir; with ``spec.modelCache`` a Job downloads it once into the shared volume instead
-  (:mod:`fleetpilot.operator.model_cache`) and the engines read it there offline.
+  emptyDir (from ``endpoint``, a mirror, when set: ``HF_ENDPOINT``); with ``spec.modelCache``
+  a Job downloads it once into the shared volume instead
+  (:mod:`fleetpilot.operator.model_cache`) and the engines read it there offline. The only
+  source of a reference tier (``engine.backend: reference``), named and with a cache only:
+  that engine downloads nothing, so without a cache it builds its seeded preset instead.
 - ``pvc``: the claim, mounted read-only.
 - ``oci``: an image carrying the weights (a "modelcar"), mounted read-only as an image volume
   (Kubernetes >= 1.35, where the ImageVolume feature is on by default), or copied out of it by an
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 from fleetpilot.api import InferenceService
 from fleetpilot.api.spec import (
     EngineBackend,
+    HuggingFaceSource,
     OciMount,
     OciSource,
     S3Source,
@@ -32,7 +36,7 @@ from fleetpilot.api.spec import (
     SecretRef,
     Tier,
 )
-from fleetpilot.engine.vllm_args import MODEL_MOUNT, model_location
+from fleetpilot.engine.vllm_args import MODEL_MOUNT, model_location, reference_checkpoint
 from fleetpilot.kube import names
 from fleetpilot.operator.plan_types import K8sObject, PlanOptions
 from fleetpilot.operator.pod_policy import container_security
@@ -64,11 +68,22 @@ class ModelDelivery:
 
 def cached(service: InferenceService, tier: Tier) -> bool:
     """Whether the tier's weights come from the service's model cache (Hub and S3 sources;
-    never for the reference engine, which builds its model from a seed)."""
+    for the reference engine only a named Hub source, its checkpoint: without one it builds
+    its model from a seed, and the planner refuses its other sources)."""
     source = tier.model.source
-    if tier.engine.backend is EngineBackend.REFERENCE:
+    if service.spec.model_cache is None:
         return False
-    return service.spec.model_cache is not None and (source.from_hub or source.s3 is not None)
+    if tier.engine.backend is EngineBackend.REFERENCE:
+        return reference_checkpoint(tier)
+    return source.from_hub or source.s3 is not None
+
+
+def hub_endpoint_env(hub: HuggingFaceSource | None) -> list[K8sObject]:
+    """``HF_ENDPOINT`` for a download from the Hub source's mirror (huggingface_hub, in the
+    fetch Job and in vLLM, reads it); none for huggingface.co."""
+    if hub is None or hub.endpoint is None:
+        return []
+    return [{"name": "HF_ENDPOINT", "value": hub.endpoint}]
 
 
 def s3_key(s3: S3Source) -> str:
@@ -185,7 +200,7 @@ def _s3_in_pod(s3: S3Source, options: PlanOptions, model: str) -> ModelDelivery:
 def weights_summary(service: InferenceService, tier: Tier) -> str:
     """Where the tier's weights come from and how, in words (``fleetpilot plan -o summary``)."""
     source = tier.model.source
-    if tier.engine.backend is EngineBackend.REFERENCE:
+    if tier.engine.backend is EngineBackend.REFERENCE and not cached(service, tier):
         return f"none: a seeded random model ({tier.engine.reference_model.value} preset)"
     if source.pvc is not None:
         return f"pvc {source.pvc.claim_name}"
@@ -201,6 +216,8 @@ def weights_summary(service: InferenceService, tier: Tier) -> str:
     else:
         hub = source.huggingface
         where = f"hub {tier.model.name}@{(hub.revision if hub else None) or 'main'}"
+        if hub is not None and hub.endpoint:
+            where += f" from {hub.endpoint}"
     if cached(service, tier):
         return f"{where} (downloaded once into the model cache by a Job; engines wait for it)"
     return f"{where} (downloaded by every engine pod at start)"
@@ -232,4 +249,5 @@ def delivery_for(service: InferenceService, tier: Tier, options: PlanOptions) ->
         return _oci(source.oci, options, model)
     if source.s3 is not None:
         return _s3_in_pod(source.s3, options, model)
-    return ModelDelivery(model)
+    # vLLM downloads the repo itself at start: from the mirror, when one is named.
+    return ModelDelivery(model, env=hub_endpoint_env(source.huggingface))

@@ -22,6 +22,7 @@ from fleetpilot.api.layout import LayoutError, role_layout
 from fleetpilot.api.spec import EngineBackend, KvCacheDtype, ModelDtype, PodMonitorMode, Tier
 from fleetpilot.api.units import format_duration
 from fleetpilot.engine.reference_launch import REFERENCE_MAX_MODEL_LEN
+from fleetpilot.engine.vllm_args import reference_checkpoint
 from fleetpilot.kube import names
 from fleetpilot.operator.engine_objects import (
     engine_deployment,
@@ -143,7 +144,7 @@ def check(service: InferenceService, options: PlanOptions | None = None) -> None
         tier = role.tier
         where = _tier_field(service, role)
         if tier.engine.backend is EngineBackend.REFERENCE:
-            _check_reference(role, where)
+            _check_reference(role, where, service.spec.model_cache is not None)
             continue  # one CPU process: no layout, no GPU capacity, none of vLLM's flags
         _check_layout(role, where, options)
         _check_capacity(role, where)
@@ -161,29 +162,48 @@ def check(service: InferenceService, options: PlanOptions | None = None) -> None
 def check_reference_tiers(service: InferenceService) -> None:
     """Refuse what the reference engine cannot run in the service's reference tiers: also
     where no cluster plans them (``fleetpilot up``), so a spec runs the same engines, or is
-    refused with the same words, on a laptop and in a cluster."""
+    refused with the same words, on a laptop and in a cluster. One thing more is refused
+    here: a checkpoint (``model.source.huggingface``), which only a cluster's model cache
+    delivers (the local fleet downloads nothing, and running the preset instead would serve
+    another model under the spec's name)."""
     for role in all_roles(service):
-        if role.tier.engine.backend is EngineBackend.REFERENCE:
-            _check_reference(role, _tier_field(service, role))
+        if role.tier.engine.backend is not EngineBackend.REFERENCE:
+            continue
+        where = _tier_field(service, role)
+        if reference_checkpoint(role.tier):
+            raise PlanError(
+                f"{where}.model.source.huggingface",
+                f"tier {role.tier.name!r}: fleetpilot up cannot run a reference checkpoint: "
+                "the Job of a cluster's spec.modelCache downloads it, and the local fleet "
+                "downloads nothing; remove model.source to run the seeded "
+                f"{role.tier.engine.reference_model.value} preset locally",
+            )
+        _check_reference(role, where, service.spec.model_cache is not None)
 
 
 def _check_model_cache(service: InferenceService) -> None:
     """A model cache that no tier downloads into would be a claim (and Jobs) for nothing: the
-    reference engine builds its model from a seed."""
+    reference engine builds its model from a seed unless it reads a Hub checkpoint."""
     if service.spec.model_cache is None:
         return
-    if all(tier.engine.backend is EngineBackend.REFERENCE for tier in service.spec.tiers):
+    seeded = [
+        tier.engine.backend is EngineBackend.REFERENCE and not reference_checkpoint(tier)
+        for tier in service.spec.tiers
+    ]
+    if all(seeded):
         raise PlanError(
             "spec.modelCache",
-            "no tier downloads weights: every tier's engine.backend is reference, whose model "
-            "is built from a seed; remove modelCache",
+            "no tier downloads weights: every tier's engine.backend is reference without "
+            "model.source.huggingface, a model built from a seed; remove modelCache, or "
+            "give a tier a Hub checkpoint to read",
         )
 
 
-def _check_reference(role: ResolvedRole, where: str) -> None:
+def _check_reference(role: ResolvedRole, where: str, model_cache: bool) -> None:
     """Refuse, with the numbers, what the CPU reference engine cannot run. A cluster user chose
     ``backend: reference`` for this tier, so a setting it cannot honour is a mistake to say
-    (the local runtime, which runs GPU specs on a CPU, caps instead)."""
+    (the local runtime, which runs GPU specs on a CPU, caps instead). ``model_cache``: the
+    service has one, which alone can bring a checkpoint (the engine downloads nothing)."""
     tier, p = role.tier, role.parallelism
     owner = f"tier {tier.name!r} role {role.name}"
     engine = tier.engine
@@ -203,7 +223,9 @@ def _check_reference(role: ResolvedRole, where: str) -> None:
     preset = engine.reference_model
     cap = REFERENCE_MAX_MODEL_LEN[preset]
     asked = tier.model.max_model_len
-    if asked is not None and asked > cap:
+    # The preset's limit binds only the seeded preset: a checkpoint's limit is in its
+    # config.json, which the engine checks at start (max_position_embeddings), not here.
+    if asked is not None and asked > cap and not reference_checkpoint(tier):
         larger = [
             f"engine.referenceModel {other.value} ({limit})"
             for other, limit in REFERENCE_MAX_MODEL_LEN.items()
@@ -216,10 +238,17 @@ def _check_reference(role: ResolvedRole, where: str) -> None:
             + "".join(f" or {choice}" for choice in larger[:1]),
         )
     source = tier.model.source
+    if source.huggingface is not None and not model_cache:
+        raise PlanError(
+            f"{where}.model.source.huggingface",
+            f"{owner}: the reference engine downloads nothing at start: it reads a Hub "
+            "checkpoint from the model cache only; add spec.modelCache (its Job downloads "
+            f"the checkpoint once), or remove model.source to run the seeded {preset.value} "
+            "preset",
+        )
     given = [
         name
         for name, value in (
-            ("huggingface", source.huggingface),
             ("pvc", source.pvc),
             ("oci", source.oci),
             ("s3", source.s3),
@@ -230,7 +259,8 @@ def _check_reference(role: ResolvedRole, where: str) -> None:
         raise PlanError(
             f"{where}.model.source.{given[0]}",
             f"{owner}: the reference engine builds a seeded random model of its preset "
-            f"({preset.value}) and reads no weights; remove model.source",
+            f"({preset.value}) and reads no weights but a Hub checkpoint from spec.modelCache "
+            "(model.source.huggingface); remove model.source",
         )
     refused = [
         ("model.quantization", tier.model.quantization is not None, "runs float32 weights"),

@@ -9,6 +9,13 @@ serve`` on a GPU machine - publishing its KV events on two ports of its own, and
 finds them through an endpoints file (address and KV-event ports of every serving engine)
 beside its config file, and tokenizes with the engines' tokenizer to read those events. Image
 and resource settings of the service are ignored.
+
+A reference tier that reads a Hub checkpoint (``model.source.huggingface``, which a cluster's
+``spec.modelCache`` Job downloads) is refused, not run: the local fleet downloads nothing and
+has no model cache, and the seeded preset in its place would serve another model under the
+checkpoint's name. ``fleetpilot up`` refuses the spec by its field before anything starts
+(``planner.check_reference_tiers``); the engine mapping refuses such a launch too
+(``reference_launch.reference_argv``).
 """
 
 from __future__ import annotations

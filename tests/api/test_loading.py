@@ -121,3 +121,36 @@ def test_non_utf8_and_deeply_nested_files_name_their_problem(tmp_path: Path) -> 
     deep.write_text("spec: " + "{a: " * 5000 + "1" + "}" * 5000)
     expected = f"{deep}: YAML nested deeper than 100 levels (at line 1, column 403)"
     assert _file_error(deep) == expected
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "accepted"),
+    [
+        ("https://artifactory.example/api/huggingfaceml/hf", True),
+        ("http://hf-mirror.internal:8080", True),
+        ("ftp://mirror.example", False),  # the Hub's API is HTTP
+        ("hf-mirror.com", False),  # no scheme: huggingface_hub would build no URL of it
+        ("https://" + "a" * 2041, False),  # 2049 characters
+    ],
+)
+def test_a_hub_endpoint_is_an_http_url_for_the_models_and_the_api_servers(
+    endpoint: str, accepted: bool
+) -> None:
+    """model.source.huggingface.endpoint (a private Hub mirror) is an http(s) URL of at most
+    2048 characters, refused at its field by the models and by the CRD's schema alike."""
+    from tests.crd_support import CrdValidator
+
+    manifest = make_manifest()
+    manifest["spec"]["tiers"][0]["model"]["source"] = {"huggingface": {"endpoint": endpoint}}
+    violations = CrdValidator().validate(manifest)
+    if accepted:
+        hub = parse_service(manifest).spec.tiers[0].model.source.huggingface
+        assert hub is not None
+        assert hub.endpoint == endpoint
+        assert violations == []
+        return
+    (problem,) = _problems(manifest)
+    assert problem.startswith("spec.tiers[0].model.source.huggingface.endpoint:")
+    # The schema checker names the source (its nullable wrapper), which the endpoint alone
+    # changes between the cases.
+    assert [v.path for v in violations] == ["spec.tiers.0.model.source.huggingface"]

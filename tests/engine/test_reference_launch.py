@@ -27,7 +27,7 @@ from fleetpilot.engine.reference_launch import (
     reference_argv,
     reference_pod_command,
 )
-from fleetpilot.engine.vllm_args import launch_for
+from fleetpilot.engine.vllm_args import EngineLaunch, launch_for
 from fleetpilot.runtime.engines import ReferenceBackend
 from tests.factories import make_manifest, make_tier
 
@@ -331,3 +331,47 @@ def test_the_planners_preset_limits_are_the_engines() -> None:
     assert settings.DEFAULT_MAX_MODEL_LEN == REFERENCE_DEFAULT_MAX_MODEL_LEN
     for preset, limit in REFERENCE_MAX_MODEL_LEN.items():
         assert settings.MODEL_PRESETS[preset.value].max_position_embeddings == limit
+
+
+# -- a reference tier reading a checkpoint (model.source.huggingface, through the cache) ------
+
+
+def checkpoint_launch(revision: str | None = "v1") -> EngineLaunch:
+    hub = {"revision": revision} if revision else {}
+    tier = make_tier("small", model="acme/tiny-llm", engine={"backend": "reference"})
+    tier["model"] = {"name": "acme/tiny-llm", "servedName": "tiny", "source": {"huggingface": hub}}
+    return launch_for(service_of(tier).spec.tiers[0].roles()[0])
+
+
+def test_a_reference_checkpoint_is_read_by_repo_and_revision_not_built_from_the_preset() -> None:
+    """The mapping gives a checkpoint's launch --model <model.name> --revision <rev> (a Hub
+    repo id the engine reads from the Hub cache) in place of --model-config, and keeps the
+    served name and every other flag the preset's launch has."""
+    launch = checkpoint_launch()
+    assert launch.reference_checkpoint
+    pod = flags_of(reference_pod_command(launch)[2:])
+    assert (pod["--model"], pod["--revision"]) == ("acme/tiny-llm", "v1")
+    assert "--model-config" not in pod
+    assert pod["--served-model-name"] == "tiny"
+    preset = flags_of(reference_pod_command(replace(launch, reference_checkpoint=False))[2:])
+    assert preset["--model-config"] == "tiny"
+    assert set(pod) - set(preset) == {"--model", "--revision"}
+    assert set(preset) - set(pod) == {"--model-config"}
+    # No revision in the spec: none on the line (the engine's default, main, is the Job's).
+    assert "--revision" not in reference_pod_command(checkpoint_launch(None))
+
+
+def test_a_reference_tier_without_a_source_is_the_preset() -> None:
+    """A tier's source defaults to the Hub, but a reference tier without one has always been
+    its seeded preset: only a named Hub source is a checkpoint."""
+    launch = launch_for(reference_role())
+    assert not launch.reference_checkpoint
+    assert "--model" not in reference_pod_command(launch)
+
+
+def test_the_local_fleet_refuses_a_reference_checkpoint() -> None:
+    """The local fleet has no model cache: running the preset in the checkpoint's place would
+    serve another model under its name, so the mapping refuses (`fleetpilot up` refuses the
+    spec before, by its field)."""
+    with pytest.raises(ValueError, match="cannot run a reference checkpoint"):
+        reference_argv(checkpoint_launch(), HOST, "py")

@@ -475,3 +475,135 @@ def test_a_draft_model_is_downloaded_too_and_dynamic_hub_adapters_are_refused() 
     assert refused.value.field == "spec.tiers[0].adapters[0].source.huggingface"
     assert "offline" in refused.value.message
     planned([dynamic])  # without the cache the engine fetches it
+
+
+# -- a reference tier's checkpoint, through the cache; a Hub mirror -------------------------
+
+CHECKPOINT = "acme/tiny-llm"
+MIRROR = "https://artifactory.example/api/huggingfaceml/hf"
+
+
+def reference_checkpoint_tier(revision: str | None = "v1", **hub: Any) -> Obj:
+    source = {"huggingface": {**({"revision": revision} if revision else {}), **hub}}
+    tier = make_tier("small", model=CHECKPOINT, engine={"backend": "reference"})
+    tier["model"] = {"name": CHECKPOINT, "servedName": "tiny", "source": source}
+    return tier
+
+
+def test_a_reference_checkpoint_is_fetched_by_the_cache_job_and_read_offline() -> None:
+    """A reference tier with a Hub source and spec.modelCache gets what a cached vLLM tier
+    gets: one fetch Job (from the source's mirror, HF_ENDPOINT), its Deployment held by that
+    Job, the cache mounted read-only and named by HF_HUB_CACHE with HF_HUB_OFFLINE=1 - and
+    the reference engine told --model/--revision instead of its preset, under the served
+    name."""
+    tier = reference_checkpoint_tier(endpoint=MIRROR, tokenSecretRef={"name": "hf-token"})
+    objects = planned([tier], modelCache={"claimName": "shared-models"})
+    (job,) = jobs_of(objects)
+    (fetch,) = job["spec"]["template"]["spec"]["containers"]
+    assert fetch["command"] == [
+        "fleetpilot", "model", "fetch", "hub", "--repo", CHECKPOINT, "--revision", "v1",
+        "--cache-dir", "/model-cache/hub",
+    ]  # fmt: skip
+    assert env_of(fetch)["HF_ENDPOINT"] == MIRROR
+    assert env_of(fetch)["HF_TOKEN"] == {"secretKeyRef": {"name": "hf-token", "key": "token"}}
+
+    deployment = only(objects, "Deployment", "chat-small")
+    assert deployment["metadata"]["annotations"][ANNOTATION_FETCH_JOB] == job["metadata"]["name"]
+    pod = deployment["spec"]["template"]["spec"]
+    (engine,) = pod["containers"]
+    assert engine["command"] == ["fleetpilot", "engine"]
+    args = engine["args"]
+    assert args[args.index("--model") + 1] == CHECKPOINT
+    assert args[args.index("--revision") + 1] == "v1"
+    assert args[args.index("--served-model-name") + 1] == "tiny"
+    assert "--model-config" not in args
+    env = env_of(engine)
+    assert (env["HF_HUB_CACHE"], env["HF_HUB_OFFLINE"]) == ("/model-cache/hub", "1")
+    # Offline: no token, no mirror in the engine.
+    assert "HF_TOKEN" not in env
+    assert "HF_ENDPOINT" not in env
+    assert {"name": "model-cache", "mountPath": "/model-cache", "readOnly": True} in engine[
+        "volumeMounts"
+    ]
+    assert {
+        "name": "model-cache",
+        "persistentVolumeClaim": {"claimName": "shared-models", "readOnly": True},
+    } in pod["volumes"]
+    assert "initContainers" not in pod
+    # No GPU, as any reference pod.
+    assert "nvidia.com/gpu" not in engine["resources"].get("limits", {})
+
+
+def test_a_reference_checkpoint_without_a_revision_reads_the_default_branch() -> None:
+    """No revision: the Job fetches main, and the engine gets no --revision (its default is
+    main too), so both name the same snapshot."""
+    objects = planned([reference_checkpoint_tier(None)], modelCache=CACHE)
+    (job,) = jobs_of(objects)
+    assert job["metadata"]["annotations"]["fleetpilot.dev/model"] == f"{CHECKPOINT}@main"
+    args = pod_of(objects)["containers"][0]["args"]
+    assert "--revision" not in args
+    assert args[args.index("--model") + 1] == CHECKPOINT
+
+
+def test_the_router_tokenizes_a_reference_checkpoints_tier_with_the_shipped_tokenizer() -> None:
+    """The reference engine tokenizes every model, a checkpoint's included, with its shipped
+    byte tokenizer (a save_checkpoint folder holds none): the router reads the same files
+    from its ConfigMap, not the Hub repo."""
+    from fleetpilot.operator.router_objects import REFERENCE_TOKENIZER_DIR, tokenizer_ref
+
+    service = make_service(tiers=[reference_checkpoint_tier()], modelCache=CACHE)
+    assert tokenizer_ref(service.spec.tiers[0]) == REFERENCE_TOKENIZER_DIR
+
+
+def test_a_reference_checkpoints_engines_start_once_the_job_completed(kube: FakeKube) -> None:
+    """The reconciler holds a reference tier's Deployment until its checkpoint is on the
+    volume, as it does a vLLM tier's."""
+    manifest = make_manifest(
+        namespace=NS, tiers=[reference_checkpoint_tier()], modelCache={"claimName": "m"}
+    )
+    kube.apply(manifest, "kubectl")
+    reconciler = Reconciler(kube)
+    live = kube.get("InferenceService", NS, "chat")
+    assert live is not None
+    first = reconciler.reconcile(live, lambda *_: None)
+    (job,) = [o["metadata"]["name"] for o in kube.objects("Job", NS)]
+    assert first.waiting_for_model == {"chat-small": job}
+    assert kube.object("Deployment", NS, "chat-small") is None
+    complete(kube, job)
+    live = kube.get("InferenceService", NS, "chat")
+    assert live is not None
+    assert reconciler.reconcile(live, lambda *_: None).waiting_for_model == {}
+    assert "--model" in engine_args(kube)
+
+
+def test_a_hub_mirror_reaches_an_engine_that_downloads_at_start_and_not_an_offline_one() -> None:
+    """Without a cache vLLM downloads the repo itself: from the mirror (HF_ENDPOINT). With
+    one the Job does, and the engines read offline: the mirror is the Job's only."""
+    source = {"huggingface": {"endpoint": MIRROR}}
+    env = env_of(pod_of(planned([tier_with(source)]))["containers"][0])
+    assert env["HF_ENDPOINT"] == MIRROR
+    cached = planned([tier_with(source)], modelCache=CACHE)
+    assert "HF_ENDPOINT" not in env_of(pod_of(cached)["containers"][0])
+    ((fetch,),) = [j["spec"]["template"]["spec"]["containers"] for j in jobs_of(cached)]
+    assert env_of(fetch)["HF_ENDPOINT"] == MIRROR
+    # Unset: huggingface.co, the library's own default; nothing is set.
+    plain = planned([tier_with({"huggingface": {}})], modelCache=CACHE)
+    ((fetch,),) = [j["spec"]["template"]["spec"]["containers"] for j in jobs_of(plain)]
+    assert "HF_ENDPOINT" not in env_of(fetch)
+    assert "HF_ENDPOINT" not in env_of(pod_of(planned([tier_with({})]))["containers"][0])
+
+
+def test_the_summary_says_where_a_reference_checkpoint_comes_from() -> None:
+    """`fleetpilot plan -o summary`: a checkpoint's repo, revision and mirror, fetched once
+    by a Job; a reference tier without one is its seeded preset, as before."""
+    from fleetpilot.operator.model_delivery import weights_summary
+
+    service = make_service(
+        tiers=[reference_checkpoint_tier(endpoint=MIRROR)], modelCache={"claimName": "m"}
+    )
+    assert weights_summary(service, service.spec.tiers[0]) == (
+        f"hub {CHECKPOINT}@v1 from {MIRROR} "
+        "(downloaded once into the model cache by a Job; engines wait for it)"
+    )
+    seeded = make_service(tiers=[make_tier("small", engine={"backend": "reference"})])
+    assert weights_summary(seeded, seeded.spec.tiers[0]).startswith("none: a seeded random model")

@@ -695,6 +695,69 @@ def test_reference_preset_limits_are_accepted() -> None:
     plan(make_service(tiers=[_with_model(small, maxModelLen=4096)]))
 
 
+HUB_CHECKPOINT = {"huggingface": {"revision": "v1"}}
+CACHE = {"claimName": "shared-models"}
+
+
+def test_a_reference_checkpoint_without_a_model_cache_is_refused() -> None:
+    """The reference engine downloads nothing at start: a Hub source without spec.modelCache
+    would start engines that cannot find their checkpoint (or, read as the preset, serve
+    another model under the spec's name). Refused at the source, saying what to add."""
+    with pytest.raises(PlanError) as info:
+        plan(make_service(tiers=[_with_model(_reference(), source=HUB_CHECKPOINT)]))
+    assert info.value.field == "spec.tiers[0].model.source.huggingface"
+    assert "add spec.modelCache" in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("source", "field"),
+    [
+        ({"pvc": {"claimName": "models"}}, "spec.tiers[0].model.source.pvc"),
+        ({"s3": {"bucket": "models"}}, "spec.tiers[0].model.source.s3"),
+        ({"oci": {"image": "registry.example/m:1"}}, "spec.tiers[0].model.source.oci"),
+    ],
+)
+def test_a_reference_tier_reads_no_other_source_even_with_a_model_cache(
+    source: dict[str, Any], field: str
+) -> None:
+    """Only a Hub checkpoint comes through the cache; other sources stay refused, cache or
+    not (a vLLM tier beside it keeps the cache from being refused first)."""
+    tiers = [_with_model(_reference(up_to=0.4), source=source), make_tier("gpu")]
+    with pytest.raises(PlanError) as info:
+        plan(make_service(tiers=tiers, modelCache=CACHE))
+    assert info.value.field == field
+    assert "reads no weights" in info.value.message
+
+
+def test_a_reference_checkpoint_with_a_model_cache_plans_without_the_presets_limit() -> None:
+    """With spec.modelCache a reference tier may read a Hub checkpoint, and the cache is not
+    refused though every tier is a reference tier. The preset's context limit is not the
+    checkpoint's (the engine checks its config.json at start): 8192 plans."""
+    tier = _with_model(_reference(), source=HUB_CHECKPOINT, maxModelLen=8192)
+    objects = plan(make_service(tiers=[tier], modelCache=CACHE))
+    assert [o["kind"] for o in objects].count("Job") == 1  # the download
+    # Without the checkpoint the same limit is the preset's, and refused.
+    seeded = _with_model(_reference(up_to=0.4), maxModelLen=8192)
+    with pytest.raises(PlanError) as info:
+        plan(make_service(tiers=[seeded, make_tier("gpu")], modelCache=CACHE))
+    assert info.value.field == "spec.tiers[0].model.maxModelLen"
+
+
+def test_fleetpilot_up_refuses_a_reference_checkpoint_by_its_field() -> None:
+    """The local fleet has no model cache: check_reference_tiers (what `fleetpilot up` runs)
+    refuses a checkpoint, with or without spec.modelCache, rather than serve the preset
+    under the checkpoint's name."""
+    from fleetpilot.operator.planner import check_reference_tiers
+
+    tier = _with_model(_reference(), source=HUB_CHECKPOINT)
+    for extra in ({}, {"modelCache": CACHE}):
+        with pytest.raises(PlanError) as info:
+            check_reference_tiers(make_service(tiers=[tier], **extra))
+        assert info.value.field == "spec.tiers[0].model.source.huggingface"
+        assert "fleetpilot up cannot run a reference checkpoint" in info.value.message
+    check_reference_tiers(make_service(tiers=[_reference()]))  # the preset runs
+
+
 def test_model_cache_of_only_reference_tiers_is_refused() -> None:
     """A model cache no tier downloads into would be a claim (and its GC Job) for nothing."""
     with pytest.raises(PlanError) as info:

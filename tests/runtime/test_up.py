@@ -138,3 +138,24 @@ def test_the_liveness_options_reach_the_fleet(
     assert up.main(argv) == up.EXIT_OK
     (stack,) = stacks
     assert stack.fleet.liveness == LivenessProbe(1.5, 0.5, 4)
+
+
+def test_a_reference_checkpoint_is_refused_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The local fleet has no model cache to read a reference tier's Hub checkpoint from:
+    `up` refuses it at its field (exit 2) instead of serving the preset under its name."""
+
+    def serve(stack: LocalStack, args: argparse.Namespace) -> int:
+        raise AssertionError("nothing may start")
+
+    monkeypatch.setattr(up, "_serve", serve)
+    tier = make_tier("small", model="acme/tiny-llm", engine={"backend": "reference"})
+    tier["model"]["source"] = {"huggingface": {"revision": "v1"}}
+    path = tmp_path / "service.yaml"
+    manifest = make_manifest(tiers=[tier], modelCache={"claimName": "models"})
+    path.write_text(yaml.safe_dump(manifest))
+    assert up.main(["-f", str(path)]) == up.EXIT_INVALID
+    err = capsys.readouterr().err
+    assert "spec.tiers[0].model.source.huggingface" in err
+    assert "fleetpilot up cannot run a reference checkpoint" in err

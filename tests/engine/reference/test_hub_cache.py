@@ -12,6 +12,7 @@ revision the cache lacks at start, naming both.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import time
 from dataclasses import dataclass, replace
@@ -169,6 +170,67 @@ def test_an_engine_process_serves_the_cached_model_offline(cached: Cached) -> No
         proc.close()
     assert from_cache == from_folder
     assert len(from_cache) == GREEDY["max_tokens"]
+
+
+def test_the_planned_job_fetches_from_the_mirror_and_the_planned_pod_loads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole path of a reference tier with a cached Hub source, as planned: the fetch
+    Job's own command and environment (the mirror reaches the fetcher only as HF_ENDPOINT,
+    the spec's model.source.huggingface.endpoint) fill the cache volume from the Hub; the
+    engine pod's own args and environment (HF_HUB_CACHE on that volume, offline) then load
+    exactly the checkpoint's weights, under the spec's served name."""
+    from fleetpilot.cli import main
+    from fleetpilot.operator.planner import plan
+    from tests.factories import make_service, make_tier
+
+    checkpoint = tmp_path / "checkpoint"
+    save_checkpoint(LlamaModel(replace(TINY, init_seed=CHECKPOINT_SEED)), checkpoint)
+    hub = FakeHub(REPO, {p.name: p.read_bytes() for p in checkpoint.iterdir()}, revision=BRANCH)
+    tier = make_tier("small", model=REPO, engine={"backend": "reference"})
+    source = {"huggingface": {"revision": BRANCH, "endpoint": hub.endpoint}}
+    tier["model"] = {"name": REPO, "servedName": "tiny", "source": source}
+    objects = plan(make_service(tiers=[tier], modelCache={"claimName": "models"}))
+    (job,) = [o for o in objects if o["kind"] == "Job"]
+    (fetch,) = job["spec"]["template"]["spec"]["containers"]
+    engines = [o for o in objects if o["kind"] == "Deployment"]
+    (deployment,) = [o for o in engines if o["metadata"]["name"] == "chat-small"]
+    (engine,) = deployment["spec"]["template"]["spec"]["containers"]
+
+    volume = tmp_path / "volume"  # what the claim holds, at /model-cache in both pods
+
+    def on_volume(value: str) -> str:
+        return value.replace("/model-cache", str(volume), 1)
+
+    for name in ("HF_TOKEN", "HF_ENDPOINT", "HF_HUB_OFFLINE", "HF_HUB_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "hf-home" / "token"))
+    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(tmp_path / "hf-home" / "stored"))
+    job_env = {e["name"]: e["value"] for e in fetch["env"] if "value" in e}
+    assert job_env["HF_ENDPOINT"] == hub.endpoint
+    assert "--endpoint" not in fetch["command"]  # the environment is the only way there
+    for name, value in job_env.items():
+        if name.startswith("HF_"):
+            monkeypatch.setenv(name, value)
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        assert fetch["command"][:1] == ["fleetpilot"]
+        assert main([on_volume(arg) for arg in fetch["command"][1:]]) == 0
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
+        close_session()
+        hub.close()
+    assert hub.requests(None)  # the mirror, not huggingface.co, answered
+
+    pod_env = {e["name"]: on_volume(e["value"]) for e in engine["env"] if "value" in e}
+    assert pod_env["HF_HUB_OFFLINE"] == "1"
+    # `fleetpilot engine` picks the engine by --backend; the rest is the engine's own.
+    assert engine["args"][:2] == ["--backend", "reference"]
+    settings, model = settings_for(engine["args"][2:], pod_env)
+    assert same_weights(model, load_checkpoint(checkpoint))
+    assert settings.served_model_names == ("tiny",)
 
 
 def _greedy(client: httpx.Client, url: str) -> list[int]:
