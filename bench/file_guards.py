@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from router_support import machine, save
+from router_support import commit, machine, save
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -210,15 +210,6 @@ def measure_cost(rounds: int) -> dict[str, Any]:
             f"safe_load {median['yaml.safe_load']:>8.2f} ms  ({added:+.0%})"
         )
     return out
-
-
-def commit() -> str:
-    result = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    )
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "fleetpilot"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()  # fmt: skip
-    return result.stdout.strip() + ("-dirty" if dirty else "")
 
 
 def main() -> None:

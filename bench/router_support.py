@@ -401,6 +401,15 @@ def process_memory_mib(pid: int) -> tuple[float, float]:
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
 
+def commit() -> str:
+    """The checkout's commit, marked ``-dirty`` when fleetpilot/ has uncommitted changes: the
+    code a results file measured."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "fleetpilot"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()  # fmt: skip
+    return head.stdout.strip() + ("-dirty" if dirty else "")
+
+
 def save(name: str, data: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"

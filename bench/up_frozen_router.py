@@ -30,7 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from router_support import machine, save
+from router_support import commit, machine, save
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "frozen-router-model"
@@ -150,13 +150,6 @@ def run_arm(liveness: bool, args: argparse.Namespace, folder: Path) -> dict[str,
         except subprocess.TimeoutExpired:
             up.kill()
             up.wait()
-
-
-def commit() -> str:
-    result = subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT, check=False
-    )
-    return result.stdout.strip()
 
 
 def spread(values: list[float | None]) -> str:

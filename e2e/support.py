@@ -38,7 +38,8 @@ def mark_pods_ready(
     ``ready_at`` (both now unless given: what the operator's cold-start samples read).
 
     Unscheduled pods are left alone, as no kubelet would ever see them. Returns how many pods
-    were marked.
+    were marked. Only for pods that cannot run here (vLLM's, which need GPUs): pods the
+    reference engine serves run for real on the process node (e2e/test_whole_loop.py).
     """
     now = datetime.now(UTC)
     started = _stamp(started_at or now)

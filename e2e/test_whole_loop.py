@@ -26,6 +26,7 @@ import itertools
 import json
 import os
 import signal
+import sys
 import threading
 import time
 import urllib.request
@@ -75,6 +76,10 @@ class Loop:
     prometheus: str
 
 
+def is_ready(pod: k8s.V1Pod) -> bool:
+    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+
+
 def cordon(core: k8s.CoreV1Api, nodes: list[str], unschedulable: bool) -> None:
     for node in nodes:
         core.patch_node(node, {"spec": {"unschedulable": unschedulable}})
@@ -85,6 +90,10 @@ def cordon(core: k8s.CoreV1Api, nodes: list[str], unschedulable: bool) -> None:
 #: prometheus.io annotations, which the operator sets on engine pods.
 PROMETHEUS_IMAGE = "quay.io/prometheus/prometheus:v2.42.0"
 PROMETHEUS_BINARY = Path("/usr/bin/prometheus")
+#: The tests' fake Hub (tests/delivery/hub_server.py) run as a pod: a Hub mirror in the cluster.
+HUB_IMAGE = "fleetpilot.test/fake-hub:1"
+CHECKPOINT_REPO = "acme/reference-tiny"
+CHECKPOINT_REVISION = "v1"
 
 
 def image_table() -> dict[str, Any]:
@@ -95,6 +104,14 @@ def image_table() -> dict[str, Any]:
             "path": [str(PROMETHEUS_BINARY.parent)],
             "entrypoint": ["prometheus"],
             "env": {},
+        }
+    )
+    table["images"].append(
+        {
+            "pattern": HUB_IMAGE,
+            "path": [str(Path(sys.executable).parent)],
+            "entrypoint": ["python", "-m", "tests.delivery.hub_server"],
+            "env": {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
         }
     )
     return table
@@ -272,8 +289,8 @@ def prometheus_objects(namespace: str) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
-def ready_condition(kube: Kube, namespace: str) -> dict[str, Any] | None:
-    obj = kube.request("GET", f"{ISVC_API}/namespaces/{namespace}/inferenceservices/{SERVICE}")
+def ready_condition(kube: Kube, namespace: str, service: str = SERVICE) -> dict[str, Any] | None:
+    obj = kube.request("GET", f"{ISVC_API}/namespaces/{namespace}/inferenceservices/{service}")
     generation = obj["metadata"]["generation"]
     for c in obj.get("status", {}).get("conditions", []):
         # As `kubectl wait --for=condition=Ready`, and of this generation, not a stale one.
@@ -283,15 +300,23 @@ def ready_condition(kube: Kube, namespace: str) -> dict[str, Any] | None:
     return None
 
 
-def router_address(discovery: k8s.DiscoveryV1Api, namespace: str) -> str | None:
-    """The router pod's address from its Service's EndpointSlice: proof that the endpointslice
-    controller saw the pod Ready (no kube-proxy here turns the ClusterIP into it)."""
+def ready_routers(
+    discovery: k8s.DiscoveryV1Api, namespace: str, service: str = SERVICE
+) -> list[str]:
+    """The router pods' addresses from their Service's EndpointSlices, where the endpointslice
+    controller lists them ready (no kube-proxy here turns the ClusterIP into them)."""
     slices = discovery.list_namespaced_endpoint_slice(
-        namespace, label_selector=f"kubernetes.io/service-name={names.router_name(SERVICE)}"
+        namespace, label_selector=f"kubernetes.io/service-name={names.router_name(service)}"
     ).items
-    ready = [
+    return sorted(
         a for s in slices for e in s.endpoints or [] if e.conditions.ready for a in e.addresses
-    ]
+    )
+
+
+def router_address(
+    discovery: k8s.DiscoveryV1Api, namespace: str, service: str = SERVICE
+) -> str | None:
+    ready = ready_routers(discovery, namespace, service)
     return ready[0] if ready else None
 
 
@@ -337,10 +362,7 @@ def loop(
 
             def prometheus_ip() -> str | None:
                 pod = core.read_namespaced_pod("prometheus", namespace)
-                ready = any(
-                    c.type == "Ready" and c.status == "True" for c in pod.status.conditions or []
-                )
-                return str(pod.status.pod_ip) if ready else None
+                return str(pod.status.pod_ip) if is_ready(pod) else None
 
             try:
                 prometheus = f"http://{eventually('Prometheus Ready', prometheus_ip)}:9090"
@@ -485,13 +507,7 @@ class RouterAddresses:
         self._thread.join()
 
     def _refresh(self) -> None:
-        slices = self.discovery.list_namespaced_endpoint_slice(
-            self.namespace,
-            label_selector=f"kubernetes.io/service-name={names.router_name(SERVICE)}",
-        ).items
-        self._ready = sorted(
-            a for s in slices for e in s.endpoints or [] if e.conditions.ready for a in e.addresses
-        )
+        self._ready = ready_routers(self.discovery, self.namespace)
 
     def _run(self) -> None:
         while not self._stop.wait(0.5):
@@ -680,14 +696,7 @@ def test_load_step_scales_up_through_prometheus_and_the_new_pod_serves(
 
             def new_ready_pod_ip() -> str | None:
                 pods = core.list_namespaced_pod(loop.namespace, label_selector=selector).items
-                fresh = [
-                    p
-                    for p in pods
-                    if p.metadata.name not in before
-                    and any(
-                        c.type == "Ready" and c.status == "True" for c in p.status.conditions or []
-                    )
-                ]
+                fresh = [p for p in pods if p.metadata.name not in before and is_ready(p)]
                 return str(fresh[0].status.pod_ip) if fresh else None
 
             ip = eventually("the new pod Ready", new_ready_pod_ip, timeout=60)
@@ -781,10 +790,6 @@ def test_a_rolling_update_under_steady_load_fails_no_request(
     }
     assert chats.failures == [], chats.failures[:3]
     assert len(chats.served) > served_at_end > 0
-
-
-def is_ready(pod: k8s.V1Pod) -> bool:
-    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
 
 
 def evict(core: k8s.CoreV1Api, pod: k8s.V1Pod, deadline: float) -> int:
@@ -1003,4 +1008,135 @@ def test_a_tier_scales_to_zero_and_a_held_request_brings_it_back(
         "idle_to_zero_s": round(zero_at - started, 1),
         "held_ttft_s": round(first_token - sent, 1),
         "held_total_s": round(done - sent, 1),
+    }
+
+
+def hub_objects(checkpoint: Path) -> list[dict[str, Any]]:
+    """The tests' fake Hub (tests/delivery/hub_server.py) as a pod: a Hub mirror inside the
+    cluster serving `checkpoint` (a host folder) as CHECKPOINT_REPO, reached at its pod IP."""
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "fake-hub"},
+            "spec": {
+                "containers": [{
+                    "name": "hub",
+                    "image": HUB_IMAGE,
+                    "args": ["--repo", CHECKPOINT_REPO, "--revision", CHECKPOINT_REVISION,
+                             "--dir", "/repo", "--host", "0.0.0.0", "--advertise", "$(POD_IP)",
+                             "--port", "8080", "--cdn-port", "8081"],
+                    "env": [{"name": "POD_IP",
+                             "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+                    "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 1},
+                    "volumeMounts": [{"name": "repo", "mountPath": "/repo", "readOnly": True}],
+                }],
+                "volumes": [{"name": "repo", "hostPath": {"path": str(checkpoint)}}],
+            },
+        }
+    ]  # fmt: skip
+
+
+def checkpoint_manifest(namespace: str, hub: str) -> dict[str, Any]:
+    """One reference tier serving CHECKPOINT_REPO from the Hub at `hub`, downloaded once into
+    the service's model cache (the claim `model-cache`) by the operator's Job."""
+    return {
+        "apiVersion": "fleetpilot.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "ckpt", "namespace": namespace},
+        "spec": {
+            "modelCache": {"claimName": "model-cache"},
+            "tiers": [{
+                "name": "small",
+                "engine": {"backend": "reference", "maxNumSeqs": 4},
+                "model": {
+                    "name": CHECKPOINT_REPO,
+                    "servedName": "checkpoint-model",
+                    "source": {"huggingface": {"revision": CHECKPOINT_REVISION,
+                                               "endpoint": hub}},
+                },
+                "serving": {"replicas": {"min": 1, "max": 1}},
+            }],
+            "routing": {"replicas": 1},
+        },
+    }  # fmt: skip
+
+
+def test_a_model_download_job_fills_the_cache_before_the_engine_starts(
+    loop: Loop,
+    loop_nodes: ProcessNode,
+    control_plane: Cluster,
+    tmp_path: Path,
+    figures: dict[str, Any],
+) -> None:
+    """A second service whose reference tier reads a checkpoint (written by the reference
+    engine's own save_checkpoint) from a Hub running as a pod, through a model cache: the
+    operator's download Job fetches it into the cache claim, the engine Deployment is not
+    created until the Job has completed, then the engine reads the cache offline and serves
+    chats through the service's router. Measured: apply to the Job's end, to Ready."""
+    from fleetpilot.engine.reference.checkpoint import save_checkpoint
+    from fleetpilot.engine.reference.model import LlamaModel
+    from fleetpilot.engine.reference.settings import MODEL_PRESETS
+
+    checkpoint = tmp_path / "checkpoint"
+    save_checkpoint(LlamaModel(MODEL_PRESETS["tiny"]), checkpoint)
+    path = f"{ISVC_API}/namespaces/{loop.namespace}/inferenceservices/ckpt"
+    with control_plane.api_client() as api:
+        kube, core = Kube(api), k8s.CoreV1Api(api)
+        apps, batch = k8s.AppsV1Api(api), k8s.BatchV1Api(api)
+        discovery, paths = k8s.DiscoveryV1Api(api), Discovery(kube)
+        for obj in hub_objects(checkpoint):
+            obj["metadata"]["namespace"] = loop.namespace
+            apply(kube, paths.path(obj) or "", obj, dry_run=False)
+        try:
+
+            def hub_ip() -> str | None:
+                pod = core.read_namespaced_pod("fake-hub", loop.namespace)
+                return str(pod.status.pod_ip) if is_ready(pod) else None
+
+            hub = f"http://{eventually('the fake Hub Ready', hub_ip)}:8080"
+            loop_nodes.bind_claim(api, loop.namespace, "model-cache")
+            started = time.monotonic()
+            apply(kube, path, checkpoint_manifest(loop.namespace, hub), dry_run=False)
+            engine = names.engine_name("ckpt", "small", "unified")
+            fetch_selector = f"{names.LABEL_SERVICE}=ckpt,{names.LABEL_COMPONENT}=model-fetch"
+
+            def job_done() -> float | None:
+                jobs = batch.list_namespaced_job(loop.namespace, label_selector=fetch_selector)
+                engines = apps.list_namespaced_deployment(
+                    loop.namespace, field_selector=f"metadata.name={engine}"
+                ).items
+                complete = [j for j in jobs.items if (j.status.succeeded or 0) > 0]
+                # Until the download is complete, no engine is planned to read it.
+                assert complete or not engines, "the engine Deployment came before the Job"
+                assert not [j for j in jobs.items if (j.status.failed or 0) > 0], jobs
+                return time.monotonic() if complete else None
+
+            downloaded = eventually("the download Job's success", job_done, timeout=120)
+            eventually(
+                "the checkpoint service Ready",
+                lambda: ready_condition(kube, loop.namespace, "ckpt"),
+                timeout=120,
+            )
+            ready = time.monotonic()
+            router = eventually(
+                "its router's address", lambda: router_address(discovery, loop.namespace, "ckpt")
+            )
+            with client_at(router) as api_client:
+                header, usage = chat(api_client, "checkpoint-model", "Hello, checkpoint!")
+            assert route_tier(header) == "small"
+            assert usage.completion_tokens > 0
+            hub_log = core.read_namespaced_pod_log("fake-hub", loop.namespace)
+            assert "cdn GET model.safetensors" in hub_log, hub_log
+        finally:
+            with contextlib.suppress(Exception):
+                kube.request("DELETE", path)
+            core.delete_namespaced_pod("fake-hub", loop.namespace, grace_period_seconds=0)
+    print(
+        f"whole loop: checkpoint service: apply -> download Job complete "
+        f"{downloaded - started:.1f}s -> Ready {ready - started:.1f}s"
+    )
+    figures["model_download"] = {
+        "apply_to_job_complete_s": round(downloaded - started, 1),
+        "apply_to_ready_s": round(ready - started, 1),
     }

@@ -16,6 +16,10 @@ What the library asks and what it needs in the answers (huggingface_hub/hf_api.p
   header. No ``X-Xet-*`` headers: the library takes its plain HTTP path, not hf_xet.
 - ``GET`` of a file (on the Hub or the CDN) honours ``Range: bytes=N-`` with a 206.
 
+Run as a program (``python -m tests.delivery.hub_server --repo ORG/NAME --dir FOLDER ...``),
+it serves the files of FOLDER as the repo until SIGTERM, logging each request: the e2e tests
+run it as a pod, a Hub mirror inside the cluster.
+
 Test knobs: ``serve`` replaces the bytes served for a file (a wrong size), ``fail_get`` answers
 500 to GETs of a file, ``drop_once`` cuts the first GET of a file mid-body and closes the
 connection. Every request is recorded (method, origin, file, headers).
@@ -23,12 +27,16 @@ connection. Every request is recorded (method, origin, file, headers).
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import re
+import signal
+import sys
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -65,14 +73,20 @@ class FakeHub:
     drop_once: set[str] = field(default_factory=set)
     advance_after_api: str | None = None  # a push to the branch right after the first listing
     seen: list[Seen] = field(default_factory=list)
+    # Where it listens, and the address it gives out (in the CDN redirects) when that is not
+    # the listening one: a pod listens on every interface and is reached at its pod IP.
+    host: str = "127.0.0.1"
+    advertise: str | None = None
+    port: int = 0
+    cdn_port: int = 0
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self._dropped: set[str] = set()
         self._closed = False
         self.commits = {self.commit}
-        self._hub = _Server(("127.0.0.1", 0), _handler(self, "hub"))
-        self._cdn = _Server(("127.0.0.1", 0), _handler(self, "cdn"))
+        self._hub = _Server((self.host, self.port), _handler(self, "hub"))
+        self._cdn = _Server((self.host, self.cdn_port), _handler(self, "cdn"))
         self._threads = [
             threading.Thread(target=s.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
             for s in (self._hub, self._cdn)
@@ -82,11 +96,11 @@ class FakeHub:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self._hub.server_address[1]}"
+        return f"http://{self.advertise or self.host}:{self._hub.server_address[1]}"
 
     @property
     def cdn(self) -> str:
-        return f"http://127.0.0.1:{self._cdn.server_address[1]}"
+        return f"http://{self.advertise or self.host}:{self._cdn.server_address[1]}"
 
     def close(self) -> None:
         if self._closed:
@@ -299,3 +313,45 @@ def _handler(hub: FakeHub, origin: str) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(body)
 
     return Handler
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Serve a folder as one Hub model repo.")
+    parser.add_argument("--repo", required=True, help="ORG/NAME")
+    parser.add_argument("--dir", required=True, type=Path, help="the repo's files")
+    parser.add_argument("--revision", default="main", help="the branch it is served at")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--advertise", help="the address clients reach (default: --host)")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--cdn-port", type=int, default=8081)
+    args = parser.parse_args(argv)
+    files = {p.name: p.read_bytes() for p in sorted(args.dir.iterdir()) if p.is_file()}
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    hub = _LoggingHub(
+        args.repo,
+        files,
+        revision=args.revision,
+        host=args.host,
+        advertise=args.advertise,
+        port=args.port,
+        cdn_port=args.cdn_port,
+    )
+    print(f"serving {args.repo}@{args.revision} ({len(files)} files) at {hub.endpoint}", flush=True)
+    try:
+        stop.wait()
+    finally:
+        hub.close()
+    return 0
+
+
+class _LoggingHub(FakeHub):
+    """The program's Hub: every request a line on stdout (a pod's log)."""
+
+    def record(self, seen: Seen) -> None:
+        super().record(seen)
+        print(f"{seen.origin} {seen.method} {seen.file or 'api'}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
