@@ -112,7 +112,14 @@ class StartsAndStops:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:
+            self.after_stop()
+
+    def after_stop(self) -> None:
+        """What leaving the ``with`` block does once stopped, even if stopping failed: clean
+        up what the server leaves behind (nothing, unless a subclass says otherwise)."""
 
 
 class PortInUseError(RuntimeError):

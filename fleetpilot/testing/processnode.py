@@ -27,7 +27,6 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Self
 
 from kubernetes import client as k8s
@@ -290,20 +289,12 @@ class ProcessNode(StartsAndStops):
         core.create_namespaced_persistent_volume_claim(namespace, claim_body)
         return directory
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Stop the agent, then delete what it leaves in the cluster: its Nodes, the volumes
-        `bind_claim` made."""
-        try:
-            self.stop()
-        finally:
-            with api_client(self.kubeconfig) as api:
-                self.delete_volumes(api)
-                self.delete_nodes(api)
+    def after_stop(self) -> None:
+        """Leaving ``with``: delete what the agent leaves in the cluster, its Nodes and the
+        volumes `bind_claim` made."""
+        with api_client(self.kubeconfig) as api:
+            self.delete_volumes(api)
+            self.delete_nodes(api)
 
     def delete_nodes(self, api: k8s.ApiClient) -> None:
         """Delete the Node objects (after stop()): with the node-lifecycle controller off, a
