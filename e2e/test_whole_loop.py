@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import helm_python as helm
 import httpx
@@ -168,15 +168,20 @@ def _exists(core: k8s.CoreV1Api, node: str) -> bool:
 def service_manifest(namespace: str, prometheus_url: str) -> dict[str, Any]:
     """examples/cpu-two-tier.yaml in `namespace`, read from `prometheus_url`, behind two
     routers, with two small-tier replicas at least (a killed engine leaves one to answer) and
-    up to three; those run 2 sequences at once, so a short load step queues requests; the
-    autoscaler decides every 2s on 1s scrapes, so the test waits seconds, not minutes."""
+    up to three, and two large-tier replicas; small ones run 2 sequences at once, so a short
+    load step queues requests; the autoscaler decides every 2s on 1s scrapes, so the test
+    waits seconds, not minutes."""
     obj: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
     obj["metadata"]["namespace"] = namespace
     small = obj["spec"]["tiers"][0]
     small["serving"]["replicas"] = {"min": 2, "max": 3}
     small["engine"]["maxNumSeqs"] = 2
     small["autoscaling"].update({"interval": "2s", "window": "10s"})
-    obj["spec"]["tiers"][1]["autoscaling"].update({"interval": "2s", "window": "10s"})
+    large = obj["spec"]["tiers"][1]
+    # Two, so a drained node never takes a whole tier: a budget of one unavailable lets a
+    # one-replica tier's only pod go (the example's large tier has one).
+    large["serving"]["replicas"] = {"min": 2, "max": 2}
+    large["autoscaling"].update({"interval": "2s", "window": "10s"})
     obj["spec"]["monitoring"] = {"prometheusUrl": prometheus_url, "scrapeInterval": "1s"}
     # The chart's default: two routers, so a drained node never takes the only one.
     obj["spec"]["routing"]["replicas"] = 2
@@ -191,26 +196,46 @@ def rolled_manifest(loop: Loop) -> dict[str, Any]:
     return manifest
 
 
-class ScrapeTargets:
-    """Plays Kubernetes pod discovery for Prometheus: every second, the namespace's running
-    pods annotated prometheus.io/scrape, at podIP:prometheus.io/port, with their fleetpilot.dev
-    labels as `labelmap` makes them and `namespace`, written to the ConfigMap's targets.json
-    (which the node keeps up to date in the pod, as a kubelet does)."""
+class Poller:
+    """A thread calling `poll()` every `period_s` seconds while the `with` block runs; an API
+    call that fails is tried again at the next period."""
 
-    def __init__(self, api: k8s.ApiClient, namespace: str) -> None:
-        self.core = k8s.CoreV1Api(api)
-        self.namespace = namespace
+    period_s = 0.5
+
+    def __init__(self) -> None:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
-        self._written = "[]"
 
-    def __enter__(self) -> ScrapeTargets:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+    def poll(self) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            with contextlib.suppress(k8s.ApiException, urllib3.exceptions.HTTPError):
+                self.poll()
+
+
+class ScrapeTargets(Poller):
+    """Plays Kubernetes pod discovery for Prometheus: every second, the namespace's running
+    pods annotated prometheus.io/scrape, at podIP:prometheus.io/port, with their fleetpilot.dev
+    labels as `labelmap` makes them and `namespace`, written to the ConfigMap's targets.json
+    (which the node keeps up to date in the pod, as a kubelet does)."""
+
+    period_s = 1.0
+
+    def __init__(self, api: k8s.ApiClient, namespace: str) -> None:
+        super().__init__()
+        self.core = k8s.CoreV1Api(api)
+        self.namespace = namespace
+        self._written = "[]"
 
     def targets(self) -> list[dict[str, Any]]:
         found = []
@@ -229,14 +254,13 @@ class ScrapeTargets:
             })  # fmt: skip
         return sorted(found, key=lambda t: str(t["targets"]))
 
-    def _run(self) -> None:
-        while not self._stop.wait(1.0):
-            text = json.dumps(self.targets())
-            if text != self._written:
-                self.core.patch_namespaced_config_map(
-                    "prometheus", self.namespace, {"data": {"targets.json": text}}
-                )
-                self._written = text
+    def poll(self) -> None:
+        text = json.dumps(self.targets())
+        if text != self._written:
+            self.core.patch_namespaced_config_map(
+                "prometheus", self.namespace, {"data": {"targets.json": text}}
+            )
+            self._written = text
 
 
 def prometheus_objects(namespace: str) -> list[dict[str, Any]]:
@@ -485,34 +509,23 @@ class SteadyChats:
                 api.close()
 
 
-class RouterAddresses:
+class RouterAddresses(Poller):
     """What kube-proxy would do for the router Service, which has no kube-proxy here: the
     ready addresses of its EndpointSlices, refreshed twice a second, taken in turn."""
 
     def __init__(self, api: k8s.ApiClient, namespace: str) -> None:
+        super().__init__()
         self.discovery = k8s.DiscoveryV1Api(api)
         self.namespace = namespace
         self._ready: list[str] = []
         self._turn = itertools.count()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> RouterAddresses:
-        self._refresh()
-        self._thread.start()
-        return self
+    def __enter__(self) -> Self:
+        self.poll()
+        return super().__enter__()
 
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _refresh(self) -> None:
+    def poll(self) -> None:
         self._ready = ready_routers(self.discovery, self.namespace)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.5):
-            with contextlib.suppress(k8s.ApiException, urllib3.exceptions.HTTPError):
-                self._refresh()
 
     def pick(self) -> str:
         ready = eventually("a ready router address", lambda: self._ready or None, timeout=30)
@@ -811,55 +824,73 @@ def evict(core: k8s.CoreV1Api, pod: k8s.V1Pod, deadline: float) -> int:
             time.sleep(1.0)
 
 
-class BudgetWatch:
+class BudgetWatch(Poller):
     """Samples, twice a second while the block runs, every disruption budget of the namespace
     (its healthy pods against the ones it needs) and the service's Ready condition."""
 
     def __init__(self, api: k8s.ApiClient, namespace: str) -> None:
+        super().__init__()
         self.policy = k8s.PolicyV1Api(api)
         self.kube = Kube(api)
         self.namespace = namespace
         self.breaches: list[str] = []
         self.not_ready: list[float] = []
         self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> BudgetWatch:
-        self._thread.start()
-        return self
+    def poll(self) -> None:
+        budgets = self.policy.list_namespaced_pod_disruption_budget(self.namespace)
+        for pdb in budgets.items:
+            status = pdb.status
+            if status and (status.current_healthy or 0) < (status.desired_healthy or 0):
+                self.breaches.append(
+                    f"{pdb.metadata.name}: {status.current_healthy} healthy < "
+                    f"{status.desired_healthy}"
+                )
+        if ready_condition(self.kube, self.namespace) is None:
+            self.not_ready.append(time.monotonic())
+        self.samples += 1
 
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
-    def _run(self) -> None:
-        while not self._stop.wait(0.5):
-            with contextlib.suppress(k8s.ApiException, urllib3.exceptions.HTTPError):
-                budgets = self.policy.list_namespaced_pod_disruption_budget(self.namespace)
-                for pdb in budgets.items:
-                    status = pdb.status
-                    if status and (status.current_healthy or 0) < (status.desired_healthy or 0):
-                        self.breaches.append(
-                            f"{pdb.metadata.name}: {status.current_healthy} healthy < "
-                            f"{status.desired_healthy}"
-                        )
-                if ready_condition(self.kube, self.namespace) is None:
-                    self.not_ready.append(time.monotonic())
-                self.samples += 1
+def evict_all(
+    api: k8s.ApiClient, pods: list[k8s.V1Pod], timeout: float = 150.0
+) -> tuple[int, float]:
+    """Evict `pods` at once, each retried while a budget refuses it (as `kubectl drain`), and
+    wait until none of them is left and every Deployment of their namespace has all its
+    replicas ready again. The refusals, and the seconds it took."""
+    core, apps = k8s.CoreV1Api(api), k8s.AppsV1Api(api)
+    namespace = pods[0].metadata.namespace
+    started = time.monotonic()
+    with ThreadPoolExecutor(len(pods)) as pool:
+        refusals = sum(pool.map(lambda p: evict(core, p, started + timeout), pods))
+    evicted = {p.metadata.uid for p in pods}
+
+    def replaced() -> float | None:
+        if evicted & {p.metadata.uid for p in core.list_namespaced_pod(namespace).items}:
+            return None
+        for d in apps.list_namespaced_deployment(namespace).items:
+            if d.status is None or (d.status.ready_replicas or 0) < d.spec.replicas:
+                return None
+        return time.monotonic()
+
+    finished = eventually("the evicted pods replaced and ready", replaced, timeout=timeout)
+    return refusals, finished - started
 
 
 def test_a_node_drain_keeps_the_disruption_budgets_and_the_service(
     loop: Loop, control_plane: Cluster, figures: dict[str, Any]
 ) -> None:
-    """`kubectl drain` of the node holding most of the service's pods while four clients chat
-    with both tiers through the router Service (its ready EndpointSlice addresses, as
-    kube-proxy would): the node is cordoned, every pod a controller owns is evicted through the
-    Eviction API (retried while a budget refuses), its replacement lands on the other node.
-    Every disruption budget keeps its healthy pods at what it needs, the service stays Ready,
-    and no chat fails. Measured: the refusals, the drain's seconds, failed chats."""
+    """`kubectl drain` of a node while four clients chat with both tiers through the router
+    Service (its ready EndpointSlice addresses, as kube-proxy would): the node is cordoned,
+    every pod a controller owns there is evicted through the Eviction API (retried while a
+    budget refuses), its replacement lands on the other node. Then every engine of the small
+    tier evicted at once, which its budget (one unavailable at a time) must spread out. All
+    along every disruption budget keeps the healthy pods it needs, the service stays Ready,
+    and no chat fails. Measured: the refusals, the seconds, failed chats."""
+    selector = ",".join(
+        f"{k}={v}" for k, v in names.engine_selector(SERVICE, "small", "unified").items()
+    )
     with control_plane.api_client() as api:
-        core, apps = k8s.CoreV1Api(api), k8s.AppsV1Api(api)
+        core = k8s.CoreV1Api(api)
 
         def owned_pods(node: str) -> list[k8s.V1Pod]:
             return [
@@ -874,15 +905,15 @@ def test_a_node_drain_keeps_the_disruption_budgets_and_the_service(
             """A router or engine pod (the only other pod a controller owns: the operator)."""
             return names.LABEL_SERVICE in (pod.metadata.labels or {})
 
-        def serving_pods(node: str) -> int:
-            return sum(of_service(p) for p in owned_pods(node))
-
         def operator_on(node: str) -> bool:
             return not all(of_service(p) for p in owned_pods(node))
 
         # The node without the operator, if it holds any of the service: its status is then
         # written throughout, so the Ready samples are the operator's word, not a stale one.
-        node = max(LOOP_NODES, key=lambda n: (serving_pods(n) > 0, not operator_on(n)))
+        node = max(
+            LOOP_NODES,
+            key=lambda n: (any(of_service(p) for p in owned_pods(n)), not operator_on(n)),
+        )
         victims = owned_pods(node)
         assert victims, f"no pods on {node}"
         print(f"whole loop: draining {node}: {sorted(p.metadata.name for p in victims)}")
@@ -892,41 +923,36 @@ def test_a_node_drain_keeps_the_disruption_budgets_and_the_service(
             BudgetWatch(api, loop.namespace) as watch,
         ):
             time.sleep(2.0)  # the load is steady before the drain
-            started = time.monotonic()
             cordon(core, [node], True)
             try:
-                deadline = started + 150
-                with ThreadPoolExecutor(len(victims)) as pool:
-                    refusals = sum(pool.map(lambda p: evict(core, p, deadline), victims))
-
-                def drained() -> float | None:
-                    if owned_pods(node):
-                        return None
-                    for d in apps.list_namespaced_deployment(loop.namespace).items:
-                        if d.status is None or (d.status.ready_replicas or 0) < d.spec.replicas:
-                            return None
-                    return time.monotonic()
-
-                finished = eventually("the drain's pods running elsewhere", drained, timeout=150)
-                time.sleep(2.0)  # and the service stays served after it
+                refusals, drain_s = evict_all(api, victims)
+                assert not owned_pods(node)
             finally:
                 cordon(core, [node], False)
+            small = core.list_namespaced_pod(loop.namespace, label_selector=selector).items
+            tier_refusals, tier_s = evict_all(api, small)
+            time.sleep(2.0)  # and the service stays served after it
     print(
         f"whole loop: drain of {node} ({len(victims)} pods): {refusals} evictions refused by "
-        f"a budget, all back in {finished - started:.1f}s; {len(chats.served)} chats served, "
-        f"{len(chats.failures)} failed; {len(watch.not_ready)} of {watch.samples} samples "
-        "not Ready"
+        f"a budget, all back in {drain_s:.1f}s; the small tier's {len(small)} engines evicted "
+        f"at once: {tier_refusals} refused, back in {tier_s:.1f}s; {len(chats.served)} chats "
+        f"served, {len(chats.failures)} failed; {len(watch.not_ready)} of {watch.samples} "
+        "samples not Ready"
     )
     figures["drain"] = {
         "pods": len(victims),
         "evictions_refused": refusals,
-        "drain_s": round(finished - started, 1),
+        "drain_s": round(drain_s, 1),
+        "tier_pods": len(small),
+        "tier_evictions_refused": tier_refusals,
+        "tier_s": round(tier_s, 1),
         "served": len(chats.served),
         "failed": len(chats.failures),
     }
     assert watch.samples > 0
     assert watch.breaches == [], watch.breaches[:3]
-    assert watch.not_ready == [], "the service left Ready during the drain"
+    assert tier_refusals > 0, "the budget let every engine of the tier go at once"
+    assert watch.not_ready == [], "the service left Ready"
     assert chats.failures == [], [f"{type(e).__name__}: {e}" for e in chats.failures]
     assert len(chats.served) > 0
 
@@ -939,7 +965,7 @@ def test_a_tier_scales_to_zero_and_a_held_request_brings_it_back(
     holds it, Prometheus sees it held (the router's pending requests), the autoscaler scales
     the tier from zero, the pod starts, turns Ready and joins the router's discovery, and the
     held chat is answered. Measured: its time to first token. The tier is given back its
-    minimum of one at the end."""
+    two replicas at the end."""
     deployment = names.engine_name(SERVICE, "large", "unified")
     selector = ",".join(
         f"{k}={v}" for k, v in names.engine_selector(SERVICE, "large", "unified").items()
@@ -997,9 +1023,9 @@ def test_a_tier_scales_to_zero_and_a_held_request_brings_it_back(
 
         def serving_again() -> bool | None:
             pods = core.list_namespaced_pod(loop.namespace, label_selector=selector).items
-            return True if any(is_ready(p) for p in pods) else None
+            return True if sum(is_ready(p) for p in pods) >= 2 else None
 
-        eventually("the large tier back at its minimum of one", serving_again, timeout=120)
+        eventually("the large tier back at its two replicas", serving_again, timeout=120)
     print(
         f"whole loop: held chat for the large tier at zero: first token after "
         f"{first_token - sent:.1f}s, done after {done - sent:.1f}s"
