@@ -9,7 +9,8 @@ and reads the figures its tests record (``$FLEETPILOT_WHOLE_LOOP_FIGURES``):
 - load step: to the autoscaler's decision, decision -> new pod Ready -> first request it served;
 - rolling update of the large tier under 4 clients: rollout seconds, chats served and failed;
 - node drain under 4 clients: evictions a disruption budget refused, seconds until every pod
-  runs elsewhere, chats served and failed (the service must stay Ready);
+  runs elsewhere; then every small engine evicted at once (refusals, seconds); chats served
+  and failed throughout (the service must stay Ready);
 - scale to zero and back: idle -> zero pods, then a held chat's time to first token;
 - model download: apply -> the download Job complete -> the checkpoint service Ready.
 
@@ -51,6 +52,8 @@ SUMMARY = [
     ("rolling update: chats failed", ("rolling_update", "failed")),
     ("drain: evictions refused by a budget", ("drain", "evictions_refused")),
     ("drain: pods back elsewhere s", ("drain", "drain_s")),
+    ("whole tier evicted: evictions refused", ("drain", "tier_evictions_refused")),
+    ("whole tier evicted: all back s", ("drain", "tier_s")),
     ("drain: chats served", ("drain", "served")),
     ("drain: chats failed", ("drain", "failed")),
     ("scale to zero: idle -> zero s", ("scale_from_zero", "idle_to_zero_s")),
