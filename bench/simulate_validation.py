@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 from router_support import machine, save
 
-from fleetpilot.simulate.calibrate import ttft_totals
+from fleetpilot.simulate.calibrate_http import ttft_totals
 
 ROOT = Path(__file__).parents[1]
 SERVICE = ROOT / "examples" / "local-two-tier.yaml"

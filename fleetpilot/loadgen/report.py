@@ -39,24 +39,43 @@ def percentiles(values: Sequence[float], qs: Sequence[int]) -> dict[str, float |
 
 
 @dataclass(frozen=True)
-class Summary:
+class LatencySummary:
+    """What a run's clients saw, in the same fields whether the run was measured
+    (``fleetpilot bench``: :class:`Summary`) or simulated (``fleetpilot simulate``:
+    ``simulate.report.SimReport``), so the two compare field by field: the requests, how many
+    were answered, the errors by kind, TTFT, TPOT and end-to-end latency percentiles of the
+    answered (``{"p50": s, ...}``; None with nothing to take them of), and the prefix hit rate.
+    Each producer adds what only it knows."""
+
     requests: int
     succeeded: int
     errors: dict[str, int]
-    elapsed_s: float
     ttft_s: dict[str, float | None]
     tpot_s: dict[str, float | None]
     e2e_s: dict[str, float | None]
+    prefix_hit_rate: float | None  # cached over prompt tokens of the answered; None for none
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def hit_rate(prompt_tokens: int, cached_tokens: int) -> float | None:
+    """Cached over prompt tokens; None where there were no prompt tokens to hit."""
+    return cached_tokens / prompt_tokens if prompt_tokens else None
+
+
+@dataclass(frozen=True)
+class Summary(LatencySummary):
+    """A measured run: its latencies, and its pace, token counts and routes.
+    ``prefix_hit_rate`` counts the answers that reported usage."""
+
+    elapsed_s: float
     throughput_rps: float
     output_tokens_per_s: float
     prompt_tokens: int
     cached_tokens: int
-    prefix_hit_rate: float | None  # cached / prompt tokens over answers that reported usage
     tier_shares: dict[str, float] = field(default_factory=dict)
     kinds: dict[str, int] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def summarize(records: Sequence[RequestRecord], elapsed_s: float) -> Summary:
@@ -81,7 +100,7 @@ def summarize(records: Sequence[RequestRecord], elapsed_s: float) -> Summary:
         output_tokens_per_s=output / span if elapsed_s > 0 else 0.0,
         prompt_tokens=prompt,
         cached_tokens=cached,
-        prefix_hit_rate=cached / prompt if prompt else None,
+        prefix_hit_rate=hit_rate(prompt, cached),
         tier_shares={t: n / routed for t, n in sorted(tiers.items())},
         kinds=dict(sorted(Counter(r.kind for r in records).items())),
     )

@@ -7,12 +7,12 @@ import importlib
 import statistics
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fleetpilot.api import InferenceService
-from fleetpilot.loadgen.report import percentile, percentiles
+from fleetpilot.loadgen.report import LatencySummary, hit_rate, percentile, percentiles
 from fleetpilot.simulate.fleet import Outcome, Request
 
 QUANTILES = (50, 90, 95, 99)
@@ -39,15 +39,12 @@ class TierSummary:
 
 
 @dataclass(frozen=True)
-class SimReport:
-    requests: int
-    succeeded: int
-    errors: dict[str, int]
+class SimReport(LatencySummary):
+    """A simulated run: the latencies a measured run reports too (the same type as
+    ``fleetpilot bench``'s summary, so the two compare directly; percentiles here add p90 and
+    the mean), and what only a simulation knows: objectives met, tiers, replicas and cost."""
+
     duration_s: float
-    ttft_s: dict[str, float | None]
-    tpot_s: dict[str, float | None]
-    e2e_s: dict[str, float | None]
-    prefix_hit_rate: float | None
     slo_attainment: float | None
     tiers: dict[str, TierSummary]
     gpu_hours: float
@@ -55,9 +52,6 @@ class SimReport:
     wall_s: float
     replicas: list[dict[str, Any]] = field(default_factory=list)  # {"t": s, "tier/role": n}
     decisions: list[dict[str, Any]] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _met(r: Request, ttft_slo: float | None, tpot_slo: float | None) -> bool:
@@ -84,7 +78,7 @@ def _latencies(rs: Sequence[Request]) -> tuple[list[float], list[float], list[fl
 def _hit_rate(rs: Sequence[Request]) -> float | None:
     prompt = sum(r.prompt_tokens for r in rs if r.error is None)
     cached = sum(r.cached_tokens for r in rs if r.error is None)
-    return cached / prompt if prompt else None
+    return hit_rate(prompt, cached)
 
 
 def summarize(

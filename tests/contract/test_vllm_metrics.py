@@ -48,7 +48,7 @@ Families = dict[str, dict[str, Any]]
 # What reads only the reference engine's own metrics, never a vLLM engine's: the simulator's
 # calibration, which measures the reference engine (its KV pool from the reference engine's
 # deliberately smaller vllm:cache_config_info).
-REFERENCE_ONLY_READERS = {PACKAGE / "simulate" / "calibrate.py"}
+REFERENCE_ONLY_READERS = {PACKAGE / "simulate" / "calibrate_http.py"}
 
 
 @functools.cache
