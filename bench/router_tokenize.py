@@ -42,7 +42,7 @@ from router_support import ROOT, machine, percentile, save
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from fleetpilot.routing.policies.kv_index import MAX_MATCH_BLOCKS, chain_keys
-from fleetpilot.routing.tokenize import DEFAULT_MAX_CHARS, RequestTokenizer
+from fleetpilot.routing.tokenizer.request import DEFAULT_MAX_CHARS, RequestTokenizer
 
 SHIPPED = ROOT / "fleetpilot" / "engine" / "reference" / "tokenizer"
 BLOCK_SIZE = 16

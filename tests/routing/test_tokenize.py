@@ -30,7 +30,8 @@ from tokenizers import (
 from fleetpilot.engine.reference.hf_tokenizer import SHIPPED
 from fleetpilot.engine.reference.tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, ByteTokenizer
 from fleetpilot.routing.policies.kv_index import MAX_MATCH_BLOCKS, KVIndex, chain_keys
-from fleetpilot.routing.tokenize import RequestTokenizer, TokenizerError, load_tokenizer
+from fleetpilot.routing.tokenizer.errors import TokenizerError
+from fleetpilot.routing.tokenizer.request import RequestTokenizer, load_tokenizer
 
 SHIPPED_CONFIG = json.loads((SHIPPED / "tokenizer_config.json").read_text())
 BYTES = ByteTokenizer()
