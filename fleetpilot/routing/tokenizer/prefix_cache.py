@@ -198,21 +198,6 @@ class PrefixEncoder:
         self.stats = CacheStats()
         self.cache = _PrefixCache(cache_entries, cache_tokens, self.stats)
 
-    def text_prompt(
-        self,
-        text: str,
-        scan: Cuts,
-        cuts: list[int],
-        stores: list[tuple[int, bool]],
-        specials: bool,
-        *,
-        join: bool = False,
-    ) -> Prompt:
-        """Ids of ``text`` from the longest cached prefix ending at one of ``cuts``; the prefixes
-        ending at ``stores`` (cut, conversation-specific) are cached for later requests, as one
-        turn's family (``join``: the family of the prefix found, for a remembered reply)."""
-        return self.finish(self.look_up(text, scan, cuts, stores, specials, join=join))
-
     def look_up(
         self,
         text: str,
@@ -223,7 +208,10 @@ class PrefixEncoder:
         *,
         join: bool = False,
     ) -> Lookup:
-        """The first half of :meth:`text_prompt`: the longest cached prefix, nothing encoded."""
+        """The longest cached prefix of ``text`` ending at one of ``cuts``, nothing encoded yet:
+        :meth:`finish` encodes the rest and caches the prefixes ending at ``stores`` (cut,
+        conversation-specific) for later requests, as one turn's family (``join``: the family of
+        the prefix found, for a remembered reply)."""
         if specials and self.affixes is None:
             # A post-processor whose specials depend on the text: encode whole, no cache.
             if len(text) > self.max_chars:
@@ -256,7 +244,7 @@ class PrefixEncoder:
         return found
 
     def finish(self, found: Lookup) -> Prompt:
-        """The second half of :meth:`text_prompt`: encode what follows the prefix found and
+        """The second half of :meth:`look_up`: encode what follows the prefix found and
         store the new prefixes. Runs on any thread; the lock is taken only to store."""
         text, scan, base, start = found.text, found.scan, found.base, found.start
         if found.whole_with_specials:

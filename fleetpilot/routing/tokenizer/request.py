@@ -199,20 +199,20 @@ class RequestTokenizer:
             "add_generation_prompt": False,
         }
         r = self._render(body)
-        scan = self._encoder.rule.scan(r.text)
+        encoder = self._encoder
+        scan = encoder.rule.scan(r.text)
         after = scan.at_or_after(r.final[1]) if r.final is not None else None
         if after is None or after[0] > len(r.text):
             return
         stop = after[0]
         cuts = [c for c in span_cuts(scan, r.spans) if c < stop]
-        prompt = self._encoder.text_prompt(
-            r.text[:stop], scan, cuts, [(stop, True)], r.specials, join=True
-        )
+        found = encoder.look_up(r.text[:stop], scan, cuts, [(stop, True)], r.specials, join=True)
+        prompt = encoder.finish(found)
         if prompt.base is not None:  # the request's keys, extended over the reply
-            with self._encoder.cache.lock:
+            with encoder.cache.lock:
                 variants = list(prompt.base.keys)
             for variant in variants:
-                self._encoder.chain(prompt, variant)
+                encoder.chain(prompt, variant)
 
     # ---- requests ---------------------------------------------------------------------------
 
