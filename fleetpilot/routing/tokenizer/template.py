@@ -294,12 +294,12 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise TokenizerError(f"{source}: the chat template does not compile: {e}") from e
         self._template_vars = frozenset(jinja2.meta.find_undeclared_variables(ast))
-        self._wrap_content = content_format == "openai"
+        self.content_as_parts = content_format == "openai"
         if content_format == "auto":
             try:
-                self._wrap_content = _loops_over_content(ast)
+                self.content_as_parts = _loops_over_content(ast)
             except Exception:  # vLLM falls back to "string" when the walk fails
-                self._wrap_content = False
+                self.content_as_parts = False
         self._names_developer = '"developer"' in template or "'developer'" in template
 
     def render(self, payload: Mapping[str, Any]) -> Rendered:
@@ -343,7 +343,7 @@ class ChatTemplate:
 
         messages = payload.get("messages")
         check_input_size(content_chars(messages), self.max_chars)
-        chat = conversation(messages, self._wrap_content)
+        chat = conversation(messages, self.content_as_parts)
         if any(m["role"] == "developer" for m in chat) and not self._names_developer:
             chat = developer_as_system(chat)
         final_text: str | None = None
@@ -369,23 +369,7 @@ class ChatTemplate:
             raise TokenizerError(f"the chat template failed: {e}") from e
         if final_text is not None:
             text = _cut_continued(text, final_text)
-        spans: list[tuple[int, int]] = []
-        final: tuple[int, int] | None = None
-        pos = 0
-        for msg in chat:
-            final = None
-            found = needles(msg.get("content"))
-            if found is None:
-                continue
-            head, tail = found
-            at = text.find(head, pos)
-            if at < 0:
-                continue
-            end = at + len(head) if head == tail else text.find(tail, at) + len(tail)
-            if end >= at + len(head):
-                final = (at, end)
-                spans.append(final)
-                pos = end
+        spans, final = message_spans(text, chat)
         specials = not tokenize and flag(payload, "add_special_tokens", False)
         return Rendered(text, spans, final, specials)
 
@@ -419,3 +403,29 @@ def _cut_continued(text: str, final: str) -> str:
     if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
         return text[:at]
     return text[:at].rstrip()
+
+
+def message_spans(
+    text: str, chat: list[dict[str, Any]]
+) -> tuple[list[tuple[int, int]], tuple[int, int] | None]:
+    """Where each message's text is in the rendered ``text``, in order (messages not found are
+    left out), and the final message's span if it was found: the prefix cache looks prefixes up
+    around them."""
+    spans: list[tuple[int, int]] = []
+    final: tuple[int, int] | None = None
+    pos = 0
+    for msg in chat:
+        final = None
+        found = needles(msg.get("content"))
+        if found is None:
+            continue
+        head, tail = found
+        at = text.find(head, pos)
+        if at < 0:
+            continue
+        end = at + len(head) if head == tail else text.find(tail, at) + len(tail)
+        if end >= at + len(head):
+            final = (at, end)
+            spans.append(final)
+            pos = end
+    return spans, final
