@@ -250,6 +250,8 @@ class RequestTokenizer:
         )
 
     def _render(self, payload: Mapping[str, Any]) -> Rendered:
+        """The chat rendered by this tokenizer's template (refused without one, or for a body
+        that is not an object, before the template reads anything)."""
         if not isinstance(payload, Mapping):
             bad("the request body must be a JSON object")
         if self._chat is None:
