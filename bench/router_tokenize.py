@@ -23,16 +23,27 @@ with a user message, ~2,000 tokens in all):
 - ``cold at the cap``: one unseen user message of ``DEFAULT_MAX_CHARS`` characters: the most
   one request can cost.
 
-Run: .venv/bin/python bench/router_tokenize.py [--conversations 300]
+With transformers importable (``.venv-vllm`` has it, the project's ``.venv`` does not; the
+scenarios are then left out), the ``cached prefix`` scenarios run again with the chat rendered
+by transformers' own ``apply_chat_template(tokenize=False)`` (what vLLM calls) in front of the
+same prefix cache, and ``render only`` with it alone (issue 43 part 3: is it within the hot-path
+budget, so that the router could drop its re-implementation?). Its keys are checked equal to
+ours on every measured request.
+
+Run: PYTHONPATH=. .venv/bin/python bench/router_tokenize.py [--conversations 300]
+(or .venv-vllm/bin/python for the transformers scenarios)
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib
+import json
 import random
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from itertools import accumulate
 from pathlib import Path
@@ -42,10 +53,14 @@ from router_support import ROOT, machine, percentile, save
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from fleetpilot.routing.policies.kv_index import MAX_MATCH_BLOCKS, chain_keys
-from fleetpilot.routing.tokenize import DEFAULT_MAX_CHARS, RequestTokenizer
+from fleetpilot.routing.tokenizer.messages import conversation, flag
+from fleetpilot.routing.tokenizer.request import DEFAULT_MAX_CHARS, RequestTokenizer
+from fleetpilot.routing.tokenizer.template import Rendered, message_spans
 
 SHIPPED = ROOT / "fleetpilot" / "engine" / "reference" / "tokenizer"
 BLOCK_SIZE = 16
+HF_CACHED = "cached prefix"
+HF_REMEMBERED = "cached prefix, reply remembered"
 TARGET_TOKENS = 2000
 CHATML = (
     "{%- for message in messages %}"
@@ -98,7 +113,39 @@ def train_bpe(text: Text, vocab_size: int = 32_000) -> RequestTokenizer:
     return RequestTokenizer(tok.to_str(), config, source="bpe32k")
 
 
-def conversation(
+class TransformersRendered(RequestTokenizer):
+    """The router's tokenizer with its chat rendered by transformers' ``apply_chat_template``
+    (``tokenize=False``, the tokenizer's own template, as vLLM calls it) instead of
+    ``template.ChatTemplate``, the messages normalized as vLLM does before that call, and the
+    same prefix cache behind. Only what this benchmark sends: messages, add_generation_prompt."""
+
+    def __init__(self, *args: Any, hf: Any, **options: Any) -> None:
+        super().__init__(*args, **options)
+        self._hf = hf
+
+    def _render(self, payload: Mapping[str, Any]) -> Rendered:
+        assert self._chat is not None
+        chat = conversation(payload["messages"], self._chat.content_as_parts)
+        generation = flag(payload, "add_generation_prompt", True)
+        text: str = self._hf.apply_chat_template(
+            chat, tokenize=False, add_generation_prompt=generation
+        )
+        spans, final = message_spans(text, chat)
+        return Rendered(text, spans, final, specials=False)
+
+
+def transformers_rendered(path: Path) -> Callable[[], RequestTokenizer] | None:
+    """A maker of :class:`TransformersRendered` for the tokenizer files in ``path``; None when
+    this interpreter has no transformers."""
+    try:
+        auto = importlib.import_module("transformers").AutoTokenizer
+    except ImportError:
+        return None
+    hf = auto.from_pretrained(str(path))
+    return lambda: TransformersRendered.from_dir(path, hf=hf)
+
+
+def conversation_pair(
     text: Text, t: RequestTokenizer, words_per_token: float
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the previous request, this one): a ~TARGET_TOKENS conversation ending with a question
@@ -129,12 +176,16 @@ def baseline(t: RequestTokenizer, body: dict[str, Any]) -> list[bytes]:
 
 
 def run(
-    name: str, make: Callable[[], RequestTokenizer], text: Text, n: int
+    name: str,
+    make: Callable[[], RequestTokenizer],
+    text: Text,
+    n: int,
+    make_hf: Callable[[], RequestTokenizer] | None = None,
 ) -> list[dict[str, Any]]:
     probe = make()
     sample = text.paragraph(2000)
     words_per_token = 2000 / len(probe.token_ids("completions", {"prompt": sample}))
-    pairs = [conversation(text, probe, words_per_token) for _ in range(2 * n + 20)]
+    pairs = [conversation_pair(text, probe, words_per_token) for _ in range(2 * n + 20)]
     sizes = [len(probe.token_ids("chat", cur)) for _, cur in pairs]
     rows: list[dict[str, Any]] = []
 
@@ -155,14 +206,18 @@ def run(
     # One tokenizer per scenario, the scenarios taking turns conversation by conversation, so
     # that the machine's drift (this VM's speed varies by 2x over minutes) falls on all alike.
     cached, remembered, cold = make(), make(), make()
+    hf = [make_hf(), make_hf()] if make_hf is not None else []
     for prev, cur in warm:
-        for t in (cached, remembered, cold):
+        for t in (cached, remembered, cold, *hf):
             t.keys("chat", prev, BLOCK_SIZE)
             t.keys("chat", cur, BLOCK_SIZE)
         baseline(cold, cur)
     gc.collect()
     scenarios = ["cached prefix", "cached prefix, reply remembered", "cold"]
     scenarios += ["baseline (whole prompt, no cache)", "render only"]
+    if hf:
+        scenarios += [f"{s}, transformers render" for s in (HF_CACHED, HF_REMEMBERED)]
+        scenarios += ["render only, transformers"]
     times: dict[str, list[float]] = {s: [] for s in scenarios}
     chars: dict[str, list[int]] = {s: [] for s in scenarios}
 
@@ -181,6 +236,16 @@ def run(
         times["baseline (whole prompt, no cache)"].append(timed(partial(baseline, cold, cur)))
         chars["baseline (whole prompt, no cache)"].append(len(cold.render_chat(cur)))
         times["render only"].append(timed(partial(cold.render_chat, cur)))
+        if hf:
+            hf_cached, hf_remembered = hf
+            hf_cached.keys("chat", prev, BLOCK_SIZE)
+            measure(f"{HF_CACHED}, transformers render", hf_cached, cur)
+            hf_remembered.keys("chat", prev, BLOCK_SIZE)
+            hf_remembered.remember_reply(prev, cur["messages"][-2]["content"])
+            measure(f"{HF_REMEMBERED}, transformers render", hf_remembered, cur)
+            times["render only, transformers"].append(timed(partial(hf_cached.render_chat, cur)))
+            # The same ids as ours, or the comparison is void.
+            assert hf_cached.keys("chat", cur, BLOCK_SIZE) == cached.keys("chat", cur, BLOCK_SIZE)
     for scenario in scenarios:
         row(scenario, times[scenario], chars[scenario])
 
@@ -210,15 +275,27 @@ def main() -> None:
             bpe.tokenizer.to_str(), {"eos_token": "<|im_end|>", "chat_template": CHATML}
         ),
     }
-    rows: list[dict[str, Any]] = []
-    for name, make in tokenizers.items():
-        rows += run(name, make, text, args.conversations)
+    with tempfile.TemporaryDirectory() as bpe_dir:
+        # The same files for transformers to load (the class it falls back to without one).
+        (Path(bpe_dir) / "tokenizer.json").write_text(bpe.tokenizer.to_str())
+        config = {"eos_token": "<|im_end|>", "chat_template": CHATML}
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        (Path(bpe_dir) / "tokenizer_config.json").write_text(json.dumps(config))
+        hf_makers = {
+            "reference": transformers_rendered(Path(SHIPPED)),
+            "bpe32k": transformers_rendered(Path(bpe_dir)),
+        }
+        rows: list[dict[str, Any]] = []
+        for name, make in tokenizers.items():
+            rows += run(name, make, text, args.conversations, hf_makers[name])
+    if hf_makers["reference"] is None:
+        print("transformers is not importable here: its rendering scenarios are left out")
     header = ("tokenizer", "scenario", "p50 ms", "p95 ms", "chars", "tokens")
-    print("{:<10} {:<36} {:>8} {:>8} {:>7} {:>7}".format(*header))
+    print("{:<10} {:<52} {:>8} {:>8} {:>7} {:>7}".format(*header))
     for r in rows:
         chars = "" if r["mean_encoded_chars"] is None else str(r["mean_encoded_chars"])
         print(
-            f"{r['tokenizer']:<10} {r['scenario']:<36} {r['p50_ms']:>8.3f} {r['p95_ms']:>8.3f}"
+            f"{r['tokenizer']:<10} {r['scenario']:<52} {r['p50_ms']:>8.3f} {r['p95_ms']:>8.3f}"
             f" {chars:>7} {r['prompt_tokens_p50']:>7}"
         )
     for r in rows:
@@ -235,6 +312,7 @@ def main() -> None:
             "bpe32k_vocab": bpe.vocab_size,
             "bpe32k_train_s": round(train_s, 1),
             "concurrency": 1,
+            "transformers_render": hf_makers["reference"] is not None,
             "goal": "added p50 <= 0.5 ms for a 2,000-token prompt with a cached prefix",
             "rows": rows,
         },

@@ -55,7 +55,8 @@ from fleetpilot.routing.proxy import Proxy, error_response
 from fleetpilot.routing.router import ReplicaState, Router
 from fleetpilot.routing.scrape import Scraper
 from fleetpilot.routing.tasks import cancel
-from fleetpilot.routing.tokenize import TokenizerError, load_tokenizer
+from fleetpilot.routing.tokenizer.errors import TokenizerError
+from fleetpilot.routing.tokenizer.request import load_tokenizer
 
 log = logging.getLogger("fleetpilot.routing")
 

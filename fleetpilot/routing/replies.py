@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
-from fleetpilot.routing.tokenize import TokenizerError
+from fleetpilot.routing.tokenizer.errors import TokenizerError
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ REPLY_CAPTURE_TOTAL_BYTES = 32 * 1024 * 1024
 
 
 class ReplyMemory(Protocol):
-    """What a capture hands the reply to (``tokenize.RequestTokenizer``)."""
+    """What a capture hands the reply to (``tokenizer.request.RequestTokenizer``)."""
 
     def remember_reply(self, payload: Mapping[str, Any], reply: str) -> None: ...
 

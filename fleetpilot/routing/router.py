@@ -85,7 +85,7 @@ from fleetpilot.routing.policies.prefix import (
 from fleetpilot.routing.policies.recent import RecentSends
 from fleetpilot.routing.policies.suspicion import FirstByteWaits, is_suspect
 from fleetpilot.routing.policies.types import Filter, PickRequest, ReplicaView
-from fleetpilot.routing.tokenize import TokenizerError
+from fleetpilot.routing.tokenizer.errors import TokenizerError
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ ADAPTER_MISSING_S = 10.0
 
 
 class PromptPlan(Protocol):
-    """A request's keys, looked up and not yet encoded (``tokenize.KeysPlan``)."""
+    """A request's keys, looked up and not yet encoded (``tokenizer.request.KeysPlan``)."""
 
     @property
     def pending_chars(self) -> int:
@@ -156,7 +156,7 @@ class PromptPlan(Protocol):
 
 
 class PromptKeys(Protocol):
-    """A tier model's tokenizer as the router uses it (``tokenize.RequestTokenizer``)."""
+    """A tier model's tokenizer as the router uses it (``tokenizer.request.RequestTokenizer``)."""
 
     def plan(self, kind: Kind, payload: Mapping[str, Any]) -> PromptPlan:
         """The request looked up in the tokenizer's cache; ``TokenizerError`` if it cannot."""

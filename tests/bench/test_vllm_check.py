@@ -21,7 +21,7 @@ from bench.gpu import vllm_check as check
 from fleetpilot.engine.reference.checkpoint import load_checkpoint
 from fleetpilot.engine.reference.model import LlamaModel
 from fleetpilot.engine.reference_launch import REFERENCE_TOKENIZER
-from fleetpilot.routing.tokenize import RequestTokenizer
+from fleetpilot.routing.tokenizer.request import RequestTokenizer
 
 SCRIPT = Path(check.__file__)
 # A vLLM engine's page, trimmed: labelled histograms, counters and gauges as vLLM writes them.

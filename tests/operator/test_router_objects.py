@@ -18,7 +18,7 @@ from fleetpilot.operator.plan_types import K8sObject
 from fleetpilot.operator.planner import plan
 from fleetpilot.operator.router_objects import REFERENCE_TOKENIZER_DIR
 from fleetpilot.routing.app import SHUTDOWN_TIMEOUT_S, add_arguments
-from fleetpilot.routing.tokenize import load_tokenizer
+from fleetpilot.routing.tokenizer.request import load_tokenizer
 from tests.factories import make_service, make_tier
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -23,7 +23,7 @@ from fleetpilot.routing.router import (
     ReplicaState,
     Router,
 )
-from fleetpilot.routing.tokenize import RequestTokenizer
+from fleetpilot.routing.tokenizer.request import RequestTokenizer
 from tests.routing.support import make_config
 
 

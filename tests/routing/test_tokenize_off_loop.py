@@ -24,7 +24,7 @@ from fleetpilot.routing.features import extract_features
 from fleetpilot.routing.metrics import RouterMetrics
 from fleetpilot.routing.proxy import Proxy
 from fleetpilot.routing.router import OFF_LOOP_TOKENIZE_CHARS, PromptPlan, Router
-from fleetpilot.routing.tokenize import PLAN_INLINE_MAX_CHARS, RequestTokenizer
+from fleetpilot.routing.tokenizer.request import PLAN_INLINE_MAX_CHARS, RequestTokenizer
 from tests.routing.support import FakeEngine, engines, make_config, running_router, wait_for
 
 BS = 16
@@ -199,7 +199,7 @@ def test_concurrent_requests_get_the_keys_of_sequential_ones() -> None:
         direct = list(pool.map(lambda i: shared.keys("chat", requests[i], BS), order))
     assert planned == [expected[i] for i in order]
     assert direct == [expected[i] for i in order]
-    cache = shared._cache
+    cache = shared._encoder.cache
     assert shared.stats.entries == len(cache._entries) <= 16
     assert shared.stats.tokens == sum(len(entry.ids) for entry in cache._entries.values())
     assert shared.stats.hits + shared.stats.misses == 2 * len(order)
