@@ -841,8 +841,15 @@ def test_autoscaler_timer_scales_on_prometheus_metrics(
         if "f:replicas" in entry.get("fieldsV1", {}).get("f:spec", {})
     ]
     assert owners == [AUTOSCALER_MANAGER]
-    current = get(kube, "InferenceService", namespace, "chat")
-    assert current is not None
+
+    def recorded() -> Obj | None:
+        # The autoscaler writes /scale, then the service's status: on a busy machine the
+        # scale-up is seen a moment before its record.
+        service = get(kube, "InferenceService", namespace, "chat")
+        roles = service["status"]["tiers"][0]["roles"] if service else []
+        return service if roles and "lastScale" in roles[0] else None
+
+    current = eventually("the scale-up recorded in status", recorded, timeout=30)
     (role,) = current["status"]["tiers"][0]["roles"]
     assert role["lastScale"]["fromReplicas"] == 1
     assert "ttft p95" in role["lastScale"]["reason"]
