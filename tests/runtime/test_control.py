@@ -171,11 +171,17 @@ def test_scaling_through_the_api_starts_an_engine_that_outlives_the_request(
 
 
 def join_request_threads(timeout_s: float = 30.0) -> None:
-    """Wait until every thread the control API's HTTP server started for a request ended."""
-    for thread in threading.enumerate():
-        if thread.name.endswith("(process_request_thread)"):
-            thread.join(timeout_s)
-            assert not thread.is_alive(), f"{thread.name} still handles a request"
+    """Wait until every thread the control API's HTTP server started for a request ended.
+    Polled, not joined: a thread just created for another request (listed, not yet started)
+    cannot be joined."""
+    deadline = time.monotonic() + timeout_s
+    while busy := [
+        t.name
+        for t in threading.enumerate()
+        if t.name.endswith("(process_request_thread)") and t.is_alive()
+    ]:
+        assert time.monotonic() < deadline, f"{busy} still handle requests"
+        time.sleep(0.05)
 
 
 class BurstSource:
