@@ -10,6 +10,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 
+from kubernetes import client as k8s
+
 from fleetpilot.api import load_services
 from fleetpilot.autoscaler.remote import RecordedDecision
 from fleetpilot.kube.client import Kube, Obj
@@ -17,6 +19,11 @@ from fleetpilot.runtime.processes import port_in_use
 from fleetpilot.runtime.stack import LocalStack
 
 T = TypeVar("T")
+
+
+def pod_ready(pod: k8s.V1Pod) -> bool:
+    """Whether the pod's Ready condition is True (as the endpointslice controller reads it)."""
+    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
 
 
 def _stamp(at: datetime) -> str:

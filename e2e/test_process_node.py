@@ -22,6 +22,7 @@ import pytest
 from kubernetes import client as k8s
 
 from e2e.chart_support import Discovery, apply, release_name, render
+from e2e.support import pod_ready
 from fleetpilot.kube.client import Kube
 from fleetpilot.testing.polling import eventually
 from fleetpilot.testing.processnode import (
@@ -447,13 +448,10 @@ def test_probes_drive_ready_and_restarts(
         }),
     })  # fmt: skip
 
-    def ready(p: k8s.V1Pod) -> bool:
-        return any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
-
     def restarted_and_ready() -> k8s.V1ContainerStatus | None:
         p = pod(core, namespace, "flaky")
         statuses = p.status.container_statuses or []
-        if statuses and statuses[0].restart_count >= 1 and ready(p):
+        if statuses and statuses[0].restart_count >= 1 and pod_ready(p):
             return statuses[0]
         return None
 

@@ -47,6 +47,7 @@ from kubernetes import client as k8s
 
 from e2e.chart_support import Discovery, apply, release_name, render
 from e2e.conftest import use_existing_cluster
+from e2e.support import pod_ready
 from fleetpilot.engine.vllm_args import ENGINE_PORT
 from fleetpilot.kube import names
 from fleetpilot.kube.client import Kube
@@ -74,10 +75,6 @@ class Loop:
     router: str
     ready_s: float
     prometheus: str
-
-
-def is_ready(pod: k8s.V1Pod) -> bool:
-    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
 
 
 def cordon(core: k8s.CoreV1Api, nodes: list[str], unschedulable: bool) -> None:
@@ -316,15 +313,21 @@ def prometheus_objects(namespace: str) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
-def ready_condition(kube: Kube, namespace: str, service: str = SERVICE) -> dict[str, Any] | None:
-    obj = kube.request("GET", f"{ISVC_API}/namespaces/{namespace}/inferenceservices/{service}")
-    generation = obj["metadata"]["generation"]
-    for c in obj.get("status", {}).get("conditions", []):
-        # As `kubectl wait --for=condition=Ready`, and of this generation, not a stale one.
+def ready_of(service: dict[str, Any]) -> dict[str, Any] | None:
+    """The service's Ready condition when True and of its current generation (as `kubectl
+    wait --for=condition=Ready` takes it, never a stale one), else None."""
+    generation = service["metadata"]["generation"]
+    for c in service.get("status", {}).get("conditions", []):
         fresh = c.get("observedGeneration", generation) == generation
         if c["type"] == "Ready" and c["status"] == "True" and fresh:
             return dict(c)
     return None
+
+
+def ready_condition(kube: Kube, namespace: str, service: str = SERVICE) -> dict[str, Any] | None:
+    return ready_of(
+        kube.request("GET", f"{ISVC_API}/namespaces/{namespace}/inferenceservices/{service}")
+    )
 
 
 def ready_routers(
@@ -389,7 +392,7 @@ def loop(
 
             def prometheus_ip() -> str | None:
                 pod = core.read_namespaced_pod("prometheus", namespace)
-                return str(pod.status.pod_ip) if is_ready(pod) else None
+                return str(pod.status.pod_ip) if pod_ready(pod) else None
 
             try:
                 prometheus = f"http://{eventually('Prometheus Ready', prometheus_ip)}:9090"
@@ -712,7 +715,7 @@ def test_load_step_scales_up_through_prometheus_and_the_new_pod_serves(
 
             def new_ready_pod_ip() -> str | None:
                 pods = core.list_namespaced_pod(loop.namespace, label_selector=selector).items
-                fresh = [p for p in pods if p.metadata.name not in before and is_ready(p)]
+                fresh = [p for p in pods if p.metadata.name not in before and pod_ready(p)]
                 return str(fresh[0].status.pod_ip) if fresh else None
 
             ip = eventually("the new pod Ready", new_ready_pod_ip, timeout=60)
@@ -849,10 +852,10 @@ class BudgetWatch(Poller):
                     f"{pdb.metadata.name}: {status.current_healthy} healthy < "
                     f"{status.desired_healthy}"
                 )
-        if ready_condition(self.kube, self.namespace) is None:
-            service = self.kube.request(
-                "GET", f"{ISVC_API}/namespaces/{self.namespace}/inferenceservices/{SERVICE}"
-            )
+        service = self.kube.request(
+            "GET", f"{ISVC_API}/namespaces/{self.namespace}/inferenceservices/{SERVICE}"
+        )
+        if ready_of(service) is None:
             said = [
                 f"{c.get('status')} {c.get('reason')}: {c.get('message')} "
                 f"(gen {c.get('observedGeneration')} of {service['metadata']['generation']})"
@@ -1035,7 +1038,7 @@ def test_a_tier_scales_to_zero_and_a_held_request_brings_it_back(
 
         def serving_again() -> bool | None:
             pods = core.list_namespaced_pod(loop.namespace, label_selector=selector).items
-            return True if sum(is_ready(p) for p in pods) >= 2 else None
+            return True if sum(pod_ready(p) for p in pods) >= 2 else None
 
         eventually("the large tier back at its two replicas", serving_again, timeout=120)
     print(
@@ -1130,7 +1133,7 @@ def test_a_model_download_job_fills_the_cache_before_the_engine_starts(
 
             def hub_ip() -> str | None:
                 pod = core.read_namespaced_pod("fake-hub", loop.namespace)
-                return str(pod.status.pod_ip) if is_ready(pod) else None
+                return str(pod.status.pod_ip) if pod_ready(pod) else None
 
             hub = f"http://{eventually('the fake Hub Ready', hub_ip)}:8080"
             loop_nodes.bind_claim(api, loop.namespace, "model-cache")

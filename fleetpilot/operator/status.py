@@ -115,6 +115,11 @@ def _rollout(tier: str | None, workload: WorkloadKey, label: str, live: Obj | No
     return Rollout(tier, workload, label, spec_replicas, ready, done, within_budget)
 
 
+def _waiting(rollouts: list[Rollout]) -> str:
+    """``tier T role R: ready/wanted ready`` for each workload short of replicas."""
+    return "; ".join(f"{r.label}: {r.ready}/{r.wanted} ready" for r in rollouts)
+
+
 def _pod_problems(pods: list[Obj]) -> list[tuple[str, str]]:
     """(reason, message) for every pod in trouble, most telling first."""
     problems = []
@@ -234,10 +239,9 @@ def compute_status(
     if refusal is not None:
         ready = cond(ConditionType.READY, False, refusal.reason, refusal.message)
     elif short:
-        waiting = "; ".join(f"{r.label}: {r.ready}/{r.wanted} ready" for r in short)
-        ready = cond(ConditionType.READY, False, "ReplicasNotReady", waiting)
+        ready = cond(ConditionType.READY, False, "ReplicasNotReady", _waiting(short))
     elif pending:
-        waiting = "; ".join(f"{r.label}: {r.ready}/{r.wanted} ready" for r in pending)
+        waiting = _waiting(pending)
         ready = cond(
             ConditionType.READY,
             True,
