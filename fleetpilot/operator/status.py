@@ -109,7 +109,9 @@ def _rollout(tier: str | None, workload: WorkloadKey, label: str, live: Obj | No
     updated = int(status.get("updatedReplicas", 0))
     # Old pods still terminating or surplus surge pods mean the rollout has not settled.
     total = int(status.get("replicas", 0))
-    rolled = current and updated >= spec_replicas and total <= spec_replicas
+    # Rolled out: every pod there is of the latest spec and none is surplus. Not "as many as
+    # wanted": an evicted pod leaves the count before its ReplicaSet makes the replacement.
+    rolled = current and updated >= total and total <= spec_replicas
     done = rolled and ready >= spec_replicas
     within_budget = rolled and ready >= max(1, spec_replicas - 1)
     return Rollout(tier, workload, label, spec_replicas, ready, done, within_budget)

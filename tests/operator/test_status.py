@@ -497,6 +497,8 @@ def test_a_ready_service_stays_ready_one_replica_short(service: InferenceService
         _observed(_deployment("chat-small", 2, 1), _deployment("chat-router", 2, 2)),
         _observed(_deployment("chat-small", 2, 2), _deployment("chat-router", 2, 1)),
         _observed(_deployment("chat-small", 3, 2), _deployment("chat-router", 2, 2)),  # scale-up
+        # Evicted, its replacement not made yet: the pod has left every count.
+        _observed(_reporting(replicas=1, updatedReplicas=1), _deployment("chat-router", 2, 2)),
     ):
         status = compute_status(service, short, previous, NOW)
         ready = _conditions(status)["Ready"]
