@@ -60,6 +60,7 @@ from fleetpilot.routing.policies.pd import (
     kv_params_of,
     prefill_request,
 )
+from fleetpilot.routing.replica import ReplicaState
 from fleetpilot.routing.replies import REPLY_CAPTURE_TOTAL_BYTES, CaptureBudget, ReplyCapture
 from fleetpilot.routing.resume import (
     Rewriter,
@@ -71,7 +72,8 @@ from fleetpilot.routing.resume import (
     resumable_body,
     tokenize_request,
 )
-from fleetpilot.routing.router import ReplicaState, Route, Router
+from fleetpilot.routing.route import Resolved, Route
+from fleetpilot.routing.router import Router
 from fleetpilot.routing.stall import StallError, StallWatch
 
 log = logging.getLogger(__name__)
@@ -405,7 +407,7 @@ class Proxy:
             )
             self._admit(exchange, features)
         decided = time.perf_counter()
-        route = await self._decide(features, exchange)
+        route = await self._decide(self.router.resolve(features), exchange)
         self.metrics.decision_seconds.observe(time.perf_counter() - decided)
         exchange.route = route
         self._start_flight(exchange, route.tier.name)
@@ -491,7 +493,7 @@ class Proxy:
             raise
         exchange.reserved = reserve
 
-    async def _decide(self, features: RequestFeatures, exchange: _Exchange) -> Route:
+    async def _decide(self, resolved: Resolved, exchange: _Exchange) -> Route:
         """The route. While no tier in reach has a replica, the request is held for a cold
         start (``_hold``); while every replica in reach is saturated, it waits in the fair
         queue when the config has one (``_wait_for_capacity``), else 429."""
@@ -499,17 +501,17 @@ class Proxy:
         tenant = exchange.tenant
         waiting: RouterTier | None = None  # the tier it would wait for, once known
         if flow is not None and tenant is not None and flow.headroom > 0:
-            waiting = self.router.waiting_tier(features)
+            waiting = self.router.waiting_tier(resolved)
             self._seen[(waiting.name, tenant.name)] = time.monotonic()
             self._weights[tenant.name] = tenant.weight
             if not self._may_start(tenant.name, waiting.name):
                 # Its share is taken and others keep slots free: wait for one of its own.
-                return await self._wait_for_capacity(features, exchange, flow, waiting)
+                return await self._wait_for_capacity(resolved, exchange, flow, waiting)
         if flow is not None and len(self.queue):
             # Others wait for capacity already: behind them (or ahead, by class and turn).
-            return await self._wait_for_capacity(features, exchange, flow, waiting)
+            return await self._wait_for_capacity(resolved, exchange, flow, waiting)
         try:
-            return await self._route(features)
+            return await self._route(resolved)
         except NoReplicaError as exc:
             if self.router.config.cold_start_wait <= timedelta(0):
                 raise
@@ -517,11 +519,11 @@ class Proxy:
         except OverloadedError:
             if flow is None:
                 raise
-            return await self._wait_for_capacity(features, exchange, flow, waiting)
-        return await self._hold(features, exchange, missing)
+            return await self._wait_for_capacity(resolved, exchange, flow, waiting)
+        return await self._hold(resolved, exchange, missing)
 
     async def _hold(
-        self, features: RequestFeatures, exchange: _Exchange, missing: NoReplicaError
+        self, resolved: Resolved, exchange: _Exchange, missing: NoReplicaError
     ) -> Route:
         """No tier in reach has a replica: the request is held (counted as pending for its
         tier's roles, which the autoscaler scales from zero on) for the tier's observed cold
@@ -537,7 +539,7 @@ class Proxy:
             while True:
                 await asyncio.sleep(min(COLD_START_POLL_S, max(0.0, deadline - time.monotonic())))
                 try:
-                    route = await self._route(features)
+                    route = await self._route(resolved)
                 except NoReplicaError:
                     now = time.monotonic()
                     if now >= deadline:
@@ -551,7 +553,7 @@ class Proxy:
 
     async def _wait_for_capacity(
         self,
-        features: RequestFeatures,
+        resolved: Resolved,
         exchange: _Exchange,
         flow: FlowConfig,
         tier: RouterTier | None = None,
@@ -565,7 +567,7 @@ class Proxy:
         self.queue.max_queued = flow.max_queued
         deadline = time.monotonic() + flow.max_wait.total_seconds()
         if tier is None:
-            tier = self.router.waiting_tier(features)
+            tier = self.router.waiting_tier(resolved)
         try:
             ticket, shed = self.queue.enqueue(
                 name,
@@ -610,7 +612,7 @@ class Proxy:
                     self._wake_head()
                     continue
                 try:
-                    route = await self._route(features)
+                    route = await self._route(resolved)
                 except OverloadedError:
                     continue
                 self.queue.dispatch(ticket)
@@ -699,16 +701,16 @@ class Proxy:
             headers={"Retry-After": str(retry)},
         )
 
-    async def _route(self, features: RequestFeatures) -> Route:
+    async def _route(self, resolved: Resolved) -> Route:
         """The router's decision. A prompt whose tokenizing would stall the loop (a long cold
         one) has its KV-index keys computed in a worker thread first, while the loop relays
         other streams; a cheap one (a conversation's next turn) inline, as a thread hop would
         cost more than it moves."""
-        prepared = self.router.prepare_keys(features)
+        prepared = self.router.prepare_keys(resolved)
         if prepared is not None and prepared.off_loop:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._tokenize_pool, prepared.compute)
-        return self.router.decide(features, prepared)
+        return self.router.decide(resolved, prepared)
 
     def _reply_capture(
         self, kind: Kind, route: Route, body: Mapping[str, Any], body_bytes: int
