@@ -16,7 +16,7 @@ import pytest
 from fleetpilot.engine.reference.server import build_server
 from fleetpilot.httpserver import ServerLimits
 from fleetpilot.testing.engine_server import BackgroundServer
-from tests.engine.reference.test_server import BASE_ARGS, MODEL, start_server
+from tests.engine.reference.server_support import BASE_ARGS, MODEL, start_server
 
 WAIT_S = 60.0
 
