@@ -19,10 +19,17 @@ _SHOWN_CHARS = 300
 class _Watch:
     """One wait's clock and its last observation; shared by the thread and asyncio forms."""
 
-    def __init__(self, what: str, timeout: float, error: type[Exception]) -> None:
+    def __init__(
+        self,
+        what: str,
+        timeout: float,
+        error: type[Exception],
+        context: Callable[[], str] | None,
+    ) -> None:
         self.what = what
         self.timeout = timeout
         self.error = error
+        self.context = context
         self.deadline = time.monotonic() + timeout
         self.last = "nothing yet"
 
@@ -41,9 +48,12 @@ class _Watch:
 
     def check_deadline(self) -> None:
         if time.monotonic() > self.deadline:
-            raise self.error(
+            message = (
                 f"timed out after {self.timeout:g}s waiting for {self.what}; last seen: {self.last}"
             )
+            if self.context is not None:
+                message += "\n" + self.context()
+            raise self.error(message)
 
 
 def eventually(
@@ -55,14 +65,16 @@ def eventually(
     interval: float = 0.25,
     error: type[Exception] = AssertionError,
     ignoring: tuple[type[Exception], ...] = (),
+    context: Callable[[], str] | None = None,
 ) -> T:
     """Poll ``probe`` until it returns something other than None (and, given ``until``, something
     ``until`` accepts), and return that. Past ``timeout`` seconds, raise ``error`` (a test's
     AssertionError, a demo's TimeoutError) naming ``what`` and the last value seen.
 
     ``ignoring``: exceptions of the probe that mean "not yet" (a connection refused while a
-    server starts); the last one is shown on failure. Any other exception propagates at once."""
-    watch = _Watch(what, timeout, error)
+    server starts); the last one is shown on failure. Any other exception propagates at once.
+    ``context``: what else a failure should show, read only then (a process's log)."""
+    watch = _Watch(what, timeout, error, context)
     while True:
         try:
             if watch.done(value := probe(), until):
@@ -83,10 +95,11 @@ async def eventually_async(
     interval: float = 0.05,
     error: type[Exception] = AssertionError,
     ignoring: tuple[type[Exception], ...] = (),
+    context: Callable[[], str] | None = None,
 ) -> T:
     """``eventually`` on an event loop: the wait yields to the loop (the thing awaited usually
     runs on it), and ``probe`` may be a coroutine function."""
-    watch = _Watch(what, timeout, error)
+    watch = _Watch(what, timeout, error, context)
     while True:
         try:
             value = probe()

@@ -58,6 +58,20 @@ def test_ignored_exceptions_mean_not_yet_and_are_reported() -> None:
         )
 
 
+def test_context_is_read_only_on_failure() -> None:
+    """``context`` (a log's tail, say) joins the failure message, and costs nothing otherwise."""
+    reads: list[str] = []
+
+    def log() -> str:
+        reads.append("read")
+        return "engine: out of memory"
+
+    assert eventually("a value", lambda: 1, context=log) == 1
+    assert reads == []
+    with pytest.raises(AssertionError, match="waiting for a value; last seen: None\nengine: out"):
+        eventually("a value", lambda: None, 0, context=log)
+
+
 def test_other_exceptions_propagate_at_once() -> None:
     """An exception not listed in ``ignoring`` is a bug in the probe or the code under test, not
     a reason to keep waiting."""
