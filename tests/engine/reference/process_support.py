@@ -55,13 +55,14 @@ class ServerProcess:
             match = LISTENING.search(_message(line))
             return match.group(1) if match else None
 
-        try:
-            # The probe itself waits on the log's queue: no sleep between rounds.
-            return eventually("its 'listening on' line", next_line, timeout, interval=0)
-        except AssertionError as failed:
-            if self.proc.poll() is not None:
-                raise
-            raise AssertionError(f"{failed}; its log:\n" + "".join(self.log)) from None
+        # The probe itself waits on the log's queue: no sleep between rounds.
+        return eventually(
+            "its 'listening on' line",
+            next_line,
+            timeout,
+            interval=0,
+            context=lambda: "its log:\n" + "".join(self.log),
+        )
 
     def messages(self) -> list[str]:
         """The ``msg`` of every JSON log line so far."""
