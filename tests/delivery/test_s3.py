@@ -8,6 +8,7 @@ import json
 import logging
 import random
 import socket
+import sys
 import threading
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator
@@ -48,6 +49,10 @@ class RecordingMotoServer(ThreadedMotoServer):
         super().__init__(ip_address="127.0.0.1", port=0, verbose=False)
         self.seen: list[Seen] = []
         self.cut_once: set[str] = set()  # paths whose next GET breaks mid-body
+        # What the server failed on while handling a request (a client gone mid-answer, most
+        # often, on a loaded machine): kept here, not printed into the stderr the tests read
+        # for the CLI's own messages.
+        self.handler_errors: list[BaseException | None] = []
         self._lock = threading.Lock()
 
     def _server_entry(self) -> None:  # as ThreadedMotoServer's, with the recorder around
@@ -59,8 +64,14 @@ class RecordingMotoServer(ThreadedMotoServer):
             True,
             request_handler=MotoRequestHandler,
         )
+        self._server.handle_error = self._handle_error  # type: ignore[method-assign]
         self._server_ready_event.set()
         self._server.serve_forever()
+
+    def _handle_error(self, request: object, client_address: object) -> None:
+        """socketserver's hook, called inside the failed request's ``except``."""
+        with self._lock:
+            self.handler_errors.append(sys.exc_info()[1])
 
     def _recorder(self, app: WSGIApp) -> WSGIApp:
         def record(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
