@@ -30,6 +30,7 @@ from fleetpilot.routing.app import ROUTER_APP, RouterApp, build_app
 from fleetpilot.routing.endpoints import EndpointSource, StaticSource
 from fleetpilot.routing.policies.pd import PREFILL_KV_PARAMS
 from fleetpilot.runtime.processes import Child, Supervisor, free_port
+from fleetpilot.testing.polling import eventually, eventually_async
 
 
 @dataclass
@@ -300,11 +301,10 @@ async def engines(*items: FakeEngine) -> AsyncIterator[list[FakeEngine]]:
 
 
 async def wait_for(predicate: Any, timeout_s: float = 5.0, interval_s: float = 0.02) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(interval_s)
+    """Until ``predicate()`` holds (``eventually_async``, yielding to the loop)."""
+    await eventually_async(
+        "the condition", lambda: True if predicate() else None, timeout_s, interval=interval_s
+    )
 
 
 ROUTER_COMMAND = ("-m", "fleetpilot", "router")
@@ -333,16 +333,15 @@ def router_process(
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
+
+        def healthy() -> int | None:
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+            status = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code
+            return status if status == 200 else None
+
+        eventually(
+            "the router's /health", healthy, wait_s, interval=0.1, ignoring=(httpx.TransportError,)
+        )
         yield proc, port
     finally:
         if proc.poll() is None:
@@ -408,15 +407,18 @@ class KVEventPublisher:
     @staticmethod
     async def _bind(sock: Any, endpoint: str, timeout_s: float = 5.0) -> str:
         """Bind (the same port again after ``stop``: ZMQ frees it asynchronously, so retry)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                sock.bind(endpoint or "tcp://127.0.0.1:0")
-                return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
-            except zmq.ZMQError:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.02)
+
+        def bound() -> str:
+            sock.bind(endpoint or "tcp://127.0.0.1:0")
+            return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+
+        return await eventually_async(
+            f"a bind of {endpoint or 'a free port'}",
+            bound,
+            timeout_s,
+            interval=0.02,
+            ignoring=(zmq.ZMQError,),
+        )
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from fleetpilot.api.router_config import AuthConfig, RouterConfig, TenantKeys
 from fleetpilot.routing.auth import AuthGate
 from fleetpilot.routing.config import ConfigWatcher
 from fleetpilot.routing.discovery import FileSource
+from fleetpilot.testing.polling import eventually
 from tests.routing.support import make_config, router_process, stop_and_read_log, tier
 from tests.support.cli import one_line_error
 
@@ -198,10 +198,7 @@ def test_a_config_swapped_for_invalid_ones_at_run_time_is_logged_counted_and_ign
 
 def _wait_for(read: Callable[[], object], expected: object, what: str) -> None:
     """Poll until ``read()`` gives ``expected``; a generous deadline for a busy machine."""
-    deadline = time.monotonic() + 60.0
-    while (seen := read()) != expected:
-        assert time.monotonic() < deadline, f"{what}: still {seen!r}"
-        time.sleep(0.05)
+    eventually(what, read, 60.0, until=lambda seen: seen == expected, interval=0.05)
 
 
 def test_endpoints_file_refusals_are_told_once_and_keep_the_endpoints(

@@ -6,7 +6,6 @@ claims the blocks."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from fleetpilot.routing.features import extract_features
 from fleetpilot.routing.policies.prefix import block_hashes
 from fleetpilot.runtime.processes import free_port
 from fleetpilot.testing.engine_server import BackgroundServer
+from fleetpilot.testing.polling import eventually
 from tests.routing.support import make_config, router_process, running_router, wait_for
 
 MODEL = "small-model"
@@ -97,10 +97,7 @@ def gauge(port: int, name: str) -> float:
 
 
 def wait_until(predicate: Any, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
+    eventually("the condition", lambda: True if predicate() else None, timeout_s, interval=0.05)
 
 
 @pytest.fixture(scope="module")
