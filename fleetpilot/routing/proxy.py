@@ -20,22 +20,19 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from datetime import timedelta
 from types import TracebackType
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from fleetpilot.api.router_config import FlowConfig, RouterTier
 from fleetpilot.httpserver import content_type_refusal, is_json_content_type
 from fleetpilot.openai_errors import error_body, normalize_error
+from fleetpilot.routing.admission import Admission, Entry
 from fleetpilot.routing.auth import AuthGate, Tenant
 from fleetpilot.routing.errors import (
     BodyTooLargeError,
     InvalidRequestError,
-    NoReplicaError,
-    OverloadedError,
     RouterError,
     UpstreamFailedError,
     UpstreamTimeoutError,
@@ -43,14 +40,11 @@ from fleetpilot.routing.errors import (
 )
 from fleetpilot.routing.features import Kind, RequestFeatures, extract_features
 from fleetpilot.routing.first_byte import FirstByteTimeoutError, FirstByteWatch
-from fleetpilot.routing.flow import FairQueue, QueueFullError, Ticket, may_start
 from fleetpilot.routing.health import answers_health
-from fleetpilot.routing.hold import ColdStartHold
 from fleetpilot.routing.limits import (
     DEFAULT_COMPLETION_RESERVE,
     RateLimitedError,
     TenantLimits,
-    client_may_start,
 )
 from fleetpilot.routing.metrics import RouterMetrics
 from fleetpilot.routing.policies.pd import (
@@ -77,15 +71,6 @@ from fleetpilot.routing.stall import StallError, StallWatch
 log = logging.getLogger(__name__)
 
 ROUTE_HEADER = "x-fleetpilot-route"
-# How often a held request (its tier at zero replicas) looks for a replica again: an engine
-# takes seconds to start, so a quarter second adds little and costs nothing.
-COLD_START_POLL_S = 0.25
-# How often the head of the fair queue tries again while no request ends (capacity also frees
-# when a scrape shows an engine's batch emptier than the router thought).
-FLOW_POLL_S = 0.05
-# A tenant that sent a request within this long is active on its tier (it keeps its headroom
-# there: routing.flow) even while nothing of its is in flight or queued.
-ACTIVE_WINDOW_S = 10.0
 REQUEST_ID_HEADER = "X-Request-Id"
 PATHS: dict[Kind, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # Client headers an engine may need; everything else (cookies, hop-by-hop headers, Host) stays
@@ -147,13 +132,8 @@ class _Exchange:
     # chunk (or the end of the attempt) takes them off.
     prefilling: ReplicaState | None = None
     prefill_blocks: int = 0
-    # While the request is held for a tier at zero: the hold, and when it began (monotonic);
-    # the request timeout ending it answers as the hold running out does.
-    hold: ColdStartHold | None = None
-    held_since: float = 0.0
-    # The tier whose batch slots count this request as its tenant's (routing.flow).
-    flight_tier: str | None = None
-    in_flight: bool = False  # counted against backpressure.maxInFlight (its body arrived)
+    # Its standing in admission: counts, turn, cold-start hold.
+    entry: Entry = field(default_factory=Entry)
 
     def begin_prefill(self, replica: ReplicaState, blocks: int) -> None:
         self.end_prefill()
@@ -208,18 +188,7 @@ class Proxy:
         self.debug_route_header = debug_route_header
         # API keys (routing.auth): None or a gate without a ring admits every request.
         self.auth = auth
-        # Requests waiting for capacity (routing.flow), and how to wake each.
-        self.queue = FairQueue(max_queued=1)
-        self._waiters: dict[int, asyncio.Event] = {}
-        # Per tier, each tenant's requests in flight, when it last sent one, and its weight:
-        # who is active there, and what each holds (flow.may_start).
-        self._flight: dict[str, dict[str, int]] = {}
-        self._seen: dict[tuple[str, str], float] = {}
-        self._weights: dict[str, float] = {}
-        self.in_flight = 0
-        # Per client (tenant, or source address without keys): requests from their headers
-        # to their end, bodies still arriving included (backpressure.maxUnfinishedPerClient).
-        self._unfinished: dict[str, int] = {}
+        self.admission: Admission[Route] = Admission(router, metrics, self._route)
         self._client_timeout: aiohttp.ClientTimeout | None = None
         self._tokenize_pool = ThreadPoolExecutor(
             TOKENIZE_WORKERS, thread_name_prefix="fleetpilot-tokenize"
@@ -242,7 +211,6 @@ class Proxy:
         requests, the tenant's request rate), then the body; only a request whose body has
         arrived counts against ``maxInFlight``, so clients sending bodies slowly - each cut by
         the listener's body rule (``httpserver.body_verdict``) - cannot fill it (issue 41)."""
-        config = self.router.config
         tenant: Tenant | None = None
         ring = self.auth.ring if self.auth is not None else None
         if ring is not None:
@@ -263,36 +231,20 @@ class Proxy:
                 )
             )
         client = tenant.name if tenant is not None else (request.remote or "")
-        unfinished = self._unfinished.get(client, 0)
-        if not client_may_start(unfinished, config.backpressure.per_client_cap()):
-            return self._reject(
-                OverloadedError(
-                    f"this client has {unfinished} unfinished requests, its limit on this "
-                    "router; retry when one has ended",
-                    reason="client_overloaded",
-                    headers={"Retry-After": self._retry_after()},
-                )
-            )
-        self._unfinished[client] = unfinished + 1
-        self.metrics.unfinished.inc()
+        try:
+            self.admission.open_client(client)
+        except RouterError as exc:
+            return self._reject(exc)
         try:
             return await self._admitted(request, kind, tenant)
         finally:
-            self.metrics.unfinished.dec()
-            left = self._unfinished[client] - 1
-            if left:
-                self._unfinished[client] = left
-            else:
-                del self._unfinished[client]
-
-    def _retry_after(self) -> str:
-        return str(max(1, round(self.router.config.backpressure.retry_after.total_seconds())))
+            self.admission.close_client(client)
 
     async def _admitted(
         self, request: web.Request, kind: Kind, tenant: Tenant | None
     ) -> web.StreamResponse:
         config = self.router.config
-        exchange = _Exchange(started=time.perf_counter(), tenant=tenant)
+        exchange = _Exchange(started=time.perf_counter(), tenant=tenant, entry=Entry(tenant))
         try:
             async with asyncio.timeout(config.request_timeout.total_seconds()):
                 return await self._handle(request, kind, exchange)
@@ -313,10 +265,10 @@ class Proxy:
             self._count(exchange, STATUS_CLIENT_CLOSED)
             raise
         except TimeoutError:
-            if exchange.hold is not None:
+            held = self.admission.hold_refusal(exchange.entry)
+            if held is not None:
                 # Held for a tier at zero until the request's own timeout: the hold ran out.
-                waited = time.monotonic() - exchange.held_since
-                return self._reject(exchange.hold.refusal(waited))
+                return self._reject(held)
             if (
                 exchange.replica is not None
                 and exchange.route is not None
@@ -337,12 +289,7 @@ class Proxy:
                 )
             )
         finally:
-            if exchange.in_flight:
-                self.in_flight -= 1
-                self.metrics.in_flight.dec()
-            if exchange.flight_tier is not None:
-                self._end_flight(exchange)
-            self._wake_head()  # a request ended: the next waiting one may fit now
+            self.admission.finish(exchange.entry)
             if exchange.limits is not None:
                 # Nothing generated (refused, failed): the reserve back; else what the answer
                 # says it used, when it says.
@@ -380,15 +327,7 @@ class Proxy:
             exchange.rate_headers = limits.admit_request(time.monotonic())
             exchange.limits = limits
         raw = await _read_body(request, config.max_body_bytes)
-        if self.in_flight >= config.backpressure.max_in_flight:
-            raise OverloadedError(
-                "the router is at its in-flight limit; retry later",
-                reason="overloaded",
-                headers={"Retry-After": self._retry_after()},
-            )
-        exchange.in_flight = True
-        self.in_flight += 1
-        self.metrics.in_flight.inc()
+        self.admission.take_in_flight(exchange.entry)
         if len(raw) > PARSE_OFF_LOOP_BYTES:
             loop = asyncio.get_running_loop()
             body, features = await loop.run_in_executor(
@@ -405,10 +344,9 @@ class Proxy:
             )
             self._admit(exchange, features)
         decided = time.perf_counter()
-        route = await self._decide(features, exchange)
+        route = await self.admission.decide(features, exchange.entry)
         self.metrics.decision_seconds.observe(time.perf_counter() - decided)
         exchange.route = route
-        self._start_flight(exchange, route.tier.name)
         tier = route.tier
         self.metrics.count_decision(
             tier.name, route.reason, route.prefix_match, route.prefix_source
@@ -490,214 +428,6 @@ class Proxy:
             exchange.limits = None  # nothing reserved: nothing to settle
             raise
         exchange.reserved = reserve
-
-    async def _decide(self, features: RequestFeatures, exchange: _Exchange) -> Route:
-        """The route. While no tier in reach has a replica, the request is held for a cold
-        start (``_hold``); while every replica in reach is saturated, it waits in the fair
-        queue when the config has one (``_wait_for_capacity``), else 429."""
-        flow = self.router.config.flow
-        tenant = exchange.tenant
-        waiting: RouterTier | None = None  # the tier it would wait for, once known
-        if flow is not None and tenant is not None and flow.headroom > 0:
-            waiting = self.router.waiting_tier(features)
-            self._seen[(waiting.name, tenant.name)] = time.monotonic()
-            self._weights[tenant.name] = tenant.weight
-            if not self._may_start(tenant.name, waiting.name):
-                # Its share is taken and others keep slots free: wait for one of its own.
-                return await self._wait_for_capacity(features, exchange, flow, waiting)
-        if flow is not None and len(self.queue):
-            # Others wait for capacity already: behind them (or ahead, by class and turn).
-            return await self._wait_for_capacity(features, exchange, flow, waiting)
-        try:
-            return await self._route(features)
-        except NoReplicaError as exc:
-            if self.router.config.cold_start_wait <= timedelta(0):
-                raise
-            missing = exc
-        except OverloadedError:
-            if flow is None:
-                raise
-            return await self._wait_for_capacity(features, exchange, flow, waiting)
-        return await self._hold(features, exchange, missing)
-
-    async def _hold(
-        self, features: RequestFeatures, exchange: _Exchange, missing: NoReplicaError
-    ) -> Route:
-        """No tier in reach has a replica: the request is held (counted as pending for its
-        tier's roles, which the autoscaler scales from zero on) for the tier's observed cold
-        start and a margin, at most the config's ``cold_start_wait``
-        (``hold.ColdStartHold``), then refused with 503 and Retry-After."""
-        hold = ColdStartHold.of(self.router.config, missing.tier, missing.roles)
-        pending = [self.metrics.pending.labels(hold.tier, role) for role in hold.roles]
-        for gauge in pending:
-            gauge.inc()
-        exchange.hold, exchange.held_since = hold, time.monotonic()
-        deadline = exchange.held_since + hold.seconds
-        try:
-            while True:
-                await asyncio.sleep(min(COLD_START_POLL_S, max(0.0, deadline - time.monotonic())))
-                try:
-                    route = await self._route(features)
-                except NoReplicaError:
-                    now = time.monotonic()
-                    if now >= deadline:
-                        raise hold.refusal(now - exchange.held_since) from None
-                else:
-                    exchange.hold = None
-                    return route
-        finally:
-            for gauge in pending:
-                gauge.dec()
-
-    async def _wait_for_capacity(
-        self,
-        features: RequestFeatures,
-        exchange: _Exchange,
-        flow: FlowConfig,
-        tier: RouterTier | None = None,
-    ) -> Route:
-        """Every replica in the request's reach is saturated: wait in the fair queue
-        (routing.flow) until the request is the next to go and a replica has room, at most
-        ``flow.max_wait``; 429 past it, or when shed from a full queue. While it waits the
-        request counts as pending for its tier's roles, which the autoscaler scales on."""
-        tenant = exchange.tenant
-        name = tenant.name if tenant is not None else ""
-        self.queue.max_queued = flow.max_queued
-        deadline = time.monotonic() + flow.max_wait.total_seconds()
-        if tier is None:
-            tier = self.router.waiting_tier(features)
-        try:
-            ticket, shed = self.queue.enqueue(
-                name,
-                tenant.weight if tenant is not None else 1.0,
-                tenant.priority if tenant is not None else 0,
-                deadline,
-                tier.name,
-            )
-        except QueueFullError:
-            raise self._queue_refusal("the router's queue is full", "queue_full") from None
-        if shed is not None:
-            self._wake(shed)  # it finds itself gone and answers 429
-        key = id(ticket)
-        woken = self._waiters[key] = asyncio.Event()
-        pending = [self.metrics.pending.labels(tier.name, g.role) for g in tier.endpoints]
-        for gauge in pending:
-            gauge.inc()
-        self.metrics.queued.labels(name).inc()
-        waited = time.monotonic()
-        try:
-            self._wake_head()
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise self._queue_refusal(
-                        f"no replica had room within {flow.max_wait.total_seconds():g} s",
-                        "queue_timeout",
-                    )
-                is_head = self._next() is ticket
-                with contextlib.suppress(TimeoutError):
-                    # The head polls (capacity also frees as scrapes come in); the others
-                    # wait to be woken, or for their deadline.
-                    await asyncio.wait_for(
-                        woken.wait(), min(left, FLOW_POLL_S) if is_head else left
-                    )
-                woken.clear()
-                if ticket not in self.queue:
-                    raise self._queue_refusal("shed for a request of a higher class", "shed")
-                if self._next() is not ticket:
-                    # Woken, but another goes next now (the counts moved since): pass the
-                    # wake-up on, or that one would wait for its deadline.
-                    self._wake_head()
-                    continue
-                try:
-                    route = await self._route(features)
-                except OverloadedError:
-                    continue
-                self.queue.dispatch(ticket)
-                # Counted before the next is woken, which judges its turn by these counts.
-                self._start_flight(exchange, route.tier.name)
-                self.metrics.queue_wait_seconds.labels(name).observe(time.monotonic() - waited)
-                self._wake_head()  # the next may fit too
-                return route
-        finally:
-            self.queue.remove(ticket)
-            del self._waiters[key]
-            for gauge in pending:
-                gauge.dec()
-            self.metrics.queued.labels(name).dec()
-            self._wake_head()
-
-    def _wake(self, ticket: Ticket) -> None:
-        woken = self._waiters.get(id(ticket))
-        if woken is not None:
-            woken.set()
-
-    def _wake_head(self) -> None:
-        head = self._next()
-        if head is not None:
-            self._wake(head)
-
-    def _next(self) -> Ticket | None:
-        """The waiting request that goes next: the first in turn whose tenant may start one
-        more on its tier now (``flow.may_start``)."""
-        if not len(self.queue):
-            return None
-        flow = self.router.config.flow
-        if flow is None or flow.headroom <= 0:
-            return self.queue.head()
-        verdicts: dict[tuple[str, str], bool] = {}
-
-        def eligible(ticket: Ticket) -> bool:
-            key = (ticket.tier, ticket.tenant)
-            verdict = verdicts.get(key)
-            if verdict is None:
-                verdict = verdicts[key] = self._may_start(ticket.tenant, ticket.tier)
-            return verdict
-
-        return self.queue.head(eligible)
-
-    def _may_start(self, tenant: str, tier: str) -> bool:
-        """Whether ``tenant`` may start one more request on ``tier`` now, the other tenants
-        active there keeping their headroom (``flow.may_start``)."""
-        flow = self.router.config.flow
-        if flow is None or flow.headroom <= 0 or not tenant:
-            return True
-        flight = self._flight.get(tier, {})
-        since = time.monotonic() - ACTIVE_WINDOW_S
-        active = {t for t, n in flight.items() if n > 0}
-        active.update(t for (tr, t), at in self._seen.items() if tr == tier and at >= since)
-        active.add(tenant)
-        if len(active) < 2:
-            return True
-        weights = {t: self._weights.get(t, 1.0) for t in active}
-        return may_start(tenant, weights, flight, self.router.batch_slots(tier), flow.headroom)
-
-    def _start_flight(self, exchange: _Exchange, tier: str) -> None:
-        """Count the request as its tenant's on ``tier`` (once)."""
-        if (
-            exchange.tenant is None
-            or self.router.config.flow is None
-            or exchange.flight_tier is not None
-        ):
-            return
-        exchange.flight_tier = tier
-        flight = self._flight.setdefault(tier, {})
-        flight[exchange.tenant.name] = flight.get(exchange.tenant.name, 0) + 1
-
-    def _end_flight(self, exchange: _Exchange) -> None:
-        tenant, tier = exchange.tenant, exchange.flight_tier
-        assert tenant is not None
-        assert tier is not None
-        self._flight[tier][tenant.name] -= 1
-        exchange.flight_tier = None
-
-    def _queue_refusal(self, why: str, reason: str) -> OverloadedError:
-        retry = max(1, round(self.router.config.backpressure.retry_after.total_seconds()))
-        return OverloadedError(
-            f"every replica that could serve this request is at capacity and {why}; retry later",
-            reason=reason,
-            headers={"Retry-After": str(retry)},
-        )
 
     async def _route(self, features: RequestFeatures) -> Route:
         """The router's decision. A prompt whose tokenizing would stall the loop (a long cold
