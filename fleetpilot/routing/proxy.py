@@ -39,13 +39,13 @@ from fleetpilot.routing.errors import (
     model_not_found,
 )
 from fleetpilot.routing.features import Kind, RequestFeatures, extract_features
-from fleetpilot.routing.first_byte import FirstByteTimeoutError, FirstByteWatch
 from fleetpilot.routing.health import answers_health
 from fleetpilot.routing.limits import (
     DEFAULT_COMPLETION_RESERVE,
     RateLimitedError,
     TenantLimits,
 )
+from fleetpilot.routing.liveness import LivenessWatch, SilentReplicaError
 from fleetpilot.routing.metrics import RouterMetrics
 from fleetpilot.routing.policies.pd import (
     KV_TRANSFER_PARAMS,
@@ -66,7 +66,6 @@ from fleetpilot.routing.resume import (
     tokenize_request,
 )
 from fleetpilot.routing.router import ReplicaState, Route, Router
-from fleetpilot.routing.stall import StallError, StallWatch
 
 log = logging.getLogger(__name__)
 
@@ -483,7 +482,7 @@ class Proxy:
                 replica, budget_s, keep_while_alive=False, give_up=lambda: replica.suspect(now())
             ):
                 status, data = await self._prefill_exchange(replica, path, payload, headers)
-        except FirstByteTimeoutError as exc:
+        except SilentReplicaError as exc:
             if exc.verdict == "dead":
                 self._upstream_failed(route, replica, FIRST_BYTE_TIMEOUT)
                 return None, "prefill-" + FIRST_BYTE_TIMEOUT
@@ -629,7 +628,7 @@ class Proxy:
                             replica.url(path), data=payload, headers=headers, timeout=timeout
                         )
                     cause = "5xx" if response.status >= 500 else None
-                except FirstByteTimeoutError as exc:
+                except SilentReplicaError as exc:
                     cause = SUSPECT if exc.verdict == SUSPECT else FIRST_BYTE_TIMEOUT
                 except aiohttp.ClientError as exc:
                     cause = _cause(exc)
@@ -787,10 +786,10 @@ class Proxy:
         resumable: _Resumable | None,
     ) -> bool:
         """Relay a streamed answer as it comes. When its replica dies (the connection breaks,
-        or it goes silent and fails a liveness probe: ``StallWatch``) and the request can be
-        resumed, the answer continues on another replica (``_resume``) in the same client
-        stream. True when the client has the whole answer; otherwise it was told (an error
-        event) or it left, and the request is counted."""
+        or it goes silent and fails a liveness probe: ``liveness.LivenessWatch``) and the
+        request can be resumed, the answer continues on another replica (``_resume``) in the
+        same client stream. True when the client has the whole answer; otherwise it was told
+        (an error event) or it left, and the request is counted."""
         ledger = StreamLedger() if resumable is not None else None
         rewriter: Rewriter | None = None
         leg, leg_replica = response, replica
@@ -801,7 +800,7 @@ class Proxy:
             while True:
                 cause: str | None = None
                 try:
-                    async with StallWatch(self._probe(leg_replica), budget_s) as watch:
+                    async with LivenessWatch(self._probe(leg_replica), budget_s) as watch:
                         while True:
                             chunk = await leg.content.readany()
                             watch.progress()
@@ -832,7 +831,7 @@ class Proxy:
                                 # or below) cancels the generation on the engine.
                                 self._count(exchange, STATUS_CLIENT_CLOSED)
                                 return False
-                except StallError:
+                except SilentReplicaError:
                     cause = "stall"
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     cause = "stream"
@@ -917,7 +916,7 @@ class Proxy:
                         headers=resumable.headers,
                         timeout=self._timeout(),
                     )
-            except (FirstByteTimeoutError, aiohttp.ClientError) as exc:
+            except (SilentReplicaError, aiohttp.ClientError) as exc:
                 self._upstream_failed(route, replica, _cause(exc))
                 outcome.labels(tier, "failed").inc()
                 return None
@@ -980,7 +979,7 @@ class Proxy:
             await out.write(event)
 
 
-class _ReplicaWatch(FirstByteWatch):
+class _ReplicaWatch(LivenessWatch):
     """A first-byte watch that keeps the replica's record of the requests waiting for a first
     byte there (``ReplicaState.waits``, which suspicion reads): every upstream attempt's wait
     goes through one, so this is that record's one writer. An attempt that got its answer
