@@ -48,7 +48,7 @@ from router_support import ROOT, free_ports, machine, percentile, save, serving
 from fleetpilot.api.router_config import RouterConfig
 from fleetpilot.kv_events import kv_events_config
 from fleetpilot.routing.app import ROUTER_APP, build_app
-from fleetpilot.routing.discovery import StaticSource
+from fleetpilot.routing.endpoints import StaticSource
 from fleetpilot.routing.policies.load import LoadScorer
 from fleetpilot.routing.policies.picker import (
     BoundedLoadFilter,

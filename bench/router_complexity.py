@@ -37,7 +37,7 @@ from router_support import ROOT, free_port, machine, percentile, save, wait_heal
 
 from fleetpilot.api.router_config import RouterConfig
 from fleetpilot.routing.app import ROUTER_APP, build_app
-from fleetpilot.routing.discovery import StaticSource
+from fleetpilot.routing.endpoints import StaticSource
 
 SIMPLE = [
     "Hi! What is the capital of France?",

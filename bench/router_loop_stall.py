@@ -31,12 +31,12 @@ import aiohttp
 from aiohttp import web
 from router_support import machine, percentile, save
 
+import fleetpilot.routing.affinity as affinity_module
 import fleetpilot.routing.proxy as proxy_module
-import fleetpilot.routing.router as router_module
 from fleetpilot.api.router_config import EndpointGroup, RouterConfig, RouterTier
 from fleetpilot.engine.reference_launch import REFERENCE_TOKENIZER
 from fleetpilot.routing.app import ROUTER_APP, build_app
-from fleetpilot.routing.discovery import StaticSource
+from fleetpilot.routing.endpoints import StaticSource
 
 CHUNK_INTERVAL_S = 0.005
 TICK_S = 0.001
@@ -89,7 +89,7 @@ async def run(mode: str, streams: int, prompts: int, chars: int, seed: int) -> d
     state = app[ROUTER_APP]
     while "small" not in state.router.tokenizers:
         await asyncio.sleep(0.05)
-    state.router.kv_live = lambda _stream: True
+    state.router.affinity.kv_live = lambda _stream: True
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     rng = random.Random(seed)
 
@@ -134,9 +134,9 @@ async def run(mode: str, streams: int, prompts: int, chars: int, seed: int) -> d
 
     # Long enough to cover every long prompt (~0.1-0.5 s each) and the pauses between them.
     chunks = int((0.6 + prompts * 0.8) / CHUNK_INTERVAL_S)
-    saved = router_module.OFF_LOOP_TOKENIZE_CHARS, proxy_module.PARSE_OFF_LOOP_BYTES
+    saved = affinity_module.OFF_LOOP_TOKENIZE_CHARS, proxy_module.PARSE_OFF_LOOP_BYTES
     if mode == "inline":
-        router_module.OFF_LOOP_TOKENIZE_CHARS = 1 << 62
+        affinity_module.OFF_LOOP_TOKENIZE_CHARS = 1 << 62
         proxy_module.PARSE_OFF_LOOP_BYTES = 1 << 62
     tick = asyncio.create_task(ticker())
     try:
@@ -146,7 +146,7 @@ async def run(mode: str, streams: int, prompts: int, chars: int, seed: int) -> d
                 long_prompts(session),
             )
     finally:
-        router_module.OFF_LOOP_TOKENIZE_CHARS, proxy_module.PARSE_OFF_LOOP_BYTES = saved
+        affinity_module.OFF_LOOP_TOKENIZE_CHARS, proxy_module.PARSE_OFF_LOOP_BYTES = saved
         stop.set()
         await tick
         await router_runner.cleanup()
@@ -194,7 +194,7 @@ def main() -> None:
             "machine": machine(),
             "tokenizer": "reference (byte)",
             "chunk_interval_ms": CHUNK_INTERVAL_S * 1e3,
-            "off_loop_tokenize_chars": router_module.OFF_LOOP_TOKENIZE_CHARS,
+            "off_loop_tokenize_chars": affinity_module.OFF_LOOP_TOKENIZE_CHARS,
             "parse_off_loop_bytes": proxy_module.PARSE_OFF_LOOP_BYTES,
             "rows": rows,
         },

@@ -215,7 +215,7 @@ async def run_arm(
     from aiohttp import web
 
     from fleetpilot.routing.app import build_app
-    from fleetpilot.routing.discovery import StaticSource
+    from fleetpilot.routing.endpoints import StaticSource
 
     with engines(adapters) as addresses:
         cfg = router_config(addresses)

@@ -29,6 +29,7 @@ from fleetpilot.httpserver import (
     open_connections,
     start_site,
 )
+from fleetpilot.testing.polling import eventually_async
 from tests.routing.support import make_config, router_process, stop_and_read_log, tier
 
 # Generous bounds: the machine running the suite may be busy.
@@ -204,10 +205,9 @@ async def test_connections_beyond_the_limit_are_closed_and_service_resumes(
         writer.write(b"GET / HTTP/1.1\r\n")
         await writer.drain()
         slow.append((reader, writer))
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WAIT_S
-    while open_connections(app) < 5 and loop.time() < deadline:
-        await asyncio.sleep(0.01)
+    await eventually_async(
+        "5 open connections", lambda: open_connections(app), WAIT_S, until=lambda n: n >= 5
+    )
     assert open_connections(app) == 5
 
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -267,14 +267,17 @@ async def _trickle(
 ) -> bytes:
     """Sends a byte every ``pause_s`` until the server answers; the answer."""
     answer = asyncio.ensure_future(reader.read())
+
+    async def one_more_byte() -> bool:
+        with contextlib.suppress(ConnectionError):
+            writer.write(b"x")
+        await asyncio.wait([answer], timeout=pause_s)
+        return answer.done()
+
     try:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + WAIT_S
-        while not answer.done() and loop.time() < deadline:
-            with contextlib.suppress(ConnectionError):
-                writer.write(b"x")
-            await asyncio.wait([answer], timeout=pause_s)
-        return await asyncio.wait_for(answer, WAIT_S)
+        # The probe itself waits pause_s for the answer: no sleep between rounds.
+        await eventually_async("the server's answer", one_more_byte, WAIT_S, until=bool, interval=0)
+        return await answer
     finally:
         writer.close()
 
@@ -314,11 +317,9 @@ async def test_a_trickled_body_is_cut_with_408_and_one_warning(
     assert len(cut) == 1
     assert cut[0].levelno == logging.WARNING
     assert cut[0].exc_info is None
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WAIT_S
-    while open_connections(app) and loop.time() < deadline:
-        await asyncio.sleep(0.01)
-    assert open_connections(app) == 0
+    await eventually_async(
+        "no open connection", lambda: open_connections(app), WAIT_S, until=lambda n: n == 0
+    )
 
 
 @pytest.mark.asyncio
@@ -387,10 +388,9 @@ async def test_a_cut_body_leaves_no_garbage_for_the_cyclic_collector() -> None:
         answer = await asyncio.wait_for(reader.read(), WAIT_S)
         writer.close()
         assert answer.split(b" ", 2)[1] == b"408", answer
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + WAIT_S
-        while open_connections(app) and loop.time() < deadline:
-            await asyncio.sleep(0.01)
+        await eventually_async(
+            "no open connection", lambda: open_connections(app), WAIT_S, until=lambda n: n == 0
+        )
         await asyncio.sleep(0.05)  # the closed transport's callbacks run
         assert len(requests) == 1
         assert requests[0]() is None, "the cut request is only freed by the cyclic collector"

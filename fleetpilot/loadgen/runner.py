@@ -239,18 +239,23 @@ class Runner:
         *,
         on_progress: Callable[[Progress, float], None] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock``: the run's seconds. It must be the clock the event loop's timers keep
+        (``asyncio.sleep`` paces arrivals, ``asyncio.timeout`` bounds a request): the default
+        loop's is ``time.monotonic``; a test on a virtual-time loop passes that loop's ``time``."""
         self.config = config
         self.workload = workload
         self.progress = Progress()
         self._on_progress = on_progress
         self._transport = transport
+        self._clock = clock
         self._records: list[RequestRecord] = []
         self._t0 = 0.0
         self._t0_wall = 0.0
 
     def _now(self) -> float:
-        return time.monotonic() - self._t0
+        return self._clock() - self._t0
 
     async def run(self) -> RunResult:
         cfg = self.config
@@ -263,7 +268,7 @@ class Runner:
             limits=httpx.Limits(max_connections=width, max_keepalive_connections=width),
             transport=self._transport,
         )
-        self._t0 = time.monotonic()
+        self._t0 = self._clock()
         self._t0_wall = time.time()
         ticker = asyncio.create_task(self._tick()) if self._on_progress else None
         try:

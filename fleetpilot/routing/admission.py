@@ -24,10 +24,10 @@ from typing import Generic, Protocol, TypeVar
 
 from fleetpilot.api.router_config import FlowConfig, RouterConfig, RouterTier
 from fleetpilot.routing.errors import NoReplicaError, OverloadedError
-from fleetpilot.routing.features import RequestFeatures
 from fleetpilot.routing.flow import FairQueue, QueueFullError, Ticket, may_start
 from fleetpilot.routing.hold import ColdStartHold
 from fleetpilot.routing.limits import client_may_start
+from fleetpilot.routing.route import Resolved
 
 # How often a held request (its tier at zero replicas) looks for a replica again: an engine
 # takes seconds to start, so a quarter second adds little and costs nothing.
@@ -63,7 +63,7 @@ class AdmissionRouter(Protocol):
 
     @property
     def config(self) -> RouterConfig: ...
-    def waiting_tier(self, features: RequestFeatures) -> RouterTier: ...
+    def waiting_tier(self, resolved: Resolved) -> RouterTier: ...
     def batch_slots(self, tier_name: str) -> int: ...
 
 
@@ -125,7 +125,7 @@ class Admission(Generic[R]):
         self,
         router: AdmissionRouter,
         metrics: AdmissionMetrics,
-        route: Callable[[RequestFeatures], Awaitable[R]],
+        route: Callable[[Resolved], Awaitable[R]],
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -202,7 +202,7 @@ class Admission(Generic[R]):
         return str(max(1, round(self.router.config.backpressure.retry_after.total_seconds())))
 
     # -- the decision ------------------------------------------------------------------------
-    async def decide(self, features: RequestFeatures, entry: Entry) -> R:
+    async def decide(self, resolved: Resolved, entry: Entry) -> R:
         """The route, counted on its tier for the tenant. While no tier in reach has a
         replica, the request is held for a cold start (``_hold``); while every replica in
         reach is saturated, it waits in the fair queue when the config has one
@@ -212,29 +212,29 @@ class Admission(Generic[R]):
         waiting: RouterTier | None = None  # the tier it would wait for, once known
         route: R
         if flow is not None and tenant is not None and flow.headroom > 0:
-            waiting = self.router.waiting_tier(features)
+            waiting = self.router.waiting_tier(resolved)
             self._seen[(waiting.name, tenant.name)] = self.clock()
             self._weights[tenant.name] = tenant.weight
             if not self._may_start(tenant.name, waiting.name):
                 # Its share is taken and others keep slots free: wait for one of its own.
-                return await self._wait_for_capacity(features, entry, flow, waiting)
+                return await self._wait_for_capacity(resolved, entry, flow, waiting)
         if flow is not None and len(self.queue):
             # Others wait for capacity already: behind them (or ahead, by class and turn).
-            return await self._wait_for_capacity(features, entry, flow, waiting)
+            return await self._wait_for_capacity(resolved, entry, flow, waiting)
         try:
-            route = await self.route(features)
+            route = await self.route(resolved)
         except NoReplicaError as exc:
             if self.router.config.cold_start_wait <= timedelta(0):
                 raise
-            route = await self._hold(features, entry, exc)
+            route = await self._hold(resolved, entry, exc)
         except OverloadedError:
             if flow is None:
                 raise
-            return await self._wait_for_capacity(features, entry, flow, waiting)
+            return await self._wait_for_capacity(resolved, entry, flow, waiting)
         self._start_flight(entry, route.tier.name)
         return route
 
-    async def _hold(self, features: RequestFeatures, entry: Entry, missing: NoReplicaError) -> R:
+    async def _hold(self, resolved: Resolved, entry: Entry, missing: NoReplicaError) -> R:
         """No tier in reach has a replica: the request is held (counted as pending for its
         tier's roles, which the autoscaler scales from zero on) for the tier's observed cold
         start and a margin, at most the config's ``cold_start_wait``
@@ -249,7 +249,7 @@ class Admission(Generic[R]):
             while True:
                 await asyncio.sleep(min(COLD_START_POLL_S, max(0.0, deadline - self.clock())))
                 try:
-                    route = await self.route(features)
+                    route = await self.route(resolved)
                 except NoReplicaError:
                     now = self.clock()
                     if now >= deadline:
@@ -263,7 +263,7 @@ class Admission(Generic[R]):
 
     async def _wait_for_capacity(
         self,
-        features: RequestFeatures,
+        resolved: Resolved,
         entry: Entry,
         flow: FlowConfig,
         tier: RouterTier | None = None,
@@ -277,7 +277,7 @@ class Admission(Generic[R]):
         self.queue.max_queued = flow.max_queued
         deadline = self.clock() + flow.max_wait.total_seconds()
         if tier is None:
-            tier = self.router.waiting_tier(features)
+            tier = self.router.waiting_tier(resolved)
         try:
             ticket, shed = self.queue.enqueue(
                 name,
@@ -299,7 +299,7 @@ class Admission(Generic[R]):
         waited = self.clock()
         try:
             self._wake_head()
-            route = await self._wait_turn(features, ticket, woken, deadline, flow)
+            route = await self._wait_turn(resolved, ticket, woken, deadline, flow)
             # Counted before the next is woken, which judges its turn by these counts.
             self._start_flight(entry, route.tier.name)
             self.metrics.queue_wait_seconds.labels(name).observe(self.clock() - waited)
@@ -315,7 +315,7 @@ class Admission(Generic[R]):
 
     async def _wait_turn(
         self,
-        features: RequestFeatures,
+        resolved: Resolved,
         ticket: Ticket,
         woken: asyncio.Event,
         deadline: float,
@@ -344,7 +344,7 @@ class Admission(Generic[R]):
                 self._wake_head()
                 continue
             try:
-                route = await self.route(features)
+                route = await self.route(resolved)
             except OverloadedError:
                 continue
             self.queue.dispatch(ticket)

@@ -34,14 +34,13 @@ from fleetpilot.logs import add_log_arguments, configure_logging
 from fleetpilot.routing.auth import AuthGate, KeyRing, Tenant, check_key_files
 from fleetpilot.routing.config import ConfigError, ConfigWatcher, load_config
 from fleetpilot.routing.discovery import (
-    EndpointSource,
     FileSource,
     KubeSliceClient,
     MergedSource,
     SliceClient,
     build_source,
-    replica_of_stream,
 )
+from fleetpilot.routing.endpoints import EndpointSource, replica_of_stream
 from fleetpilot.routing.errors import (
     InvalidRequestError,
     RouterError,
@@ -52,7 +51,8 @@ from fleetpilot.routing.kv_events_client import KVEventsClient
 from fleetpilot.routing.metrics import CONTENT_TYPE, RouterMetrics
 from fleetpilot.routing.policies.kv_index import KVIndex
 from fleetpilot.routing.proxy import Proxy, error_response
-from fleetpilot.routing.router import ReplicaState, Router
+from fleetpilot.routing.replica import ReplicaState
+from fleetpilot.routing.router import Router
 from fleetpilot.routing.scrape import Scraper
 from fleetpilot.routing.tasks import cancel
 from fleetpilot.routing.tokenizer.errors import TokenizerError

@@ -19,8 +19,9 @@ from fleetpilot.routing.auth import Tenant
 from fleetpilot.routing.features import Kind, RequestFeatures
 from fleetpilot.routing.limits import DEFAULT_COMPLETION_RESERVE, RateLimitedError, TenantLimits
 from fleetpilot.routing.metrics import RouterMetrics
+from fleetpilot.routing.replica import ReplicaState
 from fleetpilot.routing.replies import ReplyCapture
-from fleetpilot.routing.router import ReplicaState, Route
+from fleetpilot.routing.route import Route
 from fleetpilot.routing.upstream import Attempt
 
 

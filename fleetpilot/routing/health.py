@@ -10,7 +10,7 @@ import asyncio
 
 import aiohttp
 
-from fleetpilot.routing.router import ReplicaState
+from fleetpilot.routing.replica import ReplicaState
 from fleetpilot.routing.tasks import ReplicaRounds
 
 

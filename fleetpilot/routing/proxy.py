@@ -52,9 +52,11 @@ from fleetpilot.routing.relay import (
     stream_error,
     usage_tokens,
 )
+from fleetpilot.routing.replica import ReplicaState
 from fleetpilot.routing.replies import REPLY_CAPTURE_TOTAL_BYTES, CaptureBudget, ReplyCapture
 from fleetpilot.routing.resume import resumable_body
-from fleetpilot.routing.router import ReplicaState, Route, Router
+from fleetpilot.routing.route import Resolved, Route
+from fleetpilot.routing.router import Router
 from fleetpilot.routing.upstream import (
     FIRST_BYTE_TIMEOUT,
     SUSPECT,
@@ -225,7 +227,7 @@ class Proxy:
         self.admission.take_in_flight(exchange.entry)
         body, features = await self._parsed(exchange, raw)
         decided = time.perf_counter()
-        route = await self.admission.decide(features, exchange.entry)
+        route = await self.admission.decide(self.router.resolve(features), exchange.entry)
         self.metrics.decision_seconds.observe(time.perf_counter() - decided)
         exchange.route = route
         tier = route.tier
@@ -270,16 +272,16 @@ class Proxy:
             return None
         return self.auth.limiter.of(exchange.tenant.name)
 
-    async def _route(self, features: RequestFeatures) -> Route:
+    async def _route(self, resolved: Resolved) -> Route:
         """The router's decision. A prompt whose tokenizing would stall the loop (a long cold
         one) has its KV-index keys computed in a worker thread first, while the loop relays
         other streams; a cheap one (a conversation's next turn) inline, as a thread hop would
         cost more than it moves."""
-        prepared = self.router.prepare_keys(features)
+        prepared = self.router.prepare_keys(resolved)
         if prepared is not None and prepared.off_loop:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._tokenize_pool, prepared.compute)
-        return self.router.decide(features, prepared)
+        return self.router.decide(resolved, prepared)
 
     async def _prepare(
         self, exchange: Exchange, body: dict[str, Any], raw: bytes, features: RequestFeatures

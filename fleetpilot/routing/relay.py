@@ -21,6 +21,7 @@ from fleetpilot.openai_errors import error_body, normalize_error
 from fleetpilot.routing.exchange import Exchange, Resumable
 from fleetpilot.routing.liveness import LivenessWatch, SilentReplicaError
 from fleetpilot.routing.metrics import RouterMetrics
+from fleetpilot.routing.replica import ReplicaState
 from fleetpilot.routing.resume import (
     Rewriter,
     Sent,
@@ -30,7 +31,8 @@ from fleetpilot.routing.resume import (
     read_sent,
     tokenize_request,
 )
-from fleetpilot.routing.router import ReplicaState, Route, Router
+from fleetpilot.routing.route import Route
+from fleetpilot.routing.router import Router
 from fleetpilot.routing.upstream import Attempt, Upstream, cause_of, json_bytes
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import time
 import aiohttp
 
 from fleetpilot.routing.policies.load import parse_engine_metrics
-from fleetpilot.routing.router import ReplicaState
+from fleetpilot.routing.replica import ReplicaState
 from fleetpilot.routing.tasks import ReplicaRounds
 
 

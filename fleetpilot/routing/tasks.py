@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-if TYPE_CHECKING:  # the router's modules import cancel() from here
+if TYPE_CHECKING:  # only types: rounds need no router code to be imported
     from fleetpilot.routing.metrics import RouterMetrics
     from fleetpilot.routing.router import Router
 

@@ -25,7 +25,9 @@ from fleetpilot.routing.health import answers_health
 from fleetpilot.routing.liveness import LivenessWatch, SilentReplicaError
 from fleetpilot.routing.metrics import RouterMetrics
 from fleetpilot.routing.policies.pd import kv_params_of, prefill_request
-from fleetpilot.routing.router import ReplicaState, Route, Router
+from fleetpilot.routing.replica import ReplicaState
+from fleetpilot.routing.route import Route
+from fleetpilot.routing.router import Router
 
 # The cause of an attempt that got no first byte within its budget from a replica that then
 # failed its liveness probe: frozen (SIGSTOP), wedged, or its node gone without a RST.

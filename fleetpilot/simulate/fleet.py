@@ -35,13 +35,14 @@ from fleetpilot.autoscaler.policy import decide as autoscale
 from fleetpilot.loadgen.runner import Schedule, arrival_times
 from fleetpilot.loadgen.workloads import RequestSpec, Workload
 from fleetpilot.operator.router_objects import router_config
-from fleetpilot.routing.discovery import Endpoint, KVPorts, kv_stream_id
+from fleetpilot.routing.endpoints import Endpoint, KVPorts, kv_stream_id
 from fleetpilot.routing.errors import NoReplicaError, RouterError
 from fleetpilot.routing.features import extract_features
 from fleetpilot.routing.policies.candidates import FULL_SCAN_MAX
 from fleetpilot.routing.policies.kv_index import KVIndex
 from fleetpilot.routing.policies.load import EngineMetrics
-from fleetpilot.routing.router import Route, Router
+from fleetpilot.routing.route import Route
+from fleetpilot.routing.router import Router
 from fleetpilot.simulate.baselines import FLEETPILOT, ROUTING_POLICIES, use_routing
 from fleetpilot.simulate.engine import Engine, Seq
 from fleetpilot.simulate.profile import MeasuredProfile, Profile, RoleModel, role_model

@@ -23,7 +23,7 @@ from fleetpilot.autoscaler.forecast import (
 from fleetpilot.autoscaler.loop import observed_cold_start
 from fleetpilot.autoscaler.model import History, Observation, RolePolicy
 from fleetpilot.autoscaler.policy import decide
-from tests.autoscaler.test_policy import T0, fresh, policy, watched
+from tests.autoscaler.policy_support import T0, fresh, policy, watched
 from tests.factories import make_manifest
 
 INTERVAL = 15.0

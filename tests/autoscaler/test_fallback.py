@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from fleetpilot.autoscaler.model import RolePolicy as Policy
 from fleetpilot.autoscaler.policy import decide
 from fleetpilot.autoscaler.prometheus import PrometheusSource
 from fleetpilot.runtime.prometheus import PrometheusServer, find_binary
+from fleetpilot.testing.polling import eventually
 from tests.autoscaler.support import Engine, EngineKey
 
 WINDOW = timedelta(seconds=10)
@@ -57,15 +58,8 @@ def observe(source: FallbackSource) -> Metrics:
     return source.observe(KEY.service, KEY.tier, KEY.role, WINDOW, namespace=KEY.namespace)
 
 
-def wait_for(source: FallbackSource, done: object, what: str) -> Metrics:
-    deadline = time.monotonic() + SETTLE_S
-    while True:
-        m = observe(source)
-        if callable(done) and done(m):
-            return m
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}; last: {m}")
-        time.sleep(0.25)
+def wait_for(source: FallbackSource, done: Callable[[Metrics], bool], what: str) -> Metrics:
+    return eventually(what, lambda: observe(source), SETTLE_S, until=done)
 
 
 def test_a_killed_prometheus_is_restarted_and_the_engines_are_read_meanwhile(
@@ -124,10 +118,7 @@ def test_a_crash_loop_backs_off_between_restarts(prometheus: PrometheusServer) -
     first = prometheus.pid
     assert first is not None
     os.kill(first, signal.SIGKILL)
-    deadline = time.monotonic() + SETTLE_S
-    while (report := prometheus.restart_if_exited()) is None:
-        assert time.monotonic() < deadline, "the kill was never seen"
-        time.sleep(0.05)
+    report = eventually("the kill seen", prometheus.restart_if_exited, SETTLE_S, interval=0.05)
     assert "restarting it on" in report
     assert " in " not in report.split("Last lines")[0]  # the first crash restarts at once
     second = prometheus.pid
@@ -136,11 +127,14 @@ def test_a_crash_loop_backs_off_between_restarts(prometheus: PrometheusServer) -
     assert second is not None
     os.kill(second, signal.SIGKILL)
     # The clock is the monotonic one restart_if_exited reads; passed in, so "later" is exact.
-    now = time.monotonic()
-    while (report := prometheus.restart_if_exited(now=now)) is None:
-        assert time.monotonic() < deadline, "the second kill was never seen"
-        time.sleep(0.05)
+    now = 0.0
+
+    def seen_now() -> str | None:
+        nonlocal now
         now = time.monotonic()
+        return prometheus.restart_if_exited(now=now)
+
+    report = eventually("the second kill seen", seen_now, SETTLE_S, interval=0.05)
     assert f"restarting it on {prometheus.url} in 1s" in report
     assert prometheus.restart_if_exited(now=now + 0.5) is None
     assert prometheus.pid == second  # not yet

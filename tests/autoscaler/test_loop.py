@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -31,6 +31,7 @@ from fleetpilot.autoscaler.model import (
     Recommendation,
 )
 from fleetpilot.autoscaler.prometheus import PrometheusSource
+from fleetpilot.testing.polling import eventually
 from tests.autoscaler.support import Fleet, Load
 from tests.factories import make_manifest, make_service, make_tier
 from tests.support.actuators import MemoryActuator
@@ -242,22 +243,26 @@ def test_a_raw_object_from_the_api_server_is_parsed() -> None:
 # ------------------------------------------------------------------------------ real Prometheus
 
 
-def _wait_for(
+def _decisions_until(
     what: str,
-    step: Any,
-    done: Any,
+    step: Callable[[], list[Decision]],
+    done: Callable[[Decision], bool],
     timeout_s: float,
 ) -> list[tuple[float, Decision]]:
+    """Tick until a decision is ``done``; every decision up to it, at the time the policy saw:
+    the ones before it are the test's evidence."""
     seen: list[tuple[float, Decision]] = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def next_tick() -> list[tuple[float, Decision]]:
         for decision in step():
-            # The decision's own time, as the policy saw it.
             seen.append((decision.history.recommendations[-1].time_s, decision))
             if done(decision):
-                return seen
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}: {[d.reason for _, d in seen][-5:]}")
+                break
+        return seen
+
+    return eventually(
+        what, next_tick, timeout_s, until=lambda s: bool(s) and done(s[-1][1]), interval=0.2
+    )
 
 
 def test_burst_scales_up_then_down_after_the_window_on_real_prometheus(fleet: Fleet) -> None:
@@ -292,7 +297,7 @@ def test_burst_scales_up_then_down_after_the_window_on_real_prometheus(fleet: Fl
         def step() -> list[Decision]:
             return tick(service, source, actuator, histories)
 
-        up = _wait_for("a scale-up", step, lambda d: d.direction is Direction.UP, 20)
+        up = _decisions_until("a scale-up", step, lambda d: d.direction is Direction.UP, 20)
         first_up = up[-1][1]
         assert re.fullmatch(
             r"unified ttft p95 1\.7\ds > slo 500ms: 2 -> 4 \(at most x2 per step, wanted \d+\)",
@@ -304,7 +309,7 @@ def test_burst_scales_up_then_down_after_the_window_on_real_prometheus(fleet: Fl
         for engine in engines:
             engine.drive(None)
             engine.set(kv=0.0)
-        lull = _wait_for("a scale-down", step, lambda d: d.direction is Direction.DOWN, 30)
+        lull = _decisions_until("a scale-down", step, lambda d: d.direction is Direction.DOWN, 30)
 
     down_at, down = lull[-1]
     assert down.reason_kind is ReasonKind.IDLE, down.reason

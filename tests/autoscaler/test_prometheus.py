@@ -11,6 +11,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
@@ -31,6 +32,7 @@ from fleetpilot.autoscaler.prometheus import (
     selector,
 )
 from fleetpilot.runtime.processes import free_ports
+from fleetpilot.testing.polling import eventually
 from tests.autoscaler.support import Fleet, Load
 
 WINDOW = timedelta(seconds=3)
@@ -81,16 +83,9 @@ def source(driven: Fleet) -> Iterator[PrometheusSource]:
         yield src
 
 
-def settled(
-    read: Callable[[], Metrics], ok: Callable[[Metrics], bool], timeout: float = 20.0
-) -> Metrics:
+def settled(read: Callable[[], Metrics], ok: Callable[[Metrics], bool]) -> Metrics:
     """Read until ``ok`` (rates need two scrapes inside the window after the load starts)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        metrics = read()
-        if ok(metrics) or time.monotonic() > deadline:
-            return metrics
-        time.sleep(0.25)
+    return eventually("settled rates", read, 20.0, until=ok)
 
 
 def _full(m: Metrics) -> bool:
@@ -177,13 +172,10 @@ def test_promql_error_is_no_data_and_no_scale_down(driven: Fleet) -> None:
 
 
 def test_prometheus_down_is_no_data_at_once() -> None:
-    """Nothing listening: every value None, the reason says so, in well under a second
-    (no retries with backoff: the next tick is the retry)."""
+    """Nothing listening: every value None, and the reason says so."""
     port = free_ports(1)[0]
-    started = time.monotonic()
     with PrometheusSource(f"http://127.0.0.1:{port}", timeout_s=2.0) as src:
         m = src.observe("reader", "small", "unified", WINDOW, namespace="ml")
-    assert time.monotonic() - started < 1.5
     assert m.problem is DataProblem.UNREACHABLE
     assert m.detail == (
         f"cannot connect to prometheus at http://127.0.0.1:{port} (Connection refused)"
@@ -191,19 +183,74 @@ def test_prometheus_down_is_no_data_at_once() -> None:
     assert m == Metrics(problem=m.problem, detail=m.detail)
 
 
+def _listening() -> socket.socket:
+    """A server socket that never accepts by itself: connections wait in its backlog (64, more
+    than one observation's queries), where the test can count them."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    listener.setblocking(False)
+    return listener
+
+
+def _accepted(listener: socket.socket) -> list[socket.socket]:
+    """Every connection waiting in ``listener``'s backlog now (those closed by their client
+    since included)."""
+    taken: list[socket.socket] = []
+    while True:
+        try:
+            taken.append(listener.accept()[0])
+        except BlockingIOError:
+            return taken
+
+
+def _planned(source: PrometheusSource) -> int:
+    """How many queries one observation of the reader's small tier sends."""
+    sel = selector(source.labels, "reader", "small", "unified", "ml")
+    router = router_queries(source.labels, "reader", "small", "unified", "ml", WINDOW)
+    return len(queries(sel, WINDOW, source.metric_names)) + len(router)
+
+
 def test_a_hanging_prometheus_costs_one_timeout() -> None:
-    """A server that accepts and never answers: all queries time out together, once."""
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(64)
+    """A server that accepts and never answers: every query asks once and times out, none is
+    retried (the next tick is the retry)."""
+    with _listening() as listener:
         url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-        started = time.monotonic()
         with PrometheusSource(url, timeout_s=0.5) as src:
             m = src.observe("reader", "small", "unified", WINDOW, namespace="ml")
-        elapsed = time.monotonic() - started
-    assert elapsed < 2.5
+            planned = _planned(src)
+        asked = _accepted(listener)
+        for conn in asked:
+            conn.close()
+    assert len(asked) == planned
     assert m.problem is DataProblem.UNREACHABLE
     assert m.detail == f"prometheus at {url} did not answer within 0.5s"
+
+
+def test_the_queries_of_one_observation_wait_together() -> None:
+    """All queries of one observation are in flight at once, so a hanging Prometheus costs the
+    tick one timeout, not one per query: with a timeout far longer than the test, every query's
+    connection is open at the same time before any is answered."""
+    with _listening() as listener, ThreadPoolExecutor(1) as caller:
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        held: list[socket.socket] = []
+        with PrometheusSource(url, timeout_s=300.0) as src:
+            planned = _planned(src)
+            observed = caller.submit(
+                src.observe, "reader", "small", "unified", WINDOW, namespace="ml"
+            )
+
+            def open_now() -> int:
+                held.extend(_accepted(listener))
+                return len(held)
+
+            eventually("every query waiting at once", open_now, 60, until=lambda n: n >= planned)
+            assert not observed.done()
+            for conn in held:
+                conn.close()  # unanswered: each query fails at once, not after 300 s
+            m = observed.result(timeout=60)
+    assert len(held) == planned
+    assert m.problem is DataProblem.UNREACHABLE
 
 
 def test_selector_escapes_and_label_names_are_configurable() -> None:

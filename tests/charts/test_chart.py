@@ -17,8 +17,6 @@ import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
-from typing import Any
 
 import helm_python as helm
 import kubernetes_validate
@@ -35,20 +33,24 @@ from fleetpilot.operator.network_policy import OPERATOR_POD_LABELS
 from fleetpilot.operator.plan_types import DEFAULT_FLEETPILOT_IMAGE, PlanOptions
 from fleetpilot.operator.planner import all_roles, plan
 from fleetpilot.operator.reconcile import MANAGED_KINDS, OPTIONAL_KINDS
+from tests.charts.chart_support import (
+    CHART,
+    K8S_VERSION,
+    RELEASE,
+    RELEASE_NAMESPACE,
+    REPO,
+    Obj,
+    only,
+    render,
+)
 from tests.factories import make_service, make_tier
 
-REPO = Path(__file__).resolve().parents[2]
-CHART = REPO / "charts" / "fleetpilot"
 DOCKERFILE = REPO / "engine_image" / "Dockerfile.operator"
-K8S_VERSION = "1.36"
-RELEASE = "fp"
-RELEASE_NAMESPACE = "fleetpilot-system"
 FULLNAME = "fp-fleetpilot"
 # Custom resources: kubernetes_validate only knows the built-in kinds. The API server checks
 # these in e2e/test_chart.py (PodMonitor when the cluster has its CRD).
 CUSTOM_KINDS = {"PodMonitor", "KopfPeering", "ClusterKopfPeering"}
 
-Obj = dict[str, Any]
 RuleTable = dict[tuple[str, str], frozenset[str]]
 
 
@@ -123,33 +125,6 @@ NON_DEFAULT_VALUES: Obj = {
         },
     },
 }
-
-
-@pytest.fixture(scope="module")
-def chart() -> Iterator[helm.Chart]:
-    with helm.Chart.load(CHART) as loaded:
-        yield loaded
-
-
-def render(chart: helm.Chart, values: Obj | None = None, *, name: str = RELEASE) -> list[Obj]:
-    """The chart's objects for an install of release ``name``, as `helm template` prints them."""
-    manifests = chart.render(values or {}, name=name, namespace=RELEASE_NAMESPACE, is_install=True)
-    objects: list[Obj] = []
-    for path in sorted(manifests):
-        if path.endswith(".yaml"):  # NOTES.txt is text for the user, not a manifest
-            objects += [obj for obj in yaml.safe_load_all(manifests[path]) if obj]
-    return objects
-
-
-def only(objects: list[Obj], kind: str, namespace: str | None = None) -> Obj:
-    found = [
-        obj
-        for obj in objects
-        if obj["kind"] == kind
-        and (namespace is None or obj["metadata"].get("namespace") == namespace)
-    ]
-    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
-    return found[0]
 
 
 def rule_table(role: Obj) -> RuleTable:

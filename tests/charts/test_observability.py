@@ -18,7 +18,7 @@ import json
 import re
 import shutil
 import subprocess
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +35,15 @@ from fleetpilot.autoscaler.prometheus import escaped_name
 from fleetpilot.engine.reference.metrics import ServerMetrics
 from fleetpilot.operator import metrics as operator_metrics
 from fleetpilot.routing.metrics import RouterMetrics
-from tests.charts.test_chart import CHART, K8S_VERSION, RELEASE, RELEASE_NAMESPACE, only, render
-
-Obj = dict[str, Any]
+from tests.charts.chart_support import (
+    CHART,
+    K8S_VERSION,
+    RELEASE,
+    RELEASE_NAMESPACE,
+    Obj,
+    only,
+    render,
+)
 
 DASHBOARD_FILE = CHART / "dashboards" / "fleetpilot.json"
 ENABLED: Obj = {"dashboards": {"enabled": True}, "prometheusRule": {"enabled": True}}
@@ -124,12 +130,6 @@ PROMETHEUS_RULE_SPEC_SCHEMA: Obj = {
         }
     },
 }
-
-
-@pytest.fixture(scope="module")
-def chart() -> Iterator[helm.Chart]:
-    with helm.Chart.load(CHART) as loaded:
-        yield loaded
 
 
 def promtool() -> str:

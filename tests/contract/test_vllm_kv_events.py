@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,6 +24,7 @@ from fleetpilot.kv_events import (
     kv_events_config,
 )
 from fleetpilot.testing.engine_server import BackgroundServer
+from fleetpilot.testing.polling import eventually
 from tests.contract.conftest import VllmJudge
 from tests.support.kv_replay import DEADLINE_S, replay
 
@@ -69,10 +69,13 @@ def engine_payloads() -> Iterator[list[bytes]]:
         assert isinstance(publisher, KVEventPublisher)
         before = publisher.published
         asyncio.run(runner.call(lambda engine: engine.reset_prefix_cache()))
-        deadline = time.monotonic() + DEADLINE_S
-        while publisher.published <= before:
-            assert time.monotonic() < deadline, "the reset was never published"
-            time.sleep(0.01)
+        eventually(
+            "the reset published",
+            lambda: publisher.published,
+            DEADLINE_S,
+            until=lambda published: published > before,
+            interval=0.01,
+        )
         assert publisher.replay_endpoint is not None
         yield [payload for _, _, payload in replay(ctx, publisher.replay_endpoint, 0)]
     finally:

@@ -22,6 +22,7 @@ import pytest
 from fleetpilot.kv_events import kv_events_config
 from fleetpilot.runtime.processes import free_ports
 from fleetpilot.testing.engine_server import BackgroundServer
+from fleetpilot.testing.polling import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_ROUTER = ROOT / ".venv-baselines" / "bin" / "vllm-router"
@@ -108,16 +109,21 @@ def start_router(fleet: Fleet, tmp_path: Path) -> Iterator[Callable[[], VllmRout
             process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics}/metrics", log
         )
         started.append(router)
-        deadline = time.monotonic() + DEADLINE_S
-        while True:
+
+        def health() -> int:
             assert process.poll() is None, log.read_text(errors="replace")[-3000:]
-            assert time.monotonic() < deadline, "vllm-router did not start"
-            try:
-                if httpx.get(f"{router.url}/health", timeout=2).status_code == 200:
-                    return router
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+            return httpx.get(f"{router.url}/health", timeout=2).status_code
+
+        eventually(
+            "vllm-router healthy",
+            health,
+            DEADLINE_S,
+            until=lambda status: status == 200,
+            interval=0.1,
+            ignoring=(httpx.HTTPError,),
+            context=lambda: log.read_text(errors="replace")[-3000:],
+        )
+        return router
 
     yield start
     for router in started:
@@ -132,17 +138,19 @@ def start_router(fleet: Fleet, tmp_path: Path) -> Iterator[Callable[[], VllmRout
 def wait_for_hit(fleet: Fleet, router: VllmRouter, question: str) -> dict[str, float]:
     """Send ``question`` through the router until one of its placements counts a hit (the
     events of an earlier request may still be on their way); its lookup counts."""
-    deadline = time.monotonic() + DEADLINE_S
-    while True:
+
+    def lookups_after_one_more() -> dict[str, float]:
         fleet.chat(router.url, question)
-        counts = router.lookups()
-        if counts.get("hit", 0) > 0:
-            return counts
-        assert time.monotonic() < deadline, (
-            f"vllm-router never found the cached prefix: lookups {counts}\n"
-            + router.log.read_text(errors="replace")[-3000:]
-        )
-        time.sleep(0.2)
+        return router.lookups()
+
+    return eventually(
+        "vllm-router finding the cached prefix",
+        lookups_after_one_more,
+        DEADLINE_S,
+        until=lambda counts: counts.get("hit", 0) > 0,
+        interval=0.2,
+        context=lambda: router.log.read_text(errors="replace")[-3000:],
+    )
 
 
 def test_vllm_router_credits_the_prefix_the_reference_engine_reports(

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import random
+import time
+from collections.abc import Callable
 
 import httpx
 import pytest
 
-from fleetpilot.loadgen.runner import RunConfig, Runner, Schedule
+from fleetpilot.loadgen.runner import RunConfig, Runner, RunResult, Schedule, arrival_times
 from fleetpilot.loadgen.workloads import ModelMix, make_workload
+from tests.support.virtual_time import run_virtual
 
 ROUTE = "tier=small; replica=small-0; prefix-match=0.50; reason=prefix"
 
@@ -46,9 +51,20 @@ def config(**kw: object) -> RunConfig:
     return RunConfig(**{**base, **kw})  # type: ignore[arg-type]
 
 
-def runner(cfg: RunConfig, handler: object) -> Runner:
+def runner(cfg: RunConfig, handler: object, clock: Callable[[], float] = time.monotonic) -> Runner:
     transport = httpx.MockTransport(handler)  # type: ignore[arg-type]
-    return Runner(cfg, make_workload("shared-prefix", 0), transport=transport)
+    return Runner(cfg, make_workload("shared-prefix", 0), transport=transport, clock=clock)
+
+
+def run_on_virtual_time(cfg: RunConfig, handler: object) -> RunResult:
+    """The run on a loop whose time only moves when every request waits on a timer, the runner
+    reading that loop's clock: the slow servers' sleeps, the pacing and the timeouts all take
+    exactly their virtual time, however busy the machine."""
+
+    async def main() -> RunResult:
+        return await runner(cfg, handler, asyncio.get_running_loop().time).run()
+
+    return run_virtual(main())
 
 
 @pytest.mark.asyncio
@@ -103,45 +119,52 @@ async def test_connection_errors_are_counted() -> None:
     assert [r.error for r in result.records] == ["connect"] * 3
 
 
-@pytest.mark.asyncio
-async def test_slow_requests_time_out() -> None:
-    """A server that never answers costs at most the per-request timeout, recorded as 'timeout'."""
+def test_slow_requests_time_out() -> None:
+    """A server that never answers costs the per-request timeout, not its own pace, recorded as
+    'timeout'."""
 
     async def slow(request: httpx.Request) -> httpx.Response:
         await asyncio.sleep(5)
         return good(request)
 
-    result = await runner(config(concurrency=2, max_requests=2, timeout_s=0.2), slow).run()
+    result = run_on_virtual_time(config(concurrency=2, max_requests=2, timeout_s=0.2), slow)
     assert [r.error for r in result.records] == ["timeout", "timeout"]
-    assert result.elapsed_s < 2
+    assert [r.end_s for r in result.records] == pytest.approx([0.2, 0.2])
+    assert result.elapsed_s == pytest.approx(0.2)
 
 
-@pytest.mark.asyncio
-async def test_open_loop_stops_at_the_duration_and_drops_beyond_the_cap() -> None:
-    """Open loop keeps the schedule's rate whatever the server does: past max_in_flight arrivals are
-    recorded as dropped, and the run ends at its duration."""
+def test_open_loop_stops_at_the_duration_and_drops_beyond_the_cap() -> None:
+    """Open loop keeps the schedule's arrivals whatever the server does: an arrival finding
+    max_in_flight requests open is recorded as dropped (and only then), none arrive past the
+    duration, and the run ends when the last one sent is answered."""
 
     async def slow(request: httpx.Request) -> httpx.Response:
         await asyncio.sleep(0.3)
         return good(request)
 
     cfg = config(schedule=Schedule.constant(100.0), duration_s=0.5, max_in_flight=5, seed=1)
-    result = await runner(cfg, slow).run()
-    errors = [r.error for r in result.records]
-    assert 20 < len(errors) < 90
-    assert errors.count(None) >= 5
-    assert errors.count("dropped") > 10  # 100 req/s against a 0.3 s server capped at 5
-    assert set(errors) <= {None, "dropped"}
-    assert result.elapsed_s < 1.5
+    result = run_on_virtual_time(cfg, slow)
+    arrivals = list(arrival_times(Schedule.constant(100.0), 0.5, random.Random(1)))
+    assert [r.start_s for r in result.records] == pytest.approx(arrivals)
+    sent = [r for r in result.records if r.error is None]
+    assert all(r.e2e_s == pytest.approx(0.3) for r in sent)
+    for r in result.records:
+        open_then = sum(1 for s in sent if s is not r and s.start_s < r.start_s < s.start_s + 0.3)
+        assert (r.error == "dropped") == (open_then == 5), (r.index, r.error, open_then)
+    assert len(sent) >= 5
+    assert len(result.records) - len(sent) > 10  # 100 req/s against a 0.3 s server capped at 5
+    assert result.elapsed_s == pytest.approx(max(r.start_s for r in sent) + 0.3)
 
 
-@pytest.mark.asyncio
-async def test_open_loop_honours_the_request_bound() -> None:
-    """--requests bounds an open-loop run too."""
+def test_open_loop_honours_the_request_bound() -> None:
+    """--requests bounds an open-loop run too: it ends at the first arrival past the bound (the
+    eighth), not at its duration."""
     cfg = config(schedule=Schedule.constant(200.0), duration_s=10.0, max_requests=7)
-    result = await runner(cfg, good).run()
+    result = run_on_virtual_time(cfg, good)
     assert len(result.records) == 7
-    assert result.elapsed_s < 2
+    arrivals = arrival_times(Schedule.constant(200.0), 10.0, random.Random(cfg.seed))
+    eighth = next(itertools.islice(arrivals, 7, None))
+    assert result.elapsed_s == pytest.approx(eighth)
 
 
 def test_unbounded_runs_are_refused() -> None:

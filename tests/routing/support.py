@@ -27,7 +27,7 @@ from aiohttp import web
 from fleetpilot.api.router_config import EndpointGroup, RouterConfig, RouterTier
 from fleetpilot.kv_events import END_SEQ, EventBatch, encode_batch, seq_bytes, seq_of
 from fleetpilot.routing.app import ROUTER_APP, RouterApp, build_app
-from fleetpilot.routing.discovery import EndpointSource, StaticSource
+from fleetpilot.routing.endpoints import EndpointSource, StaticSource
 from fleetpilot.routing.policies.pd import PREFILL_KV_PARAMS
 from fleetpilot.runtime.processes import Child, Supervisor, free_port
 

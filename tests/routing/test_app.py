@@ -26,7 +26,8 @@ from fleetpilot.api.router_config import RouterTier
 from fleetpilot.openai_errors import error_type
 from fleetpilot.routing import proxy as proxy_module
 from fleetpilot.routing import relay as relay_module
-from fleetpilot.routing.discovery import FileSource, MergedSource, StaticSource
+from fleetpilot.routing.discovery import FileSource, MergedSource
+from fleetpilot.routing.endpoints import StaticSource
 from tests.routing.support import (
     FakeEngine,
     RunningRouter,

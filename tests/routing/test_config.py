@@ -14,7 +14,7 @@ from fleetpilot.operator.plan_types import PlanOptions
 from fleetpilot.operator.planner import plan
 from fleetpilot.operator.router_objects import prefix_index_blocks, router_config
 from fleetpilot.routing.config import ConfigError, ConfigWatcher, load_config, parse_config
-from fleetpilot.routing.discovery import StaticSource
+from fleetpilot.routing.endpoints import StaticSource
 from fleetpilot.routing.router import Router
 from tests.factories import make_service, make_tier
 from tests.routing.support import make_config, tier

@@ -14,17 +14,14 @@ import pytest
 import yaml
 
 from fleetpilot.routing.discovery import (
-    Endpoint,
     FileSource,
     KubernetesSource,
-    KVPorts,
     MergedSource,
-    StaticSource,
     build_source,
     endpoints_from_slices,
-    parse_address,
     parse_endpoints_file,
 )
+from fleetpilot.routing.endpoints import Endpoint, KVPorts, StaticSource, parse_address
 from tests.routing.support import make_config, tier
 
 

@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 
 from fleetpilot.openai_errors import error_type
-from fleetpilot.routing.router import ReplicaState
+from fleetpilot.routing.replica import ReplicaState
 from tests.routing.support import (
     FakeEngine,
     RunningRouter,

@@ -11,18 +11,15 @@ import pytest
 from fleetpilot.api.router_config import EndpointGroup, RouterTier
 from fleetpilot.engine.reference_launch import REFERENCE_TOKENIZER
 from fleetpilot.kv_events import BlockRemoved, BlockStored
-from fleetpilot.routing.discovery import Endpoint, StaticSource
+from fleetpilot.routing.endpoints import Endpoint, StaticSource
 from fleetpilot.routing.errors import OverloadedError, UnavailableError
 from fleetpilot.routing.features import extract_features
 from fleetpilot.routing.policies.candidates import HOLDER_CANDIDATES, HOME_CANDIDATES
 from fleetpilot.routing.policies.load import EngineMetrics, make_view
 from fleetpilot.routing.policies.types import ReplicaView
-from fleetpilot.routing.router import (
-    ADAPTER_MISSING_S,
-    TIER_STATE_MAX_AGE_S,
-    ReplicaState,
-    Router,
-)
+from fleetpilot.routing.replica import ADAPTER_MISSING_S, ReplicaState
+from fleetpilot.routing.replica_set import TIER_STATE_MAX_AGE_S
+from fleetpilot.routing.router import Router
 from fleetpilot.routing.tokenizer.request import RequestTokenizer
 from tests.routing.support import make_config
 
@@ -263,7 +260,7 @@ def test_the_engines_events_beat_the_routers_own_guess() -> None:
     assert guessed.prefix_source == "guessed"
     holder = next(r.id for r in router.replicas() if r.id != guessed.replica.id)
     engine_caches(router, holder, CHAT)
-    router.kv_live = Live(*(r.id for r in router.replicas()))
+    router.affinity.kv_live = Live(*(r.id for r in router.replicas()))
     route = router.decide(features)
     assert (route.replica.id, route.prefix_source) == (holder, "events")
     assert route.prefix_match > 0.9
@@ -717,10 +714,10 @@ def test_a_replica_that_lacks_an_adapter_is_no_holder_of_it_until_the_mark_ends(
     elsewhere = {ask(router, "a") for _ in range(4)}
     assert len(elsewhere) == 1
     assert lacking.id not in elsewhere
-    (view,) = [v for v in router.views("t", "unified", now[0]) if v.id == lacking.id]
+    (view,) = [v for v in router.picks.views("t", "unified", now[0]) if v.id == lacking.id]
     assert view.missing_adapters == {"a"}
     now[0] += ADAPTER_MISSING_S
-    (view,) = [v for v in router.views("t", "unified", now[0]) if v.id == lacking.id]
+    (view,) = [v for v in router.picks.views("t", "unified", now[0]) if v.id == lacking.id]
     assert view.missing_adapters == frozenset()
     assert "a" not in view.adapters  # what was sent there before the 404 no longer counts
 

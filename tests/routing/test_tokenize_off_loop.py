@@ -19,11 +19,12 @@ import pytest
 from fleetpilot.api.router_config import EndpointGroup, RouterTier
 from fleetpilot.engine.reference_launch import REFERENCE_TOKENIZER
 from fleetpilot.kv_events import BlockStored
-from fleetpilot.routing.discovery import StaticSource
+from fleetpilot.routing.affinity import OFF_LOOP_TOKENIZE_CHARS, PromptPlan
+from fleetpilot.routing.endpoints import StaticSource
 from fleetpilot.routing.features import extract_features
 from fleetpilot.routing.metrics import RouterMetrics
 from fleetpilot.routing.proxy import Proxy
-from fleetpilot.routing.router import OFF_LOOP_TOKENIZE_CHARS, PromptPlan, Router
+from fleetpilot.routing.router import Router
 from fleetpilot.routing.tokenizer.request import PLAN_INLINE_MAX_CHARS, RequestTokenizer
 from tests.routing.support import FakeEngine, engines, make_config, running_router, wait_for
 
@@ -125,7 +126,7 @@ async def test_a_long_cold_prompt_is_tokenized_off_the_loop_and_routed_as_inline
     async with aiohttp.ClientSession() as session:
         proxy = Proxy(router, RouterMetrics(), session)
         try:
-            route = await proxy._route(features)
+            route = await proxy._route(router.resolve(features))
         finally:
             proxy.close()
     await ticking
@@ -155,14 +156,14 @@ async def test_a_short_or_cached_prompt_is_tokenized_on_the_loop() -> None:
     async with aiohttp.ClientSession() as session:
         proxy = Proxy(router, RouterMetrics(), session)
         try:
-            await proxy._route(short)
-            prepared = router.prepare_keys(extract_features(first, "chat"))
+            await proxy._route(router.resolve(short))
+            prepared = router.prepare_keys(router.resolve(extract_features(first, "chat")))
             assert prepared is not None
             assert prepared.off_loop  # cold: it would go to the thread
             tokenizer.inner.keys("chat", first, BS)  # now cached
             tokenizer.threads.clear()
-            await proxy._route(extract_features(turn, "chat"))
-            await proxy._route(short)
+            await proxy._route(router.resolve(extract_features(turn, "chat")))
+            await proxy._route(router.resolve(short))
         finally:
             proxy.close()
     assert tokenizer.threads == [loop_thread] * 2
@@ -226,7 +227,7 @@ async def test_a_relayed_chat_reply_is_remembered_for_the_next_turn(stream: bool
             await wait_for(lambda: "small" in state.router.tokenizers, timeout_s=20)
             tokenizer = RecordingTokenizer()
             state.router.tokenizers["small"] = tokenizer
-            state.router.kv_live = lambda _stream: True
+            state.router.affinity.kv_live = lambda _stream: True
             messages = [SYSTEM, {"role": "user", "content": "where is my order?"}]
             body = {"model": "sm", "messages": messages, "stream": stream}
             response = await client.post(router.url + "/v1/chat/completions", json=body)

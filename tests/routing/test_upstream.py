@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from fleetpilot.routing.discovery import Endpoint
-from fleetpilot.routing.router import ReplicaState
+from fleetpilot.routing.endpoints import Endpoint
+from fleetpilot.routing.replica import ReplicaState
 from fleetpilot.routing.upstream import Attempt
 
 

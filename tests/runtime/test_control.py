@@ -10,7 +10,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -20,11 +19,12 @@ import pytest
 from fleetpilot.api import InferenceService, parse_service
 from fleetpilot.autoscaler.loop import observed_cold_start, tick
 from fleetpilot.autoscaler.model import Metrics
-from fleetpilot.autoscaler.remote import FleetActuator, FleetClient, FleetError
+from fleetpilot.autoscaler.remote import FleetActuator, FleetClient, FleetError, RoleState
 from fleetpilot.runtime.autoscale import LocalActuator, capped_service
 from fleetpilot.runtime.control import ControlServer
 from fleetpilot.runtime.local import LocalFleet
 from fleetpilot.runtime.processes import free_port
+from fleetpilot.testing.polling import eventually
 from tests.factories import make_local_manifest
 
 SERVICE = make_local_manifest("ctl", replicas={"min": 1, "max": 8}, ttft_p95="50ms")
@@ -42,14 +42,19 @@ class Fleet:
 
     def wait_ready(self, replicas: int, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Poll until the role has exactly ``replicas`` engines, all serving."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            state = self.actuator.role_state("small", "unified")
-            assert state is not None
-            if state.ready == replicas == state.replicas:
-                return
-            assert time.monotonic() < deadline, f"not {replicas} ready: {state}"
-            time.sleep(0.2)
+
+        def state() -> RoleState:
+            found = self.actuator.role_state("small", "unified")
+            assert found is not None
+            return found
+
+        eventually(
+            f"{replicas} replicas, all ready",
+            state,
+            timeout_s,
+            until=lambda s: s.ready == replicas == s.replicas,
+            interval=0.2,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -174,14 +179,17 @@ def join_request_threads(timeout_s: float = 30.0) -> None:
     """Wait until every thread the control API's HTTP server started for a request ended.
     Polled, not joined: a thread just created for another request (listed, not yet started)
     cannot be joined."""
-    deadline = time.monotonic() + timeout_s
-    while busy := [
-        t.name
-        for t in threading.enumerate()
-        if t.name.endswith("(process_request_thread)") and t.is_alive()
-    ]:
-        assert time.monotonic() < deadline, f"{busy} still handle requests"
-        time.sleep(0.05)
+    eventually(
+        "no request thread left",
+        lambda: [
+            t.name
+            for t in threading.enumerate()
+            if t.name.endswith("(process_request_thread)") and t.is_alive()
+        ],
+        timeout_s,
+        until=lambda busy: not busy,
+        interval=0.05,
+    )
 
 
 class BurstSource:

@@ -12,8 +12,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,6 +30,7 @@ from fleetpilot.runtime.processes import (
     proc_stat,
     require_free_ports,
 )
+from fleetpilot.testing.polling import eventually
 
 
 def _http_server(port: int) -> list[str]:
@@ -79,10 +78,13 @@ def test_grandchildren_are_stopped_with_their_parent(tmp_path: Path) -> None:
     """A child that spawns its own children (a shell, a launcher) loses them all on stop."""
     supervisor = Supervisor(tmp_path)
     child = supervisor.start("shell", ["sh", "-c", "sleep 300 & sleep 300 & wait"])
-    deadline = time.monotonic() + 10
-    while len(group_members({child.pid})) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(group_members({child.pid})) >= 3
+    eventually(
+        "the shell and its two sleeps",
+        lambda: group_members({child.pid}),
+        10,
+        until=lambda members: len(members) >= 3,
+        interval=0.05,
+    )
     supervisor.stop_all(grace_s=2)
     # Signalled, the sleeps still take their turn on a busy CPU to exit (init reaps them, not
     # us): gone within seconds, where unsignalled ones would live for 300.
@@ -155,12 +157,14 @@ def test_a_frozen_child_is_found_unresponsive_once_and_killed_by_its_restart(
         assert supervisor.unresponsive(probe, now_s=0.0) == []
         old = frozen.pid
         os.kill(old, signal.SIGSTOP)
-        found: list[Child] = []
-        deadline = time.monotonic() + 60
         now = 0.0
-        while not found and time.monotonic() < deadline:
+
+        def next_period() -> list[Child]:
+            nonlocal now
             now += probe.period_s
-            found = supervisor.unresponsive(probe, now_s=now)
+            return supervisor.unresponsive(probe, now_s=now)
+
+        found = eventually("an unresponsive child", next_period, 60, until=bool, interval=0)
         assert found == [frozen]
         supervisor.restart(frozen, kill=True)
         assert proc_stat(old) is None  # killed and reaped, not left stopped
@@ -212,24 +216,25 @@ def test_children_die_with_a_killed_parent(tmp_path: Path) -> None:
         """
     )
     parent = subprocess.Popen([sys.executable, "-c", program])
-    deadline = time.monotonic() + 20
-    while not pid_file.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    child_pid = int(pid_file.read_text())
+    written = eventually(
+        "the child's pid written",
+        pid_file.read_text,
+        20,
+        until=str.strip,
+        interval=0.05,
+        ignoring=(FileNotFoundError,),
+    )
+    child_pid = int(written)
     assert group_members({child_pid})
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()
-    deadline = time.monotonic() + 10
-    while group_members({child_pid}) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert group_members({child_pid}) == []
-
-
-def _wait_for(what: str, check: Callable[[], bool], timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+    eventually(
+        "the child gone with its parent",
+        lambda: group_members({child_pid}),
+        10,
+        until=lambda members: members == [],
+        interval=0.05,
+    )
 
 
 def test_a_detached_group_is_adopted_and_stopped_by_a_later_process(tmp_path: Path) -> None:
@@ -252,7 +257,13 @@ def test_a_detached_group_is_adopted_and_stopped_by_a_later_process(tmp_path: Pa
     )
     pid = int(up.stdout)
     try:
-        _wait_for("the child and its grandchild", lambda: len(group_members({pid})) == 2)
+        eventually(
+            "the child and its grandchild",
+            lambda: group_members({pid}),
+            20,
+            until=lambda members: len(members) == 2,
+            interval=0.05,
+        )
         supervisor = Supervisor(tmp_path / "down")
         child = supervisor.adopt("detached", pid, os.path.realpath(sys.executable))
         assert child.alive()
@@ -328,7 +339,9 @@ def test_stop_in_turn_stops_the_newest_first_each_gone_before_the_next(tmp_path:
          "signal.SIG_IGN); print('ready', flush=True); time.sleep(300)"],
     )  # fmt: skip
     for child in [*children, stubborn]:
-        _wait_for(f"{child.name} ready", lambda child=child: "ready" in child.tail())
+        eventually(
+            f"{child.name} ready", child.tail, 20, until=lambda tail: "ready" in tail, interval=0.05
+        )
     assert supervisor.stop_in_turn(grace_s=3) == ["stubborn"]
     assert record.read_text().split("\n") == ["api term", "api exit", "etcd term", "etcd exit", ""]
     assert supervisor.leftovers(wait_s=5) == []

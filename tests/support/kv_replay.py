@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 import zmq
 
 from fleetpilot.kv_events import END_SEQ, seq_bytes, seq_of
+from fleetpilot.testing.polling import eventually
 
 DEADLINE_S = 20.0
 
@@ -26,18 +25,21 @@ def replay(
     dealer.connect(connectable(endpoint))
     dealer.send_multipart([b"", seq_bytes(start_seq)])
     out: list[tuple[bytes, int, bytes]] = []
-    deadline = time.monotonic() + DEADLINE_S
+
+    def received() -> list[tuple[bytes, int, bytes]] | None:
+        """Keep the next message (waiting up to 0.2 s for it); ``out`` once the end arrived."""
+        if not dealer.poll(200):
+            return None
+        empty, topic, seq, payload = dealer.recv_multipart()
+        assert empty == b""
+        if seq == END_SEQ:
+            assert (topic, payload) == (b"", b"")
+            return out
+        out.append((topic, seq_of(seq), payload))
+        return None
+
     try:
-        while True:
-            left = deadline - time.monotonic()
-            assert left > 0, "the replay never ended"
-            if not dealer.poll(int(min(left, 0.2) * 1000)):
-                continue
-            empty, topic, seq, payload = dealer.recv_multipart()
-            assert empty == b""
-            if seq == END_SEQ:
-                assert (topic, payload) == (b"", b"")
-                return out
-            out.append((topic, seq_of(seq), payload))
+        # The probe itself waits on the socket: no sleep between rounds.
+        return eventually("the replay's end marker", received, DEADLINE_S, interval=0)
     finally:
         dealer.close()

@@ -37,7 +37,7 @@ class ReplicaView:
     adapter_lru_at: float = -math.inf
     # LoRA adapters the replica lately answered it does not have (a 404 naming the adapter:
     # dynamic LoRA loads adapters into an engine after its pod is ready), none of them in
-    # ``adapters`` (``router.ADAPTER_MISSING_S``).
+    # ``adapters`` (``replica.ADAPTER_MISSING_S``).
     missing_adapters: frozenset[str] = frozenset()
     # Derived once, at construction: every filter and scorer of a pick reads them, several
     # times a replica, and a pick over hundreds of replicas spent a fifth of its time
@@ -75,7 +75,7 @@ class PickRequest:
     pressure: Mapping[str, float] = field(default_factory=dict)
     # Breaks ties alike in every router replica (``picker.pick``): the KV-index key of a
     # prompt block a few past the deepest one any replica holds
-    # (``router.TIE_KEY_LOOKAHEAD_BLOCKS``), so a cold tenant's requests land together and the
+    # (``affinity.TIE_KEY_LOOKAHEAD_BLOCKS``), so a cold tenant's requests land together and the
     # users of one shared prefix spread by their own next blocks. ``None``: break at random.
     tie_key: bytes | None = None
     # The replicas worth scoring in a group too large to score every one

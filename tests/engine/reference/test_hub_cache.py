@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from fleetpilot.engine.reference.settings import (
 from fleetpilot.testing.engine_server import BackgroundServer
 from tests.delivery.hub_server import FakeHub
 from tests.engine.reference.conftest import TINY
-from tests.engine.reference.test_server_process import ServerProcess
+from tests.engine.reference.process_support import ServerProcess, wait_ok
 
 REPO = "acme/tiny-llm"
 BRANCH = "v1"
@@ -235,22 +234,10 @@ def test_the_planned_job_fetches_from_the_mirror_and_the_planned_pod_loads_it(
 
 def _greedy(client: httpx.Client, url: str) -> list[int]:
     """The greedy completion's token ids, once the engine is ready."""
-    _wait_ok(client, url + "/health")
+    wait_ok(url + "/health", get=client.get)
     body = {**GREEDY, "model": REPO, "return_token_ids": True}
     resp = client.post(url + "/v1/completions", json=body)
     assert resp.status_code == 200, resp.text
     ids = resp.json()["choices"][0]["token_ids"]
     assert isinstance(ids, list)
     return [int(i) for i in ids]
-
-
-def _wait_ok(client: httpx.Client, url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if client.get(url).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"{url} never answered 200")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -35,6 +34,7 @@ from fleetpilot.kv_events import (
 )
 from fleetpilot.runtime.processes import free_port
 from fleetpilot.testing.engine_server import BackgroundServer
+from fleetpilot.testing.polling import eventually
 from tests.support.kv_replay import DEADLINE_S, connectable, replay
 
 BLOCK = 16
@@ -90,34 +90,37 @@ class Subscriber:
         self.sock.connect(connectable(endpoint))
         self.batches: list[tuple[int, EventBatch]] = []
 
+    def _receive(self, wait_s: float) -> None:
+        """Keep the next batch, waiting up to ``wait_s`` for it."""
+        if self.sock.poll(int(wait_s * 1000)):
+            topic, seq, payload = self.sock.recv_multipart()
+            assert topic == TOPIC.encode()
+            self.batches.append((seq_of(seq), decode_batch(payload)))
+
     def until(self, done: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + DEADLINE_S
-        while not done():
-            left = deadline - time.monotonic()
-            assert left > 0, f"no {what} within {DEADLINE_S}s; got {self.batches}"
-            if self.sock.poll(int(min(left, 0.2) * 1000)):
-                topic, seq, payload = self.sock.recv_multipart()
-                assert topic == TOPIC.encode()
-                self.batches.append((seq_of(seq), decode_batch(payload)))
+        def received() -> list[tuple[int, EventBatch]]:
+            if not done():
+                self._receive(0.2)
+            return self.batches
+
+        # The probe itself waits on the socket: no sleep between rounds.
+        eventually(what, received, DEADLINE_S, until=lambda _: done(), interval=0)
 
     def sync(self, pub: KVEventPublisher) -> None:
         """Return once every batch published before now has arrived: publish a marker batch
         (no events, ts -1) until one arrives (the first also waits out the SUB handshake)."""
         seen = len(self.batches)
 
-        def marker_arrived() -> bool:
-            if not any(b.ts == -1.0 for _, b in self.batches[seen:]):
-                pub.publish(EventBatch(ts=-1.0, events=[], data_parallel_rank=0))
-                return False
-            return True
+        def arrived() -> bool:
+            return any(b.ts == -1.0 for _, b in self.batches[seen:])
 
-        deadline = time.monotonic() + DEADLINE_S
-        while not marker_arrived():
-            left = deadline - time.monotonic()
-            assert left > 0, "the marker batch never arrived"
-            if self.sock.poll(int(min(left, 0.05) * 1000)):
-                _topic, seq, payload = self.sock.recv_multipart()
-                self.batches.append((seq_of(seq), decode_batch(payload)))
+        def received() -> list[tuple[int, EventBatch]]:
+            if not arrived():
+                pub.publish(EventBatch(ts=-1.0, events=[], data_parallel_rank=0))
+                self._receive(0.05)
+            return self.batches[seen:]
+
+        eventually("the marker batch", received, DEADLINE_S, until=lambda _: arrived(), interval=0)
 
     def events(self, since: int = 0) -> list[Any]:
         return [e for _, batch in self.batches[since:] for e in batch.events]
@@ -303,10 +306,13 @@ def test_a_late_subscriber_replays_every_batch_from_zero_then_end_seq(
         assert pub.replay_endpoint is not None
         complete(bg, PROMPT_A)
         complete(bg, PROMPT_B)
-        deadline = time.monotonic() + DEADLINE_S
-        while pub.published < 2:  # both steps' batches went out (to nobody)
-            assert time.monotonic() < deadline, "nothing was published"
-            time.sleep(0.01)
+        eventually(
+            "both steps' batches published (to nobody)",
+            lambda: pub.published,
+            DEADLINE_S,
+            until=lambda n: n >= 2,
+            interval=0.01,
+        )
         n = pub.published
         batches = replay(ctx, pub.replay_endpoint, 0)
         assert [seq for _, seq, _ in batches] == list(range(n))
@@ -338,10 +344,13 @@ def test_replay_buffer_keeps_only_the_last_buffer_steps_batches(
     try:
         for _ in range(7):
             pub.publish(EventBatch(ts=1.0, events=[AllBlocksCleared()]))
-        deadline = time.monotonic() + DEADLINE_S
-        while pub.published < 7:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        eventually(
+            "7 batches published",
+            lambda: pub.published,
+            DEADLINE_S,
+            until=lambda n: n >= 7,
+            interval=0.01,
+        )
         assert pub.replay_endpoint is not None
         bad = ctx.socket(zmq.DEALER)
         bad.setsockopt(zmq.LINGER, 0)
@@ -363,12 +372,15 @@ def test_a_full_queue_drops_and_counts_without_blocking() -> None:
     )
     pub = KVEventPublisher(config)
     attempts = 0
-    deadline = time.monotonic() + DEADLINE_S
+
+    def publish_one() -> int:
+        nonlocal attempts
+        pub.publish(EventBatch(ts=1.0, events=[AllBlocksCleared()]))
+        attempts += 1
+        return pub.dropped
+
     try:
-        while pub.dropped == 0:
-            assert time.monotonic() < deadline, "the queue never filled"
-            pub.publish(EventBatch(ts=1.0, events=[AllBlocksCleared()]))
-            attempts += 1
+        eventually("a batch dropped", publish_one, DEADLINE_S, until=bool, interval=0)
     finally:
         pub.close()
     assert pub.published + pub.dropped == attempts

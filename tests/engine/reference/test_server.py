@@ -30,19 +30,12 @@ from fleetpilot.engine.reference.server import MAX_BODY_BYTES, build_server
 from fleetpilot.engine.reference.settings import add_arguments
 from fleetpilot.engine.reference.tokenizer import ByteTokenizer
 from fleetpilot.testing.engine_server import BackgroundServer
+from fleetpilot.testing.polling import eventually_async
+from tests.engine.reference.server_support import BASE_ARGS, MODEL, start_server
 
-MODEL = "tiny-model"
 # A prompt of more than one 16-token block, so a repeat hits the prefix cache.
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog, again and again and again."
 GREEDY: dict[str, Any] = {"temperature": 0, "extra_body": {"ignore_eos": True}}
-
-BASE_ARGS = [
-    "--host", "127.0.0.1", "--port", "0", "--model-config", "tiny", "--max-model-len", "256",
-]  # fmt: skip
-
-
-def start_server(*extra: str) -> BackgroundServer:
-    return BackgroundServer.from_argv([*BASE_ARGS, *extra]).start()
 
 
 @pytest.fixture(scope="module")
@@ -628,8 +621,9 @@ async def test_draining_refuses_new_requests_and_finishes_running_ones() -> None
                 return resp.status, await resp.json()
 
         running = asyncio.create_task(post())
-        while srv.in_flight == 0:
-            await asyncio.sleep(0.005)
+        await eventually_async(
+            "the request in flight", lambda: srv.in_flight or None, 30, interval=0.005
+        )
         drain = asyncio.create_task(srv.drain(10.0))
         await asyncio.sleep(0)
         async with session.get("/health") as resp:
@@ -663,8 +657,9 @@ async def test_drain_aborts_what_outlives_the_grace_period() -> None:
                 return await resp.json()
 
         running = asyncio.create_task(post())
-        while srv.in_flight == 0:
-            await asyncio.sleep(0.005)
+        await eventually_async(
+            "the request in flight", lambda: srv.in_flight or None, 30, interval=0.005
+        )
         started = time.monotonic()
         await srv.drain(0.2)
         assert time.monotonic() - started < 3.0
@@ -719,13 +714,17 @@ async def test_client_disconnect_aborts_the_engine_request(slow_server: Backgrou
                 url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=0.3)
             ) as resp:
                 await resp.read()
-    deadline = time.monotonic() + 3.0  # 200 tokens x 20 ms: a finished request takes 4 s
-    while time.monotonic() < deadline:
-        aborted = metric(url, "vllm:request_success_total", finished_reason="abort")
-        running = metric(url, "vllm:num_requests_running")
-        if aborted == before + 2 and running == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert metric(url, "vllm:request_success_total", finished_reason="abort") == before + 2
-    assert metric(url, "vllm:num_requests_running") == 0
+
+    def aborted_and_running() -> tuple[float, float]:
+        return (
+            metric(url, "vllm:request_success_total", finished_reason="abort"),
+            metric(url, "vllm:num_requests_running"),
+        )
+
+    await eventually_async(
+        "both requests aborted, none running",
+        aborted_and_running,
+        3.0,  # 200 tokens x 20 ms: a request generated to the end takes 4 s
+        until=lambda counts: counts == (before + 2, 0),
+    )
     assert metric(url, "vllm:request_success_total", finished_reason="length") == 0

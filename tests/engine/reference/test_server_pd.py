@@ -10,38 +10,26 @@ from __future__ import annotations
 import math
 import socket
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from fleetpilot.routing.policies.pd import PREFILL_KV_PARAMS
 from fleetpilot.testing.engine_server import BackgroundServer
-
-MODEL = "pd-model"
-PROMPT = "Disaggregated serving moves the prompt's KV cache from prefill to decode."
-REQUEST: dict[str, Any] = {
-    "model": MODEL,
-    "prompt": PROMPT,
-    "max_tokens": 12,
-    "temperature": 0,
-    "ignore_eos": True,
-    "return_token_ids": True,
-}
-# What vLLM's toy proxy (and so our router) sends to the prefill server.
-PREFILL_PARAMS = PREFILL_KV_PARAMS
-NIXL = '{"kv_connector": "NixlConnector", "kv_role": "%s"%s}'
-COMMON = [
-    "--host", "127.0.0.1", "--port", "0", "--model-config", "tiny", "--max-model-len", "256",
-    "--served-model-name", MODEL,
-]  # fmt: skip
-
-
-def start(*extra: str) -> BackgroundServer:
-    return BackgroundServer.from_argv([*COMMON, *extra]).start()
+from fleetpilot.testing.polling import eventually
+from tests.engine.reference.pd_support import (
+    MODEL,
+    NIXL,
+    PREFILL_PARAMS,
+    PROMPT,
+    REQUEST,
+    do_prefill,
+    fallbacks,
+    post,
+    start,
+    value,
+)
 
 
 @pytest.fixture(scope="module")
@@ -66,49 +54,9 @@ def decode() -> Iterator[BackgroundServer]:
     srv.stop()
 
 
-def metrics(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    out = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        for s in family.samples:
-            out[(s.name, frozenset(s.labels.items()))] = s.value
-    return out
-
-
-def value(url: str, name: str, **labels: str) -> float:
-    want = {("model_name", MODEL), ("engine", "0"), *labels.items()}
-    hits = [v for (n, got), v in metrics(url).items() if n == name and want <= got]
-    assert len(hits) == 1, (name, labels)
-    return hits[0]
-
-
-def fallbacks(url: str, reason: str) -> float:
-    return value(url, "fleetpilot:kv_transfer_fallbacks_total", reason=reason)
-
-
 # Generous: waits end as soon as their condition holds, and a busy CI machine may deschedule
 # an engine thread for seconds.
 WAIT_S = 30.0
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
-    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
-
-
-def post(srv: BackgroundServer, body: dict[str, Any], path: str = "/v1/completions") -> Any:
-    resp = httpx.post(srv.url + path, json=body, timeout=30)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
-def do_prefill(prefill: BackgroundServer, body: dict[str, Any] = REQUEST) -> dict[str, Any]:
-    first = post(prefill, {**body, "max_tokens": 1, "kv_transfer_params": PREFILL_PARAMS})
-    params = first["kv_transfer_params"]
-    assert params is not None
-    return dict(params)
 
 
 def test_two_hops_equal_one_unified_server_and_skip_the_prefill(
@@ -162,12 +110,12 @@ def test_two_hops_equal_one_unified_server_and_skip_the_prefill(
         assert fallbacks(decode.url, reason) == 0
     # The prefill engine publishes its counters after answering the export (between steps):
     # on a busy machine the decoder can finish first.
-    wait_until(
-        lambda: (
-            value(prefill.url, "fleetpilot:kv_transfer_exported_blocks_total") - exported_before
-            == len(block_ids)
-        ),
-        "the prefill server never counted the exported blocks",
+    eventually(
+        "the exported blocks counted by the prefill server",
+        lambda: value(prefill.url, "fleetpilot:kv_transfer_exported_blocks_total"),
+        WAIT_S,
+        until=lambda exported: exported - exported_before == len(block_ids),
+        interval=0.02,
     )
 
     # The pull released the pin: replaying the same params finds nothing, prefills locally and
@@ -230,7 +178,13 @@ def test_unknown_and_expired_pins_fall_back_to_local_prefill(
         expired = do_prefill(short)
         # expires_at is unix time on this same machine: once it has passed, both the decoder
         # (before pulling) and the prefill server (before serving) see the pin as expired.
-        wait_until(lambda: time.time() > expired["expires_at"], "the pin never expired")
+        eventually(
+            "the pin's expiry passed",
+            time.time,
+            WAIT_S,
+            until=lambda now: now > expired["expires_at"],
+            interval=0.02,
+        )
         out = post(decode, {**REQUEST, "kv_transfer_params": expired})
         assert out["choices"][0]["token_ids"] == reference
         assert fallbacks(decode.url, "not_found") == before + 3
@@ -238,9 +192,12 @@ def test_unknown_and_expired_pins_fall_back_to_local_prefill(
         resp = httpx.post(f"{short.url}/internal/kv/{expired['remote_request_id']}", json={})
         assert resp.status_code == 404
         # ... at its next idle tick, without any request to trigger a step.
-        wait_until(
-            lambda: value(short.url, "vllm:kv_cache_usage_perc") == 0,
-            "the expired pin still holds blocks",
+        eventually(
+            "the expired pin's blocks freed",
+            lambda: value(short.url, "vllm:kv_cache_usage_perc"),
+            WAIT_S,
+            until=lambda usage: usage == 0,
+            interval=0.02,
         )
     finally:
         short.stop()

@@ -16,7 +16,7 @@ import pytest
 
 from fleetpilot.engine.reference.settings import ConfigError
 from fleetpilot.testing.engine_server import BackgroundServer
-from tests.engine.reference.test_server_pd import (
+from tests.engine.reference.pd_support import (
     COMMON,
     NIXL,
     REQUEST,

@@ -5,14 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import queue
-import re
 import signal
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,67 +17,8 @@ from fleetpilot.engine.reference.checkpoint import save_checkpoint
 from fleetpilot.engine.reference.model import LlamaModel
 from fleetpilot.engine.reference.server import build_server, run
 from fleetpilot.engine.reference.settings import MODEL_PRESETS, add_arguments
-
-LISTENING = re.compile(r"listening on (http://\S+)$")
-
-
-class ServerProcess:
-    """A server subprocess whose stderr is read on a thread (so the pipe never fills)."""
-
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        """``env``: the process's whole environment (default: this one's)."""
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fleetpilot.engine.reference.server", *args],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.log: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.log.append(line)
-            self.lines.put(line)
-
-    def wait_listening(self, timeout: float = 60.0) -> str:
-        """The server's URL, from its "listening on" log line (a JSON line by default)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.2)
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    break
-                continue
-            if match := LISTENING.search(_message(line)):
-                return match.group(1)
-        raise AssertionError("server did not start:\n" + "".join(self.log))
-
-    def messages(self) -> list[str]:
-        """The ``msg`` of every JSON log line so far."""
-        return [_message(line) for line in self.log if line.startswith("{")]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-        self._reader.join(5)
-        if self.proc.stderr is not None:
-            self.proc.stderr.close()
-
-
-def _message(line: str) -> str:
-    """A JSON log line's ``msg``; any other line (a library's own print) as it is."""
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return line.rstrip("\n")
-    return str(record.get("msg", "")) if isinstance(record, dict) else line.rstrip("\n")
+from fleetpilot.testing.polling import eventually
+from tests.engine.reference.process_support import ServerProcess, wait_ok
 
 
 @pytest.fixture
@@ -98,24 +32,12 @@ def process() -> Iterator[ServerProcess]:
     proc.close()
 
 
-def wait_healthy(url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError("server never became healthy")
-
-
 def test_sigterm_drains_running_requests_then_exits_zero(process: ServerProcess) -> None:
     """SIGTERM: /health and new requests turn 503 while a running stream finishes, then the
     process exits 0; its logs are JSON lines (the shared default) and never carry a client's
     bearer token."""
     url = process.wait_listening()
-    wait_healthy(url)
+    wait_ok(url + "/health")
     body = {"prompt": "a long one", "max_tokens": 120, "ignore_eos": True, "stream": True}
     with (
         httpx.Client(base_url=url, timeout=30) as client,
@@ -128,10 +50,13 @@ def test_sigterm_drains_running_requests_then_exits_zero(process: ServerProcess)
 
         process.proc.send_signal(signal.SIGTERM)
         # New work is refused while the running request goes on (>= 1 s: 120 steps x 10 ms).
-        deadline = time.monotonic() + 5
-        while httpx.get(url + "/health").status_code != 503:
-            assert time.monotonic() < deadline, "health never turned 503"
-            time.sleep(0.02)
+        eventually(
+            "/health answering 503",
+            lambda: httpx.get(url + "/health").status_code,
+            5,
+            until=lambda status: status == 503,
+            interval=0.02,
+        )
         refused = httpx.post(
             url + "/v1/completions",
             json={"prompt": "x", "max_tokens": 1},
