@@ -2,20 +2,22 @@
 start, a live replica kept or given up, ``give_up`` before the budget) and a stream already
 flowing (budget from the last chunk). When it ends the awaited work, and when it must not.
 
-Real asyncio time with short budgets; the bounds are generous (a noisy machine), and every test
-that a broken watch would leave waiting forever runs under an outer deadline or an hour-long
-sleep that the watch must cut.
+Each test runs on a virtual-time loop (``tests.support.virtual_time``): the watch's waiting is
+all timers, so the times asserted are exact whatever the machine's load, and a watch that never
+ends its work meets the outer deadline (or the hour-long sleep) at once instead of hanging.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import pytest
 
 from fleetpilot.routing.liveness import LivenessWatch, SilentReplicaError
-
-pytestmark = pytest.mark.asyncio
+from tests.support.virtual_time import run_virtual
 
 BUDGET_S = 0.2
 # Far past any budget here: a test that reaches it found a watch that never ended the loop.
@@ -37,7 +39,20 @@ class Probe:
         return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
 
 
+def virtual(test: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
+    """Run the async test on a virtual-time loop."""
+
+    @functools.wraps(test)
+    def run(*args: Any, **kwargs: Any) -> None:
+        run_virtual(test(*args, **kwargs))
+
+    return run
+
+
 # -- the first byte ---------------------------------------------------------------------------
+
+
+@virtual
 async def test_an_answer_within_the_budget_is_never_probed() -> None:
     """An attempt answered within the budget costs no probe, and its timer does not fire after the
     block."""
@@ -48,6 +63,7 @@ async def test_an_answer_within_the_budget_is_never_probed() -> None:
     assert probe.calls == 0
 
 
+@virtual
 async def test_a_dead_replica_ends_the_attempt_at_the_budget() -> None:
     """A replica failing its liveness probe ends the attempt (verdict dead) once the probe is due,
     not after the hour the attempt would wait."""
@@ -59,12 +75,12 @@ async def test_a_dead_replica_ends_the_attempt_at_the_budget() -> None:
             await asyncio.sleep(3600)
     assert caught.value.verdict == "dead"
     assert probe.calls == 1
-    # Not before the probe was due (half the budget here); the upper bound only says "not the
-    # hour the attempt would have waited".
-    assert loop.time() - started >= BUDGET_S / 2
-    assert loop.time() - started < 60
+    # When the probe was due (half the budget here; the probe itself answers at once), not the
+    # hour the attempt would have waited.
+    assert loop.time() - started == pytest.approx(BUDGET_S / 2)
 
 
+@virtual
 async def test_a_live_replica_keeps_a_long_attempt_until_its_probe_fails() -> None:
     """A replica that answers its probes keeps the attempt, probed again each budget, until a probe
     fails."""
@@ -75,6 +91,7 @@ async def test_a_live_replica_keeps_a_long_attempt_until_its_probe_fails() -> No
     assert (caught.value.verdict, probe.calls) == ("dead", 3)
 
 
+@virtual
 async def test_a_live_but_slow_replica_is_given_up_when_the_caller_will_not_wait() -> None:
     """Without keep_while_alive (the prefill hop) even a live replica is given up at the budget,
     with verdict slow."""
@@ -85,6 +102,7 @@ async def test_a_live_but_slow_replica_is_given_up_when_the_caller_will_not_wait
     assert caught.value.verdict == "slow"
 
 
+@virtual
 async def test_a_long_attempt_on_a_live_replica_completes() -> None:
     """A long non-streamed attempt on a live replica runs to its end, however many budgets it
     spans."""
@@ -94,6 +112,7 @@ async def test_a_long_attempt_on_a_live_replica_completes() -> None:
     assert probe.calls >= 2
 
 
+@virtual
 async def test_the_attempts_own_error_and_an_outer_cancellation_pass_through() -> None:
     """The watch changes nothing else: the attempt's own exception, a cancellation and an outer
     request timeout reach the caller as they are."""
@@ -120,6 +139,7 @@ async def test_the_attempts_own_error_and_an_outer_cancellation_pass_through() -
         await within_request_timeout()
 
 
+@virtual
 async def test_give_up_ends_the_attempt_before_its_budget_without_a_probe() -> None:
     """Issue 41: a wait on a replica that turned suspect is given up (verdict suspect) as soon
     as ``give_up`` says so, asked from ``give_up_after_s`` on - not only at the budget's end,
@@ -148,6 +168,7 @@ async def test_give_up_ends_the_attempt_before_its_budget_without_a_probe() -> N
     assert (asked, probe.calls, due) == (2, 0, [0])
 
 
+@virtual
 async def test_give_up_is_not_asked_of_an_attempt_answered_in_time() -> None:
     """An answer before ``give_up_after_s`` costs no question, and no timer fires later."""
     asked = []
@@ -163,6 +184,7 @@ async def test_give_up_is_not_asked_of_an_attempt_answered_in_time() -> None:
 # -- a stream already flowing ------------------------------------------------------------
 
 
+@virtual
 async def test_a_steady_stream_is_never_probed() -> None:
     """Chunks far more often than the budget: no probe, however long the stream runs, and no timer
     fires after the block."""
@@ -179,6 +201,7 @@ async def test_a_steady_stream_is_never_probed() -> None:
     assert watch.verdict is None
 
 
+@virtual
 async def test_a_silent_stream_on_a_dead_replica_ends_promptly() -> None:
     """No chunk for the budget and a failed probe: the read is cancelled and
     SilentReplicaError raised, not the hour the read would have waited."""
@@ -203,10 +226,10 @@ async def test_a_silent_stream_on_a_dead_replica_ends_promptly() -> None:
     assert watch.verdict == "dead"
     assert probe.calls == 1
     assert caught.value.budget_s == BUDGET_S
-    assert elapsed >= BUDGET_S / 2  # not before the probe was due
-    assert elapsed < 5
+    assert elapsed == pytest.approx(BUDGET_S / 2)  # when the probe was due
 
 
+@virtual
 async def test_the_budget_counts_from_the_last_chunk() -> None:
     """A stream that flowed for several budgets and then went silent is ended a budget after its
     last chunk, not measured from its start."""
@@ -225,10 +248,11 @@ async def test_the_budget_counts_from_the_last_chunk() -> None:
 
     with pytest.raises(SilentReplicaError):
         await read()
-    assert loop.time() - last[0] >= BUDGET_S / 2
+    assert loop.time() - last[0] == pytest.approx(BUDGET_S / 2)
     assert probe.calls == 1
 
 
+@virtual
 async def test_a_silent_stream_on_a_live_replica_keeps_reading() -> None:
     """A replica that answers its probe is slow, not dead: the loop keeps waiting, probed again a
     budget later, and reads on when the chunks come back."""
@@ -245,6 +269,7 @@ async def test_a_silent_stream_on_a_live_replica_keeps_reading() -> None:
     assert loop.time() - chunks_back < 5
 
 
+@virtual
 async def test_a_live_replica_that_dies_ends_the_stream_at_its_failed_probe() -> None:
     """Probes that pass keep the loop; the first that fails ends it."""
     probe = Probe(True, True, False)
@@ -254,6 +279,7 @@ async def test_a_live_replica_that_dies_ends_the_stream_at_its_failed_probe() ->
     assert probe.calls == 3
 
 
+@virtual
 async def test_a_stream_that_ends_before_the_budget_costs_no_probe() -> None:
     probe = Probe(False)
     async with LivenessWatch(probe, BUDGET_S) as watch:
@@ -264,6 +290,7 @@ async def test_a_stream_that_ends_before_the_budget_costs_no_probe() -> None:
 
 
 @pytest.mark.parametrize("budget", [0.0, -1.0])
+@virtual
 async def test_a_budget_must_be_positive(budget: float) -> None:
     """A budget of zero or less is refused when the watch is made, not a timer that fires at
     once."""
