@@ -1,5 +1,7 @@
 """vLLM's KV-cache events on the wire: what an engine publishes, what the router reads.
 
+The wire format only, no I/O: the engines publish and the router subscribes over ZMQ elsewhere.
+
 An engine started with ``--kv-events-config '{"enable_kv_cache_events": true, "publisher":
 "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'`` tells the world which
 prefix blocks it holds. The contract (vLLM 0.33, ``vllm/distributed/kv_events.py``):

@@ -1,9 +1,17 @@
-"""The import graph of the package, as import-linter's own graph library (grimp) builds it."""
+"""The import graph of the package, as import-linter's own graph library (grimp) builds it, and
+the modules that say they do no I/O, as its no-I/O contract checks them."""
 
 from __future__ import annotations
 
+import ast
+import re
+import tomllib
+from pathlib import Path
+
 import grimp
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +78,58 @@ def test_the_cycle_finder_finds_a_circle() -> None:
         graph.add_import(importer=importer, imported=imported)
     graph.add_import(importer="pkg.d", imported="pkg.a")
     assert module_cycles(graph) == [["pkg.a", "pkg.b", "pkg.c"]]
+
+
+# A module's docstring claims it does no I/O in one of these words; the tests below keep the
+# claims and the import-linter contract that checks them one list.
+NO_IO_CLAIM = re.compile(r"purely\s+computational|\bno I/O\b|\bpure:", re.IGNORECASE)
+
+
+def no_io_contract() -> list[str]:
+    """The source modules of the no-I/O import-linter contract (pyproject.toml)."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    contracts = config["tool"]["importlinter"]["contracts"]
+    (contract,) = [c for c in contracts if "no I/O" in c["name"]]
+    return list(contract["source_modules"])
+
+
+def docstrings() -> dict[str, str]:
+    """Every module of the package (a package by its ``__init__``), by dotted name."""
+    found = {}
+    for path in sorted((ROOT / "fleetpilot").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = ast.get_docstring(ast.parse(path.read_text())) or ""
+    return found
+
+
+def claims_off_contract(docs: dict[str, str], contract: list[str]) -> tuple[list[str], list[str]]:
+    """Modules that claim no I/O but the contract does not check (a module is checked with a
+    package the contract names), and contract entries whose docstring makes no such claim."""
+    packages = {name.rpartition(".")[0] for name in docs}
+
+    def checked(name: str) -> bool:
+        return any(name == c or name.startswith(c + ".") for c in contract)
+
+    unchecked = [
+        name
+        for name, doc in docs.items()
+        if name not in packages and NO_IO_CLAIM.search(doc) and not checked(name)
+    ]
+    unclaimed = [name for name in contract if not NO_IO_CLAIM.search(docs.get(name, ""))]
+    return unchecked, unclaimed
+
+
+def test_every_module_that_claims_no_io_is_in_the_contract_and_back() -> None:
+    assert claims_off_contract(docstrings(), no_io_contract()) == ([], [])
+
+
+def test_a_claim_outside_the_contract_and_a_silent_entry_are_reported() -> None:
+    docs = {
+        "pkg": "Pure parts: no I/O.",
+        "pkg.a": "Purely\ncomputational.",
+        "pkg.b": "Reads files.",
+        "pkg.c": "No I/O.",
+    }
+    assert claims_off_contract(docs, ["pkg", "pkg.b"]) == ([], ["pkg.b"])
+    assert claims_off_contract(docs, ["pkg.b"]) == (["pkg.a", "pkg.c"], ["pkg.b"])

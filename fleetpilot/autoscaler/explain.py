@@ -1,4 +1,5 @@
 """The sentence of a scaling decision: the reason shown in Events, status and the local CLI.
+No I/O.
 
 ``reason(spec, assessment, sizing, source_note) -> (ReasonKind, str)`` words what
 :func:`fleetpilot.autoscaler.policy.decide` found and did, e.g.

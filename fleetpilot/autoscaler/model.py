@@ -1,4 +1,5 @@
 """The autoscaler's plain data: what is observed, the settings, the history and the decision.
+No I/O.
 
 Frozen dataclasses and enums with no behaviour beyond validating themselves: the metrics
 sources fill :class:`Metrics`, :func:`fleetpilot.autoscaler.policy.decide` turns an

@@ -1,4 +1,5 @@
 """Server-side-apply field managers: who owns which field of the objects fleetpilot writes.
+Names only, no I/O.
 
 The operator applies everything it plans; the autoscaler writes only ``spec.replicas`` (through
 the scale subresource) and its own parts of the status. Distinct managers are what let the

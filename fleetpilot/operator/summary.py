@@ -1,5 +1,5 @@
 """A readable account of a plan: per tier and role, replicas, GPUs, capacity and the engine
-command."""
+command. No I/O: a plan in, text out."""
 
 from __future__ import annotations
 

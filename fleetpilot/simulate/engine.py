@@ -1,4 +1,5 @@
 """One simulated engine replica: continuous batching with chunked prefill and a prefix cache.
+No I/O: simulated time in, simulated events out.
 
 The engine runs in steps (``profile.EngineCosts``), but the simulator does not visit each step:
 between two events of a replica (an arrival, a prompt finished, a sequence finished) its batch

@@ -1,4 +1,5 @@
 """Prompt tokens for the simulator: lengths like a real tokenizer's, ids from the content.
+No I/O.
 
 A real tokenizer costs tens of microseconds per hundred characters, more than the rest of a
 simulated request. What the simulator needs from one is only what the engines and the router

@@ -1,5 +1,5 @@
 """The one error of the request tokenizer: every module of the package raises it, so it sits
-below them all."""
+below them all. No I/O."""
 
 from __future__ import annotations
 
