@@ -25,7 +25,8 @@ Its two uses:
 Cheap on the common path: no task of its own, one or two timer handles and one
 ``asyncio.timeout`` around the caller's own await; ``progress`` stores the loop time, and one
 timer per budget period, not per chunk, checks whether the exchange went quiet. The probe runs
-only when the budget is nearly spent.
+only when the budget is nearly spent. The watch does no I/O of its own: the probe is the
+caller's.
 """
 
 from __future__ import annotations
