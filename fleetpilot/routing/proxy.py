@@ -2,6 +2,12 @@
 (two hops for a disaggregated tier), retry before the first byte, and relay the answer -
 streamed chunk by chunk as it arrives, never buffered.
 
+The entry and the retry loop live here; each other concern has a module of its own, wired by
+:class:`Proxy`: ``admission`` (client and in-flight counts, the fair queue, the cold-start
+hold), ``exchange`` (one request's state as it travels), ``upstream`` (attempts on replicas:
+their counters, the first-byte watch, the records, the P/D prefill hop) and ``relay`` (the
+answer back, streamed and resumed).
+
 Upstream client: one pooled ``aiohttp.ClientSession``. ``bench/router_client.py`` measured it
 against ``httpx.AsyncClient`` on the same echo backend; aiohttp had the lower per-request cost
 (numbers in ``bench/results/router_client.json``).
@@ -10,110 +16,64 @@ against ``httpx.AsyncClient`` on the same echo backend; aiohttp had the lower pe
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import logging
-import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
-from datetime import timedelta
-from types import TracebackType
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from fleetpilot.api.router_config import FlowConfig, RouterTier
 from fleetpilot.httpserver import content_type_refusal, is_json_content_type
-from fleetpilot.openai_errors import error_body, normalize_error
+from fleetpilot.routing.admission import Admission, Entry
 from fleetpilot.routing.auth import AuthGate, Tenant
 from fleetpilot.routing.errors import (
     BodyTooLargeError,
     InvalidRequestError,
-    NoReplicaError,
-    OverloadedError,
     RouterError,
     UpstreamFailedError,
     UpstreamTimeoutError,
-    model_not_found,
 )
+from fleetpilot.routing.exchange import Exchange, Resumable
 from fleetpilot.routing.features import Kind, RequestFeatures, extract_features
-from fleetpilot.routing.first_byte import FirstByteTimeoutError, FirstByteWatch
-from fleetpilot.routing.flow import FairQueue, QueueFullError, Ticket, may_start
-from fleetpilot.routing.health import answers_health
-from fleetpilot.routing.hold import ColdStartHold
-from fleetpilot.routing.limits import (
-    DEFAULT_COMPLETION_RESERVE,
-    RateLimitedError,
-    TenantLimits,
-    client_may_start,
-)
+from fleetpilot.routing.limits import TenantLimits
 from fleetpilot.routing.metrics import RouterMetrics
-from fleetpilot.routing.policies.pd import (
-    KV_TRANSFER_PARAMS,
-    client_body,
-    decode_request,
-    kv_params_of,
-    prefill_request,
+from fleetpilot.routing.policies.pd import KV_TRANSFER_PARAMS, client_body, decode_request
+from fleetpilot.routing.relay import (
+    REQUEST_ID_HEADER,
+    ROUTE_HEADER,
+    STATUS_CLIENT_CLOSED,
+    Relay,
+    stream_error,
+    usage_tokens,
 )
 from fleetpilot.routing.replica import ReplicaState
 from fleetpilot.routing.replies import REPLY_CAPTURE_TOTAL_BYTES, CaptureBudget, ReplyCapture
-from fleetpilot.routing.resume import (
-    Rewriter,
-    Sent,
-    StreamLedger,
-    closing,
-    continuation,
-    read_sent,
-    resumable_body,
-    tokenize_request,
-)
+from fleetpilot.routing.resume import resumable_body
 from fleetpilot.routing.route import Resolved, Route
 from fleetpilot.routing.router import Router
-from fleetpilot.routing.stall import StallError, StallWatch
+from fleetpilot.routing.upstream import (
+    FIRST_BYTE_TIMEOUT,
+    SUSPECT,
+    Answer,
+    Attempt,
+    Upstream,
+    json_bytes,
+)
+
+__all__ = ["ROUTE_HEADER", "Proxy", "error_response", "usage_tokens"]
 
 log = logging.getLogger(__name__)
 
-ROUTE_HEADER = "x-fleetpilot-route"
-# How often a held request (its tier at zero replicas) looks for a replica again: an engine
-# takes seconds to start, so a quarter second adds little and costs nothing.
-COLD_START_POLL_S = 0.25
-# How often the head of the fair queue tries again while no request ends (capacity also frees
-# when a scrape shows an engine's batch emptier than the router thought).
-FLOW_POLL_S = 0.05
-# A tenant that sent a request within this long is active on its tier (it keeps its headroom
-# there: routing.flow) even while nothing of its is in flight or queued.
-ACTIVE_WINDOW_S = 10.0
-REQUEST_ID_HEADER = "X-Request-Id"
 PATHS: dict[Kind, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # Client headers an engine may need; everything else (cookies, hop-by-hop headers, Host) stays
 # here. Authorization is forwarded for engines started with --api-key, and never logged.
 FORWARDED_HEADERS = ("Authorization", "Accept", "traceparent", "tracestate")
-# Upstream answer headers worth relaying; lengths and encodings are the server's own business.
-RELAYED_HEADERS = ("Content-Type", "Cache-Control")
-STATUS_CLIENT_CLOSED = "499"  # nginx's code for "client closed the request"
-# The cause of an attempt that got no first byte within its budget from a replica that then
-# failed its liveness probe: frozen (SIGSTOP), wedged, or its node gone without a RST.
-FIRST_BYTE_TIMEOUT = "first-byte-timeout"
-# The cause of an attempt given up before its budget because its replica turned suspect
-# (policies.suspicion) while another could take the request: retried, counted as no failure
-# (the replica's own missed scrapes count towards its ejection).
-SUSPECT = "suspect"
-# The /health question asked of a replica where a request has waited ``suspect_after_s``:
-# a live engine's API server answers it in milliseconds (vLLM's does not wait on the engine
-# core); a quarter second covers a busy event loop, and a wrong "silent" costs little - the
-# replica is passed over only until its next scrape or answer.
-SUSPICION_PROBE_S = 0.25
-# Causes that are waits which ran out (the replica said nothing), not quick refusals: an
-# ejection they led to is not worth a try in panic mode (``picker.HealthFilter``).
-HUNG_CAUSES = frozenset({"timeout", FIRST_BYTE_TIMEOUT, "stall"})
-# The cause of an attempt answered 404 for its LoRA adapter by a healthy replica that has not
-# loaded it yet (dynamic LoRA): retried like a failure, counted as none.
-ADAPTER_MISSING = "adapter-missing"
 # Threads computing the KV-index keys of long prompts off the event loop (router.PreparedKeys):
 # the encode itself releases the GIL, the template render and key chaining hold it, so more
 # workers than the two a router pod's CPU gives would queue on the GIL; two let a second long
@@ -126,67 +86,10 @@ TOKENIZE_WORKERS = 2
 PARSE_OFF_LOOP_BYTES = 4096
 
 
-@dataclass
-class _Exchange:
-    """Bookkeeping of one client request."""
-
-    started: float
-    # Whose key the request carries (routing.auth); None without auth.
-    tenant: Tenant | None = None
-    # The tenant's buckets when it has limits: what admission reserved, the rate-limit
-    # headers of the answer, and the tokens the answer says it used (usage), when it says.
-    limits: TenantLimits | None = None
-    reserved: int = 0
-    rate_headers: dict[str, str] = field(default_factory=dict)
-    answered: bool = False  # an engine answered 200: tokens were spent
-    used: int | None = None
-    route: Route | None = None
-    response: web.StreamResponse | None = None
-    replica: ReplicaState | None = None
-    request_id: str = ""
-    counted: bool = False
-    # The replica whose pending_prefill holds this request's prompt blocks, until its first
-    # chunk (or the end of the attempt) takes them off.
-    prefilling: ReplicaState | None = None
-    prefill_blocks: int = 0
-    # While the request is held for a tier at zero: the hold, and when it began (monotonic);
-    # the request timeout ending it answers as the hold running out does.
-    hold: ColdStartHold | None = None
-    held_since: float = 0.0
-    # The tier whose batch slots count this request as its tenant's (routing.flow).
-    flight_tier: str | None = None
-    in_flight: bool = False  # counted against backpressure.maxInFlight (its body arrived)
-
-    def begin_prefill(self, replica: ReplicaState, blocks: int) -> None:
-        self.end_prefill()
-        self.prefilling, self.prefill_blocks = replica, blocks
-        replica.pending_prefill += blocks
-
-    def end_prefill(self) -> None:
-        if self.prefilling is not None:
-            self.prefilling.pending_prefill -= self.prefill_blocks
-            self.prefilling = None
-
-
-@dataclass
-class _Resumable:
-    """What continuing a stream on another replica needs (routing.streamResumes)."""
-
-    kind: Kind
-    body: dict[str, Any]  # the client's request, as engines are sent it
-    path: str
-    headers: dict[str, str]
-    left: int  # continuations this request may still have
-
-
-def _json_bytes(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
-
-
 def error_response(error: RouterError) -> web.Response:
     return web.Response(
         status=error.status,
-        body=_json_bytes(error.body()),
+        body=json_bytes(error.body()),
         content_type="application/json",
         headers=error.response_headers(),
     )
@@ -207,36 +110,21 @@ class Proxy:
         self.router = router
         self.metrics = metrics
         self.session = session
-        self.debug_route_header = debug_route_header
         # API keys (routing.auth): None or a gate without a ring admits every request.
         self.auth = auth
-        # Requests waiting for capacity (routing.flow), and how to wake each.
-        self.queue = FairQueue(max_queued=1)
-        self._waiters: dict[int, asyncio.Event] = {}
-        # Per tier, each tenant's requests in flight, when it last sent one, and its weight:
-        # who is active there, and what each holds (flow.may_start).
-        self._flight: dict[str, dict[str, int]] = {}
-        self._seen: dict[tuple[str, str], float] = {}
-        self._weights: dict[str, float] = {}
-        self.in_flight = 0
-        # Per client (tenant, or source address without keys): requests from their headers
-        # to their end, bodies still arriving included (backpressure.maxUnfinishedPerClient).
-        self._unfinished: dict[str, int] = {}
-        self._client_timeout: aiohttp.ClientTimeout | None = None
+        self.admission: Admission[Route] = Admission(router, metrics, self._route)
+        self.upstream = Upstream(router, metrics, session)
+        self.relay = Relay(router, metrics, self.upstream, debug_route_header=debug_route_header)
         self._tokenize_pool = ThreadPoolExecutor(
             TOKENIZE_WORKERS, thread_name_prefix="fleetpilot-tokenize"
         )
-        self._remember_pool = ThreadPoolExecutor(1, thread_name_prefix="fleetpilot-remember")
         self._capture_budget = CaptureBudget(REPLY_CAPTURE_TOTAL_BYTES)
-        # The /health questions in flight (``_question``), one per replica at most.
-        self._questions: dict[str, asyncio.Task[None]] = {}
 
     def close(self) -> None:
         """Stop the worker threads (a prompt being tokenized finishes; queued work is dropped)."""
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
-        self._remember_pool.shutdown(wait=False, cancel_futures=True)
-        for task in self._questions.values():
-            task.cancel()
+        self.relay.close()
+        self.upstream.close()
 
     # -- entry -------------------------------------------------------------------------------
     async def handle(self, request: web.Request, kind: Kind) -> web.StreamResponse:
@@ -244,7 +132,6 @@ class Proxy:
         requests, the tenant's request rate), then the body; only a request whose body has
         arrived counts against ``maxInFlight``, so clients sending bodies slowly - each cut by
         the listener's body rule (``httpserver.body_verdict``) - cannot fill it (issue 41)."""
-        config = self.router.config
         tenant: Tenant | None = None
         ring = self.auth.ring if self.auth is not None else None
         if ring is not None:
@@ -265,152 +152,84 @@ class Proxy:
                 )
             )
         client = tenant.name if tenant is not None else (request.remote or "")
-        unfinished = self._unfinished.get(client, 0)
-        if not client_may_start(unfinished, config.backpressure.per_client_cap()):
-            return self._reject(
-                OverloadedError(
-                    f"this client has {unfinished} unfinished requests, its limit on this "
-                    "router; retry when one has ended",
-                    reason="client_overloaded",
-                    headers={"Retry-After": self._retry_after()},
-                )
-            )
-        self._unfinished[client] = unfinished + 1
-        self.metrics.unfinished.inc()
         try:
-            return await self._admitted(request, kind, tenant)
+            self.admission.open_client(client)
+        except RouterError as exc:
+            return self._reject(exc)
+        try:
+            exchange = Exchange(request, kind, self.metrics, tenant=tenant, entry=Entry(tenant))
+            return await self._admitted(exchange)
         finally:
-            self.metrics.unfinished.dec()
-            left = self._unfinished[client] - 1
-            if left:
-                self._unfinished[client] = left
-            else:
-                del self._unfinished[client]
+            self.admission.close_client(client)
 
-    def _retry_after(self) -> str:
-        return str(max(1, round(self.router.config.backpressure.retry_after.total_seconds())))
-
-    async def _admitted(
-        self, request: web.Request, kind: Kind, tenant: Tenant | None
-    ) -> web.StreamResponse:
-        config = self.router.config
-        exchange = _Exchange(started=time.perf_counter(), tenant=tenant)
+    async def _admitted(self, exchange: Exchange) -> web.StreamResponse:
+        timeout_s = self.router.config.request_timeout.total_seconds()
         try:
-            async with asyncio.timeout(config.request_timeout.total_seconds()):
-                return await self._handle(request, kind, exchange)
+            async with asyncio.timeout(timeout_s):
+                return await self._handle(exchange)
         except RouterError as exc:
             if exchange.response is not None:
                 return exchange.response
             if exchange.route is not None:
                 # Routed, then failed upstream: say where it went.
-                exc.headers = {
-                    **exc.headers,
-                    ROUTE_HEADER: self._route_header(exchange.route, exchange.replica),
-                }
+                header = self.relay.route_header(exchange.route, exchange.replica)
+                exc.headers = {**exc.headers, ROUTE_HEADER: header}
             return self._reject(exc)
         except asyncio.CancelledError:
             # The client left (handler cancellation) before its answer was complete: count it
             # as proxies do, whichever await it left in (a non-streamed request spends its
             # whole wait inside the upstream call, before any relaying).
-            self._count(exchange, STATUS_CLIENT_CLOSED)
+            exchange.count(STATUS_CLIENT_CLOSED)
             raise
         except TimeoutError:
-            if exchange.hold is not None:
-                # Held for a tier at zero until the request's own timeout: the hold ran out.
-                waited = time.monotonic() - exchange.held_since
-                return self._reject(exchange.hold.refusal(waited))
-            if (
-                exchange.replica is not None
-                and exchange.route is not None
-                and exchange.response is None
-            ):
-                # A replica that gave no byte within the whole timeout is hung or hopelessly
-                # behind: it counts towards ejection like a refused connection.
-                self._upstream_failed(exchange.route, exchange.replica, "timeout")
-            if exchange.response is not None:
-                # Mid-stream: the status is sent; end the stream with an error event.
-                await self._stream_error(exchange.response, 504, "request timeout exceeded")
-                self._count(exchange, "504")
-                return exchange.response
-            self._count(exchange, "504")
-            return error_response(
-                UpstreamTimeoutError(
-                    "the request exceeded the router's request timeout", reason="timeout"
-                )
-            )
+            return await self._timed_out(exchange)
         finally:
-            if exchange.in_flight:
-                self.in_flight -= 1
-                self.metrics.in_flight.dec()
-            if exchange.flight_tier is not None:
-                self._end_flight(exchange)
-            self._wake_head()  # a request ended: the next waiting one may fit now
-            if exchange.limits is not None:
-                # Nothing generated (refused, failed): the reserve back; else what the answer
-                # says it used, when it says.
-                used = exchange.used if exchange.answered else 0
-                exchange.limits.settle(exchange.reserved, used, time.monotonic())
+            self.admission.finish(exchange.entry)
+            exchange.settle()
 
-    def _route_header(
-        self, route: Route, replica: ReplicaState | None = None, prefill: str | None = None
-    ) -> str:
-        addresses = self.debug_route_header or self.router.config.debug_route_header
-        return route.header(replica, prefill, addresses=addresses)
+    async def _timed_out(self, exchange: Exchange) -> web.StreamResponse:
+        """The answer to a request its own timeout ended."""
+        held = self.admission.hold_refusal(exchange.entry)
+        if held is not None:
+            # Held for a tier at zero until the request's own timeout: the hold ran out.
+            return self._reject(held)
+        if (
+            exchange.replica is not None
+            and exchange.route is not None
+            and exchange.response is None
+        ):
+            # A replica that gave no byte within the whole timeout is hung or hopelessly
+            # behind: it counts towards ejection like a refused connection.
+            self.upstream.failed(exchange.route, exchange.replica, "timeout")
+        if exchange.response is not None:
+            # Mid-stream: the status is sent; end the stream with an error event.
+            await stream_error(exchange.response, 504, "request timeout exceeded")
+            exchange.count("504")
+            return exchange.response
+        exchange.count("504")
+        return error_response(
+            UpstreamTimeoutError(
+                "the request exceeded the router's request timeout", reason="timeout"
+            )
+        )
 
     def _reject(self, error: RouterError) -> web.Response:
         self.metrics.rejected.labels(str(error.status), error.reason or "").inc()
         return error_response(error)
 
-    def _count(self, exchange: _Exchange, status: str) -> None:
-        route = exchange.route
-        if route is None or exchange.counted:
-            return
-        exchange.counted = True
-        replica = exchange.replica or route.replica
-        tier = route.tier.name
-        self.metrics.count_request(tier, replica.id, status, time.perf_counter() - exchange.started)
-
     # -- one request -------------------------------------------------------------------------
-    async def _handle(
-        self, request: web.Request, kind: Kind, exchange: _Exchange
-    ) -> web.StreamResponse:
-        config = self.router.config
-        limits = self._tenant_limits(exchange)
-        if limits is not None:
-            # The request itself is taken now, from the headers: a key at its request limit
-            # gets 429 before it may send (or trickle) a body. Its tokens, once parsed.
-            exchange.rate_headers = limits.admit_request(time.monotonic())
-            exchange.limits = limits
-        raw = await _read_body(request, config.max_body_bytes)
-        if self.in_flight >= config.backpressure.max_in_flight:
-            raise OverloadedError(
-                "the router is at its in-flight limit; retry later",
-                reason="overloaded",
-                headers={"Retry-After": self._retry_after()},
-            )
-        exchange.in_flight = True
-        self.in_flight += 1
-        self.metrics.in_flight.inc()
-        if len(raw) > PARSE_OFF_LOOP_BYTES:
-            loop = asyncio.get_running_loop()
-            body, features = await loop.run_in_executor(
-                self._tokenize_pool, _parse, raw, kind, request.headers
-            )
-        else:
-            body, features = _parse(raw, kind, request.headers)
-        if exchange.tenant is not None:
-            tenant = exchange.tenant
-            features = replace(
-                features,
-                allowed_tiers=tenant.allowed_tiers,
-                allowed_adapters=tenant.allowed_adapters,
-            )
-            self._admit(exchange, features)
+    async def _handle(self, exchange: Exchange) -> web.StreamResponse:
+        # The request itself is taken from the tenant's bucket now, from the headers: a key at
+        # its request limit gets 429 before it may send (or trickle) a body; its tokens once
+        # parsed.
+        exchange.admit_request(self._tenant_limits(exchange))
+        raw = await _read_body(exchange.request, self.router.config.max_body_bytes)
+        self.admission.take_in_flight(exchange.entry)
+        body, features = await self._parsed(exchange, raw)
         decided = time.perf_counter()
-        route = await self._decide(self.router.resolve(features), exchange)
+        route = await self.admission.decide(self.router.resolve(features), exchange.entry)
         self.metrics.decision_seconds.observe(time.perf_counter() - decided)
         exchange.route = route
-        self._start_flight(exchange, route.tier.name)
         tier = route.tier
         self.metrics.count_decision(
             tier.name, route.reason, route.prefix_match, route.prefix_source
@@ -419,287 +238,39 @@ class Proxy:
             self.metrics.tokenizer_errors.labels(tier.name).inc()
         if route.spilled_from is not None:
             self.metrics.spillovers.labels(route.spilled_from, tier.name).inc()
-
-        headers = _upstream_headers(request)
-        if exchange.tenant is not None:
-            # The tenant's key is the router's to check, not the engines' to see.
-            headers.pop("Authorization", None)
-        exchange.request_id = headers[REQUEST_ID_HEADER]
-        path = PATHS[kind]
-        prefill_id: str | None = None
+        await self._prepare(exchange, body, raw, features)
         try:
-            if route.local_prefill:  # the decode replica holds the prompt: no hop
-                self.metrics.pd_local_prefills.labels(tier.name).inc()
-                payload = _json_bytes(client_body(body, route.served_model))
-            elif route.disaggregated:
-                params, cause = await self._prefill_hop(route, body, path, headers)
-                if params is not None:
-                    prefill_id = route.prefill.id if route.prefill else None
-                    payload = _json_bytes(decode_request(body, route.served_model, params))
-                else:
-                    self.metrics.pd_fallbacks.labels(tier.name, cause).inc()
-                    payload = _json_bytes(client_body(body, route.served_model))
-            elif body.get("model") == route.served_model and KV_TRANSFER_PARAMS not in body:
-                payload = raw  # the common pinned case: forward the client's bytes untouched
-            else:
-                payload = _json_bytes(client_body(body, route.served_model))
-        except RecursionError:
-            raise InvalidRequestError(
-                "the request body is nested too deeply", reason="invalid_json"
-            ) from None
-        capture = self._reply_capture(kind, route, body, len(raw))
-        resumable = None
-        if features.stream and config.stream_resumes > 0 and resumable_body(kind, body):
-            resumable = _Resumable(
-                kind, client_body(body, route.served_model), path, headers, config.stream_resumes
-            )
-        try:
-            return await self._send(
-                request,
-                exchange,
-                route,
-                path,
-                payload,
-                headers,
-                features.stream,
-                prefill_id,
-                capture,
-                resumable,
-            )
+            return await self._send(exchange)
         finally:
-            if capture is not None:
-                capture.drop()  # not handed to the tokenizer: its budget back
+            if exchange.capture is not None:
+                exchange.capture.drop()  # not handed to the tokenizer: its budget back
 
-    def _tenant_limits(self, exchange: _Exchange) -> TenantLimits | None:
+    async def _parsed(self, exchange: Exchange, raw: bytes) -> tuple[Any, RequestFeatures]:
+        """The body and its features (parsed off the loop when long), within the tenant's
+        reach, its tokens taken from the tenant's bucket."""
+        headers = exchange.request.headers
+        if len(raw) > PARSE_OFF_LOOP_BYTES:
+            loop = asyncio.get_running_loop()
+            body, features = await loop.run_in_executor(
+                self._tokenize_pool, _parse, raw, exchange.kind, headers
+            )
+        else:
+            body, features = _parse(raw, exchange.kind, headers)
+        exchange.stream = features.stream
+        if exchange.tenant is not None:
+            tenant = exchange.tenant
+            features = replace(
+                features,
+                allowed_tiers=tenant.allowed_tiers,
+                allowed_adapters=tenant.allowed_adapters,
+            )
+            exchange.admit_tokens(features)
+        return body, features
+
+    def _tenant_limits(self, exchange: Exchange) -> TenantLimits | None:
         if exchange.tenant is None or self.auth is None:
             return None
         return self.auth.limiter.of(exchange.tenant.name)
-
-    def _admit(self, exchange: _Exchange, features: RequestFeatures) -> None:
-        """Take the request's tokens from the tenant's bucket, or 429 (routing.limits): the
-        prompt's estimated tokens and max_tokens are reserved until the answer's usage. The
-        request itself was taken from the headers (``_handle``)."""
-        limits = exchange.limits
-        if limits is None:
-            return
-        completion = features.max_tokens
-        reserve = features.approx_tokens + (
-            completion if completion is not None else DEFAULT_COMPLETION_RESERVE
-        )
-        try:
-            exchange.rate_headers = limits.admit_tokens(reserve, time.monotonic())
-        except RateLimitedError:
-            exchange.limits = None  # nothing reserved: nothing to settle
-            raise
-        exchange.reserved = reserve
-
-    async def _decide(self, resolved: Resolved, exchange: _Exchange) -> Route:
-        """The route. While no tier in reach has a replica, the request is held for a cold
-        start (``_hold``); while every replica in reach is saturated, it waits in the fair
-        queue when the config has one (``_wait_for_capacity``), else 429."""
-        flow = self.router.config.flow
-        tenant = exchange.tenant
-        waiting: RouterTier | None = None  # the tier it would wait for, once known
-        if flow is not None and tenant is not None and flow.headroom > 0:
-            waiting = self.router.waiting_tier(resolved)
-            self._seen[(waiting.name, tenant.name)] = time.monotonic()
-            self._weights[tenant.name] = tenant.weight
-            if not self._may_start(tenant.name, waiting.name):
-                # Its share is taken and others keep slots free: wait for one of its own.
-                return await self._wait_for_capacity(resolved, exchange, flow, waiting)
-        if flow is not None and len(self.queue):
-            # Others wait for capacity already: behind them (or ahead, by class and turn).
-            return await self._wait_for_capacity(resolved, exchange, flow, waiting)
-        try:
-            return await self._route(resolved)
-        except NoReplicaError as exc:
-            if self.router.config.cold_start_wait <= timedelta(0):
-                raise
-            missing = exc
-        except OverloadedError:
-            if flow is None:
-                raise
-            return await self._wait_for_capacity(resolved, exchange, flow, waiting)
-        return await self._hold(resolved, exchange, missing)
-
-    async def _hold(
-        self, resolved: Resolved, exchange: _Exchange, missing: NoReplicaError
-    ) -> Route:
-        """No tier in reach has a replica: the request is held (counted as pending for its
-        tier's roles, which the autoscaler scales from zero on) for the tier's observed cold
-        start and a margin, at most the config's ``cold_start_wait``
-        (``hold.ColdStartHold``), then refused with 503 and Retry-After."""
-        hold = ColdStartHold.of(self.router.config, missing.tier, missing.roles)
-        pending = [self.metrics.pending.labels(hold.tier, role) for role in hold.roles]
-        for gauge in pending:
-            gauge.inc()
-        exchange.hold, exchange.held_since = hold, time.monotonic()
-        deadline = exchange.held_since + hold.seconds
-        try:
-            while True:
-                await asyncio.sleep(min(COLD_START_POLL_S, max(0.0, deadline - time.monotonic())))
-                try:
-                    route = await self._route(resolved)
-                except NoReplicaError:
-                    now = time.monotonic()
-                    if now >= deadline:
-                        raise hold.refusal(now - exchange.held_since) from None
-                else:
-                    exchange.hold = None
-                    return route
-        finally:
-            for gauge in pending:
-                gauge.dec()
-
-    async def _wait_for_capacity(
-        self,
-        resolved: Resolved,
-        exchange: _Exchange,
-        flow: FlowConfig,
-        tier: RouterTier | None = None,
-    ) -> Route:
-        """Every replica in the request's reach is saturated: wait in the fair queue
-        (routing.flow) until the request is the next to go and a replica has room, at most
-        ``flow.max_wait``; 429 past it, or when shed from a full queue. While it waits the
-        request counts as pending for its tier's roles, which the autoscaler scales on."""
-        tenant = exchange.tenant
-        name = tenant.name if tenant is not None else ""
-        self.queue.max_queued = flow.max_queued
-        deadline = time.monotonic() + flow.max_wait.total_seconds()
-        if tier is None:
-            tier = self.router.waiting_tier(resolved)
-        try:
-            ticket, shed = self.queue.enqueue(
-                name,
-                tenant.weight if tenant is not None else 1.0,
-                tenant.priority if tenant is not None else 0,
-                deadline,
-                tier.name,
-            )
-        except QueueFullError:
-            raise self._queue_refusal("the router's queue is full", "queue_full") from None
-        if shed is not None:
-            self._wake(shed)  # it finds itself gone and answers 429
-        key = id(ticket)
-        woken = self._waiters[key] = asyncio.Event()
-        pending = [self.metrics.pending.labels(tier.name, g.role) for g in tier.endpoints]
-        for gauge in pending:
-            gauge.inc()
-        self.metrics.queued.labels(name).inc()
-        waited = time.monotonic()
-        try:
-            self._wake_head()
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise self._queue_refusal(
-                        f"no replica had room within {flow.max_wait.total_seconds():g} s",
-                        "queue_timeout",
-                    )
-                is_head = self._next() is ticket
-                with contextlib.suppress(TimeoutError):
-                    # The head polls (capacity also frees as scrapes come in); the others
-                    # wait to be woken, or for their deadline.
-                    await asyncio.wait_for(
-                        woken.wait(), min(left, FLOW_POLL_S) if is_head else left
-                    )
-                woken.clear()
-                if ticket not in self.queue:
-                    raise self._queue_refusal("shed for a request of a higher class", "shed")
-                if self._next() is not ticket:
-                    # Woken, but another goes next now (the counts moved since): pass the
-                    # wake-up on, or that one would wait for its deadline.
-                    self._wake_head()
-                    continue
-                try:
-                    route = await self._route(resolved)
-                except OverloadedError:
-                    continue
-                self.queue.dispatch(ticket)
-                # Counted before the next is woken, which judges its turn by these counts.
-                self._start_flight(exchange, route.tier.name)
-                self.metrics.queue_wait_seconds.labels(name).observe(time.monotonic() - waited)
-                self._wake_head()  # the next may fit too
-                return route
-        finally:
-            self.queue.remove(ticket)
-            del self._waiters[key]
-            for gauge in pending:
-                gauge.dec()
-            self.metrics.queued.labels(name).dec()
-            self._wake_head()
-
-    def _wake(self, ticket: Ticket) -> None:
-        woken = self._waiters.get(id(ticket))
-        if woken is not None:
-            woken.set()
-
-    def _wake_head(self) -> None:
-        head = self._next()
-        if head is not None:
-            self._wake(head)
-
-    def _next(self) -> Ticket | None:
-        """The waiting request that goes next: the first in turn whose tenant may start one
-        more on its tier now (``flow.may_start``)."""
-        if not len(self.queue):
-            return None
-        flow = self.router.config.flow
-        if flow is None or flow.headroom <= 0:
-            return self.queue.head()
-        verdicts: dict[tuple[str, str], bool] = {}
-
-        def eligible(ticket: Ticket) -> bool:
-            key = (ticket.tier, ticket.tenant)
-            verdict = verdicts.get(key)
-            if verdict is None:
-                verdict = verdicts[key] = self._may_start(ticket.tenant, ticket.tier)
-            return verdict
-
-        return self.queue.head(eligible)
-
-    def _may_start(self, tenant: str, tier: str) -> bool:
-        """Whether ``tenant`` may start one more request on ``tier`` now, the other tenants
-        active there keeping their headroom (``flow.may_start``)."""
-        flow = self.router.config.flow
-        if flow is None or flow.headroom <= 0 or not tenant:
-            return True
-        flight = self._flight.get(tier, {})
-        since = time.monotonic() - ACTIVE_WINDOW_S
-        active = {t for t, n in flight.items() if n > 0}
-        active.update(t for (tr, t), at in self._seen.items() if tr == tier and at >= since)
-        active.add(tenant)
-        if len(active) < 2:
-            return True
-        weights = {t: self._weights.get(t, 1.0) for t in active}
-        return may_start(tenant, weights, flight, self.router.batch_slots(tier), flow.headroom)
-
-    def _start_flight(self, exchange: _Exchange, tier: str) -> None:
-        """Count the request as its tenant's on ``tier`` (once)."""
-        if (
-            exchange.tenant is None
-            or self.router.config.flow is None
-            or exchange.flight_tier is not None
-        ):
-            return
-        exchange.flight_tier = tier
-        flight = self._flight.setdefault(tier, {})
-        flight[exchange.tenant.name] = flight.get(exchange.tenant.name, 0) + 1
-
-    def _end_flight(self, exchange: _Exchange) -> None:
-        tenant, tier = exchange.tenant, exchange.flight_tier
-        assert tenant is not None
-        assert tier is not None
-        self._flight[tier][tenant.name] -= 1
-        exchange.flight_tier = None
-
-    def _queue_refusal(self, why: str, reason: str) -> OverloadedError:
-        retry = max(1, round(self.router.config.backpressure.retry_after.total_seconds()))
-        return OverloadedError(
-            f"every replica that could serve this request is at capacity and {why}; retry later",
-            reason=reason,
-            headers={"Retry-After": str(retry)},
-        )
 
     async def _route(self, resolved: Resolved) -> Route:
         """The router's decision. A prompt whose tokenizing would stall the loop (a long cold
@@ -711,6 +282,53 @@ class Proxy:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._tokenize_pool, prepared.compute)
         return self.router.decide(resolved, prepared)
+
+    async def _prepare(
+        self, exchange: Exchange, body: dict[str, Any], raw: bytes, features: RequestFeatures
+    ) -> None:
+        """What the replicas are sent: headers, path, payload (after the prefill hop of a
+        disaggregated tier), and what the answer feeds (reply capture, stream resumes)."""
+        route = exchange.routed
+        headers = _upstream_headers(exchange.request)
+        if exchange.tenant is not None:
+            # The tenant's key is the router's to check, not the engines' to see.
+            headers.pop("Authorization", None)
+        exchange.headers = headers
+        exchange.request_id = headers[REQUEST_ID_HEADER]
+        exchange.path = PATHS[exchange.kind]
+        exchange.payload = await self._payload(exchange, body, raw)
+        exchange.capture = self._reply_capture(exchange.kind, route, body, len(raw))
+        config = self.router.config
+        if features.stream and config.stream_resumes > 0 and resumable_body(exchange.kind, body):
+            exchange.resumable = Resumable(
+                exchange.kind,
+                client_body(body, route.served_model),
+                exchange.path,
+                headers,
+                config.stream_resumes,
+            )
+
+    async def _payload(self, exchange: Exchange, body: dict[str, Any], raw: bytes) -> bytes:
+        route = exchange.routed
+        tier = route.tier.name
+        try:
+            if route.local_prefill:  # the decode replica holds the prompt: no hop
+                self.metrics.pd_local_prefills.labels(tier).inc()
+            elif route.disaggregated:
+                params, cause = await self.upstream.prefill_hop(
+                    route, body, exchange.path, exchange.headers
+                )
+                if params is not None:
+                    exchange.prefill_id = route.prefill.id if route.prefill else None
+                    return json_bytes(decode_request(body, route.served_model, params))
+                self.metrics.pd_fallbacks.labels(tier, cause).inc()
+            elif body.get("model") == route.served_model and KV_TRANSFER_PARAMS not in body:
+                return raw  # the common pinned case: forward the client's bytes untouched
+            return json_bytes(client_body(body, route.served_model))
+        except RecursionError:
+            raise InvalidRequestError(
+                "the request body is nested too deeply", reason="invalid_json"
+            ) from None
 
     def _reply_capture(
         self, kind: Kind, route: Route, body: Mapping[str, Any], body_bytes: int
@@ -730,591 +348,95 @@ class Proxy:
             return None
         return ReplyCapture(tokenizer, body, self._capture_budget, body_bytes)
 
-    async def _prefill_hop(
-        self, route: Route, body: dict[str, Any], path: str, headers: dict[str, str]
-    ) -> tuple[dict[str, Any] | None, str]:
-        """Hop 1 of a disaggregated request: the KV handle, or ``None`` and why not.
-
-        The hop has the tier's first-byte budget: a prefill is one forward pass, and past the
-        budget the decode replica computing the prompt itself is the quicker answer. It counts
-        as a failure of the prefill replica only if its liveness probe failed too. It is given
-        up sooner, counting no failure, once the replica turns suspect (a frozen prefill
-        engine costs each hop in flight about a second, not the budget)."""
-        replica = route.prefill
-        if replica is None:
-            return None, "no-prefill-replica"
-        payload = _json_bytes(prefill_request(body, route.served_model))
-        budget_s = self.router.first_byte_timeout_s(route.tier)
-        replica.in_flight += 1
-        # The hop is the prefill: its blocks are pending on the replica until it answers.
-        replica.pending_prefill += route.prefill_blocks
-        now = self.router.clock
-        try:
-            # Given up as soon as the replica turns suspect: decode-only is always there.
-            async with self._watch(
-                replica, budget_s, keep_while_alive=False, give_up=lambda: replica.suspect(now())
-            ):
-                status, data = await self._prefill_exchange(replica, path, payload, headers)
-        except FirstByteTimeoutError as exc:
-            if exc.verdict == "dead":
-                self._upstream_failed(route, replica, FIRST_BYTE_TIMEOUT)
-                return None, "prefill-" + FIRST_BYTE_TIMEOUT
-            if exc.verdict == SUSPECT:
-                return None, "prefill-" + SUSPECT
-            return None, "prefill-slow"
-        except aiohttp.ClientError as exc:
-            self._upstream_failed(route, replica, _cause(exc))
-            return None, "prefill-" + _cause(exc)
-        except ValueError:
-            return None, "prefill-invalid-json"
-        finally:
-            replica.in_flight -= 1
-            replica.pending_prefill -= route.prefill_blocks
-        if status >= 500:
-            self._upstream_failed(route, replica, "5xx")
-            return None, "prefill-5xx"
-        if status != 200:
-            return None, f"prefill-{status}"
-        params = kv_params_of(data)
-        if params is None:
-            return None, "prefill-no-kv-params"
-        self.router.record_success(replica)
-        return params, "ok"
-
-    async def _prefill_exchange(
-        self, replica: ReplicaState, path: str, payload: bytes, headers: dict[str, str]
-    ) -> tuple[int, Any]:
-        async with self.session.post(
-            replica.url(path), data=payload, headers=headers, timeout=self._timeout()
-        ) as response:
-            if response.status != 200:
-                return response.status, None
-            return 200, await response.json(content_type=None)
-
-    def _watch(
-        self,
-        replica: ReplicaState,
-        budget_s: float,
-        *,
-        keep_while_alive: bool,
-        give_up: Callable[[], bool] | None = None,
-    ) -> _ReplicaWatch:
-        """The first-byte watch of one attempt on ``replica``; ``give_up`` is asked once the
-        attempt has waited as long as makes a silent replica suspect."""
-        return _ReplicaWatch(
-            replica,
-            self.router.clock,
-            self._probe(replica),
-            budget_s,
-            keep_while_alive=keep_while_alive,
-            give_up=give_up,
-            give_up_after_s=replica.suspect_after_s,
-            on_due=(lambda: self._question(replica)) if give_up is not None else None,
-        )
-
-    def _question(self, replica: ReplicaState) -> None:
-        """A request has waited long enough on ``replica`` to ask whether it is alive: its
-        /health, within ``SUSPICION_PROBE_S``, unless it is known silent already or asked now.
-        No answer makes it silent, so suspect (``policies.suspicion``) a scrape period sooner
-        than a missed scrape would."""
-        if replica.silent_since is not None or replica.id in self._questions:
-            return
-        probe = self._probe(replica)
-
-        async def ask() -> None:
-            try:
-                await probe(SUSPICION_PROBE_S)
-            finally:
-                self._questions.pop(replica.id, None)
-
-        self._questions[replica.id] = asyncio.get_running_loop().create_task(ask())
-
-    def _timeout(self) -> aiohttp.ClientTimeout:
-        connect = self.router.config.connect_timeout.total_seconds()
-        if self._client_timeout is None or self._client_timeout.connect != connect:
-            # No total or read limit here: the request-wide asyncio.timeout bounds the whole
-            # exchange, and a long generation legitimately streams for minutes.
-            self._client_timeout = aiohttp.ClientTimeout(
-                total=None, connect=connect, sock_connect=connect
-            )
-        return self._client_timeout
-
-    def _upstream_failed(self, route: Route, replica: ReplicaState, cause: str) -> None:
-        self.metrics.upstream_errors.labels(route.tier.name, replica.id, cause).inc()
-        if cause != SUSPECT:
-            # The router's on_eject counts an ejection.
-            self.router.record_failure(replica, hung=cause in HUNG_CAUSES)
-
-    def _adapter_missing(self, route: Route, replica: ReplicaState) -> None:
-        assert route.adapter is not None
-        self.metrics.adapter_missing.labels(route.tier.name, replica.id).inc()
-        self.router.record_adapter_missing(replica, route.adapter)
-
-    async def _send(
-        self,
-        request: web.Request,
-        exchange: _Exchange,
-        route: Route,
-        path: str,
-        payload: bytes,
-        headers: dict[str, str],
-        stream: bool,
-        prefill_id: str | None,
-        capture: ReplyCapture | None = None,
-        resumable: _Resumable | None = None,
-    ) -> web.StreamResponse:
+    # -- the retry loop ----------------------------------------------------------------------
+    async def _send(self, exchange: Exchange) -> web.StreamResponse:
         """Send to the route's replica; on a connect error, a disconnect before the answer, a
         5xx, or a 404 saying the replica lacks the request's LoRA adapter, try another replica
         of the same group, up to ``retries`` more times."""
+        route = exchange.routed
         replica = route.replica
         tried = {replica.id}
         retries_left = self.router.config.retries
-        timeout = self._timeout()
-        budget_s = self.router.first_byte_timeout_s(route.tier)
         now = self.router.clock
+        # A P/D decode replica prefills nothing (it pulls the KV), unless it was sent the
+        # request to prefill the few tokens it lacks itself.
+        blocks = route.prefill_blocks if not route.disaggregated or route.local_prefill else 0
 
         def give_up() -> bool:
             # A suspect replica's wait goes to a sound one, while a retry is left for it.
             return (
                 retries_left > 0
-                and attempt.suspect(now())
+                and attempt.replica.suspect(now())
                 and self.router.has_sound_peer(route, tried)
             )
 
         while True:
             exchange.replica = replica
-            attempt = replica  # `replica` moves on for a retry; this attempt's count stays here
-            attempt.in_flight += 1
-            # A P/D decode replica prefills nothing (it pulls the KV), unless it was sent the
-            # request to prefill the few tokens it lacks itself.
-            if not route.disaggregated or route.local_prefill:
-                exchange.begin_prefill(attempt, route.prefill_blocks)
-            try:
-                response: aiohttp.ClientResponse | None = None
-                cause: str | None = None
-                error: Exception | None = None
-                try:
-                    async with self._watch(
-                        replica, budget_s, keep_while_alive=True, give_up=give_up
-                    ):
-                        response = await self.session.post(
-                            replica.url(path), data=payload, headers=headers, timeout=timeout
-                        )
-                    cause = "5xx" if response.status >= 500 else None
-                except FirstByteTimeoutError as exc:
-                    cause = SUSPECT if exc.verdict == SUSPECT else FIRST_BYTE_TIMEOUT
-                except aiohttp.ClientError as exc:
-                    cause = _cause(exc)
-                    error = exc
-                if cause is None and route.adapter is not None and await _lacks_model(response):
-                    cause = ADAPTER_MISSING
-                    self.router.record_success(replica)  # it answered: no failure
-                    self._adapter_missing(route, replica)
-                elif cause is not None:
-                    self._upstream_failed(route, replica, cause)
-                if cause is not None:
-                    alternative = (
-                        self.router.alternative(route, tried) if retries_left > 0 else None
-                    )
-                    if alternative is None and cause == "disconnect" and retries_left > 0:
-                        # Dropped before any answer and no other replica: most likely a pooled
-                        # keep-alive connection the replica had closed (a restart). A fresh
-                        # connection to the same replica is worth one try.
-                        alternative = replica
+            with Attempt(replica, blocks) as attempt:
+                exchange.attempt = attempt
+                answer = await self.upstream.post(
+                    route, replica, exchange.path, exchange.payload, exchange.headers, give_up
+                )
+                if answer.cause is not None:
+                    alternative = self._alternative(route, replica, tried, answer, retries_left)
                     if alternative is not None:
-                        if response is not None:
-                            response.close()
-                        log.info(
-                            "retrying",
-                            extra={
-                                "tier": route.tier.name,
-                                "from": replica.id,
-                                "to": alternative.id,
-                                "cause": cause,
-                            },
-                        )
-                        self.metrics.retries.labels(route.tier.name).inc()
+                        if answer.response is not None:
+                            answer.response.close()
                         retries_left -= 1
                         tried.add(alternative.id)
                         replica = alternative
                         continue
-                    if response is None:
-                        if cause in ("timeout", FIRST_BYTE_TIMEOUT, SUSPECT):
-                            self._count(exchange, "504")
-                            raise UpstreamTimeoutError(
-                                f"no replica of tier {route.tier.name} answered in time "
-                                f"({cause}; first-byte budget {budget_s:g}s)",
-                                reason="upstream_timeout",
-                            ) from error
-                        self._count(exchange, "502")
-                        raise UpstreamFailedError(
-                            f"no replica of tier {route.tier.name} could be reached ({cause})",
-                            reason="upstream_unreachable",
-                        ) from error
-                else:
-                    self.router.record_success(replica)
-                assert response is not None
-                if cause is None and route.adapter is not None and response.status < 400:
-                    self.router.record_adapter_served(replica, route.adapter)
-                return await self._relay(
-                    request,
-                    exchange,
-                    route,
-                    replica,
-                    response,
-                    stream,
-                    prefill_id,
-                    capture,
-                    resumable,
-                )
-            finally:
-                attempt.in_flight -= 1
-                exchange.end_prefill()
+                    if answer.response is None:
+                        raise self._unanswered(exchange, answer) from answer.error
+                assert answer.response is not None
+                return await self.relay.relay(exchange, replica, answer.response)
 
-    async def _relay(
+    def _alternative(
         self,
-        request: web.Request,
-        exchange: _Exchange,
         route: Route,
         replica: ReplicaState,
-        response: aiohttp.ClientResponse,
-        stream: bool,
-        prefill_id: str | None,
-        capture: ReplyCapture | None = None,
-        resumable: _Resumable | None = None,
-    ) -> web.StreamResponse:
-        """Pass the upstream answer through, status and all (a successful chat reply also to
-        ``capture``)."""
-        out_headers = {h: v for h in RELAYED_HEADERS if (v := response.headers.get(h))}
-        out_headers[ROUTE_HEADER] = self._route_header(route, replica, prefill_id)
-        out_headers[REQUEST_ID_HEADER] = exchange.request_id
-        out_headers.update(exchange.rate_headers)
-        exchange.answered = response.status < 400
-        content_type = response.headers.get("Content-Type", "")
-        status = str(response.status)
-        done = False
-        try:
-            if not (stream and content_type.startswith("text/event-stream")):
-                data = await response.read()
-                done = True
-                if response.status >= 400:
-                    # An engine error is relayed in the router's own (vLLM's) shape, whatever
-                    # shape the engine wrote it in.
-                    fixed = normalize_error(response.status, data)
-                    if fixed is not None:
-                        data = fixed
-                        out_headers["Content-Type"] = "application/json"
-                self._count(exchange, status)
-                if exchange.limits is not None and exchange.answered:
-                    exchange.used = usage_tokens(data)
-                if capture is not None and response.status == 200:
-                    capture.feed(data)
-                    capture.remember(self._remember_pool, streamed=False)
-                return web.Response(status=response.status, body=data, headers=out_headers)
-            out = web.StreamResponse(status=response.status, headers=out_headers)
-            out.enable_chunked_encoding()
-            await out.prepare(request)
-            exchange.response = out
-            whole = await self._relay_stream(
-                out,
-                exchange,
-                route,
-                replica,
-                response,
-                capture,
-                resumable if response.status == 200 else None,
-            )
-            if not whole:
-                return out  # counted: the stream broke, or the client left
-            done = True
-            self._count(exchange, status)  # the client has every byte of the answer now
-            if capture is not None and response.status == 200:
-                capture.remember(self._remember_pool, streamed=True)
-            try:
-                await out.write_eof()
-            except ConnectionError:
-                # The client read [DONE] and left before the chunked terminator: nothing of
-                # the answer was lost.
-                log.debug("client left before the end of the stream")
-            return out
-        except asyncio.CancelledError:
-            # Client disconnect with handler cancellation, or the request timeout.
-            if exchange.response is None or not done:
-                self._count(exchange, STATUS_CLIENT_CLOSED)
-            raise
-        finally:
-            if done:
-                response.release()
-            else:
-                response.close()
-
-    async def _relay_stream(
-        self,
-        out: web.StreamResponse,
-        exchange: _Exchange,
-        route: Route,
-        replica: ReplicaState,
-        response: aiohttp.ClientResponse,
-        capture: ReplyCapture | None,
-        resumable: _Resumable | None,
-    ) -> bool:
-        """Relay a streamed answer as it comes. When its replica dies (the connection breaks,
-        or it goes silent and fails a liveness probe: ``StallWatch``) and the request can be
-        resumed, the answer continues on another replica (``_resume``) in the same client
-        stream. True when the client has the whole answer; otherwise it was told (an error
-        event) or it left, and the request is counted."""
-        ledger = StreamLedger() if resumable is not None else None
-        rewriter: Rewriter | None = None
-        leg, leg_replica = response, replica
-        tried = {replica.id}
-        budget_s = self.router.first_byte_timeout_s(route.tier)
-        first = True
-        try:
-            while True:
-                cause: str | None = None
-                try:
-                    async with StallWatch(self._probe(leg_replica), budget_s) as watch:
-                        while True:
-                            chunk = await leg.content.readany()
-                            watch.progress()
-                            if not chunk:
-                                break
-                            if ledger is not None:
-                                chunk = ledger.whole(chunk)
-                                if not chunk:
-                                    continue
-                                if rewriter is not None:
-                                    chunk = rewriter.events(chunk)
-                                ledger.record(chunk)
-                            if capture is not None:
-                                capture.feed(chunk)
-                            if exchange.limits is not None:
-                                used = usage_tokens(chunk)
-                                exchange.used = used if used is not None else exchange.used
-                            if first:
-                                first = False
-                                exchange.end_prefill()
-                                self.metrics.ttft_seconds.labels(route.tier.name).observe(
-                                    time.perf_counter() - exchange.started
-                                )
-                            try:
-                                await out.write(chunk)
-                            except ConnectionError:
-                                # The client left: closing the upstream response (the caller
-                                # or below) cancels the generation on the engine.
-                                self._count(exchange, STATUS_CLIENT_CLOSED)
-                                return False
-                except StallError:
-                    cause = "stall"
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    cause = "stream"
-                    log.warning(
-                        "upstream stream broke",
-                        extra={"replica": leg_replica.id, "err": type(exc).__name__},
-                    )
-                if cause is None and (ledger is None or ledger.done):
-                    if ledger is not None and (rest := ledger.rest()):
-                        with contextlib.suppress(ConnectionError):
-                            await out.write(rest)
-                    return True
-                # Broken, frozen, or ended without [DONE] (an engine shutting down).
-                self._upstream_failed(route, leg_replica, cause or "stream")
-                leg.close()
-                resumed = None
-                if resumable is not None and ledger is not None:
-                    resumed = await self._resume(route, leg_replica, resumable, ledger, tried)
-                if isinstance(resumed, bytes):  # the answer was whole: only its end was lost
-                    with contextlib.suppress(ConnectionError):
-                        await out.write(resumed)
-                    return True
-                if resumed is None:
-                    await self._stream_error(out, 502, "the upstream replica stopped mid-stream")
-                    self._count(exchange, "502")
-                    return False
-                if leg_replica is not replica:
-                    leg_replica.in_flight -= 1
-                leg_replica, leg, rewriter = resumed
-                exchange.replica = leg_replica
-        finally:
-            if leg is not response:
-                leg.close()
-                leg_replica.in_flight -= 1
-
-    async def _resume(
-        self,
-        route: Route,
-        failed: ReplicaState,
-        resumable: _Resumable,
-        ledger: StreamLedger,
         tried: set[str],
-    ) -> tuple[ReplicaState, aiohttp.ClientResponse, Rewriter] | bytes | None:
-        """Continue a broken stream on another replica of the route's group: the request
-        extended by what the client was sent (``resume.continuation``). Returns the new
-        replica (its in_flight counted), its streaming response and the rewriter of its
-        events; the stream's closing bytes when nothing was left to generate; None when it
-        cannot continue (counted by outcome)."""
-        tier = route.tier.name
-        outcome = self.metrics.stream_resumes
-        if resumable.left <= 0:
-            outcome.labels(tier, "exhausted").inc()
+        answer: Answer,
+        retries_left: int,
+    ) -> ReplicaState | None:
+        """Where a failed attempt is retried, if anywhere (counted as a retry)."""
+        if retries_left <= 0:
             return None
-        sent = read_sent(resumable.kind, ledger)
-        if sent.not_resumable is not None:
-            log.info("stream not resumed", extra={"tier": tier, "why": sent.not_resumable})
-            outcome.labels(tier, "not_resumable").inc()
-            return None
-        if sent.finished:
-            outcome.labels(tier, "resumed").inc()
-            return closing(resumable.kind, sent)
-        replica = self.router.alternative(route, tried)
-        if replica is None:
-            outcome.labels(tier, "no_replica").inc()
-            return None
-        tried.add(replica.id)
-        resumable.left -= 1
-        replica.in_flight += 1
-        handed_over = False
-        try:
-            count = await self._count_tokens(replica, sent) if sent.text else 0
-            body = continuation(resumable.kind, resumable.body, sent, count)
-            if body is None:
-                outcome.labels(tier, "resumed").inc()
-                return closing(resumable.kind, sent)
-            budget_s = self.router.first_byte_timeout_s(route.tier)
-            try:
-                async with self._watch(replica, budget_s, keep_while_alive=True):
-                    response = await self.session.post(
-                        replica.url(resumable.path),
-                        data=_json_bytes(body),
-                        headers=resumable.headers,
-                        timeout=self._timeout(),
-                    )
-            except (FirstByteTimeoutError, aiohttp.ClientError) as exc:
-                self._upstream_failed(route, replica, _cause(exc))
-                outcome.labels(tier, "failed").inc()
-                return None
-            if response.status != 200 or response.content_type != "text/event-stream":
-                log.warning(
-                    "stream continuation refused",
-                    extra={"replica": replica.id, "status": response.status},
-                )
-                response.close()
-                outcome.labels(tier, "failed").inc()
-                return None
+        alternative = self.router.alternative(route, tried)
+        if alternative is None and answer.cause == "disconnect":
+            # Dropped before any answer and no other replica: most likely a pooled keep-alive
+            # connection the replica had closed (a restart). A fresh connection to the same
+            # replica is worth one try.
+            alternative = replica
+        if alternative is not None:
             log.info(
-                "stream resumed",
-                extra={"tier": tier, "from": failed.id, "to": replica.id, "sent_tokens": count},
+                "retrying",
+                extra={
+                    "tier": route.tier.name,
+                    "from": replica.id,
+                    "to": alternative.id,
+                    "cause": answer.cause,
+                },
             )
-            outcome.labels(tier, "resumed").inc()
-            handed_over = True
-            return replica, response, Rewriter(resumable.kind, sent, count)
-        finally:
-            if not handed_over:
-                replica.in_flight -= 1
+            self.metrics.retries.labels(route.tier.name).inc()
+        return alternative
 
-    async def _count_tokens(self, replica: ReplicaState, sent: Sent) -> int:
-        """The tokens of the text sent, by the replica's own tokenizer (vLLM's ``/tokenize``);
-        the number of events that carried it when the replica cannot say (an event is a token
-        unless the engine batches them)."""
-        body = tokenize_request(sent)
-        try:
-            async with self.session.post(
-                replica.url("/tokenize"),
-                data=_json_bytes(body),
-                headers={"Content-Type": "application/json"},
-                timeout=aiohttp.ClientTimeout(
-                    total=2 * self.router.config.connect_timeout.total_seconds()
-                ),
-            ) as answer:
-                if answer.status == 200:
-                    count = (await answer.json()).get("count")
-                    if isinstance(count, int):
-                        return count
-        except (aiohttp.ClientError, TimeoutError, ValueError):
-            pass
-        return sent.events
-
-    def _probe(self, replica: ReplicaState) -> Callable[[float], Awaitable[bool]]:
-        async def probe(timeout_s: float) -> bool:
-            alive = await answers_health(self.session, replica, timeout_s)
-            if alive:
-                replica.heard_from()
-            else:
-                replica.went_silent(self.router.clock())
-            return alive
-
-        return probe
-
-    async def _stream_error(self, out: web.StreamResponse, status: int, message: str) -> None:
-        """An error event mid-stream, shaped as vLLM's (its HTTP status is already sent)."""
-        event = b"data: " + _json_bytes(error_body(status, message)) + b"\n\n"
-        with contextlib.suppress(ConnectionError):
-            await out.write(event)
-
-
-class _ReplicaWatch(FirstByteWatch):
-    """A first-byte watch that keeps the replica's record of the requests waiting for a first
-    byte there (``ReplicaState.waits``, which suspicion reads): every upstream attempt's wait
-    goes through one, so this is that record's one writer. An attempt that got its answer
-    means the replica was heard from."""
-
-    def __init__(
-        self,
-        replica: ReplicaState,
-        clock: Callable[[], float],
-        probe: Callable[[float], Awaitable[bool]],
-        budget_s: float,
-        *,
-        keep_while_alive: bool,
-        give_up: Callable[[], bool] | None,
-        give_up_after_s: float,
-        on_due: Callable[[], None] | None,
-    ) -> None:
-        super().__init__(
-            probe,
-            budget_s,
-            keep_while_alive=keep_while_alive,
-            give_up=give_up,
-            give_up_after_s=give_up_after_s,
-            on_due=on_due,
+    def _unanswered(self, exchange: Exchange, answer: Answer) -> RouterError:
+        """The error (counted) for a request no replica answered, and no retry is left."""
+        tier = exchange.routed.tier
+        if answer.cause in ("timeout", FIRST_BYTE_TIMEOUT, SUSPECT):
+            exchange.count("504")
+            budget_s = self.router.first_byte_timeout_s(tier)
+            return UpstreamTimeoutError(
+                f"no replica of tier {tier.name} answered in time "
+                f"({answer.cause}; first-byte budget {budget_s:g}s)",
+                reason="upstream_timeout",
+            )
+        exchange.count("502")
+        return UpstreamFailedError(
+            f"no replica of tier {tier.name} could be reached ({answer.cause})",
+            reason="upstream_unreachable",
         )
-        self.replica = replica
-        self.clock = clock
-        self._token: int | None = None
-
-    async def __aenter__(self) -> _ReplicaWatch:
-        await super().__aenter__()
-        self._token = self.replica.waits.begin(self.clock())
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._token is not None:
-            # Ended by the watch (its budget, or suspicion): the replica never answered.
-            self.replica.waits.end(self._token, given_up=self.verdict in ("dead", SUSPECT))
-        if exc_type is None:
-            self.replica.heard_from()
-        await super().__aexit__(exc_type, exc, tb)
-
-
-# The tokens an answer's usage counts, found without parsing the answer: in JSON a quote
-# inside a string is escaped, so '"usage"' can only be the key, and total_tokens follows it.
-_TOTAL_TOKENS = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
-
-
-def usage_tokens(data: bytes) -> int | None:
-    """``usage.total_tokens`` (prompt and completion) of a JSON answer or of the last event
-    carrying one in a chunk of a streamed answer (vLLM sends it in the final event when the
-    client asks ``stream_options.include_usage``); None when there is none."""
-    at = data.rfind(b'"usage"')
-    if at < 0:
-        return None
-    found = _TOTAL_TOKENS.search(data, at)
-    return int(found.group(1)) if found is not None else None
 
 
 def _parse(raw: bytes, kind: Kind, headers: Mapping[str, str]) -> tuple[Any, RequestFeatures]:
@@ -1377,26 +499,3 @@ def _upstream_headers(request: web.Request) -> dict[str, str]:
     # One id across both P/D hops and the logs of every replica the request touches.
     headers[REQUEST_ID_HEADER] = request.headers.get(REQUEST_ID_HEADER) or _new_request_id()
     return headers
-
-
-async def _lacks_model(response: aiohttp.ClientResponse | None) -> bool:
-    """Whether an engine answered that it does not serve the model the request names (vLLM's
-    404 ``NotFoundError``, ``errors.model_not_found``). Reads a 404's body, a few bytes of
-    JSON that relaying it takes from aiohttp's copy; a body that breaks off says nothing."""
-    if response is None or response.status != 404:
-        return False
-    if response.content_type == "text/event-stream":
-        return False
-    try:
-        raw = await response.read()
-    except aiohttp.ClientError:
-        return False
-    return model_not_found(raw)
-
-
-def _cause(exc: BaseException) -> str:
-    if isinstance(exc, aiohttp.ServerTimeoutError):
-        return "timeout"
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return "connect"
-    return "disconnect"

@@ -25,6 +25,7 @@ from aiohttp import web
 from fleetpilot.api.router_config import RouterTier
 from fleetpilot.openai_errors import error_type
 from fleetpilot.routing import proxy as proxy_module
+from fleetpilot.routing import relay as relay_module
 from fleetpilot.routing.discovery import FileSource, MergedSource
 from fleetpilot.routing.endpoints import StaticSource
 from tests.routing.support import (
@@ -955,7 +956,7 @@ async def test_a_client_that_leaves_right_after_done_is_no_error(
         async with running_router(config) as router, aiohttp.ClientSession() as session:
             # Only the router's responses: the engine double's own stay real.
             monkeypatch.setattr(
-                proxy_module,
+                relay_module,
                 "web",
                 SimpleNamespace(**{**vars(web), "StreamResponse": _ClientLeftAfterDone}),
             )

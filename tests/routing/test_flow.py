@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from fleetpilot.api.router_config import AuthConfig, RouterConfig, TenantKeys
+from fleetpilot.routing.admission import ACTIVE_WINDOW_S
 from fleetpilot.routing.flow import FairQueue, QueueFullError, may_start
 from tests.routing.support import (
     FakeEngine,
@@ -22,6 +23,16 @@ from tests.routing.support import (
     wait_for,
 )
 from tests.routing.test_app import SHORT, assert_openai_error, post
+
+
+class Clock:
+    """Monotonic seconds that move only when the test says."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def _drain(queue: FairQueue) -> list[str]:
@@ -148,9 +159,9 @@ async def test_a_saturated_fleet_serves_tenants_in_fair_turns(tmp_path: Path) ->
         config = _config(tmp_path, engine, {"maxWait": "20s"}, a={}, b={})
         async with running_router(config) as router:
             sends = [asyncio.create_task(_send(router, "a", f"a{i}")) for i in range(4)]
-            await wait_for(lambda: len(router.state.proxy.queue) == 3)  # type: ignore[union-attr]
+            await wait_for(lambda: len(router.state.proxy.admission.queue) == 3)  # type: ignore[union-attr]
             sends += [asyncio.create_task(_send(router, "b", f"b{i}")) for i in range(2)]
-            await wait_for(lambda: len(router.state.proxy.queue) == 5)  # type: ignore[union-attr]
+            await wait_for(lambda: len(router.state.proxy.admission.queue) == 5)  # type: ignore[union-attr]
             assert router.metric("fleetpilot_router_queued_requests", tenant="a") == 3
             assert (
                 router.metric("fleetpilot_router_pending_requests", tier="only", role="unified")
@@ -210,7 +221,7 @@ async def test_a_higher_class_goes_first_and_sheds_the_lowest_from_a_full_queue(
             first = asyncio.create_task(_send(router, "a", "a0"))
             await wait_for(lambda: len(engine.requests) == 1)
             waiting = asyncio.create_task(_send(router, "a", "a1"))
-            await wait_for(lambda: len(router.state.proxy.queue) == 1)  # type: ignore[union-attr]
+            await wait_for(lambda: len(router.state.proxy.admission.queue) == 1)  # type: ignore[union-attr]
             urgent = asyncio.create_task(_send(router, "b", "b0"))
             assert await waiting == 429
             await _release_one_by_one(engine, gate, 2)
@@ -237,19 +248,57 @@ async def test_a_flood_leaves_an_active_tenant_its_headroom(tmp_path: Path, head
         async with running_router(config) as router:
             proxy = router.state.proxy
             assert proxy is not None
+            # Time stands still: b stays active however slow this machine is.
+            proxy.admission.clock = Clock()
             first = asyncio.create_task(_send(router, "b", "b0"))
             await _release_one_by_one(engine, gate, 1)
             assert await first == 200
             floods = [asyncio.create_task(_send(router, "a", f"a{i}")) for i in range(5)]
             running = 2 if headroom else 4
             await wait_for(lambda: len(engine.requests) == 1 + running)
-            await wait_for(lambda: len(proxy.queue) == 5 - running)
+            await wait_for(lambda: len(proxy.admission.queue) == 5 - running)
             b = asyncio.create_task(_send(router, "b", "b1"))
             if headroom:
                 await wait_for(lambda: len(engine.requests) == 4)
                 assert engine.requests[-1]["prompt"] == "b1"
             else:
-                await wait_for(lambda: len(proxy.queue) == 2)
+                await wait_for(lambda: len(proxy.admission.queue) == 2)
                 assert len(engine.requests) == 5
             gate.set()
             assert await asyncio.gather(*floods, b) == [200] * 6
+
+
+@pytest.mark.asyncio
+async def test_a_tenant_silent_past_the_active_window_keeps_no_headroom(tmp_path: Path) -> None:
+    """An engine of 4 slots, headroom 2. Tenant b sent one request; tenant a floods 5: 2
+    run while b counts as active. Once b has sent nothing for ``ACTIVE_WINDOW_S`` (the
+    router's clock moved on), a's queued requests take the slots b kept: when a's two
+    running requests end, all three queued start, not two."""
+    gate = asyncio.Event()
+    engine = FakeEngine("e", gate=gate)
+    async with engines(engine):
+        config = make_config(
+            [tier("only", 1.0, [engine], max_num_seqs=4)],
+            auth=AuthConfig(tenants=_tenants(tmp_path, "a", "b")),
+            flow={"maxWait": "20s", "headroom": 2},
+            spillover={"enabled": False},
+        )
+        async with running_router(config) as router:
+            proxy = router.state.proxy
+            assert proxy is not None
+            clock = Clock()
+            proxy.admission.clock = clock
+            first = asyncio.create_task(_send(router, "b", "b0"))
+            await _release_one_by_one(engine, gate, 1)
+            assert await first == 200
+            floods = [asyncio.create_task(_send(router, "a", f"a{i}")) for i in range(5)]
+            await wait_for(lambda: len(engine.requests) == 3)
+            await wait_for(lambda: len(proxy.admission.queue) == 3)
+            clock.now += ACTIVE_WINDOW_S + 1  # b is past its window: a alone is active
+            gate.set()
+            gate.clear()  # a's two running requests end, and the queue moves
+            # All three start: with b still active two would, and one would wait.
+            await wait_for(lambda: len(engine.requests) == 6)
+            assert len(proxy.admission.queue) == 0
+            gate.set()
+            assert await asyncio.gather(*floods) == [200] * 5
