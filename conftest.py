@@ -1,4 +1,5 @@
-"""Session-wide, for ``tests/`` and ``e2e/``: which tests leave threads running behind them.
+"""Session-wide, for ``tests/`` and ``e2e/``: no time limit on Hypothesis examples, and which tests
+leave threads running behind them.
 
 A thread a test leaves (a server, a pool, a client's event loop) runs beside every later test.
 In CPython 3.11 one that parses source (a logged traceback does) made an unrelated test's
@@ -16,6 +17,13 @@ import weakref
 from collections.abc import Generator
 
 import pytest
+from hypothesis import settings
+
+# Hypothesis fails an example that takes over 200 ms by default: a timed assertion, which a
+# busy machine fails (test_picker's bounded-load property took 287 ms beside two CPU hogs).
+# The properties are about results, not speed.
+settings.register_profile("fleetpilot", deadline=None)
+settings.load_profile("fleetpilot")
 
 # Each thread seen -> the test during which it was first seen running. Keyed by the thread
 # itself, not its ident: the kernel reuses the ident of a thread that ended.

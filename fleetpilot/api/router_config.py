@@ -125,7 +125,7 @@ class Ejection(ApiModel):
         timedelta(seconds=2), description="How often an ejected replica's /health is probed."
     )
     # 0.1: a tenth of the default 5 s budget is 0.5 s; with the router's /health question then
-    # (250 ms, ``proxy.SUSPICION_PROBE_S``) and its 50 ms polls, a replica frozen under a
+    # (250 ms, ``upstream.SUSPICION_PROBE_S``) and its 50 ms polls, a replica frozen under a
     # request is passed over, and that request moved, within about 0.8 s: under a second, so
     # two clients on a tier of two never see a second without an answer. The wait alone
     # decides nothing - a live replica answers the question - so a small fraction costs a

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import zmq
 import zmq.asyncio
@@ -26,6 +27,7 @@ from aiohttp import web
 
 from fleetpilot.api.router_config import EndpointGroup, RouterConfig, RouterTier
 from fleetpilot.kv_events import END_SEQ, EventBatch, encode_batch, seq_bytes, seq_of
+from fleetpilot.openai_errors import error_type
 from fleetpilot.routing.app import ROUTER_APP, RouterApp, build_app
 from fleetpilot.routing.endpoints import EndpointSource, StaticSource
 from fleetpilot.routing.policies.pd import PREFILL_KV_PARAMS
@@ -523,3 +525,47 @@ def frozen(child: Child) -> Iterator[None]:
         yield
     finally:
         os.killpg(child.pid, signal.SIGCONT)
+
+
+# -- what the in-process router tests send and check --------------------------------------
+SHORT = {"model": "chat", "prompt": "hi"}
+HARD = {
+    "model": "chat",
+    "prompt": "Prove the theorem step by step and derive the integral. " * 60,
+    "max_tokens": 2000,
+}
+
+
+async def post(
+    router: RunningRouter,
+    body: Any,
+    path: str = "/v1/completions",
+    headers: dict[str, str] | None = None,
+) -> tuple[int, Any, aiohttp.typedefs.LooseHeaders]:
+    async with aiohttp.ClientSession() as session:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        # A JSON client's Content-Type unless the test says otherwise (the router answers 415
+        # to anything else).
+        headers = {"Content-Type": "application/json", **(headers or {})}
+        async with session.post(router.url + path, data=data, headers=headers) as resp:
+            text = await resp.text()
+            try:
+                payload = json.loads(text)
+            except ValueError:
+                payload = text
+            return resp.status, payload, resp.headers
+
+
+def route_of(headers: Any) -> dict[str, str]:
+    """The ``x-fleetpilot-route`` header's parts; none on a refusal before any routing."""
+    value = headers.get("x-fleetpilot-route")
+    return dict(part.split("=", 1) for part in value.split("; ")) if value else {}
+
+
+def assert_openai_error(status: int, payload: Any, expected: int) -> None:
+    """vLLM's error shape: the integer status as ``code`` and vLLM's type name for it."""
+    assert status == expected, payload
+    assert set(payload) == {"error"}, payload
+    assert set(payload["error"]) == {"message", "type", "code", "param"}
+    assert payload["error"]["code"] == expected
+    assert payload["error"]["type"] == error_type(expected)

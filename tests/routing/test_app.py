@@ -23,16 +23,20 @@ import yaml
 from aiohttp import web
 
 from fleetpilot.api.router_config import RouterTier
-from fleetpilot.openai_errors import error_type
 from fleetpilot.routing import proxy as proxy_module
 from fleetpilot.routing import relay as relay_module
 from fleetpilot.routing.discovery import FileSource, MergedSource
 from fleetpilot.routing.endpoints import StaticSource
 from tests.routing.support import (
+    HARD,
+    SHORT,
     FakeEngine,
     RunningRouter,
+    assert_openai_error,
     engines,
     make_config,
+    post,
+    route_of,
     running_router,
     tier,
     wait_for,
@@ -40,52 +44,11 @@ from tests.routing.support import (
 
 pytestmark = pytest.mark.asyncio
 
-SHORT = {"model": "chat", "prompt": "hi"}
-HARD = {
-    "model": "chat",
-    "prompt": "Prove the theorem step by step and derive the integral. " * 60,
-    "max_tokens": 2000,
-}
-
-
-async def post(
-    router: RunningRouter,
-    body: Any,
-    path: str = "/v1/completions",
-    headers: dict[str, str] | None = None,
-) -> tuple[int, Any, aiohttp.typedefs.LooseHeaders]:
-    async with aiohttp.ClientSession() as session:
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        # A JSON client's Content-Type unless the test says otherwise (the router answers 415
-        # to anything else).
-        headers = {"Content-Type": "application/json", **(headers or {})}
-        async with session.post(router.url + path, data=data, headers=headers) as resp:
-            text = await resp.text()
-            try:
-                payload = json.loads(text)
-            except ValueError:
-                payload = text
-            return resp.status, payload, resp.headers
-
-
-def route_of(headers: Any) -> dict[str, str]:
-    value = headers["x-fleetpilot-route"]
-    return dict(part.split("=", 1) for part in value.split("; "))
-
 
 def waiting_seen(router: RunningRouter, engine: FakeEngine) -> float | None:
     """The queue length the router last scraped from an engine."""
     state = router.state.router.replica(engine.address)
     return state.metrics.waiting if state is not None and state.metrics is not None else None
-
-
-def assert_openai_error(status: int, payload: Any, expected: int) -> None:
-    """vLLM's error shape: the integer status as ``code`` and vLLM's type name for it."""
-    assert status == expected, payload
-    assert set(payload) == {"error"}, payload
-    assert set(payload["error"]) == {"message", "type", "code", "param"}
-    assert payload["error"]["code"] == expected
-    assert payload["error"]["type"] == error_type(expected)
 
 
 async def test_requests_route_by_complexity() -> None:

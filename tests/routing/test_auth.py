@@ -14,8 +14,17 @@ from fleetpilot.api.router_config import AuthConfig, TenantKeys
 from fleetpilot.routing.auth import MIN_KEY_CHARS, AuthGate, KeyRing, Tenant, build_ring, key_digest
 from fleetpilot.routing.errors import AuthenticationError
 from fleetpilot.testing.polling import eventually_async
-from tests.routing.support import FakeEngine, engines, make_config, running_router, tier
-from tests.routing.test_app import HARD, SHORT, assert_openai_error, post
+from tests.routing.support import (
+    HARD,
+    SHORT,
+    FakeEngine,
+    assert_openai_error,
+    engines,
+    make_config,
+    post,
+    running_router,
+    tier,
+)
 
 KEY_A = "sk-team-a-0123456789abcdef"
 KEY_A2 = "sk-team-a-rotated-fedcba9876543210"

@@ -14,15 +14,17 @@ from fleetpilot.api.router_config import AuthConfig, RouterConfig, TenantKeys
 from fleetpilot.routing.admission import ACTIVE_WINDOW_S
 from fleetpilot.routing.flow import FairQueue, QueueFullError, may_start
 from tests.routing.support import (
+    SHORT,
     FakeEngine,
     RunningRouter,
+    assert_openai_error,
     engines,
     make_config,
+    post,
     running_router,
     tier,
     wait_for,
 )
-from tests.routing.test_app import SHORT, assert_openai_error, post
 
 
 class Clock:

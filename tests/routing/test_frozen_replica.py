@@ -26,6 +26,7 @@ from tests.routing.support import (
     RunningRouter,
     frozen,
     make_config,
+    route_of,
     running_router,
     wait_for,
 )
@@ -67,11 +68,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
 def group(role: str, addresses: list[str]) -> EndpointGroup:
     return EndpointGroup(role=role, service=f"svc-{role}", selector={}, port=8000,
                          max_num_seqs=16, addresses=addresses)  # fmt: skip
-
-
-def route_of(headers: Any) -> dict[str, str]:
-    value = headers.get("x-fleetpilot-route")  # absent on a refusal before any routing
-    return dict(part.split("=", 1) for part in value.split("; ")) if value else {}
 
 
 async def timed_post(

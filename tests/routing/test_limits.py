@@ -15,14 +15,16 @@ from fleetpilot.api.router_config import AuthConfig, TenantKeys
 from fleetpilot.routing.limits import Bucket, Limiter, RateLimitedError, TenantLimits
 from fleetpilot.routing.proxy import usage_tokens
 from tests.routing.support import (
+    SHORT,
     FakeEngine,
     RunningRouter,
+    assert_openai_error,
     engines,
     make_config,
+    post,
     running_router,
     tier,
 )
-from tests.routing.test_app import SHORT, assert_openai_error, post
 
 KEY = "sk-team-a-0123456789abcdef"
 

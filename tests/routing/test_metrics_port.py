@@ -17,8 +17,13 @@ import yaml
 
 from fleetpilot.api.router_config import AuthConfig, RouterConfig, TenantKeys
 from fleetpilot.routing.app import metrics_on_public_port
-from tests.routing.support import make_config, router_process, running_router, tier
-from tests.routing.test_app import assert_openai_error
+from tests.routing.support import (
+    assert_openai_error,
+    make_config,
+    router_process,
+    running_router,
+    tier,
+)
 
 KEY = "sk-team-a-0123456789abcdef"
 TENANT = "team-secret-name"
