@@ -71,7 +71,7 @@ def router_config(echo_port: int) -> dict[str, Any]:
 
 def router_process(config: Path, port: int, cpus: set[int]) -> Any:
     argv = [
-        sys.executable, "-m", "fleetpilot.routing.app", "--config", str(config),
+        sys.executable, "-m", "fleetpilot.routing.cli", "--config", str(config),
         "--host", "127.0.0.1", "--port", str(port), "--discovery", "static",
         "--log-level", "warning", "--seed", "0",
     ]  # fmt: skip

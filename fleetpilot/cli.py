@@ -383,7 +383,7 @@ class _DelegatedCommand:
 _DELEGATED = [
     _DelegatedCommand(
         "router",
-        "fleetpilot.routing.app",
+        "fleetpilot.routing.cli",
         "Route OpenAI requests to tiers by complexity and to replicas by prefix.",
     ),
     _DelegatedCommand("up", "fleetpilot.runtime.up", "Run an InferenceService on this machine."),

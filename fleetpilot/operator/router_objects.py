@@ -36,7 +36,7 @@ ROUTER_METRICS_PORT = 9090
 # A deleted router pod (a drain, a rolling update) keeps serving this long after SIGTERM: it
 # leaves its Service's EndpointSlices at that moment, and whatever routes to it (kube-proxy,
 # a gateway, a client's own list) learns so a moment later. Then it finishes what it holds
-# (routing.app.SHUTDOWN_TIMEOUT_S, 30 s), inside the pod's grace period.
+# (routing.cli.SHUTDOWN_TIMEOUT_S, 30 s), inside the pod's grace period.
 ROUTER_SHUTDOWN_DELAY_S = 5
 ROUTER_TERMINATION_GRACE_S = 45
 METRICS_PORT_NAME = "metrics"

@@ -17,7 +17,7 @@ from fleetpilot.engine.reference_launch import REFERENCE_TOKENIZER
 from fleetpilot.operator.plan_types import K8sObject
 from fleetpilot.operator.planner import plan
 from fleetpilot.operator.router_objects import REFERENCE_TOKENIZER_DIR
-from fleetpilot.routing.app import SHUTDOWN_TIMEOUT_S, add_arguments
+from fleetpilot.routing.cli import SHUTDOWN_TIMEOUT_S, add_arguments
 from fleetpilot.routing.tokenizer.request import load_tokenizer
 from tests.factories import make_service, make_tier
 

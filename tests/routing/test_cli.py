@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from fleetpilot.routing.app import EXIT_INVALID, add_arguments, run
+from fleetpilot.routing.cli import EXIT_INVALID, add_arguments, run
 from tests.routing.support import make_config, router_process, stop_and_read_log, tier
 
 
@@ -44,11 +44,11 @@ def test_invalid_config_exits_2(tmp_path: Path, capsys: object) -> None:
 
 
 def test_router_process_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
-    """`python -m fleetpilot.routing.app`: /health and /v1/models answer; SIGTERM exits 0;
+    """`python -m fleetpilot.routing.cli`: /health and /v1/models answer; SIGTERM exits 0;
     logs are JSON lines."""
     path = tmp_path / "router.yaml"
     path.write_text(yaml.safe_dump(make_config([tier("small", 1.0)]).to_wire()))
-    with router_process(path, command=("-m", "fleetpilot.routing.app"), wait_s=30) as (proc, port):
+    with router_process(path, command=("-m", "fleetpilot.routing.cli"), wait_s=30) as (proc, port):
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
         assert [m["id"] for m in models["data"]] == ["chat", "small-model"]
         lines = stop_and_read_log(proc, 20)
