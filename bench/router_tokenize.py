@@ -49,7 +49,7 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-from router_support import ROOT, machine, percentile, save
+from router_support import ROOT, commit, machine, percentile, save
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from fleetpilot.routing.policies.kv_index import MAX_MATCH_BLOCKS, chain_keys
@@ -306,6 +306,7 @@ def main() -> None:
         "router_tokenize",
         {
             "benchmark": "router_tokenize",
+            "commit": commit(),
             "machine": machine(),
             "block_size": BLOCK_SIZE,
             "target_prompt_tokens": TARGET_TOKENS,
