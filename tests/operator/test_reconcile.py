@@ -295,7 +295,7 @@ def test_a_status_write_that_loses_the_race_is_retried_on_a_fresh_read(
         actuator.record(parse_service(stale), [scaled], condition, now)
 
     kube.interleave("PATCH", "InferenceService", autoscaler_writes, subresource="status")
-    assert reconciler.write_status(parse_service(stale), stale)
+    assert reconciler.refresh_status(parse_service(stale), stale)
 
     operator_writes = [
         c
