@@ -19,7 +19,7 @@ from fleetpilot.autoscaler.actuator import (
     scaling_active_condition,
 )
 from fleetpilot.autoscaler.model import Decision, History, ReasonKind
-from fleetpilot.kube.client import MERGE_CONTENT_TYPE, Obj
+from fleetpilot.kube.client import MERGE_CONTENT_TYPE, RESOURCES, Obj
 from fleetpilot.kube.managers import AUTOSCALER_MANAGER, OPERATOR_MANAGER, owns_field
 from fleetpilot.operator.plan_types import PlanOptions
 from fleetpilot.operator.reconcile import EVENT_MESSAGE_MAX, Reconciler, change_summary
@@ -126,6 +126,37 @@ def test_an_unchanged_service_costs_no_write(kube: FakeKube, reconciler: Reconci
     quiet = reconciler.reconcile(service(kube))
     assert not quiet.status_written
     assert kube.writes == writes + 1
+
+
+def listed(kube: FakeKube) -> list[str | None]:
+    """The kinds the reconciler listed, in order."""
+    return [
+        c.kind
+        for c in kube.calls
+        if c.method == "GET" and c.kind and c.path.endswith("/" + RESOURCES[c.kind].plural)
+    ]
+
+
+def test_a_new_service_lists_no_children_and_then_costs_no_write(
+    kube: FakeKube, reconciler: Reconciler
+) -> None:
+    """kopf's create cause: the service owns nothing yet, so no child is listed (ten LISTs a
+    service, each scanning the namespace); it gets the same objects and status as with them
+    listed, and the next reconcile, which lists, finds nothing to write."""
+    kube.apply(manifest(), USER)
+    created = reconciler.reconcile(service(kube), new=True)
+    # Without watches (as here) the status lists the workloads and pods it reads; nothing else.
+    assert set(listed(kube)) == {"Deployment", "LeaderWorkerSet", "Pod"}
+    twin = FakeKube()
+    twin.apply(manifest(), USER)
+    assert created.applied == Reconciler(twin).reconcile(service(twin)).applied
+    assert {"NetworkPolicy", "ConfigMap", "Job", "PersistentVolumeClaim"} <= set(listed(twin))
+    assert created.status_written
+
+    writes = kube.writes
+    again = reconciler.reconcile(service(kube))
+    assert (again.applied, again.pruned, again.status_written) == ([], [], False)
+    assert kube.writes == writes
 
 
 def test_a_reconcile_posts_one_event_for_everything_it_created(
