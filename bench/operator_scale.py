@@ -22,7 +22,7 @@ as soon as the service is applied - the same writes, with no reads, no Events, n
 control plane spends on them (and on the ReplicaSets, pods and Events the controllers make in
 turn) is on the same two cores; the CPU seconds each process used are reported.
 
-Run: .venv/bin/python bench/operator_scale.py [--services 200 1000] [--save]
+Run: .venv/bin/python bench/operator_scale.py [--services 200 1000] [--save] [--no-resync]
 """
 
 from __future__ import annotations
@@ -356,19 +356,55 @@ def main() -> None:
         "--no-resync", action="store_true", help="measure the settle only, not the restart"
     )
     parser.add_argument(
-        "--save", action="store_true", help="write bench/results/operator_scale.json"
+        "--save",
+        action="store_true",
+        help="record the runs in bench/results/operator_scale.json, in place of the runs "
+        "there of the same arm and count (the others are kept)",
+    )
+    parser.add_argument(
+        "--commit", help="the commit measured, recorded with --save (default: git's HEAD)"
+    )
+    parser.add_argument(
+        "--keep-logs",
+        type=Path,
+        help="keep each run's operator log (and control plane files) under this folder",
     )
     args = parser.parse_args()
     results = []
     for count in args.services:
         for arm in args.arms:
+            if args.keep_logs is not None:
+                workdir = args.keep_logs / f"{arm}-{count}"
+                workdir.mkdir(parents=True, exist_ok=True)
+                results.append(run(count, workdir, args.timeout, arm, not args.no_resync))
+                continue
             with tempfile.TemporaryDirectory(prefix="fp-scale-") as tmp:
                 results.append(run(count, Path(tmp), args.timeout, arm, not args.no_resync))
-    report = {"machine": {"cpus": os.cpu_count(), "loadavg": os.getloadavg()}, "runs": results}
+    machine = {"cpus": os.cpu_count(), "loadavg": os.getloadavg()}
+    report = {"machine": machine, "runs": results}
     print(json.dumps(report, indent=2))
     if args.save:
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "operator_scale.json").write_text(json.dumps(report, indent=2) + "\n")
+        save(results, machine, args.commit or head_commit())
+
+
+def head_commit() -> str:
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+
+
+def save(runs: list[dict[str, Any]], machine: dict[str, Any], commit: str) -> None:
+    """Record ``runs`` in the results file, each in place of an earlier run of its arm and
+    count (the machine's state and the commit go with each run)."""
+    path = RESULTS / "operator_scale.json"
+    report = json.loads(path.read_text()) if path.exists() else {"runs": []}
+    stamped = [{**run, "commit": commit, "machine": machine} for run in runs]
+    measured = {(run["arm"], run["services"]) for run in runs}
+    kept = [r for r in report["runs"] if (r["arm"], r["services"]) not in measured]
+    order = {(r["arm"], r["services"]): i for i, r in enumerate(report["runs"])}
+    merged = sorted(kept + stamped, key=lambda r: order.get((r["arm"], r["services"]), len(order)))
+    RESULTS.mkdir(exist_ok=True)
+    path.write_text(json.dumps({**report, "runs": merged}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

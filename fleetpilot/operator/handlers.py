@@ -501,9 +501,11 @@ def _register_services(registry: kopf.OperatorRegistry) -> None:
         event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any
     ) -> None:
         service = plain(body)
-        context_of(memo).ticker.observe(event.get("type"), service)
+        context = context_of(memo)
+        context.ticker.observe(event.get("type"), service)
         if event.get("type") == "DELETED":
             metrics.forget(body.metadata.namespace or "", body.metadata.name or "")
+            context.reconciler.forget(body.metadata.namespace or "", body.metadata.name or "")
         else:
             metrics.export_status(service)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fleetpilot import __version__
@@ -152,6 +152,15 @@ class ServicePlan:
     downloads: tuple[Download, ...]
     capacities: Capacities
     refusal: Refusal | None = None
+
+    def outline(self) -> ServicePlan:
+        """The plan less its objects' bodies (their kind and name kept, with what each waits
+        for): all a status refresh reads of it, a few hundred bytes to keep per service."""
+        stubs = tuple(
+            Planned({"kind": item.key[0], "metadata": {"name": item.key[1]}}, item.waits_for)
+            for item in self.objects
+        )
+        return replace(self, objects=stubs)
 
 
 # Each role sized once per plan (api.capacity), by (tier name, role name): the planner's

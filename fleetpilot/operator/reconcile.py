@@ -188,6 +188,9 @@ class Reconciler:
         # an engine rollout, which it waits for, reaches the operator as a workload's status
         # change, and only a reconcile applies the object.
         self.on_collection_due: Callable[[str, str], None] | None = None
+        # The latest plan of each service (its outline), with the uid and generation it was
+        # planned for: a status refresh reuses it rather than plan the same spec again.
+        self._plans: dict[tuple[str, str], tuple[tuple[str | None, int | None], ServicePlan]] = {}
 
     def managed_kinds(self) -> tuple[str, ...]:
         """MANAGED_KINDS, and the optional kinds the cluster serves."""
@@ -326,14 +329,32 @@ class Reconciler:
         return pruned
 
     def plan(self, service: InferenceService) -> ServicePlan:
-        """The service planned once for this pass (its refusal included)."""
-        return plan_service(service, self.options)
+        """The service planned once for this pass (its refusal included); its outline is kept
+        for the status refreshes of the same spec."""
+        planned = plan_service(service, self.options)
+        spec = (service.metadata.uid, service.metadata.generation)
+        self._plans[(service.namespace, service.name)] = (spec, planned.outline())
+        return planned
+
+    def known_plan(self, service: InferenceService) -> ServicePlan:
+        """The outline of the service's latest plan, if it was made for this spec (same uid
+        and generation: the plan's refusal, downloads, sizes and waits follow from the spec
+        alone); else the service planned now."""
+        known = self._plans.get((service.namespace, service.name))
+        spec = (service.metadata.uid, service.metadata.generation)
+        if known is not None and known[0] == spec and spec[1] is not None:
+            return known[1]
+        return self.plan(service)
+
+    def forget(self, namespace: str, name: str) -> None:
+        """A deleted service's kept plan."""
+        self._plans.pop((namespace, name), None)
 
     def refresh_status(self, service: InferenceService, body: Obj) -> bool:
         """The status again after a child changed, still saying whether the latest spec's plan
-        was refused (planning is pure and cheap): a refresh that forgot it would report the
-        old children as the service's state and clear Stalled and Degraded."""
-        return self.write_status(service, body, self.plan(service))
+        was refused: a refresh that forgot it would report the old children as the service's
+        state and clear Stalled and Degraded. The reconcile of the spec planned it already."""
+        return self.write_status(service, body, self.known_plan(service))
 
     def observe(
         self,

@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 import pytest
 from prometheus_client import CollectorRegistry
 
-from fleetpilot.api import parse_service
+from fleetpilot.api import InferenceService, parse_service
 from fleetpilot.autoscaler.actuator import (
     AutoscalerMetrics,
     KubernetesActuator,
@@ -21,7 +21,9 @@ from fleetpilot.autoscaler.actuator import (
 from fleetpilot.autoscaler.model import Decision, History, ReasonKind
 from fleetpilot.kube.client import MERGE_CONTENT_TYPE, RESOURCES, Obj
 from fleetpilot.kube.managers import AUTOSCALER_MANAGER, OPERATOR_MANAGER, owns_field
-from fleetpilot.operator.plan_types import PlanOptions
+from fleetpilot.operator import reconcile
+from fleetpilot.operator.plan_types import PlanOptions, ServicePlan
+from fleetpilot.operator.planner import plan_service
 from fleetpilot.operator.reconcile import EVENT_MESSAGE_MAX, Reconciler, change_summary
 from tests.factories import make_manifest, make_tier
 from tests.support.kube import FakeKube
@@ -399,6 +401,37 @@ def test_a_child_event_after_a_refused_plan_keeps_the_refusal_in_status(
     body = service(kube)
     reconciler.refresh_status(parse_service(body), body)
     assert condition(kube, "Stalled")["status"] == "False"
+
+
+def test_a_refresh_reuses_the_plan_its_spec_was_reconciled_with(
+    kube: FakeKube, reconciler: Reconciler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reconcile of a spec planned it: the status refreshes of the same spec (each child
+    event) read its refusal, downloads and sizes from that plan, and plan only a spec no
+    reconcile has seen yet (a new generation, or after a restart)."""
+    planned: list[int | None] = []
+
+    def counted(svc: InferenceService, options: PlanOptions | None = None) -> ServicePlan:
+        planned.append(svc.metadata.generation)
+        return plan_service(svc, options)
+
+    monkeypatch.setattr(reconcile, "plan_service", counted)
+    kube.apply(manifest(make_tier("small", engine={"extraArgs": ["--port=9000"]})), USER)
+    reconciler.reconcile(service(kube))
+    body = service(kube)
+    reconciler.refresh_status(parse_service(body), body)
+    reconciler.refresh_status(parse_service(body), body)
+    assert planned == [1]
+    assert condition(kube, "Stalled")["reason"] == "PlanRefused"
+
+    kube.apply(manifest(), USER)  # generation 2, not reconciled yet
+    body = service(kube)
+    reconciler.refresh_status(parse_service(body), body)
+    assert planned == [1, 2]
+    assert condition(kube, "Stalled")["status"] == "False"
+    reconciler.forget(NS, "chat")
+    reconciler.refresh_status(parse_service(body), body)
+    assert planned == [1, 2, 2]
 
 
 def test_a_new_service_with_a_refused_plan_creates_nothing(
