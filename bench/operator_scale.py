@@ -96,9 +96,9 @@ def service(index: int) -> dict[str, Any]:
     }
 
 
-def api_writes(kube: Kube, verbs: set[str] | None = None) -> Counter[str]:
+def api_writes(kube: Kube, verbs: set[str] | None = None, code: str | None = None) -> Counter[str]:
     """The API server's request counts by resource[/subresource], from its /metrics: the
-    writes, or the requests of ``verbs``."""
+    writes, or the requests of ``verbs``; only those answered ``code`` if given."""
     response = kube.api.call_api(
         "GET", f"{kube.api.configuration.host}/metrics", header_params={"Accept": "text/plain"}
     )
@@ -110,6 +110,8 @@ def api_writes(kube: Kube, verbs: set[str] | None = None) -> Counter[str]:
             continue
         labels = dict(LABEL.findall(match["labels"]))
         if labels.get("verb") not in (verbs or WRITE_VERBS):
+            continue
+        if code is not None and labels.get("code") != code:
             continue
         resource = labels.get("resource", "")
         if labels.get("subresource"):
@@ -259,6 +261,7 @@ def run(
                 operator = start_operator(plane.kubeconfig, metrics_port, log)
                 time.sleep(3)
             requests_before = api_writes(kube, ALL_VERBS)
+            conflicts_before = api_writes(kube, ALL_VERBS, "409")
             cpu_before = cpu_by_process(plane, operator)
             started = time.monotonic()
             with ThreadPoolExecutor(16) as pool:
@@ -280,6 +283,7 @@ def run(
             cpu_after = cpu_by_process(plane, operator)
             settle_cpu = {k: round(cpu_after[k] - cpu_before[k], 1) for k in cpu_after}
             requests_after = api_writes(kube, ALL_VERBS)
+            conflicts = api_writes(kube, ALL_VERBS, "409") - conflicts_before
             settle_requests = {
                 k: requests_after[k] - requests_before[k]
                 for k in requests_after
@@ -302,6 +306,8 @@ def run(
                 "settle_cpu_s": settle_cpu,
                 "settle_api_requests_total": sum(settle_requests.values()),
                 "settle_api_requests": dict(sorted(settle_requests.items(), key=lambda kv: -kv[1])),
+                # Writes that lost a race (409: a stale resourceVersion), each read and retried.
+                "settle_api_conflicts": dict(conflicts),
             }
             if operator is None or not resync:
                 return settle

@@ -261,6 +261,8 @@ class Reconciler:
             held = ", ".join(f"{d} (Job {j})" for d, j in sorted(result.waiting_for_model.items()))
             emit("Normal", "WaitingForModel", f"engine workloads wait for their model: {held}")
         applied = {key: obj for key, obj in changed.written.items() if key[0] in WORKLOAD_KINDS}
+        # With the Jobs just applied: a GC Job this pass applied is there, not due again.
+        jobs |= {n: obj for (kind, n), obj in changed.written.items() if kind == "Job"}
         result.status_written = self.write_status(service, body, planned, applied, jobs)
         return result
 

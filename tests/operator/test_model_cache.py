@@ -238,6 +238,7 @@ def test_the_gc_runs_once_the_downloads_are_complete_and_the_engines_rolled_out(
     reconciler.reconcile(apply_service(kube, "r1"))
     (gc,) = gc_jobs(kube)
     assert keeps(gc) == [f"--keep-hub {MODEL}@r1"]
+    assert due == [(NS, "chat")]  # the reconcile that applied it asks for none more
     due.clear()
     refresh("r1")
     assert due == []  # applied: nothing more to ask for
