@@ -22,7 +22,7 @@ as soon as the service is applied - the same writes, with no reads, no Events, n
 control plane spends on them (and on the ReplicaSets, pods and Events the controllers make in
 turn) is on the same two cores; the CPU seconds each process used are reported.
 
-Run: .venv/bin/python bench/operator_scale.py [--services 200 1000] [--save]
+Run: .venv/bin/python bench/operator_scale.py [--services 200 1000] [--save] [--no-resync]
 """
 
 from __future__ import annotations
@@ -96,9 +96,9 @@ def service(index: int) -> dict[str, Any]:
     }
 
 
-def api_writes(kube: Kube, verbs: set[str] | None = None) -> Counter[str]:
+def api_writes(kube: Kube, verbs: set[str] | None = None, code: str | None = None) -> Counter[str]:
     """The API server's request counts by resource[/subresource], from its /metrics: the
-    writes, or the requests of ``verbs``."""
+    writes, or the requests of ``verbs``; only those answered ``code`` if given."""
     response = kube.api.call_api(
         "GET", f"{kube.api.configuration.host}/metrics", header_params={"Accept": "text/plain"}
     )
@@ -110,6 +110,8 @@ def api_writes(kube: Kube, verbs: set[str] | None = None) -> Counter[str]:
             continue
         labels = dict(LABEL.findall(match["labels"]))
         if labels.get("verb") not in (verbs or WRITE_VERBS):
+            continue
+        if code is not None and labels.get("code") != code:
             continue
         resource = labels.get("resource", "")
         if labels.get("subresource"):
@@ -259,6 +261,7 @@ def run(
                 operator = start_operator(plane.kubeconfig, metrics_port, log)
                 time.sleep(3)
             requests_before = api_writes(kube, ALL_VERBS)
+            conflicts_before = api_writes(kube, ALL_VERBS, "409")
             cpu_before = cpu_by_process(plane, operator)
             started = time.monotonic()
             with ThreadPoolExecutor(16) as pool:
@@ -280,6 +283,7 @@ def run(
             cpu_after = cpu_by_process(plane, operator)
             settle_cpu = {k: round(cpu_after[k] - cpu_before[k], 1) for k in cpu_after}
             requests_after = api_writes(kube, ALL_VERBS)
+            conflicts = api_writes(kube, ALL_VERBS, "409") - conflicts_before
             settle_requests = {
                 k: requests_after[k] - requests_before[k]
                 for k in requests_after
@@ -302,6 +306,8 @@ def run(
                 "settle_cpu_s": settle_cpu,
                 "settle_api_requests_total": sum(settle_requests.values()),
                 "settle_api_requests": dict(sorted(settle_requests.items(), key=lambda kv: -kv[1])),
+                # Writes that lost a race (409: a stale resourceVersion), each read and retried.
+                "settle_api_conflicts": dict(conflicts),
             }
             if operator is None or not resync:
                 return settle
@@ -356,19 +362,55 @@ def main() -> None:
         "--no-resync", action="store_true", help="measure the settle only, not the restart"
     )
     parser.add_argument(
-        "--save", action="store_true", help="write bench/results/operator_scale.json"
+        "--save",
+        action="store_true",
+        help="record the runs in bench/results/operator_scale.json, in place of the runs "
+        "there of the same arm and count (the others are kept)",
+    )
+    parser.add_argument(
+        "--commit", help="the commit measured, recorded with --save (default: git's HEAD)"
+    )
+    parser.add_argument(
+        "--keep-logs",
+        type=Path,
+        help="keep each run's operator log (and control plane files) under this folder",
     )
     args = parser.parse_args()
     results = []
     for count in args.services:
         for arm in args.arms:
+            if args.keep_logs is not None:
+                workdir = args.keep_logs / f"{arm}-{count}"
+                workdir.mkdir(parents=True, exist_ok=True)
+                results.append(run(count, workdir, args.timeout, arm, not args.no_resync))
+                continue
             with tempfile.TemporaryDirectory(prefix="fp-scale-") as tmp:
                 results.append(run(count, Path(tmp), args.timeout, arm, not args.no_resync))
-    report = {"machine": {"cpus": os.cpu_count(), "loadavg": os.getloadavg()}, "runs": results}
+    machine = {"cpus": os.cpu_count(), "loadavg": os.getloadavg()}
+    report = {"machine": machine, "runs": results}
     print(json.dumps(report, indent=2))
     if args.save:
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "operator_scale.json").write_text(json.dumps(report, indent=2) + "\n")
+        save(results, machine, args.commit or head_commit())
+
+
+def head_commit() -> str:
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+
+
+def save(runs: list[dict[str, Any]], machine: dict[str, Any], commit: str) -> None:
+    """Record ``runs`` in the results file, each in place of an earlier run of its arm and
+    count (the machine's state and the commit go with each run)."""
+    path = RESULTS / "operator_scale.json"
+    report = json.loads(path.read_text()) if path.exists() else {"runs": []}
+    stamped = [{**run, "commit": commit, "machine": machine} for run in runs]
+    measured = {(run["arm"], run["services"]) for run in runs}
+    kept = [r for r in report["runs"] if (r["arm"], r["services"]) not in measured]
+    order = {(r["arm"], r["services"]): i for i, r in enumerate(report["runs"])}
+    merged = sorted(kept + stamped, key=lambda r: order.get((r["arm"], r["services"]), len(order)))
+    RESULTS.mkdir(exist_ok=True)
+    path.write_text(json.dumps({**report, "runs": merged}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -19,19 +19,20 @@ import logging
 import os
 import time
 from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import kopf
 
-from fleetpilot.api import GROUP, VERSION, parse_service
+from fleetpilot.api import GROUP, VERSION, InferenceService, parse_service
 from fleetpilot.api.loading import InvalidManifestError
 from fleetpilot.api.service import PLURAL
-from fleetpilot.autoscaler.actuator import kubernetes_actuator
-from fleetpilot.autoscaler.loop import tick
+from fleetpilot.autoscaler.actuator import KubernetesActuator, kubernetes_actuator
+from fleetpilot.autoscaler.loop import Histories, tick
 from fleetpilot.autoscaler.prometheus import PrometheusSources
 from fleetpilot.engine.adapter_client import AdapterClient
 from fleetpilot.kube import names
-from fleetpilot.kube.client import Kube, KubeError
+from fleetpilot.kube.client import Kube, KubeError, Obj
 from fleetpilot.kube.connect import connect
 from fleetpilot.kube.events import post_event
 from fleetpilot.operator import adapter_loading, metrics
@@ -51,7 +52,7 @@ from fleetpilot.operator.plan_types import (
     DEFAULT_REFERENCE_IMAGE,
     PlanOptions,
 )
-from fleetpilot.operator.reconcile import OPTIONAL_KINDS, Reconciler
+from fleetpilot.operator.reconcile import OPTIONAL_KINDS, Clock, Reconciler, wall_clock
 from fleetpilot.operator.refresh_queue import RefreshQueue
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,291 @@ def serves_leader_worker_sets(kube: Kube) -> bool:
     return kube.serves(LWS_API_VERSION, LWS_PLURAL)
 
 
+@dataclass(frozen=True)
+class OperatorConfig:
+    """What the operator is started with (the command line's choices)."""
+
+    fleetpilot_image: str = DEFAULT_FLEETPILOT_IMAGE
+    reference_image: str = DEFAULT_REFERENCE_IMAGE
+    kubeconfig: str | None = None
+    prometheus_url: str | None = None
+    # Whether the cluster serves LeaderWorkerSet (asked before kopf runs: build_registry).
+    leader_worker_sets: bool = False
+    clock: Clock = wall_clock
+
+
+@dataclass
+class OperatorContext:
+    """Everything the handlers share, built once at startup (``start_context``) and handed to
+    them through kopf's memo under one key (kopf copies memo shallowly: one context for all).
+    """
+
+    kube: Kube
+    options: PlanOptions
+    # The watched workloads and pods (kopf's indexes, attached by the first handler).
+    children: Children
+    reconciler: Reconciler
+    prometheus: PrometheusSources
+    actuator: KubernetesActuator
+    histories: Histories
+    # The autoscaler's loop; also the latest body of every service, as watched.
+    ticker: ServiceTicker
+    adapter_client: AdapterClient
+    # Status refreshes after child events; reconciles of what no spec change announces;
+    # dynamic-LoRA syncs.
+    refreshes: RefreshQueue
+    rereconciles: RefreshQueue
+    adapter_syncs: RefreshQueue
+    clock: Clock = wall_clock
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.ticker.close()
+        for queue in (self.refreshes, self.adapter_syncs, self.rereconciles):
+            queue.close()
+        self.adapter_client.close()
+        self.prometheus.close()
+
+
+CONTEXT = "context"  # its key in kopf's memo
+
+
+def context_of(memo: kopf.Memo) -> OperatorContext:
+    return cast(OperatorContext, memo[CONTEXT])
+
+
+def plan_options(kube: Kube, config: OperatorConfig) -> PlanOptions:
+    """What the planner may assume of this cluster: optional CRDs and the API server's
+    version, detected once at start (their absence never blocks a service: a multi-node role
+    is refused without LeaderWorkerSet, its status saying so)."""
+    pod_monitors = kube.serves(*OPTIONAL_KINDS["PodMonitor"])
+    log.info(
+        "optional CRDs detected",
+        extra={"podmonitor": pod_monitors, "leaderworkerset": config.leader_worker_sets},
+    )
+    version = kube.server_version()
+    # OCI model sources mount images as volumes where Kubernetes has them on by default.
+    image_volumes = version is not None and version >= IMAGE_VOLUMES_FROM
+    log.info("API server", extra={"version": version, "image_volumes": image_volumes})
+    return PlanOptions(
+        image_volumes=image_volumes,
+        fleetpilot_image=config.fleetpilot_image,
+        reference_image=config.reference_image,
+        pod_monitor_available=pod_monitors,
+        leader_worker_set_available=config.leader_worker_sets,
+        operator_namespace=os.environ.get("POD_NAMESPACE") or None,
+    )
+
+
+def start_context(config: OperatorConfig, kube: Kube | None = None) -> OperatorContext:
+    """The operator's context, its queues' threads started (blocking API calls: run it off
+    kopf's loop)."""
+    kube = kube or Kube(connect(config.kubeconfig))
+    options = plan_options(kube, config)
+    children = Children()
+    reconciler = Reconciler(kube, options, children, config.clock)
+    context: OperatorContext
+
+    def on(work: Any) -> Any:
+        # The queues and the ticker call back into the context being built.
+        return lambda key: work(context, key)
+
+    context = OperatorContext(
+        kube=kube,
+        options=options,
+        children=children,
+        reconciler=reconciler,
+        prometheus=PrometheusSources(config.prometheus_url),
+        actuator=kubernetes_actuator(kube),
+        histories={},
+        ticker=ServiceTicker(on(autoscale), AUTOSCALE_TICK_S),
+        adapter_client=AdapterClient(),
+        refreshes=RefreshQueue(on(refresh), REFRESH_WORKERS, "status-refresh", REFRESH_HOLD_S),
+        rereconciles=RefreshQueue(on(reconcile_again), 1, "re-reconcile", REFRESH_HOLD_S),
+        adapter_syncs=RefreshQueue(
+            on(sync_adapters), ADAPTER_SYNC_WORKERS, "adapter-sync", REFRESH_HOLD_S
+        ),
+        clock=config.clock,
+    )
+
+    def reconcile_later(namespace: str, name: str) -> None:
+        context.rereconciles.mark((namespace, name))
+
+    reconciler.on_cold_start = reconcile_later
+    reconciler.on_collection_due = reconcile_later
+    return context
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    # Explicit Events only (created/updated/pruned/refused); kopf would otherwise post one
+    # for every log line of a handler.
+    settings.posting.level = logging.WARNING
+    settings.execution.max_workers = RECONCILE_WORKERS
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=ANNOTATION_PREFIX
+    )
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
+
+
+# -- the work, each on the context --------------------------------------------------------
+
+
+def autoscale(context: OperatorContext, body: Mapping[str, Any]) -> None:
+    """Decide and scale every due role of the service from its Prometheus metrics."""
+    monitoring = body.get("spec", {}).get("monitoring", {}) or {}
+    source = context.prometheus.for_url(monitoring.get("prometheusUrl"))
+    if source is None:
+        return  # no Prometheus for the operator or the service: nothing to read
+    tick(body, source, context.actuator, context.histories)
+
+
+def reconcile(context: OperatorContext, body: kopf.Body, retry: int, reason: str) -> None:
+    """A full reconcile of a created, changed or resumed service (kopf's ``reason``)."""
+
+    def emit(kind: str, reason: str, message: str) -> None:
+        kopf.event(body, type=kind, reason=reason, message=message)
+
+    started = time.monotonic()
+    try:
+        # A retry of a create may follow a pass that applied part of the plan: it lists.
+        new = reason == kopf.Reason.CREATE and retry == 0
+        result = context.reconciler.reconcile(plain(body), emit, new=new)
+    except KubeError as exc:
+        metrics.RECONCILE_ERRORS.inc()
+        if exc.retryable:
+            raise kopf.TemporaryError(str(exc), delay=retry_delay(retry)) from exc
+        raise kopf.PermanentError(str(exc)) from exc
+    finally:
+        metrics.RECONCILE_DURATION.observe(time.monotonic() - started)
+    outcome = "refused" if result.refusal else "applied" if result.applied else "unchanged"
+    if not result.refusal and loads_adapters_at_run_time(body):
+        # A changed adapter list changes no pod: the engines hear of it from here.
+        context.adapter_syncs.mark((body.metadata.namespace, body.metadata.name))
+    metrics.RECONCILES.labels(result=outcome).inc()
+    log.info(
+        "reconciled",
+        extra={
+            "service": f"{body.metadata.namespace}/{body.metadata.name}",
+            "applied": len(result.applied),
+            "pruned": len(result.pruned),
+            "outcome": outcome,
+        },
+    )
+
+
+def _parsed(body: Mapping[str, Any] | None) -> InferenceService | None:
+    if body is None:
+        return None
+    try:
+        return parse_service(body)
+    except InvalidManifestError:
+        return None  # the service handler reports it; nothing else can fix it
+
+
+def refresh(context: OperatorContext, key: Hashable) -> None:
+    """A service's status again, after its children changed."""
+    namespace, service_name = cast(tuple[str, str], key)
+    # The service as its watch last delivered it, else read: a stale one only costs the
+    # status write a conflict (it carries the resourceVersion) and a fresh read.
+    body = context.ticker.latest(namespace, service_name) or context.kube.get(
+        "InferenceService", namespace, service_name
+    )
+    service = _parsed(body)
+    if body is None or service is None:
+        return
+    try:
+        context.reconciler.refresh_status(service, body)
+    except KubeError as exc:
+        if not exc.conflict:  # a conflict means a newer write; the next event retries
+            raise
+
+
+def reconcile_again(context: OperatorContext, key: Hashable) -> None:
+    """Reconcile a service on what no spec change announces: a model download Job finished
+    (its engine Deployments waited for it), a new cold start was recorded (the router's
+    config carries it), or the engines rolled out to the downloads the model cache keeps
+    (its GC Job waited for that)."""
+    namespace, service_name = cast(tuple[str, str], key)
+    kube = context.kube
+    body = kube.get("InferenceService", namespace, service_name)
+    service = _parsed(body)
+    if body is None or service is None:
+        return
+
+    def emit(kind: str, reason: str, message: str) -> None:
+        post_event(
+            kube, service, reason=reason, message=message, kind=kind,
+            component="fleetpilot-operator",
+        )  # fmt: skip
+
+    context.reconciler.reconcile(body, emit)
+
+
+def sync_adapters(context: OperatorContext, key: Hashable) -> None:
+    namespace, service_name = cast(tuple[str, str], key)
+    body = context.ticker.latest(namespace, service_name)
+    if body is None or not loads_adapters_at_run_time(body):
+        return
+    service = _parsed(body)
+    if service is not None:
+        adapter_loading.sync_service(context.kube, context.adapter_client, service)
+
+
+async def resync_adapters(context: OperatorContext) -> None:
+    """Every RESYNC_S, sync every dynamic-LoRA service (what no event announces)."""
+    ticker = context.ticker
+    while True:
+        await asyncio.sleep(adapter_loading.RESYNC_S)
+        for namespace, name in ticker.services:
+            body = ticker.latest(namespace, name)
+            if body is not None and loads_adapters_at_run_time(body):
+                context.adapter_syncs.mark((namespace, name))
+
+
+def attach_indexes(context: OperatorContext, kwargs: Mapping[str, Any]) -> None:
+    # kopf hands its indexes only to handlers; the status refreshes run outside them.
+    context.children.attach(
+        kwargs[DEPLOYMENTS_INDEX], kwargs[PODS_INDEX], kwargs.get(LEADER_WORKER_SETS_INDEX)
+    )
+
+
+def fetch_job_changed(
+    context: OperatorContext, namespace: str | None, labels: Mapping[str, str], job: Obj
+) -> None:
+    """A download finished (its held engines may go now) or changed (ModelReady)."""
+    service_name = labels.get(names.LABEL_SERVICE)
+    if not namespace or not service_name:
+        return
+    if job_complete(job) or job_failed(job) is not None:
+        context.rereconciles.mark((namespace, service_name))
+    context.refreshes.mark((namespace, service_name))
+
+
+def child_changed(
+    context: OperatorContext, namespace: str | None, labels: Mapping[str, str], kind: str | None
+) -> None:
+    """A workload or pod of a service changed: its status is refreshed (queued)."""
+    service_name = labels.get(names.LABEL_SERVICE)
+    if not service_name or not namespace:
+        return
+    # A burst of child events (a rollout, a thousand services at once) is one refresh
+    # queued or running and at most one behind it, reading the final state.
+    context.refreshes.mark((namespace, service_name))
+    if kind == "Pod":
+        # A replica that turned Ready holds no adapters yet (sync_adapters skips services
+        # without lora.dynamic at once).
+        context.adapter_syncs.mark((namespace, service_name))
+
+
+# -- the registry --------------------------------------------------------------------------
+
+
 def build_registry(
     *,
     fleetpilot_image: str = DEFAULT_FLEETPILOT_IMAGE,
@@ -139,6 +425,7 @@ def build_registry(
     kubeconfig: str | None = None,
     prometheus_url: str | None = None,
     leader_worker_sets: bool | None = None,
+    clock: Clock = wall_clock,
 ) -> kopf.OperatorRegistry:
     """A fresh registry (not kopf's global one), so tests can run operators side by side.
 
@@ -158,153 +445,76 @@ def build_registry(
     """
     if leader_worker_sets is None:
         leader_worker_sets = serves_leader_worker_sets(Kube(connect(kubeconfig)))
+    config = OperatorConfig(
+        fleetpilot_image=fleetpilot_image,
+        reference_image=reference_image,
+        kubeconfig=kubeconfig,
+        prometheus_url=prometheus_url,
+        leader_worker_sets=leader_worker_sets,
+        clock=clock,
+    )
     registry = kopf.OperatorRegistry()
+    _register_lifecycle(registry, config)
+    _register_services(registry)
+    _register_indexes(registry, leader_worker_sets)
+    _register_children(registry, leader_worker_sets)
+    return registry
 
+
+def _register_lifecycle(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         # kopf's own login handler lives in its global registry, which this one replaces.
         return kopf.login_via_client(**kwargs)
 
-    def prepare(settings: kopf.OperatorSettings, memo: kopf.Memo) -> None:
-        # Explicit Events only (created/updated/pruned/refused); kopf would otherwise post
-        # one for every log line of a handler.
-        settings.posting.level = logging.WARNING
-        settings.execution.max_workers = RECONCILE_WORKERS
-        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
-            prefix=ANNOTATION_PREFIX
-        )
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
-        )
-        kube = Kube(connect(kubeconfig))
-        # Optional CRDs are detected once at start: their absence never blocks a service (a
-        # multi-node role is refused without LeaderWorkerSet, its status saying so).
-        pod_monitors = kube.serves(*OPTIONAL_KINDS["PodMonitor"])
-        log.info(
-            "optional CRDs detected",
-            extra={"podmonitor": pod_monitors, "leaderworkerset": leader_worker_sets},
-        )
-        version = kube.server_version()
-        # OCI model sources mount images as volumes where Kubernetes has them on by default.
-        image_volumes = version is not None and version >= IMAGE_VOLUMES_FROM
-        log.info("API server", extra={"version": version, "image_volumes": image_volumes})
-        options = PlanOptions(
-            image_volumes=image_volumes,
-            fleetpilot_image=fleetpilot_image,
-            reference_image=reference_image,
-            pod_monitor_available=pod_monitors,
-            leader_worker_set_available=leader_worker_sets,
-            operator_namespace=os.environ.get("POD_NAMESPACE") or None,
-        )
-        memo["children"] = Children()
-        memo["reconciler"] = Reconciler(kube, options, memo["children"])
-        # Shared (not copied) by every service's handlers: kopf copies memo shallowly.
-        memo["prometheus"] = PrometheusSources(prometheus_url)
-        memo["actuator"] = kubernetes_actuator(kube)
-        memo["histories"] = {}
-        memo["refreshes"] = RefreshQueue(
-            lambda key: refresh(key, memo), REFRESH_WORKERS, "status-refresh", REFRESH_HOLD_S
-        )
-
-        def autoscale(body: Mapping[str, Any]) -> None:
-            """Decide and scale every due role of the service from its Prometheus metrics."""
-            monitoring = body.get("spec", {}).get("monitoring", {}) or {}
-            source = memo["prometheus"].for_url(monitoring.get("prometheusUrl"))
-            if source is None:
-                return  # no Prometheus for the operator or the service: nothing to read
-            tick(body, source, memo["actuator"], memo["histories"])
-
-        memo["ticker"] = ServiceTicker(autoscale, AUTOSCALE_TICK_S)
-        memo["adapter_client"] = AdapterClient()
-        memo["rereconciles"] = RefreshQueue(
-            lambda key: reconcile_again(key, memo), 1, "re-reconcile", REFRESH_HOLD_S
-        )
-
-        def reconcile_later(namespace: str, name: str) -> None:
-            memo["rereconciles"].mark((namespace, name))
-
-        memo["reconciler"].on_cold_start = reconcile_later
-        memo["reconciler"].on_collection_due = reconcile_later
-        memo["adapter_syncs"] = RefreshQueue(
-            lambda key: sync_adapters(key, memo),
-            ADAPTER_SYNC_WORKERS,
-            "adapter-sync",
-            REFRESH_HOLD_S,
-        )
-
     @kopf.on.startup(registry=registry)
     async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-        await asyncio.to_thread(prepare, settings, memo)  # blocking API calls
-        memo["ticker_task"] = asyncio.create_task(memo["ticker"].run(), name="autoscaler")
-        memo["resync_task"] = asyncio.create_task(resync_adapters(memo), name="adapter-resync")
+        configure(settings)
+        context = await asyncio.to_thread(start_context, config)  # blocking API calls
+        memo[CONTEXT] = context
+        context.tasks.append(asyncio.create_task(context.ticker.run(), name="autoscaler"))
+        context.tasks.append(asyncio.create_task(resync_adapters(context), name="adapter-resync"))
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:
-        for name in ("ticker_task", "resync_task"):
-            task: asyncio.Task[None] | None = memo.get(name)
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        ticker: ServiceTicker | None = memo.get("ticker")
-        if ticker is not None:
-            ticker.close()
-        for queue in ("refreshes", "adapter_syncs", "rereconciles"):
-            refreshes: RefreshQueue | None = memo.get(queue)
-            if refreshes is not None:
-                refreshes.close()
-        client: AdapterClient | None = memo.get("adapter_client")
-        if client is not None:
-            client.close()
-        sources: PrometheusSources | None = memo.get("prometheus")
-        if sources is not None:
-            sources.close()
+        context: OperatorContext | None = memo.get(CONTEXT)
+        if context is not None:
+            await context.close()
 
+
+def _register_services(registry: kopf.OperatorRegistry) -> None:
     @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry)
-    def reconcile_service(body: kopf.Body, memo: kopf.Memo, retry: int, **kwargs: Any) -> None:
-        attach_indexes(memo, kwargs)
-        reconciler: Reconciler = memo["reconciler"]
+    def reconcile_service(
+        body: kopf.Body, memo: kopf.Memo, retry: int, reason: str, **kwargs: Any
+    ) -> None:
+        # Its name is its handler id, which kopf's progress annotations on the service carry.
+        context = context_of(memo)
+        attach_indexes(context, kwargs)
+        reconcile(context, body, retry, reason)
 
-        def emit(kind: str, reason: str, message: str) -> None:
-            kopf.event(body, type=kind, reason=reason, message=message)
+    # Async (run in kopf's loop, not its thread pool): it only records, and must not wait
+    # behind reconciles for a thread.
+    @kopf.on.event(GROUP, VERSION, PLURAL, id=SERVICE_EVENT, registry=registry)
+    async def service_event(
+        event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any
+    ) -> None:
+        service = plain(body)
+        context = context_of(memo)
+        context.ticker.observe(event.get("type"), service)
+        if event.get("type") == "DELETED":
+            metrics.forget(body.metadata.namespace or "", body.metadata.name or "")
+            context.reconciler.forget(body.metadata.namespace or "", body.metadata.name or "")
+        else:
+            metrics.export_status(service)
 
-        started = time.monotonic()
-        try:
-            result = reconciler.reconcile(plain(body), emit)
-        except KubeError as exc:
-            metrics.RECONCILE_ERRORS.inc()
-            if exc.retryable:
-                raise kopf.TemporaryError(str(exc), delay=retry_delay(retry)) from exc
-            raise kopf.PermanentError(str(exc)) from exc
-        finally:
-            metrics.RECONCILE_DURATION.observe(time.monotonic() - started)
-        outcome = "refused" if result.refusal else "applied" if result.applied else "unchanged"
-        if not result.refusal and loads_adapters_at_run_time(body):
-            # A changed adapter list changes no pod: the engines hear of it from here.
-            memo["adapter_syncs"].mark((body.metadata.namespace, body.metadata.name))
-        metrics.RECONCILES.labels(result=outcome).inc()
-        log.info(
-            "reconciled",
-            extra={
-                "service": f"{body.metadata.namespace}/{body.metadata.name}",
-                "applied": len(result.applied),
-                "pruned": len(result.pruned),
-                "outcome": outcome,
-            },
-        )
 
-    def attach_indexes(memo: kopf.Memo, kwargs: dict[str, Any]) -> None:
-        # kopf hands its indexes only to handlers; the status refreshes run outside them.
-        children: Children = memo["children"]
-        children.attach(
-            kwargs[DEPLOYMENTS_INDEX], kwargs[PODS_INDEX], kwargs.get(LEADER_WORKER_SETS_INDEX)
-        )
+def _register_indexes(registry: kopf.OperatorRegistry, leader_worker_sets: bool) -> None:
+    """Every Deployment, LeaderWorkerSet and pod of a service, kept by kopf from their
+    watches (operator.children). Async: an index handler runs on every event of its kind, in
+    kopf's loop."""
 
-    # Every Deployment, LeaderWorkerSet and pod of a service, kept by kopf from their watches
-    # (operator.children). Async: an index handler runs on every event of its kind, in kopf's
-    # loop.
     @kopf.index(
         "apps", "v1", "deployments",
         labels={names.LABEL_MANAGED_BY: names.MANAGER}, id=DEPLOYMENTS_INDEX, registry=registry,
@@ -329,111 +539,20 @@ def build_registry(
         async def leader_worker_sets_by_service(body: kopf.Body, **_: Any) -> dict[Any, Any]:
             return index_entry("LeaderWorkerSet", body)
 
-    # The event handlers are async (run in kopf's loop, not its thread pool): they only record
-    # and mark, and must not wait behind reconciles for a thread.
-    @kopf.on.event(GROUP, VERSION, PLURAL, id=SERVICE_EVENT, registry=registry)
-    async def service_event(
-        event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any
-    ) -> None:
-        ticker: ServiceTicker = memo["ticker"]
-        service = plain(body)
-        ticker.observe(event.get("type"), service)
-        if event.get("type") == "DELETED":
-            metrics.forget(body.metadata.namespace or "", body.metadata.name or "")
-        else:
-            metrics.export_status(service)
 
-    def refresh_owner(namespace: str | None, labels: Any, memo: kopf.Memo) -> None:
-        service_name = labels.get(names.LABEL_SERVICE)
-        if not service_name or not namespace:
-            return
-        # A burst of child events (a rollout, a thousand services at once) is one refresh
-        # queued or running and at most one behind it, reading the final state.
-        refreshes: RefreshQueue = memo["refreshes"]
-        refreshes.mark((namespace, service_name))
-
-    def refresh(key: Hashable, memo: kopf.Memo) -> None:
-        namespace, service_name = cast(tuple[str, str], key)
-        reconciler: Reconciler = memo["reconciler"]
-        # The service as its watch last delivered it, else read: a stale one only costs the
-        # status write a conflict (it carries the resourceVersion) and a fresh read.
-        ticker: ServiceTicker = memo["ticker"]
-        body = ticker.latest(namespace, service_name) or reconciler.kube.get(
-            "InferenceService", namespace, service_name
-        )
-        if body is None:
-            return
-        try:
-            service = parse_service(body)
-        except InvalidManifestError:
-            return  # the service handler reports it; a child event cannot fix it
-        try:
-            reconciler.refresh_status(service, body)
-        except KubeError as exc:
-            if not exc.conflict:  # a conflict means a newer write; the next event retries
-                raise
-
-    def reconcile_again(key: Hashable, memo: kopf.Memo) -> None:
-        """Reconcile a service on what no spec change announces: a model download Job finished
-        (its engine Deployments waited for it), a new cold start was recorded (the router's
-        config carries it), or the engines rolled out to the downloads the model cache keeps
-        (its GC Job waited for that)."""
-        namespace, service_name = cast(tuple[str, str], key)
-        reconciler: Reconciler = memo["reconciler"]
-        body = reconciler.kube.get("InferenceService", namespace, service_name)
-        if body is None:
-            return
-        try:
-            service = parse_service(body)
-        except InvalidManifestError:
-            return
-
-        def emit(kind: str, reason: str, message: str) -> None:
-            post_event(
-                reconciler.kube, service, reason=reason, message=message, kind=kind,
-                component="fleetpilot-operator",
-            )  # fmt: skip
-
-        reconciler.reconcile(body, emit)
-
-    def sync_adapters(key: Hashable, memo: kopf.Memo) -> None:
-        namespace, service_name = cast(tuple[str, str], key)
-        reconciler: Reconciler = memo["reconciler"]
-        ticker: ServiceTicker = memo["ticker"]
-        body = ticker.latest(namespace, service_name)
-        if body is None or not loads_adapters_at_run_time(body):
-            return
-        try:
-            service = parse_service(body)
-        except InvalidManifestError:
-            return
-        adapter_loading.sync_service(reconciler.kube, memo["adapter_client"], service)
-
-    async def resync_adapters(memo: kopf.Memo) -> None:
-        """Every RESYNC_S, sync every dynamic-LoRA service (what no event announces)."""
-        ticker: ServiceTicker = memo["ticker"]
-        while True:
-            await asyncio.sleep(adapter_loading.RESYNC_S)
-            for namespace, name in ticker.services:
-                body = ticker.latest(namespace, name)
-                if body is not None and loads_adapters_at_run_time(body):
-                    memo["adapter_syncs"].mark((namespace, name))
+def _register_children(registry: kopf.OperatorRegistry, leader_worker_sets: bool) -> None:
+    """The children's watch events. Async (run in kopf's loop, not its thread pool): they
+    only record and mark, and must not wait behind reconciles for a thread."""
 
     @kopf.on.event(
         "batch", "v1", "jobs",
         labels={names.LABEL_MANAGED_BY: names.MANAGER, names.LABEL_COMPONENT: FETCH_COMPONENT},
         id=FETCH_JOB_CHANGED, registry=registry,
     )  # fmt: skip
-    async def fetch_job_changed(
+    async def fetch_job_handler(
         namespace: str | None, labels: kopf.Labels, body: kopf.Body, memo: kopf.Memo, **_: Any
     ) -> None:
-        service_name = labels.get(names.LABEL_SERVICE)
-        if not namespace or not service_name:
-            return
-        job = plain(body)
-        if job_complete(job) or job_failed(job) is not None:
-            memo["rereconciles"].mark((namespace, service_name))
-        memo["refreshes"].mark((namespace, service_name))
+        fetch_job_changed(context_of(memo), namespace, labels, plain(body))
 
     @kopf.on.event(
         "apps", "v1", "deployments",
@@ -443,16 +562,12 @@ def build_registry(
         "", "v1", "pods",
         labels={names.LABEL_SERVICE: kopf.PRESENT}, id=POD_CHANGED, registry=registry,
     )  # fmt: skip
-    async def child_changed(
+    async def child_handler(
         namespace: str | None, labels: kopf.Labels, body: kopf.Body, memo: kopf.Memo, **kwargs: Any
     ) -> None:
-        attach_indexes(memo, kwargs)
-        refresh_owner(namespace, labels, memo)
-        service_name = labels.get(names.LABEL_SERVICE)
-        if body.get("kind") == "Pod" and namespace and service_name:
-            # A replica that turned Ready holds no adapters yet (sync_adapters skips services
-            # without lora.dynamic at once).
-            memo["adapter_syncs"].mark((namespace, service_name))
+        context = context_of(memo)
+        attach_indexes(context, kwargs)
+        child_changed(context, namespace, labels, body.get("kind"))
 
     if leader_worker_sets:
         # A multi-node role's groups coming Ready (or going) show first on its LeaderWorkerSet.
@@ -460,6 +575,4 @@ def build_registry(
             LWS_GROUP, LWS_VERSION, LWS_PLURAL,
             labels={names.LABEL_MANAGED_BY: names.MANAGER}, id=LEADER_WORKER_SET_CHANGED,
             registry=registry,
-        )(child_changed)  # fmt: skip
-
-    return registry
+        )(child_handler)  # fmt: skip

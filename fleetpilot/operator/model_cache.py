@@ -20,21 +20,22 @@ ones the service plans now. Named by a digest of its container like the fetch Jo
 per kept set. Only for a claim the operator created (``size``): a named claim (``claimName``)
 may be shared, and the downloads other services read there are not in this service's plan.
 
-When it may run. The downloads being complete (the reconciler's hold on
-``ANNOTATION_FETCH_JOB``, as for the engines) is not enough: at that moment the tier starts to
-roll, and the old revision's pods keep serving until their replacements are up. An engine reads
-its weights when it starts, so a running one loses nothing when they are deleted (its open files
-live on), but one that starts again - a container restarted after a crash or a failed liveness
-probe, a pod of the old ReplicaSet recreated during the roll, or a roll that never completes
-because the new revision fails to start, leaving the old pods as the only ones serving - would
-find its snapshot gone. So the GC Job also waits until every engine Deployment of the service is
-rolled out (:func:`rolled_out`): it carries only kept downloads and no pod of an older template
-is left. The end of a rollout is seen by the status refresh, which asks for a reconcile then
-(``Reconciler.on_collection_due``). A rollback to the old revision after the GC ran downloads it
-again. Left open: a GC Job still running when the kept set changes is pruned (its pod stopped)
-while the new download starts. In that short overlap it may remove files of the new download
-that were on the volume when it scanned it (never later ones); the download's verification then
-finds them missing, and its Job retries.
+When it may run. The downloads being complete (what the planner says the engines wait for,
+:class:`~fleetpilot.operator.plan_types.JobComplete`) is not enough: at that moment the tier
+starts to roll, and the old revision's pods keep serving until their replacements are up. An
+engine reads its weights when it starts, so a running one loses nothing when they are deleted
+(its open files live on), but one that starts again - a container restarted after a crash or a
+failed liveness probe, a pod of the old ReplicaSet recreated during the roll, or a roll that
+never completes because the new revision fails to start, leaving the old pods as the only ones
+serving - would find its snapshot gone. So the GC Job also waits until every engine workload of
+the service is rolled out (:class:`~fleetpilot.operator.plan_types.RolledOut`): applied as
+planned, so it reads only kept downloads, and no pod of an older template is left
+(:func:`rolled_out`). The end of a rollout is seen by the status refresh, which asks for a
+reconcile then (``Reconciler.on_collection_due``). A rollback to the old revision after the GC
+ran downloads it again. Left open: a GC Job still running when the kept set changes is pruned
+(its pod stopped) while the new download starts. In that short overlap it may remove files of
+the new download that were on the volume when it scanned it (never later ones); the download's
+verification then finds them missing, and its Job retries.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from fleetpilot.operator.model_delivery import (
     s3_key,
     token_env,
 )
-from fleetpilot.operator.plan_types import K8sObject, PlanOptions, object_meta
+from fleetpilot.operator.plan_types import Download, K8sObject, PlanOptions, object_meta
 from fleetpilot.operator.pod_policy import container_security, pod_security
 
 COMPONENT = "model-fetch"
@@ -84,8 +85,10 @@ FETCH_BACKOFF_LIMIT = 6
 # Removing files fails only on a volume gone wrong; a retry or two covers a lost node.
 GC_BACKOFF_LIMIT = 2
 ANNOTATION_MODEL = "fleetpilot.dev/model"
-# On an engine Deployment (not its pod template: no rollout): the Jobs its weights come from,
-# comma-separated. On the GC Job: every download Job, all of which it waits for.
+# For people (kubectl describe), never read back: the operator acts on what the planner says
+# each object waits for (plan_types.Planned.waits_for). On an engine Deployment (not its pod
+# template: no rollout): the Jobs its weights come from, comma-separated. On the GC Job: every
+# download Job, all of which it waits for.
 ANNOTATION_FETCH_JOB = "fleetpilot.dev/model-fetch-job"
 # On the GC Job: the engine Deployments that must be rolled out first, comma-separated.
 ANNOTATION_AFTER_ROLLOUT = "fleetpilot.dev/after-rollout"
@@ -191,23 +194,32 @@ def fetch_job_names(service: InferenceService, tier: Tier, options: PlanOptions)
 
 def fetch_jobs(service: InferenceService, options: PlanOptions) -> list[K8sObject]:
     """One Job per distinct download the service's tiers need, in tier order."""
-    jobs: dict[str, K8sObject] = {}
+    return [job for _, job in planned_downloads(service, options)]
+
+
+def planned_downloads(
+    service: InferenceService, options: PlanOptions
+) -> list[tuple[Download, K8sObject]]:
+    """Each distinct download the service's tiers need, with its Job, in tier order."""
+    jobs: dict[str, tuple[Download, K8sObject]] = {}
     for tier in service.spec.tiers:
         for download in _downloads(service, tier):
             container = _container(download, options)
             name = _job_name(service, container)
             if name not in jobs:
                 model = {ANNOTATION_MODEL: download.what}
-                jobs[name] = _job(service, name, COMPONENT, container, model, FETCH_BACKOFF_LIMIT)
+                job = _job(service, name, COMPONENT, container, model, FETCH_BACKOFF_LIMIT)
+                jobs[name] = (Download(name, download.what), job)
     return list(jobs.values())
 
 
 def collection_job(
-    service: InferenceService, options: PlanOptions, engines: Sequence[str]
+    service: InferenceService, options: PlanOptions, engines: Sequence[str], fetches: Sequence[str]
 ) -> K8sObject | None:
-    """The Job that removes from the cache every download but those the service plans now,
-    once they are complete and the engine Deployments ``engines`` are rolled out to them; none
-    for a claim the operator did not create (see the module's docstring)."""
+    """The Job that removes from the cache every download but those the service plans now
+    (the fetch Jobs ``fetches``), to run once they are complete and the engine workloads
+    ``engines`` are rolled out to them (the planner says so in what it waits for); none for a
+    claim the operator did not create (see the module's docstring)."""
     cache = service.spec.model_cache
     if cache is None or cache.size is None:
         return None
@@ -218,8 +230,8 @@ def collection_job(
     command += ["--s3-dir", S3_CACHE_DIR, *kept]
     resources = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
     container = _cache_writer("gc", command, [], resources, options)
+    # For people (kubectl describe): what it waits for. The operator does not read them back.
     annotations = {ANNOTATION_AFTER_ROLLOUT: ",".join(engines)}
-    fetches = [job["metadata"]["name"] for job in fetch_jobs(service, options)]
     if fetches:
         annotations[ANNOTATION_FETCH_JOB] = ",".join(fetches)
     name = _job_name(service, container, "model-gc")
@@ -290,48 +302,17 @@ def job_failed(job: K8sObject | None) -> str | None:
     return None
 
 
-def fetch_jobs_of(obj: K8sObject) -> list[str]:
-    """The download Jobs a planned engine Deployment (or the GC Job) waits for."""
-    return _listed(obj, ANNOTATION_FETCH_JOB)
-
-
-def is_collection_job(obj: K8sObject) -> bool:
-    labels = obj.get("metadata", {}).get("labels") or {}
-    return obj.get("kind") == "Job" and labels.get(names.LABEL_COMPONENT) == GC_COMPONENT
-
-
-def _listed(obj: K8sObject, annotation: str) -> list[str]:
-    annotations = obj.get("metadata", {}).get("annotations") or {}
-    return [item for item in str(annotations.get(annotation, "")).split(",") if item]
-
-
-def rolled_out(deployment: K8sObject | None, kept: set[str]) -> bool:
-    """Whether every pod of an engine Deployment reads only the downloads of the Jobs ``kept``:
-    the Deployment's own download Jobs are among them, the Deployment controller has seen its
-    spec, and no pod of an older template is left (pods being deleted no longer start)."""
-    if deployment is None or not set(fetch_jobs_of(deployment)) <= kept:
+def rolled_out(workload: K8sObject | None) -> bool:
+    """Whether an engine workload's controller has seen its spec and no pod of an older
+    template is left (pods being deleted no longer start). A LeaderWorkerSet's rollout is
+    read as a Deployment's: the same status fields, counting groups."""
+    if workload is None:
         return False
-    status = deployment.get("status") or {}
-    generation = deployment.get("metadata", {}).get("generation") or 0
+    status = workload.get("status") or {}
+    generation = workload.get("metadata", {}).get("generation") or 0
     if int(status.get("observedGeneration") or 0) < int(generation):
         return False
     return int(status.get("replicas") or 0) <= int(status.get("updatedReplicas") or 0)
-
-
-def collection_waits(
-    job: K8sObject, jobs: Mapping[str, K8sObject], deployments: Mapping[str, K8sObject]
-) -> list[str]:
-    """What the GC Job waits for before it may run, in words: downloads not complete (by the
-    live ``jobs``), engine Deployments not rolled out to them (by the live ``deployments``)."""
-    kept = fetch_jobs_of(job)
-    waits = [f"Job {name}" for name in kept if not job_complete(jobs.get(name))]
-    waits += [
-        # A LeaderWorkerSet's rollout is read as a Deployment's (the same status fields).
-        f"{(deployments.get(name) or {}).get('kind') or 'Deployment'} {name}"
-        for name in _listed(job, ANNOTATION_AFTER_ROLLOUT)
-        if not rolled_out(deployments.get(name), set(kept))
-    ]
-    return waits
 
 
 # The fetcher's progress lines come one per file: the last few hold the latest counts.
@@ -377,22 +358,22 @@ def download_progress(log: str) -> DownloadProgress | None:
 
 
 def model_ready_condition(
-    planned: list[K8sObject],
-    live: dict[str, K8sObject],
+    downloads: Sequence[Download],
+    live: Mapping[str, K8sObject],
     now: datetime,
     generation: int | None,
     progress: Mapping[str, DownloadProgress] | None = None,
 ) -> Condition | None:
-    """``ModelReady`` from the service's planned download Jobs and the live ones: True when
-    every download has completed, False while one runs (``Downloading``, with how far it is
-    where ``progress`` - by Job - says) or after one gave up (``DownloadFailed``, with the
-    Job's message); None for a service without a model cache."""
-    if not planned:
+    """``ModelReady`` from the service's planned downloads and their live Jobs (by name):
+    True when every download has completed, False while one runs (``Downloading``, with how
+    far it is where ``progress`` - by Job - says) or after one gave up (``DownloadFailed``,
+    with the Job's message); None for a service without a model cache."""
+    if not downloads:
         return None
     done, running, failed = [], [], []
-    for job in planned:
-        name = job["metadata"]["name"]
-        what = f"{job['metadata']['annotations'][ANNOTATION_MODEL]} (Job {name})"
+    for download in downloads:
+        name = download.job
+        what = f"{download.what} (Job {name})"
         current = live.get(name)
         failure = job_failed(current)
         if job_complete(current):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fleetpilot import __version__
-from fleetpilot.api import InferenceService
+from fleetpilot.api import InferenceService, ResolvedRole
+from fleetpilot.api.capacity import RoleCapacity, role_capacity
 
 K8sObject = dict[str, Any]
 
@@ -89,3 +91,98 @@ def object_meta(service: InferenceService, name: str, labels: dict[str, str]) ->
     if owners:
         meta["ownerReferences"] = owners
     return meta
+
+
+@dataclass(frozen=True)
+class JobComplete:
+    """A Job of the plan (a model download) has completed."""
+
+    job: str
+
+    def __str__(self) -> str:
+        return f"Job {self.job}"
+
+
+@dataclass(frozen=True)
+class RolledOut:
+    """An engine workload of the plan (a Deployment, or a LeaderWorkerSet) is as planned and
+    rolled out: no pod of an older template left."""
+
+    kind: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.name}"
+
+
+Dependency = JobComplete | RolledOut
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One planned object and what must hold before it is applied (planned before it). A
+    held object that exists already is left as it is: an engine keeps serving the revision it
+    has until the new one is downloaded."""
+
+    obj: K8sObject
+    waits_for: tuple[Dependency, ...] = ()
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.obj["kind"], self.obj["metadata"]["name"]
+
+
+@dataclass(frozen=True)
+class Download:
+    """One download of the model cache: its Job, and what it fetches, for people
+    (``repo@revision``, ``s3://bucket/prefix``)."""
+
+    job: str
+    what: str
+
+
+@dataclass(frozen=True)
+class ServicePlan:
+    """What a pass of the operator knows from planning a service once: the objects with what
+    each waits for, or why none (``refusal``); and what the status reports either way - the
+    model cache's downloads (ModelReady) and each role's sizing (CapacitySufficient), by
+    (tier, role)."""
+
+    objects: tuple[Planned, ...]
+    downloads: tuple[Download, ...]
+    capacities: Capacities
+    refusal: Refusal | None = None
+
+    def outline(self) -> ServicePlan:
+        """The plan less its objects' bodies (their kind and name kept, with what each waits
+        for): all a status refresh reads of it, a few hundred bytes to keep per service."""
+        stubs = tuple(
+            Planned({"kind": item.key[0], "metadata": {"name": item.key[1]}}, item.waits_for)
+            for item in self.objects
+        )
+        return replace(self, objects=stubs)
+
+
+# Each role sized once per plan (api.capacity), by (tier name, role name): the planner's
+# check, the router's prefix index and the status's CapacitySufficient all read it.
+Capacities = Mapping[tuple[str, str], "RoleCapacity | None"]
+
+
+def capacity_key(role: ResolvedRole) -> tuple[str, str]:
+    return role.tier.name, role.name.value
+
+
+def role_capacities(service: InferenceService) -> dict[tuple[str, str], RoleCapacity | None]:
+    """Every role of the service sized (None where it cannot be: api.capacity)."""
+    return {
+        capacity_key(role): role_capacity(role)
+        for tier in service.spec.tiers
+        for role in tier.roles()
+    }
+
+
+def sized(capacities: Capacities | None, role: ResolvedRole) -> RoleCapacity | None:
+    """The role's sizing from ``capacities``, else computed now."""
+    if capacities is None:
+        return role_capacity(role)
+    return capacities[capacity_key(role)]

@@ -14,8 +14,8 @@ import re
 from fleetpilot.api import InferenceService, ResolvedRole
 from fleetpilot.api.capacity import (
     RESERVE_BYTES_PER_GPU,
+    RoleCapacity,
     format_bytes,
-    role_capacity,
     smallest_fitting_tensor,
 )
 from fleetpilot.api.layout import LayoutError, role_layout
@@ -31,14 +31,27 @@ from fleetpilot.operator.engine_objects import (
     engine_service_account,
 )
 from fleetpilot.operator.leader_worker_set import engine_leader_worker_set
-from fleetpilot.operator.model_cache import cache_claim, collection_job, fetch_jobs
+from fleetpilot.operator.model_cache import (
+    cache_claim,
+    collection_job,
+    fetch_job_names,
+    planned_downloads,
+)
 from fleetpilot.operator.network_policy import network_policies
 from fleetpilot.operator.plan_types import (
     LEADER_WORKER_SET_MISSING,
+    Capacities,
+    Dependency,
+    JobComplete,
     K8sObject,
     PlanError,
+    Planned,
     PlanOptions,
+    RolledOut,
+    ServicePlan,
     object_meta,
+    role_capacities,
+    sized,
 )
 from fleetpilot.operator.router_auth import check_auth
 from fleetpilot.operator.router_objects import METRICS_PORT_NAME, router_objects
@@ -106,21 +119,19 @@ def all_roles(service: InferenceService) -> list[ResolvedRole]:
     return [role for tier in service.spec.tiers for role in tier.roles()]
 
 
-def model_cache_collection(service: InferenceService, options: PlanOptions) -> K8sObject | None:
-    """The model cache's GC Job, waiting for every engine workload's rollout (none without
-    a cache the operator created)."""
-    engines = [names.engine_workload(service.name, r)[1] for r in all_roles(service)]
-    return collection_job(service, options, engines)
-
-
 def _tier_field(service: InferenceService, role: ResolvedRole) -> str:
     """Where a role's tier sits in the spec, for error messages: ``spec.tiers[1]``."""
     index = next(i for i, tier in enumerate(service.spec.tiers) if tier.name == role.tier.name)
     return f"spec.tiers[{index}]"
 
 
-def check(service: InferenceService, options: PlanOptions | None = None) -> None:
-    """Refuse what the CRD schema allows but the planner cannot realize."""
+def check(
+    service: InferenceService,
+    options: PlanOptions | None = None,
+    capacities: Capacities | None = None,
+) -> None:
+    """Refuse what the CRD schema allows but the planner cannot realize (``capacities``: the
+    roles sized, else sized here)."""
     options = options or PlanOptions()
     seen: dict[str, str] = {names.router_name(service.name): "the router"}
     for role in all_roles(service):
@@ -147,7 +158,7 @@ def check(service: InferenceService, options: PlanOptions | None = None) -> None
             _check_reference(role, where, service.spec.model_cache is not None)
             continue  # one CPU process: no layout, no GPU capacity, none of vLLM's flags
         _check_layout(role, where, options)
-        _check_capacity(role, where)
+        _check_capacity(role, where, sized(capacities, role))
         _check_run_time_adapters(tier, where, service.spec.model_cache is not None)
         for i, arg in enumerate(tier.engine.extra_args):
             flag = arg.split("=", 1)[0]
@@ -353,12 +364,12 @@ def _check_run_time_adapters(tier: Tier, where: str, model_cache: bool) -> None:
             )
 
 
-def _check_capacity(role: ResolvedRole, where: str) -> None:
+def _check_capacity(role: ResolvedRole, where: str, capacity: RoleCapacity | None) -> None:
     """Refuse a role whose weights leave its GPUs no room for a KV cache, naming the numbers
     and the smallest tensor-parallel size that fits (roles the planner cannot size pass)."""
-    sized = role_capacity(role)
-    if sized is None or sized.fits:
+    if capacity is None or capacity.fits:
         return
+    sized = capacity
     tier, p = role.tier, role.parallelism
     smallest = smallest_fitting_tensor(role, sized)
     remedy = (
@@ -381,13 +392,13 @@ def _check_capacity(role: ResolvedRole, where: str) -> None:
     )
 
 
-def capacity_warnings(service: InferenceService) -> list[str]:
+def capacity_warnings(service: InferenceService, capacities: Capacities | None = None) -> list[str]:
     """What a user should know about each role's KV capacity before deploying."""
     warnings = []
     for role in all_roles(service):
-        sized = role_capacity(role)
-        if sized is not None:
-            warnings += [f"tier {role.tier.name} / {role.name}: {w}" for w in sized.warnings()]
+        capacity = sized(capacities, role)
+        if capacity is not None:
+            warnings += [f"tier {role.tier.name} / {role.name}: {w}" for w in capacity.warnings()]
     return warnings
 
 
@@ -437,27 +448,61 @@ def pod_monitor(service: InferenceService) -> K8sObject:
 def plan(service: InferenceService, options: PlanOptions | None = None) -> list[K8sObject]:
     """Every object the service owns, dependencies first."""
     options = options or PlanOptions()
-    check(service, options)
+    return [p.obj for p in _planned(service, options, role_capacities(service))]
+
+
+def plan_service(service: InferenceService, options: PlanOptions | None = None) -> ServicePlan:
+    """The service planned once, for a pass of the operator: its objects with what each waits
+    for, or the refusal; its downloads and role sizes either way (the status reports them)."""
+    options = options or PlanOptions()
+    capacities = role_capacities(service)
+    downloads = tuple(download for download, _ in planned_downloads(service, options))
+    try:
+        objects = _planned(service, options, capacities)
+    except PlanError as exc:
+        return ServicePlan((), downloads, capacities, exc.refusal)
+    return ServicePlan(tuple(objects), downloads, capacities)
+
+
+def _planned(
+    service: InferenceService, options: PlanOptions, capacities: Capacities
+) -> list[Planned]:
+    """Every object the service owns, dependencies first, each with what it waits for: an
+    engine workload for its model's downloads; the model cache's GC Job for every download
+    and every engine workload's rollout to them."""
+    check(service, options, capacities)
     roles = all_roles(service)
+
+    def ready(objects: list[K8sObject]) -> list[Planned]:
+        return [Planned(obj) for obj in objects]
+
     # Policies first: no engine pod ever runs before the rules that guard it exist.
-    objects = network_policies(service, options.operator_namespace)
-    objects += router_objects(service, options)
+    planned = ready(network_policies(service, options.operator_namespace))
+    planned += ready(router_objects(service, options, capacities))
     claim = cache_claim(service)
-    objects += [claim] if claim is not None else []
-    objects += fetch_jobs(service, options)
-    objects.append(engine_service_account(service))
-    objects += [engine_service(service, role) for role in roles]
-    objects += [
-        engine_leader_worker_set(service, role, options)
-        if names.spans_nodes(role)
-        else engine_deployment(service, role, options)
-        for role in roles
-    ]
-    objects += [engine_pdb(service, role) for role in roles]
+    planned += ready([claim] if claim is not None else [])
+    downloads = planned_downloads(service, options)
+    planned += ready([job for _, job in downloads])
+    planned.append(Planned(engine_service_account(service)))
+    planned += ready([engine_service(service, role) for role in roles])
+    for role in roles:
+        workload = (
+            engine_leader_worker_set(service, role, options)
+            if names.spans_nodes(role)
+            else engine_deployment(service, role, options)
+        )
+        jobs = fetch_job_names(service, role.tier, options)
+        planned.append(Planned(workload, tuple(JobComplete(job) for job in jobs)))
+    planned += ready([engine_pdb(service, role) for role in roles])
     # After the engines: it waits for their rollout, which a reconcile may have just started.
-    collection = model_cache_collection(service, options)
-    objects += [collection] if collection is not None else []
+    engines = [names.engine_workload(service.name, role) for role in roles]
+    fetches = [download.job for download, _ in downloads]
+    collection = collection_job(service, options, [name for _, name in engines], fetches)
+    if collection is not None:
+        waits: list[Dependency] = [JobComplete(job) for job in fetches]
+        waits += [RolledOut(kind, name) for kind, name in engines]
+        planned.append(Planned(collection, tuple(waits)))
     wants_monitor = service.spec.monitoring.pod_monitor is PodMonitorMode.AUTO
     if wants_monitor and options.pod_monitor_available:
-        objects.append(pod_monitor(service))
-    return objects
+        planned.append(Planned(pod_monitor(service)))
+    return planned

@@ -8,18 +8,13 @@ changed it performs no write at all (the tests count them).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from fleetpilot.api import KIND, InferenceService, InvalidManifestError, parse_service
 from fleetpilot.api.spec import AutoscalingMode
-from fleetpilot.api.status import (
-    Condition,
-    ConditionType,
-    InferenceServiceStatus,
-    set_condition,
-)
+from fleetpilot.api.status import InferenceServiceStatus
 from fleetpilot.kube import names
 from fleetpilot.kube.client import Kube, KubeError, Obj
 from fleetpilot.kube.managers import OPERATOR_MANAGER, owns_field
@@ -31,17 +26,19 @@ from fleetpilot.operator.drift import needs_apply, with_hash
 from fleetpilot.operator.model_cache import (
     PROGRESS_LOG_LINES,
     DownloadProgress,
-    collection_waits,
     download_progress,
-    fetch_jobs,
-    fetch_jobs_of,
-    is_collection_job,
     job_complete,
-    model_ready_condition,
 )
-from fleetpilot.operator.plan_types import PlanError, PlanOptions, Refusal
-from fleetpilot.operator.planner import all_roles, model_cache_collection, plan
+from fleetpilot.operator.plan_types import (
+    Dependency,
+    JobComplete,
+    PlanOptions,
+    Refusal,
+    ServicePlan,
+)
+from fleetpilot.operator.planner import all_roles, plan_service
 from fleetpilot.operator.status import Observed, WorkloadKey, compute_status
+from fleetpilot.operator.waits import due, unmet
 
 log = logging.getLogger(__name__)
 # The Job controller's label on the pods of a Job (Kubernetes 1.27 and later).
@@ -68,6 +65,12 @@ OPTIONAL_KINDS = {
 }
 
 EventSink = Callable[[str, str, str], None]  # (type Normal|Warning, reason, message)
+# What time it is: the reconciler stamps conditions with it (tests set it).
+Clock = Callable[[], datetime]
+
+
+def wall_clock() -> datetime:
+    return datetime.now(UTC)
 
 
 def _no_events(kind: str, reason: str, message: str) -> None:
@@ -82,11 +85,23 @@ class ReconcileResult:
     # it was.
     refusal: Refusal | None = None
     status_written: bool = False
-    # Engine workloads (Deployments, LeaderWorkerSets) held back until their model's download
-    # Job completes, by name, with the Job.
-    waiting_for_model: dict[str, str] = field(default_factory=dict)
-    # What the model cache's GC Job, held back, waits for (downloads, engine rollouts).
-    waiting_to_collect: list[str] = field(default_factory=list)
+    # The planned objects held back, by (kind, name), with what they still wait for.
+    held: dict[tuple[str, str], list[Dependency]] = field(default_factory=dict)
+
+    @property
+    def waiting_for_model(self) -> dict[str, str]:
+        """Engine workloads held back until their model's downloads complete, by name, with
+        the Jobs."""
+        return {
+            name: ", ".join(w.job for w in waits if isinstance(w, JobComplete))
+            for (kind, name), waits in self.held.items()
+            if kind in WORKLOAD_KINDS
+        }
+
+    @property
+    def waiting_to_collect(self) -> list[str]:
+        """What the model cache's GC Job (the one Job that waits), held back, waits for."""
+        return [str(w) for (kind, _), waits in self.held.items() if kind == "Job" for w in waits]
 
 
 # kopf truncates an Event's message to 1,024 characters; a summary stays under it.
@@ -125,16 +140,6 @@ def _autoscaled_workloads(service: InferenceService) -> set[WorkloadKey]:
     }
 
 
-def _engines_by_name(
-    service: InferenceService, workloads: dict[WorkloadKey, Obj]
-) -> dict[str, Obj]:
-    """The service's live engine workloads by name, each of the kind its role plans (what the
-    model cache's GC Job names): a Deployment left from before its role spanned nodes, named as
-    the role's LeaderWorkerSet, is not taken for it."""
-    engines = (names.engine_workload(service.name, role) for role in all_roles(service))
-    return {key[1]: workloads[key] for key in engines if key in workloads}
-
-
 def settle_replicas(desired: Obj, live: Obj | None, autoscaled: bool) -> Obj:
     """Decide whether this apply writes ``spec.replicas`` of an engine workload (a Deployment,
     or a LeaderWorkerSet, whose replicas are groups).
@@ -163,21 +168,29 @@ class Reconciler:
     """Reconciles services through one :class:`Kube` connection."""
 
     def __init__(
-        self, kube: Kube, options: PlanOptions | None = None, children: Children | None = None
+        self,
+        kube: Kube,
+        options: PlanOptions | None = None,
+        children: Children | None = None,
+        clock: Clock = wall_clock,
     ) -> None:
         self.kube = kube
         self.options = options or PlanOptions()
         # The watched workloads and pods (operator.children); without them, listed.
         self.children = children
+        self.clock = clock
         # Called with (namespace, name) when a status write recorded a new cold start: the
         # router's config carries the observed cold start (its hold for a tier at zero), and
         # only a reconcile rewrites it.
         self.on_cold_start: Callable[[str, str], None] | None = None
-        # Called with (namespace, name) when a status write finds the model cache's GC Job
-        # waiting for nothing any more but not applied: the end of an engine rollout, which it
-        # waits for, reaches the operator as a workload's status change, and only a
-        # reconcile applies the Job.
+        # Called with (namespace, name) when a status write finds a planned object held back
+        # (the model cache's GC Job) waiting for nothing any more but not applied: the end of
+        # an engine rollout, which it waits for, reaches the operator as a workload's status
+        # change, and only a reconcile applies the object.
         self.on_collection_due: Callable[[str, str], None] | None = None
+        # The latest plan of each service (its outline), with the uid and generation it was
+        # planned for: a status refresh reuses it rather than plan the same spec again.
+        self._plans: dict[tuple[str, str], tuple[tuple[str | None, int | None], ServicePlan]] = {}
 
     def managed_kinds(self) -> tuple[str, ...]:
         """MANAGED_KINDS, and the optional kinds the cluster serves."""
@@ -208,76 +221,37 @@ class Reconciler:
                 live[_key(obj)] = obj
         return live
 
-    def reconcile(self, body: Obj, emit: EventSink = _no_events) -> ReconcileResult:
-        """Bring the children of ``body`` (an InferenceService object) in line with its spec."""
+    def reconcile(
+        self, body: Obj, emit: EventSink = _no_events, *, new: bool = False
+    ) -> ReconcileResult:
+        """Bring the children of ``body`` (an InferenceService object) in line with its spec.
+
+        ``new``: nothing was ever reconciled for this service (kopf's create cause, first
+        try), so it owns no child yet and none is listed: one LIST per managed kind, ten, was
+        a fifth of the operator's requests while a thousand services were created at once,
+        each scanning the namespace on the API server for nothing. Should an earlier pass have
+        applied children and died before kopf recorded it, this one applies them again (the
+        same objects) and the next reconcile prunes what it left."""
         result = ReconcileResult()
         meta = body.get("metadata", {})
         namespace, name = meta.get("namespace", "default"), meta.get("name", "")
-        service: InferenceService | None = None
-        objects: list[Obj] = []
         try:
             service = parse_service(body, f"{namespace}/{name}")
         except InvalidManifestError as exc:
             result.refusal = Refusal("; ".join(str(p) for p in exc.problems))
-        else:
-            objects, result.refusal = self.plan(service)
-        if result.refusal is not None:
-            refusal = result.refusal
-            emit("Warning", refusal.reason, refusal.message)
-            log.warning(
-                "plan refused",
-                extra={
-                    "service": f"{namespace}/{name}",
-                    "reason": refusal.reason,
-                    "refusal": refusal.message,
-                },
-            )
-            if service is not None:
-                result.status_written = self.write_status(service, body, refusal)
+            self._refused(result.refusal, namespace, name, emit)
+            return result
+        planned = self.plan(service)
+        if planned.refusal is not None:
+            result.refusal = planned.refusal
+            self._refused(planned.refusal, namespace, name, emit)
+            result.status_written = self.write_status(service, body, planned)
             return result
 
-        assert service is not None
-        live = self.live_children(namespace, name)
-        autoscaled = _autoscaled_workloads(service)
-        changed: dict[str, list[tuple[str, str]]] = {"Created": [], "Updated": []}
-        applied_workloads: dict[WorkloadKey, Obj] = {}
-        for planned in objects:
-            key = _key(planned)
-            current = live.get(key)
-            desired = planned
-            if is_collection_job(planned):
-                # Planned after the engines: their workloads as this reconcile left them.
-                workloads = {k: o for k, o in live.items() if k[0] in WORKLOAD_KINDS}
-                engines = _engines_by_name(service, workloads | applied_workloads)
-                jobs = {n: o for (k, n), o in live.items() if k == "Job"}
-                waits = collection_waits(planned, jobs, engines)
-                if waits:
-                    result.waiting_to_collect = waits
-                    continue
-            downloading = [
-                j for j in fetch_jobs_of(planned) if not job_complete(live.get(("Job", j)))
-            ]
-            if downloading:
-                # Not before the weights are on the volume: a new workload waits, an existing
-                # one keeps serving the revision it has until the new one is downloaded.
-                result.waiting_for_model[key[1]] = ", ".join(downloading)
-                continue
-            if planned["kind"] in WORKLOAD_KINDS:
-                desired = settle_replicas(planned, current, key in autoscaled)
-            desired = with_hash(desired)
-            if needs_apply(desired, current):
-                written = self.kube.apply(desired, OPERATOR_MANAGER)
-                if key[0] in WORKLOAD_KINDS:
-                    applied_workloads[key] = written
-                changed["Created" if current is None else "Updated"].append(key)
-                result.applied.append(f"{key[0]}/{key[1]}")
-        wanted = {_key(o) for o in objects}
-        pruned: list[tuple[str, str]] = []
-        for key, obj in live.items():
-            stale = key not in wanted and _owned_by(obj, service.metadata.uid)
-            if stale and self.kube.delete(key[0], namespace, key[1]):
-                pruned.append(key)
-                result.pruned.append(f"{key[0]}/{key[1]}")
+        live = {} if new else self.live_children(namespace, name)
+        jobs = {n: o for (k, n), o in live.items() if k == "Job"}
+        changed = self._apply(service, planned, live, jobs, result)
+        pruned = self._prune(service, planned, live, result)
         for reason, keys in changed.items():
             if keys:
                 emit("Normal", reason, change_summary(reason.lower(), keys))
@@ -286,31 +260,120 @@ class Reconciler:
         if result.waiting_for_model:
             held = ", ".join(f"{d} (Job {j})" for d, j in sorted(result.waiting_for_model.items()))
             emit("Normal", "WaitingForModel", f"engine workloads wait for their model: {held}")
-        result.status_written = self.write_status(service, body, applied=applied_workloads)
+        applied = {key: obj for key, obj in changed.written.items() if key[0] in WORKLOAD_KINDS}
+        # With the Jobs just applied: a GC Job this pass applied is there, not due again.
+        jobs |= {n: obj for (kind, n), obj in changed.written.items() if kind == "Job"}
+        result.status_written = self.write_status(service, body, planned, applied, jobs)
         return result
 
-    def plan(self, service: InferenceService) -> tuple[list[Obj], Refusal | None]:
-        """The service's objects, or none and the planner's refusal."""
-        try:
-            return plan(service, self.options), None
-        except PlanError as exc:
-            return [], exc.refusal
+    def _refused(self, refusal: Refusal, namespace: str, name: str, emit: EventSink) -> None:
+        emit("Warning", refusal.reason, refusal.message)
+        log.warning(
+            "plan refused",
+            extra={
+                "service": f"{namespace}/{name}",
+                "reason": refusal.reason,
+                "refusal": refusal.message,
+            },
+        )
+
+    def _apply(
+        self,
+        service: InferenceService,
+        planned: ServicePlan,
+        live: Mapping[tuple[str, str], Obj],
+        jobs: Mapping[str, Obj],
+        result: ReconcileResult,
+    ) -> _Changes:
+        """Apply, in plan order, every planned object that differs from its live one and
+        waits for nothing unmet; hold back the others (an existing one keeps what it has)."""
+        autoscaled = _autoscaled_workloads(service)
+        changes = _Changes()
+        # The objects this pass left as planned (applied, or found so), as the API server
+        # answered: what a later object's wait for a rollout reads.
+        as_planned: dict[tuple[str, str], Obj] = {}
+        for item in planned.objects:
+            key = item.key
+            waiting = unmet(item.waits_for, jobs, as_planned)
+            if waiting:
+                result.held[key] = waiting
+                continue
+            current = live.get(key)
+            desired = item.obj
+            if key[0] in WORKLOAD_KINDS:
+                desired = settle_replicas(desired, current, key in autoscaled)
+            desired = with_hash(desired)
+            if not needs_apply(desired, current):
+                assert current is not None
+                as_planned[key] = current
+                continue
+            written = self.kube.apply(desired, OPERATOR_MANAGER)
+            as_planned[key] = changes.written[key] = written
+            changes["Created" if current is None else "Updated"].append(key)
+            result.applied.append(f"{key[0]}/{key[1]}")
+        return changes
+
+    def _prune(
+        self,
+        service: InferenceService,
+        planned: ServicePlan,
+        live: Mapping[tuple[str, str], Obj],
+        result: ReconcileResult,
+    ) -> list[tuple[str, str]]:
+        """Delete the service's children no longer planned (held ones are still planned)."""
+        wanted = {item.key for item in planned.objects}
+        pruned: list[tuple[str, str]] = []
+        for key, obj in live.items():
+            stale = key not in wanted and _owned_by(obj, service.metadata.uid)
+            if stale and self.kube.delete(key[0], service.namespace, key[1]):
+                pruned.append(key)
+                result.pruned.append(f"{key[0]}/{key[1]}")
+        return pruned
+
+    def plan(self, service: InferenceService) -> ServicePlan:
+        """The service planned once for this pass (its refusal included); its outline is kept
+        for the status refreshes of the same spec."""
+        planned = plan_service(service, self.options)
+        spec = (service.metadata.uid, service.metadata.generation)
+        self._plans[(service.namespace, service.name)] = (spec, planned.outline())
+        return planned
+
+    def known_plan(self, service: InferenceService) -> ServicePlan:
+        """The outline of the service's latest plan, if it was made for this spec (same uid
+        and generation: the plan's refusal, downloads, sizes and waits follow from the spec
+        alone); else the service planned now."""
+        known = self._plans.get((service.namespace, service.name))
+        spec = (service.metadata.uid, service.metadata.generation)
+        if known is not None and known[0] == spec and spec[1] is not None:
+            return known[1]
+        return self.plan(service)
+
+    def forget(self, namespace: str, name: str) -> None:
+        """A deleted service's kept plan."""
+        self._plans.pop((namespace, name), None)
 
     def refresh_status(self, service: InferenceService, body: Obj) -> bool:
         """The status again after a child changed, still saying whether the latest spec's plan
-        was refused (planning is pure and cheap): a refresh that forgot it would report the
-        old children as the service's state and clear Stalled and Degraded."""
-        return self.write_status(service, body, self.plan(service)[1])
+        was refused: a refresh that forgot it would report the old children as the service's
+        state and clear Stalled and Degraded. The reconcile of the spec planned it already."""
+        return self.write_status(service, body, self.known_plan(service))
 
     def observe(
-        self, service: InferenceService, applied: dict[WorkloadKey, Obj] | None = None
+        self,
+        service: InferenceService,
+        applied: Mapping[WorkloadKey, Obj] | None = None,
+        jobs: Mapping[str, Obj] | None = None,
+        progress: Mapping[str, DownloadProgress] | None = None,
     ) -> Observed:
         """The service's workloads and pods: as watched, with the workloads this reconcile
         just wrote as the API server answered (their watch events may not be in yet), or
-        listed when the operator runs without watches."""
+        listed when the operator runs without watches; and its model cache's ``jobs`` and
+        their ``progress``, as read for this status."""
+        jobs, progress = jobs or {}, progress or {}
         watched = self.children.observed(service.namespace, service.name) if self.children else None
         if watched is not None:
-            return Observed({**watched.workloads, **(applied or {})}, watched.pods)
+            workloads = {**watched.workloads, **(applied or {})}
+            return Observed(workloads, watched.pods, jobs, progress)
         selector = {names.LABEL_SERVICE: service.name, names.LABEL_MANAGED_BY: names.MANAGER}
         managed = self.managed_kinds()
         workloads = {
@@ -320,7 +383,7 @@ class Reconciler:
             for w in self._list(kind, service.namespace, selector)
         }
         pods = self.kube.list("Pod", service.namespace, {names.LABEL_SERVICE: service.name})
-        return Observed(workloads=workloads, pods=pods)
+        return Observed(workloads, pods, jobs, progress)
 
     def _cache_jobs(self, service: InferenceService) -> dict[str, Obj]:
         """The service's live Jobs (the model cache's downloads and GC), by name; none listed
@@ -332,32 +395,15 @@ class Reconciler:
             j["metadata"]["name"]: j for j in self.kube.list("Job", service.namespace, selector)
         }
 
-    def _with_model_ready(
-        self,
-        service: InferenceService,
-        conditions: list[Condition],
-        now: datetime,
-        jobs: dict[str, Obj],
-        progress: dict[str, DownloadProgress],
-    ) -> list[Condition]:
-        """``conditions`` with ModelReady from the model cache's download Jobs as they are
-        now (none for a service without a cache: a condition left from one would mislead)."""
-        planned = fetch_jobs(service, self.options)
-        if not planned:
-            return _without(conditions, ConditionType.MODEL_READY)
-        generation = service.metadata.generation
-        ready = model_ready_condition(planned, jobs, now, generation, progress)
-        return set_condition(conditions, ready) if ready is not None else conditions
-
     def _download_progress(
-        self, service: InferenceService, jobs: dict[str, Obj]
+        self, service: InferenceService, planned: ServicePlan, jobs: Mapping[str, Obj]
     ) -> dict[str, DownloadProgress]:
         """How far each running download is, by Job, from the last progress line its running
         pod logged; a download whose log cannot be read (no pod running yet, no ``pods/log``
         permission) is shown without it - never a reason to fail the status write."""
         progress: dict[str, DownloadProgress] = {}
-        for job in fetch_jobs(service, self.options):
-            name = job["metadata"]["name"]
+        for download in planned.downloads:
+            name = download.job
             live = jobs.get(name)
             if live is None or job_complete(live) or not (live.get("status") or {}).get("active"):
                 continue
@@ -374,26 +420,18 @@ class Reconciler:
                 log.debug("download progress unread", extra={"job": name, "error": str(exc)})
         return progress
 
-    def _collection_due(
-        self, service: InferenceService, jobs: dict[str, Obj], observed: Observed
-    ) -> bool:
-        """The model cache's GC Job waits for nothing any more, and is not there yet."""
-        job = model_cache_collection(service, self.options)
-        return (
-            job is not None
-            and job["metadata"]["name"] not in jobs
-            and not collection_waits(job, jobs, _engines_by_name(service, observed.workloads))
-        )
-
     def write_status(
         self,
         service: InferenceService,
         body: Obj,
-        refusal: Refusal | None = None,
-        applied: dict[WorkloadKey, Obj] | None = None,
+        planned: ServicePlan,
+        applied: Mapping[WorkloadKey, Obj] | None = None,
+        jobs: Mapping[str, Obj] | None = None,
     ) -> bool:
         """Patch the status subresource if (and only if) it changed; whether it was written.
 
+        ``planned``: this pass's plan of the service (its refusal, downloads and sizes).
+        ``jobs``: the service's live Jobs by name, when the pass has just listed them.
         Child events refresh status concurrently and the autoscaler writes its own parts of
         it; a write that lost the race (409) is computed again on the fresh object, so the
         newest observation lands and no one else's fields are lost.
@@ -401,16 +439,23 @@ class Reconciler:
 
         computed: list[tuple[InferenceServiceStatus | None, InferenceServiceStatus]] = []
         observations: list[Observed] = []
-        jobs = self._cache_jobs(service)
-        progress = self._download_progress(service, jobs)
+        if jobs is None:
+            jobs = self._cache_jobs(service)
+        progress = self._download_progress(service, planned, jobs)
 
         def mutate(live: Obj) -> Obj:
             previous = _parse_status(live.get("status") or None)
-            now = datetime.now(UTC).replace(microsecond=0)
-            observations.append(self.observe(service, applied))
-            status = compute_status(service, observations[-1], previous, now, refusal)
-            conditions = self._with_model_ready(service, status.conditions, now, jobs, progress)
-            status = status.model_copy(update={"conditions": conditions})
+            now = self.clock().replace(microsecond=0)
+            observations.append(self.observe(service, applied, jobs, progress))
+            status = compute_status(
+                service,
+                observations[-1],
+                previous,
+                now,
+                planned.refusal,
+                downloads=planned.downloads,
+                capacities=planned.capacities,
+            )
             computed.append((previous, status))
             return status.to_wire()
 
@@ -430,14 +475,21 @@ class Reconciler:
             if added and self.on_cold_start is not None:
                 self.on_cold_start(service.namespace, service.name)
         collect = self.on_collection_due
-        seen = observations[-1] if observations else None
-        if collect and seen and refusal is None and self._collection_due(service, jobs, seen):
-            collect(service.namespace, service.name)
+        if collect and observations and planned.refusal is None:
+            seen = observations[-1]
+            present = {**seen.workloads, **{("Job", n): j for n, j in jobs.items()}}
+            if due(planned, present, jobs):
+                collect(service.namespace, service.name)
         return outcome is StatusWrite.WRITTEN
 
 
-def _without(conditions: list[Condition], kind: ConditionType) -> list[Condition]:
-    return [c for c in conditions if c.type != kind]
+class _Changes(dict[str, list[tuple[str, str]]]):
+    """What an apply pass changed: the keys it created and updated (by Event reason), and
+    every object it wrote, as the API server answered."""
+
+    def __init__(self) -> None:
+        super().__init__(Created=[], Updated=[])
+        self.written: dict[tuple[str, str], Obj] = {}
 
 
 def _parse_status(raw: Obj | None) -> InferenceServiceStatus | None:

@@ -9,7 +9,6 @@ from datetime import timedelta
 import yaml
 
 from fleetpilot.api import InferenceService, RoleName
-from fleetpilot.api.capacity import role_capacity
 from fleetpilot.api.router_config import (
     ROUTER_CONFIG_FILE,
     EndpointGroup,
@@ -22,7 +21,7 @@ from fleetpilot.engine.reference_launch import REFERENCE_TOKENIZER
 from fleetpilot.engine.vllm_args import ENGINE_PORT, launch_for
 from fleetpilot.kube import names
 from fleetpilot.operator.engine_objects import hub_token_env
-from fleetpilot.operator.plan_types import K8sObject, PlanOptions, object_meta
+from fleetpilot.operator.plan_types import Capacities, K8sObject, PlanOptions, object_meta, sized
 from fleetpilot.operator.pod_policy import container_security, pod_security, spread
 from fleetpilot.operator.router_auth import auth_config, auth_volumes
 from fleetpilot.routing.features import CHARS_PER_TOKEN
@@ -166,8 +165,9 @@ def observed_cold_start(service: InferenceService, tier: Tier) -> timedelta | No
     return timedelta(seconds=max(seconds)) if seconds else None
 
 
-def router_config(service: InferenceService) -> RouterConfig:
-    """What the router needs to know: tiers, their thresholds and where their pods are."""
+def router_config(service: InferenceService, capacities: Capacities | None = None) -> RouterConfig:
+    """What the router needs to know: tiers, their thresholds and where their pods are
+    (``capacities``: the roles sized, else sized here)."""
     spec = service.spec
     tiers = []
     for tier in spec.tiers:
@@ -214,7 +214,7 @@ def router_config(service: InferenceService) -> RouterConfig:
     hold_max = routing.request_timeout
     if routing.max_cold_start_hold is not None:
         hold_max = min(hold_max, routing.max_cold_start_hold)
-    index = prefix_index_blocks(service)
+    index = prefix_index_blocks(service, capacities)
     return RouterConfig(
         service=service.name,
         namespace=service.namespace,
@@ -241,24 +241,30 @@ def router_config(service: InferenceService) -> RouterConfig:
     )
 
 
-def prefix_index_blocks(service: InferenceService) -> int | None:
+def prefix_index_blocks(
+    service: InferenceService, capacities: Capacities | None = None
+) -> int | None:
     """Per replica, how many prompt blocks the router's guessed index remembers: the KV cache
     of the largest sized replica that prefills (unified or prefill role), in the router's
     blocks of ``affinity.blockChars`` characters at ~``CHARS_PER_TOKEN`` characters a token.
     Remembering more than a cache holds predicts hits its engine has evicted; fewer forgets
     hits it still has. None when no such role can be sized (the router's default then)."""
     tokens = [
-        sized.kv_tokens
+        capacity.kv_tokens
         for tier in service.spec.tiers
         for role in tier.roles()
-        if role.name is not RoleName.DECODE and (sized := role_capacity(role)) and sized.fits
+        if role.name is not RoleName.DECODE
+        and (capacity := sized(capacities, role))
+        and capacity.fits
     ]
     if not tokens:
         return None
     return max(1, max(tokens) * CHARS_PER_TOKEN // service.spec.routing.affinity.block_chars)
 
 
-def router_objects(service: InferenceService, options: PlanOptions) -> list[K8sObject]:
+def router_objects(
+    service: InferenceService, options: PlanOptions, capacities: Capacities | None = None
+) -> list[K8sObject]:
     """ServiceAccount, Role, RoleBinding, ConfigMap, Deployment, Service and PDB. The Service
     exposes only the API port: /metrics is on the pods' ``metrics`` port, for the PodMonitor."""
     name = names.router_name(service.name)
@@ -266,7 +272,8 @@ def router_objects(service: InferenceService, options: PlanOptions) -> list[K8sO
     selector = names.router_selector(service.name)
     meta = object_meta(service, name, labels)
     routing = service.spec.routing
-    config_text = yaml.safe_dump(router_config(service).to_wire(), sort_keys=False)
+    config = router_config(service, capacities)
+    config_text = yaml.safe_dump(config.to_wire(), sort_keys=False)
     probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5}
     key_volumes, key_mounts = auth_volumes(service)
     tokenizer_volumes, tokenizer_mounts = reference_tokenizer_volume(service, name)

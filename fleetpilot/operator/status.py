@@ -20,12 +20,12 @@ deadline, pods the API refuses to create). Never both True: kstatus takes the fi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from fleetpilot.api import InferenceService
-from fleetpilot.api.capacity import role_capacity
 from fleetpilot.api.spec import EngineBackend
 from fleetpilot.api.status import (
     Condition,
@@ -38,7 +38,8 @@ from fleetpilot.api.status import (
 )
 from fleetpilot.kube import names
 from fleetpilot.operator.cold_start import cold_start, samples_by_role
-from fleetpilot.operator.plan_types import Refusal
+from fleetpilot.operator.model_cache import DownloadProgress, model_ready_condition
+from fleetpilot.operator.plan_types import Capacities, Download, Refusal, sized
 from fleetpilot.operator.planner import all_roles, capacity_warnings
 from fleetpilot.operator.router_objects import endpoint_url
 
@@ -60,8 +61,8 @@ _OPERATOR_CONDITIONS = {
     ConditionType.CAPACITY_SUFFICIENT,
     ConditionType.RECONCILING,
     ConditionType.STALLED,
-    # Kept here so its lastTransitionTime survives; the reconciler sets it (model_cache) and
-    # removes it from a service without a model cache.
+    # Set from the model cache's downloads (model_cache.model_ready_condition), removed from
+    # a service without a model cache.
     ConditionType.MODEL_READY,
 }
 # Problems of the children no amount of waiting fixes: the service is Stalled on them (and
@@ -80,6 +81,10 @@ class Observed:
     # and both exist until the Deployment is pruned.
     workloads: dict[WorkloadKey, Obj]
     pods: list[Obj]
+    # The model cache's Jobs by name (none read for a service without downloads), and how far
+    # each running download is, by Job (from its pod's log).
+    jobs: Mapping[str, Obj] = field(default_factory=dict)
+    progress: Mapping[str, DownloadProgress] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -176,11 +181,16 @@ def compute_status(
     previous: InferenceServiceStatus | None,
     now: datetime,
     refusal: Refusal | None = None,
+    *,
+    downloads: Sequence[Download] = (),
+    capacities: Capacities | None = None,
 ) -> InferenceServiceStatus:
     """The status to write; keeps what other writers own (ScalingActive, desired, lastScale),
     and each role's cold-start samples, with the starts its pods completed since added.
     ``refusal``: why the latest spec was not planned (Ready False, Degraded and Stalled True
-    with its reason)."""
+    with its reason). ``downloads``: the model cache's, as planned (ModelReady, from the
+    observed Jobs; none: no ModelReady). ``capacities``: the roles as the plan sized them
+    (else sized here)."""
     generation = service.metadata.generation
     old_conditions = previous.conditions if previous else []
     old_roles = {(t.name, r.role): r for t in (previous.tiers if previous else []) for r in t.roles}
@@ -282,13 +292,17 @@ def compute_status(
     else:
         degraded = cond(ConditionType.DEGRADED, False, "Healthy", "no problem observed")
 
-    capacity = _capacity_condition(service, now)
+    capacity = _capacity_condition(service, now, capacities)
+    model = model_ready_condition(downloads, observed.jobs, now, generation, observed.progress)
 
     # The operator's own conditions, each keeping its lastTransitionTime unless it flipped;
     # ScalingActive is the autoscaler's and is kept as it was.
     conditions = [c for c in old_conditions if c.type in _OPERATOR_CONDITIONS]
-    for fresh in (ready, progressing, degraded, capacity, reconciling, stalled):
-        conditions = set_condition(conditions, fresh)
+    if model is None:  # no model cache: a condition left from one would mislead
+        conditions = [c for c in conditions if c.type != ConditionType.MODEL_READY.value]
+    for fresh in (ready, progressing, degraded, capacity, reconciling, stalled, model):
+        if fresh is not None:
+            conditions = set_condition(conditions, fresh)
     conditions += [c for c in old_conditions if c.type == ConditionType.SCALING_ACTIVE.value]
     unready_tiers = {r.tier for r in short if r.tier is not None}
     ready_tiers = sum(1 for name in tiers if name not in unready_tiers)
@@ -301,16 +315,18 @@ def compute_status(
     )
 
 
-def _capacity_condition(service: InferenceService, now: datetime) -> Condition:
+def _capacity_condition(
+    service: InferenceService, now: datetime, capacities: Capacities | None
+) -> Condition:
     """CapacitySufficient: True when every role is sized and its KV cache holds what the spec
     asks (operator.capacity), False with the planner's warnings, Unknown naming the roles it
     could not size (an architecture or GPU it does not know: the spec can say them)."""
-    warnings = capacity_warnings(service)
+    warnings = capacity_warnings(service, capacities)
     unsized = [
         f"tier {role.tier.name} / {role.name}"
         for role in all_roles(service)
         # A reference tier has no GPU to size: nothing for the spec to say.
-        if role_capacity(role) is None and role.engine.backend is not EngineBackend.REFERENCE
+        if sized(capacities, role) is None and role.engine.backend is not EngineBackend.REFERENCE
     ]
     if warnings:
         status, reason, message = ConditionStatus.FALSE, "CapacityWarning", "; ".join(warnings)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Hashable
+from dataclasses import fields
 from typing import Any
 
 import pytest
@@ -19,10 +20,12 @@ from fleetpilot.operator.children import (
     index_entry,
 )
 from fleetpilot.operator.handlers import (
+    CONTEXT,
     DEPLOYMENT_CHANGED,
     LEADER_WORKER_SET_CHANGED,
     POD_CHANGED,
     SERVICE_EVENT,
+    OperatorContext,
     QuietWatchHandlers,
     build_registry,
     retry_delay,
@@ -118,11 +121,14 @@ def test_a_leader_worker_sets_change_refreshes_its_services_status() -> None:
         "status": {"replicas": 2, "readyReplicas": 2},
     }
     index = {key: [entry] for key, entry in index_entry("LeaderWorkerSet", body).items()}
-    memo = {"children": Children(), "refreshes": _Marks(), "adapter_syncs": _Marks()}
+    # Only what a child event touches: the indexes it attaches and the queues it marks.
+    touched = {"children": Children(), "refreshes": _Marks(), "adapter_syncs": _Marks()}
+    context = OperatorContext(**{f.name: None for f in fields(OperatorContext)} | touched)
     indexes = {DEPLOYMENTS_INDEX: {}, PODS_INDEX: {}, LEADER_WORKER_SETS_INDEX: index}
+    memo = {CONTEXT: context}
     asyncio.run(handler.fn(namespace="ml", labels=labels, body=body, memo=memo, **indexes))
-    assert memo["refreshes"].marked == [("ml", "chat")]
-    assert memo["adapter_syncs"].marked == []  # only a pod turning Ready holds no adapters
-    observed = memo["children"].observed("ml", "chat")
+    assert touched["refreshes"].marked == [("ml", "chat")]
+    assert touched["adapter_syncs"].marked == []  # only a pod turning Ready holds no adapters
+    observed = context.children.observed("ml", "chat")
     assert observed is not None
     assert observed.workloads[("LeaderWorkerSet", "chat-big")]["status"]["readyReplicas"] == 2

@@ -16,10 +16,12 @@ from fleetpilot.operator.model_cache import (
     ANNOTATION_AFTER_ROLLOUT,
     ANNOTATION_FETCH_JOB,
     GC_COMPONENT,
-    rolled_out,
 )
-from fleetpilot.operator.plan_types import PlanOptions
+from fleetpilot.operator.plan_types import JobComplete, PlanOptions, RolledOut
+from fleetpilot.operator.planner import plan, plan_service
 from fleetpilot.operator.reconcile import Reconciler
+from fleetpilot.operator.waits import unmet
+from tests.factories import make_service
 from tests.operator.test_model_delivery import (
     CACHE,
     MODEL,
@@ -131,27 +133,59 @@ def test_the_gc_job_is_renamed_when_what_it_keeps_changes_and_only_then() -> Non
     assert name_of([small, large], PlanOptions(fleetpilot_image="fleetpilot:2")) != first
 
 
-def deployment(fetch_jobs: str | None, **status: Any) -> Obj:
-    annotations = {ANNOTATION_FETCH_JOB: fetch_jobs} if fetch_jobs else {}
-    return {"metadata": {"generation": 2, "annotations": annotations}, "status": status}
+def test_the_plan_says_what_the_gc_job_and_the_engines_wait_for() -> None:
+    """The planner, not an annotation read back, says what holds each object: an engine
+    workload its model's downloads; the GC Job every download and every engine's rollout."""
+    small = speculative(tier_with({"huggingface": {"revision": "a1"}}, "small", up_to=0.4))
+    service = make_service(tiers=[small, tier_with({"s3": S3}, "large")], modelCache=CACHE)
+    planned_service = plan_service(service)
+    waits = {item.key: item.waits_for for item in planned_service.objects if item.waits_for}
+    small_jobs = [JobComplete(d.job) for d in planned_service.downloads[:2]]
+    large_jobs = [JobComplete(planned_service.downloads[2].job)]
+    (gc,) = [key for key in waits if key[0] == "Job"]
+    assert waits == {
+        ("Deployment", "chat-small"): tuple(small_jobs),
+        ("Deployment", "chat-large"): tuple(large_jobs),
+        gc: (
+            *small_jobs,
+            *large_jobs,
+            RolledOut("Deployment", "chat-small"),
+            RolledOut("Deployment", "chat-large"),
+        ),
+    }
+    # The planner's objects as `fleetpilot plan` shows them, in the same order.
+    assert [item.obj for item in planned_service.objects] == plan(service)
+
+
+def workload(**status: Any) -> Obj:
+    return {"metadata": {"generation": 2}, "status": status}
 
 
 @pytest.mark.parametrize(
     ("live", "expected"),
     [
-        (None, False),  # not created yet
-        (deployment("old", observedGeneration=2, replicas=1, updatedReplicas=1), False),
-        (deployment("new", observedGeneration=1, replicas=1, updatedReplicas=1), False),
-        (deployment("new", observedGeneration=2, replicas=3, updatedReplicas=1), False),
-        (deployment("new", observedGeneration=2, replicas=2, updatedReplicas=2), True),
-        (deployment("new", observedGeneration=2), True),  # scaled to zero
-        (deployment(None, observedGeneration=2, replicas=1, updatedReplicas=1), True),  # OCI now
+        (None, False),  # not created yet, or held back: not as planned
+        (workload(observedGeneration=1, replicas=1, updatedReplicas=1), False),
+        (workload(observedGeneration=2, replicas=3, updatedReplicas=1), False),
+        (workload(observedGeneration=2, replicas=2, updatedReplicas=2), True),
+        (workload(observedGeneration=2), True),  # scaled to zero
     ],
 )
-def test_a_deployment_is_rolled_out_when_no_pod_reads_a_download_not_kept(
+def test_a_rollout_waits_for_the_controller_and_for_every_old_pod_to_go(
     live: Obj | None, expected: bool
 ) -> None:
-    assert rolled_out(live, {"new", "draft"}) is expected
+    as_planned = {("Deployment", "chat-small"): live} if live is not None else {}
+    waits = [RolledOut("Deployment", "chat-small")]
+    assert (unmet(waits, {}, as_planned) == []) is expected
+
+
+def test_a_download_is_waited_for_until_its_job_completed() -> None:
+    running = {"status": {"active": 1}}
+    done = {"status": {"conditions": [{"type": "Complete", "status": "True"}]}}
+    waits = [JobComplete("a"), JobComplete("b")]
+    assert unmet(waits, {"a": running}, {}) == waits
+    assert unmet(waits, {"a": done, "b": running}, {}) == [JobComplete("b")]
+    assert unmet(waits, {"a": done, "b": done}, {}) == []
 
 
 # -- reconcile ------------------------------------------------------------------------------
@@ -204,6 +238,7 @@ def test_the_gc_runs_once_the_downloads_are_complete_and_the_engines_rolled_out(
     reconciler.reconcile(apply_service(kube, "r1"))
     (gc,) = gc_jobs(kube)
     assert keeps(gc) == [f"--keep-hub {MODEL}@r1"]
+    assert due == [(NS, "chat")]  # the reconcile that applied it asks for none more
     due.clear()
     refresh("r1")
     assert due == []  # applied: nothing more to ask for

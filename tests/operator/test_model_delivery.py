@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import io
 import logging
-import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -26,7 +25,7 @@ from fleetpilot.operator.model_cache import (
 )
 from fleetpilot.operator.model_cache import COMPONENT as FETCH_COMPONENT
 from fleetpilot.operator.plan_types import PlanError, PlanOptions
-from fleetpilot.operator.planner import plan
+from fleetpilot.operator.planner import plan, plan_service
 from fleetpilot.operator.reconcile import JOB_NAME_LABEL, Reconciler
 from tests.factories import make_manifest, make_service, make_tier
 from tests.support.kube import FakeKube
@@ -269,7 +268,8 @@ def test_engines_start_only_once_their_model_is_downloaded_and_roll_when_a_new_o
     why); the Job completing lets the next reconcile create it. A new revision starts a new Job
     while the engines keep the old revision; they roll only once it completes, and the old
     Job goes."""
-    reconciler = Reconciler(kube)
+    now = [datetime(2026, 12, 4, 12, 0, tzinfo=UTC)]
+    reconciler = Reconciler(kube, clock=lambda: now[0])
     events: list[tuple[str, str, str]] = []
 
     def emit(kind: str, reason: str, message: str) -> None:
@@ -284,9 +284,9 @@ def test_engines_start_only_once_their_model_is_downloaded_and_roll_when_a_new_o
     assert kube.object("Deployment", NS, "chat-router") is not None  # the rest is applied
 
     assert model_ready(kube) == ("False", "Downloading")
-    # Nothing changed: no status write, and ModelReady keeps its transition time (a second
+    # Nothing changed: no status write, and ModelReady keeps its transition time (a minute
     # later, so a condition stamped afresh each time would differ).
-    time.sleep(1.1)
+    now[0] += timedelta(minutes=1)
     assert not reconciler.reconcile(apply_service(kube, "r1"), emit).status_written
 
     complete(kube, job)
@@ -325,12 +325,9 @@ NOW = datetime(2026, 12, 4, 12, 0, tzinfo=UTC)
 def test_model_ready_says_what_is_downloading_done_or_failed() -> None:
     """Pending, running (with failed attempts), complete, failed: each says which model and
     Job; one failure makes the whole condition DownloadFailed; no cache, no condition."""
-    jobs = jobs_of(
-        planned(
-            [tier_with({}, "small", up_to=0.4), tier_with({"s3": S3}, "large")], modelCache=CACHE
-        )
-    )
-    hub, s3 = (j["metadata"]["name"] for j in jobs)
+    tiers = [tier_with({}, "small", up_to=0.4), tier_with({"s3": S3}, "large")]
+    jobs = plan_service(make_service(tiers=tiers, modelCache=CACHE)).downloads
+    hub, s3 = (download.job for download in jobs)
     pending = model_ready_condition(jobs, {}, NOW, 3)
     assert pending is not None
     assert (pending.status, pending.reason, pending.observed_generation) == (

@@ -12,16 +12,18 @@ from datetime import UTC, datetime
 import pytest
 from prometheus_client import CollectorRegistry
 
-from fleetpilot.api import parse_service
+from fleetpilot.api import InferenceService, parse_service
 from fleetpilot.autoscaler.actuator import (
     AutoscalerMetrics,
     KubernetesActuator,
     scaling_active_condition,
 )
 from fleetpilot.autoscaler.model import Decision, History, ReasonKind
-from fleetpilot.kube.client import MERGE_CONTENT_TYPE, Obj
+from fleetpilot.kube.client import MERGE_CONTENT_TYPE, RESOURCES, Obj
 from fleetpilot.kube.managers import AUTOSCALER_MANAGER, OPERATOR_MANAGER, owns_field
-from fleetpilot.operator.plan_types import PlanOptions
+from fleetpilot.operator import reconcile
+from fleetpilot.operator.plan_types import PlanOptions, ServicePlan
+from fleetpilot.operator.planner import plan_service
 from fleetpilot.operator.reconcile import EVENT_MESSAGE_MAX, Reconciler, change_summary
 from tests.factories import make_manifest, make_tier
 from tests.support.kube import FakeKube
@@ -126,6 +128,37 @@ def test_an_unchanged_service_costs_no_write(kube: FakeKube, reconciler: Reconci
     quiet = reconciler.reconcile(service(kube))
     assert not quiet.status_written
     assert kube.writes == writes + 1
+
+
+def listed(kube: FakeKube) -> list[str | None]:
+    """The kinds the reconciler listed, in order."""
+    return [
+        c.kind
+        for c in kube.calls
+        if c.method == "GET" and c.kind and c.path.endswith("/" + RESOURCES[c.kind].plural)
+    ]
+
+
+def test_a_new_service_lists_no_children_and_then_costs_no_write(
+    kube: FakeKube, reconciler: Reconciler
+) -> None:
+    """kopf's create cause: the service owns nothing yet, so no child is listed (ten LISTs a
+    service, each scanning the namespace); it gets the same objects and status as with them
+    listed, and the next reconcile, which lists, finds nothing to write."""
+    kube.apply(manifest(), USER)
+    created = reconciler.reconcile(service(kube), new=True)
+    # Without watches (as here) the status lists the workloads and pods it reads; nothing else.
+    assert set(listed(kube)) == {"Deployment", "LeaderWorkerSet", "Pod"}
+    twin = FakeKube()
+    twin.apply(manifest(), USER)
+    assert created.applied == Reconciler(twin).reconcile(service(twin)).applied
+    assert {"NetworkPolicy", "ConfigMap", "Job", "PersistentVolumeClaim"} <= set(listed(twin))
+    assert created.status_written
+
+    writes = kube.writes
+    again = reconciler.reconcile(service(kube))
+    assert (again.applied, again.pruned, again.status_written) == ([], [], False)
+    assert kube.writes == writes
 
 
 def test_a_reconcile_posts_one_event_for_everything_it_created(
@@ -295,7 +328,7 @@ def test_a_status_write_that_loses_the_race_is_retried_on_a_fresh_read(
         actuator.record(parse_service(stale), [scaled], condition, now)
 
     kube.interleave("PATCH", "InferenceService", autoscaler_writes, subresource="status")
-    assert reconciler.write_status(parse_service(stale), stale)
+    assert reconciler.refresh_status(parse_service(stale), stale)
 
     operator_writes = [
         c
@@ -368,6 +401,37 @@ def test_a_child_event_after_a_refused_plan_keeps_the_refusal_in_status(
     body = service(kube)
     reconciler.refresh_status(parse_service(body), body)
     assert condition(kube, "Stalled")["status"] == "False"
+
+
+def test_a_refresh_reuses_the_plan_its_spec_was_reconciled_with(
+    kube: FakeKube, reconciler: Reconciler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reconcile of a spec planned it: the status refreshes of the same spec (each child
+    event) read its refusal, downloads and sizes from that plan, and plan only a spec no
+    reconcile has seen yet (a new generation, or after a restart)."""
+    planned: list[int | None] = []
+
+    def counted(svc: InferenceService, options: PlanOptions | None = None) -> ServicePlan:
+        planned.append(svc.metadata.generation)
+        return plan_service(svc, options)
+
+    monkeypatch.setattr(reconcile, "plan_service", counted)
+    kube.apply(manifest(make_tier("small", engine={"extraArgs": ["--port=9000"]})), USER)
+    reconciler.reconcile(service(kube))
+    body = service(kube)
+    reconciler.refresh_status(parse_service(body), body)
+    reconciler.refresh_status(parse_service(body), body)
+    assert planned == [1]
+    assert condition(kube, "Stalled")["reason"] == "PlanRefused"
+
+    kube.apply(manifest(), USER)  # generation 2, not reconciled yet
+    body = service(kube)
+    reconciler.refresh_status(parse_service(body), body)
+    assert planned == [1, 2]
+    assert condition(kube, "Stalled")["status"] == "False"
+    reconciler.forget(NS, "chat")
+    reconciler.refresh_status(parse_service(body), body)
+    assert planned == [1, 2, 2]
 
 
 def test_a_new_service_with_a_refused_plan_creates_nothing(
