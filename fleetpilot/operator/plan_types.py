@@ -1,4 +1,4 @@
-"""Plain data shared by the planner's modules."""
+"""Plain data shared by the planner's modules. No I/O."""
 
 from __future__ import annotations
 

@@ -17,7 +17,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from fleetpilot.operator.plan_types import K8sObject, PlanOptions
 from fleetpilot.operator.planner import plan
 from fleetpilot.routing.policies.pd import decode_request, kv_params_of, prefill_request
 from fleetpilot.runtime.processes import free_ports
+from fleetpilot.testing.polling import eventually
 from tests.factories import make_manifest, make_service, make_tier
 
 REFERENCE = {"backend": "reference"}
@@ -229,17 +229,21 @@ def run_pod(container: dict[str, Any], folder: Path, pod_ip: str) -> Iterator[st
         process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             url = f"http://{pod_ip}:{ports[8000]}"
-            deadline = time.monotonic() + 120
-            while True:
+
+            def healthy() -> int | None:
                 if process.poll() is not None:
                     raise AssertionError(f"the engine exited: {log_path.read_text()}")
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, log_path.read_text()
-                time.sleep(0.2)
+                status = httpx.get(f"{url}/health", timeout=2).status_code
+                return status if status == 200 else None
+
+            eventually(
+                "the engine's /health",
+                healthy,
+                120,
+                interval=0.2,
+                ignoring=(httpx.TransportError,),
+                context=log_path.read_text,
+            )
             yield url
         finally:
             process.terminate()

@@ -17,7 +17,7 @@ from fleetpilot.operator.plan_types import K8sObject, PlanOptions
 from fleetpilot.operator.planner import plan
 from fleetpilot.operator.router_objects import ROUTER_METRICS_PORT, ROUTER_PORT
 from tests.factories import make_service, make_tier
-from tests.operator.test_model_delivery import CACHE, S3, tier_with
+from tests.operator.delivery_support import CACHE, S3, tier_with
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 ENGINE_ACCOUNT = "chat-engines"

@@ -22,7 +22,7 @@ from fleetpilot.operator.planner import plan, plan_service
 from fleetpilot.operator.reconcile import Reconciler
 from fleetpilot.operator.waits import unmet
 from tests.factories import make_service
-from tests.operator.test_model_delivery import (
+from tests.operator.delivery_support import (
     CACHE,
     MODEL,
     NS,
