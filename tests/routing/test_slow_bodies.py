@@ -16,7 +16,6 @@ import contextlib
 import json
 import re
 import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import yaml
 
 from fleetpilot.api.router_config import EndpointGroup, RouterTier, TenantKeys
 from fleetpilot.runtime.processes import Supervisor, free_port
+from fleetpilot.testing.polling import eventually
 from tests.routing.support import Engines, make_config, router_process
 
 # Generous bounds: the machine running the suite may be busy.
@@ -128,10 +128,7 @@ def metric(port: int, name: str, **labels: str) -> float:
 
 
 def poll(predicate: Any, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"not within {WAIT_S}s: {what}"
-        time.sleep(0.05)
+    eventually(what, lambda: True if predicate() else None, WAIT_S, interval=0.05)
 
 
 def post(port: int, source: str = "127.0.0.1", **headers: str) -> httpx.Response:
@@ -251,12 +248,13 @@ def test_the_engine_cuts_a_trickled_body_with_408(engine: str) -> None:
     port = int(engine.rsplit(":", 1)[1])
     sock = slow_body(port, "127.0.0.50")
     try:
-        answer: bytes | None = None
-        deadline = time.monotonic() + WAIT_S
-        while answer is None and time.monotonic() < deadline:
+
+        def trickled() -> bytes | None:
             with contextlib.suppress(OSError):
                 sock.sendall(b" ")
-            answer = answer_of(sock, 1.0)
+            return answer_of(sock, 1.0)
+
+        answer = eventually("the engine's answer to a trickled body", trickled, WAIT_S, interval=0)
     finally:
         sock.close()
     assert status_of(answer) == 408, answer
