@@ -96,6 +96,16 @@ def gauge(port: int, name: str) -> float:
     )
 
 
+def cached_blocks(engines: list[Engine]) -> int:
+    """The blocks the engines' prefix caches hold, which their KV events announced."""
+    total = 0
+    for e in engines:
+        engine = e.server.server.engine
+        assert engine is not None
+        total += len(engine.blocks.cached)
+    return total
+
+
 def wait_until(predicate: Any, timeout_s: float = 20.0) -> None:
     eventually("the condition", lambda: True if predicate() else None, timeout_s, interval=0.05)
 
@@ -128,12 +138,17 @@ def test_two_router_processes_route_a_conversation_to_the_replica_that_caches_it
             wait_until(lambda p=port: gauge(p, "fleetpilot_router_kv_events_live") == 3)
         for n in range(4):
             first, second = ports[n % 2], ports[1 - n % 2]
-            before = gauge(second, "fleetpilot_router_kv_index_blocks")
             body = {"model": MODEL, "messages": conversation(n, 1), "max_tokens": 2}
             one = route_of(client.post(f"http://127.0.0.1:{first}/v1/chat/completions", json=body))
             assert one["prefix-source"] == "events"
-            # The other router learns the new blocks from the engine, not from the first.
-            wait_until(lambda s=second, b=before: gauge(s, "fleetpilot_router_kv_index_blocks") > b)
+            # The other router learns the new blocks from the engine, not from the first: its
+            # index holds every block the engines cache. (A count that merely grew could be the
+            # last conversation's second turn arriving late, not this one's first.)
+            wait_until(
+                lambda s=second: (
+                    gauge(s, "fleetpilot_router_kv_index_blocks") == cached_blocks(three_engines)
+                )
+            )
             body["messages"] = conversation(n, 2)
             two = route_of(client.post(f"http://127.0.0.1:{second}/v1/chat/completions", json=body))
             assert (two["replica"], two["prefix-source"]) == (one["replica"], "events")
