@@ -33,8 +33,9 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
+import uvloop
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.streams import StreamReader
@@ -396,7 +397,8 @@ class _Guard(asyncio.Protocol):
 
     # -- asyncio.Protocol ----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # A stream transport, but not an asyncio.Transport instance on uvloop: no isinstance.
+        transport = cast(asyncio.Transport, transport)
         open_ = self.connections.open
         if len(open_) >= self.connections.max_connections:
             self.connections.warnings.warn(
@@ -614,4 +616,12 @@ def run_app(
         finally:
             await runner.cleanup()
 
-    asyncio.run(serve())
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        runner.run(serve())
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """The loop a server runs on: uvloop, as vLLM's API server does. Accepting a connection,
+    reading a few bytes and timing it out cost a fraction of asyncio's there, and those are
+    what thousands of slow clients make a listener do (``bench/router_slow_bodies.py``)."""
+    return uvloop.new_event_loop()
