@@ -192,13 +192,27 @@ def flood_main(args: argparse.Namespace) -> None:
 
 
 @contextlib.contextmanager
-def child(argv: list[str], cwd: Path, env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(
-        argv, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        yield proc
-    finally:
+def child(
+    argv: list[str], cwd: Path, env: dict[str, str], log: Path | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``argv`` running until the block ends; its stderr into ``log`` (printed when the block
+    fails: a server that never listened says why there)."""
+    with contextlib.ExitStack() as stack:
+        stderr = stack.enter_context(log.open("wb")) if log is not None else subprocess.DEVNULL
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+        try:
+            yield proc
+        except BaseException:
+            if log is not None:
+                print(f"{argv[2:5]} stderr (last 3,000 chars):", file=sys.stderr)
+                print(log.read_text(errors="replace")[-3000:], file=sys.stderr)
+            raise
+        finally:
+            _stop(proc)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
         proc.terminate()
         try:
             proc.wait(30)
@@ -244,7 +258,7 @@ def run_variant(
     argv = [sys.executable, "-m", "fleetpilot", "router", "--config", str(config),
             "--host", "127.0.0.1", "--port", str(port), "--discovery", "static"]  # fmt: skip
     result: dict[str, Any] = {"router": name}
-    with child(argv, code, env) as router:
+    with child(argv, code, env, folder / f"router-{name}.log") as router:
         wait_healthy(port, 120)
         result["unloaded"] = legit(port, args.clients, args.phase)
         print(f"{name}: unloaded {result['unloaded']}", flush=True)

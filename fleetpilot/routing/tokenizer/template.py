@@ -1,17 +1,18 @@
 """A chat template rendered as vLLM renders it (vLLM 0.33.0 with the transformers 5.x it
 requires: ``vllm/renderers/online_renderer.py`` ``preprocess_chat``, ``vllm/renderers/hf.py``
-``safe_apply_chat_template``/``resolve_chat_template_kwargs``/``_detect_content_format``,
-``transformers/utils/chat_template_utils.py`` ``render_jinja_template``).
+``safe_apply_chat_template``/``resolve_chat_template_kwargs``/``_detect_content_format``).
 
-The template runs in transformers' Jinja setup (``ImmutableSandboxedEnvironment`` with
-``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, the ``{% generation %}`` tag,
-``raise_exception``, ``strftime_now`` and a ``tojson`` that does not escape HTML) with the
-special-token names, ``add_generation_prompt`` (default true), ``documents``,
-``reasoning_effort`` and ``chat_template_kwargs`` merged as vLLM merges them;
-``continue_final_message`` cuts the text as transformers does. Whether the template gets message
-content as text or as a list of parts is read from its AST as vLLM reads it. The online server
-renders to text (``tokenize=False``) and encodes it with the request's ``add_special_tokens``
-(default false for chat: BOS only if the template writes it).
+The template is compiled and rendered by transformers itself (``chat_template_utils``:
+``_compile_jinja_template``, as vLLM compiles it for its content-format detection, and
+``render_jinja_template``, what ``apply_chat_template(tokenize=False)`` runs), so its Jinja setup
+and ``continue_final_message`` cut are transformers' own, not a copy. What is vLLM's stays here:
+the special-token names, ``add_generation_prompt`` (default true), ``documents``,
+``reasoning_effort`` and ``chat_template_kwargs`` merged as vLLM merges them, and whether the
+template gets message content as text or as a list of parts, read from its AST as vLLM reads it.
+The online server renders to text (``tokenize=False``) and encodes it with the request's
+``add_special_tokens`` (default false for chat: BOS only if the template writes it).
+``bench/router_tokenize.py`` measured transformers' rendering against the copy it replaces:
+within noise, and within the hot path's budget.
 
 Not followed (raises :class:`TokenizerError`): ``tools``, a request ``chat_template`` (vLLM
 refuses it unless ``--trust-request-chat-template``) and chat-template kwargs that change
@@ -22,19 +23,14 @@ call, so one object serves many threads.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Mapping
-from copy import deepcopy
+from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal
 
 import jinja2
-import jinja2.ext
 import jinja2.meta
 import jinja2.nodes
-import jinja2.parser
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from transformers.utils import chat_template_utils
 
 from fleetpilot.routing.tokenizer.errors import TokenizerError, bad
 from fleetpilot.routing.tokenizer.messages import (
@@ -64,56 +60,6 @@ _REFUSED_KWARGS = frozenset(
         "tokenizer_kwargs",
     }
 )  # fmt: skip
-_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
-
-
-# ---- Jinja as transformers sets it up ----------------------------------------------------------
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """transformers' ``{% generation %}`` block (it marks assistant text for training masks):
-    rendering emits its body unchanged."""
-
-    tags = {"generation"}  # noqa: RUF012 - jinja's own class attribute
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        call = self.call_method("_body")
-        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
-
-    def _body(self, caller: Callable[[], str]) -> str:
-        return caller()
-
-
-def _raise_exception(message: str) -> NoReturn:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
-
-
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
 
 
 # ---- vLLM's content-format detection (vllm/renderers/hf.py), on the template's AST ------------
@@ -287,10 +233,11 @@ class ChatTemplate:
         self.special_tokens = dict(special_tokens or {})
         self.max_chars = max_chars
         self._default_kwargs = dict(default_kwargs or {})
-        env = _environment()
         try:
-            self._template = env.from_string(template)
-            ast = env.parse(template)
+            # transformers' own compiled template (cached per source), parsed for its AST as
+            # vLLM's content-format detection parses it.
+            compiled = chat_template_utils._compile_jinja_template(template)
+            ast = compiled.environment.parse(template)
         except jinja2.TemplateError as e:
             raise TokenizerError(f"{source}: the chat template does not compile: {e}") from e
         self._template_vars = frozenset(jinja2.meta.find_undeclared_variables(ast))
@@ -346,9 +293,8 @@ class ChatTemplate:
         chat = conversation(messages, self.content_as_parts)
         if any(m["role"] == "developer" for m in chat) and not self._names_developer:
             chat = developer_as_system(chat)
-        final_text: str | None = None
         if continue_final:
-            chat, final_text = self._tag_final(chat)
+            _check_final(chat, self.text)
         variables = {
             **self.special_tokens,
             **{
@@ -358,51 +304,38 @@ class ChatTemplate:
             },
         }
         try:
-            text = self._template.render(
-                messages=chat,
+            # What transformers' apply_chat_template(tokenize=False) runs, as vLLM calls it.
+            # It returns (texts, generation indices), though annotated as returning a str.
+            rendered: Any = chat_template_utils.render_jinja_template(
+                conversations=[chat],
                 tools=None,
                 documents=documents,
+                chat_template=self.text,
+                continue_final_message=continue_final,
                 add_generation_prompt=generation,
                 **variables,
             )
         except Exception as e:
             raise TokenizerError(f"the chat template failed: {e}") from e
-        if final_text is not None:
-            text = _cut_continued(text, final_text)
+        text: str = rendered[0][0]
         spans, final = message_spans(text, chat)
         specials = not tokenize and flag(payload, "add_special_tokens", False)
         return Rendered(text, spans, final, specials)
 
-    def _tag_final(self, chat: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
-        """transformers' continue_final_message: tag the final message's text to cut after it."""
-        chat = deepcopy(chat)
-        final = chat[-1].get("content")
-        if final is None:
-            bad('continue_final_message is set but the final message has no "content"')
-        if "content" not in self.text:
-            bad("continue_final_message needs a template that renders content")
-        if isinstance(final, list):
-            for block in reversed(final):
-                if "text" in block:
-                    text: str = block["text"]
-                    block["text"] = text + _CONTINUE_TAG
-                    return chat, text
+
+def _check_final(chat: list[dict[str, Any]], template: str) -> None:
+    """The request shapes transformers' continue_final_message refuses, said as a client's
+    error before rendering (transformers raises a ValueError for most, a TypeError for one)."""
+    final = chat[-1].get("content")
+    if final is None:
+        bad('continue_final_message is set but the final message has no "content"')
+    if "content" not in template:
+        bad("continue_final_message needs a template that renders content")
+    if isinstance(final, list):
+        if not any(isinstance(block, Mapping) and "text" in block for block in final):
             bad("continue_final_message: the final message has no text to continue")
-        if not isinstance(final, str):
-            bad("continue_final_message: the final message's content is not text")
-        chat[-1]["content"] = final + _CONTINUE_TAG
-        return chat, final
-
-
-def _cut_continued(text: str, final: str) -> str:
-    """transformers' cut of a rendered chat after the tagged final message."""
-    tag = _CONTINUE_TAG.strip()
-    if final.strip() not in text or tag not in text:
-        bad("continue_final_message: the template dropped the final message's text")
-    at = text.rindex(tag)
-    if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
-        return text[:at]
-    return text[:at].rstrip()
+    elif not isinstance(final, str):
+        bad("continue_final_message: the final message's content is not text")
 
 
 def message_spans(
