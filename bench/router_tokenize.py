@@ -23,15 +23,15 @@ with a user message, ~2,000 tokens in all):
 - ``cold at the cap``: one unseen user message of ``DEFAULT_MAX_CHARS`` characters: the most
   one request can cost.
 
-With transformers importable (``.venv-vllm`` has it, the project's ``.venv`` does not; the
-scenarios are then left out), the ``cached prefix`` scenarios run again with the chat rendered
-by transformers' own ``apply_chat_template(tokenize=False)`` (what vLLM calls) in front of the
-same prefix cache, and ``render only`` with it alone (issue 43 part 3: is it within the hot-path
-budget, so that the router could drop its re-implementation?). Its keys are checked equal to
-ours on every measured request.
+The router renders the chat with transformers' own ``render_jinja_template`` (issue 43 part 3,
+decided on this benchmark's comparison: ``bench/results/router_tokenize_transformers.json``,
+measured when the router still rendered with its own copy of transformers' Jinja setup). The
+``cached prefix`` scenarios also run with the chat rendered by a transformers
+``AutoTokenizer``'s ``apply_chat_template(tokenize=False)``, vLLM's whole call, in front of the
+same prefix cache, and ``render only`` with it alone; its keys are checked equal to the
+router's on every measured request. (An interpreter without transformers leaves them out.)
 
 Run: PYTHONPATH=. .venv/bin/python bench/router_tokenize.py [--conversations 300]
-(or .venv-vllm/bin/python for the transformers scenarios)
 """
 
 from __future__ import annotations
