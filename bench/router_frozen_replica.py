@@ -415,7 +415,7 @@ def main() -> None:
             f"{'rules':5} {'before':>8} {'during':>8} {'after':>8} {'during/before':>14} "
             f"{'held >=1s':>10}"
         )
-        for rules in ("old", "new"):
+        for rules in args.rules:
             rows = [r for r in results["pd"] if r["rules"] == rules]
             for key in ("before", "during", "after"):
                 for r in rows:
@@ -438,7 +438,7 @@ def main() -> None:
             f"{'held >=1s':>10}"
         )
         for clients in args.clients:
-            for rules in ("old", "new"):
+            for rules in args.rules:
                 rows = [
                     r for r in results["unified"] if r["rules"] == rules and r["clients"] == clients
                 ]
