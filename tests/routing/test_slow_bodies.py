@@ -72,7 +72,7 @@ def slow_body(
     port: int, source: str, path: str = "/v1/completions", **headers: str
 ) -> socket.socket:
     """A connection from ``source`` that sends a request's headers (Content-Length 100000)
-    and one byte of its body, and then nothing unless :func:`trickle` is called."""
+    and one byte of its body, and then nothing (the body rule cuts it after 10 s)."""
     sock = socket.socket()
     sock.bind((source, 0))
     sock.settimeout(WAIT_S)
@@ -204,12 +204,16 @@ def test_a_key_at_its_request_limit_cannot_hold_more_slow_bodies(
                 return len(answers) >= 7
 
             poll(refused_enough, "7 of the free key's 10 slow requests refused")
-            assert sorted(status_of(a) for a in answers.values()) == [429] * 7
-            assert all(b"Retry-After" in a or b"retry-after" in a for a in answers.values())
+            # On a busy machine the body rule's 10 s without a byte may be over by now: the
+            # three admitted requests are then cut with 408 (admitted, then cut), never 429.
+            statuses = sorted(status_of(a) or 0 for a in answers.values())
+            assert statuses == [408] * (len(answers) - 7) + [429] * 7, statuses
+            refused = [a for a in answers.values() if status_of(a) == 429]
+            assert all(b"Retry-After" in a or b"retry-after" in a for a in refused)
             response = post(port, "127.0.0.30", Authorization="Bearer sk-paid-0123456789abcdef")
             assert response.status_code == 200, response.text
             held = [sock for i, sock in enumerate(slow) if i not in answers]
-            assert [answer_of(sock, 0.5) for sock in held] == [None] * 3
+            assert all(status_of(answer_of(sock, 0.5)) in (None, 408) for sock in held)
         finally:
             close_all(slow)
 
