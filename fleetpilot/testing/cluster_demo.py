@@ -86,11 +86,28 @@ class Kubectl:
         return json.loads(self.run(*args, "-o", "json", echo=False))
 
 
+def established(crd: dict[str, Any]) -> bool | None:
+    """True once the CRD's Established condition is True; None before."""
+    conditions = (crd.get("status") or {}).get("conditions") or []
+    ok = any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions)
+    return True if ok else None
+
+
 def install_operator(kubectl: Kubectl, root: Path) -> None:
     """The chart's CRDs, then its templates (hooks aside, as `helm install --no-hooks`)."""
     chart_dir = root / "charts" / "fleetpilot"
     kubectl.run("apply", "--server-side", "-f", str(chart_dir / "crds"))
-    kubectl.run("wait", "--for=condition=Established", "crd/inferenceservices.fleetpilot.dev")
+    # Not `kubectl wait --for=condition=Established`: it fails at once, rather than waits, when
+    # it reads the CRD before the API server has written any condition (".status.conditions
+    # accessor error: <nil>"), which a busy machine showed.
+    say("$ kubectl get crd/inferenceservices.fleetpilot.dev  # until Established")
+    eventually(
+        "the InferenceService CRD Established",
+        lambda: established(kubectl.json("get", "crd/inferenceservices.fleetpilot.dev")),
+        60.0,
+        interval=0.2,
+        error=TimeoutError,
+    )
     kubectl.run("create", "namespace", OPERATOR_NAMESPACE)
     with helm.Chart.load(chart_dir) as chart:
         manifests = chart.render({}, name=RELEASE, namespace=OPERATOR_NAMESPACE, is_install=True)
