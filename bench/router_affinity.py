@@ -136,6 +136,7 @@ def engines(
     kv_blocks: int = KV_BLOCKS,
     kv_ports: Sequence[tuple[int, int]] | None = None,
     ports: Sequence[int] | None = None,
+    max_model_len: int = 2048,
 ) -> Iterator[list[str]]:
     """``REPLICAS`` reference engines (on ``ports``, else free ones); with ``kv_ports``
     (publisher, replay) per engine, each publishes vLLM KV events there."""
@@ -161,7 +162,7 @@ def engines(
                 "--model-config",
                 "small",
                 "--max-model-len",
-                "2048",
+                str(max_model_len),
                 "--served-model-name",
                 MODEL,
                 "--max-num-seqs",
@@ -169,7 +170,7 @@ def engines(
                 "--num-gpu-blocks-override",
                 str(kv_blocks),
                 "--max-num-batched-tokens",
-                "2048",
+                str(max_model_len),
                 "--log-level",
                 "warning",
                 *events(i),

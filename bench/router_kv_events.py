@@ -8,7 +8,9 @@ whose KV pool is too small for the working set (evictions), each arm on freshly 
 engines that publish vLLM KV events, and reports the engines' own prefix hit rate and client
 TTFT (first content chunk).
 
-Arms (router replicas in this process; with two, the client alternates request by request):
+Arms (every router replica its own process, ``bench/router_fleet.py``, as a cluster runs
+them; with two, the client spreads requests over them as a Service does: ``--spread
+alternate`` or ``random``):
 - ``events xN``: the router's defaults, with the reference engine's tokenizer: the prefill-cost
   scorer reads the KV index built from the engines' events (``prefix-source=events``);
 - ``events-once xN``: the same, but an uncached block priced once (its own prefill), as
@@ -21,18 +23,27 @@ Arms (router replicas in this process; with two, the client alternates request b
 - ``vllm-router-cache xN`` and ``vllm-router-kv xN``: the vLLM project's own router
   (``bench/vllm_router.py``, ``make baselines``) with its defaults, ``cache_aware`` (an
   approximate prefix tree of the text it sent where, SGLang's policy) and ``kv_aware`` (the
-  same engines' KV events and each engine's ``/tokenize``): the established routers.
+  same engines' KV events and each engine's ``/tokenize``): the established routers;
+- ``prodstack-prefix xN`` and ``prodstack-rr``: production-stack's own router
+  (``bench/prodstack_router.py``; installed by hand, skipped when missing) with
+  ``--routing-logic prefixaware`` (longest match of 128-character chunks of the prompt text
+  on a trie of what it sent where, a random replica on no match) and ``roundrobin``.
 
 Engines: 4 reference engines (preset 'small', max-num-seqs 4, 16-token blocks), 512 KV blocks
 each, or 128 in the eviction scenario (two tenants' system prompts). The machine has 2 shared
 cores: compare arms within one run, not across runs.
+
+``cluster-6`` and ``cluster-12`` (issue 44's held-out shape, ``router_fleet.cluster_trace``):
+12 tenants with 150-600-word system prompts, 30 users each, chats of 1-9 turns, at 6 and 12
+requests a second; engines with 1,024 KV blocks and a 4,096-token context.
 
 ``--busy``: the same with another process spinning on one of the two cores, so the engines
 fall behind the arrivals and queue: where the choice between a replica's queue and a cold
 prefill elsewhere matters most. Saved apart (``router_kv_events_busy*.json``).
 
 Run: .venv/bin/python bench/router_kv_events.py [--quick] [--seed N] [--arms a,b] [--busy]
-     [--scenarios low,high,shared,evicting] [--repeat N] [--name FILE]
+     [--scenarios low,high,shared,evicting,cluster-6,cluster-12] [--repeat N]
+     [--spread alternate|random] [--name FILE]
 """
 
 from __future__ import annotations
@@ -44,86 +55,72 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import prodstack_router
 import vllm_router
 import yaml
-from aiohttp import web
-from router_affinity import KV_BLOCKS, MODEL, REPLICAS, config, engines
+from router_affinity import BLOCK_CHARS, ENGINE_BLOCK, KV_BLOCKS, MODEL, REPLICAS, config, engines
+from router_fleet import (
+    RouterProcess,
+    cluster_trace,
+    cpu_seconds,
+    engine_successes,
+    fleetpilot_routers,
+    metric_values,
+)
 from router_prefix_workloads import (
+    SPREADS,
     Conversation,
     drive,
     multi_tenant_trace,
     oracle_hit_rate,
     print_rows,
-    served_per_replica,
     shared_prompt_trace,
     summary,
-    use_arm,
 )
 from router_support import busy_core, free_ports, machine, save
 
 from fleetpilot.api.router_config import RouterConfig
 from fleetpilot.engine.reference_launch import REFERENCE_TOKENIZER
-from fleetpilot.routing.app import ROUTER_APP, build_app
-from fleetpilot.routing.discovery import FileSource
 
 EVICTION_KV_BLOCKS = 128
 
 
-def kv_config(tokenizer: bool) -> RouterConfig:
+def kv_config(tokenizer: bool, kv_blocks: int = KV_BLOCKS) -> RouterConfig:
     """The benchmark's router config without addresses (the endpoints file lists them), with
-    or without the reference engine's tokenizer."""
+    or without the reference engine's tokenizer; its guessed index sized like an engine's KV
+    cache."""
     data = config([]).to_wire()
     data["tiers"][0]["tokenizer"] = str(REFERENCE_TOKENIZER) if tokenizer else None
+    data["prefixIndexBlocks"] = kv_blocks * ENGINE_BLOCK // BLOCK_CHARS
     return RouterConfig.model_validate(data)
 
 
-async def start_routers(
-    cfg: RouterConfig, endpoints: Path, count: int, events: bool
-) -> list[tuple[web.AppRunner, web.Application, str]]:
-    """``count`` router replicas on free ports; with ``events``, each has heard every engine's
-    publisher and loaded its tokenizer before the trace starts."""
-    started = []
-    for i in range(count):
-        app = build_app(cfg, FileSource(endpoints), seed=i)
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/chat/completions"
-        started.append((runner, app, url))
-    if events:
-        deadline = time.monotonic() + 60
-        for _, app, _ in started:
-            state = app[ROUTER_APP]
-            while not (
-                state.kv_events is not None
-                and all(state.kv_events.has_events(r.id) for r in state.router.replicas())
-                and "only" in state.router.tokenizers
-            ):
-                if time.monotonic() > deadline:
-                    for runner, _, _ in started:
-                        await runner.cleanup()
-                    raise RuntimeError("routers did not hear every engine's KV events")
-                await asyncio.sleep(0.05)
-    return started
+@dataclass(frozen=True)
+class Play:
+    """How an arm is played: the client's spread over router replicas and its seed."""
+
+    spread: str
+    seed: int
 
 
-def engine_successes(address: str) -> int:
-    """Requests the engine at ``address`` finished (its ``vllm:request_success_total``)."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    return int(
-        sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("vllm:request_success_total")
-        )
-    )
+def external_routers(
+    arm: str,
+    addresses: list[str],
+    kv_ports: Sequence[tuple[int, int]],
+    workdir: Path,
+) -> contextlib.AbstractContextManager[list[str]]:
+    """An established router's processes over the same fresh engines: the vLLM project's
+    router (``bench/vllm_router.py``) or production-stack's (``bench/prodstack_router.py``)."""
+    policy, _, replicas = arm.partition(" x")
+    count = int(replicas or 1)
+    if policy in vllm_router.POLICIES:
+        return vllm_router.routers(policy, count, addresses, kv_ports, MODEL, workdir)
+    return prodstack_router.routers(policy, count, addresses, MODEL, workdir)
 
 
 async def run_external_arm(
@@ -132,47 +129,57 @@ async def run_external_arm(
     addresses: list[str],
     kv_ports: Sequence[tuple[int, int]],
     workdir: Path,
+    play: Play,
 ) -> dict[str, Any]:
-    """An arm played through the vLLM project's router (``bench/vllm_router.py``) over the
-    same fresh engines; requests per replica from the engines' own counters."""
-    policy, _, replicas = arm.partition(" x")
-    with vllm_router.routers(
-        policy, int(replicas or 1), addresses, kv_ports, MODEL, workdir
-    ) as urls:
-        driven = await drive(trace, urls, addresses)
+    """An arm played through an established router; requests per replica from the engines'
+    own counters."""
+    with external_routers(arm, addresses, kv_ports, workdir) as urls:
+        driven = await drive(trace, urls, addresses, play.spread, play.seed)
     return summary(arm, driven, sorted(engine_successes(a) for a in addresses))
 
 
+def decided_by_events(routers: Sequence[RouterProcess]) -> float:
+    """The share of decisions the engines' KV events judged, over every router replica."""
+    decided = dict.fromkeys(("events", "guessed"), 0.0)
+    for router in routers:
+        samples = metric_values(router.metrics_url, "fleetpilot_router_prefix_source_total")
+        for labels, value in samples.items():
+            source = dict(labels).get("source", "")
+            if source in decided:
+                decided[source] += value
+    return decided["events"] / max(1.0, sum(decided.values()))
+
+
 async def run_arm(
-    arm: str, trace: Sequence[Conversation], addresses: list[str], endpoints: Path
+    arm: str,
+    scenario: Scenario,
+    addresses: list[str],
+    endpoints: Path,
+    workdir: Path,
+    play: Play,
 ) -> dict[str, Any]:
+    """A fleetpilot arm: each router replica its own process (``router_fleet``)."""
     policy, _, replicas = arm.partition(" x")
-    count = int(replicas or 1)
     events = policy in ("events", "events-once")
-    cfg = kv_config(tokenizer=events)
-    routers = await start_routers(cfg, endpoints, count, events)
-    for _, app, _ in routers:
-        if policy == "events-once":
-            use_arm("prefill-cost-once", app[ROUTER_APP].router, cfg)
-        elif policy not in ("events", "guessed"):
-            use_arm(policy, app[ROUTER_APP].router, cfg)
-    apps = [app for _, app, _ in routers]
-    driven = await drive(trace, [url for _, _, url in routers], addresses)
-    ids = [r.id for r in apps[0][ROUTER_APP].router.replicas()]
-    row = summary(arm, driven, served_per_replica(apps, ids))
-    decided = {
-        source: sum(
-            app[ROUTER_APP].metrics.registry.get_sample_value(
-                "fleetpilot_router_prefix_source_total", {"tier": "only", "source": source}
-            )
-            or 0
-            for app in apps
+    cfg = kv_config(tokenizer=events, kv_blocks=scenario.kv_blocks)
+    served_as = {"events": "events", "guessed": "guessed", "events-once": "prefill-cost-once"}
+    with fleetpilot_routers(
+        served_as.get(policy, policy),
+        int(replicas or 1),
+        cfg,
+        endpoints,
+        workdir,
+        replicas=REPLICAS,
+        events=events,
+    ) as routers:
+        cpu_before = [cpu_seconds(r.pid) for r in routers]
+        driven = await drive(
+            scenario.trace, [r.url for r in routers], addresses, play.spread, play.seed
         )
-        for source in ("events", "guessed")
-    }
-    row["decided_by_events"] = decided["events"] / max(1.0, sum(decided.values()))
-    for runner, _, _ in routers:
-        await runner.cleanup()
+        cpu = sum(cpu_seconds(r.pid) for r in routers) - sum(cpu_before)
+        row = summary(arm, driven, sorted(engine_successes(a) for a in addresses))
+        row["decided_by_events"] = decided_by_events(routers)
+        row["router_cpu_ms_per_request"] = cpu * 1e3 / max(1, row["requests"])
     return row
 
 
@@ -183,14 +190,21 @@ class Scenario:
     trace: list[Conversation]
     arms: tuple[str, ...]
     kv_blocks: int = KV_BLOCKS
+    max_model_len: int = 2048
+
+
+CLUSTER_KV_BLOCKS = 1024  # ~4 tenants' prompts an engine: the fleet holds 12 if it specialises
+CLUSTER_MAX_MODEL_LEN = 4096
 
 
 def scenarios(quick: bool, seed: int) -> list[Scenario]:
     n = 24 if quick else 48
+    requests = 150 if quick else 300
     base = ("events x1", "events x2", "events-once x1", "guessed x1", "guessed x2",
             "longest-prefix x1", "longest-prefix x2", "round-robin",
             "vllm-router-cache x1", "vllm-router-cache x2",
-            "vllm-router-kv x1", "vllm-router-kv x2")  # fmt: skip
+            "vllm-router-kv x1", "vllm-router-kv x2",
+            "prodstack-prefix x1", "prodstack-prefix x2", "prodstack-rr x1")  # fmt: skip
     high = multi_tenant_trace(8.0, n, seed)
     return [
         Scenario(
@@ -205,37 +219,55 @@ def scenarios(quick: bool, seed: int) -> list[Scenario]:
             (*base, "oracle"),
             EVICTION_KV_BLOCKS,
         ),
+        *(
+            Scenario(
+                f"cluster-{rate}",
+                f"cluster trace (150-600-word prompts, 1-9 turns), {rate} req/s",
+                cluster_trace(rate, requests, seed),
+                base,
+                CLUSTER_KV_BLOCKS,
+                CLUSTER_MAX_MODEL_LEN,
+            )
+            for rate in (6, 12)
+        ),
     ]
 
 
 def run_scenario(
-    scenario: Scenario, wanted: set[str] | None, workdir: Path, repeat: int
+    scenario: Scenario, wanted: set[str] | None, workdir: Path, repeat: int, play: Play
 ) -> list[Any]:
     """Every wanted arm on fresh engines, ``repeat`` rounds; each round starts one arm later
     in the list, so a drift in the machine's speed over the run falls on every arm alike."""
     arms = [a for a in scenario.arms if wanted is None or a in wanted]
+    missing = [a for a in arms if a.startswith("prodstack") and not prodstack_router.available()]
+    if missing:
+        print(f"  skipping {', '.join(missing)}: {prodstack_router.MISSING}", file=sys.stderr)
+        arms = [a for a in arms if a not in missing]
     rows = []
     for round_ in range(repeat):
         for arm in arms[round_ % len(arms) :] + arms[: round_ % len(arms)]:
-            rows.append({**play_arm(scenario, arm, workdir), "round": round_})
+            rows.append({**play_arm(scenario, arm, workdir, play), "round": round_})
             print(f"  {scenario.name}: {arm} done (round {round_ + 1}/{repeat})", file=sys.stderr)
     return rows
 
 
-def play_arm(scenario: Scenario, arm: str, workdir: Path) -> dict[str, Any]:
+def play_arm(scenario: Scenario, arm: str, workdir: Path, play: Play) -> dict[str, Any]:
     ports = free_ports(3 * REPLICAS)
     kv_ports = list(zip(ports[REPLICAS::2], ports[REPLICAS + 1 :: 2], strict=True))
-    with engines(scenario.kv_blocks, kv_ports, ports[:REPLICAS]) as addresses:
+    with engines(
+        scenario.kv_blocks, kv_ports, ports[:REPLICAS], scenario.max_model_len
+    ) as addresses:
         endpoints = workdir / "endpoints.yaml"
         listed = [
             {"tier": "only", "address": a, "kvEventsPort": pub, "kvReplayPort": replay}
             for a, (pub, replay) in zip(addresses, kv_ports, strict=True)
         ]
         endpoints.write_text(yaml.safe_dump({"endpoints": listed}))
-        if arm.partition(" x")[0] in vllm_router.POLICIES:
-            played = run_external_arm(arm, scenario.trace, addresses, kv_ports, workdir)
+        policy = arm.partition(" x")[0]
+        if policy in vllm_router.POLICIES or policy in prodstack_router.POLICIES:
+            played = run_external_arm(arm, scenario.trace, addresses, kv_ports, workdir, play)
         else:
-            played = run_arm(arm, scenario.trace, addresses, endpoints)
+            played = run_arm(arm, scenario, addresses, endpoints, workdir, play)
         return asyncio.run(played)
 
 
@@ -279,7 +311,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="half the conversations")
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--arms", help="comma-separated subset of arms")
-    parser.add_argument("--scenarios", help="comma-separated subset of low,high,shared,evicting")
+    parser.add_argument(
+        "--scenarios",
+        help="comma-separated subset of low,high,shared,evicting,cluster-6,cluster-12",
+    )
+    parser.add_argument(
+        "--spread",
+        choices=SPREADS,
+        default="alternate",
+        help="how the client spreads requests over router replicas",
+    )
     parser.add_argument("--busy", action="store_true", help="another process spins on a core")
     parser.add_argument("--repeat", type=int, default=1, help="rounds of every arm (medians)")
     parser.add_argument("--name", help="the results file's name (default by seed and --busy)")
@@ -296,7 +337,8 @@ def main() -> None:
             if only is not None and scenario.key not in only:
                 continue
             with busy_core() if args.busy else contextlib.nullcontext():
-                rows = run_scenario(scenario, wanted, Path(tmp), args.repeat)
+                play = Play(args.spread, args.seed)
+                rows = run_scenario(scenario, wanted, Path(tmp), args.repeat, play)
             results.append(
                 {
                     "scenario": scenario.name,
@@ -329,6 +371,8 @@ def save_results(args: argparse.Namespace, results: list[Any], wall_s: float) ->
             "busy_core": args.busy,
             "seed": args.seed,
             "repeat": args.repeat,
+            "spread": args.spread,
+            "routers": "every router its own process (bench/router_fleet.py)",
             "engines": f"{REPLICAS} reference engines, preset 'small', max-num-seqs 4, "
             "16-token KV blocks, publishing vLLM KV events",
             "results": results,

@@ -15,7 +15,8 @@ Workloads (open loop: arrivals do not wait for answers, as real users do not):
 - ``shared-prompt``: production-stack's multi-round QA shape, scaled to a CPU: every user shares
   one ~800-token system prompt and has ~700 tokens of private history; 16 users x 4 rounds.
 
-Arms (the same router process; only the replica-choice plugins change):
+Arms (each its own router process, ``bench/router_fleet.py``, as a pod runs it; only the
+replica-choice plugins change):
 - ``bounded-load``: the router before issue 14 - prefix (3) + load (1) scorers behind the
   bounded-load cap (c = 1.25);
 - ``headroom``: the cap replaced by a filter that bites on what hurts a request (waiting
@@ -42,12 +43,15 @@ import argparse
 import asyncio
 import random
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
 from router_affinity import (
     BLOCK_CHARS,
     KV_BLOCKS,
@@ -58,13 +62,11 @@ from router_affinity import (
     config,
     engine_counters,
     engines,
-    start_router,
     stream_ttft,
     system_prompt,
 )
 from router_support import machine, percentile, save
 
-from fleetpilot.routing.app import ROUTER_APP
 from fleetpilot.routing.policies.load import LoadScorer
 from fleetpilot.routing.policies.picker import (
     BoundedLoadFilter,
@@ -197,9 +199,29 @@ class Driven:
     errors: dict[int, str]  # the first error body per status, to say what failed
 
 
-async def drive(trace: Sequence[Conversation], urls: Sequence[str], addresses: list[str]) -> Driven:
-    """Play the trace open loop; request i goes to ``urls[i % len(urls)]`` (a client
-    alternating between router replicas)."""
+SPREADS = ("alternate", "random")
+
+
+def spreader(urls: Sequence[str], spread: str, seed: int) -> Callable[[int], str]:
+    """Which router request ``i`` goes to, as a Service spreads a client's requests over
+    router replicas: alternating, or at random (seeded)."""
+    if spread == "alternate":
+        return lambda i: urls[i % len(urls)]
+    if spread == "random":
+        rng = random.Random(f"spread-{seed}")
+        return lambda _: rng.choice(urls)
+    raise ValueError(f"unknown spread {spread!r}; one of {SPREADS}")
+
+
+async def drive(
+    trace: Sequence[Conversation],
+    urls: Sequence[str],
+    addresses: list[str],
+    spread: str = "alternate",
+    seed: int = 0,
+) -> Driven:
+    """Play the trace open loop, spreading requests over ``urls`` (``spreader``)."""
+    route = spreader(urls, spread, seed)
     ttfts: list[float] = []
     statuses: dict[int, int] = {}
     errors: dict[int, str] = {}
@@ -215,7 +237,7 @@ async def drive(trace: Sequence[Conversation], urls: Sequence[str], addresses: l
             messages = [{"role": "system", "content": c.system}]
             for question, think in zip(c.questions, c.think_s, strict=True):
                 messages.append({"role": "user", "content": question})
-                url = urls[sent % len(urls)]
+                url = route(sent)
                 sent += 1
                 status, ttft, answer = await stream_ttft(session, url, messages)
                 statuses[status] = statuses.get(status, 0) + 1
@@ -251,32 +273,19 @@ def summary(arm: str, driven: Driven, per_replica: list[int]) -> dict[str, Any]:
     }
 
 
-def served_per_replica(apps: Sequence[Any], replica_ids: Sequence[str]) -> list[int]:
-    """Requests each replica answered with 200, over every router replica, sorted."""
-    return sorted(
-        sum(
-            int(
-                app[ROUTER_APP].metrics.registry.get_sample_value(
-                    "fleetpilot_router_requests_total",
-                    {"tier": "only", "replica": rid, "status": "200"},
-                )
-                or 0
-            )
-            for app in apps
-        )
-        for rid in replica_ids
-    )
-
-
 async def run_arm(arm: str, trace: Sequence[Conversation], addresses: list[str]) -> dict[str, Any]:
-    cfg = config(addresses)
-    runner, app, url = await start_router(cfg)
-    router = app[ROUTER_APP].router
-    use_arm(arm, router, cfg)
-    driven = await drive(trace, [url], addresses)
-    per_replica = served_per_replica([app], [r.id for r in router.replicas()])
-    await runner.cleanup()
-    return summary(arm, driven, per_replica)
+    """One arm through a router process of its own (``router_fleet``), as a pod runs it."""
+    from router_fleet import engine_successes, fleetpilot_routers  # it imports this module
+
+    with tempfile.TemporaryDirectory() as tmp:
+        endpoints = Path(tmp) / "endpoints.yaml"
+        listed = [{"tier": "only", "address": a} for a in addresses]
+        endpoints.write_text(yaml.safe_dump({"endpoints": listed}))
+        with fleetpilot_routers(
+            arm, 1, config([]), endpoints, Path(tmp), replicas=REPLICAS, events=False
+        ) as routers:
+            driven = await drive(trace, [r.url for r in routers], addresses)
+    return summary(arm, driven, sorted(engine_successes(a) for a in addresses))
 
 
 def print_rows(rows: Sequence[dict[str, Any]], extra: str, key: str, arm_width: int) -> None:

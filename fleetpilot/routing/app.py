@@ -157,10 +157,16 @@ class RouterApp:
         for tier in [t for t, ref in self.tokenizer_refs.items() if wanted.get(t) != ref]:
             del self.tokenizer_refs[tier]
             self.router.tokenizers.pop(tier, None)
+            if tier in wanted:  # its ref changed: the new one loads below
+                self.metrics.tokenizer_loaded.labels(tier).set(0)
+            else:
+                self.metrics.tokenizer_loaded.remove(tier)
         if self._tokenizer_task is not None:
             self._tokenizer_task.cancel()
             self._tokenizer_task = None
         missing = {t: ref for t, ref in wanted.items() if t not in self.tokenizer_refs}
+        for tier in missing:
+            self.metrics.tokenizer_loaded.labels(tier).set(0)
         if missing and self.session is not None:  # started: a running loop
             self._tokenizer_task = asyncio.create_task(
                 self._load_tokenizers(missing), name="tokenizers"
@@ -181,6 +187,7 @@ class RouterApp:
                     continue
                 self.router.tokenizers[tier] = tokenizer
                 self.tokenizer_refs[tier] = ref
+                self.metrics.tokenizer_loaded.labels(tier).set(1)
                 del missing[tier]
                 log.info("tokenizer loaded", extra={"tier": tier, "tokenizer": ref})
             if missing:

@@ -237,6 +237,13 @@ class RouterMetrics:
             ["tier", "source"],
             registry=r,
         )
+        self.tokenizer_loaded = Gauge(
+            p + "tokenizer_loaded",
+            "1 once a tier's tokenizer is loaded (its prompts are matched against the KV-event "
+            "index), 0 while it is loading or failed to load (the guessed index decides).",
+            ["tier"],
+            registry=r,
+        )
         self.tokenizer_errors = Counter(
             p + "tokenizer_errors",
             "Requests the router could not tokenize for the KV index (template error, bad or "

@@ -174,6 +174,12 @@ async def test_an_evicted_prefix_leaves_the_index_while_the_guess_still_claims_i
             await wait_for(lambda: state.kv_events is not None and state.kv_events.has_events(
                 engine.address), timeout_s=20)  # fmt: skip
             await wait_for(lambda: "small" in state.router.tokenizers, timeout_s=20)
+            # What a client that cannot see the router's state (a benchmark, an operator)
+            # waits on before trusting its prefix routing.
+            loaded = state.metrics.registry.get_sample_value(
+                "fleetpilot_router_tokenizer_loaded", {"tier": "small"}
+            )
+            assert loaded == 1.0
             tokenizer = state.router.tokenizers["small"]
             messages = conversation(0, 1)
             keys = tokenizer.keys("chat", {"messages": messages}, BLOCK_SIZE)
