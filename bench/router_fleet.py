@@ -41,7 +41,7 @@ from fleetpilot.api.router_config import RouterConfig
 
 # Arms that are the router's own defaults (its config says which prefix source): run as a pod
 # runs them. Every other arm goes through ``serve``.
-DEFAULT_ARMS = ("events", "guessed")
+DEFAULT_ARMS = ("events", "guessed", "events+peers", "guessed+peers")
 
 TENANTS = 12
 USERS_PER_TENANT = 30
@@ -182,18 +182,23 @@ def fleetpilot_routers(
     *,
     replicas: int,
     events: bool,
+    peers: bool = False,
 ) -> Iterator[list[RouterProcess]]:
     """``count`` router processes of ``arm`` over the engines ``endpoints`` lists, each ready
     (see ``_ready``) before this yields; each logs to its own file in ``workdir``, quoted when
-    one dies or never gets ready."""
-    config_path = workdir / "router.yaml"
-    config_path.write_text(yaml.safe_dump(cfg.to_wire()))
+    one dies or never gets ready. With ``peers``, they share their in-flight counts
+    (``routing.peers``: every router listed, each skipping itself)."""
     ports = free_ports(count)
+    wire = cfg.to_wire()
+    if peers:
+        wire["peers"] = {"addresses": [f"127.0.0.1:{port}" for port in ports]}
+    config_path = workdir / "router.yaml"
+    config_path.write_text(yaml.safe_dump(wire))
     procs: list[tuple[subprocess.Popen[bytes], Path]] = []
     try:
         for i, port in enumerate(ports):
             head = (
-                ["-m", "fleetpilot", "router"]
+                ["-m", "fleetpilot", "router"]  # the arm is in its config
                 if arm in DEFAULT_ARMS
                 else [str(Path(__file__)), "serve", "--arm", arm]
             )

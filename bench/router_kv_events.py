@@ -13,6 +13,8 @@ them; with two, the client spreads requests over them as a Service does: ``--spr
 alternate`` or ``random``):
 - ``events xN``: the router's defaults, with the reference engine's tokenizer: the prefill-cost
   scorer reads the KV index built from the engines' events (``prefix-source=events``);
+- ``events+peers xN``, ``guessed+peers xN``: the same, the routers sharing their in-flight
+  and pending-prefill counts per engine (``routing.peers``, every 100 ms);
 - ``events-once xN``: the same, but an uncached block priced once (its own prefill), as
   before the scorer counted the requests behind it too;
 - ``guessed xN``: the same router without a tokenizer, so it falls back to its guessed index
@@ -160,17 +162,17 @@ async def run_arm(
 ) -> dict[str, Any]:
     """A fleetpilot arm: each router replica its own process (``router_fleet``)."""
     policy, _, replicas = arm.partition(" x")
-    events = policy in ("events", "events-once")
+    events = policy.partition("+")[0] in ("events", "events-once")
     cfg = kv_config(tokenizer=events, kv_blocks=scenario.kv_blocks)
-    served_as = {"events": "events", "guessed": "guessed", "events-once": "prefill-cost-once"}
     with fleetpilot_routers(
-        served_as.get(policy, policy),
+        "prefill-cost-once" if policy == "events-once" else policy,
         int(replicas or 1),
         cfg,
         endpoints,
         workdir,
         replicas=REPLICAS,
         events=events,
+        peers=policy.endswith("+peers"),
     ) as routers:
         cpu_before = [cpu_seconds(r.pid) for r in routers]
         driven = await drive(
@@ -179,6 +181,11 @@ async def run_arm(
         cpu = sum(cpu_seconds(r.pid) for r in routers) - sum(cpu_before)
         row = summary(arm, driven, sorted(engine_successes(a) for a in addresses))
         row["decided_by_events"] = decided_by_events(routers)
+        row["peers_live"] = [
+            sum(v for labels, v in metric_values(r.metrics_url, "fleetpilot_router_peers").items()
+                if ("state", "live") in labels)
+            for r in routers
+        ]  # fmt: skip
         row["router_cpu_ms_per_request"] = cpu * 1e3 / max(1, row["requests"])
     return row
 
@@ -200,7 +207,8 @@ CLUSTER_MAX_MODEL_LEN = 4096
 def scenarios(quick: bool, seed: int) -> list[Scenario]:
     n = 24 if quick else 48
     requests = 150 if quick else 300
-    base = ("events x1", "events x2", "events-once x1", "guessed x1", "guessed x2",
+    base = ("events x1", "events x2", "events+peers x2", "events-once x1",
+            "guessed x1", "guessed x2",
             "longest-prefix x1", "longest-prefix x2", "round-robin",
             "vllm-router-cache x1", "vllm-router-cache x2",
             "vllm-router-kv x1", "vllm-router-kv x2",

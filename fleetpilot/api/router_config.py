@@ -245,6 +245,39 @@ class FlowConfig(ApiModel):
     )
 
 
+class Peers(ApiModel):
+    """The other replicas of this router, which share their in-flight counts per engine
+    (``routing.peers``): each router's view of a replica adds what its peers have there."""
+
+    service: str | None = Field(
+        None,
+        description="DNS name of the routers' headless Service; its addresses are the peers "
+        "(this router among them, which it recognises and skips).",
+    )
+    port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Port the peers serve their counts on (their metricsPort, else their "
+        "public port); unset: this router's own.",
+    )
+    addresses: list[str] = Field(
+        default_factory=list, description="Static 'host:port' peers (the local runtime)."
+    )
+    interval: Duration = Field(
+        timedelta(milliseconds=100),
+        description="How often each peer is asked; a peer silent for 3 intervals is dropped.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.service is None and not self.addresses:
+            raise ValueError("peers needs a service or addresses")
+        if self.interval <= timedelta(0):
+            raise ValueError("peers.interval must be positive, e.g. 100ms")
+        return self
+
+
 class RouterConfig(ApiModel):
     """``fleetpilot.dev/v1alpha1 RouterConfig``."""
 
@@ -347,6 +380,9 @@ class RouterConfig(ApiModel):
     )
     scrape: Scrape = Field(default_factory=Scrape)
     backpressure: Backpressure = Field(default_factory=Backpressure)
+    peers: Peers | None = Field(
+        None, description="Router replicas to share in-flight counts with; unset: alone."
+    )
 
     @model_validator(mode="after")
     def _check_metrics_port(self) -> Self:
@@ -354,5 +390,10 @@ class RouterConfig(ApiModel):
             raise ValueError(
                 f"metricsPort {self.metrics_port} is the public port: give /metrics a port "
                 "of its own, or leave metricsPort unset"
+            )
+        if self.peers is not None and self.auth is not None and self.metrics_port is None:
+            raise ValueError(
+                "peers: with API keys on, routers serve their counts only on metricsPort; "
+                "set metricsPort"
             )
         return self

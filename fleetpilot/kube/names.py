@@ -91,6 +91,11 @@ def router_name(service: str) -> str:
     return bounded_name(service, "router")
 
 
+def router_peers_name(service: str) -> str:
+    """The headless Service through which router replicas find each other (``routing.peers``)."""
+    return bounded_name(service, "router-peers")
+
+
 def service_labels(service: str) -> dict[str, str]:
     """Labels every object of the service carries (selecting them finds all it owns)."""
     return {LABEL_SERVICE: service, LABEL_MANAGED_BY: MANAGER, LABEL_INSTANCE: service}

@@ -17,7 +17,8 @@ blocks and token ids to any peer that asks. So, per service:
   in the operator's namespace), which call the engines' load/unload endpoints;
 * router pods accept their API port from anywhere: they are the fleet's endpoint; and their
   metrics port (``/metrics``, which names replicas, tenants and per-tenant counts) only from
-  the namespaces in ``spec.networkPolicy.metricsNamespaces``, as the engines' scrape.
+  the namespaces in ``spec.networkPolicy.metricsNamespaces``, as the engines' scrape, and from
+  the service's router pods, which read each other's in-flight counts there.
 
 What this does not cover, by design of NetworkPolicy: kubelet probes come from the node and
 most CNIs always allow them; a pod in the namespace that copies the engine or router labels is
@@ -116,8 +117,11 @@ def engine_policy(service: InferenceService, operator_namespace: str | None = No
 
 def router_policy(service: InferenceService) -> K8sObject:
     """Ingress of the router pods: their API port from anywhere (clients, probes), their
-    metrics port from the metrics namespaces."""
+    metrics port from each other and the metrics namespaces."""
     ingress: list[K8sObject] = [{"ports": _tcp(ROUTER_PORT)}]
+    # The router replicas read each other's in-flight counts there (``routing.peers``).
+    peers = {"podSelector": {"matchLabels": names.router_selector(service.name)}}
+    ingress.append({"from": [peers], "ports": _tcp(ROUTER_METRICS_PORT)})
     scrapers = _scrapers(service)
     if scrapers is not None:
         ingress.append({"from": [scrapers], "ports": _tcp(ROUTER_METRICS_PORT)})

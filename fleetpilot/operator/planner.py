@@ -133,7 +133,10 @@ def check(
     """Refuse what the CRD schema allows but the planner cannot realize (``capacities``: the
     roles sized, else sized here)."""
     options = options or PlanOptions()
-    seen: dict[str, str] = {names.router_name(service.name): "the router"}
+    seen: dict[str, str] = {
+        names.router_name(service.name): "the router",
+        names.router_peers_name(service.name): "the router's peer Service",
+    }
     for role in all_roles(service):
         # Tier "a" in P/D mode and a unified tier "a-decode" would both name "svc-a-decode".
         owner = f"tier {role.tier.name!r} role {role.name}"

@@ -13,6 +13,7 @@ from fleetpilot.api.router_config import (
     ROUTER_CONFIG_FILE,
     EndpointGroup,
     FlowConfig,
+    Peers,
     RouterConfig,
     RouterTier,
 )
@@ -237,6 +238,13 @@ def router_config(service: InferenceService, capacities: Capacities | None = Non
         ),
         cold_start_wait=hold_max if may_be_zero else timedelta(0),
         cold_start_margin=COLD_START_MARGIN + spec.monitoring.scrape_interval,
+        # Every replica shares its in-flight counts with the others (one alone finds only
+        # itself behind the Service, and skips it), so a scaled or surging Deployment needs
+        # no new config.
+        peers=Peers(
+            service=f"{names.router_peers_name(service.name)}.{service.namespace}.svc",
+            port=ROUTER_METRICS_PORT,
+        ),
         **({"prefix_index_blocks": index} if index is not None else {}),
     )
 
@@ -265,8 +273,9 @@ def prefix_index_blocks(
 def router_objects(
     service: InferenceService, options: PlanOptions, capacities: Capacities | None = None
 ) -> list[K8sObject]:
-    """ServiceAccount, Role, RoleBinding, ConfigMap, Deployment, Service and PDB. The Service
-    exposes only the API port: /metrics is on the pods' ``metrics`` port, for the PodMonitor."""
+    """ServiceAccount, Role, RoleBinding, ConfigMap, Service, peer Service, Deployment and
+    PDB. The Service exposes only the API port: /metrics is on the pods' ``metrics`` port, for
+    the PodMonitor and, through the headless peer Service, the other router replicas."""
     name = names.router_name(service.name)
     labels = router_labels(service)
     selector = names.router_selector(service.name)
@@ -317,6 +326,25 @@ def router_objects(
                 "selector": selector,
                 "ports": [
                     {"name": "http", "port": ROUTER_PORT, "targetPort": "http", "protocol": "TCP"}
+                ],
+            },
+        },
+        {
+            # Headless: its DNS name resolves to every router pod's address, for the
+            # replicas to share their counts on the metrics port (``routing.peers``).
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": object_meta(service, names.router_peers_name(service.name), labels),
+            "spec": {
+                "clusterIP": "None",
+                "selector": selector,
+                "ports": [
+                    {
+                        "name": "metrics",
+                        "port": ROUTER_METRICS_PORT,
+                        "targetPort": "metrics",
+                        "protocol": "TCP",
+                    }
                 ],
             },
         },

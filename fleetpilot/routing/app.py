@@ -41,6 +41,7 @@ from fleetpilot.routing.errors import (
 from fleetpilot.routing.health import Prober
 from fleetpilot.routing.kv_events_client import KVEventsClient
 from fleetpilot.routing.metrics import CONTENT_TYPE, RouterMetrics
+from fleetpilot.routing.peers import PEER_COUNTS_PATH, PeerExchange, encode_counts, new_router_id
 from fleetpilot.routing.policies.kv_index import KVIndex
 from fleetpilot.routing.proxy import Proxy, error_response
 from fleetpilot.routing.replica import ReplicaState
@@ -116,6 +117,9 @@ class RouterApp:
         # The metrics listener (config.metricsPort), when one runs: bound once, at start.
         self.metrics_runner: web.AppRunner | None = None
         self.metrics_port: int | None = None
+        # Its id among the router replicas that share their counts (``routing.peers``).
+        self.router_id = new_router_id()
+        self.peers: PeerExchange | None = None
 
     def _ejected(self, replica: ReplicaState) -> None:
         # Every ejection, whether a request or a /metrics scrape found the failure.
@@ -245,6 +249,8 @@ class RouterApp:
             timeout_s=config.connect_timeout.total_seconds(),
         )
         await self.prober.start()
+        self.peers = PeerExchange(self.router, self.metrics, self.router_id)
+        await self.peers.start()
         if self.config_path is not None:
             self.watcher = ConfigWatcher(
                 self.config_path,
@@ -275,6 +281,7 @@ class RouterApp:
         app = web.Application(middlewares=[openai_errors])
         app.router.add_get("/metrics", self.metrics_exposition)
         app.router.add_get("/health", self.health)
+        app.router.add_get(PEER_COUNTS_PATH, self.peer_counts)
         runner = make_runner(app, access_log=None)
         try:
             # A bind failure leaves as ListenError naming this (the metrics) address.
@@ -295,6 +302,8 @@ class RouterApp:
             await self.watcher.stop()
         if self.prober is not None:
             await self.prober.stop()
+        if self.peers is not None:
+            await self.peers.stop()
         if self.scraper is not None:
             await self.scraper.stop()
         await cancel(self._tokenizer_task)
@@ -382,21 +391,38 @@ class RouterApp:
             {"status": "ok", "endpoints": len(replicas), "ejected": len(ejected)}
         )
 
+    async def peer_counts(self, request: web.Request) -> web.Response:
+        """This router's requests at each replica, for its peers (``routing.peers``)."""
+        counts = ((r.id, r.in_flight, r.pending_prefill) for r in self.router.replicas())
+        return web.json_response(encode_counts(self.router_id, counts))
+
+    async def peer_counts_view(self, request: web.Request) -> web.Response:
+        """``GET /fleetpilot/peer-counts`` on the public port: served where ``/metrics`` is
+        (it names replicas), else a 404."""
+        refused = self._not_on_public_port(request.path)
+        return refused if refused is not None else await self.peer_counts(request)
+
+    def _not_on_public_port(self, path: str) -> web.Response | None:
+        """A 404 for ``path`` on the public port unless that port serves the metrics
+        (:func:`metrics_on_public_port`)."""
+        listener = self.metrics_runner is not None
+        if metrics_on_public_port(
+            auth_on=self.router.config.auth is not None, metrics_listener=listener
+        ):
+            return None
+        where = "its metrics port" if listener else "no port while API keys are on"
+        return error_response(
+            UnknownModelError(
+                f"no route for GET {path} on this port: the router serves it on {where}",
+                reason="not_found",
+            )
+        )
+
     async def metrics_view(self, request: web.Request) -> web.Response:
         """``GET /metrics`` on the public port: the exposition where that port serves it
         (:func:`metrics_on_public_port`), else a 404 as for any unknown route."""
-        listener = self.metrics_runner is not None
-        if not metrics_on_public_port(
-            auth_on=self.router.config.auth is not None, metrics_listener=listener
-        ):
-            where = "its metrics port" if listener else "no port while API keys are on"
-            return error_response(
-                UnknownModelError(
-                    f"no route for GET /metrics on this port: the router serves it on {where}",
-                    reason="not_found",
-                )
-            )
-        return await self.metrics_exposition(request)
+        refused = self._not_on_public_port(request.path)
+        return refused if refused is not None else await self.metrics_exposition(request)
 
     async def metrics_exposition(self, request: web.Request) -> web.Response:
         self._update_endpoint_gauges()
@@ -415,6 +441,11 @@ class RouterApp:
         self.metrics.endpoints.clear()
         for (tier_name, role, state), n in counts.items():
             self.metrics.endpoints.labels(tier_name, role, state).set(n)
+        requests = self.metrics.replica_requests
+        requests.clear()
+        for r in self.router.replicas():
+            requests.labels(r.id, "self").set(r.in_flight)
+            requests.labels(r.id, "peers").set(r.peer_in_flight)
 
 
 ROUTER_APP: web.AppKey[RouterApp] = web.AppKey("router_app", RouterApp)
@@ -478,6 +509,7 @@ def build_app(
     app.router.add_get("/v1/models", state.models)
     app.router.add_get("/health", state.health)
     app.router.add_get("/metrics", state.metrics_view)
+    app.router.add_get(PEER_COUNTS_PATH, state.peer_counts_view)
 
     async def on_startup(_: web.Application) -> None:
         await state.start_metrics_listener(metrics_host)

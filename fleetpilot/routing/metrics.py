@@ -237,6 +237,26 @@ class RouterMetrics:
             ["tier", "source"],
             registry=r,
         )
+        self.replica_requests = Gauge(
+            p + "replica_requests",
+            "Requests in flight at each replica as this router counts them: its own (self) "
+            "and its peer routers' as of their last exchange (peers).",
+            ["replica", "counted_by"],
+            registry=r,
+        )
+        self.peers = Gauge(
+            p + "peers",
+            "Other router replicas whose in-flight counts this one adds (live), and those "
+            "silent for 3 exchange intervals, whose counts no longer count (lost).",
+            ["state"],
+            registry=r,
+        )
+        self.peer_errors = Counter(
+            p + "peer_errors",
+            "Failed reads of a peer router's counts, by error.",
+            ["error"],
+            registry=r,
+        )
         self.tokenizer_loaded = Gauge(
             p + "tokenizer_loaded",
             "1 once a tier's tokenizer is loaded (its prompts are matched against the KV-event "

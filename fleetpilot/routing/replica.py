@@ -36,6 +36,10 @@ class ReplicaState:
     max_num_seqs: int
     in_flight: int = 0
     pending_prefill: float = 0.0  # see ReplicaView.pending_prefill
+    # The same counts of the other router replicas, as of their last exchange
+    # (``routing.peers``: its one writer); 0 without peers.
+    peer_in_flight: int = 0
+    peer_pending: float = 0.0
     metrics: EngineMetrics | None = None
     scraped_at: float | None = None
     _urls: dict[str, URL] = field(default_factory=dict)
@@ -102,9 +106,11 @@ class ReplicaState:
         adapters = self._adapters
         missing = self._missing_now(now) if self.missing_adapters else self._missing
         suspect = self.suspect(now)
+        in_flight = self.in_flight + self.peer_in_flight
+        pending = self.pending_prefill + self.peer_pending
         made_of = (
-            self.in_flight,
-            self.pending_prefill,
+            in_flight,
+            pending,
             self.max_num_seqs,
             ejected,
             hangs,
@@ -119,13 +125,13 @@ class ReplicaState:
             view = self._view = make_view(
                 self.id,
                 self.max_num_seqs,
-                self.in_flight,
+                in_flight,
                 metrics,
                 self.scraped_at,
                 now,
                 stale_after_s,
                 ejected,
-                self.pending_prefill,
+                pending,
                 adapters,
                 self._adapter_lru_at,
                 missing,

@@ -107,4 +107,5 @@ class ReplicaSet:
         holders of a prompt in a large group are ranked before their views are made."""
         state = self._replicas[replica_id]
         m = state.metrics
-        return max(float(state.in_flight), m.running + m.waiting if m is not None else 0.0)
+        in_flight = float(state.in_flight + state.peer_in_flight)
+        return max(in_flight, m.running + m.waiting if m is not None else 0.0)

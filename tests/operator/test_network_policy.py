@@ -13,6 +13,7 @@ import pytest
 
 from fleetpilot.api import InvalidManifestError, parse_service
 from fleetpilot.engine.vllm_args import ENGINE_PORT
+from fleetpilot.kube import names
 from fleetpilot.operator.network_policy import OPERATOR_POD_LABELS
 from fleetpilot.operator.plan_types import K8sObject, PlanOptions
 from fleetpilot.operator.planner import plan
@@ -115,19 +116,22 @@ def test_engine_ports_open_only_to_the_router_peers_and_the_scrape() -> None:
 
 def test_router_api_port_is_open_to_all_and_its_metrics_port_to_the_scrapers() -> None:
     """The router is the public endpoint: its policy opens its API port to every source; its
-    metrics port (tenant names, replica addresses) only to the metrics namespaces, and to
-    nobody when none are listed."""
+    metrics port (tenant names, replica addresses) only to the service's router pods (which
+    share their in-flight counts there) and the metrics namespaces - to the routers alone when
+    none are listed."""
     rules = policies(pd_plan())["chat-router"]["spec"]["ingress"]
     engine_scrape = policies(pd_plan())["chat-engines"]["spec"]["ingress"][2]
+    routers = {"podSelector": {"matchLabels": names.router_selector("chat")}}
     assert rules == [
         {"ports": [{"protocol": "TCP", "port": ROUTER_PORT}]},
+        {"from": [routers], "ports": [{"protocol": "TCP", "port": ROUTER_METRICS_PORT}]},
         {
             "from": engine_scrape["from"],
             "ports": [{"protocol": "TCP", "port": ROUTER_METRICS_PORT}],
         },
     ]
     none = pd_plan(networkPolicy={"metricsNamespaces": []})
-    assert policies(none)["chat-router"]["spec"]["ingress"] == rules[:1]
+    assert policies(none)["chat-router"]["spec"]["ingress"] == rules[:2]
 
 
 def test_metrics_namespaces_are_configurable_and_may_be_none() -> None:

@@ -319,13 +319,15 @@ def router_process(
     command: Sequence[str] = ROUTER_COMMAND,
     wait_s: float = 60.0,
     extra: Sequence[str] = (),
+    port: int | None = None,
 ) -> Iterator[tuple[subprocess.Popen[str], int]]:
-    """The router as its own process on a free loopback port, once its /health answers 200;
-    killed at the end if still running. Its stderr (the JSON log) is a pipe: read it with
-    :func:`stop_and_read_log`."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = int(probe.getsockname()[1])
+    """The router as its own process on ``port`` (else a free loopback port), once its
+    /health answers 200; killed at the end if still running. Its stderr (the JSON log) is a
+    pipe: read it with :func:`stop_and_read_log`."""
+    if port is None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = int(probe.getsockname()[1])
     proc = subprocess.Popen(
         [sys.executable, *command, "--config", str(config_path),
          "--host", "127.0.0.1", "--port", str(port), "--discovery", "static", *extra],

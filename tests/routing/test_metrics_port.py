@@ -17,6 +17,7 @@ import yaml
 
 from fleetpilot.api.router_config import AuthConfig, RouterConfig, TenantKeys
 from fleetpilot.routing.app import metrics_on_public_port
+from fleetpilot.routing.peers import PEER_COUNTS_PATH
 from tests.routing.support import (
     assert_openai_error,
     make_config,
@@ -79,7 +80,12 @@ def test_a_router_with_keys_serves_metrics_only_on_its_metrics_port(tmp_path: Pa
         _assert_refused(httpx.get(f"{public}/metrics", timeout=WAIT_S))
         keyed = {"Authorization": f"Bearer {KEY}"}
         _assert_refused(httpx.get(f"{public}/metrics", headers=keyed, timeout=WAIT_S))
+        # The counts it shares with its peers name replicas too (issue 44).
+        _assert_refused(httpx.get(f"{public}{PEER_COUNTS_PATH}", headers=keyed, timeout=WAIT_S))
         assert httpx.get(f"{public}/health", timeout=WAIT_S).status_code == 200
+        counts = httpx.get(f"http://127.0.0.1:{metrics_port}{PEER_COUNTS_PATH}", timeout=WAIT_S)
+        assert counts.status_code == 200
+        assert counts.json()["replicas"] == {}
 
         scrape = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=WAIT_S)
         assert scrape.status_code == 200

@@ -15,6 +15,8 @@ class ReplicaView:
 
     id: str
     max_num_seqs: int
+    # Requests the router replicas have in flight there: this one's exact, its peers' as of
+    # their last exchange (``routing.peers``).
     in_flight: int = 0
     waiting: float = 0.0
     running: float = 0.0
@@ -26,8 +28,9 @@ class ReplicaView:
     # Passed over for new requests before any ejection: a request has waited a while for its
     # first byte there and its last scrape or probe went unanswered (``policies.suspicion``).
     suspect: bool = False
-    # Prompt blocks this router has sent to the replica that it has not yet seen a first token
-    # for: the prefill work queued ahead of a new request there (our requests only).
+    # Prompt blocks the router replicas have sent to the replica that have no first token
+    # yet: the prefill work queued ahead of a new request there (this router's exact, its
+    # peers' as of their last exchange).
     pending_prefill: float = 0.0
     # LoRA adapters the replica likely has loaded: its engine's running and waiting requests'
     # (scraped), and the last few this router sent there (``ReplicaState.note_adapter``).

@@ -1,0 +1,267 @@
+"""Router replicas telling each other what they have in flight at each engine (issue 44).
+
+A router counts exactly the requests it sent to each replica and has not finished
+(``in_flight``) and the prompt blocks of those still waiting for a first token
+(``pending_prefill``). With several router replicas - the chart runs two - each saw only its
+own share: two routers sending a hot tenant to the replica that caches it each saw half its
+queue, so neither spread it (bench/router_kv_events.py, the cluster trace: two router
+processes doubled TTFT p95 against one). The engines' scraped gauges see every client but
+are a scrape interval old.
+
+So each router serves its own counts (``GET /fleetpilot/peer-counts``, on the metrics
+listener: it names replicas) and reads every peer's once per ``peers.interval``; a replica's
+view adds the peers' counts to its own. Peers are the config's static addresses and, in a
+cluster, the addresses the routers' headless Service resolves to (this router among them: it
+knows itself by the id it serves). Directly, not through a shared store: two routers' counts
+move every request, the exchange is one small GET per peer per interval, and nothing else
+must run or be reachable for routing to work.
+
+A peer that does not answer is dropped once its last answer is older than ``STALE_ROUNDS``
+intervals: its counts stop counting, which is the routers' behaviour before this exchange
+(each alone), and ``fleetpilot_router_peers{state="lost"}`` says so.
+
+``PeerBook`` is the pure part; ``PeerExchange`` does the I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+import socket
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from fleetpilot.api.router_config import Peers
+from fleetpilot.routing.tasks import ReplicaRounds
+
+if TYPE_CHECKING:
+    from fleetpilot.routing.metrics import RouterMetrics
+    from fleetpilot.routing.router import Router
+
+log = logging.getLogger(__name__)
+
+PEER_COUNTS_PATH = "/fleetpilot/peer-counts"
+# A peer's counts stop counting once its last answer is this many intervals old: one lost
+# answer is noise, three in a row is a router gone (or partitioned away).
+STALE_ROUNDS = 3
+# How often the headless Service's addresses are resolved again (router pods come and go at
+# the pace of a rollout, not of requests).
+RESOLVE_S = 2.0
+# Bounds on what a peer's answer may hold, so a confused or hostile peer cannot make this
+# router allocate without limit.
+MAX_REPLICAS = 100_000
+MAX_ANSWER_BYTES = 8 << 20
+# Without peers configured the exchange only checks, this often, whether a reload added some.
+IDLE_INTERVAL_S = 1.0
+
+
+def new_router_id() -> str:
+    """This router process's id in the exchange: random, so a restarted pod is a new peer."""
+    return secrets.token_hex(8)
+
+
+@dataclass(frozen=True, slots=True)
+class Counts:
+    """One router's requests at one replica: in flight, and prompt blocks awaiting a first
+    token."""
+
+    in_flight: int = 0
+    pending_prefill: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PeerCounts:
+    """What one router said it has at each replica (replicas with nothing are left out)."""
+
+    router: str
+    replicas: Mapping[str, Counts]
+
+
+def encode_counts(router: str, replicas: Iterable[tuple[str, int, float]]) -> dict[str, Any]:
+    """The JSON a router serves: its id and, per replica it has requests at, [in flight,
+    pending prefill blocks]."""
+    return {
+        "router": router,
+        "replicas": {rid: [n, pending] for rid, n, pending in replicas if n or pending},
+    }
+
+
+def parse_counts(data: object) -> PeerCounts:
+    """A peer's answer (``encode_counts``); ValueError saying what is wrong with it."""
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    router = data.get("router")
+    replicas = data.get("replicas")
+    if not isinstance(router, str) or not router:
+        raise ValueError("'router' must be a non-empty string")
+    if not isinstance(replicas, dict):
+        raise ValueError("'replicas' must be an object")
+    if len(replicas) > MAX_REPLICAS:
+        raise ValueError(f"'replicas' lists more than {MAX_REPLICAS}")
+    parsed = {}
+    for rid, value in replicas.items():
+        if (
+            not isinstance(value, list)
+            or len(value) != 2
+            or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
+            or not all(math.isfinite(v) and v >= 0 for v in value)
+        ):
+            raise ValueError(f"replica {rid!r}: expected [in_flight, pending_prefill] >= 0")
+        parsed[rid] = Counts(int(value[0]), float(value[1]))
+    return PeerCounts(router, parsed)
+
+
+class PeerBook:
+    """Each peer's latest counts and when they came; the sums the views add. Pure: the
+    caller passes the clock."""
+
+    def __init__(self, stale_after_s: float) -> None:
+        self.stale_after_s = stale_after_s
+        self._latest: dict[str, tuple[PeerCounts, float]] = {}  # by peer router id
+        self._known: dict[str, str] = {}  # address -> the router id it last answered with
+
+    def heard(self, address: str, counts: PeerCounts, now: float) -> None:
+        previous = self._known.get(address)
+        if previous is not None and previous != counts.router:
+            self._latest.pop(previous, None)  # that pod restarted, or the address moved
+        self._known[address] = counts.router
+        self._latest[counts.router] = (counts, now)
+
+    def retain(self, addresses: Iterable[str]) -> None:
+        """Forget peers at addresses no longer listed (a scaled-down router's counts end with
+        it, without waiting to go stale)."""
+        keep = set(addresses)
+        for address in [a for a in self._known if a not in keep]:
+            self._latest.pop(self._known.pop(address), None)
+
+    def live(self, now: float) -> int:
+        return sum(1 for _, at in self._latest.values() if now - at <= self.stale_after_s)
+
+    def lost(self, now: float) -> int:
+        return len(self._latest) - self.live(now)
+
+    def totals(self, now: float) -> dict[str, Counts]:
+        """Per replica, the live peers' counts summed."""
+        sums: dict[str, Counts] = {}
+        for counts, at in self._latest.values():
+            if now - at > self.stale_after_s:
+                continue
+            for rid, c in counts.replicas.items():
+                had = sums.get(rid)
+                sums[rid] = (
+                    c
+                    if had is None
+                    else Counts(
+                        had.in_flight + c.in_flight, had.pending_prefill + c.pending_prefill
+                    )
+                )
+        return sums
+
+
+class PeerExchange(ReplicaRounds):
+    """Reads every peer's counts each round and writes their sums onto the replicas
+    (``ReplicaState.peer_in_flight``/``peer_pending``: this is their one writer). It follows
+    the config's ``peers`` as it is reloaded: unset, a round clears the peers' counts."""
+
+    name = "peers"
+
+    def __init__(self, router: Router, metrics: RouterMetrics, router_id: str) -> None:
+        super().__init__(router, metrics, interval_s=IDLE_INTERVAL_S, timeout_s=IDLE_INTERVAL_S)
+        self.router_id = router_id
+        self.book = PeerBook(STALE_ROUNDS * IDLE_INTERVAL_S)
+        self._resolved: tuple[str, ...] = ()
+        self._resolved_of: tuple[str, int] | None = None
+        self._resolved_at = -math.inf
+        self._self: set[str] = set()  # addresses that answered with this router's own id
+
+    def new_session(self) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0),
+            skip_auto_headers=("User-Agent",),
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
+
+    async def addresses(self, peers: Peers, port: int) -> tuple[str, ...]:
+        """The peers to ask: static ones and the Service's, re-resolved now and then (a name
+        that does not resolve keeps its last addresses: DNS trouble is not every peer gone)."""
+        now = time.monotonic()
+        if peers.service is None:
+            self._resolved = ()
+        elif (peers.service, port) != self._resolved_of or now >= self._resolved_at + RESOLVE_S:
+            self._resolved_at = now
+            try:
+                infos = await asyncio.get_running_loop().getaddrinfo(
+                    peers.service, port, type=socket.SOCK_STREAM
+                )
+            except OSError as exc:
+                log.warning("peer service does not resolve", extra={"err": str(exc)})
+            else:
+                self._resolved = tuple(
+                    sorted({_host_port(str(info[4][0]), port) for info in infos})
+                )
+                self._resolved_of = (peers.service, port)
+        listed = dict.fromkeys((*peers.addresses, *self._resolved))
+        return tuple(a for a in listed if a not in self._self)
+
+    async def round(self, session: aiohttp.ClientSession) -> None:
+        config = self.router.config
+        peers = config.peers
+        addresses: tuple[str, ...] = ()
+        if peers is None:
+            self.interval_s = self.timeout_s = IDLE_INTERVAL_S
+        else:
+            self.interval_s = self.timeout_s = peers.interval.total_seconds()
+            port = peers.port or config.metrics_port or config.port
+            addresses = await self.addresses(peers, port)
+        self.book.stale_after_s = STALE_ROUNDS * self.interval_s
+        self.book.retain(addresses)
+        if addresses:
+            await asyncio.gather(*(self._ask(session, a) for a in addresses))
+        now = time.monotonic()
+        totals = self.book.totals(now)
+        none = Counts()
+        for replica in self.router.replicas():
+            c = totals.get(replica.id, none)
+            replica.peer_in_flight = c.in_flight
+            replica.peer_pending = c.pending_prefill
+        self.metrics.peers.labels("live").set(self.book.live(now))
+        self.metrics.peers.labels("lost").set(self.book.lost(now))
+
+    async def _ask(self, session: aiohttp.ClientSession, address: str) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        try:
+            async with session.get(f"http://{address}{PEER_COUNTS_PATH}", timeout=timeout) as r:
+                if r.status != 200:
+                    raise ValueError(f"status {r.status}")
+                if (r.content_length or 0) > MAX_ANSWER_BYTES:
+                    raise ValueError("answer too large")
+                counts = parse_counts(await r.json(content_type=None))
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            self.metrics.peer_errors.labels(type(exc).__name__).inc()
+            return
+        if counts.router == self.router_id:
+            self._self.add(address)  # our own pod behind the Service: never ask it again
+            return
+        self.book.heard(address, counts, time.monotonic())
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+__all__ = [
+    "PEER_COUNTS_PATH",
+    "Counts",
+    "PeerBook",
+    "PeerCounts",
+    "PeerExchange",
+    "encode_counts",
+    "new_router_id",
+    "parse_counts",
+]
