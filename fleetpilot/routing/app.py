@@ -249,7 +249,7 @@ class RouterApp:
             timeout_s=config.connect_timeout.total_seconds(),
         )
         await self.prober.start()
-        self.peers = PeerExchange(self.router, self.metrics, self.router_id)
+        self.peers = PeerExchange(self.router, self.metrics, self.router_id, self.auth.limiter)
         await self.peers.start()
         if self.config_path is not None:
             self.watcher = ConfigWatcher(
@@ -394,7 +394,8 @@ class RouterApp:
     async def peer_counts(self, request: web.Request) -> web.Response:
         """This router's requests at each replica, for its peers (``routing.peers``)."""
         counts = ((r.id, r.in_flight, r.pending_prefill) for r in self.router.replicas())
-        return web.json_response(encode_counts(self.router_id, counts))
+        spent = self.auth.limiter.spent()
+        return web.json_response(encode_counts(self.router_id, counts, spent))
 
     async def peer_counts_view(self, request: web.Request) -> web.Response:
         """``GET /fleetpilot/peer-counts`` on the public port: served where ``/metrics`` is

@@ -10,11 +10,15 @@ or neither is taken (429). When the answer says what it used (``usage``), the di
 given back (or taken, when the estimate fell short: the bucket may go below zero, and the
 tenant waits for it).
 
-Several router replicas: each enforces ``ceil(limit / replicas)`` of every limit on its own
-(``AuthConfig.router_replicas``). With the tenant's connections spread over the replicas, as
-the router Service spreads them, the total admitted is the limit; a tenant that holds one
-keep-alive connection gets one replica's share. No coordination between replicas: nothing on
-the request path waits for another process.
+Several router replicas (``AuthConfig.router_replicas``) share their spending through the peer
+exchange (``routing.peers``, issue 44): each replica's buckets hold the whole limit and are
+debited by what every peer admitted as well as by its own, as the peers last reported it (each
+reports a running total of what it took per tenant; the difference since its last report is
+taken here). So the total admitted is the limit however the tenant's connections fall on the
+replicas - one keep-alive connection included - give or take what two replicas admit within one
+exchange interval of each other. Nothing on the request path waits for another process. Without
+live peers each replica enforces its share, ``ceil(limit / replicas)``, as before the exchange;
+with some of them live, the share of the replicas it hears from (``Limiter.set_peers``).
 """
 
 from __future__ import annotations
@@ -71,10 +75,6 @@ def client_may_start(unfinished: int, cap: int | None) -> bool:
     return cap is None or unfinished < cap
 
 
-def _share(limit: int, replicas: int) -> int:
-    return max(1, math.ceil(limit / max(1, replicas)))
-
-
 def _duration(seconds: float) -> str:
     """A reset time as OpenAI writes it: ``20ms``, ``1.5s``, ``6m0s``."""
     if seconds < 1.0:
@@ -87,10 +87,13 @@ def _duration(seconds: float) -> str:
 
 @dataclass
 class TenantLimits:
-    """One tenant's buckets in this router replica (None: that limit is not set)."""
+    """One tenant's buckets in this router replica (None: that limit is not set), and what it
+    took from them in all (its peers read these totals)."""
 
     requests: Bucket | None = None
     tokens: Bucket | None = None
+    spent_requests: float = 0.0
+    spent_tokens: float = 0.0
 
     def headers(self) -> dict[str, str]:
         """OpenAI's rate-limit headers for the limits the tenant has, as of the last refill."""
@@ -119,6 +122,7 @@ class TenantLimits:
             if self.requests.level < 1:
                 raise self._refusal("requests", self.requests.wait(1))
             self.requests.level -= 1
+            self.spent_requests += 1
         return self.headers()
 
     def admit_tokens(self, tokens: int, now: float) -> dict[str, str]:
@@ -141,6 +145,7 @@ class TenantLimits:
             self._give_back_request()
             raise self._refusal("tokens", self.tokens.wait(tokens))
         self.tokens.level -= tokens
+        self.spent_tokens += tokens
         return self.headers()
 
     def _refill(self, now: float) -> None:
@@ -151,6 +156,7 @@ class TenantLimits:
     def _give_back_request(self) -> None:
         if self.requests is not None:
             self.requests.level = min(self.requests.capacity, self.requests.level + 1)
+            self.spent_requests -= 1
 
     def _refusal(self, which: str, wait: float) -> RateLimitedError:
         return RateLimitedError(
@@ -167,20 +173,44 @@ class TenantLimits:
             return
         self.tokens.refill(now)
         self.tokens.level = min(self.tokens.capacity, self.tokens.level + reserved - used)
+        self.spent_tokens += used - reserved
+
+    def debit(self, requests: float, tokens: float, now: float) -> None:
+        """What a peer router took for this tenant since its last report (negative: it gave
+        some back). A bucket may go below zero, as after an answer that used more than its
+        reserve, but not below minus its capacity: a minute's debt at most."""
+        for bucket, amount in ((self.requests, requests), (self.tokens, tokens)):
+            if bucket is not None and amount:
+                bucket.refill(now)
+                bucket.level = max(-bucket.capacity, min(bucket.capacity, bucket.level - amount))
+
+    def resize(self, requests: int | None, tokens: int | None) -> None:
+        """New capacities (the share of the limit this router enforces changed): each level
+        keeps its fraction of the capacity."""
+        for bucket, capacity in ((self.requests, requests), (self.tokens, tokens)):
+            if bucket is not None and capacity is not None and capacity != bucket.capacity:
+                bucket.level *= capacity / bucket.capacity
+                bucket.capacity = capacity
 
 
 @dataclass
 class Limiter:
     """Every tenant's buckets of this router replica, kept across config reloads for the
-    tenants whose limits did not change."""
+    tenants whose limits did not change; and what each peer router last reported taking."""
 
     tenants: dict[str, TenantLimits] = field(default_factory=dict)
     _limits: dict[str, tuple[int | None, int | None, int]] = field(default_factory=dict)
+    # The router replicas the limits are shared by, and the live peers among them.
+    _replicas: int = 1
+    _live_peers: int = 0
+    # Per peer router id, per tenant, the running totals it last reported (requests, tokens).
+    _peer_totals: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
 
     def configure(
         self, limits: dict[str, tuple[int | None, int | None]], replicas: int, now: float
     ) -> None:
         """``limits``: per tenant, (requests, tokens) per minute for the whole service."""
+        self._replicas = max(1, replicas)
         kept: dict[str, TenantLimits] = {}
         for name, (rpm, tpm) in limits.items():
             key = (rpm, tpm, replicas)
@@ -188,11 +218,58 @@ class Limiter:
                 kept[name] = self.tenants[name]
                 continue
             kept[name] = TenantLimits(
-                Bucket.full(_share(rpm, replicas), now) if rpm else None,
-                Bucket.full(_share(tpm, replicas), now) if tpm else None,
+                Bucket.full(self._capacity(rpm), now) if rpm else None,
+                Bucket.full(self._capacity(tpm), now) if tpm else None,
             )
         self.tenants = kept
         self._limits = {name: (rpm, tpm, replicas) for name, (rpm, tpm) in limits.items()}
+
+    def _capacity(self, limit: int) -> int:
+        """The part of a service-wide limit this router's buckets hold: its own share and
+        that of each live peer it shares spending with (the whole limit when it hears them
+        all; never more)."""
+        routers = min(self._replicas, 1 + self._live_peers)
+        return max(1, math.ceil(limit * routers / self._replicas))
+
+    def set_peers(self, live: int) -> None:
+        """How many peer routers were heard from lately: the buckets grow to cover their
+        shares (their spending is debited here), or shrink back when they go silent."""
+        if live == self._live_peers:
+            return
+        self._live_peers = live
+        for name, (rpm, tpm, _) in self._limits.items():
+            limits = self.tenants.get(name)
+            if limits is not None:
+                limits.resize(
+                    self._capacity(rpm) if rpm else None, self._capacity(tpm) if tpm else None
+                )
+
+    def spent(self) -> dict[str, tuple[float, float]]:
+        """Per tenant with limits, the running totals of requests and tokens taken here."""
+        return {
+            name: (limits.spent_requests, limits.spent_tokens)
+            for name, limits in self.tenants.items()
+            if limits.requests is not None or limits.tokens is not None
+        }
+
+    def peer_spent(self, peer: str, totals: dict[str, tuple[float, float]], now: float) -> None:
+        """A peer router's running totals: what it took since its last report is taken here
+        too. A peer's first report sets the baseline (what it took before this router heard
+        it is spent and refilled in its own buckets)."""
+        last = self._peer_totals.get(peer)
+        self._peer_totals[peer] = dict(totals)
+        if last is None:
+            return
+        for name, (requests, tokens) in totals.items():
+            limits = self.tenants.get(name)
+            before = last.get(name)
+            if limits is not None and before is not None:
+                limits.debit(requests - before[0], tokens - before[1], now)
+
+    def forget_peers(self, keep: set[str]) -> None:
+        """Drop the totals of peers no longer heard (a new process starts a new baseline)."""
+        for peer in [p for p in self._peer_totals if p not in keep]:
+            del self._peer_totals[peer]
 
     def of(self, tenant: str) -> TenantLimits | None:
         limits = self.tenants.get(tenant)

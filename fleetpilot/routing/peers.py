@@ -32,7 +32,7 @@ import secrets
 import socket
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -41,6 +41,7 @@ from fleetpilot.api.router_config import Peers
 from fleetpilot.routing.tasks import ReplicaRounds
 
 if TYPE_CHECKING:
+    from fleetpilot.routing.limits import Limiter
     from fleetpilot.routing.metrics import RouterMetrics
     from fleetpilot.routing.router import Router
 
@@ -77,19 +78,37 @@ class Counts:
 
 @dataclass(frozen=True, slots=True)
 class PeerCounts:
-    """What one router said it has at each replica (replicas with nothing are left out)."""
+    """What one router said it has at each replica (replicas with nothing are left out), and
+    what it took from each limited tenant's buckets in all (requests, tokens)."""
 
     router: str
     replicas: Mapping[str, Counts]
+    tenants: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
 
-def encode_counts(router: str, replicas: Iterable[tuple[str, int, float]]) -> dict[str, Any]:
-    """The JSON a router serves: its id and, per replica it has requests at, [in flight,
-    pending prefill blocks]."""
+def encode_counts(
+    router: str,
+    replicas: Iterable[tuple[str, int, float]],
+    tenants: Mapping[str, tuple[float, float]] | None = None,
+) -> dict[str, Any]:
+    """The JSON a router serves: its id; per replica it has requests at, [in flight, pending
+    prefill blocks]; per tenant with limits, [requests, tokens] it took in all."""
     return {
         "router": router,
         "replicas": {rid: [n, pending] for rid, n, pending in replicas if n or pending},
+        "tenants": {name: [r, t] for name, (r, t) in (tenants or {}).items()},
     }
+
+
+def _pair(value: object, non_negative: bool) -> tuple[float, float] | None:
+    if (
+        not isinstance(value, list)
+        or len(value) != 2
+        or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
+        or not all(math.isfinite(v) and (v >= 0 or not non_negative) for v in value)
+    ):
+        return None
+    return float(value[0]), float(value[1])
 
 
 def parse_counts(data: object) -> PeerCounts:
@@ -102,19 +121,24 @@ def parse_counts(data: object) -> PeerCounts:
         raise ValueError("'router' must be a non-empty string")
     if not isinstance(replicas, dict):
         raise ValueError("'replicas' must be an object")
-    if len(replicas) > MAX_REPLICAS:
-        raise ValueError(f"'replicas' lists more than {MAX_REPLICAS}")
+    tenants = data.get("tenants", {})
+    if not isinstance(tenants, dict):
+        raise ValueError("'tenants' must be an object")
+    if len(replicas) > MAX_REPLICAS or len(tenants) > MAX_REPLICAS:
+        raise ValueError(f"'replicas' or 'tenants' lists more than {MAX_REPLICAS}")
     parsed = {}
     for rid, value in replicas.items():
-        if (
-            not isinstance(value, list)
-            or len(value) != 2
-            or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
-            or not all(math.isfinite(v) and v >= 0 for v in value)
-        ):
+        pair = _pair(value, non_negative=True)
+        if pair is None:
             raise ValueError(f"replica {rid!r}: expected [in_flight, pending_prefill] >= 0")
-        parsed[rid] = Counts(int(value[0]), float(value[1]))
-    return PeerCounts(router, parsed)
+        parsed[rid] = Counts(int(pair[0]), pair[1])
+    spent = {}
+    for name, value in tenants.items():
+        pair = _pair(value, non_negative=False)
+        if pair is None:
+            raise ValueError(f"tenant {name!r}: expected [requests, tokens] taken")
+        spent[name] = pair
+    return PeerCounts(router, parsed, spent)
 
 
 class PeerBook:
@@ -139,6 +163,10 @@ class PeerBook:
         keep = set(addresses)
         for address in [a for a in self._known if a not in keep]:
             self._latest.pop(self._known.pop(address), None)
+
+    def ids(self) -> set[str]:
+        """The peer routers known (live or lost)."""
+        return set(self._latest)
 
     def live(self, now: float) -> int:
         return sum(1 for _, at in self._latest.values() if now - at <= self.stale_after_s)
@@ -171,9 +199,13 @@ class PeerExchange(ReplicaRounds):
 
     name = "peers"
 
-    def __init__(self, router: Router, metrics: RouterMetrics, router_id: str) -> None:
+    def __init__(
+        self, router: Router, metrics: RouterMetrics, router_id: str, limiter: Limiter
+    ) -> None:
         super().__init__(router, metrics, interval_s=IDLE_INTERVAL_S, timeout_s=IDLE_INTERVAL_S)
         self.router_id = router_id
+        # The tenants' buckets: debited by what the peers took (``routing.limits``).
+        self.limiter = limiter
         self.book = PeerBook(STALE_ROUNDS * IDLE_INTERVAL_S)
         self._resolved: tuple[str, ...] = ()
         self._resolved_of: tuple[str, int] | None = None
@@ -230,7 +262,10 @@ class PeerExchange(ReplicaRounds):
             c = totals.get(replica.id, none)
             replica.peer_in_flight = c.in_flight
             replica.peer_pending = c.pending_prefill
-        self.metrics.peers.labels("live").set(self.book.live(now))
+        live = self.book.live(now)
+        self.limiter.set_peers(live)
+        self.limiter.forget_peers(self.book.ids())
+        self.metrics.peers.labels("live").set(live)
         self.metrics.peers.labels("lost").set(self.book.lost(now))
 
     async def _ask(self, session: aiohttp.ClientSession, address: str) -> None:
@@ -248,7 +283,9 @@ class PeerExchange(ReplicaRounds):
         if counts.router == self.router_id:
             self._self.add(address)  # our own pod behind the Service: never ask it again
             return
-        self.book.heard(address, counts, time.monotonic())
+        now = time.monotonic()
+        self.book.heard(address, counts, now)
+        self.limiter.peer_spent(counts.router, dict(counts.tenants), now)
 
 
 def _host_port(host: str, port: int) -> str:

@@ -3,7 +3,9 @@ OpenAI's rate-limit headers, tokens reserved at admission and corrected by the a
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,6 +16,7 @@ import pytest
 from fleetpilot.api.router_config import AuthConfig, TenantKeys
 from fleetpilot.routing.limits import Bucket, Limiter, RateLimitedError, TenantLimits
 from fleetpilot.routing.proxy import usage_tokens
+from fleetpilot.runtime.processes import free_ports
 from tests.routing.support import (
     SHORT,
     FakeEngine,
@@ -24,6 +27,7 @@ from tests.routing.support import (
     post,
     running_router,
     tier,
+    wait_for,
 )
 
 KEY = "sk-team-a-0123456789abcdef"
@@ -111,6 +115,78 @@ def test_each_router_replica_admits_its_share_and_unchanged_tenants_keep_their_b
     limiter.configure({"a": (None, None)}, replicas=1, now=2.0)
     assert limiter.of("a") is None
     assert limiter.of("b") is None
+
+
+def test_with_every_peer_heard_each_router_holds_the_whole_limit_and_pays_for_theirs() -> None:
+    """Shared spending (routing.peers): with both routers exchanging, each bucket holds the
+    service's limit and is debited by what the other took since its last report; its first
+    report is only a baseline. A silent peer shrinks the buckets back to this router's share,
+    each keeping its fraction."""
+    limiter = Limiter()
+    limiter.configure({"a": (100, 1000)}, replicas=2, now=0.0)
+    a = limiter.of("a")
+    assert a is not None
+    assert a.requests is not None
+    assert a.tokens is not None
+    assert (a.requests.capacity, a.tokens.capacity) == (50, 500)  # alone: its share
+    limiter.set_peers(1)
+    assert (a.requests.capacity, a.tokens.capacity) == (100, 1000)
+    assert a.requests.level == 100  # full stays full
+    limiter.peer_spent("b", {"a": (30.0, 200.0)}, now=0.0)  # what it took before: a baseline
+    assert a.requests.level == 100
+    limiter.peer_spent("b", {"a": (50.0, 300.0)}, now=0.0)
+    assert (a.requests.level, a.tokens.level) == (80, 900)
+    a.admit(10, now=0.0)
+    assert limiter.spent() == {"a": (1.0, 10.0)}  # what this router reports to its peers
+    limiter.set_peers(0)
+    assert (a.requests.capacity, a.requests.level) == (50, 39.5)
+    limiter.forget_peers(set())
+    limiter.peer_spent("b", {"a": (60.0, 300.0)}, now=0.0)  # heard again: a new baseline
+    assert a.requests.level == 39.5
+
+
+def test_a_peers_debt_is_bounded_by_a_minute() -> None:
+    limiter = Limiter()
+    limiter.configure({"a": (60, None)}, replicas=2, now=0.0)
+    limiter.set_peers(1)
+    limiter.peer_spent("b", {"a": (0.0, 0.0)}, now=0.0)
+    limiter.peer_spent("b", {"a": (1e9, 0.0)}, now=0.0)
+    a = limiter.of("a")
+    assert a is not None
+    assert a.requests is not None
+    assert a.requests.level == -60
+
+
+@pytest.mark.asyncio
+async def test_two_routers_sharing_spending_admit_the_limit_whichever_gets_the_requests(
+    tmp_path: Path,
+) -> None:
+    """A tenant of 10 requests a minute sends 8 through one router, then 6 through the other:
+    the first admits all 8 (alone it would stop at its share, 5) and the second only what is
+    left of the service's 10 (alone it would admit its 5)."""
+    auth = _limited(tmp_path, replicas=2, requests_per_minute=10)
+    engine = FakeEngine("e")
+    headers = {"Authorization": f"Bearer {KEY}"}
+    ports = free_ports(2)
+    peers = {"addresses": [f"127.0.0.1:{p}" for p in ports], "interval": "50ms"}
+    async with engines(engine):
+        configs = [
+            make_config([tier("only", 1.0, [engine])], auth=auth, metricsPort=p, peers=peers)
+            for p in ports
+        ]
+        async with running_router(configs[0]) as first, running_router(configs[1]) as second:
+            for router in (first, second):
+                await wait_for(
+                    lambda r=router: r.metric("fleetpilot_router_peers", state="live") == 1
+                )
+            started = time.monotonic()
+            one = [(await post(first, SHORT, headers=headers))[0] for _ in range(8)]
+            await asyncio.sleep(0.3)  # a few exchanges: the second router has heard of them
+            two = [(await post(second, SHORT, headers=headers))[0] for _ in range(6)]
+            refill = (time.monotonic() - started) * 10 / 60  # a sixth of a request a second
+    assert one == [200] * 8
+    assert 2 <= two.count(200) <= 2 + math.ceil(refill)
+    assert two.count(429) >= 3
 
 
 @pytest.mark.asyncio

@@ -71,8 +71,10 @@ def test_a_peer_no_longer_listed_is_forgotten_at_once() -> None:
 
 def test_counts_round_trip_and_idle_replicas_are_left_out() -> None:
     wire = encode_counts("a", [("r1", 2, 12.5), ("r2", 0, 0.0), ("r3", 0, 3.0)])
-    assert wire == {"router": "a", "replicas": {"r1": [2, 12.5], "r3": [0, 3.0]}}
+    assert wire == {"router": "a", "replicas": {"r1": [2, 12.5], "r3": [0, 3.0]}, "tenants": {}}
     assert parse_counts(wire) == counts("a", r1=(2, 12.5), r3=(0, 3.0))
+    spent = encode_counts("a", [], {"team": (3.0, 120.0)})
+    assert parse_counts(spent).tenants == {"team": (3.0, 120.0)}
 
 
 @pytest.mark.parametrize(
@@ -86,6 +88,8 @@ def test_counts_round_trip_and_idle_replicas_are_left_out() -> None:
         ({"router": "a", "replicas": {"r": [True, 0]}}, "replica 'r'"),
         ({"router": "a", "replicas": {"r": ["1", 0]}}, "replica 'r'"),
         ({"router": "a", "replicas": {"r": [1, float("nan")]}}, "replica 'r'"),
+        ({"router": "a", "replicas": {}, "tenants": []}, "'tenants' must be an object"),
+        ({"router": "a", "replicas": {}, "tenants": {"t": [1]}}, "tenant 't'"),
     ],
 )
 def test_a_malformed_answer_is_refused_with_what_is_wrong(data: object, message: str) -> None:
