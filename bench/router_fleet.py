@@ -187,16 +187,21 @@ def fleetpilot_routers(
     """``count`` router processes of ``arm`` over the engines ``endpoints`` lists, each ready
     (see ``_ready``) before this yields; each logs to its own file in ``workdir``, quoted when
     one dies or never gets ready. With ``peers``, they share their in-flight counts
-    (``routing.peers``: every router listed, each skipping itself)."""
+    (``routing.peers``: every router listed, each skipping itself). With API keys on
+    (``cfg.auth``), each serves /metrics and its peer counts on a metrics port of its own."""
     ports = free_ports(count)
-    wire = cfg.to_wire()
-    if peers:
-        wire["peers"] = {"addresses": [f"127.0.0.1:{port}" for port in ports]}
-    config_path = workdir / "router.yaml"
-    config_path.write_text(yaml.safe_dump(wire))
+    keyed = cfg.auth is not None
+    metrics_ports = free_ports(count) if keyed else ports
     procs: list[tuple[subprocess.Popen[bytes], Path]] = []
     try:
         for i, port in enumerate(ports):
+            wire = cfg.to_wire()
+            if keyed:
+                wire["metricsPort"] = metrics_ports[i]
+            if peers:
+                wire["peers"] = {"addresses": [f"127.0.0.1:{p}" for p in metrics_ports]}
+            config_path = workdir / f"router-{i}.yaml"
+            config_path.write_text(yaml.safe_dump(wire))
             head = (
                 ["-m", "fleetpilot", "router"]  # the arm is in its config
                 if arm in DEFAULT_ARMS
@@ -212,7 +217,7 @@ def fleetpilot_routers(
                 )
             procs.append((proc, log))
         deadline = time.monotonic() + 90
-        for (proc, log), port in zip(procs, ports, strict=True):
+        for (proc, log), port in zip(procs, metrics_ports, strict=True):
             while not _ready(f"http://127.0.0.1:{port}/metrics", replicas, events):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     tail = log.read_text(errors="replace")[-2000:]
@@ -221,10 +226,10 @@ def fleetpilot_routers(
         yield [
             RouterProcess(
                 f"http://127.0.0.1:{port}/v1/chat/completions",
-                f"http://127.0.0.1:{port}/metrics",
+                f"http://127.0.0.1:{metrics_port}/metrics",
                 proc.pid,
             )
-            for (proc, _), port in zip(procs, ports, strict=True)
+            for (proc, _), port, metrics_port in zip(procs, ports, metrics_ports, strict=True)
         ]
     finally:
         for proc, _ in procs:

@@ -211,6 +211,7 @@ class PeerExchange(ReplicaRounds):
         self._resolved_of: tuple[str, int] | None = None
         self._resolved_at = -math.inf
         self._self: set[str] = set()  # addresses that answered with this router's own id
+        self._unresolved = False  # the last resolution failed (logged once until it works)
 
     def new_session(self) -> aiohttp.ClientSession:
         return aiohttp.ClientSession(
@@ -232,8 +233,12 @@ class PeerExchange(ReplicaRounds):
                     peers.service, port, type=socket.SOCK_STREAM
                 )
             except OSError as exc:
-                log.warning("peer service does not resolve", extra={"err": str(exc)})
+                self.metrics.peer_errors.labels("resolve").inc()
+                if not self._unresolved:  # once a streak: not every RESOLVE_S
+                    log.warning("peer service does not resolve", extra={"err": str(exc)})
+                self._unresolved = True
             else:
+                self._unresolved = False
                 self._resolved = tuple(
                     sorted({_host_port(str(info[4][0]), port) for info in infos})
                 )

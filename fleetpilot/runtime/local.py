@@ -324,6 +324,8 @@ class LocalFleet:
                 "metrics_port": self.router_metrics_port,
                 "tiers": tiers,
                 "auth": self._local_auth(config),
+                # One router: no peers, and no cluster DNS name to resolve for them.
+                "peers": None,
             }
         )
 

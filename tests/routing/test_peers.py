@@ -25,7 +25,15 @@ from fleetpilot.routing.peers import (
 from fleetpilot.routing.replica import ReplicaState
 from fleetpilot.runtime.processes import free_ports
 from fleetpilot.testing.polling import eventually_async
-from tests.routing.support import FakeEngine, engines, make_config, router_process, tier
+from tests.routing.support import (
+    FakeEngine,
+    engines,
+    make_config,
+    router_process,
+    running_router,
+    tier,
+    wait_for,
+)
 
 
 def counts(router: str, **replicas: tuple[int, float]) -> PeerCounts:
@@ -240,4 +248,41 @@ async def test_two_router_processes_agree_on_each_replicas_requests_within_a_scr
             assert await gauge(client, ports[0], "fleetpilot_router_peers", state="lost") == 1
             gate.set()
             answer = await client.post(f"http://127.0.0.1:{ports[0]}/v1/completions", json=body)
+            assert answer.status_code == 200
+
+
+@pytest.mark.asyncio
+async def test_a_router_finds_itself_behind_the_peer_service_and_skips_it() -> None:
+    """In a cluster the headless Service's name resolves to every router pod, this one
+    included: it asks itself once, recognises its own id, and never counts itself."""
+    engine = FakeEngine("a")
+    async with engines(engine):
+        (port,) = free_ports(1)
+        config = make_config(
+            [tier("small", 1.0, [engine])],
+            metricsPort=port,
+            peers={"service": "localhost", "interval": "50ms"},
+        )
+        async with running_router(config) as router:
+            exchange = router.state.peers
+            assert exchange is not None
+            await wait_for(lambda: f"127.0.0.1:{port}" in exchange._self, timeout_s=10)
+            assert router.metric("fleetpilot_router_peers", state="live") == 0
+
+
+@pytest.mark.asyncio
+async def test_a_peer_service_that_does_not_resolve_leaves_the_router_alone_and_routing() -> None:
+    engine = FakeEngine("a")
+    async with engines(engine):
+        config = make_config(
+            [tier("small", 1.0, [engine])],
+            peers={"service": "no-such-router-peers.invalid", "interval": "50ms"},
+        )
+        async with running_router(config) as router, httpx.AsyncClient() as client:
+            await wait_for(
+                lambda: router.metric("fleetpilot_router_peer_errors_total", error="resolve") >= 1,
+                timeout_s=20,
+            )
+            body = {"model": "small-model", "prompt": "hi", "max_tokens": 2}
+            answer = await client.post(router.url + "/v1/completions", json=body)
             assert answer.status_code == 200
