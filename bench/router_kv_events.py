@@ -84,7 +84,7 @@ from router_prefix_workloads import (
     shared_prompt_trace,
     summary,
 )
-from router_support import busy_core, free_ports, machine, save
+from router_support import busy_core, commit, free_ports, machine, save
 
 from fleetpilot.api.router_config import RouterConfig
 from fleetpilot.engine.reference_launch import REFERENCE_TOKENIZER
@@ -375,6 +375,7 @@ def save_results(args: argparse.Namespace, results: list[Any], wall_s: float) ->
         args.name or (name if args.seed == 11 else f"{name}_seed{args.seed}"),
         {
             "benchmark": "router_kv_events",
+            "commit": commit(),
             "machine": machine(),
             "busy_core": args.busy,
             "seed": args.seed,

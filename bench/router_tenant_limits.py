@@ -33,7 +33,7 @@ import aiohttp
 import yaml
 from router_fleet import fleetpilot_routers
 from router_prefix_workloads import spreader
-from router_support import echo_process, free_port, machine, save
+from router_support import commit, echo_process, free_port, machine, save
 
 from fleetpilot.api.router_config import RouterConfig
 
@@ -155,8 +155,8 @@ def main() -> None:
     if args.save:
         path = save(
             "router_tenant_limits",
-            {"benchmark": "router_tenant_limits", "machine": machine(), "limit": args.limit,
-             "window_s": args.window, "rounds": args.rounds, "rows": rows},
+            {"benchmark": "router_tenant_limits", "commit": commit(), "machine": machine(),
+             "limit": args.limit, "window_s": args.window, "rounds": args.rounds, "rows": rows},
         )  # fmt: skip
         print(f"wrote {path}")
 
