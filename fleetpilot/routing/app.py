@@ -41,7 +41,13 @@ from fleetpilot.routing.errors import (
 from fleetpilot.routing.health import Prober
 from fleetpilot.routing.kv_events_client import KVEventsClient
 from fleetpilot.routing.metrics import CONTENT_TYPE, RouterMetrics
-from fleetpilot.routing.peers import PEER_COUNTS_PATH, PeerExchange, encode_counts, new_router_id
+from fleetpilot.routing.peers import (
+    PEER_COUNTS_PATH,
+    Counts,
+    PeerExchange,
+    encode_counts,
+    new_router_id,
+)
 from fleetpilot.routing.policies.kv_index import KVIndex
 from fleetpilot.routing.proxy import Proxy, error_response
 from fleetpilot.routing.replica import ReplicaState
@@ -393,7 +399,11 @@ class RouterApp:
 
     async def peer_counts(self, request: web.Request) -> web.Response:
         """This router's requests at each replica, for its peers (``routing.peers``)."""
-        counts = ((r.id, r.in_flight, r.pending_prefill) for r in self.router.replicas())
+        now = self.router.clock()
+        counts = (
+            (r.id, Counts(r.in_flight, r.pending_prefill, r.recent_sends(now, own=True)))
+            for r in self.router.replicas()
+        )
         spent = self.auth.limiter.spent()
         return web.json_response(encode_counts(self.router_id, counts, spent))
 

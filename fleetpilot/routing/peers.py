@@ -74,6 +74,15 @@ class Counts:
 
     in_flight: int = 0
     pending_prefill: float = 0.0
+    # Prefills it sent there lately (``ReplicaState.recent_sends``).
+    recent_sends: float = 0.0
+
+    def __add__(self, other: Counts) -> Counts:
+        return Counts(
+            self.in_flight + other.in_flight,
+            self.pending_prefill + other.pending_prefill,
+            self.recent_sends + other.recent_sends,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,27 +97,32 @@ class PeerCounts:
 
 def encode_counts(
     router: str,
-    replicas: Iterable[tuple[str, int, float]],
+    replicas: Iterable[tuple[str, Counts]],
     tenants: Mapping[str, tuple[float, float]] | None = None,
 ) -> dict[str, Any]:
-    """The JSON a router serves: its id; per replica it has requests at, [in flight, pending
-    prefill blocks]; per tenant with limits, [requests, tokens] it took in all."""
+    """The JSON a router serves: its id; per replica it has anything at, [in flight, pending
+    prefill blocks, recent sends]; per tenant with limits, [requests, tokens] it took in all."""
     return {
         "router": router,
-        "replicas": {rid: [n, pending] for rid, n, pending in replicas if n or pending},
+        "replicas": {
+            rid: [c.in_flight, c.pending_prefill, c.recent_sends]
+            for rid, c in replicas
+            if c.in_flight or c.pending_prefill or c.recent_sends
+        },
         "tenants": {name: [r, t] for name, (r, t) in (tenants or {}).items()},
     }
 
 
-def _pair(value: object, non_negative: bool) -> tuple[float, float] | None:
+def _numbers(value: object, sizes: tuple[int, ...], non_negative: bool) -> list[float] | None:
+    """``value`` as a list of finite numbers of one of ``sizes``; None if it is not one."""
     if (
         not isinstance(value, list)
-        or len(value) != 2
+        or len(value) not in sizes
         or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
         or not all(math.isfinite(v) and (v >= 0 or not non_negative) for v in value)
     ):
         return None
-    return float(value[0]), float(value[1])
+    return [float(v) for v in value]
 
 
 def parse_counts(data: object) -> PeerCounts:
@@ -128,16 +142,19 @@ def parse_counts(data: object) -> PeerCounts:
         raise ValueError(f"'replicas' or 'tenants' lists more than {MAX_REPLICAS}")
     parsed = {}
     for rid, value in replicas.items():
-        pair = _pair(value, non_negative=True)
-        if pair is None:
-            raise ValueError(f"replica {rid!r}: expected [in_flight, pending_prefill] >= 0")
-        parsed[rid] = Counts(int(pair[0]), pair[1])
+        # Two numbers: a router from before recent sends were shared (a rolling update).
+        numbers = _numbers(value, (2, 3), non_negative=True)
+        if numbers is None:
+            raise ValueError(
+                f"replica {rid!r}: expected [in_flight, pending_prefill, recent_sends] >= 0"
+            )
+        parsed[rid] = Counts(int(numbers[0]), *numbers[1:])
     spent = {}
     for name, value in tenants.items():
-        pair = _pair(value, non_negative=False)
-        if pair is None:
+        numbers = _numbers(value, (2,), non_negative=False)
+        if numbers is None:
             raise ValueError(f"tenant {name!r}: expected [requests, tokens] taken")
-        spent[name] = pair
+        spent[name] = (numbers[0], numbers[1])
     return PeerCounts(router, parsed, spent)
 
 
@@ -182,19 +199,14 @@ class PeerBook:
                 continue
             for rid, c in counts.replicas.items():
                 had = sums.get(rid)
-                sums[rid] = (
-                    c
-                    if had is None
-                    else Counts(
-                        had.in_flight + c.in_flight, had.pending_prefill + c.pending_prefill
-                    )
-                )
+                sums[rid] = c if had is None else had + c
         return sums
 
 
 class PeerExchange(ReplicaRounds):
     """Reads every peer's counts each round and writes their sums onto the replicas
-    (``ReplicaState.peer_in_flight``/``peer_pending``: this is their one writer). It follows
+    (``ReplicaState.peer_in_flight``/``peer_pending``/``peer_recent``: this is their one
+    writer). It follows
     the config's ``peers`` as it is reloaded: unset, a round clears the peers' counts."""
 
     name = "peers"
@@ -267,6 +279,7 @@ class PeerExchange(ReplicaRounds):
             c = totals.get(replica.id, none)
             replica.peer_in_flight = c.in_flight
             replica.peer_pending = c.pending_prefill
+            replica.peer_recent = c.recent_sends
         live = self.book.live(now)
         self.limiter.set_peers(live)
         self.limiter.forget_peers(self.book.ids())

@@ -17,6 +17,11 @@ from fleetpilot.routing.policies.load import EngineMetrics, make_view
 from fleetpilot.routing.policies.suspicion import FirstByteWaits, is_suspect
 from fleetpilot.routing.policies.types import ReplicaView
 
+# Where the traffic went lately (``ReplicaState.recent_sends``): the requests sent in this
+# window and the one before, so 10-20 s of them - several at a few requests a second, and a
+# tenant's burst shows within seconds.
+RECENT_WINDOW_S = 10.0
+
 # How long a replica that answered a request for a LoRA adapter with 404 (vLLM's "model does
 # not exist") is held not to have it: scored last for it and no holder of it. With dynamic
 # LoRA the operator loads a tier's adapters into an engine only after its pod turns Ready
@@ -40,6 +45,12 @@ class ReplicaState:
     # (``routing.peers``: its one writer); 0 without peers.
     peer_in_flight: int = 0
     peer_pending: float = 0.0
+    peer_recent: float = 0.0
+    # Prefills this router sent here in the current window of RECENT_WINDOW_S and the one
+    # before (``note_send``).
+    _sends_now: int = field(default=0, init=False, repr=False)
+    _sends_before: int = field(default=0, init=False, repr=False)
+    _window: int = field(default=0, init=False, repr=False)
     metrics: EngineMetrics | None = None
     scraped_at: float | None = None
     _urls: dict[str, URL] = field(default_factory=dict)
@@ -90,6 +101,25 @@ class ReplicaState:
             return False
         return is_suspect(now, self.waits.oldest(), self.silent_since, self.suspect_after_s)
 
+    def note_send(self, now: float) -> None:
+        """This router sent the replica a request whose prompt it computes, at ``now``."""
+        self._roll(now)
+        self._sends_now += 1
+
+    def recent_sends(self, now: float, *, own: bool = False) -> float:
+        """Prefills sent here in the last one to two ``RECENT_WINDOW_S``: by this router and
+        (unless ``own``) by its peers as of their last exchange."""
+        self._roll(now)
+        mine = self._sends_now + self._sends_before
+        return mine if own else mine + self.peer_recent
+
+    def _roll(self, now: float) -> None:
+        window = int(now // RECENT_WINDOW_S)
+        if window != self._window:
+            self._sends_before = self._sends_now if window == self._window + 1 else 0
+            self._sends_now = 0
+            self._window = window
+
     def view(
         self, now: float, stale_after_s: float, ejected: bool, hangs: bool = False
     ) -> ReplicaView:
@@ -108,7 +138,9 @@ class ReplicaState:
         suspect = self.suspect(now)
         in_flight = self.in_flight + self.peer_in_flight
         pending = self.pending_prefill + self.peer_pending
+        recent = self.recent_sends(now)
         made_of = (
+            recent,
             in_flight,
             pending,
             self.max_num_seqs,
@@ -137,6 +169,7 @@ class ReplicaState:
                 missing,
                 hangs=hangs,
                 suspect=suspect,
+                recent_sends=recent,
             )
             self._view_of = made_of
         return view

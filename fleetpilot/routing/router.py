@@ -361,6 +361,7 @@ class Router:
             return _Placed(request, None, prefill_blocks=len(hashes))
         replica = self.replica_set[chosen.replica.id]
         matched = self.affinity.matched(request, replica.id)
+        replica.note_send(now)
         self.affinity.sent(replica.id, hashes, chained, now)
         self.adapters.sent(tier, replica, adapter, now)
         return _Placed(
@@ -386,6 +387,7 @@ class Router:
             return None
         state = self.replica_set[chosen.replica.id]
         if not route.disaggregated:
+            state.note_send(self.clock())
             self.affinity.sent(state.id, route.hashes, (), self.clock())
         self.adapters.sent(route.tier, state, route.adapter, self.clock())
         return state

@@ -78,9 +78,18 @@ def test_a_peer_no_longer_listed_is_forgotten_at_once() -> None:
 
 
 def test_counts_round_trip_and_idle_replicas_are_left_out() -> None:
-    wire = encode_counts("a", [("r1", 2, 12.5), ("r2", 0, 0.0), ("r3", 0, 3.0)])
-    assert wire == {"router": "a", "replicas": {"r1": [2, 12.5], "r3": [0, 3.0]}, "tenants": {}}
-    assert parse_counts(wire) == counts("a", r1=(2, 12.5), r3=(0, 3.0))
+    wire = encode_counts(
+        "a", [("r1", Counts(2, 12.5, 7.0)), ("r2", Counts()), ("r3", Counts(0, 3.0))]
+    )
+    assert wire == {
+        "router": "a",
+        "replicas": {"r1": [2, 12.5, 7.0], "r3": [0, 3.0, 0.0]},
+        "tenants": {},
+    }
+    assert parse_counts(wire).replicas == {"r1": Counts(2, 12.5, 7.0), "r3": Counts(0, 3.0)}
+    # A router from before recent sends were shared (a rolling update) sends two numbers.
+    old = {"router": "a", "replicas": {"r1": [1, 4.0]}}
+    assert parse_counts(old) == counts("a", r1=(1, 4.0))
     spent = encode_counts("a", [], {"team": (3.0, 120.0)})
     assert parse_counts(spent).tenants == {"team": (3.0, 120.0)}
 

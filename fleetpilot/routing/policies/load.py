@@ -117,6 +117,7 @@ def make_view(
     *,
     hangs: bool = False,
     suspect: bool = False,
+    recent_sends: float = 0.0,
 ) -> ReplicaView:
     """A view of a replica, ignoring scraped metrics older than ``stale_after_s``;
     ``adapters``: those the router itself sent there lately (the scrape's are added), the
@@ -137,6 +138,7 @@ def make_view(
             adapters=adapters - missing_adapters if missing_adapters else adapters,
             adapter_lru_at=adapter_lru_at,
             missing_adapters=missing_adapters,
+            recent_sends=recent_sends,
         )
     adapters = adapters | metrics.adapters
     return ReplicaView(
@@ -153,6 +155,7 @@ def make_view(
         adapters=adapters - missing_adapters if missing_adapters else adapters,
         adapter_lru_at=adapter_lru_at,
         missing_adapters=missing_adapters,
+        recent_sends=recent_sends,
     )
 
 

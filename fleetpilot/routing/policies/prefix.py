@@ -185,10 +185,19 @@ class PrefillCostScorer:
     def score(self, request: PickRequest, replicas: Sequence[ReplicaView]) -> dict[str, float]:
         total = len(request.hashes)
         pressure = request.pressure
+        # The requests that will wait behind an uncached block: ``block_cost - 1`` on a
+        # replica that gets the group's mean traffic, in proportion elsewhere.
+        behind = self.block_cost - 1.0
+        mean = sum(v.recent_sends for v in replicas) / len(replicas) if replicas else 0.0
         costs = {
             v.id: v.pending_prefill
             + v.ahead
-            + (self.block_cost + pressure.get(v.id, 0.0) + v.ahead)
+            + (
+                1.0
+                + (behind * v.recent_sends / mean if mean > 0 else behind)
+                + pressure.get(v.id, 0.0)
+                + v.ahead
+            )
             * (total - matched_blocks(self.index, request, v.id))
             for v in replicas
         }

@@ -32,6 +32,10 @@ class ReplicaView:
     # yet: the prefill work queued ahead of a new request there (this router's exact, its
     # peers' as of their last exchange).
     pending_prefill: float = 0.0
+    # Requests this router sent the replica to prefill lately (``ReplicaState.recent_sends``):
+    # where the traffic goes, so where the requests that will queue behind a long prefill
+    # come from.
+    recent_sends: float = 0.0
     # LoRA adapters the replica likely has loaded: its engine's running and waiting requests'
     # (scraped), and the last few this router sent there (``ReplicaState.note_adapter``).
     adapters: frozenset[str] = frozenset()

@@ -175,3 +175,37 @@ def test_prefill_cost_scores_lie_in_the_unit_interval_and_tie_when_all_are_free(
         "a": 1.0,
         "b": 1.0,
     }
+
+
+def test_a_cold_prompt_goes_where_the_traffic_is_light_not_where_one_shared_block_is_cached() -> (
+    None
+):
+    """Issue 44: a prompt whose only cached block is one that every tenant's prompts start
+    with (a chat template's header) went to the replica that held it, the busiest, whose next
+    requests then waited behind its long prefill; the replicas that held nothing got nothing
+    (4 engines, 6 req/s: a third of the traffic on one engine, none on another). An uncached
+    block costs the requests behind it in proportion to the traffic the replica gets: the
+    cold prompt goes to the quiet replica, while a prompt the busy one caches stays there."""
+    index = PrefixIndex(1000)
+    prompt = list(range(100))
+    index.record("busy", prompt[:1])
+    scorer = PrefillCostScorer(index)
+    views = [ReplicaView("busy", 4, recent_sends=30.0), ReplicaView("quiet", 4, recent_sends=2.0)]
+    cold = scorer.score(PickRequest(prompt), views)
+    assert cold["quiet"] > cold["busy"]
+    index.record("busy", prompt[:90])
+    warm = scorer.score(PickRequest(prompt), views)
+    assert warm["busy"] > warm["quiet"]
+
+
+def test_with_even_traffic_an_uncached_block_costs_as_before() -> None:
+    """Replicas with the group's mean traffic (or none yet anywhere) price an uncached block
+    at ``UNCACHED_BLOCK_COST``: the same scores as with no traffic recorded."""
+    index = PrefixIndex(100)
+    index.record("a", [1, 2, 3])
+    scorer = PrefillCostScorer(index)
+    plain = [ReplicaView("a", 4, pending_prefill=4.0), ReplicaView("b", 4)]
+    even = [ReplicaView("a", 4, pending_prefill=4.0, recent_sends=7.0),
+            ReplicaView("b", 4, recent_sends=7.0)]  # fmt: skip
+    request = PickRequest(list(range(1, 11)))
+    assert scorer.score(request, plain) == scorer.score(request, even)
