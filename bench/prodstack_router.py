@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from router_support import ROOT, free_ports
+from router_support import ROOT, free_ports, stop_all
 
 from fleetpilot.runtime.processes import http_ok
 
@@ -117,11 +117,4 @@ def routers(
                 time.sleep(0.1)
         yield [f"http://127.0.0.1:{port}/v1/chat/completions" for port in ports]
     finally:
-        for proc, _ in procs:
-            proc.terminate()
-        for proc, _ in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_all([proc for proc, _ in procs])

@@ -35,7 +35,7 @@ from pathlib import Path
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from router_prefix_workloads import Conversation, use_arm, zipf_weights
-from router_support import ROOT, free_ports
+from router_support import ROOT, free_ports, stop_all
 
 from fleetpilot.api.router_config import RouterConfig
 
@@ -232,14 +232,7 @@ def fleetpilot_routers(
             for (proc, _), port, metrics_port in zip(procs, ports, metrics_ports, strict=True)
         ]
     finally:
-        for proc, _ in procs:
-            proc.terminate()
-        for proc, _ in procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        stop_all([proc for proc, _ in procs], 15.0)
 
 
 # -- one router with a bench-only arm --------------------------------------------------------

@@ -376,6 +376,19 @@ def serving(
                 proc.wait(5)
 
 
+def stop_all(procs: Sequence[subprocess.Popen[Any]], timeout_s: float = 10.0) -> None:
+    """SIGTERM every process, then wait for each; one still running after ``timeout_s`` is
+    killed."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout_s)
+
+
 def echo_process(port: int, cpus: set[int] | None) -> contextlib.AbstractContextManager[Any]:
     return process([sys.executable, str(Path(__file__)), "echo", "--port", str(port)], cpus, port)
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from router_support import ROOT, free_ports
+from router_support import ROOT, free_ports, stop_all
 
 from fleetpilot.runtime.processes import http_ok
 
@@ -94,11 +94,4 @@ def routers(
         time.sleep(1.0)
         yield [f"http://127.0.0.1:{ports[2 * i]}/v1/chat/completions" for i in range(count)]
     finally:
-        for proc, _ in procs:
-            proc.terminate()
-        for proc, _ in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_all([proc for proc, _ in procs])
