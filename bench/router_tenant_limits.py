@@ -15,6 +15,7 @@ each two-router arm with the requests alternating between the routers, spread at
 all on one router (a client holding one keep-alive connection).
 
 Run: .venv/bin/python bench/router_tenant_limits.py [--limit 600] [--window 60] [--rounds 1]
+     [--arms TEXT] [--save]
 """
 
 from __future__ import annotations
@@ -133,12 +134,15 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=60.0, help="seconds measured")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--arms", help="only the arms whose names contain this text")
     parser.add_argument("--save", action="store_true")
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
             for name, routers, peers, spread in ARMS:
+                if args.arms and args.arms not in name:
+                    continue
                 workdir = Path(tmp) / f"{round_}-{len(rows)}"
                 workdir.mkdir()
                 row = run_arm(name, routers, peers, spread, args, workdir)
@@ -147,7 +151,7 @@ def main() -> None:
                       file=sys.stderr)  # fmt: skip
     print(f"\n{args.limit} requests a minute, {args.window:g} s at 1.5x: "
           f"expected {args.limit * args.window / 60:.0f}")  # fmt: skip
-    for name, *_ in ARMS:
+    for name in dict.fromkeys(r["arm"] for r in rows):
         errors = [r["error_pct"] for r in rows if r["arm"] == name]
         admitted = [r["admitted"] for r in rows if r["arm"] == name]
         print(f"{name:45} admitted {statistics.median(admitted):>6.0f}  "

@@ -16,9 +16,9 @@ knows itself by the id it serves). Directly, not through a shared store: two rou
 move every request, the exchange is one small GET per peer per interval, and nothing else
 must run or be reachable for routing to work.
 
-A peer that does not answer is dropped once its last answer is older than ``STALE_ROUNDS``
-intervals: its counts stop counting, which is the routers' behaviour before this exchange
-(each alone), and ``fleetpilot_router_peers{state="lost"}`` says so.
+A peer that misses ``STALE_ROUNDS`` asks in a row is dropped: its counts stop counting,
+which is the routers' behaviour before this exchange (each alone), and
+``fleetpilot_router_peers{state="lost"}`` says so.
 
 ``PeerBook`` is the pure part; ``PeerExchange`` does the I/O.
 """
@@ -159,45 +159,59 @@ def parse_counts(data: object) -> PeerCounts:
 
 
 class PeerBook:
-    """Each peer's latest counts and when they came; the sums the views add. Pure: the
-    caller passes the clock."""
+    """Each peer's latest counts and how many asks in a row it has missed since; the sums the
+    views add. Pure.
 
-    def __init__(self, stale_after_s: float) -> None:
-        self.stale_after_s = stale_after_s
-        self._latest: dict[str, tuple[PeerCounts, float]] = {}  # by peer router id
+    A peer is lost after ``STALE_ROUNDS`` unanswered asks, not after a time: a router whose own
+    loop is starved (a busy node) asks late, and must not take its peers for gone meanwhile -
+    flapping between shared and own-share tenant buckets costs admissions (see ``limits``)."""
+
+    def __init__(self, stale_after: int = STALE_ROUNDS) -> None:
+        self.stale_after = stale_after
+        self._latest: dict[str, PeerCounts] = {}  # by peer router id
+        self._misses: dict[str, int] = {}  # by peer router id: asks unanswered in a row
         self._known: dict[str, str] = {}  # address -> the router id it last answered with
 
-    def heard(self, address: str, counts: PeerCounts, now: float) -> None:
+    def heard(self, address: str, counts: PeerCounts) -> None:
         previous = self._known.get(address)
         if previous is not None and previous != counts.router:
-            self._latest.pop(previous, None)  # that pod restarted, or the address moved
+            self._drop(previous)  # that pod restarted, or the address moved
         self._known[address] = counts.router
-        self._latest[counts.router] = (counts, now)
+        self._latest[counts.router] = counts
+        self._misses[counts.router] = 0
+
+    def missed(self, address: str) -> None:
+        """The peer at ``address`` did not answer an ask (refused, timed out, garbage)."""
+        peer = self._known.get(address)
+        if peer is not None:
+            self._misses[peer] = self._misses.get(peer, 0) + 1
 
     def retain(self, addresses: Iterable[str]) -> None:
         """Forget peers at addresses no longer listed (a scaled-down router's counts end with
         it, without waiting to go stale)."""
         keep = set(addresses)
         for address in [a for a in self._known if a not in keep]:
-            self._latest.pop(self._known.pop(address), None)
+            self._drop(self._known.pop(address))
 
-    def ids(self) -> set[str]:
-        """The peer routers known (live or lost)."""
-        return set(self._latest)
+    def _drop(self, peer: str) -> None:
+        self._latest.pop(peer, None)
+        self._misses.pop(peer, None)
 
-    def live(self, now: float) -> int:
-        return sum(1 for _, at in self._latest.values() if now - at <= self.stale_after_s)
+    def live_ids(self) -> set[str]:
+        """The peer routers whose counts count: answered within the last asks."""
+        return {peer for peer, misses in self._misses.items() if misses < self.stale_after}
 
-    def lost(self, now: float) -> int:
-        return len(self._latest) - self.live(now)
+    def live(self) -> int:
+        return len(self.live_ids())
 
-    def totals(self, now: float) -> dict[str, Counts]:
+    def lost(self) -> int:
+        return len(self._latest) - self.live()
+
+    def totals(self) -> dict[str, Counts]:
         """Per replica, the live peers' counts summed."""
         sums: dict[str, Counts] = {}
-        for counts, at in self._latest.values():
-            if now - at > self.stale_after_s:
-                continue
-            for rid, c in counts.replicas.items():
+        for peer in self.live_ids():
+            for rid, c in self._latest[peer].replicas.items():
                 had = sums.get(rid)
                 sums[rid] = c if had is None else had + c
         return sums
@@ -218,7 +232,7 @@ class PeerExchange(ReplicaRounds):
         self.router_id = router_id
         # The tenants' buckets: debited by what the peers took (``routing.limits``).
         self.limiter = limiter
-        self.book = PeerBook(STALE_ROUNDS * IDLE_INTERVAL_S)
+        self.book = PeerBook()
         self._resolved: tuple[str, ...] = ()
         self._resolved_of: tuple[str, int] | None = None
         self._resolved_at = -math.inf
@@ -268,23 +282,23 @@ class PeerExchange(ReplicaRounds):
             self.interval_s = self.timeout_s = peers.interval.total_seconds()
             port = peers.port or config.metrics_port or config.port
             addresses = await self.addresses(peers, port)
-        self.book.stale_after_s = STALE_ROUNDS * self.interval_s
         self.book.retain(addresses)
         if addresses:
             await asyncio.gather(*(self._ask(session, a) for a in addresses))
-        now = time.monotonic()
-        totals = self.book.totals(now)
+        totals = self.book.totals()
         none = Counts()
         for replica in self.router.replicas():
             c = totals.get(replica.id, none)
             replica.peer_in_flight = c.in_flight
             replica.peer_pending = c.pending_prefill
             replica.peer_recent = c.recent_sends
-        live = self.book.live(now)
-        self.limiter.set_peers(live)
-        self.limiter.forget_peers(self.book.ids())
-        self.metrics.peers.labels("live").set(live)
-        self.metrics.peers.labels("lost").set(self.book.lost(now))
+        live = self.book.live_ids()
+        self.limiter.set_peers(len(live))
+        # A lost peer's spending totals go: when it answers again its report is a new
+        # baseline, not a debt - what it admitted meanwhile came out of its own share.
+        self.limiter.forget_peers(live)
+        self.metrics.peers.labels("live").set(len(live))
+        self.metrics.peers.labels("lost").set(self.book.lost())
 
     async def _ask(self, session: aiohttp.ClientSession, address: str) -> None:
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
@@ -297,13 +311,13 @@ class PeerExchange(ReplicaRounds):
                 counts = parse_counts(await r.json(content_type=None))
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             self.metrics.peer_errors.labels(type(exc).__name__).inc()
+            self.book.missed(address)
             return
         if counts.router == self.router_id:
             self._self.add(address)  # our own pod behind the Service: never ask it again
             return
-        now = time.monotonic()
-        self.book.heard(address, counts, now)
-        self.limiter.peer_spent(counts.router, dict(counts.tenants), now)
+        self.book.heard(address, counts)
+        self.limiter.peer_spent(counts.router, dict(counts.tenants), time.monotonic())
 
 
 def _host_port(host: str, port: int) -> str:

@@ -140,8 +140,10 @@ def test_with_every_peer_heard_each_router_holds_the_whole_limit_and_pays_for_th
     assert limiter.spent() == {"a": (1.0, 10.0)}  # what this router reports to its peers
     limiter.set_peers(0)
     assert (a.requests.capacity, a.requests.level) == (50, 39.5)
+    # Lost, its totals are forgotten: what it admits meanwhile comes out of its own share,
+    # so when it is heard again its report is a new baseline, not a debt.
     limiter.forget_peers(set())
-    limiter.peer_spent("b", {"a": (60.0, 300.0)}, now=0.0)  # heard again: a new baseline
+    limiter.peer_spent("b", {"a": (60.0, 300.0)}, now=0.0)
     assert a.requests.level == 39.5
 
 
