@@ -945,9 +945,13 @@ def test_policies_select_exactly_the_services_pods_and_are_pruned_and_collected(
     assert names_selected(kube, "Pod", namespace, policy["spec"]["podSelector"]) == engine_pods
     guarded_routers = names_selected(kube, "Pod", namespace, router_policy["spec"]["podSelector"])
     assert guarded_routers == router_pods
-    # The router's API port to anyone; its metrics port to the metrics namespace only.
-    to_all, to_scrapers = router_policy["spec"]["ingress"]
+    # The router's API port to anyone; its metrics port to the service's router pods (their
+    # peer exchange) and the metrics namespace only.
+    to_all, to_routers, to_scrapers = router_policy["spec"]["ingress"]
     assert to_all == {"ports": [{"protocol": "TCP", "port": 8000}]}
+    assert to_routers["ports"] == [{"protocol": "TCP", "port": 9090}]
+    (router_peer,) = to_routers["from"]
+    assert names_selected(kube, "Pod", namespace, router_peer["podSelector"]) == router_pods
     assert to_scrapers["ports"] == [{"protocol": "TCP", "port": 9090}]
     (router_scraper,) = to_scrapers["from"]
     assert names_selected(kube, "Namespace", None, router_scraper["namespaceSelector"]) == {
