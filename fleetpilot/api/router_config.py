@@ -266,7 +266,7 @@ class Peers(ApiModel):
     )
     interval: Duration = Field(
         timedelta(milliseconds=100),
-        description="How often each peer is asked; a peer silent for 3 intervals is dropped.",
+        description="How often each peer is asked; a peer that misses 3 asks in a row is dropped.",
     )
 
     @model_validator(mode="after")

@@ -247,7 +247,7 @@ class RouterMetrics:
         self.peers = Gauge(
             p + "peers",
             "Other router replicas whose in-flight counts this one adds (live), and those "
-            "silent for 3 exchange intervals, whose counts no longer count (lost).",
+            "that missed 3 asks in a row, whose counts no longer count (lost).",
             ["state"],
             registry=r,
         )

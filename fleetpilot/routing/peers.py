@@ -48,8 +48,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PEER_COUNTS_PATH = "/fleetpilot/peer-counts"
-# A peer's counts stop counting once its last answer is this many intervals old: one lost
-# answer is noise, three in a row is a router gone (or partitioned away).
+# A peer's counts stop counting once it has missed this many asks in a row: one lost answer
+# is noise, three in a row is a router gone (or partitioned away).
 STALE_ROUNDS = 3
 # How often the headless Service's addresses are resolved again (router pods come and go at
 # the pace of a rollout, not of requests).
