@@ -3,8 +3,9 @@
 One :class:`Admission` per router replica owns what decides that: the per-client count of
 unfinished requests (``backpressure.maxUnfinishedPerClient``), the router-wide count of requests
 whose body arrived (``backpressure.maxInFlight``), the fair queue and its waiters
-(``routing.flow``), each tier's requests in flight per tenant with the tenants active there, and
-the cold-start hold of a request whose tier is at zero (``routing.hold``).
+(``routing.flow``), each tier's requests in flight per tenant with the tenants active there
+(its own, and its peer routers' as the peer exchange last reported them: ``routing.peers``),
+and the cold-start hold of a request whose tier is at zero (``routing.hold``).
 
 It asks the router only which tier a request would wait for and how many batch slots a tier
 has, and gets its routes from the "route now" function it is given; it never touches a
@@ -141,6 +142,11 @@ class Admission(Generic[R]):
         self._flight: dict[str, dict[str, int]] = {}
         self._seen: dict[tuple[str, str], float] = {}
         self._weights: dict[str, float] = {}
+        # The same per tier for the peer routers, summed (``set_peer_flows``): the tenants
+        # active at any of them, and what each has in flight there. With several router
+        # replicas each sees only its share of a tenant's requests, and a heavy tenant's share
+        # at every router would pass the headroom rule while together they fill every slot.
+        self._peer_flight: dict[str, dict[str, int]] = {}
         self.in_flight = 0
         # Per client (tenant, or source address without keys): requests from their headers
         # to their end, bodies still arriving included (backpressure.maxUnfinishedPerClient).
@@ -382,19 +388,65 @@ class Admission(Generic[R]):
 
     def _may_start(self, tenant: str, tier: str) -> bool:
         """Whether ``tenant`` may start one more request on ``tier`` now, the other tenants
-        active there keeping their headroom (``flow.may_start``)."""
+        active there - at this router or a peer - keeping their headroom (``flow.may_start``)."""
         flow = self.router.config.flow
         if flow is None or flow.headroom <= 0 or not tenant:
             return True
         flight = self._flight.get(tier, {})
-        since = self.clock() - ACTIVE_WINDOW_S
-        active = {t for t, n in flight.items() if n > 0}
-        active.update(t for (tr, t), at in self._seen.items() if tr == tier and at >= since)
+        active = self._active(tier)
+        peers = self._peer_flight.get(tier)
+        if peers:
+            active.update(peers)
+            flight = {t: flight.get(t, 0) + peers.get(t, 0) for t in active}
         active.add(tenant)
         if len(active) < 2:
             return True
-        weights = {t: self._weights.get(t, 1.0) for t in active}
+        weights = {t: self._weight(t) for t in active}
         return may_start(tenant, weights, flight, self.router.batch_slots(tier), flow.headroom)
+
+    def _active(self, tier: str) -> set[str]:
+        """The tenants active on ``tier`` at this router: in flight, or seen lately."""
+        since = self.clock() - ACTIVE_WINDOW_S
+        active = {t for t, n in self._flight.get(tier, {}).items() if n > 0}
+        active.update(t for (tr, t), at in self._seen.items() if tr == tier and at >= since)
+        return active
+
+    def active_tenants(self, tier: str) -> set[str]:
+        """The tenants active on ``tier`` at this router or a peer (who keeps headroom)."""
+        return self._active(tier) | set(self._peer_flight.get(tier, {}))
+
+    def _weight(self, tenant: str) -> float:
+        """A tenant's flow weight: as its last request here carried it, else as the keys
+        config gives it (a tenant only a peer has seen)."""
+        weight = self._weights.get(tenant)
+        if weight is not None:
+            return weight
+        auth = self.router.config.auth
+        for spec in auth.tenants if auth is not None else ():
+            if spec.name == tenant:
+                return spec.weight
+        return 1.0
+
+    # -- the peer routers --------------------------------------------------------------------
+    def flows(self) -> dict[str, dict[str, int]]:
+        """Per tier, this router's active tenants and their requests in flight there (0:
+        active, nothing in flight): what it tells its peers."""
+        tiers = set(self._flight) | {tier for tier, _ in self._seen}
+        out: dict[str, dict[str, int]] = {}
+        for tier in tiers:
+            flight = self._flight.get(tier, {})
+            active = self._active(tier)
+            if active:
+                out[tier] = {t: flight.get(t, 0) for t in sorted(active)}
+        return out
+
+    def set_peer_flows(self, flows: dict[str, dict[str, int]]) -> None:
+        """The live peers' ``flows`` summed (the peer exchange is the one writer). A change
+        may let a waiting request start (a peer's request ended): the next in turn is woken."""
+        if flows == self._peer_flight:
+            return
+        self._peer_flight = flows
+        self._wake_head()
 
     def _start_flight(self, entry: Entry, tier: str) -> None:
         """Count the request as its tenant's on ``tier`` (once)."""

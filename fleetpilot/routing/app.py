@@ -255,7 +255,9 @@ class RouterApp:
             timeout_s=config.connect_timeout.total_seconds(),
         )
         await self.prober.start()
-        self.peers = PeerExchange(self.router, self.metrics, self.router_id, self.auth.limiter)
+        self.peers = PeerExchange(
+            self.router, self.metrics, self.router_id, self.auth.limiter, self.proxy.admission
+        )
         await self.peers.start()
         if self.config_path is not None:
             self.watcher = ConfigWatcher(
@@ -405,7 +407,8 @@ class RouterApp:
             for r in self.router.replicas()
         )
         spent = self.auth.limiter.spent()
-        return web.json_response(encode_counts(self.router_id, counts, spent))
+        flows = self.proxy.admission.flows() if self.proxy is not None else {}
+        return web.json_response(encode_counts(self.router_id, counts, spent, flows))
 
     async def peer_counts_view(self, request: web.Request) -> web.Response:
         """``GET /fleetpilot/peer-counts`` on the public port: served where ``/metrics`` is

@@ -2,10 +2,12 @@
 
 A router counts exactly the requests it sent to each replica and has not finished
 (``in_flight``) and the prompt blocks of those still waiting for a first token
-(``pending_prefill``). With several router replicas - the chart runs two - each saw only its
-own share: two routers sending a hot tenant to the replica that caches it each saw half its
-queue, so neither spread it (bench/router_kv_events.py, the cluster trace: two router
-processes doubled TTFT p95 against one). The engines' scraped gauges see every client but
+(``pending_prefill``); its fair queue counts each tier's requests in flight per tenant and the
+tenants active there (``admission``), and its tenant limits what each tenant spent. With
+several router replicas - the chart runs two - each saw only its own share: two routers
+sending a hot tenant to the replica that caches it each saw half its queue, so neither spread
+it (bench/router_kv_events.py, the cluster trace: two router processes doubled TTFT p95
+against one). The engines' scraped gauges see every client but
 are a scrape interval old.
 
 So each router serves its own counts (``GET /fleetpilot/peer-counts``, on the metrics
@@ -19,6 +21,11 @@ must run or be reachable for routing to work.
 A peer that misses ``STALE_ROUNDS`` asks in a row is dropped: its counts stop counting,
 which is the routers' behaviour before this exchange (each alone), and
 ``fleetpilot_router_peers{state="lost"}`` says so.
+
+What is shared and what stays each router's own: the counts above are summed, so every
+router's picks, fair-queue headroom (``flow.may_start``: a heavy tenant's requests at every
+router together, against every slot) and tenant buckets see the whole fleet's; the fair
+queue's turns (its virtual tags) are each router's, over the requests waiting there.
 
 ``PeerBook`` is the pure part; ``PeerExchange`` does the I/O.
 """
@@ -41,6 +48,7 @@ from fleetpilot.api.router_config import Peers
 from fleetpilot.routing.tasks import ReplicaRounds
 
 if TYPE_CHECKING:
+    from fleetpilot.routing.admission import Admission
     from fleetpilot.routing.limits import Limiter
     from fleetpilot.routing.metrics import RouterMetrics
     from fleetpilot.routing.router import Router
@@ -87,21 +95,25 @@ class Counts:
 
 @dataclass(frozen=True, slots=True)
 class PeerCounts:
-    """What one router said it has at each replica (replicas with nothing are left out), and
-    what it took from each limited tenant's buckets in all (requests, tokens)."""
+    """What one router said it has at each replica (replicas with nothing are left out),
+    what it took from each limited tenant's buckets in all (requests, tokens), and per tier its
+    active tenants' requests in flight (``Admission.flows``)."""
 
     router: str
     replicas: Mapping[str, Counts]
     tenants: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    flows: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
 
 def encode_counts(
     router: str,
     replicas: Iterable[tuple[str, Counts]],
     tenants: Mapping[str, tuple[float, float]] | None = None,
+    flows: Mapping[str, Mapping[str, int]] | None = None,
 ) -> dict[str, Any]:
     """The JSON a router serves: its id; per replica it has anything at, [in flight, pending
-    prefill blocks, recent sends]; per tenant with limits, [requests, tokens] it took in all."""
+    prefill blocks, recent sends]; per tenant with limits, [requests, tokens] it took in all;
+    per tier, each active tenant's requests in flight there."""
     return {
         "router": router,
         "replicas": {
@@ -110,6 +122,7 @@ def encode_counts(
             if c.in_flight or c.pending_prefill or c.recent_sends
         },
         "tenants": {name: [r, t] for name, (r, t) in (tenants or {}).items()},
+        "flows": {tier: dict(active) for tier, active in (flows or {}).items()},
     }
 
 
@@ -155,7 +168,30 @@ def parse_counts(data: object) -> PeerCounts:
         if numbers is None:
             raise ValueError(f"tenant {name!r}: expected [requests, tokens] taken")
         spent[name] = (numbers[0], numbers[1])
-    return PeerCounts(router, parsed, spent)
+    return PeerCounts(router, parsed, spent, _parse_flows(data.get("flows", {})))
+
+
+def _parse_flows(flows: object) -> dict[str, dict[str, int]]:
+    """A peer's ``flows`` (absent from a router older than them: none)."""
+    if not isinstance(flows, dict):
+        raise ValueError("'flows' must be an object")
+    parsed: dict[str, dict[str, int]] = {}
+    entries = 0
+    for tier, active in flows.items():
+        if not isinstance(active, dict):
+            raise ValueError(f"flows of tier {tier!r}: expected an object of tenants")
+        entries += len(active)
+        if entries > MAX_REPLICAS:
+            raise ValueError(f"'flows' lists more than {MAX_REPLICAS} tenants")
+        counts = {}
+        for tenant, n in active.items():
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise ValueError(
+                    f"flows of tier {tier!r}, tenant {tenant!r}: expected a count >= 0"
+                )
+            counts[tenant] = n
+        parsed[tier] = counts
+    return parsed
 
 
 class PeerBook:
@@ -216,22 +252,41 @@ class PeerBook:
                 sums[rid] = c if had is None else had + c
         return sums
 
+    def flows(self) -> dict[str, dict[str, int]]:
+        """Per tier, the tenants active at any live peer and their requests in flight there,
+        summed."""
+        sums: dict[str, dict[str, int]] = {}
+        for peer in self.live_ids():
+            for tier, active in self._latest[peer].flows.items():
+                tier_sums = sums.setdefault(tier, {})
+                for tenant, n in active.items():
+                    tier_sums[tenant] = tier_sums.get(tenant, 0) + n
+        return sums
+
 
 class PeerExchange(ReplicaRounds):
     """Reads every peer's counts each round and writes their sums onto the replicas
-    (``ReplicaState.peer_in_flight``/``peer_pending``/``peer_recent``: this is their one
-    writer). It follows
-    the config's ``peers`` as it is reloaded: unset, a round clears the peers' counts."""
+    (``ReplicaState.peer_in_flight``/``peer_pending``/``peer_recent``), into the fair queue's
+    admission (``Admission.set_peer_flows``) and the tenant limiter: it is their one writer.
+    It follows the config's ``peers`` as it is reloaded: unset, a round clears the peers'
+    counts."""
 
     name = "peers"
 
     def __init__(
-        self, router: Router, metrics: RouterMetrics, router_id: str, limiter: Limiter
+        self,
+        router: Router,
+        metrics: RouterMetrics,
+        router_id: str,
+        limiter: Limiter,
+        admission: Admission[Any],
     ) -> None:
         super().__init__(router, metrics, interval_s=IDLE_INTERVAL_S, timeout_s=IDLE_INTERVAL_S)
         self.router_id = router_id
         # The tenants' buckets: debited by what the peers took (``routing.limits``).
         self.limiter = limiter
+        # The fair queue's counts of each tier's tenants (``routing.admission``).
+        self.admission = admission
         self.book = PeerBook()
         self._resolved: tuple[str, ...] = ()
         self._resolved_of: tuple[str, int] | None = None
@@ -292,6 +347,7 @@ class PeerExchange(ReplicaRounds):
             replica.peer_in_flight = c.in_flight
             replica.peer_pending = c.pending_prefill
             replica.peer_recent = c.recent_sends
+        self.admission.set_peer_flows(self.book.flows())
         live = self.book.live_ids()
         self.limiter.set_peers(len(live))
         # A lost peer's spending totals go: when it answers again its report is a new

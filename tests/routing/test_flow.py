@@ -13,6 +13,7 @@ import pytest
 from fleetpilot.api.router_config import AuthConfig, RouterConfig, TenantKeys
 from fleetpilot.routing.admission import ACTIVE_WINDOW_S
 from fleetpilot.routing.flow import FairQueue, QueueFullError, may_start
+from fleetpilot.runtime.processes import free_ports
 from tests.routing.support import (
     SHORT,
     FakeEngine,
@@ -304,3 +305,55 @@ async def test_a_tenant_silent_past_the_active_window_keeps_no_headroom(tmp_path
             assert len(proxy.admission.queue) == 0
             gate.set()
             assert await asyncio.gather(*floods) == [200] * 5
+
+
+@pytest.mark.asyncio
+async def test_two_routers_keep_a_tenant_active_at_either_its_headroom(tmp_path: Path) -> None:
+    """Two peered routers (``routing.peers``) in front of an engine of 4 slots, headroom 2.
+    Tenant b sent one request through the second router; tenant a floods 5 through the first,
+    which sees b active at its peer: a runs 2 and queues 3 (a router alone would have run 4),
+    and b's next request, through the second router, starts at once."""
+    gate = asyncio.Event()
+    engine = FakeEngine("e", gate=gate)
+    ports = free_ports(2)
+    peers = {"addresses": [f"127.0.0.1:{p}" for p in ports], "interval": "50ms"}
+    auth = AuthConfig(tenants=_tenants(tmp_path, "a", "b"))
+    async with engines(engine):
+        configs = [
+            make_config(
+                [tier("only", 1.0, [engine], max_num_seqs=4)],
+                auth=auth,
+                flow={"maxWait": "20s", "headroom": 2},
+                spillover={"enabled": False},
+                metricsPort=port,
+                peers=peers,
+            )
+            for port in ports
+        ]
+        async with running_router(configs[0]) as first, running_router(configs[1]) as second:
+            for router in (first, second):
+                await wait_for(
+                    lambda r=router: r.metric("fleetpilot_router_peers", state="live") == 1
+                )
+            flooded, quiet = first.state.proxy, second.state.proxy
+            assert flooded is not None
+            assert quiet is not None
+            # Time stands still at the second router: b stays active there however slow
+            # this machine is.
+            quiet.admission.clock = Clock()
+            b0 = asyncio.create_task(_send(second, "b", "b0"))
+            await _release_one_by_one(engine, gate, 1)
+            assert await b0 == 200
+            # The first router hears of b before a floods it.
+            await wait_for(lambda: flooded.admission.active_tenants("only") == {"b"})
+            floods = [asyncio.create_task(_send(first, "a", f"a{i}")) for i in range(5)]
+            await wait_for(lambda: len(engine.requests) == 3)
+            await wait_for(lambda: len(flooded.admission.queue) == 3)
+            # The second router hears of a before b's next request.
+            await wait_for(lambda: quiet.admission.active_tenants("only") == {"a", "b"})
+            b1 = asyncio.create_task(_send(second, "b", "b1"))
+            await wait_for(lambda: len(engine.requests) == 4)
+            assert engine.requests[-1]["prompt"] == "b1"
+            assert len(flooded.admission.queue) == 3
+            gate.set()
+            assert await asyncio.gather(*floods, b1) == [200] * 6

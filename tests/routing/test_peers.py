@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fleetpilot.api.router_config import EndpointGroup, RouterConfig
 from fleetpilot.routing.endpoints import Endpoint
 from fleetpilot.routing.peers import (
+    STALE_ROUNDS,
     Counts,
     PeerBook,
     PeerCounts,
@@ -91,6 +92,7 @@ def test_counts_round_trip_and_idle_replicas_are_left_out() -> None:
         "router": "a",
         "replicas": {"r1": [2, 12.5, 7.0], "r3": [0, 3.0, 0.0]},
         "tenants": {},
+        "flows": {},
     }
     assert parse_counts(wire).replicas == {"r1": Counts(2, 12.5, 7.0), "r3": Counts(0, 3.0)}
     # A router from before recent sends were shared (a rolling update) sends two numbers.
@@ -98,6 +100,21 @@ def test_counts_round_trip_and_idle_replicas_are_left_out() -> None:
     assert parse_counts(old) == counts("a", r1=(1, 4.0))
     spent = encode_counts("a", [], {"team": (3.0, 120.0)})
     assert parse_counts(spent).tenants == {"team": (3.0, 120.0)}
+    flows = encode_counts("a", [], flows={"small": {"team": 2, "quiet": 0}})
+    assert parse_counts(flows).flows == {"small": {"team": 2, "quiet": 0}}
+    assert parse_counts(old).flows == {}  # from before flows were shared: none
+
+
+def test_the_book_sums_the_live_peers_flows_per_tier_and_tenant() -> None:
+    """What each router's fair queue adds to its own: the tenants active at any peer (0 in
+    flight: active, keeping its headroom) and their requests in flight; a lost peer's go."""
+    book = PeerBook()
+    book.heard("b:1", PeerCounts("b", {}, flows={"small": {"x": 2, "y": 0}}))
+    book.heard("c:1", PeerCounts("c", {}, flows={"small": {"x": 1}, "large": {"y": 3}}))
+    assert book.flows() == {"small": {"x": 3, "y": 0}, "large": {"y": 3}}
+    for _ in range(STALE_ROUNDS):
+        book.missed("c:1")
+    assert book.flows() == {"small": {"x": 2, "y": 0}}
 
 
 @pytest.mark.parametrize(
@@ -113,6 +130,10 @@ def test_counts_round_trip_and_idle_replicas_are_left_out() -> None:
         ({"router": "a", "replicas": {"r": [1, float("nan")]}}, "replica 'r'"),
         ({"router": "a", "replicas": {}, "tenants": []}, "'tenants' must be an object"),
         ({"router": "a", "replicas": {}, "tenants": {"t": [1]}}, "tenant 't'"),
+        ({"router": "a", "replicas": {}, "flows": []}, "'flows' must be an object"),
+        ({"router": "a", "replicas": {}, "flows": {"s": [1]}}, "flows of tier 's'"),
+        ({"router": "a", "replicas": {}, "flows": {"s": {"t": -1}}}, "tenant 't'"),
+        ({"router": "a", "replicas": {}, "flows": {"s": {"t": 1.5}}}, "tenant 't'"),
     ],
 )
 def test_a_malformed_answer_is_refused_with_what_is_wrong(data: object, message: str) -> None:
