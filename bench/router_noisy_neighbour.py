@@ -22,11 +22,18 @@ Arms, each on a fresh fleet:
   free; with H > 0 B keeps H slots free while it is active (within its share), so it starts at
   once and A has the other slots.
 
-Reported per arm and tenant: requests, success rate, TTFT p50/p95 of the successful ones, and
-B's p95 against its unloaded value (the goal: within 1.5x with the fair queue; A gets the
-rest and does not starve). The machine has 2 shared cores: compare arms within one run.
+With ``--routers 1 2`` every loaded arm runs with one router and with two router replicas,
+each its own process, peered as a cluster's are (``routing.peers``: they share each tier's
+active tenants and their requests in flight, so the headroom holds across them), the clients
+alternating requests between them as the router Service spreads connections.
 
-Run: .venv/bin/python bench/router_noisy_neighbour.py [--duration 60] [--seed 0] [--save]
+Reported per arm and tenant: requests, success rate, TTFT p50/p95 of the successful ones, and
+B's p95 against its unloaded value (the goal: within 1.5x with the fair queue, and no worse
+with two routers than with one; A gets the rest and does not starve). The machine has 2
+shared cores: compare arms within one run.
+
+Run: .venv/bin/python bench/router_noisy_neighbour.py [--duration 60] [--seed 0]
+     [--routers 1 2] [--save]
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from router_support import machine, save
+from router_support import commit, machine, save
 
 from fleetpilot.api import InferenceService, load_services
 from fleetpilot.loadgen.runner import RequestRecord, RunConfig, Runner, Schedule
@@ -130,6 +137,7 @@ def run_arm(
     rates: dict[str, float],
     args: argparse.Namespace,
     folder: Path,
+    routers: int = 1,
 ) -> dict[str, Any]:
     keys = folder / "keys" / "keys"
     keys.mkdir(parents=True, exist_ok=True)
@@ -144,14 +152,17 @@ def run_arm(
         max_replicas_per_role=2,
         step_delay_s=args.step_delay,
         auth_dir=keys.parent,
+        routers=routers,
     )
     records: dict[str, list[RequestRecord]] = {tenant: [] for tenant in rates}
     fleet.start()
     try:
 
         def load(tenant: str) -> None:
+            urls = fleet.router_urls()
             config = RunConfig(
-                base_url=fleet.endpoint,
+                base_url=urls[0],
+                more_urls=tuple(urls[1:]),
                 model=MODEL,
                 schedule=Schedule.constant(rates[tenant]),
                 duration_s=args.duration,
@@ -171,11 +182,12 @@ def run_arm(
             fleet.supervise_once()
             for thread in threads:
                 thread.join(0.2)
-        waits = queue_waits(fleet.router_metrics_address)
+        waits = queue_waits([f"127.0.0.1:{port}" for port in fleet.router_metrics_ports])
     finally:
         fleet.stop()
     return {
         "arm": name,
+        "routers": routers,
         "flow_control": flow,
         "headroom": headroom if flow else None,
         "rates": rates,
@@ -184,21 +196,24 @@ def run_arm(
     }
 
 
-def queue_waits(metrics_address: str) -> dict[str, dict[str, float]]:
-    """Per tenant, the router's fair-queue wait histogram: how many requests waited for
-    capacity, and how many of those longer than each bucket bound."""
-    text = httpx.get(f"http://{metrics_address}/metrics", timeout=10).text
+def queue_waits(metrics_addresses: list[str]) -> dict[str, dict[str, float]]:
+    """Per tenant, the routers' fair-queue wait histograms summed: how many requests waited
+    for capacity, and how many of those longer than each bucket bound."""
     out: dict[str, dict[str, float]] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name != "fleetpilot_router_queue_wait_seconds":
-            continue
-        for sample in family.samples:
-            tenant = sample.labels.get("tenant", "")
-            entry = out.setdefault(tenant, {})
-            if sample.name.endswith("_count"):
-                entry["queued"] = sample.value
-            elif sample.name.endswith("_bucket"):
-                entry[f"le_{sample.labels['le']}"] = sample.value
+    for address in metrics_addresses:
+        text = httpx.get(f"http://{address}/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            if family.name != "fleetpilot_router_queue_wait_seconds":
+                continue
+            for sample in family.samples:
+                entry = out.setdefault(sample.labels.get("tenant", ""), {})
+                if sample.name.endswith("_count"):
+                    key = "queued"
+                elif sample.name.endswith("_bucket"):
+                    key = f"le_{sample.labels['le']}"
+                else:
+                    continue
+                entry[key] = entry.get(key, 0.0) + sample.value
     return out
 
 
@@ -219,20 +234,27 @@ def main() -> None:
     parser.add_argument("--skip-fcfs", action="store_true", help="no first-come arm")
     parser.add_argument("--weight-b", type=float, default=1.0, help="B's flowControl weight")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--routers", type=int, nargs="+", default=[1], help="router replicas of the loaded arms"
+    )
     parser.add_argument("--save", action="store_true")
     args = parser.parse_args()
     both = {"a": args.rate_b * args.noise, "b": args.rate_b}
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        arms: list[tuple[str, bool, int, dict[str, float]]] = [
-            ("B alone", False, 0, {"b": args.rate_b})
+        arms: list[tuple[str, bool, int, dict[str, float], int]] = [
+            ("B alone", False, 0, {"b": args.rate_b}, 1)
         ]
-        if not args.skip_fcfs:
-            arms.append(("first come, first served", False, 0, both))
-        arms += [(f"fair queue, headroom {h}", True, h, both) for h in args.headroom]
-        for name, flow, headroom, rates in arms:
-            results.append(run_arm(name, flow, headroom, rates, args, folder))
+        for routers in args.routers:
+            suffix = "" if args.routers == [1] else f", {routers} router{'s' * (routers > 1)}"
+            if not args.skip_fcfs:
+                arms.append((f"first come, first served{suffix}", False, 0, both, routers))
+            arms += [
+                (f"fair queue, headroom {h}{suffix}", True, h, both, routers) for h in args.headroom
+            ]
+        for name, flow, headroom, rates, routers in arms:
+            results.append(run_arm(name, flow, headroom, rates, args, folder, routers))
             print(f"done: {name}", flush=True)
     unloaded = results[0]["tenants"]["b"]["ttft_p95_s"]
     print(
@@ -241,7 +263,7 @@ def main() -> None:
         f"B's weight {args.weight_b:g}"
     )
     print(
-        f"{'arm':28} {'tenant':6} {'reqs':>5} {'ok':>6} {'TTFT p50':>10} {'TTFT p95':>10}  vs alone"
+        f"{'arm':40} {'tenant':6} {'reqs':>5} {'ok':>6} {'TTFT p50':>10} {'TTFT p95':>10}  vs alone"
     )
     for result in results:
         for tenant, s in result["tenants"].items():
@@ -250,7 +272,7 @@ def main() -> None:
                 ratio = f"{s['ttft_p95_s'] / unloaded:.2f}x"
             rate = s["success_rate"]
             print(
-                f"{result['arm']:28} {tenant:6} {s['requests']:>5} "
+                f"{result['arm']:40} {tenant:6} {s['requests']:>5} "
                 f"{(f'{rate:.0%}' if rate is not None else '-'):>6} "
                 f"{_ms(s['ttft_p50_s']):>10} {_ms(s['ttft_p95_s']):>10}  {ratio}"
             )
@@ -261,17 +283,22 @@ def main() -> None:
             queued = b.get("queued", 0.0)
             longer = {bound: queued - b.get(f"le_{bound}", 0.0) for bound in ("0.1", "0.25", "0.5")}
             print(
-                f"  {result['arm']:28} {queued:4.0f} queued; "
+                f"  {result['arm']:40} {queued:4.0f} queued; "
                 + ", ".join(f"{n:.0f} > {bound} s" for bound, n in longer.items())
             )
     if args.save:
         name = "router_noisy_neighbour"
         if args.weight_b != 1.0:
             name += f"_weight_b_{args.weight_b:g}"
+        if args.routers != [1]:
+            name += "_routers"
+        if args.seed != 0:
+            name += f"_seed_{args.seed}"
         path = save(
             name,
             {
                 "benchmark": "router_noisy_neighbour",
+                "commit": commit(),
                 "machine": machine(),
                 "args": vars(args),
                 "results": results,

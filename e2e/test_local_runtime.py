@@ -16,14 +16,17 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.support import free_port_range, route_fields
 from fleetpilot.api import load_services
 from fleetpilot.runtime.local import LocalFleet
 from fleetpilot.runtime.processes import PortInUseError, port_in_use
+from fleetpilot.testing.polling import eventually
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "local-two-tier.yaml"
@@ -351,3 +354,45 @@ def test_an_engine_with_a_cold_start_joins_the_router_only_once_ready(tmp_path: 
         assert 503 in seen  # it listened, starting, before it was ready
         assert "cold start: ready in 3.0 s" in added.child.log_path.read_text()
     assert fleet.leftovers() == []
+
+
+def _peers_live(metrics_port: int) -> float | None:
+    """The router's ``fleetpilot_router_peers{state="live"}``, or None (not answering yet)."""
+    try:
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "fleetpilot_router_peers" and sample.labels["state"] == "live":
+                return sample.value
+    return None
+
+
+def test_two_router_replicas_serve_peered_and_a_killed_one_rejoins(tmp_path: Path) -> None:
+    """``routers=2``: two router processes, each on its own ports, each serving the service and
+    hearing the other over the peer exchange, as a cluster's router pods do; one killed is
+    restarted by supervision and is heard from again."""
+    (service,) = load_services(EXAMPLE)
+    local = LocalFleet(service, tmp_path, 0, max_replicas_per_role=1, routers=2)
+    local.start()
+    try:
+        assert len(set(local.router_ports)) == 2
+        for url in local.router_urls():
+            with openai.OpenAI(base_url=url, api_key="unused", max_retries=0) as api:
+                answer = api.chat.completions.create(
+                    model="local", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                )
+            assert answer.choices[0].message.content is not None
+        for port in local.router_metrics_ports:
+            eventually(f"router on {port} hears its peer", lambda p=port: _peers_live(p),
+                       until=lambda live: live == 1)  # fmt: skip
+        second = local.routers[1]
+        os.killpg(second.pid, signal.SIGKILL)
+        eventually("the killed router is restarted", lambda: local.supervise_once() or None)
+        eventually("the first router hears its restarted peer",
+                   lambda: _peers_live(local.router_metrics_ports[0]),
+                   until=lambda live: live == 1)  # fmt: skip
+    finally:
+        local.stop()
+        assert local.leftovers() == []

@@ -196,6 +196,9 @@ class RunConfig:
     ignore_eos: bool = False
     # Each request's model from a mix (LoRA adapters by popularity) instead of ``model``.
     model_mix: ModelMix | None = None
+    # More base URLs of the same service (router replicas): requests alternate over
+    # ``base_url`` and these, as a Service spreads connections.
+    more_urls: tuple[str, ...] = ()
 
     def model_for(self, index: int) -> str:
         return self.model_mix.model(index) if self.model_mix is not None else self.model
@@ -211,6 +214,13 @@ class RunConfig:
     @property
     def url(self) -> str:
         return self.base_url.rstrip("/") + "/chat/completions"
+
+    def url_for(self, index: int) -> str:
+        """Where request ``index`` goes: the base URLs in turn."""
+        if not self.more_urls:
+            return self.url
+        bases = (self.base_url, *self.more_urls)
+        return bases[index % len(bases)].rstrip("/") + "/chat/completions"
 
 
 @dataclass
@@ -373,7 +383,7 @@ class Runner:
         body = spec.body(self.config.model_for(rec.index), ignore_eos=self.config.ignore_eos)
         first: float | None = None
         last: float | None = None
-        async with client.stream("POST", self.config.url, json=body) as resp:
+        async with client.stream("POST", self.config.url_for(rec.index), json=body) as resp:
             rec.status = resp.status_code
             rec.route = parse_route(resp.headers.get(ROUTE_HEADER))
             if resp.status_code >= 400:

@@ -35,7 +35,7 @@ from pathlib import Path
 import yaml
 
 from fleetpilot.api import InferenceService, ResolvedRole, RoleName
-from fleetpilot.api.router_config import ROUTER_CONFIG_FILE, AuthConfig, RouterConfig
+from fleetpilot.api.router_config import ROUTER_CONFIG_FILE, AuthConfig, Peers, RouterConfig
 from fleetpilot.api.status import (
     ColdStart,
     ColdStartSample,
@@ -136,6 +136,7 @@ class LocalFleet:
         say: Callable[[str], None] | None = None,
         auth_dir: Path | None = None,
         liveness: LivenessProbe | None = None,
+        routers: int = 1,
     ) -> None:
         """``python`` runs the router (and the reference engines of the default backend);
         ``cold_start_s``: how long each engine of the default backend, those added later
@@ -146,9 +147,14 @@ class LocalFleet:
         API keys of ``routing.auth`` are, as ``<secret>/<key>`` files (a cluster mounts the
         Secrets so); without it the local router admits every request; ``liveness``: how
         every child (engines, router, what else is started under this fleet's supervisor) is
-        probed for liveness by :meth:`supervise_once` (the kubelet-like defaults)."""
+        probed for liveness by :meth:`supervise_once` (the kubelet-like defaults);
+        ``routers``: how many router replicas, each its own process with its own ports, peered
+        over their metrics ports as a cluster's are over their headless Service
+        (``routing.peers``). Clients spread their requests over :attr:`endpoints`."""
         if max_replicas_per_role < 1:
             raise ValueError("max_replicas_per_role must be at least 1")
+        if routers < 1:
+            raise ValueError("routers must be at least 1")
         if not (math.isfinite(cold_start_s) and cold_start_s >= 0):
             raise ValueError("cold_start_s must be a finite number of seconds, 0 or more")
         if not (math.isfinite(step_delay_s) and step_delay_s >= 0):
@@ -220,7 +226,14 @@ class LocalFleet:
         # The router's /metrics on a port of its own, as the operator plans it (after every
         # other, so the engines' ports stay where they were).
         self.router_metrics_port = next_port(port)
-        self.router: Child | None = None
+        # Further router replicas: a public and a metrics port each, after every other.
+        self.router_ports = [self.router_port]
+        self.router_metrics_ports = [self.router_metrics_port]
+        port = self.router_metrics_port
+        for _ in range(routers - 1):
+            self.router_ports.append(port := next_port(port))
+            self.router_metrics_ports.append(port := next_port(port))
+        self.routers: list[Child] = []
 
     def _replica(
         self,
@@ -261,9 +274,19 @@ class LocalFleet:
         return self.health_timeout_s + self.cold_start_s
 
     @property
+    def router(self) -> Child | None:
+        """The first router replica's process, once started."""
+        return self.routers[0] if self.routers else None
+
+    @property
     def endpoint(self) -> str:
-        """The OpenAI-compatible base URL clients use."""
-        return f"http://{HOST}:{self.router_port}/v1"
+        """The OpenAI-compatible base URL clients use (the first router replica's)."""
+        return self.router_urls()[0]
+
+    def router_urls(self) -> list[str]:
+        """Every router replica's OpenAI-compatible base URL: what a client spreads its
+        requests over, as a cluster's router Service spreads connections."""
+        return [f"http://{HOST}:{port}/v1" for port in self.router_ports]
 
     @property
     def router_metrics_address(self) -> str:
@@ -273,7 +296,13 @@ class LocalFleet:
 
     @property
     def config_path(self) -> Path:
-        return self.workdir / ROUTER_CONFIG_FILE
+        """The (first) router replica's config file."""
+        return self.router_config_path(0)
+
+    def router_config_path(self, index: int) -> Path:
+        if index == 0:
+            return self.workdir / ROUTER_CONFIG_FILE
+        return self.workdir / f"router-{index}-{ROUTER_CONFIG_FILE}"
 
     @property
     def endpoints_path(self) -> Path:
@@ -282,6 +311,10 @@ class LocalFleet:
     def ports(self) -> dict[str, int]:
         """Every port the fleet listens on, by what listens there."""
         ports = {"router": self.router_port, "router metrics": self.router_metrics_port}
+        for i, (port, metrics) in enumerate(
+            zip(self.router_ports[1:], self.router_metrics_ports[1:], strict=True), 1
+        ):
+            ports[f"router-{i}"], ports[f"router-{i} metrics"] = port, metrics
         for r in self.replicas:
             ports[r.name] = r.port
             if r.kv_ports is not None:
@@ -290,11 +323,11 @@ class LocalFleet:
                 ports[f"{r.name} {name}"] = port
         return ports
 
-    def router_config(self) -> RouterConfig:
-        """The planner's router config for this machine: the engines' batch limit and
-        tokenizer, no addresses (the endpoints file lists them), and each tier's observed cold
-        start from the fleet's own status (the router holds a request for a tier at zero that
-        long, as in a cluster)."""
+    def router_config(self, index: int = 0) -> RouterConfig:
+        """The planner's router config for this machine's router replica ``index``: the
+        engines' batch limit and tokenizer, no addresses (the endpoints file lists them), each
+        tier's observed cold start from the fleet's own status (the router holds a request for
+        a tier at zero that long, as in a cluster), and its peers' metrics addresses."""
         config = router_config(self.service.model_copy(update={"status": self.status()}))
         specs = {tier.name: tier for tier in self.service.spec.tiers}
         tiers = []
@@ -318,14 +351,20 @@ class LocalFleet:
                     update={"endpoints": groups, "tokenizer": self.backend.router_tokenizer()}
                 )
             )
+        # No cluster DNS name to resolve for the peers here: their static addresses (every
+        # replica's, this one's among them: it knows itself by its id), none for one router.
+        peers = (
+            Peers(addresses=[f"{HOST}:{port}" for port in self.router_metrics_ports])
+            if len(self.router_ports) > 1
+            else None
+        )
         return config.model_copy(
             update={
-                "port": self.router_port,
-                "metrics_port": self.router_metrics_port,
+                "port": self.router_ports[index],
+                "metrics_port": self.router_metrics_ports[index],
                 "tiers": tiers,
                 "auth": self._local_auth(config),
-                # One router: no peers, and no cluster DNS name to resolve for them.
-                "peers": None,
+                "peers": peers,
             }
         )
 
@@ -398,23 +437,27 @@ class LocalFleet:
                         f"({replica.name}, {waited:.0f} s)"
                     )
             self.write_router_config()
-            router_argv = [
-                *(self.python, "-m", "fleetpilot", "router"),
-                *("--config", str(self.config_path), "--host", HOST),
-                *("--port", str(self.router_port), "--discovery", "static"),
-                *("--endpoints-file", str(self.endpoints_path)),
-                *("--log-format", "plain", "--log-level", "warning"),
-                # A local fleet's addresses are loopback ports its user can see anyway; the
-                # demo and e2e tests read which replica served from the route header.
-                "--debug-route-header",
-            ]
-            self.router = self.supervisor.start(
-                "router",
-                router_argv,
-                health_url=f"http://{HOST}:{self.router_port}/health",
-                env={"PYTHONUNBUFFERED": "1"},
-            )
-            self.supervisor.wait_healthy(self.router, self.health_timeout_s)
+            for index, port in enumerate(self.router_ports):
+                router_argv = [
+                    *(self.python, "-m", "fleetpilot", "router"),
+                    *("--config", str(self.router_config_path(index)), "--host", HOST),
+                    *("--port", str(port), "--discovery", "static"),
+                    *("--endpoints-file", str(self.endpoints_path)),
+                    *("--log-format", "plain", "--log-level", "warning"),
+                    # A local fleet's addresses are loopback ports its user can see anyway;
+                    # the demo and e2e tests read which replica served from the route header.
+                    "--debug-route-header",
+                ]
+                self.routers.append(
+                    self.supervisor.start(
+                        "router" if index == 0 else f"router-{index}",
+                        router_argv,
+                        health_url=f"http://{HOST}:{port}/health",
+                        env={"PYTHONUNBUFFERED": "1"},
+                    )
+                )
+            for child in self.routers:
+                self.supervisor.wait_healthy(child, self.health_timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -475,9 +518,9 @@ class LocalFleet:
         them and must never read one half-written (a temporary file in the same directory,
         then a rename)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        _write_atomic(
-            self.config_path, yaml.safe_dump(self.router_config().to_wire(), sort_keys=False)
-        )
+        for index in range(len(self.router_ports)):
+            config = self.router_config(index).to_wire()
+            _write_atomic(self.router_config_path(index), yaml.safe_dump(config, sort_keys=False))
         _write_atomic(self.endpoints_path, yaml.safe_dump(self.endpoints(), sort_keys=False))
 
     def role_replicas(self, tier: str, role: str) -> list[Replica]:

@@ -86,6 +86,23 @@ async def test_closed_loop_records_a_streamed_answer() -> None:
     assert r.route.prefix_match == 0.5
 
 
+@pytest.mark.asyncio
+async def test_requests_alternate_over_the_router_replicas_urls() -> None:
+    """With more base URLs (router replicas), request i goes to the (i mod n)th, as a Service
+    spreads connections over its endpoints."""
+    hosts: dict[int, str] = {}
+
+    def record(request: httpx.Request) -> httpx.Response:
+        index = len(hosts)
+        hosts[index] = request.url.host
+        return good(request)
+
+    cfg = config(max_requests=6, more_urls=("http://second/v1", "http://third/v1/"))
+    result = await runner(cfg, record).run()
+    assert all(r.ok for r in result.records)
+    assert [hosts[i] for i in range(6)] == ["test", "second", "third"] * 2
+
+
 @pytest.mark.parametrize(
     ("handler", "kind"),
     [
