@@ -53,6 +53,10 @@ def write_config(tmp_path: Path, engine: str, **overrides: Any) -> Path:
     group = EndpointGroup(role="unified", service="svc", selector={}, port=8000,
                           max_num_seqs=16, addresses=[engine])  # fmt: skip
     tier = RouterTier(name="small", model=MODEL, up_to=1.0, mode="unified", endpoints=[group])
+    # Scrapes of a generous timeout: on a busy machine the engine may take longer than the
+    # test default to answer /metrics, and three misses would eject it as frozen (503s that
+    # have nothing to do with slow bodies).
+    overrides = {"scrape": {"timeout": "5s"}, **overrides}
     path = tmp_path / "router.yaml"
     path.write_text(yaml.safe_dump(make_config([tier], **overrides).to_wire()))
     return path

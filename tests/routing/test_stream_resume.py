@@ -123,32 +123,38 @@ async def test_a_killed_engine_s_stream_continues_identically_on_another_replica
     """SIGKILL the engine mid-stream: the client reads one stream, ended by one [DONE], with
     one id, whose text and usage equal an uninterrupted run's; counted as resumed."""
     request = body("A stream that outlives its engine")
-    async with running_router(config_for(fleet, ["e0", "e1"])) as router:
-        async with aiohttp.ClientSession() as session:
-            whole, _ = await stream(session, router, fleet, request)
-            expected, expected_usage, _ = text_and_usage(whole)
-            assert expected_usage["completion_tokens"] == MAX_TOKENS
+    killed: list[str] = []
+    try:
+        async with running_router(config_for(fleet, ["e0", "e1"])) as router:
+            async with aiohttp.ClientSession() as session:
+                whole, _ = await stream(session, router, fleet, request)
+                expected, expected_usage, _ = text_and_usage(whole)
+                assert expected_usage["completion_tokens"] == MAX_TOKENS
 
-            def kill(name: str) -> None:
-                os.killpg(fleet.children[name].pid, signal.SIGKILL)
+                def kill(name: str) -> None:
+                    os.killpg(fleet.children[name].pid, signal.SIGKILL)
+                    killed.append(name)
 
-            events, killed = await stream(
-                session, router, fleet, request, after_events=3, fault=kill
+                events, _ = await stream(
+                    session, router, fleet, request, after_events=3, fault=kill
+                )
+            text, usage, ids = text_and_usage(events)
+            assert events.count("[DONE]") == 1
+            assert events[-1] == "[DONE]"
+            assert len(ids) == 1
+            assert text == expected
+            counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+            assert [usage[k] for k in counts] == [expected_usage[k] for k in counts]
+            resumed = router.metric(
+                "fleetpilot_router_stream_resumes_total", tier="small", outcome="resumed"
             )
-        text, usage, ids = text_and_usage(events)
-        assert events.count("[DONE]") == 1
-        assert events[-1] == "[DONE]"
-        assert len(ids) == 1
-        assert text == expected
-        counts = ("prompt_tokens", "completion_tokens", "total_tokens")
-        assert [usage[k] for k in counts] == [expected_usage[k] for k in counts]
-        assert (
-            router.metric("fleetpilot_router_stream_resumes_total", tier="small", outcome="resumed")
-            == 1
-        )
-    # The next test needs two engines again.
-    fleet.start(killed, MODEL)
-    fleet.wait()
+            assert resumed == 1
+    finally:
+        # The next tests need two engines again, whether or not this one passed: a failure
+        # here must not fail them too.
+        for name in killed:
+            fleet.start(name, MODEL)
+        fleet.wait()
 
 
 async def test_a_frozen_engine_s_chat_stream_continues_for_the_openai_client(
