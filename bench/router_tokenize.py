@@ -98,7 +98,9 @@ class Text:
         return " ".join(out)
 
 
-def train_bpe(text: Text, vocab_size: int = 32_000) -> RequestTokenizer:
+def _bpe(text: Text, vocab_size: int) -> tuple[Tokenizer, dict[str, Any]]:
+    """A byte-level BPE of ``vocab_size`` trained on ``text`` with ChatML specials, and its
+    tokenizer config (the chat template)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -110,7 +112,22 @@ def train_bpe(text: Text, vocab_size: int = 32_000) -> RequestTokenizer:
     )
     tok.train_from_iterator((text.paragraph(200) for _ in range(8_000)), trainer)
     config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML}
+    return tok, config
+
+
+def train_bpe(text: Text, vocab_size: int = 32_000) -> RequestTokenizer:
+    tok, config = _bpe(text, vocab_size)
     return RequestTokenizer(tok.to_str(), config, source="bpe32k")
+
+
+def train_bpe_files(text: Text, folder: Path, vocab_size: int = 32_000) -> Path:
+    """The same BPE as a model directory a router loads (``tokenizer.json`` and
+    ``tokenizer_config.json``): ``folder``."""
+    tok, config = _bpe(text, vocab_size)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
 
 
 class TransformersRendered(RequestTokenizer):

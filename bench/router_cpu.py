@@ -1,0 +1,476 @@
+"""Router CPU per request against production-stack's router, open loop, in one run (issue 44,
+item 4: at most a quarter of production-stack's, with the KV-event tokenizer on).
+
+Every router is its own process pinned to CPU 0; the echo engine and this load generator share
+CPU 1. The echo engine answers chat completions at once (whole, or 5 SSE chunks and
+``[DONE]``), serves vLLM's gauges on /metrics and, like a vLLM engine run with
+``--kv-events-config``, publishes a ``BlockStored`` batch on its ZMQ socket for each request
+(one block per 16 tokens of the prompt, as the engine caches it), so the router subscribes,
+decodes and indexes events as in a cluster.
+
+Load: chat completions with a system prompt of one of 12 tenants (150-600 words) and a user
+message (20-80 words), a thousand distinct bodies in turn, sent open loop at ``--rate``
+req/s (Poisson) for ``--duration`` seconds after a warm-up, over a pool of keep-alive
+connections. The router's CPU time (user + system, every thread) over the measured window,
+divided by the requests answered in it, is its CPU per request.
+
+Arms:
+- ``fleetpilot``: ``fleetpilot router`` with the tier's tokenizer (a byte-level BPE of ~32k
+  tokens trained here, ChatML: ``router_tokenize.train_bpe_files``) and the engine's KV events:
+  each request is rendered, tokenized (prefix-cached), keyed and looked up in the event index;
+- ``fleetpilot, guessed``: the same router without a tokenizer (its guessed text index);
+- ``prodstack-rr`` / ``prodstack-prefix``: production-stack's router (``prodstack_router``,
+  skipped when not installed) with ``roundrobin`` / ``prefixaware``.
+
+Run: .venv/bin/python bench/router_cpu.py [--rate 500] [--duration 20] [--rounds 1] [--save]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import prodstack_router
+import yaml
+from router_fleet import cpu_seconds, fleetpilot_routers
+from router_support import (
+    _METRICS,
+    _Client,
+    _http_chunk,
+    commit,
+    free_port,
+    machine,
+    percentile,
+    pin,
+    process,
+    raise_fd_limit,
+    request_bytes,
+    save,
+)
+from router_tokenize import Text, train_bpe_files
+
+from fleetpilot.api.router_config import RouterConfig
+from fleetpilot.engine.reference.kv_publisher import KVEventPublisher, KVEventsConfig
+from fleetpilot.kv_events import BlockStored, EventBatch
+
+MODEL = "bench"
+BLOCK_SIZE = 16
+BODIES = 1000
+TENANTS = 12
+WARMUP_S = 3.0
+CONNECTIONS = 128
+ARMS = ("fleetpilot", "fleetpilot, guessed", "prodstack-rr", "prodstack-prefix")
+
+_CHAT = json.dumps(
+    {
+        "id": "chatcmpl-echo",
+        "object": "chat.completion",
+        "created": 0,
+        "model": MODEL,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "hello from the echo engine"},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 300, "completion_tokens": 6, "total_tokens": 306},
+    }
+).encode()
+_CHAT_CHUNK = (
+    b'data: {"id":"chatcmpl-echo","object":"chat.completion.chunk","created":0,"model":"bench",'
+    b'"choices":[{"index":0,"delta":{"content":"tok "},"finish_reason":null}]}\n\n'
+)
+_OK_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+_STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+
+
+# -- the echo engine with KV events -----------------------------------------------------------
+
+
+class KVEchoProtocol(asyncio.Protocol):
+    """One keep-alive connection of the echo engine; each chat request publishes its blocks."""
+
+    publisher: KVEventPublisher
+    rng = random.Random(0)
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while (end := self.buf.find(b"\r\n\r\n")) >= 0:
+            head = bytes(self.buf[:end]).lower()
+            i = head.find(b"content-length:")
+            length = int(head[i + 15 : head.find(b"\r\n", i) % (len(head) + 1)]) if i >= 0 else 0
+            total = end + 4 + length
+            if len(self.buf) < total:
+                return
+            body = bytes(self.buf[end + 4 : total])
+            del self.buf[:total]
+            self._answer(head, body)
+
+    def _answer(self, head: bytes, body: bytes) -> None:
+        t = self.transport
+        assert t is not None
+        if head.startswith(b"get /metrics"):
+            t.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(_METRICS), _METRICS))
+            return
+        if head.startswith(b"get "):
+            t.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            return
+        self._publish(len(body) // 4)  # ~4 characters a token
+        if b'"stream": true' in body or b'"stream":true' in body:
+            t.write(_STREAM_HEAD)
+            for _ in range(5):
+                t.write(_http_chunk(_CHAT_CHUNK))
+            t.write(_http_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        else:
+            t.write(_OK_HEAD % len(_CHAT) + _CHAT)
+
+    def _publish(self, tokens: int) -> None:
+        blocks = max(1, tokens // BLOCK_SIZE)
+        hashes: list[bytes | int] = [self.rng.getrandbits(63) for _ in range(blocks)]
+        stored = BlockStored(
+            block_hashes=hashes, parent_block_hash=None, token_ids=[0] * (blocks * BLOCK_SIZE),
+            block_size=BLOCK_SIZE, lora_id=None, medium="GPU", lora_name=None,
+        )  # fmt: skip
+        self.publisher.publish(EventBatch(ts=time.time(), events=[stored]))
+
+
+async def serve_kv_echo(port: int, events_port: int, replay_port: int) -> None:
+    KVEchoProtocol.publisher = KVEventPublisher(
+        KVEventsConfig(
+            enable_kv_cache_events=True,
+            endpoint=f"tcp://127.0.0.1:{events_port}",
+            replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+        )
+    )
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(KVEchoProtocol, "127.0.0.1", port, backlog=4096)
+    async with server:
+        await server.serve_forever()
+
+
+# -- load ---------------------------------------------------------------------------------------
+
+
+def bodies(seed: int, stream: bool) -> list[bytes]:
+    """The requests, in turn: each tenant's system prompt and a user message of its own."""
+    text = Text(seed)
+    rng = random.Random(seed)
+    systems = [text.paragraph(rng.randint(150, 600)) for _ in range(TENANTS)]
+    out = []
+    for i in range(BODIES):
+        messages = [
+            {"role": "system", "content": systems[i % TENANTS]},
+            {"role": "user", "content": text.paragraph(rng.randint(20, 80))},
+        ]
+        body = {"model": MODEL, "messages": messages, "max_tokens": 8, "stream": stream}
+        out.append(request_bytes("/v1/chat/completions", body))
+    return out
+
+
+async def open_loop(
+    port: int, payloads: Sequence[bytes], rate: float, duration_s: float, seed: int
+) -> dict[str, Any]:
+    """Poisson arrivals at ``rate`` for ``WARMUP_S + duration_s`` over up to ``CONNECTIONS``
+    keep-alive connections (a request that finds none idle is dropped and counted); the
+    latencies and answers of those sent after the warm-up, and the window's bounds."""
+    loop = asyncio.get_running_loop()
+    idle: list[_Client] = []
+    for _ in range(CONNECTIONS):
+        _, client = await loop.create_connection(_Client, "127.0.0.1", port)
+        idle.append(client)
+    rng = random.Random(seed)
+    start = time.perf_counter()
+    measure_from, stop_at = start + WARMUP_S, start + WARMUP_S + duration_s
+    latencies: list[float] = []
+    statuses: dict[int, int] = {}
+    dropped = errors = 0
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def send(client: _Client, payload: bytes, sent: float) -> None:
+        nonlocal errors
+        try:
+            status, _ = await asyncio.wait_for(client.send(payload), 30)
+        except (ConnectionError, TimeoutError):
+            errors += sent >= measure_from
+            return
+        done = time.perf_counter()
+        if not client.closed:
+            idle.append(client)
+        if sent >= measure_from:
+            statuses[status] = statuses.get(status, 0) + 1
+            if status == 200:
+                latencies.append(done - sent)
+
+    at = start
+    index = 0
+    while True:
+        at += rng.expovariate(rate)
+        if at >= stop_at:
+            break
+        delay = at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if not idle:
+            dropped += at >= measure_from
+            continue
+        task = loop.create_task(send(idle.pop(), payloads[index % len(payloads)], at))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        index += 1
+    if tasks:
+        await asyncio.wait(tasks, timeout=30)
+    for client in idle:
+        if client.transport is not None:
+            client.transport.close()
+    return {
+        "window": (measure_from, stop_at),
+        "answered": len(latencies),
+        "statuses": {str(k): v for k, v in sorted(statuses.items())},
+        "dropped": dropped,
+        "errors": errors,
+        "p50_ms": percentile(latencies, 0.5) * 1e3,
+        "p99_ms": percentile(latencies, 0.99) * 1e3,
+    }
+
+
+def measured(
+    pid: int, port: int, payloads: Sequence[bytes], args: argparse.Namespace
+) -> dict[str, Any]:
+    """One load run against the router ``pid`` serving on ``port``: its latencies and its CPU
+    per answered request over the measured window."""
+    loop = asyncio.new_event_loop()
+    cpu: dict[str, float] = {}
+
+    async def run() -> dict[str, Any]:
+        async def sample_at(name: str, when: float) -> None:
+            await asyncio.sleep(max(0.0, when - time.perf_counter()))
+            cpu[name] = cpu_seconds(pid)
+
+        start = time.perf_counter()
+        window = (start + WARMUP_S, start + WARMUP_S + args.duration)
+        samplers = [
+            loop.create_task(sample_at(n, w)) for n, w in zip(("from", "to"), window, strict=True)
+        ]
+        result = await open_loop(port, payloads, args.rate, args.duration, args.seed)
+        await asyncio.gather(*samplers)
+        return result
+
+    try:
+        result = loop.run_until_complete(run())
+    finally:
+        loop.close()
+    result.pop("window")
+    spent = cpu["to"] - cpu["from"]
+    result["cpu_s"] = spent
+    result["cpu_ms_per_request"] = spent / result["answered"] * 1e3 if result["answered"] else None
+    return result
+
+
+# -- the routers ------------------------------------------------------------------------------
+
+
+def pin_threads(pid: int, cpus: set[int]) -> None:
+    """Pin every thread of ``pid`` (threads it starts later inherit it)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(task.name), cpus)
+
+
+def router_config(tokenizer: Path | None) -> RouterConfig:
+    return RouterConfig.model_validate(
+        {
+            "apiVersion": "fleetpilot.dev/v1alpha1",
+            "kind": "RouterConfig",
+            "service": "bench",
+            "namespace": "bench",
+            "tiers": [
+                {
+                    "name": "echo",
+                    "model": MODEL,
+                    "upTo": 1.0,
+                    "mode": "unified",
+                    "tokenizer": str(tokenizer) if tokenizer is not None else None,
+                    "endpoints": [
+                        {
+                            "role": "unified",
+                            "service": "echo",
+                            "selector": {},
+                            "port": 8000,
+                            "maxNumSeqs": 100_000,
+                            "blockSize": BLOCK_SIZE,
+                        }
+                    ],
+                }
+            ],
+        }
+    )
+
+
+@contextlib.contextmanager
+def arm_router(
+    arm: str, echo: str, kv_ports: tuple[int, int], tokenizer: Path, workdir: Path
+) -> Iterator[tuple[int, int]]:
+    """The arm's router process over the echo engine, pinned to CPU 0: (pid, port)."""
+    if arm.startswith("prodstack"):
+        with prodstack_router.routers(arm, 1, [echo], MODEL, workdir) as urls:
+            port = int(urls[0].split(":")[2].split("/")[0])
+            pid = _listener_pid(port)
+            pin_threads(pid, {0})
+            yield pid, port
+        return
+    endpoints = workdir / "endpoints.yaml"
+    events, replay = kv_ports
+    item = {"tier": "echo", "address": echo, "kvEventsPort": events, "kvReplayPort": replay}
+    endpoints.write_text(yaml.safe_dump({"endpoints": [item]}))
+    guessed = arm.endswith("guessed")
+    cfg = router_config(None if guessed else tokenizer)
+    with fleetpilot_routers(
+        "guessed" if guessed else "events",
+        1,
+        cfg,
+        endpoints,
+        workdir,
+        replicas=1,
+        events=not guessed,
+    ) as (router,):
+        pin_threads(router.pid, {0})
+        yield router.pid, int(router.url.split(":")[2].split("/")[0])
+
+
+def _listener_pid(port: int) -> int:
+    """The pid of the process listening on ``port`` (production-stack's router: its console
+    script may exec or fork)."""
+    inode = None
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[1].endswith(f":{port:04X}") and fields[3] == "0A":
+            inode = fields[9]
+    if inode is None:
+        raise RuntimeError(f"nothing listens on port {port}")
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                if os.readlink(fd) == f"socket:[{inode}]":
+                    return int(proc.name)
+    raise RuntimeError(f"no process holds the listener on port {port}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    echo = sub.add_parser("echo", help="run the echo engine with KV events")
+    echo.add_argument("--port", type=int, required=True)
+    echo.add_argument("--events-port", type=int, required=True)
+    echo.add_argument("--replay-port", type=int, required=True)
+    parser.add_argument("--rate", type=float, default=500.0)
+    parser.add_argument("--duration", type=float, default=20.0)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    parser.add_argument("--stream", nargs="+", default=["plain", "stream"])
+    parser.add_argument("--save", action="store_true")
+    args = parser.parse_args()
+    if args.command == "echo":
+        asyncio.run(serve_kv_echo(args.port, args.events_port, args.replay_port))
+        return
+    raise_fd_limit()
+    arms = [a for a in args.arms if not a.startswith("prodstack") or prodstack_router.available()]
+    if len(arms) < len(args.arms):
+        print(f"skipped production-stack: {prodstack_router.MISSING}", file=sys.stderr)
+    client_cpus = pin({1})
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        tokenizer = train_bpe_files(Text(args.seed), folder / "bpe32k")
+        echo_port, events_port, replay_port = free_port(), free_port(), free_port()
+        argv = [sys.executable, str(Path(__file__)), "echo", "--port", str(echo_port),
+                "--events-port", str(events_port), "--replay-port", str(replay_port)]  # fmt: skip
+        with process(argv, client_cpus, echo_port):
+            for round_ in range(args.rounds):
+                for mode in args.stream:
+                    payloads = bodies(args.seed, stream=mode == "stream")
+                    # Rotated per round, so no arm always runs first (or last) on a warm machine.
+                    order = arms[round_ % len(arms) :] + arms[: round_ % len(arms)]
+                    for arm in order:
+                        workdir = folder / f"{arm.replace(', ', '-')}-{mode}-{round_}"
+                        workdir.mkdir()
+                        with arm_router(
+                            arm, f"127.0.0.1:{echo_port}", (events_port, replay_port),
+                            tokenizer, workdir,
+                        ) as (pid, port):  # fmt: skip
+                            result = measured(pid, port, payloads, args)
+                        row = {"arm": arm, "mode": mode, "round": round_, **result}
+                        rows.append(row)
+                        print(
+                            f"{arm:22} {mode:6} round {round_}: {row['cpu_ms_per_request']:.3f} "
+                            f"CPU ms/request, {row['answered']} answered, p50 {row['p50_ms']:.2f}"
+                            f" ms, p99 {row['p99_ms']:.2f} ms, dropped {row['dropped']}, "
+                            f"errors {row['errors']}, statuses {row['statuses']}",
+                            flush=True,
+                        )
+    summary = summarize(rows)
+    for line in summary["lines"]:
+        print(line)
+    if args.save:
+        path = save(
+            "router_cpu",
+            {
+                "benchmark": "router_cpu",
+                "commit": commit(),
+                "machine": machine(),
+                "args": {k: v for k, v in vars(args).items() if k != "command"},
+                "rows": rows,
+                "medians": summary["medians"],
+            },
+        )
+        print(f"wrote {path}")
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per mode and arm, the median CPU per request over the rounds (and its range), and how
+    many times cheaper than production-stack's round robin each arm is."""
+    medians: dict[str, dict[str, dict[str, float]]] = {}
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        arms = medians[mode] = {}
+        for arm in dict.fromkeys(r["arm"] for r in rows if r["mode"] == mode):
+            values = sorted(
+                r["cpu_ms_per_request"] for r in rows if r["mode"] == mode and r["arm"] == arm
+            )
+            arms[arm] = {"median": values[len(values) // 2], "min": values[0], "max": values[-1]}
+    lines = []
+    for mode, arms in medians.items():
+        base = arms.get("prodstack-rr", {}).get("median")
+        for arm, m in arms.items():
+            ratio = f", {base / m['median']:.2f}x cheaper than prodstack-rr" if base else ""
+            lines.append(
+                f"{mode:6} {arm:22} {m['median']:.3f} CPU ms/request "
+                f"({m['min']:.3f}-{m['max']:.3f}){ratio}"
+            )
+    return {"medians": medians, "lines": lines}
+
+
+if __name__ == "__main__":
+    main()
