@@ -77,6 +77,10 @@ class SimSettings:
     # The largest group a router scores every replica of (``Router.full_scan_max``); a
     # what-if sets it high to compare the candidate-bounded pick with a scan of every replica.
     full_scan_max: int = FULL_SCAN_MAX
+    # Whether several router replicas share their counts (``routing.peers``, what the planner
+    # sets up): every ``peers.interval`` each router's replicas get the others' in-flight,
+    # pending-prefill and recent-send counts. False: each router alone (a what-if).
+    peers: bool = True
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_POLICIES:
@@ -269,6 +273,12 @@ class Fleet:
                     router.tokenizers[tier.name] = keys
         self._events = events
         self._scrape_s = scrape_s
+        peers = self.config.peers
+        self._peer_interval_s = (
+            peers.interval.total_seconds()
+            if peers is not None and settings.peers and len(self.routers) > 1
+            else None
+        )
         self._hosts = itertools.count(1)
         self.requests: list[Request] = []
         self.by_id: dict[str, Replica] = {}
@@ -308,6 +318,8 @@ class Fleet:
         self._next_arrival()
         self.at(0.0, self._scrape)
         self.at(0.0, self._sample)
+        if self._peer_interval_s is not None:
+            self.at(0.0, self._exchange)
         next_progress = 0.0
         heap = self._heap
         pop = heapq.heappop
@@ -550,6 +562,31 @@ class Fleet:
                     replica.scraped_at = now
         if now < self.settings.duration_s:
             self.at(now + self._scrape_s, self._scrape)
+
+    def _exchange(self, now: float) -> None:
+        """The routers' peer exchange (``routing.peers``): each router's view of a replica
+        gets what the other routers had there at this instant (in a cluster, what each peer
+        answered within the last interval)."""
+        own: list[dict[str, tuple[int, float, float]]] = [
+            {r.id: (r.in_flight, r.pending_prefill, r.recent_sends(now, own=True))
+             for r in router.replicas()}
+            for router in self.routers
+        ]  # fmt: skip
+        totals: dict[str, tuple[int, float, float]] = {}
+        for counts in own:
+            for rid, (n, pending, recent) in counts.items():
+                had = totals.get(rid, (0, 0.0, 0.0))
+                totals[rid] = (had[0] + n, had[1] + pending, had[2] + recent)
+        for router, counts in zip(self.routers, own, strict=True):
+            for replica in router.replicas():
+                n, pending, recent = counts[replica.id]
+                total = totals[replica.id]
+                replica.peer_in_flight = total[0] - n
+                replica.peer_pending = max(0.0, total[1] - pending)
+                replica.peer_recent = max(0.0, total[2] - recent)
+        assert self._peer_interval_s is not None
+        if now < self.settings.duration_s:
+            self.at(now + self._peer_interval_s, self._exchange)
 
     def _sample(self, now: float) -> None:
         counts = {f"{k[0]}/{k[1]}": len(s.live) for k, s in self.roles.items()}

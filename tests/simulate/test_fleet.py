@@ -386,3 +386,42 @@ def test_a_large_fleet_picked_among_candidates_routes_as_well_as_a_scan_of_every
     assert every.prefix_hit_rate is not None
     assert bounded.prefix_hit_rate > every.prefix_hit_rate - 0.01
     assert (bounded.ttft_s["p95"] or 0) <= (every.ttft_s["p95"] or 0)
+
+
+def _two_routers() -> InferenceService:
+    service = one_tier("NVIDIA-L40S", replicas={"min": 4, "max": 4}, mode="disabled")
+    routing = service.spec.routing.model_copy(update={"replicas": 2})
+    return service.model_copy(update={"spec": service.spec.model_copy(update={"routing": routing})})
+
+
+@pytest.mark.parametrize("peers", [True, False])
+def test_router_replicas_see_each_others_requests_only_through_the_peer_exchange(
+    peers: bool,
+) -> None:
+    """Two simulated routers over four replicas of a busy fleet: with the exchange each
+    router's view of a replica carries what the other has there (its in-flight, pending-prefill
+    and recent-send counts, as of the last exchange); without it, nothing of the other's."""
+    service = _two_routers()
+    settings = SimSettings(
+        Schedule.constant(30.0), 10.0, start_replicas=4, autoscale=False, seed=1, peers=peers
+    )
+    load = make_workload("shared-prefix", 1, tenants=12, tenant_skew=1.1, system_chars=4000)
+    fleet = Fleet(service, None, load, settings)
+    seen: list[tuple[int, int]] = []  # (peer in flight, the other router's in flight)
+
+    def probe(now: float) -> None:
+        first, second = ({r.id: r for r in router.replicas()} for router in fleet.routers)
+        for rid, mine in first.items():
+            seen.append((mine.peer_in_flight, second[rid].in_flight))
+        if now < 9.0:
+            fleet.at(now + 0.5, probe)
+
+    fleet.at(0.5, probe)
+    fleet.run()
+    others = [theirs for _, theirs in seen]
+    assert max(others) > 0  # the other router had requests in flight
+    if peers:
+        # Counts move between exchanges (every 100 ms) and probes: close, not equal.
+        assert sum(mine for mine, _ in seen) > 0.5 * sum(others)
+    else:
+        assert all(mine == 0 for mine, _ in seen)
