@@ -3,10 +3,10 @@
 Issue 14: a router that guesses each engine's cache from its own record of what it sent where
 is wrong when two router replicas each see half the traffic, and when an engine evicts. This
 benchmark plays the traces of ``router_prefix_workloads`` (multi-tenant Zipf chat at a low and a
-high rate; one shared system prompt) and the high-rate multi-tenant trace again on engines
-whose KV pool is too small for the working set (evictions), each arm on freshly started
-engines that publish vLLM KV events, and reports the engines' own prefix hit rate and client
-TTFT (first content chunk).
+high rate; one shared system prompt, at 4 and 8 req/s) and the high-rate multi-tenant trace
+again on engines whose KV pool is too small for the working set (evictions), each arm on
+freshly started engines that publish vLLM KV events, and reports the engines' own prefix hit
+rate and client TTFT (first content chunk).
 
 Arms (every router replica its own process, ``bench/router_fleet.py``, as a cluster runs
 them; with two, the client spreads requests over them as a Service does: ``--spread
@@ -44,7 +44,7 @@ fall behind the arrivals and queue: where the choice between a replica's queue a
 prefill elsewhere matters most. Saved apart (``router_kv_events_busy*.json``).
 
 Run: .venv/bin/python bench/router_kv_events.py [--quick] [--seed N] [--arms a,b] [--busy]
-     [--scenarios low,high,shared,evicting,cluster-6,cluster-12] [--repeat N]
+     [--scenarios low,high,shared,shared-high,evicting,cluster-6,cluster-12] [--repeat N]
      [--spread alternate|random] [--name FILE]
 """
 
@@ -220,6 +220,7 @@ def scenarios(quick: bool, seed: int) -> list[Scenario]:
         ),
         Scenario("high", "multi-tenant, high rate", high, (*base, "oracle")),
         Scenario("shared", "shared-prompt", shared_prompt_trace(4.0, seed), base),
+        Scenario("shared-high", "shared-prompt, high rate", shared_prompt_trace(8.0, seed), base),
         Scenario(
             "evicting",
             "multi-tenant, high rate, evicting",
@@ -321,7 +322,7 @@ def main() -> None:
     parser.add_argument("--arms", help="comma-separated subset of arms")
     parser.add_argument(
         "--scenarios",
-        help="comma-separated subset of low,high,shared,evicting,cluster-6,cluster-12",
+        help="comma-separated subset of low,high,shared,shared-high,evicting,cluster-6,cluster-12",
     )
     parser.add_argument(
         "--spread",
