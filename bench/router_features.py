@@ -82,7 +82,7 @@ def after(text: str) -> tuple[bool, bool, bool]:
 
 
 def chat(messages: list[dict[str, str]]) -> str:
-    return features._chat_text(messages)[0][-MARKER_SCAN_CHARS:]
+    return "".join(features._chat_text(messages)[0])[-MARKER_SCAN_CHARS:]
 
 
 def prompts(n: int, seed: int) -> dict[str, list[str]]:

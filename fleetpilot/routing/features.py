@@ -6,7 +6,9 @@ cheap complexity signals. Purely computational: a parsed JSON body and headers i
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+import threading
+from collections import OrderedDict
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -139,15 +141,22 @@ def _fold(text: str) -> str:
     return text.lower()
 
 
-def _found(needles: tuple[tuple[str, _Cue], ...], text: str, folded: str, aligned: bool) -> bool:
-    """Whether a cue of ``needles`` matches in ``text`` (``folded`` is ``_fold(text)``)."""
+def _found(
+    needles: tuple[tuple[str, _Cue], ...],
+    text: str,
+    folded: str,
+    aligned: bool,
+    present: Container[str],
+) -> bool:
+    """Whether a cue of ``needles`` matches in ``text`` (``folded`` is ``_fold(text)``;
+    ``present`` holds every needle that occurs in it, or is ``folded`` itself)."""
     # Trying a regex at a place (~0.3 us) costs what its search spends on ~30 characters: past
     # this many places a cue searches the rest instead, so a literal everywhere costs at most
     # about two searches of that cue alone.
     budget = _MIN_TRIES + len(text) // 32
     searched = None
     for needle, cue in needles:
-        if needle not in folded or cue is searched:
+        if needle not in present or cue is searched:
             continue
         if not (cue.anchored and aligned):
             # One search looks at every place, this needle's and the cue's other needles'.
@@ -170,15 +179,77 @@ def _found(needles: tuple[tuple[str, _Cue], ...], text: str, folded: str, aligne
     return False
 
 
-def _markers(text: str) -> tuple[bool, bool, bool]:
-    """``(has_code, has_math, has_reasoning)`` of ``text``."""
+# Every needle, for the needle sets of long messages (``_NeedleSets``).
+_ALL_NEEDLES = tuple(dict.fromkeys(n for pairs in _NEEDLES for n, _ in pairs))
+# Only no needle holds a line break, so a needle in ``"".join(lines)`` (each a chat message's
+# ``role: content\n`` line) is in one of the lines: a line's needle set can stand for its part.
+assert not any("\n" in n for n in _ALL_NEEDLES)
+
+
+class _NeedleSets:
+    """Per long chat message, the needles its folded text holds: a system prompt resent with
+    every request is searched for the ~50 needles once (52 substring tests of a 2,000-character
+    prompt take ~60 us, most of a request's features), not per request. Thread-safe (the
+    proxy extracts features on its worker threads too); bounded by the characters it keys on,
+    least recently used first out.
+
+    Exact: folding is per character, and a line ends with a line break, which no needle holds
+    and which no case mapping looks across, so the needles in the folded whole are the union
+    of those in the folded lines."""
+
+    MIN_CHARS = 256  # shorter lines are searched each time: as cheap as a look-up
+    MAX_CHARS = 8 << 20  # of lines kept, in all
+
+    def __init__(self) -> None:
+        self._sets: OrderedDict[str, frozenset[str]] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+
+    def of(self, lines: Sequence[str]) -> set[str]:
+        present: set[str] = set()
+        for line in lines:
+            if len(line) < self.MIN_CHARS:
+                folded = _fold(line)
+                present.update(n for n in _ALL_NEEDLES if n in folded)
+                continue
+            with self._lock:
+                found = self._sets.get(line)
+                if found is not None:
+                    self._sets.move_to_end(line)
+            if found is None:
+                folded = _fold(line)
+                found = frozenset(n for n in _ALL_NEEDLES if n in folded)
+                self._keep(line, found)
+            present |= found
+        return present
+
+    def _keep(self, line: str, found: frozenset[str]) -> None:
+        if len(line) > self.MAX_CHARS // 8:
+            return
+        with self._lock:
+            if line in self._sets:
+                return
+            self._sets[line] = found
+            self._chars += len(line)
+            while self._chars > self.MAX_CHARS:
+                old, _ = self._sets.popitem(last=False)
+                self._chars -= len(old)
+
+
+_NEEDLE_SETS = _NeedleSets()
+
+
+def _markers(text: str, lines: Sequence[str] | None = None) -> tuple[bool, bool, bool]:
+    """``(has_code, has_math, has_reasoning)`` of ``text``; ``lines``: the parts it joins
+    (chat messages), whose needle sets are kept (``_NeedleSets``)."""
     folded = _fold(text)
     aligned = len(folded) == len(text)
     code, math, reasoning = _ASCII_NEEDLES if text.isascii() else _NEEDLES
+    present: Container[str] = folded if lines is None else _NEEDLE_SETS.of(lines)
     return (
-        _found(code, text, folded, aligned),
-        _found(math, text, folded, aligned),
-        _found(reasoning, text, folded, aligned),
+        _found(code, text, folded, aligned, present),
+        _found(math, text, folded, aligned, present),
+        _found(reasoning, text, folded, aligned, present),
     )
 
 
@@ -271,7 +342,7 @@ def _content_text(content: Any, index: int) -> str:
     )
 
 
-def _chat_text(messages: Any) -> tuple[str, int, int]:
+def _chat_text(messages: Any) -> tuple[list[str], int, int]:
     """The conversation as ``role: content`` lines (the order a chat template renders it in),
     the number of user turns, and the characters of system prompts."""
     if not isinstance(messages, list) or not messages:
@@ -291,7 +362,7 @@ def _chat_text(messages: Any) -> tuple[str, int, int]:
         elif role in ("system", "developer"):
             system_chars += len(text)
         lines.append(f"{role}: {text}\n")
-    return "".join(lines), turns, system_chars
+    return lines, turns, system_chars
 
 
 def extract_features(
@@ -314,14 +385,20 @@ def extract_features(
         text, tokens = _prompt_text(body["prompt"])
         turns, system_chars = 1, 0
         max_tokens = _optional_int(body, "max_tokens")
+        lines = None
     else:
         if "messages" not in body:
             raise _bad("'messages' is required", "messages", "missing_required_parameter")
-        text, turns, system_chars = _chat_text(body["messages"])
+        lines, turns, system_chars = _chat_text(body["messages"])
+        text = "".join(lines)
         tokens = len(text) // CHARS_PER_TOKEN
         completion = _optional_int(body, "max_completion_tokens")
         max_tokens = completion if completion is not None else _optional_int(body, "max_tokens")
-    has_code, has_math, has_reasoning = _markers(text[-MARKER_SCAN_CHARS:])
+    # The messages' needle sets stand for the text only while all of it is looked at.
+    whole = len(text) <= MARKER_SCAN_CHARS
+    has_code, has_math, has_reasoning = _markers(
+        text if whole else text[-MARKER_SCAN_CHARS:], lines if whole else None
+    )
     tier = None
     if headers is not None:
         tier = headers.get(TIER_HEADER) or None

@@ -310,3 +310,63 @@ def test_every_match_of_a_cue_holds_a_needle(text: str) -> None:
                     assert any(folded.startswith(n, m.start()) for n in cue.needles), m
                 else:
                     assert any(n in features._fold(m.group()) for n in cue.needles), m
+
+
+def chat_flags(messages: list[dict[str, str]]) -> tuple[bool, bool, bool]:
+    f = extract_features({"messages": messages}, "chat")
+    return f.has_code, f.has_math, f.has_reasoning
+
+
+# Long enough that its needle set is kept (features._NeedleSets.MIN_CHARS).
+PADDING = "an ordinary sentence of a long system prompt. " * 8
+
+message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["system", "user", "assistant"]),
+        "content": st.tuples(rich_text, st.booleans()).map(
+            lambda drawn: drawn[0] + PADDING if drawn[1] else drawn[0]
+        ),
+    }
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(message, min_size=1, max_size=4))
+def test_a_chat_has_the_flags_of_its_whole_text_first_and_again_from_kept_needle_sets(
+    messages: list[dict[str, str]],
+) -> None:
+    """A chat's flags are the original regexes' over its ``role: content`` lines, whether its
+    long messages' needle sets are computed now or were kept from an earlier request (the same
+    system prompt resent), and whatever the messages around them."""
+    expected = oracle(extract_features({"messages": messages}, "chat").prompt_text)
+    assert chat_flags(messages) == expected
+    assert chat_flags(messages) == expected  # its long messages' needle sets kept now
+    # Each message again after another (a kept set beside other text).
+    shifted = [{"role": "user", "content": "debug this"}, *messages]
+    assert chat_flags(shifted) == oracle(
+        extract_features({"messages": shifted}, "chat").prompt_text
+    )
+
+
+def test_a_cue_across_two_messages_is_found_as_in_their_joined_text() -> None:
+    """The original regexes read the joined lines: ``SELECT`` in one message and ``FROM`` in
+    the next is a code cue there, and stays one with the messages' needle sets kept."""
+    messages = [
+        {"role": "system", "content": PADDING + "SELECT name"},
+        {"role": "user", "content": "FROM users" + PADDING},
+    ]
+    joined = extract_features({"messages": messages}, "chat").prompt_text
+    assert oracle(joined)[0]
+    assert chat_flags(messages)[0]
+    assert chat_flags(messages)[0]
+
+
+def test_kept_needle_sets_are_bounded_by_their_characters() -> None:
+    sets = features._NeedleSets()
+    lines = [f"{i:02d}: " + PADDING * 4 for i in range(50)]
+    per_line = len(lines[0])
+    sets.MAX_CHARS = per_line * 10
+    for line in lines:
+        sets.of([line])
+    assert len(sets._sets) == 10
+    assert list(sets._sets) == lines[-10:]  # least recently used out first
