@@ -22,13 +22,20 @@ Arms:
 - ``prodstack-rr`` / ``prodstack-prefix``: production-stack's router (``prodstack_router``,
   skipped when not installed) with ``roundrobin`` / ``prefixaware``.
 
+``--breakdown`` times, in this process on the same bodies (``time.process_time``), the parts
+of the tokenizer arm's work a request: its features, its KV-index keys (the chat template, the
+cut scan, prefix digests, encoding what is new, chaining block keys), remembering the reply for
+the next turn, and decoding and indexing one engine event batch of its blocks.
+
 Run: .venv/bin/python bench/router_cpu.py [--rate 500] [--duration 20] [--rounds 1] [--save]
+     .venv/bin/python bench/router_cpu.py --breakdown
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -36,15 +43,18 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import prodstack_router
+import router_overhead
 import yaml
 from router_fleet import cpu_seconds, fleetpilot_routers
 from router_support import (
-    _METRICS,
+    _OK_HEAD,
+    _STREAM_HEAD,
+    EchoProtocol,
     _Client,
     _http_chunk,
     commit,
@@ -61,7 +71,10 @@ from router_tokenize import Text, train_bpe_files
 
 from fleetpilot.api.router_config import RouterConfig
 from fleetpilot.engine.reference.kv_publisher import KVEventPublisher, KVEventsConfig
-from fleetpilot.kv_events import BlockStored, EventBatch
+from fleetpilot.kv_events import BlockStored, EventBatch, decode_batch, encode_batch
+from fleetpilot.routing.features import extract_features
+from fleetpilot.routing.policies.kv_index import KVIndex
+from fleetpilot.routing.tokenizer.request import load_tokenizer
 
 MODEL = "bench"
 BLOCK_SIZE = 16
@@ -91,51 +104,23 @@ _CHAT_CHUNK = (
     b'data: {"id":"chatcmpl-echo","object":"chat.completion.chunk","created":0,"model":"bench",'
     b'"choices":[{"index":0,"delta":{"content":"tok "},"finish_reason":null}]}\n\n'
 )
-_OK_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-_STREAM_HEAD = (
-    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-)
 
 
 # -- the echo engine with KV events -----------------------------------------------------------
 
 
-class KVEchoProtocol(asyncio.Protocol):
-    """One keep-alive connection of the echo engine; each chat request publishes its blocks."""
+class KVEchoProtocol(EchoProtocol):
+    """The echo engine's connection answering chat completions; each one publishes its blocks."""
 
     publisher: KVEventPublisher
     rng = random.Random(0)
 
-    def __init__(self) -> None:
-        self.buf = bytearray()
-        self.transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
-        while (end := self.buf.find(b"\r\n\r\n")) >= 0:
-            head = bytes(self.buf[:end]).lower()
-            i = head.find(b"content-length:")
-            length = int(head[i + 15 : head.find(b"\r\n", i) % (len(head) + 1)]) if i >= 0 else 0
-            total = end + 4 + length
-            if len(self.buf) < total:
-                return
-            body = bytes(self.buf[end + 4 : total])
-            del self.buf[:total]
-            self._answer(head, body)
-
     def _answer(self, head: bytes, body: bytes) -> None:
+        if head.startswith(b"get "):
+            super()._answer(head, body)
+            return
         t = self.transport
         assert t is not None
-        if head.startswith(b"get /metrics"):
-            t.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(_METRICS), _METRICS))
-            return
-        if head.startswith(b"get "):
-            t.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-            return
         self._publish(len(body) // 4)  # ~4 characters a token
         if b'"stream": true' in body or b'"stream":true' in body:
             t.write(_STREAM_HEAD)
@@ -195,7 +180,9 @@ async def open_loop(
     keep-alive connections (a request that finds none idle is dropped and counted); the
     latencies and answers of those sent after the warm-up, and the window's bounds."""
     loop = asyncio.get_running_loop()
-    idle: list[_Client] = []
+    # First in, first out: every connection is used in turn, so none sits idle past a server's
+    # keep-alive timeout (uvicorn's is 5 s) and is found closed.
+    idle: collections.deque[_Client] = collections.deque()
     for _ in range(CONNECTIONS):
         _, client = await loop.create_connection(_Client, "127.0.0.1", port)
         idle.append(client)
@@ -234,7 +221,7 @@ async def open_loop(
         if not idle:
             dropped += at >= measure_from
             continue
-        task = loop.create_task(send(idle.pop(), payloads[index % len(payloads)], at))
+        task = loop.create_task(send(idle.popleft(), payloads[index % len(payloads)], at))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
         index += 1
@@ -298,33 +285,15 @@ def pin_threads(pid: int, cpus: set[int]) -> None:
 
 
 def router_config(tokenizer: Path | None) -> RouterConfig:
-    return RouterConfig.model_validate(
-        {
-            "apiVersion": "fleetpilot.dev/v1alpha1",
-            "kind": "RouterConfig",
-            "service": "bench",
-            "namespace": "bench",
-            "tiers": [
-                {
-                    "name": "echo",
-                    "model": MODEL,
-                    "upTo": 1.0,
-                    "mode": "unified",
-                    "tokenizer": str(tokenizer) if tokenizer is not None else None,
-                    "endpoints": [
-                        {
-                            "role": "unified",
-                            "service": "echo",
-                            "selector": {},
-                            "port": 8000,
-                            "maxNumSeqs": 100_000,
-                            "blockSize": BLOCK_SIZE,
-                        }
-                    ],
-                }
-            ],
-        }
-    )
+    """``router_overhead``'s config over the echo engine, serving ``MODEL`` with the tier's
+    ``tokenizer`` (or none), its address in the endpoints file with its KV-event ports."""
+    data = router_overhead.router_config(8000)
+    tier = data["tiers"][0]
+    tier["model"] = MODEL
+    tier["tokenizer"] = str(tokenizer) if tokenizer is not None else None
+    del tier["endpoints"][0]["addresses"]
+    tier["endpoints"][0]["blockSize"] = BLOCK_SIZE
+    return RouterConfig.model_validate(data)
 
 
 @contextlib.contextmanager
@@ -378,6 +347,40 @@ def _listener_pid(port: int) -> int:
     raise RuntimeError(f"no process holds the listener on port {port}")
 
 
+def breakdown(tokenizer_dir: Path, seed: int) -> dict[str, float]:
+    """Microseconds of CPU a request for each part of the tokenizer arm's work (the second
+    pass over the bodies: the prefix cache and the needle sets as a running router has them)."""
+    raw = [b.split(b"\r\n\r\n", 1)[1] for b in bodies(seed, stream=False)]
+    payloads = [json.loads(r) for r in raw]
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    index = KVIndex(max_blocks=1 << 20)
+    rng = random.Random(seed)
+    batches = []
+    for body in raw:
+        blocks = max(1, len(body) // 4 // BLOCK_SIZE)
+        stored = BlockStored(
+            block_hashes=[rng.getrandbits(63) for _ in range(blocks)], parent_block_hash=None,
+            token_ids=[0] * (blocks * BLOCK_SIZE), block_size=BLOCK_SIZE, lora_id=None,
+            medium="GPU", lora_name=None,
+        )  # fmt: skip
+        batches.append(encode_batch(EventBatch(ts=0.0, events=[stored])))
+    parts: dict[str, Callable[[int], object]] = {
+        "json": lambda i: json.loads(raw[i]),
+        "features": lambda i: extract_features(payloads[i], "chat"),
+        "keys": lambda i: tokenizer.keys("chat", payloads[i], BLOCK_SIZE),
+        "remember reply": lambda i: tokenizer.remember_reply(payloads[i], "hello from the echo"),
+        "event batch": lambda i: index.apply("echo", decode_batch(batches[i]).events),
+    }
+    out = {}
+    for name, part in parts.items():
+        for _ in range(2):
+            started = time.process_time()
+            for i in range(len(raw)):
+                part(i)
+            out[name] = (time.process_time() - started) / len(raw) * 1e6
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
@@ -391,10 +394,21 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     parser.add_argument("--stream", nargs="+", default=["plain", "stream"])
+    parser.add_argument("--breakdown", action="store_true", help="the tokenizer arm's parts")
     parser.add_argument("--save", action="store_true")
     args = parser.parse_args()
     if args.command == "echo":
         asyncio.run(serve_kv_echo(args.port, args.events_port, args.replay_port))
+        return
+    if args.breakdown:
+        with tempfile.TemporaryDirectory() as tmp:
+            parts = breakdown(train_bpe_files(Text(args.seed), Path(tmp) / "bpe32k"), args.seed)
+        for name, us in parts.items():
+            print(f"{name:16} {us:7.1f} us CPU a request")
+        if args.save:
+            data = {"benchmark": "router_cpu --breakdown", "commit": commit(),
+                    "machine": machine(), "us_per_request": parts}  # fmt: skip
+            print(f"wrote {save('router_cpu_breakdown', data)}")
         return
     raise_fd_limit()
     arms = [a for a in args.arms if not a.startswith("prodstack") or prodstack_router.available()]
