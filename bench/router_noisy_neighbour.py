@@ -33,7 +33,7 @@ with two routers than with one; A gets the rest and does not starve). The machin
 shared cores: compare arms within one run.
 
 Run: .venv/bin/python bench/router_noisy_neighbour.py [--duration 60] [--seed 0]
-     [--routers 1 2] [--save]
+     [--routers 1 2] [--save] [--name FILE]
 """
 
 from __future__ import annotations
@@ -238,6 +238,7 @@ def main() -> None:
         "--routers", type=int, nargs="+", default=[1], help="router replicas of the loaded arms"
     )
     parser.add_argument("--save", action="store_true")
+    parser.add_argument("--name", help="the results file's name (default: by the options)")
     args = parser.parse_args()
     both = {"a": args.rate_b * args.noise, "b": args.rate_b}
     results = []
@@ -294,6 +295,7 @@ def main() -> None:
             name += "_routers"
         if args.seed != 0:
             name += f"_seed_{args.seed}"
+        name = args.name or name
         path = save(
             name,
             {
