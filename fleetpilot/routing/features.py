@@ -186,6 +186,11 @@ _ALL_NEEDLES = tuple(dict.fromkeys(n for pairs in _NEEDLES for n, _ in pairs))
 assert not any("\n" in n for n in _ALL_NEEDLES)
 
 
+def _needles_in(text: str) -> frozenset[str]:
+    folded = _fold(text)
+    return frozenset(n for n in _ALL_NEEDLES if n in folded)
+
+
 class _NeedleSets:
     """Per long chat message, the needles its folded text holds: a system prompt resent with
     every request is searched for the ~50 needles once (52 substring tests of a 2,000-character
@@ -209,16 +214,14 @@ class _NeedleSets:
         present: set[str] = set()
         for line in lines:
             if len(line) < self.MIN_CHARS:
-                folded = _fold(line)
-                present.update(n for n in _ALL_NEEDLES if n in folded)
+                present |= _needles_in(line)
                 continue
             with self._lock:
                 found = self._sets.get(line)
                 if found is not None:
                     self._sets.move_to_end(line)
             if found is None:
-                folded = _fold(line)
-                found = frozenset(n for n in _ALL_NEEDLES if n in folded)
+                found = _needles_in(line)
                 self._keep(line, found)
             present |= found
         return present
@@ -397,7 +400,7 @@ def extract_features(
     # The messages' needle sets stand for the text only while all of it is looked at.
     whole = len(text) <= MARKER_SCAN_CHARS
     has_code, has_math, has_reasoning = _markers(
-        text if whole else text[-MARKER_SCAN_CHARS:], lines if whole else None
+        text[-MARKER_SCAN_CHARS:], lines if whole else None
     )
     tier = None
     if headers is not None:

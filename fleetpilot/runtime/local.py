@@ -150,7 +150,7 @@ class LocalFleet:
         probed for liveness by :meth:`supervise_once` (the kubelet-like defaults);
         ``routers``: how many router replicas, each its own process with its own ports, peered
         over their metrics ports as a cluster's are over their headless Service
-        (``routing.peers``). Clients spread their requests over :attr:`endpoints`."""
+        (``routing.peers``). Clients spread their requests over :meth:`router_urls`."""
         if max_replicas_per_role < 1:
             raise ValueError("max_replicas_per_role must be at least 1")
         if routers < 1:
@@ -180,7 +180,10 @@ class LocalFleet:
             taken.add(port)
             return port
 
-        self.router_port = next_port(-1) if base_port == 0 else base_port
+        # Every router replica's public port, and (below) its metrics port: the first router's
+        # public port first of all (``base_port``), the rest after every engine's.
+        self.router_ports = [next_port(-1) if base_port == 0 else base_port]
+        self.router_metrics_ports: list[int] = []
         self.health_timeout_s = health_timeout_s
         self.liveness = liveness if liveness is not None else LivenessProbe()
         self.cold_start_s = cold_start_s
@@ -224,12 +227,9 @@ class LocalFleet:
                 self._replica(role, i, engine_port, (more[0], more[1]), tuple(more[2:]))
             )
         # The router's /metrics on a port of its own, as the operator plans it (after every
-        # other, so the engines' ports stay where they were).
-        self.router_metrics_port = next_port(port)
-        # Further router replicas: a public and a metrics port each, after every other.
-        self.router_ports = [self.router_port]
-        self.router_metrics_ports = [self.router_metrics_port]
-        port = self.router_metrics_port
+        # other, so the engines' ports stay where they were); further router replicas a public
+        # and a metrics port each, after that.
+        self.router_metrics_ports.append(port := next_port(port))
         for _ in range(routers - 1):
             self.router_ports.append(port := next_port(port))
             self.router_metrics_ports.append(port := next_port(port))
@@ -277,6 +277,16 @@ class LocalFleet:
     def router(self) -> Child | None:
         """The first router replica's process, once started."""
         return self.routers[0] if self.routers else None
+
+    @property
+    def router_port(self) -> int:
+        """The first router replica's public port."""
+        return self.router_ports[0]
+
+    @property
+    def router_metrics_port(self) -> int:
+        """The first router replica's metrics port."""
+        return self.router_metrics_ports[0]
 
     @property
     def endpoint(self) -> str:

@@ -567,18 +567,18 @@ class Fleet:
         """The routers' peer exchange (``routing.peers``): each router's view of a replica
         gets what the other routers had there at this instant (in a cluster, what each peer
         answered within the last interval)."""
+        states = [router.replicas() for router in self.routers]
         own: list[dict[str, tuple[int, float, float]]] = [
-            {r.id: (r.in_flight, r.pending_prefill, r.recent_sends(now, own=True))
-             for r in router.replicas()}
-            for router in self.routers
-        ]  # fmt: skip
+            {r.id: (r.in_flight, r.pending_prefill, r.recent_sends(now, own=True)) for r in rs}
+            for rs in states
+        ]
         totals: dict[str, tuple[int, float, float]] = {}
         for counts in own:
             for rid, (n, pending, recent) in counts.items():
                 had = totals.get(rid, (0, 0.0, 0.0))
                 totals[rid] = (had[0] + n, had[1] + pending, had[2] + recent)
-        for router, counts in zip(self.routers, own, strict=True):
-            for replica in router.replicas():
+        for replicas, counts in zip(states, own, strict=True):
+            for replica in replicas:
                 n, pending, recent = counts[replica.id]
                 total = totals[replica.id]
                 replica.peer_in_flight = total[0] - n
