@@ -43,6 +43,7 @@ import random
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -174,11 +175,17 @@ def bodies(seed: int, stream: bool) -> list[bytes]:
 
 
 async def open_loop(
-    port: int, payloads: Sequence[bytes], rate: float, duration_s: float, seed: int
+    port: int,
+    payloads: Sequence[bytes],
+    rate: float,
+    duration_s: float,
+    seed: int,
+    probe: Callable[[], float],
 ) -> dict[str, Any]:
     """Poisson arrivals at ``rate`` for ``WARMUP_S + duration_s`` over up to ``CONNECTIONS``
     keep-alive connections (a request that finds none idle is dropped and counted); the
-    latencies and answers of those sent after the warm-up, and the window's bounds."""
+    latencies and answers of those sent after the warm-up, and what ``probe`` read at the
+    measured window's start and end (``probe_from``, ``probe_to``)."""
     loop = asyncio.get_running_loop()
     # First in, first out: every connection is used in turn, so none sits idle past a server's
     # keep-alive timeout (uvicorn's is 5 s) and is found closed.
@@ -193,6 +200,14 @@ async def open_loop(
     statuses: dict[int, int] = {}
     dropped = errors = 0
     tasks: set[asyncio.Task[None]] = set()
+    probed: dict[str, float] = {}
+
+    async def probe_at(name: str, when: float) -> None:
+        await asyncio.sleep(max(0.0, when - time.perf_counter()))
+        probed[name] = probe()
+
+    probes = [loop.create_task(probe_at("probe_from", measure_from)),
+              loop.create_task(probe_at("probe_to", stop_at))]  # fmt: skip
 
     async def send(client: _Client, payload: bytes, sent: float) -> None:
         nonlocal errors
@@ -225,13 +240,14 @@ async def open_loop(
         tasks.add(task)
         task.add_done_callback(tasks.discard)
         index += 1
+    await asyncio.gather(*probes)
     if tasks:
         await asyncio.wait(tasks, timeout=30)
     for client in idle:
         if client.transport is not None:
             client.transport.close()
     return {
-        "window": (measure_from, stop_at),
+        **probed,
         "answered": len(latencies),
         "statuses": {str(k): v for k, v in sorted(statuses.items())},
         "dropped": dropped,
@@ -246,29 +262,10 @@ def measured(
 ) -> dict[str, Any]:
     """One load run against the router ``pid`` serving on ``port``: its latencies and its CPU
     per answered request over the measured window."""
-    loop = asyncio.new_event_loop()
-    cpu: dict[str, float] = {}
-
-    async def run() -> dict[str, Any]:
-        async def sample_at(name: str, when: float) -> None:
-            await asyncio.sleep(max(0.0, when - time.perf_counter()))
-            cpu[name] = cpu_seconds(pid)
-
-        start = time.perf_counter()
-        window = (start + WARMUP_S, start + WARMUP_S + args.duration)
-        samplers = [
-            loop.create_task(sample_at(n, w)) for n, w in zip(("from", "to"), window, strict=True)
-        ]
-        result = await open_loop(port, payloads, args.rate, args.duration, args.seed)
-        await asyncio.gather(*samplers)
-        return result
-
-    try:
-        result = loop.run_until_complete(run())
-    finally:
-        loop.close()
-    result.pop("window")
-    spent = cpu["to"] - cpu["from"]
+    result = asyncio.run(
+        open_loop(port, payloads, args.rate, args.duration, args.seed, lambda: cpu_seconds(pid))
+    )
+    spent = result.pop("probe_to") - result.pop("probe_from")
     result["cpu_s"] = spent
     result["cpu_ms_per_request"] = spent / result["answered"] * 1e3 if result["answered"] else None
     return result
@@ -303,7 +300,7 @@ def arm_router(
     """The arm's router process over the echo engine, pinned to CPU 0: (pid, port)."""
     if arm.startswith("prodstack"):
         with prodstack_router.routers(arm, 1, [echo], MODEL, workdir) as urls:
-            port = int(urls[0].split(":")[2].split("/")[0])
+            port = _port_of(urls[0])
             pid = _listener_pid(port)
             pin_threads(pid, {0})
             yield pid, port
@@ -324,7 +321,13 @@ def arm_router(
         events=not guessed,
     ) as (router,):
         pin_threads(router.pid, {0})
-        yield router.pid, int(router.url.split(":")[2].split("/")[0])
+        yield router.pid, _port_of(router.url)
+
+
+def _port_of(url: str) -> int:
+    port = urllib.parse.urlsplit(url).port
+    assert port is not None
+    return port
 
 
 def _listener_pid(port: int) -> int:

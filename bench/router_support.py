@@ -366,14 +366,7 @@ def serving(
             wait_healthy(port, timeout_s)
         yield [f"127.0.0.1:{port}" for port in ports]
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        stop_all(procs, 15.0)
 
 
 def stop_all(procs: Sequence[subprocess.Popen[Any]], timeout_s: float = 10.0) -> None:
