@@ -35,6 +35,11 @@ Engines: 4 reference engines (preset 'small', max-num-seqs 4, 16-token blocks), 
 each, or 128 in the eviction scenario (two tenants' system prompts). The machine has 2 shared
 cores: compare arms within one run, not across runs.
 
+``shared-long-4`` and ``shared-long-8``: the shared-prompt trace with 64 users instead of 16
+(256 requests), so the few first prefills of the shared prompt on each engine (one per engine
+a router uses) cannot alone make the p95; the rows also report the conversations' first turns
+apart (``first_turn_ttft_*``) and the slowest requests.
+
 ``cluster-6`` and ``cluster-12`` (issue 44's held-out shape, ``router_fleet.cluster_trace``):
 12 tenants with 150-600-word system prompts, 30 users each, chats of 1-9 turns, at 6 and 12
 requests a second; engines with 1,024 KV blocks and a 4,096-token context.
@@ -44,7 +49,8 @@ fall behind the arrivals and queue: where the choice between a replica's queue a
 prefill elsewhere matters most. Saved apart (``router_kv_events_busy*.json``).
 
 Run: .venv/bin/python bench/router_kv_events.py [--quick] [--seed N] [--arms a,b] [--busy]
-     [--scenarios low,high,shared,shared-high,evicting,cluster-6,cluster-12] [--repeat N]
+     [--scenarios low,high,shared,shared-high,shared-long-4,shared-long-8,evicting,cluster-6,
+     cluster-12] [--repeat N]
      [--spread alternate|random] [--name FILE]
 """
 
@@ -204,6 +210,11 @@ CLUSTER_KV_BLOCKS = 1024  # ~4 tenants' prompts an engine: the fleet holds 12 if
 CLUSTER_MAX_MODEL_LEN = 4096
 
 
+# Four times the shared-prompt trace's users: its engines' first (cold) prefills of the shared
+# prompt are then under 5% of the requests, so they alone cannot make the p95.
+LONG_SHARED_USERS = 64
+
+
 def scenarios(quick: bool, seed: int) -> list[Scenario]:
     n = 24 if quick else 48
     requests = 150 if quick else 300
@@ -221,6 +232,15 @@ def scenarios(quick: bool, seed: int) -> list[Scenario]:
         Scenario("high", "multi-tenant, high rate", high, (*base, "oracle")),
         Scenario("shared", "shared-prompt", shared_prompt_trace(4.0, seed), base),
         Scenario("shared-high", "shared-prompt, high rate", shared_prompt_trace(8.0, seed), base),
+        *(
+            Scenario(
+                f"shared-long-{rate}",
+                f"shared-prompt, {LONG_SHARED_USERS} users arriving at {rate}/s",
+                shared_prompt_trace(float(rate), seed, LONG_SHARED_USERS),
+                base,
+            )
+            for rate in (4, 8)
+        ),
         Scenario(
             "evicting",
             "multi-tenant, high rate, evicting",
@@ -290,6 +310,8 @@ def by_arm(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for arm, runs in arms.items():
         p95s = [r["ttft_p95_ms"] for r in runs if r["ttft_p95_ms"] is not None]
         p50s = [r["ttft_p50_ms"] for r in runs if r["ttft_p50_ms"] is not None]
+        firsts = [r["first_turn_ttft_p95_ms"] for r in runs if r.get("first_turn_ttft_p95_ms")]
+        laters = [r["later_turn_ttft_p95_ms"] for r in runs if r.get("later_turn_ttft_p95_ms")]
         merged.append(
             {
                 "arm": arm,
@@ -298,6 +320,8 @@ def by_arm(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "ttft_p50_ms": statistics.median(p50s) if p50s else None,
                 "ttft_p95_ms": statistics.median(p95s) if p95s else None,
                 "ttft_p95_range_ms": [min(p95s), max(p95s)] if p95s else None,
+                "first_turn_ttft_p95_ms": statistics.median(firsts) if firsts else None,
+                "later_turn_ttft_p95_ms": statistics.median(laters) if laters else None,
                 "errors": sum(r["requests"] - r["statuses"].get("200", 0) for r in runs),
             }
         )
@@ -306,13 +330,17 @@ def by_arm(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def print_by_arm(merged: Sequence[dict[str, Any]]) -> None:
     print(f"{'arm':20} {'rounds':>6} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p95':>9} "
-          f"{'p95 range':>15} {'errors':>6}")  # fmt: skip
+          f"{'p95 range':>15} {'errors':>6} {'p95 1st/later turns':>20}")  # fmt: skip
     for m in merged:
         p50 = f"{m['ttft_p50_ms']:.0f}ms" if m["ttft_p50_ms"] is not None else "-"
         p95 = f"{m['ttft_p95_ms']:.0f}ms" if m["ttft_p95_ms"] is not None else "-"
         low, high = m["ttft_p95_range_ms"] or (0.0, 0.0)
+        turns = "/".join(
+            f"{m[key]:.0f}" if m.get(key) is not None else "-"
+            for key in ("first_turn_ttft_p95_ms", "later_turn_ttft_p95_ms")
+        )
         print(f"{m['arm']:20} {m['rounds']:>6} {m['hit_rate']:>8.3f} {p50:>9} {p95:>9} "
-              f"{f'{low:.0f}-{high:.0f}ms':>15} {m['errors']:>6}")  # fmt: skip
+              f"{f'{low:.0f}-{high:.0f}ms':>15} {m['errors']:>6} {turns + 'ms':>20}")  # fmt: skip
 
 
 def main() -> None:
@@ -322,7 +350,8 @@ def main() -> None:
     parser.add_argument("--arms", help="comma-separated subset of arms")
     parser.add_argument(
         "--scenarios",
-        help="comma-separated subset of low,high,shared,shared-high,evicting,cluster-6,cluster-12",
+        help="comma-separated subset of low,high,shared,shared-high,shared-long-4,"
+        "shared-long-8,evicting,cluster-6,cluster-12",
     )
     parser.add_argument(
         "--spread",

@@ -32,8 +32,13 @@ B's p95 against its unloaded value (the goal: within 1.5x with the fair queue, a
 with two routers than with one; A gets the rest and does not starve). The machine has 2
 shared cores: compare arms within one run.
 
+With ``--rounds N`` the loaded arms run N times, round r with seed ``--seed`` + r and the arms
+in rotated order (so no arm always runs first on a cooler machine); B's p95 is reported per
+round and over all rounds' requests pooled, since with ~80 requests a round its p95 is its 4th
+slowest request and moves a lot between runs.
+
 Run: .venv/bin/python bench/router_noisy_neighbour.py [--duration 60] [--seed 0]
-     [--routers 1 2] [--save] [--name FILE]
+     [--routers 1 2] [--rounds 1] [--save] [--name FILE]
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import statistics
 import tempfile
 import threading
 from pathlib import Path
@@ -127,6 +133,7 @@ def tenant_summary(records: list[RequestRecord]) -> dict[str, Any]:
         "ttft_p50_s": p(ttfts, 0.5),
         "ttft_p95_s": p(ttfts, 0.95),
         "errors": errors,
+        "ttfts_s": sorted(ttfts),
     }
 
 
@@ -138,12 +145,13 @@ def run_arm(
     args: argparse.Namespace,
     folder: Path,
     routers: int = 1,
+    seed: int = 0,
 ) -> dict[str, Any]:
     keys = folder / "keys" / "keys"
     keys.mkdir(parents=True, exist_ok=True)
     for tenant, key in KEYS.items():
         (keys / tenant).write_text(key)
-    workdir = folder / name.replace(" ", "-")
+    workdir = folder / f"{name.replace(' ', '-').replace(',', '')}-seed-{seed}"
     workdir.mkdir()
     fleet = LocalFleet(
         service_for(flow, headroom, args, folder),
@@ -168,11 +176,11 @@ def run_arm(
                 duration_s=args.duration,
                 timeout_s=120.0,
                 max_in_flight=4096,
-                seed=args.seed + (1 if tenant == "a" else 0),
+                seed=seed + (1 if tenant == "a" else 0),
                 api_key=KEYS[tenant],
                 ignore_eos=True,
             )
-            workload = make_workload("shared-prefix", args.seed, max_tokens=args.max_tokens)
+            workload = make_workload("shared-prefix", seed, max_tokens=args.max_tokens)
             records[tenant].extend(asyncio.run(Runner(config, workload).run()).records)
 
         threads = [threading.Thread(target=load, args=(tenant,)) for tenant in rates]
@@ -190,6 +198,7 @@ def run_arm(
         "routers": routers,
         "flow_control": flow,
         "headroom": headroom if flow else None,
+        "seed": seed,
         "rates": rates,
         "tenants": {tenant: tenant_summary(recs) for tenant, recs in records.items()},
         "queue_waits": waits,
@@ -217,6 +226,28 @@ def queue_waits(metrics_addresses: list[str]) -> dict[str, dict[str, float]]:
     return out
 
 
+def pooled_b(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per arm, B's TTFTs of every round pooled (p50/p95 over all of them) and the spread of
+    the rounds' own p95s."""
+    by_arm: dict[str, list[dict[str, Any]]] = {}
+    for result in results:
+        by_arm.setdefault(result["arm"], []).append(result["tenants"]["b"])
+    out: dict[str, dict[str, Any]] = {}
+    for name, rounds in by_arm.items():
+        ttfts = [t for r in rounds for t in r["ttfts_s"]]
+        p95s = sorted(r["ttft_p95_s"] for r in rounds if r["ttft_p95_s"] is not None)
+        out[name] = {
+            "rounds": len(rounds),
+            "ok": len(ttfts),
+            "ttft_p50_s": p(ttfts, 0.5),
+            "ttft_p95_s": p(ttfts, 0.95),
+            "round_p95_median_s": statistics.median(p95s) if p95s else None,
+            "round_p95_min_s": p95s[0] if p95s else None,
+            "round_p95_max_s": p95s[-1] if p95s else None,
+        }
+    return out
+
+
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:,.0f} ms"
 
@@ -237,6 +268,7 @@ def main() -> None:
     parser.add_argument(
         "--routers", type=int, nargs="+", default=[1], help="router replicas of the loaded arms"
     )
+    parser.add_argument("--rounds", type=int, default=1, help="repeats of the loaded arms")
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--name", help="the results file's name (default: by the options)")
     args = parser.parse_args()
@@ -244,9 +276,9 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        arms: list[tuple[str, bool, int, dict[str, float], int]] = [
-            ("B alone", False, 0, {"b": args.rate_b}, 1)
-        ]
+        results.append(run_arm("B alone", False, 0, {"b": args.rate_b}, args, folder, 1, args.seed))
+        print("done: B alone", flush=True)
+        arms: list[tuple[str, bool, int, dict[str, float], int]] = []
         for routers in args.routers:
             suffix = "" if args.routers == [1] else f", {routers} router{'s' * (routers > 1)}"
             if not args.skip_fcfs:
@@ -254,9 +286,12 @@ def main() -> None:
             arms += [
                 (f"fair queue, headroom {h}{suffix}", True, h, both, routers) for h in args.headroom
             ]
-        for name, flow, headroom, rates, routers in arms:
-            results.append(run_arm(name, flow, headroom, rates, args, folder, routers))
-            print(f"done: {name}", flush=True)
+        for round_ in range(args.rounds):
+            seed = args.seed + round_
+            shift = round_ % len(arms)
+            for name, flow, headroom, rates, routers in arms[shift:] + arms[:shift]:
+                results.append(run_arm(name, flow, headroom, rates, args, folder, routers, seed))
+                print(f"done: {name}, seed {seed}", flush=True)
     unloaded = results[0]["tenants"]["b"]["ttft_p95_s"]
     print(
         f"\nA {both['a']:g} req/s, B {both['b']:g} req/s, {args.duration:g} s, 2 engines of "
@@ -264,7 +299,8 @@ def main() -> None:
         f"B's weight {args.weight_b:g}"
     )
     print(
-        f"{'arm':40} {'tenant':6} {'reqs':>5} {'ok':>6} {'TTFT p50':>10} {'TTFT p95':>10}  vs alone"
+        f"{'arm':40} {'seed':>4} {'tenant':6} {'reqs':>5} {'ok':>6} {'TTFT p50':>10} "
+        f"{'TTFT p95':>10}  vs alone"
     )
     for result in results:
         for tenant, s in result["tenants"].items():
@@ -273,9 +309,17 @@ def main() -> None:
                 ratio = f"{s['ttft_p95_s'] / unloaded:.2f}x"
             rate = s["success_rate"]
             print(
-                f"{result['arm']:40} {tenant:6} {s['requests']:>5} "
+                f"{result['arm']:40} {result['seed']:>4} {tenant:6} {s['requests']:>5} "
                 f"{(f'{rate:.0%}' if rate is not None else '-'):>6} "
                 f"{_ms(s['ttft_p50_s']):>10} {_ms(s['ttft_p95_s']):>10}  {ratio}"
+            )
+    if args.rounds > 1:
+        print(f"\nB over {args.rounds} rounds (seeds {args.seed}-{args.seed + args.rounds - 1}):")
+        for name, pooled in pooled_b(results[1:]).items():
+            print(
+                f"  {name:40} p95 pooled {_ms(pooled['ttft_p95_s'])} over {pooled['ok']} "
+                f"requests; per round median {_ms(pooled['round_p95_median_s'])} "
+                f"({_ms(pooled['round_p95_min_s'])} - {_ms(pooled['round_p95_max_s'])})"
             )
     print("\nB's requests that waited in the router's fair queue (and longer than):")
     for result in results:
@@ -304,6 +348,7 @@ def main() -> None:
                 "machine": machine(),
                 "args": vars(args),
                 "results": results,
+                "pooled_b": pooled_b(results[1:]) if args.rounds > 1 else None,
             },
         )
         print(f"wrote {path}")

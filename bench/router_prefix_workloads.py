@@ -123,15 +123,18 @@ def multi_tenant_trace(rate_per_s: float, conversations: int, seed: int) -> list
     return trace
 
 
-def shared_prompt_trace(rate_per_s: float, seed: int) -> list[Conversation]:
-    """Every user shares one system prompt, then a long private history, several rounds."""
+def shared_prompt_trace(
+    rate_per_s: float, seed: int, users: int = SHARED_USERS
+) -> list[Conversation]:
+    """Every user shares one system prompt, then a long private history, several rounds;
+    ``rate_per_s`` is the users' arrival rate."""
     rng = random.Random(seed)
     shared = ("You are the help desk of one company; answer briefly and cite the manual. " * 11)[
         :800
     ]
     words = ["ticket", "laptop", "vpn", "printer", "badge", "mailbox", "license", "monitor"]
     trace, t = [], 0.0
-    for user in range(SHARED_USERS):
+    for user in range(users):
         t += rng.expovariate(rate_per_s)
         history = f"User {user} history: " + " ".join(rng.choice(words) for _ in range(110))
         questions = tuple(
@@ -192,6 +195,7 @@ class Driven:
     """What the client saw of one trace."""
 
     ttfts: list[float]
+    first_turn_ttfts: list[float]  # the conversations' first requests: no history cached yet
     statuses: dict[int, int]
     wall_s: float
     hits: float  # the engines' prefix-cache hits and queries over the trace, in tokens
@@ -223,6 +227,7 @@ async def drive(
     """Play the trace open loop, spreading requests over ``urls`` (``spreader``)."""
     route = spreader(urls, spread, seed)
     ttfts: list[float] = []
+    first_turn_ttfts: list[float] = []
     statuses: dict[int, int] = {}
     errors: dict[int, str] = {}
     sent = 0
@@ -235,7 +240,7 @@ async def drive(
             nonlocal sent
             await asyncio.sleep(max(0.0, c.start_s - (time.perf_counter() - started)))
             messages = [{"role": "system", "content": c.system}]
-            for question, think in zip(c.questions, c.think_s, strict=True):
+            for turn, (question, think) in enumerate(zip(c.questions, c.think_s, strict=True)):
                 messages.append({"role": "user", "content": question})
                 url = route(sent)
                 sent += 1
@@ -246,6 +251,8 @@ async def drive(
                     answer = ""
                 if ttft is not None:
                     ttfts.append(ttft)
+                    if turn == 0:
+                        first_turn_ttfts.append(ttft)
                 messages.append({"role": "assistant", "content": answer})
                 await asyncio.sleep(think)
 
@@ -254,12 +261,15 @@ async def drive(
         after = [await engine_counters(session, a) for a in addresses]
     hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
     queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
-    return Driven(ttfts, statuses, wall, hits, queries, errors)
+    return Driven(ttfts, first_turn_ttfts, statuses, wall, hits, queries, errors)
 
 
 def summary(arm: str, driven: Driven, per_replica: list[int]) -> dict[str, Any]:
     requests = sum(driven.statuses.values())
-    ttfts = driven.ttfts
+    ttfts, firsts = driven.ttfts, driven.first_turn_ttfts
+    later = list(ttfts)
+    for first in firsts:
+        later.remove(first)
     return {
         "arm": arm,
         "requests": requests,
@@ -267,6 +277,10 @@ def summary(arm: str, driven: Driven, per_replica: list[int]) -> dict[str, Any]:
         "hit_rate": driven.hits / driven.queries if driven.queries else 0.0,
         "ttft_p50_ms": percentile(ttfts, 0.5) * 1e3 if ttfts else None,
         "ttft_p95_ms": percentile(ttfts, 0.95) * 1e3 if ttfts else None,
+        "ttft_slowest_ms": sorted((t * 1e3 for t in ttfts), reverse=True)[:8],
+        "first_turn_ttft_p50_ms": percentile(firsts, 0.5) * 1e3 if firsts else None,
+        "first_turn_ttft_p95_ms": percentile(firsts, 0.95) * 1e3 if firsts else None,
+        "later_turn_ttft_p95_ms": percentile(later, 0.95) * 1e3 if later else None,
         "req_per_s": requests / driven.wall_s,
         "requests_per_replica": per_replica,
         **({"errors": {str(k): v for k, v in driven.errors.items()}} if driven.errors else {}),
