@@ -16,17 +16,26 @@ Reported per size: requests simulated per CPU second, microseconds a request, si
 per CPU second, and the CPU time the issue's target run would take at that speed - 1,000 replicas
 x 1 h x 2,000 req/s, 7.2 million requests - where the size is 1,000.
 
-Run: .venv/bin/python bench/simulate_speed.py [--sizes 10,100,1000] [--requests 6000] [--save]
+``--profile``: one more candidates run at the largest size under ``cProfile``, its own CPU
+time (tottime) summed by where the code lives - the router's policies and index
+(``fleetpilot.routing``), the simulator's engines and event loop (``fleetpilot.simulate``),
+the workload (``fleetpilot.loadgen``), the rest (the standard library, builtins) - and the
+functions that spend most: where a faster simulator has to cut.
+
+Run: .venv/bin/python bench/simulate_speed.py [--sizes 10,100,1000] [--requests 6000]
+     [--profile] [--save]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 from pathlib import Path
 from typing import Any
 
-from router_support import machine, save
+from router_support import commit, machine, save
 
 from fleetpilot.api import load_services
 from fleetpilot.loadgen.runner import Schedule
@@ -40,9 +49,9 @@ EXAMPLE = Path(__file__).parents[1] / "examples" / "single-tier.yaml"
 TARGET_REQUESTS = 1000 * 3600 * 2  # 1,000 replicas at 2 req/s each for one hour
 
 
-def run_once(
+def make_fleet(
     replicas: int, per_replica: float, requests: int, seed: int, full_scan_max: int
-) -> dict[str, float]:
+) -> tuple[Fleet, float]:
     service = load_services(EXAMPLE)[0]
     rate = replicas * per_replica
     duration = max(requests / rate, 2.0)
@@ -55,7 +64,16 @@ def run_once(
         max_replicas=replicas,
         full_scan_max=full_scan_max,
     )
-    fleet = Fleet(service, H100, make_workload("shared-prefix", seed, tenants=12), settings)
+    return Fleet(
+        service, H100, make_workload("shared-prefix", seed, tenants=12), settings
+    ), duration
+
+
+def run_once(
+    replicas: int, per_replica: float, requests: int, seed: int, full_scan_max: int
+) -> dict[str, float]:
+    service = load_services(EXAMPLE)[0]
+    fleet, duration = make_fleet(replicas, per_replica, requests, seed, full_scan_max)
     started = time.process_time()
     outcome = fleet.run()
     cpu = time.process_time() - started
@@ -72,6 +90,37 @@ def run_once(
     }
 
 
+AREAS = ("fleetpilot/routing", "fleetpilot/simulate", "fleetpilot/loadgen", "fleetpilot/")
+
+
+def profile(replicas: int, per_replica: float, requests: int, seed: int) -> dict[str, Any]:
+    """Where one run's CPU goes: own time by area of the code, and the top functions."""
+    fleet, _ = make_fleet(replicas, per_replica, requests, seed, FULL_SCAN_MAX)
+    profiler = cProfile.Profile()
+    profiler.runcall(fleet.run)
+    stats = pstats.Stats(profiler)
+    table: dict[tuple[str, int, str], tuple[int, int, float, float, Any]]
+    table = stats.stats  # type: ignore[attr-defined]  # pstats keeps it untyped
+    total = sum(entry[2] for entry in table.values())
+    areas: dict[str, float] = {}
+    functions = []
+    for (filename, line, name), (_, calls, own, _cumulative, _) in table.items():
+        area = next((a.rstrip("/") for a in AREAS if a in filename), "other")
+        areas[area] = areas.get(area, 0.0) + own
+        short = filename.split("fleetpilot/", 1)[-1] if "fleetpilot/" in filename else filename
+        functions.append((own, f"{short}:{line}({name})", calls))
+    functions.sort(reverse=True)
+    return {
+        "replicas": replicas,
+        "total_own_s": total,
+        "areas": {a: {"own_s": t, "share": t / total} for a, t in sorted(areas.items())},
+        "top": [
+            {"function": f, "own_s": own, "share": own / total, "calls": calls}
+            for own, f, calls in functions[:25]
+        ],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="10,100,1000")
@@ -82,6 +131,7 @@ def main() -> None:
     parser.add_argument(
         "--candidates-only", action="store_true", help="skip the every-replica scans"
     )
+    parser.add_argument("--profile", action="store_true", help="profile the largest size")
     parser.add_argument("--save", action="store_true")
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
@@ -114,8 +164,26 @@ def main() -> None:
         "target run: 1,000 replicas x 1 h x 2,000 req/s (7.2M requests) at each row's speed; "
         "the issue asks for under 5 minutes"
     )
+    profiled = None
+    if args.profile:
+        size = max(int(s) for s in args.sizes.split(","))
+        profiled = profile(size, args.per_replica, args.requests, args.seed)
+        print(f"\nprofile at {size} replicas (own CPU time, under cProfile's overhead):")
+        for area, entry in profiled["areas"].items():
+            print(f"  {area:22} {entry['own_s']:7.2f} s {entry['share']:6.1%}")
+        for entry in profiled["top"][:15]:
+            print(f"  {entry['share']:6.1%} {entry['calls']:>9} calls  {entry['function']}")
     if args.save:
-        path = save("simulate_speed", {"machine": machine(), "args": vars(args), "rows": rows})
+        path = save(
+            "simulate_speed",
+            {
+                "commit": commit(),
+                "machine": machine(),
+                "args": vars(args),
+                "rows": rows,
+                "profile": profiled,
+            },
+        )
         print(f"saved {path}")
 
 
