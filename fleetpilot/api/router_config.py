@@ -297,6 +297,17 @@ class RouterConfig(ApiModel):
             "port while auth is unset, and on no port while it is set. Read at start only."
         ),
     )
+    epp_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description=(
+            "Port of a gRPC listener serving the Gateway API Inference Extension's endpoint "
+            "picker protocol (Envoy ext_proc) and gRPC health: a gateway's InferencePool "
+            "asks it which replica each request goes to, decided as the router hop decides. "
+            "Unset: no picker. Read at start only."
+        ),
+    )
     tiers: list[RouterTier] = Field(min_length=1)
     auth: AuthConfig | None = Field(
         None, description="API keys per tenant; unset: every request is admitted."
@@ -390,6 +401,11 @@ class RouterConfig(ApiModel):
             raise ValueError(
                 f"metricsPort {self.metrics_port} is the public port: give /metrics a port "
                 "of its own, or leave metricsPort unset"
+            )
+        if self.epp_port is not None and self.epp_port in (self.port, self.metrics_port):
+            raise ValueError(
+                f"eppPort {self.epp_port} is taken by the public or metrics port: give the "
+                "endpoint picker a port of its own"
             )
         if self.peers is not None and self.auth is not None and self.metrics_port is None:
             raise ValueError(

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
 import aiohttp
+import grpc
 from aiohttp import web
 
 from fleetpilot.api.router_config import RouterConfig
@@ -33,6 +34,7 @@ from fleetpilot.routing.discovery import (
     MergedSource,
 )
 from fleetpilot.routing.endpoints import EndpointSource, replica_of_stream
+from fleetpilot.routing.epp.server import start_picker
 from fleetpilot.routing.errors import (
     InvalidRequestError,
     RouterError,
@@ -123,6 +125,7 @@ class RouterApp:
         # The metrics listener (config.metricsPort), when one runs: bound once, at start.
         self.metrics_runner: web.AppRunner | None = None
         self.metrics_port: int | None = None
+        self.epp_server: grpc.aio.Server | None = None  # the endpoint picker (eppPort)
         # Its id among the router replicas that share their counts (``routing.peers``).
         self.router_id = new_router_id()
         self.peers: PeerExchange | None = None
@@ -301,7 +304,21 @@ class RouterApp:
         self.metrics_port = port
         log.info("metrics listener started", extra={"host": host, "port": port})
 
+    async def start_epp(self, host: str) -> None:
+        """Serve the endpoint picker (``routing.epp``) and gRPC health on the config's
+        ``eppPort`` (nothing without one), over this router's proxy: one decision path."""
+        port = self.router.config.epp_port
+        if port is None:
+            return
+        assert self.proxy is not None, "start() first"
+        self.epp_server = await start_picker(self.proxy, host, port)
+        log.info("endpoint picker started", extra={"host": host, "port": port})
+
     async def stop(self) -> None:
+        if self.epp_server is not None:
+            # Streams in flight end now: their requests' counts are given back as they close.
+            await self.epp_server.stop(grace=None)
+            self.epp_server = None
         if self.metrics_runner is not None:
             await self.metrics_runner.cleanup()
             self.metrics_runner = None
@@ -528,6 +545,7 @@ def build_app(
     async def on_startup(_: web.Application) -> None:
         await state.start_metrics_listener(metrics_host)
         await state.start()
+        await state.start_epp(metrics_host)
 
     async def on_cleanup(_: web.Application) -> None:
         await state.stop()

@@ -40,7 +40,9 @@ class Resumable:
 class Exchange:
     """One client request, from its headers to its end."""
 
-    request: web.Request
+    # The client's HTTP request at the router hop; None when a gateway holds the connection
+    # and asks the endpoint picker (routing.epp) where to send it.
+    request: web.Request | None
     kind: Kind
     metrics: RouterMetrics
     started: float = field(default_factory=time.perf_counter)
@@ -72,6 +74,12 @@ class Exchange:
     first_chunk: bool = True
     response: web.StreamResponse | None = None
     counted: bool = False
+
+    @property
+    def http(self) -> web.Request:
+        """The client's HTTP request (the router hop only)."""
+        assert self.request is not None
+        return self.request
 
     @property
     def routed(self) -> Route:

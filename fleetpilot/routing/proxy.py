@@ -132,16 +132,10 @@ class Proxy:
         requests, the tenant's request rate), then the body; only a request whose body has
         arrived counts against ``maxInFlight``, so clients sending bodies slowly - each cut by
         the listener's body rule (``httpserver.body_verdict``) - cannot fill it (issue 41)."""
-        tenant: Tenant | None = None
-        ring = self.auth.ring if self.auth is not None else None
-        if ring is not None:
-            # Before any routing work, the body not even read: a request without a valid key
-            # costs a digest and a header.
-            try:
-                tenant = ring.authenticate(request.headers.get("Authorization"))
-            except RouterError as exc:
-                return self._reject(exc)
-            self.metrics.tenant_requests.labels(tenant.name).inc()
+        try:
+            tenant = self.authenticate(request.headers.get("Authorization"))
+        except RouterError as exc:
+            return self._reject(exc)
         content_type = request.headers.get("Content-Type")
         if not is_json_content_type(content_type):
             return self._reject(
@@ -161,6 +155,17 @@ class Proxy:
             return await self._admitted(exchange)
         finally:
             self.admission.close_client(client)
+
+    def authenticate(self, authorization: str | None) -> Tenant | None:
+        """The tenant whose API key the request carries (None without ``routing.auth``), or
+        the RouterError to refuse it with. Before any routing work, the body not even read: a
+        request without a valid key costs a digest and a header."""
+        ring = self.auth.ring if self.auth is not None else None
+        if ring is None:
+            return None
+        tenant = ring.authenticate(authorization)
+        self.metrics.tenant_requests.labels(tenant.name).inc()
+        return tenant
 
     async def _admitted(self, exchange: Exchange) -> web.StreamResponse:
         timeout_s = self.router.config.request_timeout.total_seconds()
@@ -222,22 +227,11 @@ class Proxy:
         # The request itself is taken from the tenant's bucket now, from the headers: a key at
         # its request limit gets 429 before it may send (or trickle) a body; its tokens once
         # parsed.
-        exchange.admit_request(self._tenant_limits(exchange))
-        raw = await _read_body(exchange.request, self.router.config.max_body_bytes)
+        exchange.admit_request(self.tenant_limits(exchange))
+        raw = await _read_body(exchange.http, self.router.config.max_body_bytes)
         self.admission.take_in_flight(exchange.entry)
-        body, features = await self._parsed(exchange, raw)
-        decided = time.perf_counter()
-        route = await self.admission.decide(self.router.resolve(features), exchange.entry)
-        self.metrics.decision_seconds.observe(time.perf_counter() - decided)
-        exchange.route = route
-        tier = route.tier
-        self.metrics.count_decision(
-            tier.name, route.reason, route.prefix_match, route.prefix_source
-        )
-        if route.tokenizer_failed:
-            self.metrics.tokenizer_errors.labels(tier.name).inc()
-        if route.spilled_from is not None:
-            self.metrics.spillovers.labels(route.spilled_from, tier.name).inc()
+        body, features = await self.parsed(exchange, raw, exchange.http.headers)
+        await self.decide(exchange, features)
         await self._prepare(exchange, body, raw, features)
         try:
             return await self._send(exchange)
@@ -245,10 +239,11 @@ class Proxy:
             if exchange.capture is not None:
                 exchange.capture.drop()  # not handed to the tokenizer: its budget back
 
-    async def _parsed(self, exchange: Exchange, raw: bytes) -> tuple[Any, RequestFeatures]:
+    async def parsed(
+        self, exchange: Exchange, raw: bytes, headers: Mapping[str, str]
+    ) -> tuple[Any, RequestFeatures]:
         """The body and its features (parsed off the loop when long), within the tenant's
         reach, its tokens taken from the tenant's bucket."""
-        headers = exchange.request.headers
         if len(raw) > PARSE_OFF_LOOP_BYTES:
             loop = asyncio.get_running_loop()
             body, features = await loop.run_in_executor(
@@ -267,10 +262,28 @@ class Proxy:
             exchange.admit_tokens(features)
         return body, features
 
-    def _tenant_limits(self, exchange: Exchange) -> TenantLimits | None:
+    def tenant_limits(self, exchange: Exchange) -> TenantLimits | None:
         if exchange.tenant is None or self.auth is None:
             return None
         return self.auth.limiter.of(exchange.tenant.name)
+
+    async def decide(self, exchange: Exchange, features: RequestFeatures) -> Route:
+        """The routing decision for a parsed request, through admission (client and in-flight
+        counts, the fair queue, the cold-start hold), counted in the metrics; the router hop
+        and the endpoint picker (``routing.epp``) both decide here."""
+        decided = time.perf_counter()
+        route = await self.admission.decide(self.router.resolve(features), exchange.entry)
+        self.metrics.decision_seconds.observe(time.perf_counter() - decided)
+        exchange.route = route
+        tier = route.tier
+        self.metrics.count_decision(
+            tier.name, route.reason, route.prefix_match, route.prefix_source
+        )
+        if route.tokenizer_failed:
+            self.metrics.tokenizer_errors.labels(tier.name).inc()
+        if route.spilled_from is not None:
+            self.metrics.spillovers.labels(route.spilled_from, tier.name).inc()
+        return route
 
     async def _route(self, resolved: Resolved) -> Route:
         """The router's decision. A prompt whose tokenizing would stall the loop (a long cold
@@ -289,7 +302,7 @@ class Proxy:
         """What the replicas are sent: headers, path, payload (after the prefill hop of a
         disaggregated tier), and what the answer feeds (reply capture, stream resumes)."""
         route = exchange.routed
-        headers = _upstream_headers(exchange.request)
+        headers = _upstream_headers(exchange.http)
         if exchange.tenant is not None:
             # The tenant's key is the router's to check, not the engines' to see.
             headers.pop("Authorization", None)
@@ -322,9 +335,7 @@ class Proxy:
                     exchange.prefill_id = route.prefill.id if route.prefill else None
                     return json_bytes(decode_request(body, route.served_model, params))
                 self.metrics.pd_fallbacks.labels(tier, cause).inc()
-            elif body.get("model") == route.served_model and KV_TRANSFER_PARAMS not in body:
-                return raw  # the common pinned case: forward the client's bytes untouched
-            return json_bytes(client_body(body, route.served_model))
+            return upstream_body(route, body, raw)
         except RecursionError:
             raise InvalidRequestError(
                 "the request body is nested too deeply", reason="invalid_json"
@@ -439,6 +450,15 @@ class Proxy:
         )
 
 
+def upstream_body(route: Route, body: dict[str, Any], raw: bytes) -> bytes:
+    """The body a unified (or locally prefilling) replica is sent: the client's bytes
+    untouched when they already name the served model (the common pinned case), else the
+    body with the tier's model or adapter and no client-set KV transfer parameters."""
+    if body.get("model") == route.served_model and KV_TRANSFER_PARAMS not in body:
+        return raw
+    return json_bytes(client_body(body, route.served_model))
+
+
 def _parse(raw: bytes, kind: Kind, headers: Mapping[str, str]) -> tuple[Any, RequestFeatures]:
     """The JSON body and its routing features (on any thread)."""
     try:
@@ -486,7 +506,7 @@ _ID_PREFIX = uuid.uuid4().hex[:12]
 _id_counter = itertools.count(1)
 
 
-def _new_request_id() -> str:
+def new_request_id() -> str:
     return f"{_ID_PREFIX}-{next(_id_counter):x}"
 
 
@@ -497,5 +517,5 @@ def _upstream_headers(request: web.Request) -> dict[str, str]:
         if value is not None:
             headers[name] = value
     # One id across both P/D hops and the logs of every replica the request touches.
-    headers[REQUEST_ID_HEADER] = request.headers.get(REQUEST_ID_HEADER) or _new_request_id()
+    headers[REQUEST_ID_HEADER] = request.headers.get(REQUEST_ID_HEADER) or new_request_id()
     return headers

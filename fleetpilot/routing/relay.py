@@ -108,7 +108,7 @@ class Relay:
                 return self._whole(exchange, response.status, data, out_headers)
             out = web.StreamResponse(status=response.status, headers=out_headers)
             out.enable_chunked_encoding()
-            await out.prepare(exchange.request)
+            await out.prepare(exchange.http)
             exchange.response = out
             if not await self._relay_stream(out, exchange, replica, response):
                 return out  # counted: the stream broke, or the client left

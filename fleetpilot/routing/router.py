@@ -392,6 +392,12 @@ class Router:
         self.adapters.sent(route.tier, state, route.adapter, self.clock())
         return state
 
+    def fallback(self, route: Route, tried: Iterable[str]) -> ReplicaState | None:
+        """Where a retry of the route would go, none of ``tried``, with no send recorded: an
+        endpoint picker's fallback, which the gateway uses only if the pick fails."""
+        chosen = self._retry_pick(route, tried)
+        return None if chosen is None else self.replica_set[chosen.replica.id]
+
     def has_sound_peer(self, route: Route, tried: Iterable[str]) -> bool:
         """Whether a retry of the route would find a replica of its serving group, none of
         ``tried``, that is neither ejected nor suspect and has room: where a request waiting on
