@@ -310,7 +310,7 @@ class Proxy:
         exchange.request_id = headers[REQUEST_ID_HEADER]
         exchange.path = PATHS[exchange.kind]
         exchange.payload = await self._payload(exchange, body, raw)
-        exchange.capture = self._reply_capture(exchange.kind, route, body, len(raw))
+        exchange.capture = self.reply_capture(exchange.kind, route, body, len(raw))
         config = self.router.config
         if features.stream and config.stream_resumes > 0 and resumable_body(exchange.kind, body):
             exchange.resumable = Resumable(
@@ -341,7 +341,7 @@ class Proxy:
                 "the request body is nested too deeply", reason="invalid_json"
             ) from None
 
-    def _reply_capture(
+    def reply_capture(
         self, kind: Kind, route: Route, body: Mapping[str, Any], body_bytes: int
     ) -> ReplyCapture | None:
         """A capture of the reply for the tier's tokenizer, where the next turn can use it: a

@@ -22,6 +22,7 @@ from fleetpilot.routing.exchange import Exchange, Resumable
 from fleetpilot.routing.liveness import LivenessWatch, SilentReplicaError
 from fleetpilot.routing.metrics import RouterMetrics
 from fleetpilot.routing.replica import ReplicaState
+from fleetpilot.routing.replies import ReplyCapture
 from fleetpilot.routing.resume import (
     Rewriter,
     Sent,
@@ -83,6 +84,11 @@ class Relay:
     def close(self) -> None:
         self._remember_pool.shutdown(wait=False, cancel_futures=True)
 
+    def remember(self, capture: ReplyCapture, *, streamed: bool) -> None:
+        """A successful answer's captured reply, handed to its tier's tokenizer off the loop
+        (the endpoint picker's answers too: one worker for both)."""
+        capture.remember(self._remember_pool, streamed=streamed)
+
     def route_header(
         self, route: Route, replica: ReplicaState | None = None, prefill: str | None = None
     ) -> str:
@@ -115,7 +121,7 @@ class Relay:
             done = True
             exchange.count(str(response.status))  # the client has every byte of the answer now
             if exchange.capture is not None and response.status == 200:
-                exchange.capture.remember(self._remember_pool, streamed=True)
+                self.remember(exchange.capture, streamed=True)
             try:
                 await out.write_eof()
             except ConnectionError:
@@ -149,7 +155,7 @@ class Relay:
             exchange.used = usage_tokens(data)
         if exchange.capture is not None and status == 200:
             exchange.capture.feed(data)
-            exchange.capture.remember(self._remember_pool, streamed=False)
+            self.remember(exchange.capture, streamed=False)
         return web.Response(status=status, body=data, headers=out_headers)
 
     # -- a stream ----------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -66,7 +67,7 @@ EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 KINDS: dict[str, Kind] = {path: kind for kind, path in PATHS.items()}
 # Endpoints the gateway may try after the picked one (proposal 004's fallbacks), in order.
 FALLBACKS = 1
-# How much of a non-streamed answer is kept to read its usage (tenant token limits).
+# How much of a whole (non-streamed) answer is kept to read its usage (tenant token limits).
 USAGE_BODY_BYTES = 1 << 20
 
 
@@ -83,7 +84,8 @@ class PickStream:
         self.exchange: Exchange | None = None
         self.client: str | None = None  # open in admission until close
         self.status = ""
-        self.answer = bytearray()  # a non-streamed answer, for its usage
+        self.streamed = False  # the answer is an event stream
+        self.answer = bytearray()  # a whole (non-streamed) answer, for its usage
         self.first_chunk = True
         self.done = False  # an immediate response ended the exchange
 
@@ -170,6 +172,8 @@ class PickStream:
         fallbacks = self._fallbacks(route, replica)
         payload = self._payload(route, body, raw)
         exchange.replica = replica
+        # The reply, for the tokenizer to hold the conversation's next turn (as at the hop).
+        exchange.capture = self.proxy.reply_capture(exchange.kind, route, body, len(raw))
         blocks = route.prefill_blocks if not route.disaggregated or route.local_prefill else 0
         exchange.attempt = Attempt(replica, blocks).begin()
         request_id = self.headers.get(REQUEST_ID_HEADER.lower())
@@ -246,6 +250,7 @@ class PickStream:
     def _response_headers(self, message: Any) -> list[Any]:
         headers = protocol.headers_of(message.response_headers)
         self.status = headers.get(":status", "200")
+        self.streamed = headers.get("content-type", "").startswith("text/event-stream")
         exchange = self.exchange
         if exchange is None or exchange.route is None:
             return [protocol.response_headers()]
@@ -281,15 +286,30 @@ class PickStream:
         chunk = message.response_body
         exchange = self.exchange
         if exchange is not None and exchange.route is not None:
-            if chunk.body and self.first_chunk:
-                self.first_chunk = False
-                if exchange.attempt is not None:
-                    exchange.attempt.prefilled()
-            if len(self.answer) < USAGE_BODY_BYTES:
-                self.answer += chunk.body[: USAGE_BODY_BYTES - len(self.answer)]
+            self._watch(exchange, chunk.body)
             if chunk.end_of_stream:
                 self._finish(exchange)
         return protocol.response_body(chunk.body, chunk.end_of_stream)
+
+    def _watch(self, exchange: Exchange, data: bytes) -> None:
+        """A piece of the answer on its way: the first one marks the prompt computed (TTFT);
+        the reply is captured; the usage read."""
+        if not data:
+            return
+        if self.first_chunk:
+            self.first_chunk = False
+            if exchange.attempt is not None:
+                exchange.attempt.prefilled()
+            self.proxy.metrics.ttft_seconds.labels(exchange.routed.tier.name).observe(
+                time.perf_counter() - exchange.started
+            )
+        if exchange.capture is not None:
+            exchange.capture.feed(data)
+        if self.streamed:
+            used = usage_tokens(data)  # the event with usage comes whole, at the end
+            exchange.used = used if used is not None else exchange.used
+        elif len(self.answer) + len(data) <= USAGE_BODY_BYTES:
+            self.answer += data
 
     def _finish(self, exchange: Exchange) -> None:
         """The answer is complete: counted by its status, the replica's counts given back,
@@ -297,9 +317,13 @@ class PickStream:
         if exchange.attempt is not None:
             exchange.attempt.end()
         exchange.count(self.status or "200")
-        if self.status == "200":
-            exchange.answered = True
-            exchange.used = _usage(bytes(self.answer))
+        if self.status != "200":
+            return
+        exchange.answered = True
+        if not self.streamed:
+            exchange.used = usage_tokens(bytes(self.answer))
+        if exchange.capture is not None:
+            self.proxy.relay.remember(exchange.capture, streamed=self.streamed)
 
     # -- the end -----------------------------------------------------------------------------
     def _refuse(self, error: RouterError) -> Any:
@@ -315,25 +339,14 @@ class PickStream:
             if exchange.attempt is not None:
                 exchange.attempt.end()
             exchange.count(STATUS_CLIENT_CLOSED)  # a no-op once counted
+            if exchange.capture is not None:
+                exchange.capture.drop()  # not handed to the tokenizer: its budget back
             self.proxy.admission.finish(exchange.entry)
             exchange.settle()
             self.exchange = None
         if self.client is not None:
             self.proxy.admission.close_client(self.client)
             self.client = None
-
-
-def _usage(answer: bytes) -> int | None:
-    """Total tokens from an answer's ``usage`` (the last event that has one, when streamed)."""
-    used = None
-    for line in answer.split(b"\n"):
-        line = line.strip()
-        if line.startswith(b"data:"):
-            line = line[5:].strip()
-        if b'"usage"' in line:
-            found = usage_tokens(line)
-            used = found if found is not None else used
-    return used
 
 
 class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
