@@ -8,7 +8,7 @@ SRC := fleetpilot
 
 CLUSTER_DIR := .cache/cluster
 
-.PHONY: setup vllm baselines test lint typecheck imports unit controlplane kstatus processnode prometheus chart-readme cluster-up cluster-down cluster-demo demo crds clean
+.PHONY: setup vllm baselines test lint typecheck imports unit controlplane kstatus processnode gateway prometheus chart-readme cluster-up cluster-down cluster-demo demo crds clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -75,13 +75,18 @@ processnode:
 	e2e/processnode/build.sh
 	cd e2e/processnode && GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=readonly go test ./...
 
+# The test gateway (e2e/gateway): Envoy's side of the external-processing protocol for an
+# InferencePool, in front of an endpoint picker (there is no Envoy binary here).
+gateway:
+	e2e/gateway/build.sh
+
 prometheus:
 	@command -v prometheus >/dev/null || { \
 		echo "installing Debian's prometheus package for the autoscaler tests"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
 	@prometheus --version 2>&1 | head -1
 
-unit: setup vllm baselines controlplane kstatus processnode prometheus
+unit: setup vllm baselines controlplane kstatus processnode gateway prometheus
 	$(BIN)/pytest
 
 cluster-up: setup controlplane

@@ -243,7 +243,7 @@ class PickStream:
         if not replicas:
             raise UnavailableError("no replica is ready", reason="no_ready_replicas")
         least = min(replicas, key=lambda r: r.in_flight + r.peer_in_flight)
-        self.done = True
+        # The stream stays open: the gateway sends the answer's phases through it too.
         return protocol.picked([least.id], {})
 
     # -- the response ------------------------------------------------------------------------
@@ -278,6 +278,7 @@ class PickStream:
         if exchange.attempt is not None:
             exchange.attempt.end()
         route = exchange.routed
+        self.proxy.metrics.retries.labels(route.tier.name).inc()  # the gateway's retry
         blocks = route.prefill_blocks if not route.disaggregated else 0
         exchange.replica = replica
         exchange.attempt = Attempt(replica, blocks).begin()

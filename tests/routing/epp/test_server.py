@@ -396,6 +396,11 @@ async def test_a_bodiless_request_goes_to_a_ready_replica(
     answer = await gateway.call.read()
     endpoint = set_headers(answer)[protocol.DESTINATION_KEY]
     assert endpoint in {e.address for e in two_engines}
+    # The stream stays open for the answer, which passes through as the engine wrote it (the
+    # test's gateway POSTs, so the engine's /health says 405).
+    status, body = await gateway.relay(Picked(answer, endpoints=[endpoint]), path="/health")
+    assert status == 405
+    assert b"Not Allowed" in body
 
 
 async def test_the_picker_answers_grpc_health(picker: Picker) -> None:

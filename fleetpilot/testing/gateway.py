@@ -1,0 +1,88 @@
+"""A gateway for the tests: the Go program in e2e/gateway, which plays Envoy's side of the
+external-processing protocol for an InferencePool in front of an endpoint picker (there is no
+Envoy binary here). Built by ``e2e/gateway/build.sh``; started and stopped by ``Gateway``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+from fleetpilot.testing.binaries import repo_root
+from fleetpilot.testing.errors import ControlPlaneError
+
+
+def skip_reason() -> str | None:
+    """Why the gateway cannot run here (None: it can): it is built with Go."""
+    if shutil.which("go") is None:
+        return "the test gateway is built with Go, which is not on PATH"
+    if repo_root() is None:
+        return "the test gateway is built from a fleetpilot checkout"
+    return None
+
+
+def gateway_binary(*, build: bool = True) -> Path:
+    """The gateway, built first by its build.sh (a no-op when up to date)."""
+    root = repo_root()
+    if root is None:
+        raise ControlPlaneError("the test gateway is built from a fleetpilot checkout")
+    if build:
+        script = root / "e2e" / "gateway" / "build.sh"
+        result = subprocess.run(["bash", str(script)], stdout=2, check=False)
+        if result.returncode != 0:
+            raise ControlPlaneError(f"{script} failed (exit {result.returncode})")
+    return root / ".cache" / "gateway" / "bin" / "gateway"
+
+
+class Gateway:
+    """The gateway process in front of the picker at ``picker`` (``host:port``); ``url`` is
+    where clients send their requests. With ``subset``, every request carries that subset
+    hint (the endpoints the picker may choose among)."""
+
+    def __init__(self, picker: str, *, subset: Sequence[str] | None = None) -> None:
+        self.picker = picker
+        self.subset = subset
+        self.url = ""
+        self._process: subprocess.Popen[str] | None = None
+
+    def start(self) -> Self:
+        argv = [str(gateway_binary()), "--picker", self.picker, "--listen", "127.0.0.1:0"]
+        if self.subset is not None:
+            argv += ["--subset", ",".join(self.subset)]
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        self._process = process
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        if not line:
+            self.stop()
+            raise ControlPlaneError(f"the gateway exited before listening: {argv}")
+        self.url = "http://" + json.loads(line)["listening"]
+        return self
+
+    def stop(self) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self.stop()
