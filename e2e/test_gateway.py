@@ -80,8 +80,7 @@ async def fleet(subset: Sequence[int] | None = None, **overrides: Any) -> AsyncI
 
 
 async def test_the_openai_client_chats_through_the_gateway_whole_and_streamed() -> None:
-    async with fleet() as running:
-        client = running.client()
+    async with fleet() as running, running.client() as client:
         reply = await client.chat.completions.create(model="chat", messages=MESSAGES)
         assert reply.choices[0].message.content in ("from a", "from b")
         stream = await client.chat.completions.create(model="chat", messages=MESSAGES, stream=True)
@@ -113,8 +112,7 @@ async def test_a_refusal_reaches_the_client_as_the_pickers_openai_error() -> Non
 
 
 async def test_the_subset_hint_keeps_every_request_on_its_endpoints() -> None:
-    async with fleet(subset=[1]) as running:
-        client = running.client()
+    async with fleet(subset=[1]) as running, running.client() as client:
         for _ in range(6):
             reply = await client.chat.completions.create(model="chat", messages=MESSAGES)
             assert reply.choices[0].message.content == "from b"
@@ -127,8 +125,10 @@ async def test_a_dead_pick_falls_back_and_its_count_follows() -> None:
     the other as fallback, the gateway's connection fails and it sends to the fallback, and
     tells the picker which endpoint served - where the request is then counted."""
     slow = {"interval": "60s", "timeout": "1s", "staleAfter": "120s"}
-    async with fleet(ejection={"probeInterval": "60s"}, scrape=slow) as running:
-        client = running.client()
+    async with (
+        fleet(ejection={"probeInterval": "60s"}, scrape=slow) as running,
+        running.client() as client,
+    ):
         first = await client.chat.completions.create(model="chat", messages=MESSAGES)
         by_name = {e.name: e for e in running.engines}
         dead = by_name[str(first.choices[0].message.content).removeprefix("from ")]
