@@ -61,3 +61,20 @@ def ensure_binaries(bin_dir: Path | None = None, *, build: bool = True) -> Path:
             "run e2e/controlplane/build.sh"
         )
     return target
+
+
+def go_tool(name: str, what: str, *, build: bool = True) -> Path:
+    """A Go program of the e2e harness (``e2e/<name>``), built first by its build.sh (a no-op
+    when up to date) into ``.cache/<name>/bin/<name>``; ``what`` names it in errors."""
+    root = repo_root()
+    if root is None:
+        raise ControlPlaneError(f"{what} is built from a fleetpilot checkout")
+    if build:
+        script = root / "e2e" / name / "build.sh"
+        result = subprocess.run(["bash", str(script)], stdout=2, check=False)
+        if result.returncode != 0:
+            raise ControlPlaneError(f"{script} failed (exit {result.returncode})")
+    binary = root / ".cache" / name / "bin" / name
+    if not os.access(binary, os.X_OK):
+        raise ControlPlaneError(f"no {what} at {binary}; run e2e/{name}/build.sh")
+    return binary

@@ -12,7 +12,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from fleetpilot.testing.binaries import repo_root
+from fleetpilot.testing.binaries import go_tool, repo_root
 from fleetpilot.testing.errors import ControlPlaneError
 
 
@@ -27,15 +27,7 @@ def skip_reason() -> str | None:
 
 def gateway_binary(*, build: bool = True) -> Path:
     """The gateway, built first by its build.sh (a no-op when up to date)."""
-    root = repo_root()
-    if root is None:
-        raise ControlPlaneError("the test gateway is built from a fleetpilot checkout")
-    if build:
-        script = root / "e2e" / "gateway" / "build.sh"
-        result = subprocess.run(["bash", str(script)], stdout=2, check=False)
-        if result.returncode != 0:
-            raise ControlPlaneError(f"{script} failed (exit {result.returncode})")
-    return root / ".cache" / "gateway" / "bin" / "gateway"
+    return go_tool("gateway", "the test gateway", build=build)
 
 
 class Gateway:

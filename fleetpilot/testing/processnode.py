@@ -32,7 +32,7 @@ from typing import Any, Self
 from kubernetes import client as k8s
 
 from fleetpilot.runtime.processes import Child, StartsAndStops, Supervisor, free_ports
-from fleetpilot.testing.binaries import repo_root
+from fleetpilot.testing.binaries import go_tool
 from fleetpilot.testing.errors import ControlPlaneError
 from fleetpilot.testing.kubeconfig import api_client
 
@@ -73,18 +73,7 @@ def skip_reason() -> str | None:
 
 def agent_binary(*, build: bool = True) -> Path:
     """The agent, built first by its build.sh (a no-op when up to date)."""
-    root = repo_root()
-    if root is None:
-        raise ControlPlaneError("the process node is built from a fleetpilot checkout")
-    if build:
-        script = root / "e2e" / "processnode" / "build.sh"
-        result = subprocess.run(["bash", str(script)], stdout=2, check=False)
-        if result.returncode != 0:
-            raise ControlPlaneError(f"{script} failed (exit {result.returncode})")
-    binary = root / ".cache" / "processnode" / "bin" / "processnode"
-    if not os.access(binary, os.X_OK):
-        raise ControlPlaneError(f"no process node agent at {binary}; run its build.sh")
-    return binary
+    return go_tool("processnode", "the process node agent", build=build)
 
 
 def fleetpilot_image_table(venv_bin: Path | None = None) -> dict[str, Any]:
