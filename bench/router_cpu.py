@@ -19,6 +19,10 @@ Arms:
   tokens trained here, ChatML: ``router_tokenize.train_bpe_files``) and the engine's KV events:
   each request is rendered, tokenized (prefix-cached), keyed and looked up in the event index;
 - ``fleetpilot, guessed``: the same router without a tokenizer (its guessed text index);
+- ``fleetpilot, EPP``: the first arm's router as a Gateway API Inference Extension endpoint
+  picker (``eppPort``), behind the test gateway (``e2e/gateway``, Envoy's side of ext_proc,
+  on CPU 1 with the client): the load goes to the gateway, and the router's CPU is what it
+  spends picking and watching each answer pass through the ext_proc stream (issue 45);
 - ``prodstack-rr`` / ``prodstack-prefix``: production-stack's router (``prodstack_router``,
   skipped when not installed) with ``roundrobin`` / ``prefixaware``.
 
@@ -76,6 +80,7 @@ from fleetpilot.kv_events import BlockStored, EventBatch, decode_batch, encode_b
 from fleetpilot.routing.features import extract_features
 from fleetpilot.routing.policies.kv_index import KVIndex
 from fleetpilot.routing.tokenizer.request import load_tokenizer
+from fleetpilot.testing.gateway import Gateway
 
 MODEL = "bench"
 BLOCK_SIZE = 16
@@ -83,7 +88,7 @@ BODIES = 1000
 TENANTS = 12
 WARMUP_S = 3.0
 CONNECTIONS = 128
-ARMS = ("fleetpilot", "fleetpilot, guessed", "prodstack-rr", "prodstack-prefix")
+ARMS = ("fleetpilot", "fleetpilot, guessed", "fleetpilot, EPP", "prodstack-rr", "prodstack-prefix")
 
 _CHAT = json.dumps(
     {
@@ -311,6 +316,9 @@ def arm_router(
     endpoints.write_text(yaml.safe_dump({"endpoints": [item]}))
     guessed = arm.endswith("guessed")
     cfg = router_config(None if guessed else tokenizer)
+    picker = arm.endswith("EPP")
+    if picker:
+        cfg = cfg.model_copy(update={"epp_port": free_port()})
     with fleetpilot_routers(
         "guessed" if guessed else "events",
         1,
@@ -321,7 +329,13 @@ def arm_router(
         events=not guessed,
     ) as (router,):
         pin_threads(router.pid, {0})
-        yield router.pid, _port_of(router.url)
+        if not picker:
+            yield router.pid, _port_of(router.url)
+            return
+        with Gateway(f"127.0.0.1:{cfg.epp_port}") as gateway:
+            assert gateway.pid is not None
+            pin_threads(gateway.pid, {1})
+            yield router.pid, _port_of(gateway.url)
 
 
 def _port_of(url: str) -> int:
@@ -399,6 +413,7 @@ def main() -> None:
     parser.add_argument("--stream", nargs="+", default=["plain", "stream"])
     parser.add_argument("--breakdown", action="store_true", help="the tokenizer arm's parts")
     parser.add_argument("--save", action="store_true")
+    parser.add_argument("--name", default="router_cpu", help="the results file's name")
     args = parser.parse_args()
     if args.command == "echo":
         asyncio.run(serve_kv_echo(args.port, args.events_port, args.replay_port))
@@ -453,12 +468,12 @@ def main() -> None:
         print(line)
     if args.save:
         path = save(
-            "router_cpu",
+            args.name,
             {
                 "benchmark": "router_cpu",
                 "commit": commit(),
                 "machine": machine(),
-                "args": {k: v for k, v in vars(args).items() if k != "command"},
+                "args": {k: v for k, v in vars(args).items() if k not in ("command", "name")},
                 "rows": rows,
                 "medians": summary["medians"],
             },

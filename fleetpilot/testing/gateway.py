@@ -55,6 +55,10 @@ class Gateway:
         self.url = "http://" + json.loads(line)["listening"]
         return self
 
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
     def stop(self) -> None:
         process, self._process = self._process, None
         if process is None:
