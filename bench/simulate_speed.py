@@ -37,7 +37,7 @@ from typing import Any
 
 from router_support import commit, machine, save
 
-from fleetpilot.api import load_services
+from fleetpilot.api import InferenceService, load_services
 from fleetpilot.loadgen.runner import Schedule
 from fleetpilot.loadgen.workloads import make_workload
 from fleetpilot.routing.policies.candidates import FULL_SCAN_MAX
@@ -50,9 +50,13 @@ TARGET_REQUESTS = 1000 * 3600 * 2  # 1,000 replicas at 2 req/s each for one hour
 
 
 def make_fleet(
-    replicas: int, per_replica: float, requests: int, seed: int, full_scan_max: int
+    service: InferenceService,
+    replicas: int,
+    per_replica: float,
+    requests: int,
+    seed: int,
+    full_scan_max: int,
 ) -> tuple[Fleet, float]:
-    service = load_services(EXAMPLE)[0]
     rate = replicas * per_replica
     duration = max(requests / rate, 2.0)
     settings = SimSettings(
@@ -73,7 +77,7 @@ def run_once(
     replicas: int, per_replica: float, requests: int, seed: int, full_scan_max: int
 ) -> dict[str, float]:
     service = load_services(EXAMPLE)[0]
-    fleet, duration = make_fleet(replicas, per_replica, requests, seed, full_scan_max)
+    fleet, duration = make_fleet(service, replicas, per_replica, requests, seed, full_scan_max)
     started = time.process_time()
     outcome = fleet.run()
     cpu = time.process_time() - started
@@ -95,7 +99,8 @@ AREAS = ("fleetpilot/routing", "fleetpilot/simulate", "fleetpilot/loadgen", "fle
 
 def profile(replicas: int, per_replica: float, requests: int, seed: int) -> dict[str, Any]:
     """Where one run's CPU goes: own time by area of the code, and the top functions."""
-    fleet, _ = make_fleet(replicas, per_replica, requests, seed, FULL_SCAN_MAX)
+    service = load_services(EXAMPLE)[0]
+    fleet, _ = make_fleet(service, replicas, per_replica, requests, seed, FULL_SCAN_MAX)
     profiler = cProfile.Profile()
     profiler.runcall(fleet.run)
     stats = pstats.Stats(profiler)

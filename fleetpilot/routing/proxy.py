@@ -369,9 +369,7 @@ class Proxy:
         tried = {replica.id}
         retries_left = self.router.config.retries
         now = self.router.clock
-        # A P/D decode replica prefills nothing (it pulls the KV), unless it was sent the
-        # request to prefill the few tokens it lacks itself.
-        blocks = route.prefill_blocks if not route.disaggregated or route.local_prefill else 0
+        blocks = route.sent_prefill_blocks
 
         def give_up() -> bool:
             # A suspect replica's wait goes to a sound one, while a retry is left for it.

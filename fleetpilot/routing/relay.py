@@ -254,6 +254,13 @@ class Relay:
             if leg.rewriter is not None:
                 chunk = leg.rewriter.events(chunk)
             ledger.record(chunk)
+        self.note_chunk(exchange, chunk)
+        return chunk
+
+    def note_chunk(self, exchange: Exchange, chunk: bytes) -> None:
+        """A piece of the answer on its way to the client (through this hop or past the
+        endpoint picker): captured for the tokenizer, its usage read for the tenant's limits,
+        and the first one marks the prompt computed (TTFT)."""
         if exchange.capture is not None:
             exchange.capture.feed(chunk)
         if exchange.limits is not None:
@@ -266,7 +273,6 @@ class Relay:
             self.metrics.ttft_seconds.labels(exchange.routed.tier.name).observe(
                 time.perf_counter() - exchange.started
             )
-        return chunk
 
     # -- resuming ----------------------------------------------------------------------------
     async def _resume(

@@ -50,6 +50,13 @@ class Route:
     request: PickRequest = field(default_factory=PickRequest)
 
     @property
+    def sent_prefill_blocks(self) -> int:
+        """Prompt blocks the replica the request is sent to computes, pending there until its
+        first chunk: a P/D decode replica prefills nothing (it pulls the KV), unless it was
+        sent the request to prefill the few tokens it lacks itself."""
+        return self.prefill_blocks if not self.disaggregated or self.local_prefill else 0
+
+    @property
     def hashes(self) -> Sequence[int]:
         """The prompt's guessed-index block hashes."""
         return self.request.hashes

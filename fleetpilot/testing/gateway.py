@@ -9,9 +9,9 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Self
 
+from fleetpilot.runtime.processes import StartsAndStops
 from fleetpilot.testing.binaries import go_tool, repo_root
 from fleetpilot.testing.errors import ControlPlaneError
 
@@ -30,7 +30,7 @@ def gateway_binary(*, build: bool = True) -> Path:
     return go_tool("gateway", "the test gateway", build=build)
 
 
-class Gateway:
+class Gateway(StartsAndStops):
     """The gateway process in front of the picker at ``picker`` (``host:port``); ``url`` is
     where clients send their requests. With ``subset``, every request carries that subset
     hint (the endpoints the picker may choose among)."""
@@ -71,14 +71,3 @@ class Gateway:
             process.wait()
         if process.stdout is not None:
             process.stdout.close()
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        trace: TracebackType | None,
-    ) -> None:
-        self.stop()

@@ -206,6 +206,19 @@ def test_concurrent_requests_get_the_keys_of_sequential_ones() -> None:
     assert shared.stats.hits + shared.stats.misses == 2 * len(order)
 
 
+def tokenizer_tier(engine: FakeEngine) -> RouterTier:
+    """Tier "small" (model "sm") of one engine, with the reference tokenizer and KV-event
+    ports: the router keys its requests and remembers its replies."""
+    group = EndpointGroup(
+        role="unified", service="s", selector={}, port=8000, max_num_seqs=8,
+        addresses=[engine.address], kv_events_port=5557, kv_replay_port=5559,
+    )  # fmt: skip
+    return RouterTier(
+        name="small", model="sm", up_to=1.0, mode="unified", endpoints=[group],
+        tokenizer=str(REFERENCE_TOKENIZER),
+    )  # fmt: skip
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("stream", [True, False])
 async def test_a_relayed_chat_reply_is_remembered_for_the_next_turn(stream: bool) -> None:
@@ -214,14 +227,7 @@ async def test_a_relayed_chat_reply_is_remembered_for_the_next_turn(stream: bool
     name = "e" * 100  # the fake engine's reply text repeats its name: long enough to tell
     engine = FakeEngine(name, chunks=20)
     async with engines(engine):
-        group = EndpointGroup(
-            role="unified", service="s", selector={}, port=8000, max_num_seqs=8,
-            addresses=[engine.address], kv_events_port=5557, kv_replay_port=5559,
-        )  # fmt: skip
-        config = make_config(
-            [RouterTier(name="small", model="sm", up_to=1.0, mode="unified", endpoints=[group],
-                        tokenizer=str(REFERENCE_TOKENIZER))]
-        )  # fmt: skip
+        config = make_config([tokenizer_tier(engine)])
         async with running_router(config) as router, httpx.AsyncClient(timeout=20) as client:
             state = router.state
             await wait_for(lambda: "small" in state.router.tokenizers, timeout_s=20)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -86,7 +85,6 @@ class PickStream:
         self.status = ""
         self.streamed = False  # the answer is an event stream
         self.answer = bytearray()  # a whole (non-streamed) answer, for its usage
-        self.first_chunk = True
         self.done = False  # an immediate response ended the exchange
 
     async def on(self, message: Any) -> list[Any]:
@@ -174,8 +172,7 @@ class PickStream:
         exchange.replica = replica
         # The reply, for the tokenizer to hold the conversation's next turn (as at the hop).
         exchange.capture = self.proxy.reply_capture(exchange.kind, route, body, len(raw))
-        blocks = route.prefill_blocks if not route.disaggregated or route.local_prefill else 0
-        exchange.attempt = Attempt(replica, blocks).begin()
+        exchange.attempt = Attempt(replica, route.sent_prefill_blocks).begin()
         request_id = self.headers.get(REQUEST_ID_HEADER.lower())
         set_headers = {
             "content-length": str(len(payload)),
@@ -279,9 +276,8 @@ class PickStream:
             exchange.attempt.end()
         route = exchange.routed
         self.proxy.metrics.retries.labels(route.tier.name).inc()  # the gateway's retry
-        blocks = route.prefill_blocks if not route.disaggregated else 0
         exchange.replica = replica
-        exchange.attempt = Attempt(replica, blocks).begin()
+        exchange.attempt = Attempt(replica, route.sent_prefill_blocks).begin()
 
     def _response_body(self, message: Any) -> list[Any]:
         chunk = message.response_body
@@ -293,23 +289,17 @@ class PickStream:
         return protocol.response_body(chunk.body, chunk.end_of_stream)
 
     def _watch(self, exchange: Exchange, data: bytes) -> None:
-        """A piece of the answer on its way: the first one marks the prompt computed (TTFT);
-        the reply is captured; the usage read."""
+        """A piece of the answer on its way, noted as the router hop notes it (the first
+        marks the prompt computed, the reply captured, the usage read); a whole answer's
+        pieces are kept too, as its usage may straddle two of them."""
         if not data:
             return
-        if self.first_chunk:
-            self.first_chunk = False
-            if exchange.attempt is not None:
-                exchange.attempt.prefilled()
-            self.proxy.metrics.ttft_seconds.labels(exchange.routed.tier.name).observe(
-                time.perf_counter() - exchange.started
-            )
-        if exchange.capture is not None:
-            exchange.capture.feed(data)
-        if self.streamed:
-            used = usage_tokens(data)  # the event with usage comes whole, at the end
-            exchange.used = used if used is not None else exchange.used
-        elif len(self.answer) + len(data) <= USAGE_BODY_BYTES:
+        self.proxy.relay.note_chunk(exchange, data)
+        if (
+            not self.streamed
+            and exchange.limits is not None
+            and len(self.answer) + len(data) <= USAGE_BODY_BYTES
+        ):
             self.answer += data
 
     def _finish(self, exchange: Exchange) -> None:
@@ -321,7 +311,7 @@ class PickStream:
         if self.status != "200":
             return
         exchange.answered = True
-        if not self.streamed:
+        if not self.streamed and exchange.limits is not None:
             exchange.used = usage_tokens(bytes(self.answer))
         if exchange.capture is not None:
             self.proxy.relay.remember(exchange.capture, streamed=self.streamed)

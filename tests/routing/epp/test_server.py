@@ -23,8 +23,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_gr
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fleetpilot.api.router_config import AuthConfig, EndpointGroup, RouterTier, TenantKeys
-from fleetpilot.engine.reference_launch import REFERENCE_TOKENIZER
+from fleetpilot.api.router_config import AuthConfig, TenantKeys
 from fleetpilot.routing.epp import protocol
 from fleetpilot.runtime.processes import free_port
 from tests.routing.support import (
@@ -38,7 +37,7 @@ from tests.routing.support import (
     tier,
     wait_for,
 )
-from tests.routing.test_tokenize_off_loop import SYSTEM, RecordingTokenizer
+from tests.routing.test_tokenize_off_loop import SYSTEM, RecordingTokenizer, tokenizer_tier
 
 pytestmark = pytest.mark.asyncio
 
@@ -416,26 +415,17 @@ async def test_a_reply_through_the_gateway_is_remembered_for_the_next_turn(strea
     conversation's next turn encodes only its new message."""
     name = "e" * 100
     engine = FakeEngine(name, chunks=20)
-    async with engines(engine):
-        group = EndpointGroup(
-            role="unified", service="s", selector={}, port=8000, max_num_seqs=8,
-            addresses=[engine.address], kv_events_port=5557, kv_replay_port=5559,
-        )  # fmt: skip
-        only = RouterTier(
-            name="small", model="sm", up_to=1.0, mode="unified", endpoints=[group],
-            tokenizer=str(REFERENCE_TOKENIZER),
-        )  # fmt: skip
-        async with picker_for([only]) as running:
-            state = running.router.state
-            await wait_for(lambda: "small" in state.router.tokenizers, timeout_s=20)
-            tokenizer = RecordingTokenizer()
-            state.router.tokenizers["small"] = tokenizer
-            state.router.affinity.kv_live = lambda _stream: True
-            messages = [SYSTEM, {"role": "user", "content": "where is my order?"}]
-            gateway = running.gateway()
-            picked = await gateway.request({"model": "sm", "messages": messages, "stream": stream})
-            status, _ = await gateway.relay(picked)
-            assert status == 200
-            await wait_for(lambda: tokenizer.replies)
-            reply = "".join(f"{name}-{i} " for i in range(20)) if stream else f"from {name}"
-            assert tokenizer.replies == [reply]
+    async with engines(engine), picker_for([tokenizer_tier(engine)]) as running:
+        state = running.router.state
+        await wait_for(lambda: "small" in state.router.tokenizers, timeout_s=20)
+        tokenizer = RecordingTokenizer()
+        state.router.tokenizers["small"] = tokenizer
+        state.router.affinity.kv_live = lambda _stream: True
+        messages = [SYSTEM, {"role": "user", "content": "where is my order?"}]
+        gateway = running.gateway()
+        picked = await gateway.request({"model": "sm", "messages": messages, "stream": stream})
+        status, _ = await gateway.relay(picked)
+        assert status == 200
+        await wait_for(lambda: tokenizer.replies)
+        reply = "".join(f"{name}-{i} " for i in range(20)) if stream else f"from {name}"
+        assert tokenizer.replies == [reply]
