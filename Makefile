@@ -8,7 +8,7 @@ SRC := fleetpilot
 
 CLUSTER_DIR := .cache/cluster
 
-.PHONY: setup vllm baselines test lint typecheck imports unit controlplane kstatus processnode gateway prometheus chart-readme cluster-up cluster-down cluster-demo demo crds clean
+.PHONY: setup vllm baselines test lint typecheck imports unit controlplane kstatus processnode gateway gatewaycrds prometheus chart-readme cluster-up cluster-down cluster-demo demo crds clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -80,13 +80,18 @@ processnode:
 gateway:
 	e2e/gateway/build.sh
 
+# The Gateway API's and its Inference Extension's CRDs (InferencePool v1, HTTPRoute), copied
+# from the Go modules pinned in e2e/gatewaycrds/go.mod into .cache/gatewaycrds for the tests.
+gatewaycrds:
+	e2e/gatewaycrds/build.sh
+
 prometheus:
 	@command -v prometheus >/dev/null || { \
 		echo "installing Debian's prometheus package for the autoscaler tests"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
 	@prometheus --version 2>&1 | head -1
 
-unit: setup vllm baselines controlplane kstatus processnode gateway prometheus
+unit: setup vllm baselines controlplane kstatus processnode gateway gatewaycrds prometheus
 	$(BIN)/pytest
 
 cluster-up: setup controlplane
