@@ -72,7 +72,8 @@ async def fleet(subset: Sequence[int] | None = None, **overrides: Any) -> AsyncI
         )
         async with running_router(config) as router:
             hint = None if subset is None else [started[i].address for i in subset]
-            gateway = await asyncio.to_thread(Gateway(f"127.0.0.1:{port}", subset=hint).start)
+            picker = Gateway(f"127.0.0.1:{port}", subset=hint, tls=config.epp_tls)
+            gateway = await asyncio.to_thread(picker.start)
             try:
                 yield Fleet(router, gateway, started)
             finally:
@@ -80,7 +81,8 @@ async def fleet(subset: Sequence[int] | None = None, **overrides: Any) -> AsyncI
 
 
 async def test_the_openai_client_chats_through_the_gateway_whole_and_streamed() -> None:
-    async with fleet() as running, running.client() as client:
+    # Over TLS, as the operator configures the picker and a gateway connects to it.
+    async with fleet(eppTls=True) as running, running.client() as client:
         reply = await client.chat.completions.create(model="chat", messages=MESSAGES)
         assert reply.choices[0].message.content in ("from a", "from b")
         stream = await client.chat.completions.create(model="chat", messages=MESSAGES, stream=True)

@@ -24,6 +24,7 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -39,6 +40,7 @@ import (
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/types/known/structpb"
 )
@@ -65,11 +67,18 @@ func main() {
 	picker := flag.String("picker", "", "the endpoint picker's gRPC address (host:port)")
 	subset := flag.String("subset", "", "comma-separated endpoints sent as the subset hint")
 	timeout := flag.Duration("message-timeout", 30*time.Second, "the picker's time per answer")
+	pickerTLS := flag.Bool("picker-tls", false,
+		"connect to the picker over TLS without verifying its certificate, as gateways do")
 	flag.Parse()
 	if *picker == "" {
 		log.Fatal("--picker is required")
 	}
-	conn, err := grpc.NewClient(*picker, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	transport := insecure.NewCredentials()
+	if *pickerTLS {
+		// An InferencePool names no CA: gateways encrypt without verifying the picker.
+		transport = credentials.NewTLS(&tls.Config{InsecureSkipVerify: true}) //nolint:gosec
+	}
+	conn, err := grpc.NewClient(*picker, grpc.WithTransportCredentials(transport))
 	if err != nil {
 		log.Fatalf("picker %s: %v", *picker, err)
 	}
@@ -247,11 +256,22 @@ func (g *gateway) serve(w http.ResponseWriter, r *http.Request, s *stream) error
 		}
 	}
 	mutation := headersAnswer.GetResponse().GetHeaderMutation()
+	path := r.URL.RequestURI()
 	for _, option := range mutation.GetSetHeaders() {
-		upstreamHeaders.Set(option.GetHeader().GetKey(), headerValue(option.GetHeader()))
+		key := strings.ToLower(option.GetHeader().GetKey())
+		switch {
+		case key == ":path":
+			path = headerValue(option.GetHeader())
+		case !mutable(key):
+			continue
+		default:
+			upstreamHeaders.Set(key, headerValue(option.GetHeader()))
+		}
 	}
 	for _, name := range mutation.GetRemoveHeaders() {
-		upstreamHeaders.Del(name)
+		if mutable(strings.ToLower(name)) {
+			upstreamHeaders.Del(name)
+		}
 	}
 	inHeader := upstreamHeaders.Get(destinationKey)
 	inMetadata := ""
@@ -282,13 +302,21 @@ func (g *gateway) serve(w http.ResponseWriter, r *http.Request, s *stream) error
 		}
 	}
 	upstreamHeaders.Del(destinationKey)
-	response, served, err := g.send(r, upstreamHeaders, upstreamBody, strings.Split(inHeader, ","))
+	response, served, err := g.send(r, path, upstreamHeaders, upstreamBody, strings.Split(inHeader, ","))
 	if err != nil {
 		refuse(w, http.StatusServiceUnavailable, "no endpoint could be reached: "+err.Error())
 		return err
 	}
 	defer response.Body.Close()
 	return g.respond(w, s, response, served)
+}
+
+// mutable says whether a picker may set or remove a request header, by the rules Envoy's
+// ext_proc filter applies when its mutation_rules are unset: not host, :authority, :scheme or
+// :method (ignored, not an error), nor x-envoy-*; :path may change (handled by the caller).
+// GIE's EPP echoes every request header it saw, pseudo-headers included, in its answer.
+func mutable(key string) bool {
+	return !strings.HasPrefix(key, ":") && key != "host" && !strings.HasPrefix(key, "x-envoy-")
 }
 
 func toAny(items []string) []any {
@@ -301,13 +329,13 @@ func toAny(items []string) []any {
 
 // send posts to the endpoints in order until one accepts the connection.
 func (g *gateway) send(
-	r *http.Request, headers http.Header, body []byte, endpoints []string,
+	r *http.Request, path string, headers http.Header, body []byte, endpoints []string,
 ) (*http.Response, string, error) {
 	var last error
 	for _, endpoint := range endpoints {
 		endpoint = strings.TrimSpace(endpoint)
 		request, err := http.NewRequestWithContext(
-			r.Context(), r.Method, "http://"+endpoint+r.URL.RequestURI(), strings.NewReader(string(body)),
+			r.Context(), r.Method, "http://"+endpoint+path, strings.NewReader(string(body)),
 		)
 		if err != nil {
 			return nil, "", err
@@ -357,39 +385,43 @@ func (g *gateway) respond(
 	}
 	w.Header().Del("content-length") // the picker may change the body's length
 	w.WriteHeader(response.StatusCode)
-	flusher, _ := w.(http.Flusher)
+	// Full duplex, as Envoy streams in FULL_DUPLEX_STREAMED mode: the body goes to the picker
+	// chunk by chunk without waiting for answers, and the picker's answers go to the client as
+	// they come, until one says end_of_stream. A picker may answer each chunk (fleetpilot's,
+	// and GIE's for an event stream) or hold a whole JSON body until its last chunk (GIE's).
+	relayed := make(chan error, 1)
+	go func() { relayed <- relayChunks(w, s) }()
 	buffer := make([]byte, chunkBytes)
-	for {
+	var sendErr error
+	for sendErr == nil {
 		n, readErr := response.Body.Read(buffer)
 		end := readErr != nil
 		if n > 0 || end {
-			err := s.client.Send(&extprocv3.ProcessingRequest{
+			sendErr = s.client.Send(&extprocv3.ProcessingRequest{
 				Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: &extprocv3.HttpBody{
 					Body: append([]byte(nil), buffer[:n]...), EndOfStream: end,
 				}},
 			})
-			if err != nil {
-				return err
-			}
-			if err := relayChunks(w, s, end); err != nil {
-				return err
-			}
-			if flusher != nil {
-				flusher.Flush()
-			}
 		}
 		if end {
-			if errors.Is(readErr, io.EOF) {
-				return nil
+			if !errors.Is(readErr, io.EOF) && sendErr == nil {
+				sendErr = readErr
 			}
-			return readErr
+			break
 		}
 	}
+	// The relay ends at the picker's end_of_stream, or at its error (a send that failed
+	// broke the stream, so its answers end too).
+	if err := <-relayed; err != nil {
+		return err
+	}
+	return sendErr
 }
 
-// relayChunks writes the picker's answer to one response body chunk: its streamed
-// response(s), up to end_of_stream when the chunk was the last.
-func relayChunks(w http.ResponseWriter, s *stream, last bool) error {
+// relayChunks writes the picker's streamed response body chunks to the client, flushing
+// each, up to the one with end_of_stream.
+func relayChunks(w http.ResponseWriter, s *stream) error {
+	flusher, _ := w.(http.Flusher)
 	for {
 		answer, err := s.next()
 		if err != nil {
@@ -402,7 +434,10 @@ func relayChunks(w http.ResponseWriter, s *stream, last bool) error {
 		if _, err := w.Write(streamed.GetBody()); err != nil {
 			return err
 		}
-		if !last || streamed.GetEndOfStream() {
+		if flusher != nil {
+			flusher.Flush()
+		}
+		if streamed.GetEndOfStream() {
 			return nil
 		}
 	}

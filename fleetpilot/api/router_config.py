@@ -308,6 +308,14 @@ class RouterConfig(ApiModel):
             "Unset: no picker. Read at start only."
         ),
     )
+    epp_tls: bool = Field(
+        False,
+        description=(
+            "Serve the endpoint picker over TLS with a self-signed certificate made at start, "
+            "as the extension's own picker does by default: gateways connect to a picker with "
+            "TLS and do not verify its certificate. Read at start only."
+        ),
+    )
     tiers: list[RouterTier] = Field(min_length=1)
     auth: AuthConfig | None = Field(
         None, description="API keys per tenant; unset: every request is admitted."

@@ -35,6 +35,7 @@ from fleetpilot.routing.discovery import (
 )
 from fleetpilot.routing.endpoints import EndpointSource, replica_of_stream
 from fleetpilot.routing.epp.server import start_picker
+from fleetpilot.routing.epp.tls import self_signed
 from fleetpilot.routing.errors import (
     InvalidRequestError,
     RouterError,
@@ -311,7 +312,9 @@ class RouterApp:
         if port is None:
             return
         assert self.proxy is not None, "start() first"
-        self.epp_server = await start_picker(self.proxy, host, port)
+        # Made off the loop: a key pair costs a few milliseconds of CPU.
+        identity = await asyncio.to_thread(self_signed) if self.router.config.epp_tls else None
+        self.epp_server = await start_picker(self.proxy, host, port, identity=identity)
         log.info("endpoint picker started", extra={"host": host, "port": port})
 
     async def stop(self) -> None:

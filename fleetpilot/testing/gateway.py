@@ -33,11 +33,15 @@ def gateway_binary(*, build: bool = True) -> Path:
 class Gateway(StartsAndStops):
     """The gateway process in front of the picker at ``picker`` (``host:port``); ``url`` is
     where clients send their requests. With ``subset``, every request carries that subset
-    hint (the endpoints the picker may choose among)."""
+    hint (the endpoints the picker may choose among); with ``tls``, it connects to the picker
+    over TLS without verifying its certificate, as gateways connect to an InferencePool's."""
 
-    def __init__(self, picker: str, *, subset: Sequence[str] | None = None) -> None:
+    def __init__(
+        self, picker: str, *, subset: Sequence[str] | None = None, tls: bool = False
+    ) -> None:
         self.picker = picker
         self.subset = subset
+        self.tls = tls
         self.url = ""
         self._process: subprocess.Popen[str] | None = None
 
@@ -45,6 +49,8 @@ class Gateway(StartsAndStops):
         argv = [str(gateway_binary()), "--picker", self.picker, "--listen", "127.0.0.1:0"]
         if self.subset is not None:
             argv += ["--subset", ",".join(self.subset)]
+        if self.tls:
+            argv.append("--picker-tls")
         process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
         self._process = process
         assert process.stdout is not None

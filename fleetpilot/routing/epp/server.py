@@ -39,6 +39,7 @@ from fleetpilot.httpserver import content_type_refusal, is_json_content_type
 from fleetpilot.listening import listening_on
 from fleetpilot.routing.admission import Entry
 from fleetpilot.routing.epp import protocol
+from fleetpilot.routing.epp.tls import Identity
 from fleetpilot.routing.errors import (
     BodyTooLargeError,
     InvalidRequestError,
@@ -360,9 +361,11 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[m
             stream.close()
 
 
-async def start_picker(proxy: Proxy, host: str, port: int) -> grpc.aio.Server:
+async def start_picker(
+    proxy: Proxy, host: str, port: int, *, identity: Identity | None = None
+) -> grpc.aio.Server:
     """A started gRPC server on ``host:port`` with the picker and the standard health
-    service (SERVING for the ext_proc service and overall)."""
+    service (SERVING for the ext_proc service and overall); over TLS with ``identity``."""
     server = grpc.aio.server()
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(proxy), server)
     health = HealthServicer(experimental_non_blocking=True)
@@ -372,7 +375,11 @@ async def start_picker(proxy: Proxy, host: str, port: int) -> grpc.aio.Server:
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     with listening_on(host, port):
         try:
-            bound = server.add_insecure_port(address)
+            if identity is None:
+                bound = server.add_insecure_port(address)
+            else:
+                pair = (identity.key_pem, identity.certificate_pem)
+                bound = server.add_secure_port(address, grpc.ssl_server_credentials([pair]))
         except RuntimeError as exc:  # grpc's word for a failed bind
             raise OSError(str(exc)) from exc
         if bound == 0:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,7 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fleetpilot.api.router_config import AuthConfig, TenantKeys
-from fleetpilot.routing.epp import protocol
+from fleetpilot.routing.epp import protocol, tls
 from fleetpilot.runtime.processes import free_port
 from tests.routing.support import (
     HARD,
@@ -214,15 +215,27 @@ class Picker:
         return replica.in_flight
 
 
+async def tls_channel(address: str) -> grpc.aio.Channel:
+    """A channel that trusts the certificate the picker at ``address`` presents (as a gateway
+    does without checking it, but here checked against what the handshake shows)."""
+    host, port = address.rsplit(":", 1)
+    pem = await asyncio.to_thread(ssl.get_server_certificate, (host, int(port)))
+    credentials = grpc.ssl_channel_credentials(root_certificates=pem.encode())
+    override = [("grpc.ssl_target_name_override", tls.COMMON_NAME)]
+    return grpc.aio.secure_channel(address, credentials, options=override)
+
+
 @contextlib.asynccontextmanager
 async def picker_for(tiers: list[Any], **overrides: Any) -> AsyncIterator[Picker]:
     port = free_port()
     config = make_config(tiers, eppPort=port, **overrides)
-    async with (
-        running_router(config) as router,
-        grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
-    ):
-        yield Picker(router, channel)
+    address = f"127.0.0.1:{port}"
+    async with running_router(config) as router:
+        channel = (
+            await tls_channel(address) if config.epp_tls else grpc.aio.insecure_channel(address)
+        )
+        async with channel:
+            yield Picker(router, channel)
 
 
 @pytest_asyncio.fixture
@@ -429,3 +442,18 @@ async def test_a_reply_through_the_gateway_is_remembered_for_the_next_turn(strea
         await wait_for(lambda: tokenizer.replies)
         reply = "".join(f"{name}-{i} " for i in range(20)) if stream else f"from {name}"
         assert tokenizer.replies == [reply]
+
+
+async def test_the_picker_serves_over_tls_with_the_certificate_it_made(
+    two_engines: list[FakeEngine],
+) -> None:
+    async with picker_for([tier("only", 1.0, two_engines)], eppTls=True) as running:
+        picked = await running.gateway().request(CHAT)
+        assert picked.endpoints[0] in {e.address for e in two_engines}
+        # A gateway configured without TLS gets no answer from it.
+        address = f"127.0.0.1:{running.router.state.router.config.epp_port}"
+        async with grpc.aio.insecure_channel(address) as plain:
+            stub = health_pb2_grpc.HealthStub(plain)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
