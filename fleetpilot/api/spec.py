@@ -1139,6 +1139,82 @@ class FlowControl(ApiModel):
     )
 
 
+# A namespace name: a DNS-1123 label (it may start with a digit, unlike a Service name).
+NamespaceName = Annotated[
+    str, StringConstraints(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
+]
+# The Gateway API's Hostname (a wildcard allowed as the first label only).
+GatewayHostname = Annotated[
+    str,
+    StringConstraints(
+        pattern=r"^(\*\.)?[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+        max_length=253,
+    ),
+]
+# The Gateway API's SectionName (a listener's name).
+SectionName = Annotated[
+    str,
+    StringConstraints(
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+        max_length=253,
+    ),
+]
+
+
+class EndpointPickerFailureMode(StrEnum):
+    """What the gateway does when the endpoint picker does not answer (the InferencePool's
+    ``endpointPickerRef.failureMode``)."""
+
+    FAIL_CLOSE = "FailClose"
+    FAIL_OPEN = "FailOpen"
+
+
+class GatewayParentRef(ApiModel):
+    """A Gateway the service's HTTPRoute attaches to (the Gateway API's ParentReference)."""
+
+    name: str = Field(min_length=1, max_length=253, description="The Gateway's name.")
+    namespace: NamespaceName | None = Field(
+        None, description="The Gateway's namespace (default: the service's)."
+    )
+    section_name: SectionName | None = Field(
+        None, description="One listener of the Gateway (default: every listener that allows it)."
+    )
+
+
+class GatewayRouting(ApiModel):
+    """Serve through an inference gateway (the Gateway API Inference Extension): the operator
+    writes an InferencePool (inference.networking.k8s.io/v1) of the service's engine pods whose
+    endpoint picker is the router (its ``epp`` port, ext_proc over TLS), and with ``parentRefs``
+    an HTTPRoute from those Gateways to the pool. The gateway then sends each request straight
+    to the engine the router picks, with the router's tiers, prefix affinity, load, adapters,
+    tenant keys and fair queue; the router's own HTTP port keeps serving as before."""
+
+    parent_refs: list[GatewayParentRef] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Gateways whose HTTPRoute sends this service's requests to its "
+        "InferencePool; empty: no HTTPRoute (route to the pool yourself).",
+    )
+    hostnames: list[GatewayHostname] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Host names the HTTPRoute matches (empty: every host of its listeners).",
+    )
+    failure_mode: EndpointPickerFailureMode = Field(
+        EndpointPickerFailureMode.FAIL_CLOSE,
+        description="FailClose: the gateway refuses requests while no router answers it; "
+        "FailOpen: it sends them to any engine of the pool, bypassing tiers, affinity, the "
+        "model rewrite and tenant keys.",
+    )
+    proxy_namespaces: list[NamespaceName] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Namespaces where the gateway's proxies run: with networkPolicy, engines "
+        "accept requests and the router the picker's port from there only; empty: from "
+        "anywhere (a managed gateway's proxies are outside the cluster).",
+    )
+
+
 class Routing(ApiModel):
     """The router in front of the tiers."""
 
@@ -1183,6 +1259,11 @@ class Routing(ApiModel):
         None,
         description="Queue requests fairly across tenants while every replica is saturated; "
         "unset: answer 429 at once.",
+    )
+    gateway: GatewayRouting | None = Field(
+        None,
+        description="Serve through an inference gateway (Gateway API Inference Extension) "
+        "with the router as its endpoint picker; unset: the router's Service only.",
     )
     cpu: Quantity = Field("1", description="CPU request per router pod.")
     memory: Quantity = Field("1Gi", description="Memory request and limit per router pod.")
@@ -1260,12 +1341,6 @@ class Scheduling(ApiModel):
         "replica per value (LeaderWorkerSet exclusive topology: e.g. a rack or NVLink-domain "
         "label, so a replica's nodes talk over the fast fabric).",
     )
-
-
-# A namespace name: a DNS-1123 label (it may start with a digit, unlike a Service name).
-NamespaceName = Annotated[
-    str, StringConstraints(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
-]
 
 
 class NetworkPolicySettings(ApiModel):

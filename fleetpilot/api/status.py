@@ -25,6 +25,8 @@ class ConditionType(StrEnum):
     CAPACITY_SUFFICIENT = "CapacitySufficient"
     # spec.modelCache: every download Job of the service's models has completed.
     MODEL_READY = "ModelReady"
+    # routing.gateway: a gateway took up the service's InferencePool (operator.gateway_status).
+    GATEWAY_ACCEPTED = "GatewayAccepted"
     # kstatus' two conditions (sigs.k8s.io/cli-utils), the only ones Flux reads on a custom
     # resource: Reconciling=True is "in progress", Stalled=True is "failed".
     RECONCILING = "Reconciling"
@@ -38,7 +40,7 @@ class Condition(ApiModel):
         max_length=316,
         description=(
             "Ready, Progressing, Degraded, ScalingActive, CapacitySufficient, ModelReady, "
-            "Reconciling, Stalled."
+            "GatewayAccepted, Reconciling, Stalled."
         ),
     )
     status: ConditionStatus = Field(description="True, False or Unknown.")

@@ -49,6 +49,8 @@ RESOURCES: dict[str, Resource] = {
     "NetworkPolicy": Resource("networking.k8s.io/v1", "networkpolicies"),
     "PodMonitor": Resource("monitoring.coreos.com/v1", "podmonitors"),
     "LeaderWorkerSet": Resource("leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
+    "InferencePool": Resource("inference.networking.k8s.io/v1", "inferencepools"),
+    "HTTPRoute": Resource("gateway.networking.k8s.io/v1", "httproutes"),
     "InferenceService": Resource("fleetpilot.dev/v1alpha1", "inferenceservices"),
 }
 

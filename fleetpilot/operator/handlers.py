@@ -74,6 +74,8 @@ SERVICE_EVENT, DEPLOYMENT_CHANGED, LEADER_WORKER_SET_CHANGED, POD_CHANGED, FETCH
     "pod-changed",
     "fetch-job-changed",
 )
+INFERENCE_POOL_CHANGED = "inference-pool-changed"
+INFERENCE_POOL_GROUP, INFERENCE_POOL_VERSION = OPTIONAL_KINDS["InferencePool"][0].split("/")
 
 
 class QuietWatchHandlers(logging.Filter):
@@ -84,6 +86,7 @@ class QuietWatchHandlers(logging.Filter):
         for handler in (
             SERVICE_EVENT, DEPLOYMENT_CHANGED, LEADER_WORKER_SET_CHANGED, POD_CHANGED,
             FETCH_JOB_CHANGED, DEPLOYMENTS_INDEX, LEADER_WORKER_SETS_INDEX, PODS_INDEX,
+            INFERENCE_POOL_CHANGED,
         )
     )  # fmt: skip
 
@@ -143,6 +146,8 @@ class OperatorConfig:
     prometheus_url: str | None = None
     # Whether the cluster serves LeaderWorkerSet (asked before kopf runs: build_registry).
     leader_worker_sets: bool = False
+    # Whether the cluster serves InferencePool (asked before kopf runs, as LeaderWorkerSet).
+    inference_pools: bool = False
     clock: Clock = wall_clock
 
 
@@ -195,9 +200,16 @@ def plan_options(kube: Kube, config: OperatorConfig) -> PlanOptions:
     version, detected once at start (their absence never blocks a service: a multi-node role
     is refused without LeaderWorkerSet, its status saying so)."""
     pod_monitors = kube.serves(*OPTIONAL_KINDS["PodMonitor"])
+    inference_pools = config.inference_pools
+    http_routes = kube.serves(*OPTIONAL_KINDS["HTTPRoute"])
     log.info(
         "optional CRDs detected",
-        extra={"podmonitor": pod_monitors, "leaderworkerset": config.leader_worker_sets},
+        extra={
+            "podmonitor": pod_monitors,
+            "leaderworkerset": config.leader_worker_sets,
+            "inferencepool": inference_pools,
+            "httproute": http_routes,
+        },
     )
     version = kube.server_version()
     # OCI model sources mount images as volumes where Kubernetes has them on by default.
@@ -209,6 +221,8 @@ def plan_options(kube: Kube, config: OperatorConfig) -> PlanOptions:
         reference_image=config.reference_image,
         pod_monitor_available=pod_monitors,
         leader_worker_set_available=config.leader_worker_sets,
+        inference_pools_available=inference_pools,
+        http_routes_available=http_routes,
         operator_namespace=os.environ.get("POD_NAMESPACE") or None,
     )
 
@@ -425,6 +439,7 @@ def build_registry(
     kubeconfig: str | None = None,
     prometheus_url: str | None = None,
     leader_worker_sets: bool | None = None,
+    inference_pools: bool | None = None,
     clock: Clock = wall_clock,
 ) -> kopf.OperatorRegistry:
     """A fresh registry (not kopf's global one), so tests can run operators side by side.
@@ -441,23 +456,29 @@ def build_registry(
     at start, still refuses multi-node roles until a restart. Nor can the choice wait for the
     startup handler: kopf creates its index stores from the registry before it runs startup
     handlers (kopf._core.reactor.running: ``indexers.ensure``), so an index registered there
-    would have none.
+    would have none. ``inference_pools`` likewise, for the InferencePool watch that refreshes
+    a service's GatewayAccepted when a gateway writes the pool's status.
     """
-    if leader_worker_sets is None:
-        leader_worker_sets = serves_leader_worker_sets(Kube(connect(kubeconfig)))
+    if leader_worker_sets is None or inference_pools is None:
+        kube = Kube(connect(kubeconfig))
+        if leader_worker_sets is None:
+            leader_worker_sets = serves_leader_worker_sets(kube)
+        if inference_pools is None:
+            inference_pools = kube.serves(*OPTIONAL_KINDS["InferencePool"])
     config = OperatorConfig(
         fleetpilot_image=fleetpilot_image,
         reference_image=reference_image,
         kubeconfig=kubeconfig,
         prometheus_url=prometheus_url,
         leader_worker_sets=leader_worker_sets,
+        inference_pools=inference_pools,
         clock=clock,
     )
     registry = kopf.OperatorRegistry()
     _register_lifecycle(registry, config)
     _register_services(registry)
     _register_indexes(registry, leader_worker_sets)
-    _register_children(registry, leader_worker_sets)
+    _register_children(registry, leader_worker_sets, inference_pools)
     return registry
 
 
@@ -540,7 +561,9 @@ def _register_indexes(registry: kopf.OperatorRegistry, leader_worker_sets: bool)
             return index_entry("LeaderWorkerSet", body)
 
 
-def _register_children(registry: kopf.OperatorRegistry, leader_worker_sets: bool) -> None:
+def _register_children(
+    registry: kopf.OperatorRegistry, leader_worker_sets: bool, inference_pools: bool
+) -> None:
     """The children's watch events. Async (run in kopf's loop, not its thread pool): they
     only record and mark, and must not wait behind reconciles for a thread."""
 
@@ -576,3 +599,15 @@ def _register_children(registry: kopf.OperatorRegistry, leader_worker_sets: bool
             labels={names.LABEL_MANAGED_BY: names.MANAGER}, id=LEADER_WORKER_SET_CHANGED,
             registry=registry,
         )(child_handler)  # fmt: skip
+
+    if inference_pools:
+        # A gateway accepting (or refusing) a service's pool writes the pool's status.
+        @kopf.on.event(
+            INFERENCE_POOL_GROUP, INFERENCE_POOL_VERSION, OPTIONAL_KINDS["InferencePool"][1],
+            labels={names.LABEL_MANAGED_BY: names.MANAGER}, id=INFERENCE_POOL_CHANGED,
+            registry=registry,
+        )  # fmt: skip
+        async def inference_pool_handler(
+            namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any
+        ) -> None:
+            child_changed(context_of(memo), namespace, labels, "InferencePool")

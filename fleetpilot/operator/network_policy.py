@@ -18,7 +18,11 @@ blocks and token ids to any peer that asks. So, per service:
 * router pods accept their API port from anywhere: they are the fleet's endpoint; and their
   metrics port (``/metrics``, which names replicas, tenants and per-tenant counts) only from
   the namespaces in ``spec.networkPolicy.metricsNamespaces``, as the engines' scrape, and from
-  the service's router pods, which read each other's in-flight counts there.
+  the service's router pods, which read each other's in-flight counts there;
+* behind an inference gateway (``routing.gateway``) the gateway's proxies ask the router's
+  endpoint picker port and send each request to the engine picked, on the serving port: both
+  from ``routing.gateway.proxyNamespaces``, or from anywhere when it names none (a managed
+  gateway's proxies run outside the cluster, where no namespace selects them).
 
 What this does not cover, by design of NetworkPolicy: kubelet probes come from the node and
 most CNIs always allow them; a pod in the namespace that copies the engine or router labels is
@@ -33,7 +37,7 @@ from fleetpilot.api import InferenceService
 from fleetpilot.engine.vllm_args import ENGINE_PORT, kv_event_ports, launch_for
 from fleetpilot.kube import names
 from fleetpilot.operator.plan_types import K8sObject, object_meta
-from fleetpilot.operator.router_objects import ROUTER_METRICS_PORT, ROUTER_PORT
+from fleetpilot.operator.router_objects import ROUTER_EPP_PORT, ROUTER_METRICS_PORT, ROUTER_PORT
 
 API_VERSION = "networking.k8s.io/v1"
 # Set by the API server on every namespace since Kubernetes 1.21: selects namespaces by name.
@@ -85,9 +89,30 @@ def _scrapers(service: InferenceService) -> K8sObject | None:
     return {"namespaceSelector": selector}
 
 
+def _gateway_rule(service: InferenceService, port: int) -> K8sObject | None:
+    """``port`` open to the gateway's proxies (``routing.gateway``; None without it): from
+    its ``proxyNamespaces``, or from anywhere when it names none."""
+    gateway = service.spec.routing.gateway
+    if gateway is None:
+        return None
+    rule: K8sObject = {"ports": _tcp(port)}
+    if gateway.proxy_namespaces:
+        selector = {
+            "matchExpressions": [
+                {
+                    "key": NAMESPACE_NAME_LABEL,
+                    "operator": "In",
+                    "values": list(gateway.proxy_namespaces),
+                }
+            ]
+        }
+        rule["from"] = [{"namespaceSelector": selector}]
+    return rule
+
+
 def engine_policy(service: InferenceService, operator_namespace: str | None = None) -> K8sObject:
-    """Ingress of the engine pods: the router, peer engines, the metrics scrape, and the
-    operator when it loads adapters into them."""
+    """Ingress of the engine pods: the router, peer engines, the metrics scrape, the
+    operator when it loads adapters into them, and a gateway's proxies."""
     ingress: list[K8sObject] = [
         {
             "from": [{"podSelector": {"matchLabels": names.router_selector(service.name)}}],
@@ -101,6 +126,9 @@ def engine_policy(service: InferenceService, operator_namespace: str | None = No
         ingress.append({"from": [scrapers], "ports": _tcp(ENGINE_PORT)})
     if any(tier.lora is not None and tier.lora.dynamic for tier in service.spec.tiers):
         ingress.append({"from": [_operator_peer(operator_namespace)], "ports": _tcp(ENGINE_PORT)})
+    gateway = _gateway_rule(service, ENGINE_PORT)
+    if gateway is not None:
+        ingress.append(gateway)
     return {
         "apiVersion": API_VERSION,
         "kind": "NetworkPolicy",
@@ -117,7 +145,8 @@ def engine_policy(service: InferenceService, operator_namespace: str | None = No
 
 def router_policy(service: InferenceService) -> K8sObject:
     """Ingress of the router pods: their API port from anywhere (clients, probes), their
-    metrics port from each other and the metrics namespaces."""
+    metrics port from each other and the metrics namespaces, their picker port from a
+    gateway's proxies."""
     ingress: list[K8sObject] = [{"ports": _tcp(ROUTER_PORT)}]
     # The router replicas read each other's in-flight counts there (``routing.peers``).
     peers = {"podSelector": {"matchLabels": names.router_selector(service.name)}}
@@ -125,6 +154,9 @@ def router_policy(service: InferenceService) -> K8sObject:
     scrapers = _scrapers(service)
     if scrapers is not None:
         ingress.append({"from": [scrapers], "ports": _tcp(ROUTER_METRICS_PORT)})
+    gateway = _gateway_rule(service, ROUTER_EPP_PORT)
+    if gateway is not None:
+        ingress.append(gateway)
     return {
         "apiVersion": API_VERSION,
         "kind": "NetworkPolicy",

@@ -61,6 +61,11 @@ class PlanOptions:
     # LeaderWorkerSet (leaderworkerset.x-k8s.io/v1) runs replicas that span nodes; without it
     # such a role is refused. Assumed served when planning offline (fleetpilot plan).
     leader_worker_set_available: bool = True
+    # The Gateway API Inference Extension's InferencePool and the Gateway API's HTTPRoute
+    # (``routing.gateway``): planned only where served, the status saying what is missing.
+    # Assumed served when planning offline.
+    inference_pools_available: bool = True
+    http_routes_available: bool = True
     # Where the operator's own pods run ($POD_NAMESPACE from the chart): engines that load
     # adapters at run time admit its calls from there (network_policy). None: any namespace.
     operator_namespace: str | None = None

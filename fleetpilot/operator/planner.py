@@ -30,6 +30,7 @@ from fleetpilot.operator.engine_objects import (
     engine_service,
     engine_service_account,
 )
+from fleetpilot.operator.gateway_objects import gateway_objects
 from fleetpilot.operator.leader_worker_set import engine_leader_worker_set
 from fleetpilot.operator.model_cache import (
     cache_claim,
@@ -508,4 +509,11 @@ def _planned(
     wants_monitor = service.spec.monitoring.pod_monitor is PodMonitorMode.AUTO
     if wants_monitor and options.pod_monitor_available:
         planned.append(Planned(pod_monitor(service)))
+    planned += ready(
+        gateway_objects(
+            service,
+            inference_pools=options.inference_pools_available,
+            http_routes=options.http_routes_available,
+        )
+    )
     return planned

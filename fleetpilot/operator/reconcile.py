@@ -23,6 +23,8 @@ from fleetpilot.operator import metrics
 from fleetpilot.operator.children import WORKLOAD_KINDS, Children
 from fleetpilot.operator.cold_start import new_samples
 from fleetpilot.operator.drift import needs_apply, with_hash
+from fleetpilot.operator.gateway_objects import inference_pool_name
+from fleetpilot.operator.gateway_status import GatewayObserved
 from fleetpilot.operator.model_cache import (
     PROGRESS_LOG_LINES,
     DownloadProgress,
@@ -58,10 +60,13 @@ MANAGED_KINDS = (
     "PodDisruptionBudget",
 )
 # Kinds of optional CRDs, managed only where the cluster serves them (detected at start):
-# PodMonitor (the Prometheus Operator's), LeaderWorkerSet (a multi-node role's workload).
+# PodMonitor (the Prometheus Operator's), LeaderWorkerSet (a multi-node role's workload),
+# InferencePool and HTTPRoute (``routing.gateway``: the Inference Extension's, the Gateway API's).
 OPTIONAL_KINDS = {
     "PodMonitor": ("monitoring.coreos.com/v1", "podmonitors"),
     "LeaderWorkerSet": ("leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
+    "InferencePool": ("inference.networking.k8s.io/v1", "inferencepools"),
+    "HTTPRoute": ("gateway.networking.k8s.io/v1", "httproutes"),
 }
 
 EventSink = Callable[[str, str, str], None]  # (type Normal|Warning, reason, message)
@@ -200,6 +205,10 @@ class Reconciler:
             kinds = (*kinds[:at], "LeaderWorkerSet", *kinds[at:])
         if self.options.pod_monitor_available:
             kinds = (*kinds, "PodMonitor")
+        if self.options.inference_pools_available:
+            kinds = (*kinds, "InferencePool")
+        if self.options.http_routes_available:
+            kinds = (*kinds, "HTTPRoute")
         return kinds
 
     def _list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[Obj]:
@@ -370,10 +379,11 @@ class Reconciler:
         listed when the operator runs without watches; and its model cache's ``jobs`` and
         their ``progress``, as read for this status."""
         jobs, progress = jobs or {}, progress or {}
+        gateway = self._gateway_observed(service)
         watched = self.children.observed(service.namespace, service.name) if self.children else None
         if watched is not None:
             workloads = {**watched.workloads, **(applied or {})}
-            return Observed(workloads, watched.pods, jobs, progress)
+            return Observed(workloads, watched.pods, jobs, progress, gateway)
         selector = {names.LABEL_SERVICE: service.name, names.LABEL_MANAGED_BY: names.MANAGER}
         managed = self.managed_kinds()
         workloads = {
@@ -383,7 +393,24 @@ class Reconciler:
             for w in self._list(kind, service.namespace, selector)
         }
         pods = self.kube.list("Pod", service.namespace, {names.LABEL_SERVICE: service.name})
-        return Observed(workloads, pods, jobs, progress)
+        return Observed(workloads, pods, jobs, progress, gateway)
+
+    def _gateway_observed(self, service: InferenceService) -> GatewayObserved:
+        """The service's live InferencePool and the gateway kinds the cluster lacks; nothing
+        read for a service without ``routing.gateway``."""
+        if service.spec.routing.gateway is None:
+            return GatewayObserved()
+        served = {
+            "InferencePool": self.options.inference_pools_available,
+            "HTTPRoute": self.options.http_routes_available,
+        }
+        missing = tuple(kind for kind, available in served.items() if not available)
+        pool = None
+        if self.options.inference_pools_available:
+            pool = self.kube.get(
+                "InferencePool", service.namespace, inference_pool_name(service.name)
+            )
+        return GatewayObserved(pool, missing)
 
     def _cache_jobs(self, service: InferenceService) -> dict[str, Obj]:
         """The service's live Jobs (the model cache's downloads and GC), by name; none listed

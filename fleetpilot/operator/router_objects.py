@@ -40,6 +40,11 @@ ROUTER_METRICS_PORT = 9090
 ROUTER_SHUTDOWN_DELAY_S = 5
 ROUTER_TERMINATION_GRACE_S = 45
 METRICS_PORT_NAME = "metrics"
+# With ``routing.gateway``: the endpoint picker (ext_proc over TLS), on the port GIE's own
+# picker serves it on, so a gateway set up for either finds it where it expects; the Service's
+# port is named and typed as GIE's chart does (h2 over TLS: appProtocol http2).
+ROUTER_EPP_PORT = 9002
+EPP_PORT_NAME = "grpc-ext-proc"
 CONFIG_DIR = "/etc/fleetpilot"
 # The router downloads each tier's tokenizer files (a few MB) here; its root filesystem is
 # read-only.
@@ -245,6 +250,8 @@ def router_config(service: InferenceService, capacities: Capacities | None = Non
             service=f"{names.router_peers_name(service.name)}.{service.namespace}.svc",
             port=ROUTER_METRICS_PORT,
         ),
+        epp_port=ROUTER_EPP_PORT if routing.gateway is not None else None,
+        epp_tls=routing.gateway is not None,
         **({"prefix_index_blocks": index} if index is not None else {}),
     )
 
@@ -274,8 +281,9 @@ def router_objects(
     service: InferenceService, options: PlanOptions, capacities: Capacities | None = None
 ) -> list[K8sObject]:
     """ServiceAccount, Role, RoleBinding, ConfigMap, Service, peer Service, Deployment and
-    PDB. The Service exposes only the API port: /metrics is on the pods' ``metrics`` port, for
-    the PodMonitor and, through the headless peer Service, the other router replicas."""
+    PDB. The Service exposes the API port, and with ``routing.gateway`` the endpoint picker's
+    (the InferencePool's ``endpointPickerRef``): /metrics is on the pods' ``metrics`` port,
+    for the PodMonitor and, through the headless peer Service, the other router replicas."""
     name = names.router_name(service.name)
     labels = router_labels(service)
     selector = names.router_selector(service.name)
@@ -287,6 +295,26 @@ def router_objects(
     key_volumes, key_mounts = auth_volumes(service)
     tokenizer_volumes, tokenizer_mounts = reference_tokenizer_volume(service, name)
     data = {ROUTER_CONFIG_FILE: config_text}
+    service_ports: list[K8sObject] = [
+        {"name": "http", "port": ROUTER_PORT, "targetPort": "http", "protocol": "TCP"}
+    ]
+    container_ports: list[K8sObject] = [
+        {"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"},
+        {"name": METRICS_PORT_NAME, "containerPort": ROUTER_METRICS_PORT, "protocol": "TCP"},
+    ]
+    if config.epp_port is not None:
+        service_ports.append(
+            {
+                "name": EPP_PORT_NAME,
+                "port": config.epp_port,
+                "targetPort": EPP_PORT_NAME,
+                "protocol": "TCP",
+                "appProtocol": "http2",
+            }
+        )
+        container_ports.append(
+            {"name": EPP_PORT_NAME, "containerPort": config.epp_port, "protocol": "TCP"}
+        )
     if has_reference_tier(service):
         data |= reference_tokenizer_data()
     return [
@@ -324,9 +352,7 @@ def router_objects(
             "spec": {
                 "type": "ClusterIP",
                 "selector": selector,
-                "ports": [
-                    {"name": "http", "port": ROUTER_PORT, "targetPort": "http", "protocol": "TCP"}
-                ],
+                "ports": service_ports,
             },
         },
         {
@@ -388,18 +414,7 @@ def router_objects(
                                     "--shutdown-delay",
                                     str(ROUTER_SHUTDOWN_DELAY_S),
                                 ],
-                                "ports": [
-                                    {
-                                        "name": "http",
-                                        "containerPort": ROUTER_PORT,
-                                        "protocol": "TCP",
-                                    },
-                                    {
-                                        "name": METRICS_PORT_NAME,
-                                        "containerPort": ROUTER_METRICS_PORT,
-                                        "protocol": "TCP",
-                                    },
-                                ],
+                                "ports": container_ports,
                                 "resources": {
                                     "requests": {"cpu": routing.cpu, "memory": routing.memory},
                                     "limits": {"memory": routing.memory},

@@ -38,6 +38,7 @@ from fleetpilot.api.status import (
 )
 from fleetpilot.kube import names
 from fleetpilot.operator.cold_start import cold_start, samples_by_role
+from fleetpilot.operator.gateway_status import GatewayObserved, gateway_condition
 from fleetpilot.operator.model_cache import DownloadProgress, model_ready_condition
 from fleetpilot.operator.plan_types import Capacities, Download, Refusal, sized
 from fleetpilot.operator.planner import all_roles, capacity_warnings
@@ -64,6 +65,9 @@ _OPERATOR_CONDITIONS = {
     # Set from the model cache's downloads (model_cache.model_ready_condition), removed from
     # a service without a model cache.
     ConditionType.MODEL_READY,
+    # From the InferencePool's parents (gateway_status), removed from a service without
+    # routing.gateway.
+    ConditionType.GATEWAY_ACCEPTED,
 }
 # Problems of the children no amount of waiting fixes: the service is Stalled on them (and
 # on a refused plan, whatever its reason).
@@ -85,6 +89,8 @@ class Observed:
     # each running download is, by Job (from its pod's log).
     jobs: Mapping[str, Obj] = field(default_factory=dict)
     progress: Mapping[str, DownloadProgress] = field(default_factory=dict)
+    # The InferencePool, and the gateway kinds the cluster lacks (routing.gateway only).
+    gateway: GatewayObserved = field(default_factory=GatewayObserved)
 
 
 @dataclass(frozen=True)
@@ -294,13 +300,18 @@ def compute_status(
 
     capacity = _capacity_condition(service, now, capacities)
     model = model_ready_condition(downloads, observed.jobs, now, generation, observed.progress)
+    gateway = gateway_condition(
+        service.spec.routing.gateway, observed.gateway, now, generation, service.namespace
+    )
 
     # The operator's own conditions, each keeping its lastTransitionTime unless it flipped;
     # ScalingActive is the autoscaler's and is kept as it was.
     conditions = [c for c in old_conditions if c.type in _OPERATOR_CONDITIONS]
     if model is None:  # no model cache: a condition left from one would mislead
         conditions = [c for c in conditions if c.type != ConditionType.MODEL_READY.value]
-    for fresh in (ready, progressing, degraded, capacity, reconciling, stalled, model):
+    if gateway is None:
+        conditions = [c for c in conditions if c.type != ConditionType.GATEWAY_ACCEPTED.value]
+    for fresh in (ready, progressing, degraded, capacity, reconciling, stalled, model, gateway):
         if fresh is not None:
             conditions = set_condition(conditions, fresh)
     conditions += [c for c in old_conditions if c.type == ConditionType.SCALING_ACTIVE.value]

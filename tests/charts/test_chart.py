@@ -78,6 +78,8 @@ NAMESPACED_RULES: RuleTable = {
     ("networking.k8s.io", "networkpolicies"): APPLIED,
     ("monitoring.coreos.com", "podmonitors"): APPLIED,
     ("leaderworkerset.x-k8s.io", "leaderworkersets"): APPLIED,  # multi-node roles
+    ("inference.networking.k8s.io", "inferencepools"): APPLIED,  # routing.gateway
+    ("gateway.networking.k8s.io", "httproutes"): APPLIED,  # routing.gateway.parentRefs
     ("apps", "deployments/scale"): verbs("get patch"),  # the in-operator autoscaler
     ("leaderworkerset.x-k8s.io", "leaderworkersets/scale"): verbs("get patch"),
     ("", "pods"): verbs("get list watch"),

@@ -22,6 +22,7 @@ from fleetpilot.operator.children import (
 from fleetpilot.operator.handlers import (
     CONTEXT,
     DEPLOYMENT_CHANGED,
+    INFERENCE_POOL_CHANGED,
     LEADER_WORKER_SET_CHANGED,
     POD_CHANGED,
     SERVICE_EVENT,
@@ -60,11 +61,12 @@ def test_only_the_watch_handlers_success_lines_are_dropped(
 
 def test_the_quiet_ids_are_the_registered_handlers_ids() -> None:
     """The filter matches by handler id: a renamed handler would log again unnoticed."""
-    registry = build_registry(leader_worker_sets=True)
+    registry = build_registry(leader_worker_sets=True, inference_pools=True)
     # kopf has no public listing of a registry's handlers.
     ids = {handler.id for handler in registry._watching.get_all_handlers()}
     ids |= {handler.id for handler in registry._indexing.get_all_handlers()}
     assert {SERVICE_EVENT, POD_CHANGED, DEPLOYMENT_CHANGED, LEADER_WORKER_SET_CHANGED} <= ids
+    assert INFERENCE_POOL_CHANGED in ids
     assert {DEPLOYMENTS_INDEX, PODS_INDEX, LEADER_WORKER_SETS_INDEX} <= ids
     quiet = QuietWatchHandlers()
     for handler_id in ids - {"reconcile_service"}:
@@ -91,7 +93,7 @@ def test_leader_worker_sets_are_watched_only_where_the_cluster_serves_them(
     cluster = FakeKube(unserved=("PodMonitor",) if served else ("PodMonitor", "LeaderWorkerSet"))
     monkeypatch.setattr(handlers, "connect", lambda kubeconfig: None)
     monkeypatch.setattr(handlers, "Kube", lambda api: cluster)
-    registry = build_registry()
+    registry = build_registry(inference_pools=False)
     expected = [("index", LEADER_WORKER_SETS_INDEX), ("watch", LEADER_WORKER_SET_CHANGED)]
     assert _lws_selectors(registry) == (expected if served else [])
     (discovery,) = cluster.calls
@@ -109,7 +111,7 @@ class _Marks:
 def test_a_leader_worker_sets_change_refreshes_its_services_status() -> None:
     """A multi-node role's groups turning Ready show on its LeaderWorkerSet: the event marks
     the owning service for a status refresh, which then reads the set from the index."""
-    registry = build_registry(leader_worker_sets=True)
+    registry = build_registry(leader_worker_sets=True, inference_pools=False)
     (handler,) = [
         h for h in registry._watching.get_all_handlers() if h.id == LEADER_WORKER_SET_CHANGED
     ]
@@ -132,3 +134,34 @@ def test_a_leader_worker_sets_change_refreshes_its_services_status() -> None:
     observed = context.children.observed("ml", "chat")
     assert observed is not None
     assert observed.workloads[("LeaderWorkerSet", "chat-big")]["status"]["readyReplicas"] == 2
+
+
+@pytest.mark.parametrize("served", [True, False])
+def test_inference_pools_are_watched_only_where_the_cluster_serves_them(
+    monkeypatch: pytest.MonkeyPatch, served: bool
+) -> None:
+    """Asked at build time too: with the CRD, a gateway writing a pool's status refreshes its
+    service's GatewayAccepted; without it, no watch (and no kopf warning at each start)."""
+    unserved = ("InferencePool",) if not served else ()
+    cluster = FakeKube(unserved=unserved)
+    monkeypatch.setattr(handlers, "connect", lambda kubeconfig: None)
+    monkeypatch.setattr(handlers, "Kube", lambda api: cluster)
+    registry = build_registry(leader_worker_sets=False)
+    watched = [h.id for h in registry._watching.get_all_handlers()]
+    assert (INFERENCE_POOL_CHANGED in watched) is served
+    (discovery,) = cluster.calls
+    assert discovery.path == "/apis/inference.networking.k8s.io/v1"
+
+
+def test_an_inference_pools_change_refreshes_its_services_status() -> None:
+    registry = build_registry(leader_worker_sets=False, inference_pools=True)
+    (handler,) = [
+        h for h in registry._watching.get_all_handlers() if h.id == INFERENCE_POOL_CHANGED
+    ]
+    labels = {names.LABEL_SERVICE: "chat", names.LABEL_MANAGED_BY: names.MANAGER}
+    touched = {"refreshes": _Marks(), "adapter_syncs": _Marks()}
+    context = OperatorContext(**{f.name: None for f in fields(OperatorContext)} | touched)
+    body = {"kind": "InferencePool", "metadata": {"name": "chat", "labels": labels}}
+    asyncio.run(handler.fn(namespace="ml", labels=labels, body=body, memo={CONTEXT: context}))
+    assert touched["refreshes"].marked == [("ml", "chat")]
+    assert touched["adapter_syncs"].marked == []

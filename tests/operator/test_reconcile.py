@@ -642,3 +642,54 @@ def test_a_multi_node_role_waits_for_its_model_and_the_gc_waits_for_its_rollout(
     third = reconciler.reconcile(service(kube))
     assert third.waiting_to_collect == []
     assert len(names_of(kube, "Job")) == 2  # the GC Job now
+
+
+def test_a_gateway_services_pool_is_applied_and_its_acceptance_reaches_status(
+    kube: FakeKube, reconciler: Reconciler
+) -> None:
+    """routing.gateway: the InferencePool and HTTPRoute are applied with the rest; the status
+    says Unknown until a gateway controller writes the pool's parents, then what it said; the
+    gateway removed from the spec prunes both and the condition."""
+    body = manifest()
+    body["spec"]["routing"] = {"gateway": {"parentRefs": [{"name": "gw"}]}}
+    kube.apply(body, USER)
+    result = reconciler.reconcile(service(kube))
+    assert "InferencePool/chat" in result.applied
+    assert "HTTPRoute/chat" in result.applied
+    assert condition(kube, "GatewayAccepted")["reason"] == "NoParent"
+    kube.set_status(
+        "InferencePool",
+        NS,
+        "chat",
+        {
+            "parents": [
+                {
+                    "parentRef": {"name": "gw"},
+                    "conditions": [
+                        {"type": kind, "status": "True", "reason": kind, "message": ""}
+                        for kind in ("Accepted", "ResolvedRefs")
+                    ],
+                }
+            ]
+        },
+    )
+    reconciler.refresh_status(parse_service(service(kube)), service(kube))
+    accepted = condition(kube, "GatewayAccepted")
+    assert (accepted["status"], accepted["message"]) == ("True", "accepted by Gateway ml/gw")
+    kube.apply(manifest(), USER)
+    pruned = reconciler.reconcile(service(kube))
+    assert {"InferencePool/chat", "HTTPRoute/chat"} <= set(pruned.pruned)
+    kinds = {c["type"] for c in service(kube)["status"]["conditions"]}
+    assert "GatewayAccepted" not in kinds
+
+
+def test_a_cluster_without_inference_pools_still_serves_and_says_so(kube: FakeKube) -> None:
+    reconciler = Reconciler(kube, PlanOptions(inference_pools_available=False))
+    body = manifest()
+    body["spec"]["routing"] = {"gateway": {}}
+    kube.apply(body, USER)
+    result = reconciler.reconcile(service(kube))
+    assert result.refusal is None
+    assert not [key for key in result.applied if key.startswith("InferencePool/")]
+    missing = condition(kube, "GatewayAccepted")
+    assert (missing["status"], missing["reason"]) == ("False", "InferencePoolMissing")

@@ -136,6 +136,15 @@ the same table: a change here must change it there too.
 - apiGroups: [leaderworkerset.x-k8s.io]
   resources: [leaderworkersets]
   verbs: [get, list, watch, create, patch, delete]
+# routing.gateway: a service's InferencePool (the Gateway API Inference Extension's) and its
+# HTTPRoute (the Gateway API's); only used when their CRDs exist (detected at start). The
+# pool's status (its gateways' answers) feeds the service's GatewayAccepted condition.
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [gateway.networking.k8s.io]
+  resources: [httproutes]
+  verbs: [get, list, watch, create, patch, delete]
 # The operator's autoscaler loop scales engine workloads (Deployments, LeaderWorkerSets)
 # through their scale subresource, under its own field manager (fleetpilot-autoscaler), so
 # re-applied specs leave replicas alone.
