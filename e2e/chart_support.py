@@ -76,7 +76,12 @@ def apply(kube: Kube, path: str, obj: Obj, *, dry_run: bool) -> Obj:
 
 def install_crds(kube: Kube, chart: helm.Chart) -> None:
     """The chart's crds/ applied, Established, and their kinds in discovery."""
-    definitions = [yaml.safe_load(item["data"]) for item in chart.crds]
+    install_definitions(kube, [yaml.safe_load(item["data"]) for item in chart.crds])
+
+
+def install_definitions(kube: Kube, definitions: list[Obj]) -> None:
+    """CustomResourceDefinitions applied, Established, and their kinds in discovery (each
+    at its storage version)."""
     for definition in definitions:
         apply(kube, f"{CRD_PATH}/{definition['metadata']['name']}", definition, dry_run=False)
     for definition in definitions:
@@ -88,7 +93,8 @@ def install_crds(kube: Kube, chart: helm.Chart) -> None:
 
         eventually(f"CRD {name} Established", established)
         spec = definition["spec"]
-        group_version = f"{spec['group']}/{spec['versions'][0]['name']}"
+        (stored,) = [v["name"] for v in spec["versions"] if v.get("storage")]
+        group_version = f"{spec['group']}/{stored}"
         kind = spec["names"]["kind"]
 
         def discovered(group_version: str = group_version, kind: str = kind) -> bool | None:

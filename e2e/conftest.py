@@ -12,6 +12,7 @@ or run e2e/controlplane/build.sh beforehand.
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ import pytest
 import yaml
 from kubernetes import client as k8s
 
-from e2e.chart_support import CHART, CRD_PATH, apply, install_crds
+from e2e.chart_support import CHART, CRD_PATH, apply, install_crds, install_definitions
 from fleetpilot.kube.client import Kube
 from fleetpilot.testing.cluster import Cluster, ExistingCluster
 from fleetpilot.testing.controlplane import ControlPlane
@@ -130,6 +131,34 @@ def leader_worker_set_crd(kube: Kube) -> Iterator[None]:
     finally:
         kube.request("DELETE", path)
         eventually("LeaderWorkerSet gone", lambda: None if kube.serves(*LWS_API) else True)
+
+
+GATEWAY_CRDS_BUILD = Path(__file__).parent / "gatewaycrds" / "build.sh"
+
+
+@pytest.fixture(scope="module")
+def gateway_crds(kube: Kube) -> Iterator[None]:
+    """The Gateway API's GatewayClass, Gateway and HTTPRoute (v1.6.3, standard channel) and
+    the Inference Extension's InferencePool (v1.6.2) as their Go modules ship them (copied by
+    e2e/gatewaycrds/build.sh, run here: a no-op download once the modules are cached),
+    served for one test module and removed after."""
+    if use_existing_cluster():
+        pytest.skip("installs and removes cluster-wide CRDs")
+    out = Path(__file__).parents[1] / ".cache" / "gatewaycrds"
+    subprocess.run([str(GATEWAY_CRDS_BUILD)], check=True, capture_output=True)
+    definitions = [yaml.safe_load(path.read_text()) for path in sorted(out.glob("*.yaml"))]
+    install_definitions(kube, definitions)
+    try:
+        yield
+    finally:
+        for definition in definitions:
+            kube.request("DELETE", f"{CRD_PATH}/{definition['metadata']['name']}")
+        eventually(
+            "InferencePool gone",
+            lambda: (
+                None if kube.serves("inference.networking.k8s.io/v1", "inferencepools") else True
+            ),
+        )
 
 
 #: The process nodes' names; tests pin pods to them with the label every process node carries.

@@ -30,7 +30,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from e2e.chart_support import CRD_PATH, can, install_identity, release_name, render
+from e2e.chart_support import CRD_PATH, apply, can, install_identity, release_name, render
 from e2e.support import condition, finish_job_pods, mark_pods_ready
 from fleetpilot.api import parse_service
 from fleetpilot.api.layout import role_layout
@@ -43,7 +43,8 @@ from fleetpilot.kube import names
 from fleetpilot.kube.client import MERGE_CONTENT_TYPE, RESOURCES, Kube, KubeError, Obj
 from fleetpilot.kube.managers import AUTOSCALER_MANAGER
 from fleetpilot.operator.engine_objects import engine_command
-from fleetpilot.operator.planner import all_roles
+from fleetpilot.operator.plan_types import PlanOptions
+from fleetpilot.operator.planner import all_roles, plan
 from fleetpilot.operator.reconcile import Reconciler
 from fleetpilot.runtime.processes import free_ports, http_ok
 from fleetpilot.runtime.prometheus import PrometheusServer
@@ -1534,3 +1535,118 @@ def test_the_multi_node_examples_reconcile_to_leader_worker_sets_with_their_comm
             planned = engine_command(service, role, worker=worker)
             # The pod runs the model from its mount; the summary's line names the source.
             assert container["command"] + container["args"][1:] == planned[:2] + planned[3:]
+
+
+GATEWAY = {
+    "parentRefs": [{"name": "inference-gateway", "sectionName": "http"}],
+    "hostnames": ["chat.example.com"],
+}
+
+
+def holds(accepted: Any, sent: Any) -> bool:
+    """Whether ``accepted`` has everything ``sent`` has (dicts may have more keys)."""
+    if isinstance(sent, dict):
+        return isinstance(accepted, dict) and all(
+            key in accepted and holds(accepted[key], value) for key, value in sent.items()
+        )
+    if isinstance(sent, list):
+        return (
+            isinstance(accepted, list)
+            and len(accepted) == len(sent)
+            and all(holds(a, b) for a, b in zip(accepted, sent, strict=True))
+        )
+    return bool(accepted == sent)
+
+
+def test_every_gateway_object_passes_the_official_schemas(
+    kube: Kube, namespace: str, gateway_crds: None
+) -> None:
+    """Server-side dry runs (strict field validation) of everything ``routing.gateway`` plans,
+    its every field set, against the Inference Extension's and the Gateway API's own CRDs
+    (their CEL rules included): the InferencePool, the HTTPRoute, and the router Service and
+    NetworkPolicies that changed with them."""
+    gateway = {
+        **GATEWAY,
+        "parentRefs": [
+            {"name": "inference-gateway", "namespace": "gateways", "sectionName": "http"},
+            {"name": "internal"},
+        ],
+        "hostnames": ["chat.example.com", "*.chat.example.com"],
+        "failureMode": "FailOpen",
+        "proxyNamespaces": ["gateways"],
+    }
+    service = parse_service(small_service(namespace, routing={"replicas": 1, "gateway": gateway}))
+    objects = plan(service, PlanOptions())
+    kinds = set()
+    for obj in objects:
+        if obj["kind"] not in ("InferencePool", "HTTPRoute", "Service", "NetworkPolicy"):
+            continue
+        kinds.add(obj["kind"])
+        resource = RESOURCES[obj["kind"]]
+        path = resource.path(namespace, obj["metadata"]["name"])
+        accepted = apply(kube, path, obj, dry_run=True)
+        # Kept as sent (no field pruned or rewritten), the schema's defaults added around it.
+        assert holds(accepted["spec"], obj["spec"]), obj["kind"]
+    assert kinds == {"InferencePool", "HTTPRoute", "Service", "NetworkPolicy"}
+
+
+def test_a_gateway_service_gets_a_pool_and_route_and_reports_what_its_gateway_says(
+    kube: Kube, namespace: str, gateway_crds: None, start_operator: OperatorFactory
+) -> None:
+    """The done-when of issue 45's second part: `routing.gateway` applied, the operator (the
+    chart's RBAC) writes an InferencePool and HTTPRoute the real API server accepts; the
+    service says GatewayAccepted Unknown until a gateway controller - played here - writes the
+    pool's parents, then True from the operator's watch of the pool."""
+    start_operator()
+    apply_service(kube, small_service(namespace, routing={"replicas": 1, "gateway": GATEWAY}))
+    pool = eventually(
+        "InferencePool", lambda: get(kube, "InferencePool", namespace, "chat"), timeout=60
+    )
+    # The official schema's defaults filled in; the picker is the router's Service port.
+    assert pool["spec"]["appProtocol"] == "http"
+    picker = pool["spec"]["endpointPickerRef"]
+    router = get(kube, "Service", namespace, names.router_name("chat"))
+    assert router is not None
+    assert picker["port"]["number"] in [p["port"] for p in router["spec"]["ports"]]
+    route = eventually("HTTPRoute", lambda: get(kube, "HTTPRoute", namespace, "chat"))
+    (rule,) = route["spec"]["rules"]
+    assert rule["backendRefs"][0]["name"] == "chat"
+    assert rule["backendRefs"][0]["weight"] == 1  # the Gateway API's default
+
+    def gateway_condition() -> Obj | None:
+        return condition(get(kube, "InferenceService", namespace, "chat"), "GatewayAccepted")
+
+    pending = eventually("GatewayAccepted", gateway_condition, timeout=60)
+    assert (pending["status"], pending["reason"]) == ("Unknown", "NoParent")
+    status = {
+        "parents": [
+            {
+                "parentRef": {"name": "inference-gateway"},
+                "controllerName": "example.com/test-gateway",
+                "conditions": [
+                    {
+                        "type": kind,
+                        "status": "True",
+                        "reason": kind,
+                        "message": "",
+                        "lastTransitionTime": "2026-12-06T16:00:00Z",
+                        "observedGeneration": pool["metadata"]["generation"],
+                    }
+                    for kind in ("Accepted", "ResolvedRefs")
+                ],
+            }
+        ]
+    }
+    kube.request(
+        "PATCH",
+        RESOURCES["InferencePool"].path(namespace, "chat") + "/status",
+        body={"status": status},
+        content_type=MERGE_CONTENT_TYPE,
+    )
+
+    def accepted() -> Obj | None:
+        seen = gateway_condition()
+        return seen if seen is not None and seen["status"] == "True" else None
+
+    done = eventually("GatewayAccepted True", accepted, timeout=60)
+    assert done["message"] == f"accepted by Gateway {namespace}/inference-gateway"
