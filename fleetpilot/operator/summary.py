@@ -15,10 +15,11 @@ from fleetpilot.engine.reference_launch import (
 )
 from fleetpilot.kube import names
 from fleetpilot.operator.engine_objects import REFERENCE_RESOURCES, engine_command, is_reference
+from fleetpilot.operator.gateway_objects import http_route_name, inference_pool_name
 from fleetpilot.operator.model_delivery import weights_summary
 from fleetpilot.operator.plan_types import K8sObject
 from fleetpilot.operator.planner import all_roles, capacity_warnings
-from fleetpilot.operator.router_objects import endpoint_url
+from fleetpilot.operator.router_objects import ROUTER_EPP_PORT, endpoint_url
 
 
 def capacity_lines(role: ResolvedRole) -> list[str]:
@@ -169,10 +170,33 @@ def tenant_lines(service: InferenceService) -> list[str]:
     return lines
 
 
+def gateway_lines(service: InferenceService) -> list[str]:
+    """Where an inference gateway (routing.gateway) sends the service's requests from."""
+    gateway = service.spec.routing.gateway
+    if gateway is None:
+        return []
+    pool = inference_pool_name(service.name)
+    picker = f"{names.router_name(service.name)}:{ROUTER_EPP_PORT}"
+    lines = [
+        f"  inference gateway: InferencePool {pool}, endpoint picker {picker} (TLS; "
+        f"{gateway.failure_mode.value})"
+    ]
+    if not gateway.parent_refs:
+        return [*lines, "    no HTTPRoute: route to the pool from one of your own"]
+    parents = ", ".join(
+        f"{ref.namespace or service.namespace}/{ref.name}"
+        + (f" ({ref.section_name})" if ref.section_name else "")
+        for ref in gateway.parent_refs
+    )
+    hosts = f" for {', '.join(gateway.hostnames)}" if gateway.hostnames else ""
+    return [*lines, f"    HTTPRoute {http_route_name(service.name)} from Gateway {parents}{hosts}"]
+
+
 def summarize(service: InferenceService, objects: list[K8sObject]) -> str:
     """Plain text for a person; the YAML/JSON output is for machines."""
     lines = [f"InferenceService {service.namespace}/{service.name}"]
     lines.append(f"  endpoint: {endpoint_url(service)}  (router x{service.spec.routing.replicas})")
+    lines += gateway_lines(service)
     lines += tenant_lines(service)
     total_start = total_max = 0
     for role in all_roles(service):

@@ -18,6 +18,7 @@ from fleetpilot.operator.gateway_objects import route_timeout
 from fleetpilot.operator.plan_types import K8sObject, PlanOptions
 from fleetpilot.operator.planner import plan
 from fleetpilot.operator.router_objects import EPP_PORT_NAME, ROUTER_EPP_PORT
+from fleetpilot.operator.summary import summarize
 from tests.factories import make_service, make_tier
 
 GATEWAY = {
@@ -182,3 +183,15 @@ def test_the_gateways_proxies_reach_the_engines_and_the_picker_from_their_namesp
     assert all(
         "from" in rule for rule in one(plain, "NetworkPolicy", "chat-engines")["spec"]["ingress"]
     )
+
+
+def test_the_plan_summary_says_where_the_gateway_sends_from() -> None:
+    routed = make_service(routing={"gateway": GATEWAY})
+    text = summarize(routed, plan(routed))
+    assert "inference gateway: InferencePool chat, endpoint picker chat-router:9002" in text
+    assert "HTTPRoute chat from Gateway gateways/inference-gateway (http) for chat.example.com" in (
+        text
+    )
+    unrouted = make_service(routing={"gateway": {}})
+    assert "no HTTPRoute" in summarize(unrouted, plan(unrouted))
+    assert "inference gateway" not in summarize(make_service(), plan(make_service()))
