@@ -156,3 +156,59 @@ async def test_the_route_header_comes_back_through_the_gateway() -> None:
         assert json.loads(response.text)["choices"][0]["message"]["content"] == (
             f"from {'a' if route['replica'] == running.engines[0].address else 'b'}"
         )
+
+
+async def test_two_picker_replicas_each_decide_a_turn_of_the_requests() -> None:
+    """Two routers as replicas of one picker: the gateway opens each request's stream on the
+    next, as Envoy balances over a picker Service's endpoints; each counts what it decided."""
+    async with engines(FakeEngine("a"), FakeEngine("b")) as started:
+        ports = [free_port(), free_port()]
+        configs = [make_config([tier("only", 1.0, started)], eppPort=port) for port in ports]
+        async with running_router(configs[0]) as first, running_router(configs[1]) as second:
+            pickers = [f"127.0.0.1:{port}" for port in ports]
+            gateway = await asyncio.to_thread(Gateway(pickers).start)
+            try:
+                client = openai.AsyncOpenAI(
+                    base_url=gateway.url + "/v1", api_key="none", max_retries=0
+                )
+                async with client:
+                    for _ in range(4):
+                        await client.chat.completions.create(model="chat", messages=MESSAGES)
+            finally:
+                await asyncio.to_thread(gateway.stop)
+            decided = [
+                sum(
+                    router.metric(
+                        "fleetpilot_router_requests_total",
+                        tier="only",
+                        replica=engine.address,
+                        status="200",
+                    )
+                    for engine in started
+                )
+                for router in (first, second)
+            ]
+            assert decided == [2, 2]
+
+
+async def test_without_a_picker_the_gateway_takes_the_endpoints_in_turn() -> None:
+    async with engines(FakeEngine("a"), FakeEngine("b")) as started:
+        gateway = await asyncio.to_thread(Gateway(endpoints=[e.address for e in started]).start)
+        try:
+            async with openai.AsyncOpenAI(
+                base_url=gateway.url + "/v1", api_key="none", max_retries=0
+            ) as client:
+                answers = [
+                    (await client.chat.completions.create(model="m", messages=MESSAGES))
+                    .choices[0]
+                    .message.content
+                    for _ in range(4)
+                ]
+                stream = await client.chat.completions.create(
+                    model="m", messages=MESSAGES, stream=True
+                )
+                pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+        finally:
+            await asyncio.to_thread(gateway.stop)
+        assert answers == ["from a", "from b", "from a", "from b"]
+        assert len(pieces) > 2

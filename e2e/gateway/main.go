@@ -20,6 +20,10 @@
 //
 // A picker that cannot be reached, breaks the protocol or times out gives the client a 503
 // with an OpenAI-style JSON error (Envoy's failure_mode_allow=false, GIE's FailClose).
+//
+// With several pickers (replicas of one), each request's stream goes to the next in turn, as
+// Envoy balances ext_proc streams over a picker Service's endpoints. With --endpoints and no
+// picker it is a plain round-robin gateway: the baseline the benchmarks hold pickers against.
 package main
 
 import (
@@ -35,6 +39,7 @@ import (
 	"net/http"
 	"os"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -56,7 +61,13 @@ const (
 )
 
 type gateway struct {
-	picker        extprocv3.ExternalProcessorClient
+	// The pickers, each request's stream on the next in turn, as Envoy balances ext_proc
+	// streams over the endpoints of the picker's Service (several picker replicas).
+	pickers []extprocv3.ExternalProcessorClient
+	// Without a picker: the endpoints each request goes to in turn (a plain round-robin
+	// gateway, the baseline a picker is measured against).
+	endpoints     []string
+	turn          atomic.Uint64
 	upstream      *http.Client
 	messageTimout time.Duration
 	subset        []string // sent as the subset hint when set
@@ -64,28 +75,41 @@ type gateway struct {
 
 func main() {
 	listen := flag.String("listen", "127.0.0.1:0", "address to serve HTTP on")
-	picker := flag.String("picker", "", "the endpoint picker's gRPC address (host:port)")
+	picker := flag.String("picker", "",
+		"the endpoint picker's gRPC address (host:port), or several, comma-separated")
+	endpoints := flag.String("endpoints", "",
+		"without --picker: comma-separated endpoints the requests go to in turn")
 	subset := flag.String("subset", "", "comma-separated endpoints sent as the subset hint")
 	timeout := flag.Duration("message-timeout", 30*time.Second, "the picker's time per answer")
 	pickerTLS := flag.Bool("picker-tls", false,
 		"connect to the picker over TLS without verifying its certificate, as gateways do")
 	flag.Parse()
-	if *picker == "" {
-		log.Fatal("--picker is required")
+	if (*picker == "") == (*endpoints == "") {
+		log.Fatal("one of --picker and --endpoints is required")
 	}
 	transport := insecure.NewCredentials()
 	if *pickerTLS {
 		// An InferencePool names no CA: gateways encrypt without verifying the picker.
 		transport = credentials.NewTLS(&tls.Config{InsecureSkipVerify: true}) //nolint:gosec
 	}
-	conn, err := grpc.NewClient(*picker, grpc.WithTransportCredentials(transport))
-	if err != nil {
-		log.Fatalf("picker %s: %v", *picker, err)
-	}
 	g := &gateway{
-		picker:        extprocv3.NewExternalProcessorClient(conn),
-		upstream:      &http.Client{Transport: &http.Transport{DisableCompression: true}},
+		upstream: &http.Client{Transport: &http.Transport{
+			DisableCompression: true, MaxIdleConnsPerHost: 256,
+		}},
 		messageTimout: *timeout,
+	}
+	if *endpoints != "" {
+		g.endpoints = strings.Split(*endpoints, ",")
+	}
+	for _, address := range strings.Split(*picker, ",") {
+		if address == "" {
+			continue
+		}
+		conn, err := grpc.NewClient(address, grpc.WithTransportCredentials(transport))
+		if err != nil {
+			log.Fatalf("picker %s: %v", address, err)
+		}
+		g.pickers = append(g.pickers, extprocv3.NewExternalProcessorClient(conn))
 	}
 	if *subset != "" {
 		g.subset = strings.Split(*subset, ",")
@@ -161,9 +185,14 @@ func flatten(header http.Header) map[string]string {
 }
 
 func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	turn := g.turn.Add(1) - 1
+	if len(g.pickers) == 0 {
+		g.roundRobin(w, r, g.endpoints[turn%uint64(len(g.endpoints))])
+		return
+	}
 	ctx, cancel := context.WithCancel(r.Context())
 	defer cancel()
-	client, err := g.picker.Process(ctx)
+	client, err := g.pickers[turn%uint64(len(g.pickers))].Process(ctx)
 	if err != nil {
 		refuse(w, http.StatusServiceUnavailable, "endpoint picker unreachable: "+err.Error())
 		return
@@ -174,6 +203,43 @@ func (g *gateway) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		log.Printf("%s %s: %v", r.Method, r.URL.Path, err)
 	}
 	_ = client.CloseSend()
+}
+
+// roundRobin sends the request to endpoint as it came and streams the answer back.
+func (g *gateway) roundRobin(w http.ResponseWriter, r *http.Request, endpoint string) {
+	body, err := io.ReadAll(r.Body)
+	if err != nil {
+		return
+	}
+	headers := r.Header.Clone()
+	response, _, err := g.send(r, r.URL.RequestURI(), headers, body, []string{endpoint})
+	if err != nil {
+		refuse(w, http.StatusServiceUnavailable, "no endpoint could be reached: "+err.Error())
+		return
+	}
+	defer response.Body.Close()
+	for key, values := range response.Header {
+		for _, value := range values {
+			w.Header().Add(key, value)
+		}
+	}
+	w.WriteHeader(response.StatusCode)
+	buffer := make([]byte, chunkBytes)
+	flusher, _ := w.(http.Flusher)
+	for {
+		n, readErr := response.Body.Read(buffer)
+		if n > 0 {
+			if _, err := w.Write(buffer[:n]); err != nil {
+				return
+			}
+			if flusher != nil {
+				flusher.Flush()
+			}
+		}
+		if readErr != nil {
+			return
+		}
+	}
 }
 
 // immediate writes a picker's ImmediateResponse to the client.

@@ -31,22 +31,36 @@ def gateway_binary(*, build: bool = True) -> Path:
 
 
 class Gateway(StartsAndStops):
-    """The gateway process in front of the picker at ``picker`` (``host:port``); ``url`` is
-    where clients send their requests. With ``subset``, every request carries that subset
-    hint (the endpoints the picker may choose among); with ``tls``, it connects to the picker
-    over TLS without verifying its certificate, as gateways connect to an InferencePool's."""
+    """The gateway process in front of the picker at ``picker`` (``host:port``; several:
+    replicas of one, each request to the next in turn); ``url`` is where clients send their
+    requests. With ``subset``, every request carries that subset hint (the endpoints the
+    picker may choose among); with ``tls``, it connects to the picker over TLS without
+    verifying its certificate, as gateways connect to an InferencePool's. Without a picker,
+    ``endpoints`` take the requests in turn (a plain round-robin gateway)."""
 
     def __init__(
-        self, picker: str, *, subset: Sequence[str] | None = None, tls: bool = False
+        self,
+        picker: str | Sequence[str] = (),
+        *,
+        endpoints: Sequence[str] = (),
+        subset: Sequence[str] | None = None,
+        tls: bool = False,
     ) -> None:
-        self.picker = picker
+        self.pickers = [picker] if isinstance(picker, str) else list(picker)
+        self.endpoints = list(endpoints)
+        if not self.pickers and not self.endpoints:
+            raise ValueError("a gateway needs a picker or endpoints")
         self.subset = subset
         self.tls = tls
         self.url = ""
         self._process: subprocess.Popen[str] | None = None
 
     def start(self) -> Self:
-        argv = [str(gateway_binary()), "--picker", self.picker, "--listen", "127.0.0.1:0"]
+        argv = [str(gateway_binary()), "--listen", "127.0.0.1:0"]
+        if self.pickers:
+            argv += ["--picker", ",".join(self.pickers)]
+        else:
+            argv += ["--endpoints", ",".join(self.endpoints)]
         if self.subset is not None:
             argv += ["--subset", ",".join(self.subset)]
         if self.tls:
