@@ -183,12 +183,14 @@ def fleetpilot_routers(
     replicas: int,
     events: bool,
     peers: bool = False,
+    epp_ports: Sequence[int] | None = None,
 ) -> Iterator[list[RouterProcess]]:
     """``count`` router processes of ``arm`` over the engines ``endpoints`` lists, each ready
     (see ``_ready``) before this yields; each logs to its own file in ``workdir``, quoted when
     one dies or never gets ready. With ``peers``, they share their in-flight counts
     (``routing.peers``: every router listed, each skipping itself). With API keys on
-    (``cfg.auth``), each serves /metrics and its peer counts on a metrics port of its own."""
+    (``cfg.auth``), each serves /metrics and its peer counts on a metrics port of its own.
+    With ``epp_ports``, each also serves the endpoint picker on its own (``eppPort``)."""
     ports = free_ports(count)
     keyed = cfg.auth is not None
     metrics_ports = free_ports(count) if keyed else ports
@@ -200,6 +202,8 @@ def fleetpilot_routers(
                 wire["metricsPort"] = metrics_ports[i]
             if peers:
                 wire["peers"] = {"addresses": [f"127.0.0.1:{p}" for p in metrics_ports]}
+            if epp_ports is not None:
+                wire["eppPort"] = epp_ports[i]
             config_path = workdir / f"router-{i}.yaml"
             config_path.write_text(yaml.safe_dump(wire))
             head = (
