@@ -23,6 +23,13 @@ Arms:
   picker (``eppPort``), behind the test gateway (``e2e/gateway``, Envoy's side of ext_proc,
   on CPU 1 with the client): the load goes to the gateway, and the router's CPU is what it
   spends picking and watching each answer pass through the ext_proc stream (issue 45);
+- ``GIE, EPP``: the Gateway API Inference Extension's own EPP (v1.3.0, ``e2e/gie-epp``, its
+  InferencePool chart's default profile) behind the same gateway, the echo engine its one
+  endpoint (a Ready pod object at 127.0.0.1 on the test control plane, which it watches; the
+  control plane runs unpinned): the CPU a Go picker spends on the same requests;
+- ``python ext_proc floor``: ``bench/epp_floor.py`` behind the same gateway, a grpc.aio
+  servicer on uvloop that speaks the protocol as fleetpilot's picker does but decides nothing:
+  what Python's gRPC alone costs a request, under any Python picker's decisions;
 - ``prodstack-rr`` / ``prodstack-prefix``: production-stack's router (``prodstack_router``,
   skipped when not installed) with ``roundrobin`` / ``prefixaware``.
 
@@ -55,6 +62,7 @@ from typing import Any
 import prodstack_router
 import router_overhead
 import yaml
+from gateway_pickers import ENGINE_LABELS, NAMESPACE, control_plane, wait_for_endpoints
 from router_fleet import cpu_seconds, fleetpilot_routers
 from router_support import (
     _OK_HEAD,
@@ -80,7 +88,9 @@ from fleetpilot.kv_events import BlockStored, EventBatch, decode_batch, encode_b
 from fleetpilot.routing.features import extract_features
 from fleetpilot.routing.policies.kv_index import KVIndex
 from fleetpilot.routing.tokenizer.request import load_tokenizer
+from fleetpilot.testing.controlplane import ControlPlane
 from fleetpilot.testing.gateway import Gateway
+from fleetpilot.testing.gie_epp import GieEpp
 
 MODEL = "bench"
 BLOCK_SIZE = 16
@@ -88,7 +98,15 @@ BODIES = 1000
 TENANTS = 12
 WARMUP_S = 3.0
 CONNECTIONS = 128
-ARMS = ("fleetpilot", "fleetpilot, guessed", "fleetpilot, EPP", "prodstack-rr", "prodstack-prefix")
+ARMS = (
+    "fleetpilot",
+    "fleetpilot, guessed",
+    "fleetpilot, EPP",
+    "GIE, EPP",
+    "python ext_proc floor",
+    "prodstack-rr",
+    "prodstack-prefix",
+)
 
 _CHAT = json.dumps(
     {
@@ -300,9 +318,35 @@ def router_config(tokenizer: Path | None) -> RouterConfig:
 
 @contextlib.contextmanager
 def arm_router(
-    arm: str, echo: str, kv_ports: tuple[int, int], tokenizer: Path, workdir: Path
+    arm: str,
+    echo: str,
+    kv_ports: tuple[int, int],
+    tokenizer: Path,
+    workdir: Path,
+    plane: ControlPlane | None = None,
 ) -> Iterator[tuple[int, int]]:
     """The arm's router process over the echo engine, pinned to CPU 0: (pid, port)."""
+    if arm == "GIE, EPP":
+        assert plane is not None
+        port = int(echo.rsplit(":", 1)[1])
+        with GieEpp(plane.kubeconfig, NAMESPACE, ENGINE_LABELS, [port]) as gie:
+            assert gie.pid is not None
+            pin_threads(gie.pid, {0})
+            wait_for_endpoints(gie, 1)
+            with Gateway(gie.address) as gateway:
+                assert gateway.pid is not None
+                pin_threads(gateway.pid, {1})
+                yield gie.pid, _port_of(gateway.url)
+        return
+    if arm == "python ext_proc floor":
+        port = free_port()
+        argv = [sys.executable, str(Path(__file__).parent / "epp_floor.py"), "--port",
+                str(port), "--endpoint", echo]  # fmt: skip
+        with process(argv, {0}, port) as floor, Gateway(f"127.0.0.1:{port}") as gateway:
+            assert gateway.pid is not None
+            pin_threads(gateway.pid, {1})
+            yield floor.pid, _port_of(gateway.url)
+        return
     if arm.startswith("prodstack"):
         with prodstack_router.routers(arm, 1, [echo], MODEL, workdir) as urls:
             port = _port_of(urls[0])
@@ -440,7 +484,11 @@ def main() -> None:
         echo_port, events_port, replay_port = free_port(), free_port(), free_port()
         argv = [sys.executable, str(Path(__file__)), "echo", "--port", str(echo_port),
                 "--events-port", str(events_port), "--replay-port", str(replay_port)]  # fmt: skip
-        with process(argv, client_cpus, echo_port):
+        needs_kube = "GIE, EPP" in arms
+        with (
+            process(argv, client_cpus, echo_port),
+            control_plane(folder) if needs_kube else contextlib.nullcontext() as plane,
+        ):
             for round_ in range(args.rounds):
                 for mode in args.stream:
                     payloads = bodies(args.seed, stream=mode == "stream")
@@ -451,7 +499,7 @@ def main() -> None:
                         workdir.mkdir()
                         with arm_router(
                             arm, f"127.0.0.1:{echo_port}", (events_port, replay_port),
-                            tokenizer, workdir,
+                            tokenizer, workdir, plane,
                         ) as (pid, port):  # fmt: skip
                             result = measured(pid, port, payloads, args)
                         row = {"arm": arm, "mode": mode, "round": round_, **result}
