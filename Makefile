@@ -8,7 +8,7 @@ SRC := fleetpilot
 
 CLUSTER_DIR := .cache/cluster
 
-.PHONY: setup vllm baselines test lint typecheck imports unit controlplane kstatus processnode gateway gatewaycrds prometheus chart-readme cluster-up cluster-down cluster-demo demo crds clean
+.PHONY: setup vllm baselines test lint typecheck imports unit controlplane kstatus processnode gateway gie-epp gatewaycrds prometheus chart-readme cluster-up cluster-down cluster-demo demo crds clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -80,6 +80,12 @@ processnode:
 gateway:
 	e2e/gateway/build.sh
 
+# The Gateway API Inference Extension's own endpoint picker, its full EPP at v1.3.0 (pinned as
+# a tool in e2e/gie-epp/go.mod), built from the module (~2-3 minutes on 2 cores the first
+# time): the e2e tests run it behind the test gateway, the benchmarks against fleetpilot's.
+gie-epp:
+	e2e/gie-epp/build.sh
+
 # The Gateway API's and its Inference Extension's CRDs (InferencePool v1, HTTPRoute), copied
 # from the Go modules pinned in e2e/gatewaycrds/go.mod into .cache/gatewaycrds for the tests.
 gatewaycrds:
@@ -91,7 +97,7 @@ prometheus:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
 	@prometheus --version 2>&1 | head -1
 
-unit: setup vllm baselines controlplane kstatus processnode gateway gatewaycrds prometheus
+unit: setup vllm baselines controlplane kstatus processnode gateway gie-epp gatewaycrds prometheus
 	$(BIN)/pytest
 
 cluster-up: setup controlplane

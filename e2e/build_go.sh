@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Builds one Go program of the e2e harness, e2e/NAME (pinned in its go.mod), into
 # $REPO/.cache/NAME/bin/NAME. Skipped when the binary is newer than its sources.
-# Usage: e2e/build_go.sh NAME "how long a first build takes"
+# Usage: e2e/build_go.sh NAME "how long a first build takes" [PACKAGE]
+# PACKAGE (default: the module's own main package) may name a `tool` of the module's go.mod.
 set -euo pipefail
 
 NAME="$1"
 FIRST_BUILD="${2:-a few minutes}"
+PACKAGE="${3:-.}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/$NAME" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
 OUT="$REPO/.cache/$NAME/bin/$NAME"
@@ -20,5 +22,5 @@ if [[ -x "$OUT" && -z "$(find "$HERE" -newer "$OUT" -type f -print -quit)" ]]; t
 fi
 echo "$NAME/build.sh: building $OUT (the first build takes $FIRST_BUILD)" >&2
 cd "$HERE"
-go build -o "$OUT.tmp" .
+go build -o "$OUT.tmp" "$PACKAGE"
 mv "$OUT.tmp" "$OUT"
