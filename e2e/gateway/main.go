@@ -7,16 +7,20 @@
 //
 //  1. opens one Process stream to the picker and sends the request headers (pseudo-headers
 //     :method, :path, :authority, :scheme included, values as raw bytes), then the body in
-//     chunks as it arrives, the last with end_of_stream;
+//     chunks as it arrives, the last with end_of_stream; every message carries the forwarded
+//     dynamic metadata (the subset hint), as Envoy attaches it to body chunks too;
 //  2. reads the picker's answers: an ImmediateResponse goes to the client as is; otherwise the
-//     request-headers answer (header mutations, the picked endpoints in
-//     x-gateway-destination-endpoint and - identically, or it is a protocol error - in the
-//     envoy.lb dynamic metadata), then the body as streamed chunks until end_of_stream;
+//     request-headers answer (header mutations under Envoy's default mutation rules: :path
+//     may change, host, :authority, :scheme, :method and x-envoy-* are ignored; the picked
+//     endpoints in x-gateway-destination-endpoint and - identically, or it is a protocol
+//     error - in the envoy.lb dynamic metadata), then the body as streamed chunks until
+//     end_of_stream;
 //  3. sends the mutated request to the first endpoint, falling back down the list on a
 //     connection failure (proposal 004's fallbacks);
 //  4. sends the response headers with x-gateway-destination-endpoint-served in the envoy.lb
-//     metadata context, applies the answer's mutations, then streams the response body
-//     through the picker chunk by chunk, flushing each chunk to the client.
+//     metadata context, applies the answer's mutations, then streams the response body to
+//     the picker and the picker's answers to the client in full duplex (a picker may answer
+//     each chunk, or hold a JSON body until its last as GIE's does), flushing each.
 //
 // A picker that cannot be reached, breaks the protocol or times out gives the client a 503
 // with an OpenAI-style JSON error (Envoy's failure_mode_allow=false, GIE's FailClose).
@@ -272,19 +276,17 @@ func (g *gateway) serve(w http.ResponseWriter, r *http.Request, s *stream) error
 	headers[":path"] = r.URL.RequestURI()
 	headers[":authority"] = r.Host
 	headers[":scheme"] = "http"
+	// Envoy attaches the dynamic metadata it forwards (here the subset hint) to every message
+	// of the stream, body chunks included; GIE's picker reads it from the last one it got.
+	metadata, err := g.metadata("")
+	if err != nil {
+		return err
+	}
 	first := &extprocv3.ProcessingRequest{
 		Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{
 			Headers: headerMap(headers), EndOfStream: len(body) == 0,
 		}},
-	}
-	if g.subset != nil {
-		hint, err := structpb.NewStruct(map[string]any{subsetKey: toAny(g.subset)})
-		if err != nil {
-			return err
-		}
-		first.MetadataContext = &corev3.Metadata{
-			FilterMetadata: map[string]*structpb.Struct{subsetNamespace: hint},
-		}
+		MetadataContext: metadata,
 	}
 	if err := s.client.Send(first); err != nil {
 		refuse(w, http.StatusServiceUnavailable, "endpoint picker unreachable: "+err.Error())
@@ -296,6 +298,7 @@ func (g *gateway) serve(w http.ResponseWriter, r *http.Request, s *stream) error
 			Request: &extprocv3.ProcessingRequest_RequestBody{RequestBody: &extprocv3.HttpBody{
 				Body: body[start:end], EndOfStream: end == len(body),
 			}},
+			MetadataContext: metadata,
 		})
 		if err != nil {
 			break // the picker answered (an immediate response) and closed: read it below
@@ -377,6 +380,30 @@ func (g *gateway) serve(w http.ResponseWriter, r *http.Request, s *stream) error
 	return g.respond(w, s, response, served)
 }
 
+// metadata is the dynamic metadata Envoy forwards with each message of a stream: the subset
+// hint when the gateway has one and, once the response comes, the endpoint that served it.
+func (g *gateway) metadata(served string) (*corev3.Metadata, error) {
+	namespaces := map[string]*structpb.Struct{}
+	if g.subset != nil {
+		hint, err := structpb.NewStruct(map[string]any{subsetKey: toAny(g.subset)})
+		if err != nil {
+			return nil, err
+		}
+		namespaces[subsetNamespace] = hint
+	}
+	if served != "" {
+		lb, err := structpb.NewStruct(map[string]any{servedKey: served})
+		if err != nil {
+			return nil, err
+		}
+		namespaces[destinationNamespace] = lb
+	}
+	if len(namespaces) == 0 {
+		return nil, nil
+	}
+	return &corev3.Metadata{FilterMetadata: namespaces}, nil
+}
+
 // mutable says whether a picker may set or remove a request header, by the rules Envoy's
 // ext_proc filter applies when its mutation_rules are unset: not host, :authority, :scheme or
 // :method (ignored, not an error), nor x-envoy-*; :path may change (handled by the caller).
@@ -422,7 +449,7 @@ func (g *gateway) respond(
 ) error {
 	pairs := flatten(response.Header)
 	pairs[":status"] = fmt.Sprint(response.StatusCode)
-	metadata, err := structpb.NewStruct(map[string]any{servedKey: served})
+	metadata, err := g.metadata(served)
 	if err != nil {
 		return err
 	}
@@ -430,9 +457,7 @@ func (g *gateway) respond(
 		Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{
 			Headers: headerMap(pairs),
 		}},
-		MetadataContext: &corev3.Metadata{
-			FilterMetadata: map[string]*structpb.Struct{destinationNamespace: metadata},
-		},
+		MetadataContext: metadata,
 	})
 	if err != nil {
 		return err
@@ -467,6 +492,7 @@ func (g *gateway) respond(
 				Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: &extprocv3.HttpBody{
 					Body: append([]byte(nil), buffer[:n]...), EndOfStream: end,
 				}},
+				MetadataContext: metadata,
 			})
 		}
 		if end {
