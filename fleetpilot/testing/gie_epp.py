@@ -99,7 +99,12 @@ class GieEpp(StartsAndStops):
     its gRPC health service says SERVING (its view of the pods synced); which pods it knows
     shows in ``queue_sizes``. ``name`` is its Deployment's name in GIE's eyes (standalone mode
     reads it from POD_NAME), the ``name`` label of its pool metrics. ``verbosity`` is its
-    ``--v``: GIE's chart runs 1; 3 (VERBOSE) logs each pick, which ``picks`` reads."""
+    ``--v``: GIE's chart runs 1; 3 (VERBOSE) logs each pick, which ``picks`` reads.
+
+    With ``pool_name`` (and no selector or target ports) it runs as GIE's chart and its
+    conformance suite deploy it instead: ``--pool-name``, the pods and target ports read from
+    that InferencePool object of ``namespace`` (its CRD installed), health SERVING once GIE
+    has read the pool."""
 
     def __init__(
         self,
@@ -112,10 +117,14 @@ class GieEpp(StartsAndStops):
         config_text: str | None = None,
         name: str = "gie-epp",
         verbosity: int = 1,
+        pool_name: str | None = None,
     ) -> None:
-        if not selector:
+        if pool_name is not None:
+            if selector or target_ports:
+                raise ValueError("an InferencePool names its own selector and target ports")
+        elif not selector:
             raise ValueError("GIE's standalone mode needs a non-empty endpoint selector")
-        if not 1 <= len(target_ports) <= 8:
+        elif not 1 <= len(target_ports) <= 8:
             raise ValueError("GIE takes 1 to 8 target ports")
         if config_text is None and profile not in PROFILES:
             raise ValueError(f"unknown GIE profile {profile!r}; known: {sorted(PROFILES)}")
@@ -126,6 +135,7 @@ class GieEpp(StartsAndStops):
         self.config_text = config_text if config_text is not None else PROFILES[profile]
         self.name = name
         self.verbosity = verbosity
+        self.pool_name = pool_name
         self.address = ""
         self.health_address = ""
         self.metrics_url = ""
@@ -133,12 +143,18 @@ class GieEpp(StartsAndStops):
         self._log_dir: tempfile.TemporaryDirectory[str] | None = None
 
     def argv(self, grpc_port: int, health_port: int, metrics_port: int) -> list[str]:
+        if self.pool_name is not None:
+            pool = ["--pool-name", self.pool_name]
+        else:
+            pool = [
+                "--endpoint-selector",
+                ",".join(f"{k}={v}" for k, v in self.selector.items()),
+                "--endpoint-target-ports",
+                ",".join(str(p) for p in self.target_ports),
+            ]
         return [
             str(gie_epp_binary()),
-            "--endpoint-selector",
-            ",".join(f"{k}={v}" for k, v in self.selector.items()),
-            "--endpoint-target-ports",
-            ",".join(str(p) for p in self.target_ports),
+            *pool,
             "--pool-namespace",
             self.namespace,
             "--grpc-port",
