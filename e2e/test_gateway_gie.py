@@ -40,6 +40,7 @@ import pytest_asyncio
 from aiohttp import web
 from kubernetes import client as k8s
 
+from fleetpilot.kube.client import Kube
 from fleetpilot.runtime.processes import free_port, port_in_use
 from fleetpilot.testing.cluster import Cluster
 from fleetpilot.testing.gateway import Gateway
@@ -626,3 +627,204 @@ async def test_a_whole_answer_bigger_than_a_chunk_passes_through_gie_whole(
     ):
         reply = await client.chat.completions.create(model=MODEL, messages=MESSAGES)
         assert reply.choices[0].message.content == "from pod-0 " + "x" * BigAnswerEngine.padding
+
+
+# --- GIE's conformance suite, the part about the gateway and its picker -------------------------
+#
+# The suite (conformance/ of the v1.3.0 module; v1.6.2's lives in a nested module the proxy does
+# not serve) runs against a Gateway API implementation: every test needs a GatewayClass, a
+# Gateway with an address and HTTPRoute status, and pulls its EPP and echo-server images. What
+# its data-plane tests assert of a gateway and an EPP runs here instead, with GIE's EPP
+# deployed as the suite deploys it (--pool-name over an InferencePool object, the suite's
+# EndpointPickerConfig, verbosity 4) and engine doubles in place of the echo server (each
+# answer names the engine, as the echo server names its pod and port).
+
+#: conformance/resources/base.yaml's ``conformance-plugins.yaml``, verbatim.
+CONFORMANCE_CONFIG = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: header-based-testing-filter
+- type: destination-endpoint-served-verifier
+schedulingProfiles:
+- name: conformance-profile
+  plugins:
+  - pluginRef: header-based-testing-filter
+"""
+#: The header GIE's header-based-testing-filter keeps endpoints by (``ip`` or ``ip:port``).
+SELECTION = "test-epp-endpoint-selection"
+#: Where GIE's destination-endpoint-served-verifier echoes the served endpoint it was told.
+SERVED = "x-conformance-test-served-endpoint"
+CONFORMANCE_BODY = {
+    "model": "conformance-fake-model",
+    "prompt": "Write as if you were a critic: San Francisco",
+}
+INFERENCE_POOL = "primary-inference-pool"
+
+
+@dataclass
+class ConformancePool:
+    pool: Pool
+    ips: list[str]  # pod i's IP
+    ports: list[int]  # the pool's target ports (DP ranks)
+
+    async def post(self, http: httpx.AsyncClient, selection: str) -> httpx.Response:
+        return await http.post(
+            self.pool.gateway.url + "/v1/completions",
+            json=CONFORMANCE_BODY,
+            headers={SELECTION: selection},
+        )
+
+    async def served_only_by(
+        self, http: httpx.AsyncClient, selection: str, allowed: set[str], total: int = 100
+    ) -> set[str]:
+        """The suite's assertTrafficOnlyReachesToExpectedPods: ``total`` requests, 10 at a
+        time, each answered 200 by an engine (``ip:port``) of ``allowed``; those that served."""
+        limit = asyncio.Semaphore(10)
+
+        async def one() -> str:
+            async with limit:
+                response = await self.post(http, selection)
+            assert response.status_code == 200, response.text
+            served = str(response.json()["served_by"])
+            assert served in allowed, f"{selection!r} reached {served}, not one of {allowed}"
+            return served
+
+        return set(await asyncio.gather(*(one() for _ in range(total))))
+
+
+@contextlib.asynccontextmanager
+async def conformance_pool(
+    control_plane: Cluster, kube: Kube, namespace: str, node: str, *, ranks: int = 1
+) -> AsyncIterator[ConformancePool]:
+    """Three pods (the suite's ModelServerPodReplicas) of ``ranks`` target ports each, an
+    engine double per pod and port, the InferencePool over them, GIE's EPP for that pool."""
+    ips = list(DOUBLE_IPS)
+    ports: list[int] = []
+    while len(ports) < ranks:
+        port = await asyncio.to_thread(common_free_port, ips)
+        ports += [port] if port not in ports else []
+    engines = [VllmDouble(f"{ip}:{port}", host=ip, port=port) for ip in ips for port in ports]
+    for engine in engines:
+        await engine.start()
+    await asyncio.to_thread(
+        make_pods, kube.api, namespace, node, {f"pod-{i}": ip for i, ip in enumerate(ips)}
+    )
+    await asyncio.to_thread(
+        kube.request,
+        "POST",
+        f"/apis/inference.networking.k8s.io/v1/namespaces/{namespace}/inferencepools",
+        body={
+            "apiVersion": "inference.networking.k8s.io/v1",
+            "kind": "InferencePool",
+            "metadata": {"name": INFERENCE_POOL, "namespace": namespace},
+            "spec": {
+                "selector": {"matchLabels": dict(POOL)},
+                "targetPorts": [{"number": p} for p in ports],
+                "endpointPickerRef": {"name": "gie-epp", "port": {"number": 9002}},
+            },
+        },
+    )
+    epp = GieEpp(
+        control_plane.kubeconfig,
+        namespace,
+        {},
+        [],
+        config_text=CONFORMANCE_CONFIG,
+        pool_name=INFERENCE_POOL,
+        verbosity=4,
+    )
+    gateways: list[Gateway] = []
+    try:
+        await asyncio.to_thread(epp.start)
+        gateways.append(await asyncio.to_thread(Gateway(epp.address).start))
+        pool = Pool(epp, gateways[0], gateways)
+        await eventually_async(
+            "GIE to know every endpoint of the pool",
+            lambda: asyncio.to_thread(epp.queue_sizes),
+            60,
+            until=lambda seen: len(seen) == len(engines),
+            interval=0.1,
+            context=epp.log,
+        )
+        yield ConformancePool(pool, ips, ports)
+    finally:
+        for gateway in gateways:
+            await asyncio.to_thread(gateway.stop)
+        await asyncio.to_thread(epp.stop)
+        for engine in engines:
+            await engine.stop()
+
+
+@pytest.mark.asyncio
+async def test_conformance_gateway_following_epp_routing(
+    control_plane: Cluster, kube: Kube, gateway_crds: None, namespace: str, pool_node: str
+) -> None:
+    """GatewayFollowingEPPRouting: with the pod IPs GIE's testing filter is told to keep,
+    every request reaches one of those pods - each pod alone first, then one, two, all."""
+    async with (
+        conformance_pool(control_plane, kube, namespace, pool_node) as pool,
+        httpx.AsyncClient(timeout=60) as http,
+    ):
+        (port,) = pool.ports
+        at = [f"{ip}:{port}" for ip in pool.ips]
+        for i, ip in enumerate(pool.ips):
+            assert await pool.served_only_by(http, ip, {at[i]}, total=1) == {at[i]}
+        for chosen in ([2], [0, 1], [0, 1, 2]):
+            selection = ",".join(pool.ips[i] for i in chosen)
+            served = await pool.served_only_by(http, selection, {at[i] for i in chosen})
+            # GIE's picker takes one of the kept pods at random: 100 requests reach each.
+            assert served == {at[i] for i in chosen}
+
+
+@pytest.mark.asyncio
+async def test_conformance_gateway_following_epp_routing_with_data_parallelism(
+    control_plane: Cluster, kube: Kube, gateway_crds: None, namespace: str, pool_node: str
+) -> None:
+    """GatewayFollowingEPPRoutingWithDataParallelism: three target ports (DP ranks) a pod,
+    an endpoint each; the filter keeps a pod by its IP (any rank) or one rank by ip:port,
+    and the traffic stays on what it kept."""
+    async with (
+        conformance_pool(control_plane, kube, namespace, pool_node, ranks=3) as pool,
+        httpx.AsyncClient(timeout=60) as http,
+    ):
+        ips, ports = pool.ips, pool.ports
+
+        def ranks(ip: str, only: Sequence[int] | None = None) -> set[str]:
+            return {f"{ip}:{p}" for p in (only if only is not None else ports)}
+
+        for ip in ips:
+            assert await pool.served_only_by(http, ip, ranks(ip), total=1) <= ranks(ip)
+        cases = [
+            (ips[1], ranks(ips[1])),
+            (f"{ips[0]},{ips[2]}:{ports[1]}", ranks(ips[0]) | ranks(ips[2], [ports[1]])),
+            (
+                f"{ips[0]},{ips[1]}:{ports[0]},{ips[1]}:{ports[2]},{ips[2]}",
+                ranks(ips[0]) | ranks(ips[1], [ports[0], ports[2]]) | ranks(ips[2]),
+            ),
+        ]
+        for selection, allowed in cases:
+            served = await pool.served_only_by(http, selection, allowed)
+            # GIE's filter keeps one endpoint a selected IP (it de-duplicates by IP), and
+            # its picker takes one of those at random: 100 requests reach every selected pod
+            # (a miss has odds below 3 * (2/3)**100).
+            assert {s.rsplit(":", 1)[0] for s in served} == {a.rsplit(":", 1)[0] for a in allowed}
+
+
+@pytest.mark.asyncio
+async def test_conformance_gateway_destination_endpoint_served(
+    control_plane: Cluster, kube: Kube, gateway_crds: None, namespace: str, pool_node: str
+) -> None:
+    """GatewayDestinationEndpointServed: the gateway tells the EPP which endpoint served
+    (``x-gateway-destination-endpoint-served`` in the ``envoy.lb`` metadata of the response
+    messages); GIE's verifier plugin echoes it back in a response header."""
+    async with (
+        conformance_pool(control_plane, kube, namespace, pool_node) as pool,
+        httpx.AsyncClient(timeout=60) as http,
+    ):
+        (port,) = pool.ports
+        for ip in pool.ips:
+            response = await pool.post(http, ip)
+            assert response.status_code == 200
+            assert response.headers[SERVED] == f"{ip}:{port}"
+            assert response.json()["served_by"] == f"{ip}:{port}"
