@@ -49,6 +49,7 @@ from typing import Any
 import yaml
 from router_affinity import MODEL, REPLICAS, engines
 from router_fleet import cpu_seconds, engine_successes, fleetpilot_routers
+from router_kv_events import by_arm as kv_events_by_arm
 from router_kv_events import kv_config
 from router_prefix_workloads import (
     Conversation,
@@ -265,29 +266,15 @@ def play_arm(
 
 
 def by_arm(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each arm over its rounds: medians, and the range of the rounds' p95s."""
-    arms: dict[str, list[dict[str, Any]]] = {}
-    for row in rows:
-        arms.setdefault(row["arm"], []).append(row)
-    merged = []
-    for arm, runs in arms.items():
-        p95s = [r["ttft_p95_ms"] for r in runs if r["ttft_p95_ms"] is not None]
-        p50s = [r["ttft_p50_ms"] for r in runs if r["ttft_p50_ms"] is not None]
+    """Each arm over its rounds (``router_kv_events.by_arm``: medians, the range of the
+    rounds' p95s), with the pickers' median CPU a request and their highest peak memory."""
+    merged = kv_events_by_arm(rows)
+    for arm in merged:
+        runs = [r for r in rows if r["arm"] == arm["arm"]]
         cpus = [r["picker_cpu_ms_per_request"] for r in runs if r["picker_cpu_ms_per_request"]]
         rss = [max(r["picker_peak_rss_mib"]) for r in runs if r["picker_peak_rss_mib"]]
-        merged.append(
-            {
-                "arm": arm,
-                "rounds": len(runs),
-                "hit_rate": statistics.median(r["hit_rate"] for r in runs),
-                "ttft_p50_ms": statistics.median(p50s) if p50s else None,
-                "ttft_p95_ms": statistics.median(p95s) if p95s else None,
-                "ttft_p95_range_ms": [min(p95s), max(p95s)] if p95s else None,
-                "errors": sum(r["requests"] - r["statuses"].get("200", 0) for r in runs),
-                "picker_cpu_ms_per_request": statistics.median(cpus) if cpus else None,
-                "picker_peak_rss_mib": max(rss) if rss else None,
-            }
-        )
+        arm["picker_cpu_ms_per_request"] = statistics.median(cpus) if cpus else None
+        arm["picker_peak_rss_mib"] = max(rss) if rss else None
     return merged
 
 
