@@ -160,6 +160,26 @@ RULE_CASES = [
         "spec.routing.auth",
     ),
     RuleCase(
+        "gateway-failing-open-past-api-keys",
+        _set(
+            ["spec", "routing"],
+            {
+                "gateway": {"failureMode": "FailOpen"},
+                "auth": {
+                    "tenants": [{"name": "team-a", "keysSecretRef": {"name": "keys", "key": "a"}}]
+                },
+            },
+        ),
+        Rule.GATEWAY_FAIL_OPEN_AUTH,
+        "spec.routing",
+    ),
+    RuleCase(
+        "gateway-failing-open-over-two-tiers",
+        _set(["spec", "routing"], {"gateway": {"failureMode": "FailOpen"}}),
+        Rule.GATEWAY_FAIL_OPEN_TIERS,
+        "spec",
+    ),
+    RuleCase(
         "disaggregated-without-decode",
         _delete([*T1, "serving", "decode"]),
         Rule.DISAGG_NEEDS_ROLES,

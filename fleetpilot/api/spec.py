@@ -83,6 +83,14 @@ class Rule:
         "requested by (model.servedName, else model.name)"
     )
     TENANT_NAMES_UNIQUE = "spec.routing.auth.tenants[].name must be unique"
+    GATEWAY_FAIL_OPEN_AUTH = (
+        "routing.gateway.failureMode FailOpen lets the gateway send requests past "
+        "routing.auth's API keys whenever no router answers it: use FailClose with auth"
+    )
+    GATEWAY_FAIL_OPEN_TIERS = (
+        "routing.gateway.failureMode FailOpen sends a request to any engine of the pool, "
+        "whatever tier its model names: only a service of one tier can fail open"
+    )
     NAME_LABEL = (
         "metadata.name must be a DNS-1035 label (lowercase letters, digits and '-', starting "
         "with a letter) of at most 63 characters: it names the Services and labels of the fleet"
@@ -1203,8 +1211,9 @@ class GatewayRouting(ApiModel):
     failure_mode: EndpointPickerFailureMode = Field(
         EndpointPickerFailureMode.FAIL_CLOSE,
         description="FailClose: the gateway refuses requests while no router answers it; "
-        "FailOpen: it sends them to any engine of the pool, bypassing tiers, affinity, the "
-        "model rewrite and tenant keys.",
+        "FailOpen: it sends them to any engine of the pool, past affinity, load and the fair "
+        "queue (refused with routing.auth, whose keys it would bypass, and with more than one "
+        "tier, whose models it would mix up).",
     )
     proxy_namespaces: list[NamespaceName] = Field(
         default_factory=list,
@@ -1217,6 +1226,16 @@ class GatewayRouting(ApiModel):
 
 class Routing(ApiModel):
     """The router in front of the tiers."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": cel_rules(
+            (
+                "!has(self.gateway) || !has(self.auth) || !has(self.gateway.failureMode) || "
+                "self.gateway.failureMode != 'FailOpen'",
+                Rule.GATEWAY_FAIL_OPEN_AUTH,
+            )
+        )
+    }
 
     replicas: int = Field(2, ge=1, le=100, description="Router pods.")
     affinity: Affinity = nested(Affinity, "Prefix-cache affinity.")
@@ -1275,6 +1294,16 @@ class Routing(ApiModel):
             "a node evicts first (the chart can create one: routerPriorityClass)."
         ),
     )
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        fails_open = (
+            self.gateway is not None
+            and self.gateway.failure_mode is EndpointPickerFailureMode.FAIL_OPEN
+        )
+        if fails_open and self.auth is not None:
+            raise ValueError(Rule.GATEWAY_FAIL_OPEN_AUTH)
+        return self
 
 
 class PodMonitorMode(StrEnum):
@@ -1437,6 +1466,12 @@ class InferenceServiceSpec(ApiModel):
                 "a.name != (has(u.model.servedName) ? u.model.servedName : u.model.name))))",
                 Rule.ADAPTER_NOT_A_MODEL,
             ),
+            (
+                "!has(self.routing) || !has(self.routing.gateway) || "
+                "!has(self.routing.gateway.failureMode) || "
+                "self.routing.gateway.failureMode != 'FailOpen' || size(self.tiers) == 1",
+                Rule.GATEWAY_FAIL_OPEN_TIERS,
+            ),
         )
     }
 
@@ -1468,4 +1503,10 @@ class InferenceServiceSpec(ApiModel):
             raise ValueError(Rule.ADAPTER_NAMES_UNIQUE)
         if set(adapters) & {t.model.alias for t in self.tiers}:
             raise ValueError(Rule.ADAPTER_NOT_A_MODEL)
+        gateway = self.routing.gateway
+        fails_open = gateway is not None and (
+            gateway.failure_mode is EndpointPickerFailureMode.FAIL_OPEN
+        )
+        if fails_open and len(self.tiers) > 1:
+            raise ValueError(Rule.GATEWAY_FAIL_OPEN_TIERS)
         return self

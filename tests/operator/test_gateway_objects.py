@@ -125,7 +125,9 @@ def test_the_route_timeout_fits_the_gateway_apis_duration(
 
 
 def test_without_parents_only_the_pool_is_planned_and_without_gateway_nothing() -> None:
-    pool_only = planned({"failureMode": "FailOpen"})
+    # FailOpen: allowed for one tier without API keys (the API's rules).
+    single = make_service(routing={"gateway": {"failureMode": "FailOpen"}})
+    pool_only = plan(single, PlanOptions())
     assert one(pool_only, "InferencePool")["spec"]["endpointPickerRef"]["failureMode"] == (
         "FailOpen"
     )
