@@ -42,7 +42,9 @@ ROUTER_TERMINATION_GRACE_S = 45
 METRICS_PORT_NAME = "metrics"
 # With ``routing.gateway``: the endpoint picker (ext_proc over TLS), on the port GIE's own
 # picker serves it on, so a gateway set up for either finds it where it expects; the Service's
-# port is named and typed as GIE's chart does (h2 over TLS: appProtocol http2).
+# port is named as GIE's chart names it, and like it sets no appProtocol: gateways configure
+# the picker's cluster themselves (gRPC over TLS), and a mesh reading "http2" there would take
+# the picker's own TLS for cleartext HTTP/2.
 ROUTER_EPP_PORT = 9002
 EPP_PORT_NAME = "grpc-ext-proc"
 CONFIG_DIR = "/etc/fleetpilot"
@@ -309,7 +311,6 @@ def router_objects(
                 "port": config.epp_port,
                 "targetPort": EPP_PORT_NAME,
                 "protocol": "TCP",
-                "appProtocol": "http2",
             }
         )
         container_ports.append(

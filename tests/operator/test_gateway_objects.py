@@ -76,7 +76,8 @@ def test_the_pool_holds_every_engine_pod_and_names_the_routers_picker_port() -> 
     service = one(objects, "Service", names.router_name("chat"))
     (port,) = [p for p in service["spec"]["ports"] if p["port"] == ROUTER_EPP_PORT]
     assert port["targetPort"] == EPP_PORT_NAME
-    assert port["appProtocol"] == "http2"
+    # As GIE's chart: no appProtocol (the picker's own TLS is no cleartext HTTP/2).
+    assert "appProtocol" not in port
     router = one(objects, "Deployment", names.router_name("chat"))
     (container,) = router["spec"]["template"]["spec"]["containers"]
     assert {"name": EPP_PORT_NAME, "containerPort": ROUTER_EPP_PORT, "protocol": "TCP"} in (
