@@ -1223,6 +1223,10 @@ class GatewayRouting(ApiModel):
         "anywhere (a managed gateway's proxies are outside the cluster).",
     )
 
+    @property
+    def fails_open(self) -> bool:
+        return self.failure_mode is EndpointPickerFailureMode.FAIL_OPEN
+
 
 class Routing(ApiModel):
     """The router in front of the tiers."""
@@ -1297,11 +1301,7 @@ class Routing(ApiModel):
 
     @model_validator(mode="after")
     def _check(self) -> Self:
-        fails_open = (
-            self.gateway is not None
-            and self.gateway.failure_mode is EndpointPickerFailureMode.FAIL_OPEN
-        )
-        if fails_open and self.auth is not None:
+        if self.gateway is not None and self.gateway.fails_open and self.auth is not None:
             raise ValueError(Rule.GATEWAY_FAIL_OPEN_AUTH)
         return self
 
@@ -1504,9 +1504,6 @@ class InferenceServiceSpec(ApiModel):
         if set(adapters) & {t.model.alias for t in self.tiers}:
             raise ValueError(Rule.ADAPTER_NOT_A_MODEL)
         gateway = self.routing.gateway
-        fails_open = gateway is not None and (
-            gateway.failure_mode is EndpointPickerFailureMode.FAIL_OPEN
-        )
-        if fails_open and len(self.tiers) > 1:
+        if gateway is not None and gateway.fails_open and len(self.tiers) > 1:
             raise ValueError(Rule.GATEWAY_FAIL_OPEN_TIERS)
         return self

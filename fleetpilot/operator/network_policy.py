@@ -33,6 +33,8 @@ router's Kubernetes API watch) stays open.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from fleetpilot.api import InferenceService
 from fleetpilot.engine.vllm_args import ENGINE_PORT, kv_event_ports, launch_for
 from fleetpilot.kube import names
@@ -75,18 +77,21 @@ def _operator_peer(operator_namespace: str | None) -> K8sObject:
     return {"podSelector": {"matchLabels": OPERATOR_POD_LABELS}, "namespaceSelector": namespaces}
 
 
+def _namespaces_peer(namespaces: Sequence[str]) -> K8sObject:
+    """A peer of every pod in the namespaces of these names."""
+    selector = {
+        "matchExpressions": [
+            {"key": NAMESPACE_NAME_LABEL, "operator": "In", "values": list(namespaces)}
+        ]
+    }
+    return {"namespaceSelector": selector}
+
+
 def _scrapers(service: InferenceService) -> K8sObject | None:
     """The peer of ``spec.networkPolicy.metricsNamespaces`` (where Prometheus runs); None when
     it names none."""
     scrapers = service.spec.network_policy.metrics_namespaces
-    if not scrapers:
-        return None
-    selector = {
-        "matchExpressions": [
-            {"key": NAMESPACE_NAME_LABEL, "operator": "In", "values": list(scrapers)}
-        ]
-    }
-    return {"namespaceSelector": selector}
+    return _namespaces_peer(scrapers) if scrapers else None
 
 
 def _gateway_rule(service: InferenceService, port: int) -> K8sObject | None:
@@ -97,16 +102,7 @@ def _gateway_rule(service: InferenceService, port: int) -> K8sObject | None:
         return None
     rule: K8sObject = {"ports": _tcp(port)}
     if gateway.proxy_namespaces:
-        selector = {
-            "matchExpressions": [
-                {
-                    "key": NAMESPACE_NAME_LABEL,
-                    "operator": "In",
-                    "values": list(gateway.proxy_namespaces),
-                }
-            ]
-        }
-        rule["from"] = [{"namespaceSelector": selector}]
+        rule["from"] = [_namespaces_peer(gateway.proxy_namespaces)]
     return rule
 
 
