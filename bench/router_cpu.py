@@ -333,19 +333,15 @@ def arm_router(
             assert gie.pid is not None
             pin_threads(gie.pid, {0})
             wait_for_endpoints(gie, 1)
-            with Gateway(gie.address) as gateway:
-                assert gateway.pid is not None
-                pin_threads(gateway.pid, {1})
-                yield gie.pid, _port_of(gateway.url)
+            with gateway_in_front(gie.address) as gateway_port:
+                yield gie.pid, gateway_port
         return
     if arm == "python ext_proc floor":
         port = free_port()
         argv = [sys.executable, str(Path(__file__).parent / "epp_floor.py"), "--port",
                 str(port), "--endpoint", echo]  # fmt: skip
-        with process(argv, {0}, port) as floor, Gateway(f"127.0.0.1:{port}") as gateway:
-            assert gateway.pid is not None
-            pin_threads(gateway.pid, {1})
-            yield floor.pid, _port_of(gateway.url)
+        with process(argv, {0}, port) as floor, gateway_in_front(f"127.0.0.1:{port}") as gp:
+            yield floor.pid, gp
         return
     if arm.startswith("prodstack"):
         with prodstack_router.routers(arm, 1, [echo], MODEL, workdir) as urls:
@@ -376,10 +372,17 @@ def arm_router(
         if not picker:
             yield router.pid, _port_of(router.url)
             return
-        with Gateway(f"127.0.0.1:{cfg.epp_port}") as gateway:
-            assert gateway.pid is not None
-            pin_threads(gateway.pid, {1})
-            yield router.pid, _port_of(gateway.url)
+        with gateway_in_front(f"127.0.0.1:{cfg.epp_port}") as gateway_port:
+            yield router.pid, gateway_port
+
+
+@contextlib.contextmanager
+def gateway_in_front(picker: str) -> Iterator[int]:
+    """The test gateway in front of ``picker``, pinned to CPU 1 with the client: its port."""
+    with Gateway(picker) as gateway:
+        assert gateway.pid is not None
+        pin_threads(gateway.pid, {1})
+        yield _port_of(gateway.url)
 
 
 def _port_of(url: str) -> int:

@@ -25,6 +25,7 @@ from kubernetes import client as k8s
 
 from e2e.chart_support import CHART, CRD_PATH, apply, install_crds, install_definitions
 from fleetpilot.kube.client import Kube
+from fleetpilot.operator.reconcile import OPTIONAL_KINDS
 from fleetpilot.testing.cluster import Cluster, ExistingCluster
 from fleetpilot.testing.controlplane import ControlPlane
 from fleetpilot.testing.polling import eventually
@@ -153,12 +154,8 @@ def gateway_crds(kube: Kube) -> Iterator[None]:
     finally:
         for definition in definitions:
             kube.request("DELETE", f"{CRD_PATH}/{definition['metadata']['name']}")
-        eventually(
-            "InferencePool gone",
-            lambda: (
-                None if kube.serves("inference.networking.k8s.io/v1", "inferencepools") else True
-            ),
-        )
+        pools = OPTIONAL_KINDS["InferencePool"]
+        eventually("InferencePool gone", lambda: None if kube.serves(*pools) else True)
 
 
 #: The process nodes' names; tests pin pods to them with the label every process node carries.

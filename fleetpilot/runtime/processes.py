@@ -93,6 +93,16 @@ def group_members(pgids: set[int]) -> list[int]:
     return found
 
 
+def terminate(process: subprocess.Popen[bytes] | subprocess.Popen[str], grace_s: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within ``grace_s``; waited for either way."""
+    process.terminate()
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 class StartsAndStops:
     """A server or agent the caller starts and must stop: ``with X(...) as x:`` starts it and
     stops it on the way out, whatever happened inside."""

@@ -8,6 +8,7 @@ $FLEETPILOT_CONTROLPLANE_BIN points, e.g. for an install without a checkout.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -61,6 +62,16 @@ def ensure_binaries(bin_dir: Path | None = None, *, build: bool = True) -> Path:
             "run e2e/controlplane/build.sh"
         )
     return target
+
+
+def go_tool_skip_reason(what: str) -> str | None:
+    """Why a Go program of the e2e harness cannot run here (None: it can): it is built with
+    Go, from a fleetpilot checkout; ``what`` names it."""
+    if shutil.which("go") is None:
+        return f"{what} is built with Go, which is not on PATH"
+    if repo_root() is None:
+        return f"{what} is built from a fleetpilot checkout"
+    return None
 
 
 def go_tool(name: str, what: str, *, build: bool = True) -> Path:

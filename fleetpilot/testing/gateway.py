@@ -5,24 +5,19 @@ Envoy binary here). Built by ``e2e/gateway/build.sh``; started and stopped by ``
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Self
 
-from fleetpilot.runtime.processes import StartsAndStops
-from fleetpilot.testing.binaries import go_tool, repo_root
+from fleetpilot.runtime.processes import StartsAndStops, terminate
+from fleetpilot.testing.binaries import go_tool, go_tool_skip_reason
 from fleetpilot.testing.errors import ControlPlaneError
 
 
 def skip_reason() -> str | None:
     """Why the gateway cannot run here (None: it can): it is built with Go."""
-    if shutil.which("go") is None:
-        return "the test gateway is built with Go, which is not on PATH"
-    if repo_root() is None:
-        return "the test gateway is built from a fleetpilot checkout"
-    return None
+    return go_tool_skip_reason("the test gateway")
 
 
 def gateway_binary(*, build: bool = True) -> Path:
@@ -83,11 +78,6 @@ class Gateway(StartsAndStops):
         process, self._process = self._process, None
         if process is None:
             return
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        terminate(process, 10)
         if process.stdout is not None:
             process.stdout.close()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import re
 import secrets
-import shutil
 import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -29,8 +28,8 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fleetpilot.runtime.processes import StartsAndStops, free_ports
-from fleetpilot.testing.binaries import go_tool, repo_root
+from fleetpilot.runtime.processes import StartsAndStops, free_ports, terminate
+from fleetpilot.testing.binaries import go_tool, go_tool_skip_reason
 from fleetpilot.testing.errors import ControlPlaneError
 from fleetpilot.testing.polling import eventually
 
@@ -77,11 +76,7 @@ START_TIMEOUT_S = 60.0
 
 def skip_reason() -> str | None:
     """Why GIE's EPP cannot run here (None: it can): it is built with Go."""
-    if shutil.which("go") is None:
-        return "GIE's endpoint picker is built with Go, which is not on PATH"
-    if repo_root() is None:
-        return "GIE's endpoint picker is built from a fleetpilot checkout"
-    return None
+    return go_tool_skip_reason("GIE's endpoint picker")
 
 
 def gie_epp_binary(*, build: bool = True) -> Path:
@@ -271,12 +266,7 @@ class GieEpp(StartsAndStops):
     def stop(self) -> None:
         process, self._process = self._process, None
         if process is not None:
-            process.terminate()
-            try:
-                process.wait(15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            terminate(process, 15)
         log_dir, self._log_dir = self._log_dir, None
         if log_dir is not None:
             log_dir.cleanup()
