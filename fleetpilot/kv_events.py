@@ -31,7 +31,11 @@ import msgspec
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 SEQ_BYTES = 8
+# The tiers a block's ``medium`` names (vLLM's MEDIUM_*): the engine's device pool, host memory
+# (the offloading connector's CPU tier, ``--kv-offloading-size``) and disk or object storage.
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
 
 # vLLM's ExternalBlockHash: sha256 bytes by default, a 64-bit int when
 # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES is set.
@@ -118,7 +122,9 @@ def kv_events_config(endpoint: str, replay_endpoint: str | None, topic: str = ""
 
 __all__ = [
     "END_SEQ",
+    "MEDIUM_CPU",
     "MEDIUM_GPU",
+    "MEDIUM_STORAGE",
     "AllBlocksCleared",
     "BlockHash",
     "BlockRemoved",
