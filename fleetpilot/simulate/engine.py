@@ -22,6 +22,13 @@ vLLM's block pool; its leading blocks that the prefix cache holds (the same cont
 router's KV index uses, :func:`~fleetpilot.routing.policies.kv_index.chain_keys`) are not
 computed, and its blocks are cached once computed, least recently used ones evicted past the
 cache's size (never one a sequence in the batch holds), each change published as a KV event.
+The host tier (``engine.kvOffload``, vLLM's native CPU offloading) as vLLM runs it: every
+computed prompt block is also written to host memory (least recently used ones evicted past
+``host_kv_tokens``); a prompt's blocks past its device hit that host memory holds are copied
+back into the device pool instead of computed, the prompt waiting for the copy
+(``host_load_per_token_s`` a token) without holding up the batch, and its prefill then starts
+at the end of the step under way; each host-tier change is published as vLLM's self-describing
+KV events with medium ``CPU``.
 Not modelled: preemption (a batch whose decodes outgrow the cache keeps running), speculative
 decoding, and the cached blocks of generated text. The attention cost of a step still reads
 every sequence's whole context (no cascade attention over shared prefixes).
@@ -36,7 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetpilot.kv_events import BlockRemoved, BlockStored, Event
+from fleetpilot.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, Event
 from fleetpilot.simulate.profile import EngineCosts, EngineShape
 
 # Revisit a busy replica at least this often, in steps, so the KV-token term of the step cost
@@ -59,6 +66,7 @@ class Seq:
     output_tokens: int  # tokens to generate here (1: a prefill-only hop)
     prefill: bool = True  # False: the KV arrives from a prefill replica (P/D decode)
     cached_tokens: int = 0
+    host_tokens: int = 0  # of cached_tokens, those copied back from the host tier
     remaining_prefill: float = 0.0
     finish_v: float = 0.0
     join_v: float = 0.0
@@ -104,6 +112,9 @@ class Engine:
     prefill_private: int = 0
     prefill_left: float = 0.0  # prompt tokens still to compute, over the prefill queue
     cache: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    host: OrderedDict[bytes, None] = field(default_factory=OrderedDict)  # the host tier's LRU
+    # (copy done at, tie, sequence): admitted prompts waiting for their host blocks.
+    loading: list[tuple[float, int, Seq]] = field(default_factory=list)
     step_s: float = 0.0
     chunk: float = 0.0
     # When the first step of the current plan began: its steps end at anchor_s + k x step_s.
@@ -112,11 +123,16 @@ class Engine:
     # Counters for the autoscaler's and the report's view.
     prompt_total: int = 0
     cached_total: int = 0
+    host_cached_total: int = 0  # of cached_total, the tokens copied back from the host tier
     _tie: int = 0
 
     @property
     def cache_blocks(self) -> int:
         return self.shape.kv_tokens // self.shape.block_size
+
+    @property
+    def host_blocks(self) -> int:
+        return self.shape.host_kv_tokens // self.shape.block_size
 
     @property
     def kv_tokens_used(self) -> float:
@@ -138,12 +154,15 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         # vLLM's scheduler counts a request once its engine core has taken it from the input
-        # queue, between steps: one that arrived mid-step is not counted yet.
-        return len(self.waiting)
+        # queue, between steps: one that arrived mid-step is not counted yet. A prompt waiting
+        # for its host blocks is a waiting request too (vLLM's WAITING_FOR_REMOTE_KVS).
+        return len(self.waiting) + len(self.loading)
 
     @property
     def idle(self) -> bool:
-        return not (self.running or self.prefilling or self.waiting or self.arriving)
+        return not (
+            self.running or self.prefilling or self.waiting or self.arriving or self.loading
+        )
 
     # -- the fleet's entry points ------------------------------------------------------------
     def submit(self, seq: Seq, now: float) -> float | None:
@@ -198,6 +217,9 @@ class Engine:
         if self.arriving:
             self.waiting.extend(self.arriving)
             self.arriving.clear()
+        while self.loading and self.loading[0][0] <= now + _EPS:
+            _, _, seq = heapq.heappop(self.loading)
+            self._start_prefill(seq)
         while True:
             progressed = False
             while self.prefilling and self.prefilling[0].remaining_prefill <= _EPS:
@@ -219,9 +241,9 @@ class Engine:
     def _admit(self, now: float) -> bool:
         admitted = False
         shape = self.shape
-        while self.waiting and self.num_running < shape.max_num_seqs:
+        while self.waiting and self.num_running + len(self.loading) < shape.max_num_seqs:
             seq = self.waiting[0]
-            busy = self.running or self.prefilling
+            busy = self.running or self.prefilling or self.loading
             if busy and self.kv_tokens_used + self._room_needed(seq) > shape.kv_tokens:
                 break  # no room for its KV until a running sequence ends
             self.waiting.popleft()
@@ -235,16 +257,28 @@ class Engine:
                 self._join(seq, now, first_token_after=hop + self._served_s())
                 self._store(seq)
                 continue
-            hit = self._match(seq.keys) * shape.block_size
+            device = self._match(seq.keys)
+            # vLLM's connector looks in host memory only past the device hit.
+            host = self._match_host(seq.keys, device)
             # vLLM computes at least the prompt's last token to sample the first output token.
-            seq.cached_tokens = min(hit, seq.prompt_tokens - 1)
+            seq.cached_tokens = min((device + host) * shape.block_size, seq.prompt_tokens - 1)
+            seq.host_tokens = max(0, seq.cached_tokens - device * shape.block_size)
             seq.remaining_prefill = float(seq.prompt_tokens - seq.cached_tokens)
             self.prompt_total += seq.prompt_tokens
             self.cached_total += seq.cached_tokens
-            self.prefill_left += seq.remaining_prefill
+            self.host_cached_total += seq.host_tokens
             self.prefill_private += self._tail(seq)
-            self.prefilling.append(seq)
+            copy_s = seq.host_tokens * self.costs.host_load_per_token_s
+            if copy_s > 0:
+                self._tie += 1
+                heapq.heappush(self.loading, (now + copy_s, self._tie, seq))
+            else:
+                self._start_prefill(seq)
         return admitted
+
+    def _start_prefill(self, seq: Seq) -> None:
+        self.prefill_left += seq.remaining_prefill
+        self.prefilling.append(seq)
 
     def _tail(self, seq: Seq) -> int:
         """The prompt's tokens past its full (keyed) blocks: its alone, never shared."""
@@ -305,7 +339,7 @@ class Engine:
         if not n and not self.prefilling:
             self.step_s = 0.0
             self.chunk = 0.0
-            return None
+            return self.loading[0][0] if self.loading else None
         chunk = context = pairs = 0.0
         if self.prefilling:
             chunk = min(float(max(1, self.shape.max_num_batched_tokens - n)), self.prefill_left)
@@ -325,6 +359,10 @@ class Engine:
             if steps > 1 and self._attends:
                 steps = 2  # each chunk attends to more: re-priced step by step
             horizon = min(horizon, (steps - 1 if steps > 1 else 1) * step)
+        if self.loading:
+            # A copy that ends mid-step is seen by the scheduler at the step's end.
+            steps = math.ceil((self.loading[0][0] - now) / step - _PHASE_EPS)
+            horizon = min(horizon, max(1, steps) * step)
         return now + max(horizon, 0.0)
 
     @property
@@ -361,8 +399,20 @@ class Engine:
             matched += 1
         return matched
 
+    def _match_host(self, keys: Sequence[bytes], start: int) -> int:
+        """Blocks of the prompt from ``start`` on that the host tier holds, in a row."""
+        host = self.host
+        matched = 0
+        for key in keys[start:]:
+            if key not in host:
+                break
+            host.move_to_end(key)
+            matched += 1
+        return matched
+
     def _store(self, seq: Seq) -> None:
-        """Cache the prompt's blocks; publish what was stored and what it evicted."""
+        """Cache the prompt's blocks (and write them to the host tier); publish what was
+        stored and what it evicted."""
         cache = self.cache
         keys = seq.keys
         first_new = len(keys)
@@ -372,7 +422,10 @@ class Engine:
             else:
                 cache[key] = None
                 first_new = min(first_new, i)
+        host_events = self._store_host(seq)
         if first_new == len(keys):
+            if host_events and self.publish is not None:
+                self.publish(host_events)
             return
         evicted: list[bytes] = []
         limit = self.cache_blocks
@@ -405,4 +458,58 @@ class Engine:
                 lora_name=None,
             )
         )
-        self.publish(events)
+        self.publish(events + host_events)
+
+    def _store_host(self, seq: Seq) -> list[Event]:
+        """Write the prompt's blocks through to the host tier, evicting its least recently
+        used ones past its size (never one of this prompt's); the KV events of what changed,
+        host evictions first, each run of newly stored blocks with its parent (vLLM's
+        self-describing events)."""
+        limit = self.host_blocks
+        if limit <= 0:
+            return []
+        host = self.host
+        keys = seq.keys
+        fresh: list[int] = []
+        for i, key in enumerate(keys):
+            if key in host:
+                host.move_to_end(key)
+            else:
+                host[key] = None
+                fresh.append(i)
+        if not fresh:
+            return []
+        evicted: list[bytes] = []
+        protected = set(keys)
+        passes = len(host)
+        while len(host) > limit and passes > 0:
+            passes -= 1
+            key = host.popitem(last=False)[0]
+            if key in protected:
+                host[key] = None
+            else:
+                evicted.append(key)
+        if self.publish is None:
+            return []
+        events: list[Event] = []
+        if evicted:
+            events.append(BlockRemoved(block_hashes=list(evicted), medium=MEDIUM_CPU))
+        size = self.shape.block_size
+        start = 0
+        for j in range(1, len(fresh) + 1):
+            if j < len(fresh) and fresh[j] == fresh[j - 1] + 1:
+                continue
+            first, last = fresh[start], fresh[j - 1] + 1
+            events.append(
+                BlockStored(
+                    block_hashes=list(keys[first:last]),
+                    parent_block_hash=keys[first - 1] if first else None,
+                    token_ids=list(seq.token_ids[first * size : last * size]),
+                    block_size=size,
+                    lora_id=None,
+                    medium=MEDIUM_CPU,
+                    lora_name=None,
+                )
+            )
+            start = j
+        return events

@@ -154,6 +154,7 @@ class Request:
     first_token_s: float | None = None
     end_s: float | None = None
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens, those copied back from the host tier
     error: str | None = None
 
     @property
@@ -440,6 +441,7 @@ class Fleet:
         if hop or route.prefill is None:
             (route.prefill or route.replica).pending_prefill -= route.prefill_blocks
             request.cached_tokens = seq.cached_tokens
+            request.host_cached_tokens = seq.host_tokens
         if hop:
             return
         request.first_token_s = when + self.router_s

@@ -54,6 +54,8 @@ class EngineCosts:
     first_token_per_stream_s: float = 0.0
     prefill_per_context_token_s: float = 0.0
     prefill_per_pair_s: float = 0.0
+    # Copying one token's KV from the host tier (``engine.kvOffload``) into the device pool.
+    host_load_per_token_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -106,10 +108,14 @@ class EngineShape:
     chars_per_token: float = GPU_CHARS_PER_TOKEN
     # Tokens the chat template adds a message (Llama 3's header and end-of-turn: five).
     message_tokens: int = 5
+    # The host tier's KV tokens (``engine.kvOffload``): 0 without one.
+    host_kv_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.kv_tokens < self.block_size or self.block_size < 1:
             raise ValueError("an engine needs at least one KV block")
+        if self.host_kv_tokens < 0:
+            raise ValueError("host_kv_tokens must not be negative")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
         if self.chars_per_token <= 0 or self.message_tokens < 0:

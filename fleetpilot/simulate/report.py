@@ -36,6 +36,9 @@ class TierSummary:
     slo_attainment: float | None
     peak_replicas: dict[str, int]
     gpu_count_per_replica: dict[str, int]
+    # Of the prompt tokens, those copied back from the host tier (engine.kvOffload): a share
+    # of prefix_hit_rate.
+    host_hit_rate: float | None = None
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class SimReport(LatencySummary):
     wall_s: float
     replicas: list[dict[str, Any]] = field(default_factory=list)  # {"t": s, "tier/role": n}
     decisions: list[dict[str, Any]] = field(default_factory=list)
+    host_hit_rate: float | None = None  # as TierSummary's
 
 
 def _met(r: Request, ttft_slo: float | None, tpot_slo: float | None) -> bool:
@@ -79,6 +83,11 @@ def _hit_rate(rs: Sequence[Request]) -> float | None:
     prompt = sum(r.prompt_tokens for r in rs if r.error is None)
     cached = sum(r.cached_tokens for r in rs if r.error is None)
     return hit_rate(prompt, cached)
+
+
+def _host_hit_rate(rs: Sequence[Request]) -> float | None:
+    prompt = sum(r.prompt_tokens for r in rs if r.error is None)
+    return hit_rate(prompt, sum(r.host_cached_tokens for r in rs if r.error is None))
 
 
 def summarize(
@@ -120,6 +129,7 @@ def summarize(
             slo_attainment=attainment,
             peak_replicas=peak,
             gpu_count_per_replica={str(s.role.name): s.model.gpus for s in roles},
+            host_hit_rate=_host_hit_rate(rs),
         )
     # Refused requests (429, 503) miss every objective.
     failed = len(requests) - len(ok)
@@ -146,6 +156,7 @@ def summarize(
             for s in outcome.roles
             for t, a, b, _ in s.decisions
         ],
+        host_hit_rate=_host_hit_rate(ok),
     )
 
 
@@ -182,6 +193,11 @@ def format_table(report: SimReport) -> str:
     lines.append(row("all", report.succeeded, report, ""))
     lines.append("")
     lines.append("latencies in ms; SLO met: requests under every objective of their tier")
+    if report.host_hit_rate:
+        lines.append(
+            f"of the prompt tokens, {report.host_hit_rate:.3f} came back from host memory "
+            "(engine.kvOffload), the rest of the hit rate from the device"
+        )
     cost = f", cost {report.cost:,.2f}" if report.cost is not None else ""
     lines.append(f"GPU-hours {report.gpu_hours:,.2f}{cost}")
     return "\n".join(lines)

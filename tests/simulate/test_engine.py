@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from fleetpilot.kv_events import BlockRemoved, Event
+from fleetpilot.kv_events import BlockRemoved, BlockStored, Event
 from fleetpilot.routing.policies.kv_index import KVIndex, chain_keys
 from fleetpilot.simulate.engine import Engine, Seq
 from fleetpilot.simulate.profile import EngineCosts, EngineShape
@@ -340,3 +340,108 @@ def test_a_block_a_running_sequence_holds_is_never_evicted() -> None:
     assert d.firsts[99] < d.ends[0]  # the repeat came while the long decode still ran
     assert not removed & set(held.keys)
     assert again.cached_tokens == 64
+
+
+# -- the host tier (engine.kvOffload) -----------------------------------------------------------
+
+# A device cache of 8 blocks and a host tier of 64; a token's copy back costs a tenth of a
+# prompt token's compute.
+OFFLOAD_SHAPE = EngineShape(
+    kv_tokens=128, block_size=16, max_num_seqs=4, max_num_batched_tokens=512, host_kv_tokens=1024
+)
+OFFLOAD_COSTS = dataclasses.replace(COSTS, host_load_per_token_s=0.00001)
+
+
+def churn(d: Driver, start: float, count: int, base: int = 100_000) -> None:
+    """Prompts of 96 fresh tokens (six blocks) a second apart: enough to evict the device."""
+    for i in range(count):
+        tokens = list(range(base + 96 * i, base + 96 * (i + 1)))
+        d.submit(start + i, seq(base + i, tokens, output=2))
+
+
+def test_blocks_the_device_evicted_come_back_from_the_host_tier_at_the_copy_cost() -> None:
+    tokens = list(range(97))  # six full blocks and a last token
+    d = make(costs=OFFLOAD_COSTS, shape=OFFLOAD_SHAPE)
+    d.submit(0.0, seq(1, tokens, output=2))
+    churn(d, 1.0, 3)
+    d.submit(10.0, again := seq(2, tokens, output=2))
+    d.run()
+    # The device lost them; the host tier gave all six blocks back, none computed again.
+    assert again.cached_tokens == 96
+    assert again.host_tokens == 96
+    assert d.engine.host_cached_total == 96
+    copy_s = 96 * OFFLOAD_COSTS.host_load_per_token_s
+    # Its first token: the copy, then one step computing the last token.
+    one_token = COSTS.step_s(0, 0, 1) + COSTS.prefill_base_s
+    assert d.firsts[2] - 10.0 == pytest.approx(copy_s + one_token, rel=0.05)
+
+    without = make(costs=OFFLOAD_COSTS, shape=dataclasses.replace(OFFLOAD_SHAPE, host_kv_tokens=0))
+    without.submit(0.0, seq(1, tokens, output=2))
+    churn(without, 1.0, 3)
+    without.submit(10.0, recomputed := seq(2, tokens, output=2))
+    without.run()
+    assert recomputed.cached_tokens == 0
+    assert without.firsts[2] - 10.0 > d.firsts[2] - 10.0
+
+
+def test_a_prompt_copying_from_the_host_does_not_hold_up_the_batch() -> None:
+    """A long decode keeps its step pace while another prompt waits for a slow copy."""
+    slow = dataclasses.replace(COSTS, host_load_per_token_s=0.01)  # ~1 s for 96 tokens
+    d = make(costs=slow, shape=OFFLOAD_SHAPE)
+    tokens = list(range(97))
+    d.submit(0.0, seq(1, tokens, output=2))
+    churn(d, 1.0, 3)
+    d.submit(10.0, seq(3, list(range(50_000, 50_010)), output=40))
+    d.submit(10.0, seq(2, tokens, output=2))
+    d.run()
+    assert d.engine.host_cached_total == 96
+    # The decode of 40 tokens (~0.4 s) ends while the copy (~0.96 s) still runs.
+    assert d.ends[3] < d.firsts[2]
+    assert d.firsts[2] - 10.0 >= 96 * 0.01
+    assert d.engine.idle
+    assert not d.engine.loading
+
+
+def test_the_host_tier_evicts_least_recently_used_and_its_events_say_so() -> None:
+    """Fed only the engine's CPU-medium events, a mirror holds exactly what the host tier
+    holds, after the tier evicted."""
+    mirror: set[bytes] = set()
+    media: set[str | None] = set()
+
+    def publish(events: list[Event]) -> None:
+        for event in events:
+            if isinstance(event, (BlockStored, BlockRemoved)):
+                media.add(event.medium)
+            if isinstance(event, BlockStored) and event.medium == "CPU":
+                assert event.block_size == 16
+                assert len(event.token_ids) == 16 * len(event.block_hashes)
+                mirror.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved) and event.medium == "CPU":
+                assert set(event.block_hashes) <= mirror
+                mirror.difference_update(event.block_hashes)
+
+    d = make(costs=OFFLOAD_COSTS, shape=OFFLOAD_SHAPE, publish=publish)
+    churn(d, 0.0, 20)  # 120 blocks through a 64-block host tier
+    d.run()
+    assert len(d.engine.host) == d.engine.host_blocks == 64
+    assert mirror == set(d.engine.host)
+    assert media == {None, "CPU"}
+    # The oldest prompts' blocks left the host tier; the newest stayed.
+    newest = seq(0, list(range(100_000 + 96 * 19, 100_000 + 96 * 20)), output=1)
+    oldest = seq(0, list(range(100_000, 100_096)), output=1)
+    assert all(key in d.engine.host for key in newest.keys)
+    assert not any(key in d.engine.host for key in oldest.keys)
+
+
+def test_without_a_host_tier_nothing_is_written_to_host_memory() -> None:
+    cpu_events: list[Event] = []
+
+    def publish(events: list[Event]) -> None:
+        cpu_events.extend(e for e in events if getattr(e, "medium", None) == "CPU")
+
+    d = make(shape=dataclasses.replace(OFFLOAD_SHAPE, host_kv_tokens=0), publish=publish)
+    churn(d, 0.0, 5)
+    d.run()
+    assert not d.engine.host
+    assert not cpu_events
+    assert d.engine.host_cached_total == 0
