@@ -234,7 +234,8 @@ def summarize(
     running = [s.gauges[n.running] for s in latest if n.running in s.gauges]
     arrival = counter_increase(n.success) / window_s if rated else None
     queries = counter_increase(n.prefix_queries) if rated else 0.0
-    hit_rate = counter_increase(n.prefix_hits) / queries if queries > 0 else None
+    hits = counter_increase(n.prefix_hits) + counter_increase(n.external_prefix_hits)
+    hit_rate = hits / queries if queries > 0 else None
     detail = "" if rated else "one scrape per engine so far: no rates yet"
     return Metrics(
         ttft_p95_s=ttft,

@@ -73,7 +73,8 @@ class Metrics:
     waiting_requests: float | None = None  # summed over engines
     running_requests: float | None = None  # summed over engines
     reporting_engines: int | None = None  # engine series seen (data-parallel ranks count apart)
-    prefix_hit_rate_frac: float | None = None  # recorded for people; decides nothing
+    # Device and host-tier hits over prompt tokens; recorded for people, decides nothing.
+    prefix_hit_rate_frac: float | None = None
     arrival_rate_rps: float | None = None  # completed requests per second, over the window
     data_age_s: float | None = None  # age of the newest engine sample; None: no sample at all
     problem: DataProblem | None = None

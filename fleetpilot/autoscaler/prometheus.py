@@ -28,8 +28,15 @@ The PromQL, with ``S`` the label selector and ``W`` the window (``autoscaling.wi
 - waiting / running: ``sum(vllm:num_requests_waiting{S})`` / ``sum(vllm:num_requests_running{S})``
 - reporting engines: ``count(vllm:num_requests_waiting{S})``
 - arrival rate: ``sum(rate(vllm:request_success_total{S}[W]))``
-- prefix hit rate: ``sum(rate(vllm:prefix_cache_hits_total{S}[W])) /
-  sum(rate(vllm:prefix_cache_queries_total{S}[W]))``
+- prefix hit rate, both KV tiers: ``(sum(rate(vllm:prefix_cache_hits_total{S}[W])) +
+  (sum(rate(vllm:external_prefix_cache_hits_total{S}[W])) or vector(0))) /
+  sum(rate(vllm:prefix_cache_queries_total{S}[W]))``: the device's hits, and what the KV
+  connector (the host tier of ``engine.kvOffload``) supplied past them; ``or vector(0)`` for
+  engines that export no connector counter
+
+The KV-cache usage stays the device's alone: a running sequence's KV must be in the device
+pool, so that pool's room is what admits more sequences; the host tier only caches prefixes
+(and makes a miss cheaper, which the hit rate shows).
 - data age: ``time() - max(timestamp(vllm:num_requests_waiting{S}))``
 
 Demand the router sees for a role with no engines (scale from zero), with ``R`` the router's
@@ -125,6 +132,8 @@ class MetricNames:
     success: str = "vllm:request_success_total"
     prefix_queries: str = "vllm:prefix_cache_queries_total"
     prefix_hits: str = "vllm:prefix_cache_hits_total"
+    # Hits the KV connector supplied past the device's (the host tier, engine.kvOffload).
+    external_prefix_hits: str = "vllm:external_prefix_cache_hits_total"
     # Also read the names with ':' written as '_' (see escaped_name).
     escaped_too: bool = True
 
@@ -216,7 +225,10 @@ def queries(sel: str, window: timedelta, names: MetricNames | None = None) -> di
         "running_requests": gauge("sum", n.running),
         "reporting_engines": gauge("count", n.waiting),
         "arrival_rate_rps": rate(n.success),
-        "prefix_hit_rate_frac": f"{rate(n.prefix_hits)} / {rate(n.prefix_queries)}",
+        "prefix_hit_rate_frac": (
+            f"({rate(n.prefix_hits)} + ({rate(n.external_prefix_hits)} or vector(0))) / "
+            f"{rate(n.prefix_queries)}"
+        ),
         "data_age_s": f"time() - max({series(n.waiting, lambda g: f'timestamp({g}{sel})')})",
     }
 

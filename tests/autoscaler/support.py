@@ -38,6 +38,7 @@ class Load:
     successes: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    external_prefix_hits: int = 0  # the KV connector's (host tier); exported only when set
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,10 @@ class Engine:
         self.success = counter("vllm:request_success").labels(**labels)
         self.prefix_queries = counter("vllm:prefix_cache_queries").labels(**labels)
         self.prefix_hits = counter("vllm:prefix_cache_hits").labels(**labels)
+        # Created on first use: the other engines export none, as an engine without a KV
+        # connector counter (before vLLM 0.11) does.
+        self._labels = labels
+        self.external_prefix_hits: Counter | None = None
         self.load: Load | None = None
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -129,6 +134,16 @@ class Engine:
             self.success.inc(load.successes)
             self.prefix_queries.inc(load.prefix_queries)
             self.prefix_hits.inc(load.prefix_hits)
+            if load.external_prefix_hits:
+                if self.external_prefix_hits is None:
+                    family = Counter(
+                        "vllm:external_prefix_cache_hits",
+                        "hits",
+                        list(self._labels),
+                        registry=self.registry,
+                    )
+                    self.external_prefix_hits = family.labels(**self._labels)
+                self.external_prefix_hits.inc(load.external_prefix_hits)
 
     def exposition(self, accept: str) -> tuple[bytes, str]:
         with self._lock:

@@ -114,6 +114,27 @@ def test_summarize_sums_bucket_increases_across_engines() -> None:
     assert m.tpot_p95_s is None
 
 
+def test_the_hit_rate_counts_the_host_tiers_hits_past_the_devices() -> None:
+    """Engine a has a host tier (the connector's counter), engine b none: (30 + 20 + 10) of
+    200 prompt tokens were hits."""
+
+    def with_prefix(s: Snapshot, queries: float, hits: float, external: float | None) -> Snapshot:
+        counters = {
+            **s.counters,
+            "vllm:prefix_cache_queries_total": queries,
+            "vllm:prefix_cache_hits_total": hits,
+        }
+        if external is not None:
+            counters["vllm:external_prefix_cache_hits_total"] = external
+        return Snapshot(s.time_s, s.gauges, counters, s.histograms, s.counts)
+
+    base = {0.1: 0, INF: 0}
+    a = [with_prefix(snap(0, base), 0, 0, 0), with_prefix(snap(10, base), 100, 30, 20)]
+    b = [with_prefix(snap(0, base), 0, 0, None), with_prefix(snap(10, base), 100, 10, None)]
+    m = summarize({"a": a, "b": b}, now_s=10, window_s=10)
+    assert m.prefix_hit_rate_frac == pytest.approx(0.3)
+
+
 def test_one_snapshot_per_engine_gives_no_latency_and_no_count() -> None:
     """A first scrape has nothing to take an increase from: latency and count are absent
     (the policy then holds), while the gauges are already usable."""

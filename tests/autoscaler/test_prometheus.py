@@ -8,6 +8,7 @@ with a reason, quickly, and never as an exception.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -46,7 +47,8 @@ READER_LOAD = Load(
     prefix_queries=100,
     prefix_hits=25,
 )
-PREFILL_LOAD = Load(ttft_s=(0.3,) * 20, successes=20)  # all in (0.25, 0.5]: p95 0.4875 s
+# all in (0.25, 0.5]: p95 0.4875 s; no host tier (no external hits series at all)
+PREFILL_LOAD = Load(ttft_s=(0.3,) * 20, successes=20, prefix_queries=40, prefix_hits=10)
 DECODE_LOAD = Load(itl_s=(0.04,) * 50, successes=5)  # all in (0.025, 0.05]: p95 0.04875 s
 
 
@@ -56,8 +58,9 @@ def driven(fleet: Fleet) -> Iterator[Fleet]:
     first, second = fleet.of("ml", "reader", "small", "unified")
     first.set(kv=0.5, waiting=3, running=4)
     second.set(kv=0.7, waiting=5, running=6)
-    for engine in (first, second):
-        engine.drive(READER_LOAD)
+    # The first has a host tier: 30 more hits a tick from host memory; the second none.
+    first.drive(dataclasses.replace(READER_LOAD, external_prefix_hits=30))
+    second.drive(READER_LOAD)
     (stranger,) = fleet.of("other", "reader", "small", "unified")
     stranger.set(kv=0.99, waiting=100, running=50)
     stranger.drive(Load(ttft_s=(30.0,) * 10, successes=100))
@@ -95,7 +98,8 @@ def _full(m: Metrics) -> bool:
 def test_reads_percentiles_gauges_and_rates(source: PrometheusSource) -> None:
     """p95 TTFT/TPOT from the buckets, mean KV usage, summed queue, arrival and prefix-hit
     rates, over two engines of which one writes its colons as underscores (client_python
-    #1177); the same names in another namespace are not mixed in."""
+    #1177); the same names in another namespace are not mixed in. The hit rate counts the
+    device's and the host tier's hits: (25 + 25 + 30) / 200."""
     m = settled(lambda: source.observe("reader", "small", "unified", WINDOW, namespace="ml"), _full)
     assert m.problem is None, m.detail
     assert m.ttft_p95_s == pytest.approx(1.75, rel=0.03)
@@ -107,7 +111,7 @@ def test_reads_percentiles_gauges_and_rates(source: PrometheusSource) -> None:
     # 2 engines x 10 requests per 100 ms (the driver's period stretches a little under load).
     assert m.arrival_rate_rps == pytest.approx(200, rel=0.2)
     assert m.ttft_samples == pytest.approx(200 * WINDOW.total_seconds(), rel=0.25)
-    assert m.prefix_hit_rate_frac == pytest.approx(0.25)
+    assert m.prefix_hit_rate_frac == pytest.approx(0.40)
     assert m.data_age_s is not None
     assert 0 <= m.data_age_s < 3
 
@@ -130,6 +134,8 @@ def test_roles_are_read_apart(source: PrometheusSource) -> None:
     assert prefill.waiting_requests == 7
     assert prefill.tpot_p95_s is None  # no inter-token latencies on prefill engines
     assert prefill.tpot_samples == 0
+    # Device hits only: no engine of the role exports the connector's counter.
+    assert prefill.prefix_hit_rate_frac == pytest.approx(0.25)
     assert decode.tpot_p95_s == pytest.approx(0.04875, rel=0.01)
     assert decode.kv_cache_usage_frac == pytest.approx(0.9)
     assert decode.ttft_p95_s is None
@@ -275,7 +281,8 @@ def test_promql_text() -> None:
     )
     assert q["kv_cache_usage_frac"] == "avg(vllm:kv_cache_usage_perc{S})"
     assert q["prefix_hit_rate_frac"] == (
-        "sum(rate(vllm:prefix_cache_hits_total{S}[60s])) / "
+        "(sum(rate(vllm:prefix_cache_hits_total{S}[60s])) + "
+        "(sum(rate(vllm:external_prefix_cache_hits_total{S}[60s])) or vector(0))) / "
         "sum(rate(vllm:prefix_cache_queries_total{S}[60s]))"
     )
     both = queries("{S}", timedelta(seconds=1.5))
