@@ -12,7 +12,13 @@ from typing import Any, TextIO
 from fleetpilot.argtypes import DefaultsHelpFormatter
 from fleetpilot.loadgen import report
 from fleetpilot.loadgen.runner import Progress, RunConfig, Runner, Schedule, parse_schedule
-from fleetpilot.loadgen.workloads import WORKLOADS, ModelMix, make_workload, workload_options
+from fleetpilot.loadgen.workloads import (
+    SHAPE_OPTIONS,
+    WORKLOADS,
+    ModelMix,
+    make_workload,
+    workload_options,
+)
 
 
 def _schedule(text: str) -> Schedule:
@@ -82,13 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="open loop: arrivals beyond this many in flight are dropped and counted",
     )
     a("--max-tokens", type=_positive(int), default=None, help="override the workload's max_tokens")
-    a(
-        "--context-chars",
-        type=_positive(int),
-        default=None,
-        help="long-context: document length in characters (default 6000; the reference "
-        "engine's byte tokenizer makes this its prompt length in tokens)",
-    )
+    add_shape_arguments(parser)
     a(
         "--ignore-eos",
         action="store_true",
@@ -99,8 +99,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--plot", type=Path, default=None, help="write a PNG of latency and replicas over time")
 
 
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that shape one workload (``SHAPE_OPTIONS``), as ``bench`` and ``simulate``
+    both take them: a recorded run replays as the same requests."""
+    a = parser.add_argument
+    a("--tenants", type=_positive(int), help="shared-prefix: tenants (system prompts)")
+    a(
+        "--tenant-skew",
+        type=float,
+        help="shared-prefix: Zipf exponent of the tenants' popularity (default 0: uniform)",
+    )
+    a("--system-chars", type=_positive(int), help="shared-prefix: characters a system prompt")
+    a("--documents", type=_positive(int), help="long-context: documents asked about")
+    a(
+        "--context-chars",
+        type=_positive(int),
+        help="long-context: document length in characters (default 6000; the reference "
+        "engine's byte tokenizer makes this its prompt length in tokens)",
+    )
+
+
 def _workload_options(args: argparse.Namespace) -> dict[str, Any]:
-    return workload_options(args.workload, args.max_tokens, context_chars=args.context_chars)
+    shape = {option: getattr(args, option) for option in SHAPE_OPTIONS}
+    return workload_options(args.workload, args.max_tokens, **shape)
 
 
 BAR_WIDTH = 20

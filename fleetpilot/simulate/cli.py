@@ -11,7 +11,7 @@ from typing import TextIO
 
 from fleetpilot.api import InvalidManifestError, load_services
 from fleetpilot.api.units import parse_duration
-from fleetpilot.loadgen.cli import _positive, _schedule
+from fleetpilot.loadgen.cli import _positive, _schedule, add_shape_arguments
 from fleetpilot.loadgen.report import matplotlib_available, write_json
 from fleetpilot.loadgen.runner import Schedule
 from fleetpilot.loadgen.workloads import (
@@ -100,15 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--replicas", type=_positive(int), help="replicas each role starts with (default: spec)")
     a("--max-replicas", type=_positive(int), help="replace every role's replicas.max")
     a("--max-tokens", type=_positive(int), help="override the workload's max_tokens")
-    a("--tenants", type=_positive(int), help="shared-prefix: tenants (system prompts)")
-    a(
-        "--tenant-skew",
-        type=float,
-        help="shared-prefix: Zipf exponent of the tenants' popularity (default 0: uniform)",
-    )
-    a("--system-chars", type=_positive(int), help="shared-prefix: characters a system prompt")
-    a("--documents", type=_positive(int), help="long-context: documents asked about")
-    a("--context-chars", type=_positive(int), help="long-context: characters a document")
+    add_shape_arguments(parser)
     a("--price-per-gpu-hour", type=_positive(float), help="report the cost at this price")
     a("--json", type=Path, help="write the report as JSON")
     a("--plot", type=Path, help="write a PNG: TTFT, replicas and load over time")

@@ -93,6 +93,30 @@ def test_bad_flags_are_refused_before_any_load(capsys: pytest.CaptureFixture[str
     assert "--context-chars applies to --workload long-context" in capsys.readouterr().err
     assert cli.main(["--rate", "2", "--requests", "3"]) == 2
     assert "needs a --duration" in capsys.readouterr().err
+    assert cli.main(["--workload", "mixed", "--tenants", "3", "--requests", "1"]) == 2
+    assert "--tenants applies to --workload shared-prefix" in capsys.readouterr().err
+
+
+def test_the_workloads_shape_is_sent_and_recorded_for_a_replay(
+    engine: BackgroundServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--tenants`, `--system-chars` and `--tenant-skew` shape the requests sent (two system
+    prompts of 300 characters and a tenant-numbered preamble) and are recorded, so that
+    `fleetpilot simulate --trace` regenerates the very same prompts."""
+    out = tmp_path / "bench.json"
+    argv = [
+        "--url", f"{engine.url}/v1", "--model", "m", "--concurrency", "2", "--requests", "6",
+        "--workload", "shared-prefix", "--tenants", "2", "--system-chars", "300",
+        "--tenant-skew", "1.5", "--seed", "4", "--max-tokens", "2", "--out", str(out),
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    trace = load_trace(out)
+    assert trace.options == {"tenants": 2, "system_chars": 300, "tenant_skew": 1.5, "max_tokens": 2}
+    workload = make_workload(trace.workload, trace.seed, **trace.options)
+    systems = {workload.next().messages[0]["content"] for _ in range(40)}
+    assert len(systems) == 2
+    assert all(len(s) >= 300 for s in systems)
 
 
 def test_a_bench_run_replays_in_the_simulator(
