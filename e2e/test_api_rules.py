@@ -96,3 +96,27 @@ def test_an_engine_pod_with_an_overlay_is_accepted(
     assert {"name": "extra", "mountPath": "/etc/extra", "readOnly": True} in pod["containers"][0][
         "volumeMounts"
     ]
+
+
+@pytest.mark.parametrize("size", ["0", "0Gi", "0.0", "-64Gi", 0, -1])
+def test_the_api_server_refuses_a_host_kv_tier_of_no_size(
+    kube: Kube, namespace: str, chart_crds: None, size: str | int
+) -> None:
+    """engine.kvOffload.size must be more than 0 (vLLM refuses an offloading connector of no
+    bytes at start): the CRD's pattern refuses a string, its minimum an integer, so a pod
+    that cannot start is never planned from an object the server accepted."""
+    manifest = base_manifest()
+    manifest["spec"]["tiers"][0]["engine"]["kvOffload"]["size"] = size
+    with pytest.raises(KubeError) as refused:
+        _dry_run(kube, namespace, manifest)
+    assert refused.value.status == 422
+    assert "kvOffload.size" in str(refused.value)
+
+
+@pytest.mark.parametrize("size", ["512Mi", "0.5Gi", "64Gi", "100G", 68719476736])
+def test_the_api_server_accepts_a_host_kv_tier_of_any_positive_size(
+    kube: Kube, namespace: str, chart_crds: None, size: str | int
+) -> None:
+    manifest = base_manifest()
+    manifest["spec"]["tiers"][0]["engine"]["kvOffload"]["size"] = size
+    _dry_run(kube, namespace, manifest)

@@ -27,7 +27,8 @@ class RuleCase:
 
 
 def base_manifest() -> Manifest:
-    """Valid, and touching every rule's node: two tiers, one disaggregated, speculation."""
+    """Valid, and touching every rule's node: two tiers, one disaggregated, speculation, a
+    host KV tier."""
     return make_manifest(
         tiers=[
             make_tier(
@@ -37,6 +38,7 @@ def base_manifest() -> Manifest:
                     "maxNumSeqs": 64,
                     "maxNumBatchedTokens": 4096,
                     "speculative": {"method": "ngram", "numTokens": 4},
+                    "kvOffload": {"size": "32Gi"},
                 },
                 adapters=[
                     {
@@ -202,6 +204,18 @@ RULE_CASES = [
         _set([*T0, "serving", "kvTransfer"], {"connector": "NixlConnector"}),
         Rule.KV_TRANSFER_DISAGG_ONLY,
         "spec.tiers[0].serving",
+    ),
+    RuleCase(
+        "kv-offload-to-lmcache",
+        _set([*T0, "engine", "kvOffload", "backend"], "lmcache"),
+        Rule.KV_OFFLOAD_LMCACHE,
+        "spec.tiers[0].engine.kvOffload",
+    ),
+    RuleCase(
+        "kv-offload-with-prefill-and-decode",
+        _set([*T1, "engine", "kvOffload"], {"size": "64Gi"}),
+        Rule.KV_OFFLOAD_UNIFIED_ONLY,
+        "spec.tiers[1]",
     ),
     RuleCase(
         "eagle-without-model",

@@ -17,7 +17,7 @@ from pydantic import Field, StringConstraints, model_validator
 
 from fleetpilot.api.base import ApiModel, cel_rules, nested
 from fleetpilot.api.pod_template import PodTemplateOverlay, combine
-from fleetpilot.api.units import Duration, Quantity
+from fleetpilot.api.units import Duration, PositiveQuantity, Quantity
 
 # A DNS-1035 label: usable in Service names and as a label value.
 DNS_LABEL_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
@@ -63,6 +63,15 @@ class Rule:
     SPEC_MODEL_REQUIRED = "speculative.model is required for methods eagle, eagle3 and draft_model"
     SPEC_MODEL_FORBIDDEN = "speculative.model is only used by methods eagle, eagle3 and draft_model"
     BATCHED_TOKENS = "engine.maxNumBatchedTokens must be at least engine.maxNumSeqs"
+    KV_OFFLOAD_LMCACHE = (
+        "engine.kvOffload.backend lmcache is not supported: vLLM's lmcache backend ignores "
+        "engine.kvOffload.size and needs an LMCache server at tcp://localhost:5555 that "
+        "fleetpilot does not deploy; use native"
+    )
+    KV_OFFLOAD_UNIFIED_ONLY = (
+        "engine.kvOffload is only allowed when serving.mode is unified: vLLM replaces the "
+        "P/D KV connector (serving.kvTransfer) with its offloading connector"
+    )
     SOURCE_ONE_OF = "model.source takes at most one of huggingface, pvc, oci and s3"
     CACHE_SIZE_OR_CLAIM = "modelCache takes exactly one of size (a new claim) and claimName"
     TIER_NAMES_UNIQUE = "spec.tiers[].name must be unique"
@@ -445,6 +454,46 @@ class ReferenceModel(StrEnum):
     SMALL = "small"  # 4 layers x 128 wide, up to 4096 tokens: the engine's default
 
 
+class KvOffloadBackend(StrEnum):
+    NATIVE = "native"
+    LMCACHE = "lmcache"
+
+
+class KvOffload(ApiModel):
+    """A second tier of KV cache in the engine host's memory (vLLM's ``--kv-offloading-size``
+    and ``--kv-offloading-backend``): the KV blocks of prompts are copied to host memory as
+    they are computed, and copied back when a later prompt's prefix is found there but no
+    longer on the GPUs, which is cheaper than computing it again. The engine pod's memory
+    request and limit grow by ``size`` and a margin, and its /dev/shm (where vLLM maps the host
+    tier) by ``size``."""
+
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": cel_rules(
+            ("!has(self.backend) || self.backend != 'lmcache'", Rule.KV_OFFLOAD_LMCACHE)
+        )
+    }
+
+    size: PositiveQuantity = Field(
+        description="Host memory for offloaded KV blocks of one engine (e.g. 64Gi): of a "
+        "replica, or with parallelism.data above 1 of each of its data-parallel ranks (each "
+        "rank is an engine with a cache of its own); the total over the engine's tensor x "
+        "pipeline GPUs, as vLLM's --kv-offloading-size means it. Set it above the GPUs' KV "
+        "cache: the host tier holds copies of the blocks on the GPUs too.",
+    )
+    backend: KvOffloadBackend = Field(
+        KvOffloadBackend.NATIVE,
+        description="native: vLLM's own CPU offloading (its OffloadingConnector). lmcache is "
+        "refused: vLLM's lmcache backend ignores size and talks to an LMCache server at "
+        "tcp://localhost:5555, which fleetpilot does not deploy.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.backend is KvOffloadBackend.LMCACHE:
+            raise ValueError(Rule.KV_OFFLOAD_LMCACHE)
+        return self
+
+
 class EngineSettings(ApiModel):
     """How the engine (vLLM, or the CPU reference engine) runs the model."""
 
@@ -498,6 +547,11 @@ class EngineSettings(ApiModel):
         None, ge=1, le=1_048_576, description="Token budget of one scheduler step."
     )
     kv_cache: KvCache = nested(KvCache, "Paged KV cache.")
+    kv_offload: KvOffload | None = Field(
+        None,
+        description="A second KV-cache tier in host memory (unified serving only: vLLM's "
+        "offloading connector would replace the P/D one); unset: the GPUs' cache only.",
+    )
     speculative: Speculative | None = Field(None, description="Speculative decoding.")
     extra_args: list[Annotated[str, StringConstraints(max_length=512)]] = Field(
         default_factory=list,
@@ -940,7 +994,15 @@ class Tier(ApiModel):
                 "!has(self.adapters) || self.adapters.all(a, !has(a.baseModel) "
                 "|| a.baseModel == self.model.name)",
                 Rule.ADAPTER_BASE_MODEL,
-            )
+            ),
+            (
+                # vLLM 0.33's VllmConfig._post_init_kv_transfer_config sets the connector to
+                # its OffloadingConnector whenever an offloading size is given, overwriting
+                # the NIXL (or other) connector a P/D role's hand-off needs, without a word.
+                "!has(self.engine) || !has(self.engine.kvOffload) || !has(self.serving) || "
+                "self.serving.mode != 'disaggregated'",
+                Rule.KV_OFFLOAD_UNIFIED_ONLY,
+            ),
         )
     }
 
@@ -973,6 +1035,8 @@ class Tier(ApiModel):
     def _check(self) -> Self:
         if any(a.base_model not in (None, self.model.name) for a in self.adapters):
             raise ValueError(Rule.ADAPTER_BASE_MODEL)
+        if self.engine.kv_offload is not None and self.serving.mode is ServingMode.DISAGGREGATED:
+            raise ValueError(Rule.KV_OFFLOAD_UNIFIED_ONLY)
         return self
 
     @property

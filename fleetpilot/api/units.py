@@ -116,3 +116,35 @@ Quantity = Annotated[
         }
     ),
 ]
+
+# A quantity above zero: no sign, and a digit other than 0 in the number before any suffix or
+# exponent ("0.5Gi" and "64Gi", not "0", "0Gi", "0e3" or "-1Gi"). Written without lookahead:
+# the API server checks patterns with Go's RE2. An integer is held to ``minimum`` instead.
+POSITIVE_QUANTITY_PATTERN = (
+    r"^(([0-9]*[1-9][0-9]*(\.[0-9]*)?)|([0-9]*\.[0-9]*[1-9][0-9]*))(([KMGTPE]i)|[numkMGTPE]|"
+    r"([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+_POSITIVE_QUANTITY_RE = re.compile(POSITIVE_QUANTITY_PATTERN)
+
+
+def parse_positive_quantity(value: Any) -> str:
+    """A quantity above zero (``"64Gi"``, ``"512Mi"``, ``1073741824``); zero or a sign is
+    refused, as the CRD's pattern and minimum refuse them."""
+    text = parse_quantity(value)
+    if not _POSITIVE_QUANTITY_RE.fullmatch(text):
+        raise ValueError(f"invalid quantity {value!r}: must be more than 0, e.g. 512Mi, 64Gi")
+    return text
+
+
+PositiveQuantity = Annotated[
+    str,
+    BeforeValidator(parse_positive_quantity),
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": POSITIVE_QUANTITY_PATTERN,
+            "minimum": 1,
+            "x-kubernetes-int-or-string": True,
+        }
+    ),
+]
