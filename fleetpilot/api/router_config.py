@@ -7,6 +7,7 @@ resources, and the config it runs with can be inspected with ``kubectl get confi
 from __future__ import annotations
 
 from datetime import timedelta
+from enum import StrEnum
 from typing import Literal, Self
 
 from pydantic import Field, field_validator, model_validator
@@ -278,6 +279,67 @@ class Peers(ApiModel):
         return self
 
 
+class HostBlocks(StrEnum):
+    """How the router's KV index reads the blocks an engine holds in host memory (vLLM's KV
+    offloading, ``--kv-offloading-size``: ``CPU``-medium KV events)."""
+
+    # A host block after the device hit is priced at hostHitCost: a copy back, not a prefill.
+    TIERED = "tiered"
+    # Medium-blind: a block on any medium counts as a device hit, as llm-d's precise prefix
+    # scorer did before it weighed tiers - the baseline the tiered scorer is measured against.
+    AS_DEVICE = "asDevice"
+    # Host-tier events are dropped (counted): the index knows the device cache only, as
+    # fleetpilot's did before issue 46.
+    IGNORED = "ignored"
+
+
+# What a block in host memory costs, in blocks of prefill: the copy back over PCIe against
+# the prefill it saves. An 8B model (32 layers x 8 KV heads x 128 dims x K and V x 2 bytes)
+# has 128 KiB of KV a token; PCIe Gen5 x16 carries 64 GB/s nominal a direction, ~25 GB/s
+# effective for the scattered per-layer block copies of the offloading connector, so ~190k
+# tokens/s come back from host memory, where an H100 prefills ~10-25k tokens/s: a host block
+# costs 0.05-0.13 of a recomputed one. A 70B model on 4 x H100 (TP 4: a quarter of its 320
+# KiB a token over each GPU's own link, ~300k tokens/s, against ~13k tokens/s of prefill) and
+# an 8B model on an L4 (PCIe Gen4, ~12 GB/s: ~90k tokens/s against ~3-4k) land at ~0.04: both
+# the link and the compute grow with the GPU's class. 0.1, the upper end: a copy shares the
+# memory bus with the running batch, and a lower price would move a request to a host hit
+# behind a queue that a device-cold replica would have served sooner.
+HOST_HIT_COST = 0.1
+
+
+class KVIndexConfig(ApiModel):
+    """The router's index of what the engines cache, from their KV events."""
+
+    host_blocks: HostBlocks = Field(
+        HostBlocks.TIERED,
+        description=(
+            "How blocks an engine holds in host memory (KV offloading) count: tiered (after "
+            "the device hit, the run of host blocks is priced at hostHitCost), asDevice "
+            "(medium-blind: as device hits) or ignored (host-tier events dropped)."
+        ),
+    )
+    host_hit_cost: float = Field(
+        HOST_HIT_COST,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "What a prompt block in host memory costs, as a fraction of computing it: 0 is a "
+            "device hit, 1 a miss. Its copy back to the GPU against its prefill: ~0.05-0.1 on "
+            "PCIe Gen5 and Gen4 GPUs alike."
+        ),
+    )
+    max_blocks: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Bound on the index's (replica, engine block) entries, the blocks of every medium "
+            "the fleet's engines hold (~360 bytes each, ~400 on both media); unset: 2**19, 16 "
+            "engines of 32k device blocks. Offloading engines hold their host tier's blocks "
+            "too: size it from the fleet's host KV blocks."
+        ),
+    )
+
+
 class RouterConfig(ApiModel):
     """``fleetpilot.dev/v1alpha1 RouterConfig``."""
 
@@ -324,6 +386,7 @@ class RouterConfig(ApiModel):
         None, description="Fair queuing under saturation; unset: 429 at once."
     )
     affinity: Affinity = Field(default_factory=Affinity)
+    kv_index: KVIndexConfig = Field(default_factory=KVIndexConfig)
     load_weight: float = Field(1.0, ge=0.0)
     adapter_weight: float = Field(2.0, ge=0.0)
     retries: int = Field(2, ge=0)
