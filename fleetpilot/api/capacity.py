@@ -25,6 +25,15 @@ Purely computational. The formula (the one vLLM's memory profiler leaves room fo
   (:data:`RESERVE_BYTES_PER_GPU`, a heuristic: vLLM measures it when it starts). A replica's
   capacity in tokens is the sum over its GPUs over KV bytes per token, times its data-parallel
   ranks (each rank its own cache); in sequences, that over ``maxModelLen``.
+- The host tier (``engine.kvOffload``, vLLM's native CPU offloading): ``size`` bytes per
+  engine - per data-parallel rank, each an engine core with its own ``cpu_bytes_to_use`` -
+  cut into chunks of one KV block of every GPU of the rank (``vllm/v1/kv_offload/cpu/
+  spec.py``: ``worker_kv_bytes_per_block x world_size``, tensor x pipeline, rounded up to a
+  page): tokens = whole blocks of KV bytes per token x block size in ``size``, the same KV
+  bytes per token as the GPUs' (vLLM keeps every GPU's share, replicated heads included),
+  times the data-parallel ranks. One exception: MLA's latent, identical on every tensor GPU,
+  is kept once (vLLM's "replicated layout", ``build_offloading_config``: tensor parallelism
+  alone, on one node), so such a host tier holds ``tensor`` times the tokens.
 
 The architecture comes from the spec (``model.architecture``: what the user says wins), else
 from a ``config.json`` the caller could read (:func:`architecture_from_config`: a local
@@ -45,6 +54,7 @@ from typing import Any
 from fleetpilot.api import ResolvedRole
 from fleetpilot.api.spec import (
     EngineBackend,
+    EngineSettings,
     KvCacheDtype,
     LoraSettings,
     ModelArchitecture,
@@ -60,6 +70,8 @@ KIB = 1024
 # Activations of the largest batch, CUDA graphs and the CUDA context, per GPU: vLLM profiles
 # them at start-up; ~1-3 GiB for dense models at the default batched-token budget.
 RESERVE_BYTES_PER_GPU = 2 * GIB
+# vLLM's host tier (engine.kvOffload) is an mmap'd region whose chunks are page aligned.
+PAGE_BYTES = 4096
 # The planner warns when maxNumSeqs asks for more than this many times the sequences of full
 # context length the cache holds. Sequences average far less than maxModelLen (a chat's few
 # thousand tokens of a 32k context), so overcommit is normal; at 32x the batch limit is reached
@@ -277,6 +289,34 @@ def lora_bytes_per_gpu(
     return lora.max_loras * lora.max_lora_rank * element_bytes * (layers + embeddings)
 
 
+def kv_offload_bytes(engine: EngineSettings) -> int | None:
+    """Bytes of the host KV tier of one engine (``engine.kvOffload.size``, rounded up to a
+    byte as Kubernetes rounds memory), or None without one."""
+    if engine.kv_offload is None:
+        return None
+    return math.ceil(quantity_decimal(engine.kv_offload.size))
+
+
+def host_kv_bytes_per_token(
+    arch: ModelArchitecture, per_token: int, p: Parallelism, gpus_per_node: int
+) -> int:
+    """KV bytes a token takes in the host tier of one engine (``per_token``: on its GPUs):
+    the same, but for MLA's latent under tensor parallelism alone on one node, which vLLM 0.33
+    keeps once rather than once a GPU (``build_offloading_config``'s ``replicated_layout``:
+    MLA, tensor > 1, no pipeline, every worker on one node)."""
+    replicated = arch.kv_lora_rank is not None and p.tensor > 1 and p.pipeline == 1
+    if replicated and p.tensor <= gpus_per_node:
+        return per_token // p.tensor
+    return per_token
+
+
+def host_kv_tokens_per_engine(offload_bytes: int, per_token: int, block_size: int) -> int:
+    """Tokens the host tier of one engine holds: whole KV blocks of every GPU of the engine
+    (``per_token``: KV bytes a token in the tier), each chunk rounded up to a page."""
+    chunk = -(-per_token * block_size // PAGE_BYTES) * PAGE_BYTES
+    return offload_bytes // chunk * block_size
+
+
 def weight_bytes(arch: ModelArchitecture, quantization: Quantization | None) -> int | None:
     """The checkpoint's weights in bytes, or None when its size is unknown."""
     per_weight = _WEIGHT_BYTES.get(quantization)
@@ -304,6 +344,10 @@ class RoleCapacity:
     kv_tokens: int  # <= 0: the weights (and LoRA slots) leave no room for a KV cache
     max_model_len: int | None
     max_num_seqs: int
+    # The host tier (engine.kvOffload): its bytes per engine (a data-parallel rank; None: no
+    # host tier) and the tokens it holds over all the replica's ranks.
+    kv_offload_bytes: int | None = None
+    host_kv_tokens: int = 0
 
     @property
     def fits(self) -> bool:
@@ -315,6 +359,13 @@ class RoleCapacity:
         if self.max_model_len is None:
             return None
         return max(0, self.kv_tokens) // self.max_model_len
+
+    @property
+    def host_sequences_at_max_len(self) -> int | None:
+        """Sequences of ``maxModelLen`` tokens the host tier holds; None without one."""
+        if self.max_model_len is None or self.kv_offload_bytes is None:
+            return None
+        return self.host_kv_tokens // self.max_model_len
 
     def warnings(self) -> list[str]:
         """What a user should know before deploying: LoRA slots the planner cannot size, a
@@ -338,6 +389,19 @@ class RoleCapacity:
                 f"maxNumSeqs {self.max_num_seqs} is over {OVERCOMMIT_WARNING_FACTOR}x the "
                 f"{seqs} sequences of maxModelLen the KV cache holds: the batch limit is reached "
                 "only by short sequences, and long ones are preempted"
+            )
+        if (
+            self.kv_offload_bytes is not None
+            and self.fits
+            and self.host_kv_tokens <= self.kv_tokens
+        ):
+            # vLLM copies a prompt's blocks to the host tier as they are computed, so the host
+            # tier holds what the GPUs hold: only what it holds beyond them is a second tier.
+            out.append(
+                f"engine.kvOffload.size {format_bytes(self.kv_offload_bytes)} holds "
+                f"{self.host_kv_tokens:,} tokens per replica, no more than the "
+                f"{self.kv_tokens:,} of the GPUs' KV cache, which it copies: it adds nothing; "
+                "make it larger or remove it"
             )
         return out
 
@@ -425,6 +489,13 @@ def role_capacity(
     element = kv_element_bytes(tier.engine.kv_cache.dtype, tier.model.dtype)
     per_token = kv_bytes_per_token(arch, element, p.tensor)
     tokens_per_rank = math.floor(usable * gpus_per_rank / per_token)
+    offload = kv_offload_bytes(tier.engine)
+    host_per_token = host_kv_bytes_per_token(arch, per_token, p, tier.resources.gpus_per_node)
+    host_per_rank = (
+        host_kv_tokens_per_engine(offload, host_per_token, tier.engine.kv_cache.block_size)
+        if offload is not None
+        else 0
+    )
     return RoleCapacity(
         architecture=arch,
         architecture_source=source,
@@ -438,6 +509,8 @@ def role_capacity(
         kv_tokens=tokens_per_rank * p.data if tokens_per_rank > 0 else tokens_per_rank,
         max_model_len=tier.model.max_model_len,
         max_num_seqs=tier.engine.max_num_seqs,
+        kv_offload_bytes=offload,
+        host_kv_tokens=host_per_rank * p.data,
     )
 
 

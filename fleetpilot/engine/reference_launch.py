@@ -11,7 +11,11 @@ From the launch: the served name, the port, the batch limit, the context length,
 publisher and replay sockets (at the launch's ports) and, for a role of a disaggregated tier,
 the KV connector and the ``kv_role`` the planner gives vLLM for it (``kv_both`` with NIXL: the
 reference engine then takes both sides of the hand-off, as a vLLM pod does, and the router's
-request parameters say which side each request is). A launch of a reference tier adds what
+request parameters say which side each request is), and a host KV tier (``engine.kvOffload``)
+with vLLM's flags: ``--kv-offloading-size`` and ``--kv-offloading-backend``, and, while the
+engine publishes KV events, the ``--kv-transfer-config`` asking for self-describing events of
+blocks in host memory (one with only ``kv_connector_extra_config``: a unified engine). A
+launch of a reference tier adds what
 the reference engine runs as the spec says: its model - the preset (``engine.referenceModel``),
 or a checkpoint (``model.source.huggingface``: ``--model <model.name>`` at ``--revision``, a
 Hub repo id the engine reads from the Hub cache offline, which the pod's environment names as
@@ -29,8 +33,9 @@ Where the two callers differ, and why:
   :data:`CPU_DRAIN_GRACE_S` (the local fleet's stops are waited on).
 - A spec written for GPUs (``engine.backend: vllm``) is capped for a CPU locally, because a
   laptop or CI runner runs several engines at once on a few cores: a tiny seeded random model
-  instead of the checkpoint, at most :data:`CPU_MAX_NUM_SEQS` sequences and
-  :data:`CPU_MAX_MODEL_LEN` tokens. A reference tier is not capped: its user chose the engine
+  instead of the checkpoint, at most :data:`CPU_MAX_NUM_SEQS` sequences,
+  :data:`CPU_MAX_MODEL_LEN` tokens and a host KV tier of at most
+  :data:`CPU_MAX_KV_OFFLOAD_BYTES`. A reference tier is not capped: its user chose the engine
   and its preset, and the planner refused what it cannot run (the same spec runs the same
   engine flags up and in a cluster). Locally optional too: a cold start
   (``--cold-start-seconds``: each engine answers /health only that long after loading, as a
@@ -68,6 +73,7 @@ from fleetpilot.engine.vllm_args import (
     EngineLaunch,
     LoraLaunch,
     kv_events_json,
+    kv_offload_args,
     kv_transfer_config,
     lora_args,
 )
@@ -76,6 +82,11 @@ from fleetpilot.engine.vllm_args import (
 CPU_MODEL_CONFIG = "tiny"
 CPU_MAX_NUM_SEQS = 16
 CPU_MAX_MODEL_LEN = 2048
+# A GPU spec's host KV tier run locally: four times the reference engine's default KV pool of
+# 64 MiB (--kv-cache-memory-bytes), so the host tier is larger than the device's as on a GPU
+# node, while several engines of a local fleet fit in a laptop's memory (a GPU spec's tier is
+# tens of GiB).
+CPU_MAX_KV_OFFLOAD_BYTES = 256 * 1024 * 1024
 # Seconds running requests may finish on SIGTERM: short, as the local fleet's stops are waited on.
 CPU_DRAIN_GRACE_S = 2
 # In a pod: long enough for any reply of these models (a 2048-token generation of the small
@@ -99,13 +110,16 @@ REFERENCE_TOKENIZER = Path(fleetpilot.__file__).resolve().parent / "engine/refer
 
 def cpu_launch(launch: EngineLaunch) -> EngineLaunch:
     """What the local fleet runs of ``launch``: a reference tier's launch as planned, a GPU
-    tier's capped for a CPU (the batch, the context length; the model is the tiny preset)."""
+    tier's capped for a CPU (the batch, the context length, the host KV tier; the model is the
+    tiny preset)."""
     if launch.backend is EngineBackend.REFERENCE:
         return launch
+    offload = launch.kv_offload_bytes
     return replace(
         launch,
         max_num_seqs=min(launch.max_num_seqs, CPU_MAX_NUM_SEQS),
         max_model_len=min(launch.max_model_len or CPU_MAX_MODEL_LEN, CPU_MAX_MODEL_LEN),
+        kv_offload_bytes=min(offload, CPU_MAX_KV_OFFLOAD_BYTES) if offload is not None else None,
     )
 
 
@@ -153,8 +167,12 @@ def reference_engine_args(
         # A person reads these logs (crash tails, `fleetpilot up`, kubectl logs), not a pipeline.
         *("--log-format", "plain"),
     ]
+    argv += kv_offload_args(launch)
     transfer = kv_transfer_config(launch)  # the planner's config: the same side a pod takes
-    if transfer is not None:
+    if transfer is not None and launch.kv_connector is None:
+        # A unified engine's: only the host tier's self-describing KV events.
+        argv += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
+    elif transfer is not None:
         # Decoders pull from the host the prefill engine advertises.
         config = {**transfer, "kv_ip": host or f"$({POD_IP_ENV})"}
         argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
@@ -238,6 +256,7 @@ def lora_argv(lora: LoraLaunch, adapter_root: Path) -> list[str]:
 
 __all__ = [
     "CPU_DRAIN_GRACE_S",
+    "CPU_MAX_KV_OFFLOAD_BYTES",
     "CPU_MAX_MODEL_LEN",
     "CPU_MAX_NUM_SEQS",
     "CPU_MODEL_CONFIG",

@@ -12,6 +12,16 @@ publisher) on :data:`KV_EVENTS_PORT` with a replay socket on :data:`KV_REPLAY_PO
 router's KV index (:mod:`fleetpilot.kv_events`). vLLM adds a data-parallel rank to both ports,
 so with ``data`` ranks in a pod the replay ports start after the ``data`` event ports
 (:func:`kv_event_ports` lists them all, for the pod's ports and the NetworkPolicy).
+
+Host KV tier (``engine.kvOffload``): ``--kv-offloading-size`` (GiB, vLLM's unit, as a number
+that multiplies back to the spec's bytes) and ``--kv-offloading-backend native``. With KV
+events on, also ``--kv-transfer-config`` with only ``kv_connector_extra_config:
+{"self_describing_kv_events": true}``: vLLM 0.33's ``VllmConfig._post_init_kv_transfer_config``
+then sets the connector (OffloadingConnector), its role (``kv_both``) and ``cpu_bytes_to_use``
+into that same config, keeping the extra key; without it the offloading connector publishes a
+block stored in host memory as a placeholder - its hash, no token ids, no parent, block size 0
+(``OffloadingEventsTracker._placeholder_stored``) - which the router cannot place in a prefix
+chain. The API refuses offloading on P/D roles, whose NIXL connector vLLM would replace.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from fleetpilot.api.capacity import GIB, kv_offload_bytes
 from fleetpilot.api.layout import role_layout
 from fleetpilot.api.spec import (
     Adapter,
@@ -113,6 +124,9 @@ class EngineLaunch:
     quantization: str | None = None
     speculative: SpeculativeLaunch | None = None
     kv_connector: str | None = None
+    # The host KV tier (engine.kvOffload): bytes per engine (None: none) and vLLM's backend.
+    kv_offload_bytes: int | None = None
+    kv_offload_backend: str = "native"
     lora: LoraLaunch | None = None
     # KV events (module docstring): the PUB port and the replay (ROUTER) port of rank 0; None:
     # no events / no replay socket.
@@ -246,6 +260,10 @@ def launch_for(role: ResolvedRole) -> EngineLaunch:
             else None
         ),
         kv_connector=connector,
+        kv_offload_bytes=kv_offload_bytes(engine),
+        kv_offload_backend=(
+            engine.kv_offload.backend.value if engine.kv_offload is not None else "native"
+        ),
         lora=lora_launch(tier),
         kv_events_port=KV_EVENTS_PORT,
         # vLLM offsets both ports by the data-parallel rank: keep the ranges apart.
@@ -289,14 +307,36 @@ def kv_role(connector: str, role: RoleName) -> str:
     return "kv_producer" if role is RoleName.PREFILL else "kv_consumer"
 
 
+def offload_gib(offload_bytes: int) -> str:
+    """``--kv-offloading-size``: GiB, ``64`` or ``0.5``; vLLM multiplies it by 2**30 back into
+    ``cpu_bytes_to_use``, exactly (the shortest decimal that reads as this binary float)."""
+    gib = offload_bytes / GIB
+    return str(int(gib)) if gib.is_integer() else repr(gib)
+
+
 def kv_transfer_config(launch: EngineLaunch) -> dict[str, object] | None:
-    """vLLM's ``--kv-transfer-config`` of a P/D role (None for a unified one)."""
-    if launch.kv_connector is None:
-        return None
-    return {
-        "kv_connector": launch.kv_connector,
-        "kv_role": kv_role(launch.kv_connector, launch.role),
-    }
+    """vLLM's ``--kv-transfer-config``: a P/D role's connector and side; for a host KV tier
+    whose engine publishes KV events, the offloading connector's self-describing events
+    (module docstring); None for a unified role without both."""
+    config: dict[str, object] = {}
+    if launch.kv_connector is not None:
+        config["kv_connector"] = launch.kv_connector
+        config["kv_role"] = kv_role(launch.kv_connector, launch.role)
+    if launch.kv_offload_bytes is not None and launch.kv_events_port is not None:
+        config["kv_connector_extra_config"] = {"self_describing_kv_events": True}
+    return config or None
+
+
+def kv_offload_args(launch: EngineLaunch) -> list[str]:
+    """vLLM's host KV tier flags (none without one)."""
+    if launch.kv_offload_bytes is None:
+        return []
+    return [
+        "--kv-offloading-size",
+        offload_gib(launch.kv_offload_bytes),
+        "--kv-offloading-backend",
+        launch.kv_offload_backend,
+    ]
 
 
 def multi_node_args(launch: EngineLaunch, worker: bool) -> list[str]:
@@ -413,6 +453,7 @@ def vllm_serve_args(
         args += ["--speculative-config", _compact_json(spec)]
     if launch.lora is not None:
         args += lora_args(launch.lora)
+    args += kv_offload_args(launch)
     transfer = kv_transfer_config(launch)
     if transfer is not None:
         args += ["--kv-transfer-config", _compact_json(transfer)]

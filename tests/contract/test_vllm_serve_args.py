@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fleetpilot.api import RoleName, load_services, parse_service
+from fleetpilot.api.capacity import GIB, kv_offload_bytes, role_capacity
 from fleetpilot.api.layout import LayoutError, role_layout
 from fleetpilot.api.spec import (
     DEFAULT_VLLM_IMAGE,
@@ -107,6 +108,10 @@ def expected_engine_args(role: ResolvedRole, index: int = 0) -> dict[str, Any]:
     if eplb is not None and eplb.step_interval is not None:
         eplb_config["step_interval"] = eplb.step_interval
     expected["eplb_config"] = eplb_config  # the fields the spec sets: vLLM's defaults elsewhere
+    offload = kv_offload_bytes(engine)
+    expected["kv_offloading_size"] = offload / GIB if offload is not None else None
+    if engine.kv_offload is not None:
+        expected["kv_offloading_backend"] = engine.kv_offload.backend.value
     lora = tier.lora_settings
     if lora is not None:
         expected |= {
@@ -165,6 +170,12 @@ def assert_vllm_reads_the_spec(
         connector = (kv.connector if kv is not None else KvConnector.NIXL).value
         assert transfer["kv_connector"] == connector
         assert transfer["kv_role"] == kv_role(connector, role.name)
+    elif role.engine.kv_offload is not None:
+        # Only the host tier's self-describing KV events: the connector and its role are
+        # vLLM's to set from --kv-offloading-* (test_the_host_kv_tier_... below).
+        assert transfer["kv_connector"] is None
+        assert transfer["kv_role"] is None
+        assert transfer["kv_connector_extra_config"] == {"self_describing_kv_events": True}
     else:
         assert transfer is None
     events = parsed["kv_events_config"]
@@ -275,6 +286,16 @@ _lora = st.one_of(
 )
 
 
+# Host KV tiers: binary and decimal suffixes, fractions of a GiB, a plain byte count.
+_offload_size = st.one_of(
+    st.builds(lambda n: f"{n}Gi", st.integers(1, 4096)),
+    st.builds(lambda n: f"{n}Mi", st.integers(1, 1 << 20)),
+    st.builds(lambda n: f"{n}G", st.integers(1, 4096)),
+    st.sampled_from(["0.5Gi", "1.5Ti", "100M"]),
+    st.integers(1 << 20, 1 << 40),
+)
+
+
 @st.composite
 def tier_manifests(draw: st.DrawFn) -> dict[str, Any]:
     seqs = draw(st.integers(1, 4096))
@@ -314,6 +335,8 @@ def tier_manifests(draw: st.DrawFn) -> dict[str, Any]:
         "data": draw(st.sampled_from([1, 2, 4])),
     }
     mode = draw(st.sampled_from(["unified", "disaggregated"]))
+    if mode == "unified" and draw(st.booleans()):
+        engine["kvOffload"] = {"size": draw(_offload_size)}
     tier = make_tier("main", mode=mode, model=model["name"], engine=engine,
                      parallelism=parallelism)  # fmt: skip
     tier["model"] = model
@@ -386,3 +409,108 @@ def test_the_gpu_checks_engines_run_lines_vllm_reads(vllm_judge: VllmJudge, tmp_
         assert engine_args["block_size"] == vllm_check.BLOCK_SIZE
         assert engine_args["max_model_len"] == vllm_check.MAX_MODEL_LEN
         assert engine_args["kv_events_config"]["endpoint"].startswith("tcp://127.0.0.1:")
+
+
+# The reference engine's tiny preset (tests/contract/conftest.py's checkpoint) in float32, as
+# the spec's architecture, so the planner sizes what vLLM configures from that checkpoint.
+TINY_ARCHITECTURE = {"layers": 3, "kvHeads": 2, "headDim": 16, "parameters": 200_000}
+
+
+def _tiny_offload_tier(size: str | int, tensor: int, data: int, block_size: int) -> dict[str, Any]:
+    return make_tier(
+        "main",
+        model="tiny",
+        engine={"kvOffload": {"size": size}, "kvCache": {"blockSize": block_size}},
+        parallelism={"tensor": tensor, "data": data},
+        resources={"gpuMemory": "80Gi"},
+    ) | {"model": {"name": "tiny", "dtype": "float32", "maxModelLen": 2048,
+                   "architecture": TINY_ARCHITECTURE}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("size", "tensor", "data", "block_size"),
+    [
+        ("64Gi", 1, 1, 16),
+        ("0.5Gi", 2, 1, 16),
+        ("512Mi", 4, 1, 32),  # more GPUs than KV heads: vLLM replicates a head on each
+        ("100M", 1, 2, 16),  # decimal, not a whole number of GiB; two engines
+        (123_456_789, 2, 2, 64),  # bytes, not a whole number of pages
+        ("1Gi", 1, 1, 8),  # a block of 6 KiB: vLLM rounds each chunk up to a page
+    ],
+)
+def test_the_host_kv_tier_is_the_one_vllm_builds_and_the_planner_sizes(
+    vllm_judge: VllmJudge,
+    tiny_checkpoint: Path,
+    size: str | int,
+    tensor: int,
+    data: int,
+    block_size: int,
+) -> None:
+    """engine.kvOffload's line, built into an engine config as `vllm serve` builds it: vLLM's
+    own VllmConfig post-init turns --kv-offloading-size into its OffloadingConnector (kv_both)
+    with exactly the spec's bytes as cpu_bytes_to_use, keeping the extra key we send so that
+    blocks in host memory are published with their tokens (not placeholders); and vLLM's
+    CPUOffloadingSpec, over the KV blocks a worker of that config holds, holds as many blocks
+    as the planner says the host tier holds (tokens over block size, per data-parallel rank)."""
+    service = parse_service(
+        make_manifest(tiers=[_tiny_offload_tier(size, tensor, data, block_size)])
+    )
+    (role,) = service.spec.tiers[0].roles()
+    argv = [str(tiny_checkpoint), *vllm_serve_args(launch_for(role))[1:]]
+    answer = vllm_judge.ask({"op": "kv_offload", "argv": argv})
+    assert answer["ok"], answer["error"]
+    assert answer["cache_config"]["kv_offloading_backend"] == "native"
+    transfer = answer["kv_transfer_config"]
+    assert transfer["kv_connector"] == "OffloadingConnector"
+    assert transfer["kv_role"] == "kv_both"
+    assert transfer["kv_connector_extra_config"] == {
+        "self_describing_kv_events": True,
+        "cpu_bytes_to_use": kv_offload_bytes(role.engine),
+    }
+    offload = answer["offload"]
+    assert offload["self_describing_kv_events"] is True
+    assert offload["enable_kv_cache_events"] is True
+    assert offload["world_size"] == tensor
+    assert offload["blocks_per_chunk"] == 1
+    capacity = role_capacity(role)
+    assert capacity is not None
+    assert capacity.host_kv_tokens == offload["num_chunks"] * block_size * data
+    assert capacity.host_kv_tokens > 0
+
+
+def test_without_our_extra_key_vllms_host_tier_publishes_placeholders(
+    vllm_judge: VllmJudge, tiny_checkpoint: Path
+) -> None:
+    """Why the line carries --kv-transfer-config: the same engine without it gets vLLM's
+    offloading connector with self_describing_kv_events off, whose host-tier BlockStored
+    events carry no token ids (the router could not place them in a prefix chain)."""
+    service = parse_service(make_manifest(tiers=[_tiny_offload_tier("1Gi", 1, 1, 16)]))
+    (role,) = service.spec.tiers[0].roles()
+    argv = [str(tiny_checkpoint), *vllm_serve_args(launch_for(role))[1:]]
+    config = argv.index("--kv-transfer-config")
+    del argv[config : config + 2]
+    answer = vllm_judge.ask({"op": "kv_offload", "argv": argv})
+    assert answer["ok"], answer["error"]
+    assert answer["kv_transfer_config"]["kv_connector_extra_config"] == {"cpu_bytes_to_use": GIB}
+    assert answer["offload"]["enable_kv_cache_events"] is True
+    assert answer["offload"]["self_describing_kv_events"] is False
+
+
+def test_vllm_would_replace_a_pd_roles_connector_with_its_offloading_one(
+    vllm_judge: VllmJudge, tiny_checkpoint: Path
+) -> None:
+    """Why the API refuses engine.kvOffload with prefill and decode roles: a decode role's
+    line with vLLM's offloading flags added ends up, after vLLM's own config post-init, with
+    the OffloadingConnector instead of the NIXL connector its KV hand-off needs."""
+    tier = make_tier("main", mode="disaggregated", model="tiny")
+    tier["model"] = {"name": "tiny", "maxModelLen": 2048}
+    service = parse_service(make_manifest(tiers=[tier]))
+    decode = service.spec.tiers[0].role("decode")
+    assert decode is not None
+    argv = [str(tiny_checkpoint), *vllm_serve_args(launch_for(decode))[1:]]
+    asked = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert asked["kv_connector"] == KvConnector.NIXL.value
+    argv += ["--kv-offloading-size", "1", "--kv-offloading-backend", "native"]
+    answer = vllm_judge.ask({"op": "kv_offload", "argv": argv})
+    assert answer["ok"], answer["error"]
+    assert answer["kv_transfer_config"]["kv_connector"] == "OffloadingConnector"

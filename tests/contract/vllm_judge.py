@@ -62,6 +62,19 @@ vLLM version it runs:
   load, per sub-module (``q_proj`` ... of a packed ``qkv_proj``), ``A`` [max_lora_rank, in]
   and ``B`` [out, max_lora_rank] as ``{"shape", "float32": "<base64>"}``, zero where the
   adapter has no delta.
+- ``{"op": "kv_offload", "argv": [...]}``: the host KV tier of an engine started with ``vllm
+  serve <argv>`` (a local checkpoint folder the caller wrote; no weights are read). The config
+  is built as ``vllm serve`` builds it (``AsyncEngineArgs.from_cli_args``,
+  ``create_engine_config``), whose ``VllmConfig.__post_init__`` turns ``--kv-offloading-size``
+  and ``--kv-offloading-backend`` into the ``kv_transfer_config`` (``_post_init_kv_transfer_
+  config``). With an offloading connector, its native backend is then sized as an engine
+  does: ``build_offloading_config`` over the KV cache one worker holds - a full-attention
+  group of every layer, the worker's KV heads (``get_num_kv_heads`` of the parallel config),
+  head size and the cache dtype, as ``_Nixl`` builds it - and ``CPUOffloadingSpec`` over that.
+  Answer ``{"ok": true, "cache_config": {"kv_offloading_size", "kv_offloading_backend"},
+  "kv_transfer_config": {...}, "kv_events_config": {...}, "offload": null | {"num_chunks",
+  "blocks_per_chunk", "kv_bytes_per_chunk", "world_size", "replicated_layout",
+  "self_describing_kv_events", "enable_kv_cache_events"}}``.
 - ``{"op": "openai_request", "kind": "chat"|"completions"|"tokenize", "body": {...}}``: the
   body read by vLLM's own request model (``ChatCompletionRequest``, ``CompletionRequest``,
   ``TokenizeCompletionRequest``). Answer ``{"ok": true, "fields": {...}}`` with the fields a
@@ -673,6 +686,61 @@ def parallel(parser: _ServeParser, argv: list[str]) -> dict[str, Any]:
     }
 
 
+def kv_offload(parser: _ServeParser, argv: list[str]) -> dict[str, Any]:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+        build_offloading_config,
+    )
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+    try:
+        config = AsyncEngineArgs.from_cli_args(parser.parse(argv)).create_engine_config()
+        transfer = config.kv_transfer_config
+        offload = None
+        if transfer is not None and transfer.kv_connector == "OffloadingConnector":
+            model, parallel = config.model_config, config.parallel_config
+            spec = FullAttentionSpec(
+                block_size=config.cache_config.block_size,
+                num_kv_heads=model.get_num_kv_heads(parallel),
+                head_size=model.get_head_size(),
+                dtype=kv_cache_dtype_str_to_dtype(config.cache_config.cache_dtype, model),
+            )
+            layers = [
+                f"model.layers.{i}.self_attn.attn" for i in range(model.get_num_layers(parallel))
+            ]
+            kv_cache_config = KVCacheConfig(
+                num_blocks=1024,
+                kv_cache_tensors=[],
+                kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
+            )
+            offloading = build_offloading_config(config, kv_cache_config)
+            cpu = CPUOffloadingSpec(offloading)
+            offload = {
+                "num_chunks": cpu.num_chunks,
+                "blocks_per_chunk": cpu.blocks_per_chunk,
+                "kv_bytes_per_chunk": cpu.kv_bytes_per_chunk,
+                "world_size": offloading.parallel.world_size,
+                "replicated_layout": cpu.replicated_layout,
+                "self_describing_kv_events": cpu.kv_events_config.self_describing_kv_events,
+                "enable_kv_cache_events": cpu.kv_events_config.enable_kv_cache_events,
+            }
+        cache = config.cache_config
+    except Exception as error:
+        return {"ok": False, "error": f"{type(error).__name__}: {error}"}
+    return {
+        "ok": True,
+        "cache_config": {
+            "kv_offloading_size": cache.kv_offloading_size,
+            "kv_offloading_backend": cache.kv_offloading_backend,
+        },
+        "kv_transfer_config": _jsonable(transfer),
+        "kv_events_config": _jsonable(config.kv_events_config),
+        "offload": offload,
+    }
+
+
 def openai_request(kind: str, body: dict[str, Any]) -> dict[str, Any]:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
@@ -760,6 +828,8 @@ def main() -> None:
             answer = chat_render(request)
         elif op == "parallel":
             answer = parallel(parser, list(request["argv"]))
+        elif op == "kv_offload":
+            answer = kv_offload(parser, list(request["argv"]))
         else:
             answer = {"ok": False, "error": f"unknown op {op!r}"}
         print(json.dumps(answer), flush=True)

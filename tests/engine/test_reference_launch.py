@@ -19,6 +19,7 @@ from fleetpilot.api import InferenceService, ResolvedRole, RoleName, parse_servi
 from fleetpilot.api.spec import ReferenceModel
 from fleetpilot.engine.reference import settings
 from fleetpilot.engine.reference_launch import (
+    CPU_MAX_KV_OFFLOAD_BYTES,
     CPU_MAX_NUM_SEQS,
     POD_DRAIN_GRACE_S,
     REFERENCE_DEFAULT_MAX_MODEL_LEN,
@@ -375,3 +376,53 @@ def test_the_local_fleet_refuses_a_reference_checkpoint() -> None:
     spec before, by its field)."""
     with pytest.raises(ValueError, match="cannot run a reference checkpoint"):
         reference_argv(checkpoint_launch(), HOST, "py")
+
+
+# -- a host KV tier (engine.kvOffload): vLLM's flags, for the reference engine too -----------
+
+
+def test_a_reference_tiers_host_kv_tier_reaches_its_pod_with_vllms_flags() -> None:
+    """A reference tier's pod gets the host tier as vLLM's flags (the size in GiB, the native
+    backend, self-describing host-tier KV events since the engine publishes events), the same
+    up as in a pod, and its engine takes them as a unified engine with a host tier."""
+    launch = launch_for(reference_role(kvOffload={"size": "256Mi"}))
+    pod = reference_pod_command(launch)
+    in_pod = flags_of(pod[2:])
+    assert in_pod["--kv-offloading-size"] == "0.25"
+    assert in_pod["--kv-offloading-backend"] == "native"
+    config = json.loads(in_pod["--kv-transfer-config"] or "")
+    assert config == {"kv_connector_extra_config": {"self_describing_kv_events": True}}
+    assert "--allowed-remote-hosts" not in in_pod  # no P/D hand-off to admit peers to
+    local = reference_argv(launch, HOST, "py")
+    up = flags_of(local[4:])
+    assert {f: up[f] for f in in_pod if f.startswith("--kv-offloading")} == {
+        "--kv-offloading-size": "0.25",
+        "--kv-offloading-backend": "native",
+    }
+    assert up["--kv-transfer-config"] == in_pod["--kv-transfer-config"]
+    assert parsed(local).kv.role == RoleName.UNIFIED
+
+
+def test_a_gpu_specs_host_kv_tier_is_capped_for_a_cpu() -> None:
+    """A GPU spec's host tier (tens of GiB) runs locally at most CPU_MAX_KV_OFFLOAD_BYTES,
+    like its batch and context: several engines of a local fleet share a laptop's memory. A
+    smaller one is kept, and a reference tier's is never capped."""
+    big = role_of(service_of(make_tier(engine={"kvOffload": {"size": "64Gi"}})), RoleName.UNIFIED)
+    argv = argv_of(big)
+    assert argv[argv.index("--kv-offloading-size") + 1] == f"{CPU_MAX_KV_OFFLOAD_BYTES / 2**30:g}"
+    assert parsed(argv).kv.role == RoleName.UNIFIED
+    small = role_of(service_of(make_tier(engine={"kvOffload": {"size": "64Mi"}})), RoleName.UNIFIED)
+    argv = argv_of(small)
+    assert argv[argv.index("--kv-offloading-size") + 1] == "0.0625"
+    reference = launch_for(reference_role(kvOffload={"size": "2Gi"}))
+    argv = reference_argv(reference, HOST, "py")
+    assert argv[argv.index("--kv-offloading-size") + 1] == "2"
+
+
+def test_without_kv_events_a_host_kv_tier_sends_no_transfer_config() -> None:
+    """No events, nothing to describe: the offloading flags alone."""
+    launch = replace(launch_for(reference_role(kvOffload={"size": "256Mi"})), kv_events_port=None)
+    argv = reference_argv(launch, HOST, "py")
+    assert "--kv-transfer-config" not in argv
+    assert argv[argv.index("--kv-offloading-size") + 1] == "0.25"
+    assert parsed(argv).kv.role == RoleName.UNIFIED

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from fleetpilot.engine.vllm_args import (
     kv_event_ports,
     kv_events_json,
     launch_for,
+    offload_gib,
     vllm_serve_args,
 )
 from fleetpilot.kv_events import kv_events_config
@@ -226,3 +228,67 @@ def test_lora_defaults_and_path_safe_adapter_directories() -> None:
     ]  # fmt: skip
     (plain,) = parse_service(make_manifest(tiers=[make_tier("main")])).spec.tiers[0].roles()
     assert not any("lora" in a for a in vllm_serve_args(launch_for(plain)))
+
+
+def _offload_args(size: str | int, **engine: object) -> list[str]:
+    tier = make_tier("main", engine={"kvOffload": {"size": size}, **engine})
+    (role,) = parse_service(make_manifest(tiers=[tier])).spec.tiers[0].roles()
+    return vllm_serve_args(launch_for(role))
+
+
+def test_a_host_kv_tier_adds_vllms_offloading_flags_and_self_describing_events() -> None:
+    """engine.kvOffload becomes --kv-offloading-size in GiB and the native backend, and, as
+    the engine publishes KV events, a --kv-transfer-config asking only for self-describing
+    host-tier events (vLLM sets the connector and its role itself), before the events."""
+    args = _offload_args("64Gi")
+    start = args.index("--kv-offloading-size")
+    assert args[start : start + 7] == [
+        "--kv-offloading-size", "64",
+        "--kv-offloading-backend", "native",
+        "--kv-transfer-config", '{"kv_connector_extra_config":{"self_describing_kv_events":true}}',
+        "--kv-events-config",
+    ]  # fmt: skip
+
+
+def test_a_host_kv_tier_without_kv_events_asks_for_no_transfer_config() -> None:
+    """Without KV events there is nothing to describe: no --kv-transfer-config, only the
+    offloading flags."""
+    tier = make_tier("main", engine={"kvOffload": {"size": "8Gi"}})
+    (role,) = parse_service(make_manifest(tiers=[tier])).spec.tiers[0].roles()
+    launch = replace(launch_for(role), kv_events_port=None)
+    args = vllm_serve_args(launch)
+    assert "--kv-transfer-config" not in args
+    assert "--kv-events-config" not in args
+    assert args[args.index("--kv-offloading-size") + 1] == "8"
+
+
+@pytest.mark.parametrize(
+    ("size", "flag", "size_bytes"),
+    [
+        ("64Gi", "64", 64 * 1024**3),
+        ("512Mi", "0.5", 512 * 1024**2),
+        ("1.5Ti", "1536", 1536 * 1024**3),
+        ("100G", "93.13225746154785", 100 * 10**9),
+        (123_456_789, "0.11497809458523989", 123_456_789),
+        ("1.5Gi", "1.5", 3 * 512 * 1024**2),
+    ],
+)
+def test_the_offloading_size_is_gib_that_multiply_back_to_the_specs_bytes(
+    size: str | int, flag: str, size_bytes: int
+) -> None:
+    """vLLM reads --kv-offloading-size as GiB and multiplies by 2**30 into cpu_bytes_to_use:
+    the flag is the shortest number for which that gives back exactly the spec's bytes."""
+    args = _offload_args(size)
+    text = args[args.index("--kv-offloading-size") + 1]
+    assert text == flag
+    assert float(text) * (1 << 30) == size_bytes
+    assert offload_gib(size_bytes) == flag
+
+
+def test_no_host_kv_tier_no_offloading_flags() -> None:
+    """A tier without engine.kvOffload runs exactly as before: no offloading flag, no
+    transfer config."""
+    args = _args("single-tier.yaml")
+    assert not {"--kv-offloading-size", "--kv-offloading-backend", "--kv-transfer-config"} & set(
+        args
+    )
