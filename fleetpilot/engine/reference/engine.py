@@ -18,6 +18,14 @@ and active sets are lora_manager.py's LRUs. An adapter evicted from the loaded s
 again when a request that uses it is scheduled, as vLLM's worker does: the one file read the
 engine itself may do, through the ``lora_loader`` it is given.
 
+Host tier (vLLM's ``--kv-offloading-size``, offload.py): with ``EngineConfig.kv_offload`` every
+step offers the prompt blocks its requests completed to a second, larger cache in host memory
+(a real copy out of the device pool), and admission loads the host blocks that extend a
+request's device prefix hit back into fresh device blocks (a real copy in). Copies are paced by
+the link's bandwidth on the engine's clock: a load's request waits for it while the others keep
+stepping, and a store's block is servable once its copy completed. ``next_transfer_done_at``
+tells whoever drives the engine when to step again while only copies are in flight.
+
 P/D hooks: a request added with ``pin_kv=True`` keeps its prompt's KV blocks pinned after it
 finishes (``pinned_kv``/``export_kv`` read them, ``release_kv`` or the TTL frees them); a
 request added with ``kv_import`` starts from those blocks instead of prefilling.
@@ -52,6 +60,16 @@ from fleetpilot.engine.reference.model import (
     SeqSlice,
     build_attention_metadata,
     make_kv_pool,
+)
+from fleetpilot.engine.reference.offload import (
+    TRANSFER_SIZE_BUCKETS,
+    BlockMeta,
+    HostKVStore,
+    HostTier,
+    OffloadConfig,
+    SizeHistogram,
+    Transfer,
+    TransferLink,
 )
 from fleetpilot.engine.reference.request import (
     FinishReason,
@@ -117,8 +135,15 @@ class EngineConfig:
     num_threads: int | None = 1
     # LoRA adapters (vLLM's --enable-lora and its limits); None: requests cannot name one.
     lora: LoRAConfig | None = None
+    # A host tier for KV blocks (vLLM's --kv-offloading-size); None: the device pool only.
+    kv_offload: OffloadConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_offload is not None and not self.enable_prefix_caching:
+            raise ValueError(
+                "KV offloading needs prefix caching: the host tier keeps blocks by their "
+                "prefix hashes"
+            )
         if self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.max_model_len < 2:
@@ -163,6 +188,29 @@ class EngineStats:
     # Requests per adapter name, in order of first appearance (vllm:lora_requests_info).
     running_lora_adapters: dict[str, int] = field(default_factory=dict)
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+    # The host tier (vllm:external_prefix_cache_*, vllm:prompt_tokens_cached_by_source and the
+    # offloading connector's vllm:kv_offload_*); kv_offload_num_blocks 0: there is none.
+    external_prefix_cache_queries_total: int = 0
+    external_prefix_cache_hits_total: int = 0  # all from the host tier
+    kv_offload_num_blocks: int = 0
+    kv_offload_bytes_per_block: int = 0  # host memory a block takes (page-aligned)
+    kv_offload_blocks_used: int = 0
+    kv_offload_cpu_cache_usage_perc: float = 0.0  # pinned by transfers in flight, as vLLM's
+    kv_offload_cpu_cache_write_usage_perc: float = 0.0
+    kv_offload_cpu_cache_read_usage_perc: float = 0.0
+    kv_offload_load_bytes_total: int = 0
+    kv_offload_load_time_seconds_total: float = 0.0
+    kv_offload_store_bytes_total: int = 0
+    kv_offload_store_time_seconds_total: float = 0.0
+    kv_offload_allocation_failures_total: int = 0
+    kv_offload_evictions_total: int = 0
+    kv_offload_load_size: SizeHistogram = field(
+        default_factory=lambda: SizeHistogram(TRANSFER_SIZE_BUCKETS)
+    )
+    kv_offload_store_size: SizeHistogram = field(
+        default_factory=lambda: SizeHistogram(TRANSFER_SIZE_BUCKETS)
+    )
+    kv_offload_allocation_size: SizeHistogram | None = None  # the tier's, when there is one
 
 
 @dataclass(frozen=True)
@@ -223,6 +271,28 @@ class LLMEngine:
             reserve_tokens=config.max_model_len if config.kv_reservation == "contiguous" else None,
             enable_kv_cache_events=config.enable_kv_cache_events,
         )
+        self.host: HostTier | None = None
+        self.host_kv: HostKVStore | None = None
+        offload = config.kv_offload
+        bandwidth = offload.bandwidth_bytes_per_s if offload is not None else 1.0
+        # One link each way (PCIe is full duplex): loads queue behind loads, stores behind stores.
+        self._h2d = TransferLink(bandwidth)
+        self._d2h = TransferLink(bandwidth)
+        self._transfers: list[Transfer] = []
+        self._host_generation = 0  # resets of the host tier; older transfers are void
+        if offload is not None:
+            num_host_blocks = offload.num_blocks(self.kv.spec)
+            if num_host_blocks < 1:
+                raise ValueError(
+                    f"a KV offloading size of {offload.capacity_bytes} bytes holds no KV block "
+                    f"of this model ({self.kv.spec.bytes_per_block} bytes)"
+                )
+            self.host = HostTier(
+                num_host_blocks,
+                enable_kv_cache_events=config.enable_kv_cache_events,
+                self_describing_kv_events=offload.self_describing_kv_events,
+            )
+            self.host_kv = HostKVStore(self.kv.spec, num_host_blocks)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -232,11 +302,18 @@ class LLMEngine:
                 max_loras=config.lora.max_loras if config.lora else None,
             ),
             self.blocks,
+            self.host,
         )
         self.loras: LoRAManager | None = None
         if config.lora is not None:
             self.loras = LoRAManager(config.lora, lora_loader or self._read_adapter)
         self._stats = EngineStats(num_kv_blocks=self.kv.num_blocks, block_size=config.block_size)
+        if self.host is not None:
+            self._stats.kv_offload_num_blocks = self.host.num_blocks
+            assert config.kv_offload is not None
+            self._stats.kv_offload_bytes_per_block = config.kv_offload.block_bytes(self.kv.spec)
+        # Whether the last step ran nothing (only copies in flight, or nothing at all).
+        self.last_step_idle = False
         self._generator = torch.Generator().manual_seed(config.seed)
         self._requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
@@ -419,6 +496,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
+    def has_transfers_in_flight(self) -> bool:
+        """Copies to or from the host tier not completed yet (steps complete them)."""
+        return bool(self._transfers)
+
+    def next_transfer_done_at(self) -> float | None:
+        """When (engine clock) the first copy in flight completes; None if there is none."""
+        return min((t.done_at for t in self._transfers), default=None)
+
     def generate(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None
     ) -> list[RequestOutput]:
@@ -448,8 +533,13 @@ class LLMEngine:
             self._stats.kv_pins_evicted_total += 1
             plan = self.scheduler.schedule()
         self._stats.steps_total += 1
+        for load in plan.host_loads:
+            self._start_load(load.keys, load.slots, load.device_blocks, load.request, now)
         if plan.scheduled:
             outputs += self._run(plan, now)
+        if self._transfers:
+            self._complete_transfers(self.clock())
+        self.last_step_idle = not plan.scheduled and not outputs
         self._stats.num_preemptions_total = self.scheduler.num_preemptions
         return outputs
 
@@ -517,6 +607,7 @@ class LLMEngine:
             if id(s) not in sampling:
                 r.num_computed_tokens += s.num_new_tokens  # a prefill chunk: nothing to sample
                 self._publish(r)
+                self._offload(r, done)
                 continue
             row, n = sampling[id(s)]
             draft = drafts.get(r.request_id)
@@ -536,6 +627,7 @@ class LLMEngine:
             appended = self._append(r, new, done)
             self._stats.generation_tokens_total += appended
             self._publish(r)
+            self._offload(r, done)
             if r.finish_reason is not None:
                 if r.pin_kv:
                     self._pin(r)
@@ -555,22 +647,130 @@ class LLMEngine:
                 r.request_id, r.block_hashes, r.num_computed_tokens, computed, lora=lora
             )
 
+    # ---- the host tier -----------------------------------------------------------------------
+
+    def _start_load(
+        self,
+        keys: Sequence[bytes],
+        slots: Sequence[int],
+        device_blocks: Sequence[int],
+        request: Request,
+        now: float,
+    ) -> None:
+        """Copy host blocks into the device blocks admission gave ``request``, and time the
+        copy on the host-to-device link; the request runs once it completed."""
+        assert self.host_kv is not None
+        self.host_kv.load(self.kv, slots, device_blocks)
+        nbytes = len(keys) * self.kv.spec.bytes_per_block
+        start, done_at = self._h2d.schedule(now, nbytes)
+        self._transfers.append(
+            Transfer(
+                "load",
+                tuple(keys),
+                nbytes,
+                start,
+                done_at,
+                self._host_generation,
+                request_id=request.request_id,
+            )
+        )
+
+    def _offload(self, r: Request, now: float) -> None:
+        """Offer ``r``'s newly completed blocks to the host tier and copy out those it lacks
+        (vLLM's ``_build_store_jobs``: prompt blocks only, by default)."""
+        if self.host is None or self.host_kv is None:
+            return
+        bs = self.config.block_size
+        tokens = r.num_computed_tokens
+        assert self.config.kv_offload is not None
+        if self.config.kv_offload.offload_prompt_only:
+            tokens = min(tokens, r.num_prompt_tokens)
+        start, end = r.next_stored_block, min(tokens // bs, len(r.block_hashes))
+        if end <= start:
+            return
+        keys = r.block_hashes[start:end]
+        lora = (r.lora.lora_int_id, r.lora.name) if r.lora is not None else None
+        meta = [
+            BlockMeta(
+                parent=r.block_hashes[i - 1] if i > 0 else None,
+                token_ids=tuple(r.token_ids[i * bs : (i + 1) * bs]),
+                block_size=bs,
+                lora=lora,
+            )
+            for i in range(start, end)
+        ]
+        prepared = self.host.prepare_store(keys, meta)
+        if prepared is None:
+            return  # no room now: offered again next step
+        r.next_stored_block = end
+        to_store, slots = prepared
+        if not to_store:
+            return
+        table = self.blocks.table(r.request_id)
+        position = {key: start + i for i, key in enumerate(keys)}
+        self.host_kv.store(self.kv, [table[position[k]] for k in to_store], slots)
+        nbytes = len(to_store) * self.kv.spec.bytes_per_block
+        begin, done_at = self._d2h.schedule(now, nbytes)
+        self._transfers.append(
+            Transfer("store", tuple(to_store), nbytes, begin, done_at, self._host_generation)
+        )
+
+    def _complete_transfers(self, now: float) -> None:
+        """Complete the copies done by ``now``: stored blocks become servable (their events),
+        loads release their host blocks and let their requests run."""
+        assert self.host is not None
+        pending: list[Transfer] = []
+        s = self._stats
+        for t in self._transfers:
+            if t.done_at > now:
+                pending.append(t)
+                continue
+            current = t.generation == self._host_generation
+            if t.kind == "store":
+                if current:
+                    self.host.complete_store(t.keys)
+                s.kv_offload_store_bytes_total += t.nbytes
+                s.kv_offload_store_time_seconds_total += t.done_at - t.start
+                s.kv_offload_store_size.observe(t.nbytes)
+                continue
+            if current:
+                self.host.complete_load(t.keys)
+            request = self._requests.get(t.request_id or "")
+            if request is not None:
+                request.host_load_done = True  # the data is in: a reset does not void it
+            s.kv_offload_load_bytes_total += t.nbytes
+            s.kv_offload_load_time_seconds_total += t.done_at - t.start
+            s.kv_offload_load_size.observe(t.nbytes)
+        self._transfers = pending
+
     # ---- KV events and the prefix cache ------------------------------------------------------
 
     def take_kv_events(self) -> EventBatch | None:
         """The prefix-cache changes since the last call as one batch (None if there were none).
 
-        ``ts`` is wall-clock seconds, as vLLM's; this engine is data-parallel rank 0.
+        The device pool's events come first, then the host tier's, as vLLM's scheduler appends
+        its connector's events to its block pool's. ``ts`` is wall-clock seconds, as vLLM's;
+        this engine is data-parallel rank 0.
         """
         events = self.blocks.take_events()
+        if self.host is not None:
+            events += self.host.take_events()
         if not events:
             return None
         return EventBatch(ts=time.time(), events=events, data_parallel_rank=0)
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self, *, reset_external: bool = False) -> None:
         """Forget every cached prefix (vLLM's ``reset_prefix_cache``); running requests keep
-        their blocks, which are simply no longer shared with new ones."""
+        their blocks, which are simply no longer shared with new ones. ``reset_external``
+        (vLLM's ``reset_connector``) empties the host tier too, silently as vLLM's does;
+        copies in flight complete without effect, and requests offer their blocks again."""
         self.blocks.reset_prefix_cache()
+        if reset_external and self.host is not None:
+            self.host.reset()
+            self._host_generation += 1
+            for r in self._requests.values():
+                if r.status is not RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    r.next_stored_block = 0
 
     # ---- speculative decoding --------------------------------------------------------------
 
@@ -675,6 +875,8 @@ class LLMEngine:
         r.status = RequestStatus.FINISHED
         r.finish_reason = reason
         r.finished_time = self.clock()
+        if self.host is not None:
+            self.host.touch(r.block_hashes)  # vLLM's on_request_finished: its LRU recency
         self._requests.pop(r.request_id, None)
         self._stats.request_success_total[reason] = (
             self._stats.request_success_total.get(reason, 0) + 1
@@ -767,6 +969,19 @@ class LLMEngine:
         s.num_requests_running = len(self.scheduler.running)
         s.num_requests_waiting = len(self.scheduler.waiting)
         s.kv_cache_usage_perc = self.blocks.usage
+        if self.host is not None:
+            n = self.host.num_blocks
+            s.external_prefix_cache_queries_total = self.scheduler.external_stats.queries
+            s.external_prefix_cache_hits_total = self.scheduler.external_stats.hits
+            s.kv_offload_blocks_used = self.host.num_used
+            s.kv_offload_cpu_cache_usage_perc = self.host.num_pinned / n
+            s.kv_offload_cpu_cache_write_usage_perc = self.host.num_writing / n
+            s.kv_offload_cpu_cache_read_usage_perc = max(
+                (self.host.num_pinned - self.host.num_writing) / n, 0.0
+            )
+            s.kv_offload_allocation_failures_total = self.host.stats.allocation_failures
+            s.kv_offload_evictions_total = self.host.stats.evictions
+            s.kv_offload_allocation_size = self.host.stats.allocation_size
         if self.loras is not None:
             s.lora_loads_total = self.loras.stats.loads
             s.lora_activations_total = self.loras.stats.activations
@@ -778,6 +993,13 @@ class LLMEngine:
                 "request_success_total": dict(s.request_success_total),
                 "running_lora_adapters": dict(s.running_lora_adapters),
                 "waiting_lora_adapters": dict(s.waiting_lora_adapters),
+                "kv_offload_load_size": s.kv_offload_load_size.copy(),
+                "kv_offload_store_size": s.kv_offload_store_size.copy(),
+                "kv_offload_allocation_size": (
+                    s.kv_offload_allocation_size.copy()
+                    if s.kv_offload_allocation_size is not None
+                    else None
+                ),
             }
         )
 

@@ -20,6 +20,16 @@ test holds ours to a subset of vLLM's); the ``vllm:spec_decode_*`` counters are
 exposed (as 0) even without speculation, so every scrape has the same series; the
 ``fleetpilot:kv_transfer_*`` series are ours (vLLM's NIXL connector has its own, different ones).
 
+Host tier (``--kv-offloading-size``): ``vllm:external_prefix_cache_queries`` and ``_hits`` (the
+prompt tokens past the device hit, and those the host tier supplied) and
+``vllm:prompt_tokens_cached_by_source`` (``device`` and ``host``; vLLM's other sources read 0)
+are exported always, as vLLM registers them always; with a host tier, the offloading
+connector's ``vllm:kv_offload_*`` too: bytes, seconds and sizes of loads and stores (seconds as
+the pacing makes them), store allocation failures and sizes, the tier's
+``cpu_cache_usage_perc`` (as vLLM's: the fraction pinned by copies in flight, not how full it
+is, which ``fleetpilot:kv_offload_cpu_blocks_used`` says) and ``vllm:kv_offload_config_info``.
+vLLM's deprecated ``vllm:kv_offload_total_*`` / ``_size`` (labelled ``transfer_type``) are not.
+
 LoRA: with ``--enable-lora``, ``vllm:lora_requests_info`` as vLLM's: a gauge labelled
 ``max_lora`` and the comma-joined adapter names of the running and the waiting requests (no
 model name), whose value is the time (unix seconds) of the engine state it describes. vLLM
@@ -37,10 +47,17 @@ from collections.abc import Iterable, Mapping
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from fleetpilot.engine.reference.engine import EngineStats
+from fleetpilot.engine.reference.offload import SizeHistogram
 from fleetpilot.engine.reference.request import RequestMetrics
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
@@ -63,6 +80,8 @@ REQUEST_LATENCY_BUCKETS: Final = (
 )  # fmt: skip
 
 FINISH_REASONS: Final = ("stop", "length", "abort")
+# vLLM's CacheHitSource values: where the KV of cached prompt tokens came from.
+CACHE_HIT_SOURCES: Final = ("device", "host", "p2p", "disk", "external_unspecified")
 # Why a decode server prefilled locally instead of using a P/D hand-off.
 KV_FALLBACK_REASONS: Final = ("not_found", "pull_failed", "refused", "unusable")
 
@@ -105,6 +124,7 @@ class ServerMetrics:
     ) -> None:
         """``max_lora``: the engine's ``--max-loras`` with LoRA enabled, else None."""
         self.model_name = model_name
+        self.max_model_len = max_model_len
         self.max_lora = max_lora
         self.engine_index = engine_index
         self.registry = CollectorRegistry()
@@ -331,6 +351,32 @@ class _EngineStatsCollector(Collector):
             "Number of accepted tokens.",
             s.spec_decode_num_accepted_tokens_total,
         )
+        yield counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, in "
+            "terms of number of queried tokens.",
+            s.external_prefix_cache_queries_total,
+        )
+        yield counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in "
+            "terms of number of cached tokens.",
+            s.external_prefix_cache_hits_total,
+        )
+        by_source = CounterMetricFamily(
+            "vllm:prompt_tokens_cached_by_source",
+            "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), "
+            "host (offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or "
+            "external_unspecified. Counted at admission; sums to vllm:prefix_cache_hits + "
+            "vllm:external_prefix_cache_hits.",
+            labels=[*LABEL_NAMES, "source"],
+        )
+        cached = {"device": s.prefix_cache_hits_total, "host": s.external_prefix_cache_hits_total}
+        for source in CACHE_HIT_SOURCES:
+            by_source.add_metric([*labels, source], cached.get(source, 0))
+        yield by_source
+        if s.kv_offload_num_blocks:
+            yield from _kv_offload_families(s, labels, m.max_model_len)
         info = m.cache_info()
         if info is not None:
             # An info-style gauge fixed at 1, as vLLM emulates Info (multiprocess-safe),
@@ -399,3 +445,117 @@ class _EngineStatsCollector(Collector):
             "Target-model forward passes (one per engine step that ran the model).",
             s.forward_passes_total,
         )
+
+
+def _histogram(name: str, doc: str, labels: list[str], h: SizeHistogram) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc, labels=LABEL_NAMES)
+    # Bounds written as prometheus_client writes a Histogram's ("1e+06", "4.0").
+    bounds = [str(floatToGoString(b)) for b in h.bounds]  # type: ignore[no-untyped-call]
+    buckets = [(b, float(c)) for b, c in zip(bounds, h.counts, strict=True)]
+    family.add_metric(labels, [*buckets, ("+Inf", float(h.count))], h.sum)
+    return family
+
+
+def _kv_offload_families(s: EngineStats, labels: list[str], max_model_len: int) -> Iterable[Metric]:
+    """The offloading connector's series (offloading/metrics.py, cpu/spec.py), for one tier."""
+
+    def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=LABEL_NAMES)
+        g.add_metric(labels, value)
+        return g
+
+    def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=LABEL_NAMES)
+        c.add_metric(labels, value)
+        return c
+
+    yield counter(
+        "vllm:kv_offload_load_bytes",
+        "Total bytes loaded from offload storage to GPU.",
+        s.kv_offload_load_bytes_total,
+    )
+    yield counter(
+        "vllm:kv_offload_load_time",
+        "Total load time from offload storage to GPU, in seconds.",
+        s.kv_offload_load_time_seconds_total,
+    )
+    yield _histogram(
+        "vllm:kv_offload_load_size",
+        "Histogram of KV offload load operation size, in bytes.",
+        labels,
+        s.kv_offload_load_size,
+    )
+    yield counter(
+        "vllm:kv_offload_store_bytes",
+        "Total bytes stored from GPU to offload storage.",
+        s.kv_offload_store_bytes_total,
+    )
+    yield counter(
+        "vllm:kv_offload_store_time",
+        "Total store time from GPU to offload storage, in seconds.",
+        s.kv_offload_store_time_seconds_total,
+    )
+    yield _histogram(
+        "vllm:kv_offload_store_size",
+        "Histogram of KV offload store operation size, in bytes.",
+        labels,
+        s.kv_offload_store_size,
+    )
+    yield counter(
+        "vllm:kv_offload_allocation_failure",
+        "Number of KV offload store allocation attempts that failed.",
+        s.kv_offload_allocation_failures_total,
+    )
+    if s.kv_offload_allocation_size is not None:
+        yield _histogram(
+            "vllm:kv_offload_cpu_allocation_size",
+            "Histogram of the number of CPU chunks requested by each KV offload "
+            "prepare_store call.",
+            labels,
+            s.kv_offload_allocation_size,
+        )
+    yield gauge(
+        "vllm:kv_offload_cpu_cache_usage_perc",
+        "Fraction of CPU KV-cache space currently pinned by active transfers (0.0 = idle, "
+        "1.0 = saturated).",
+        s.kv_offload_cpu_cache_usage_perc,
+    )
+    yield gauge(
+        "vllm:kv_offload_cpu_cache_write_usage_perc",
+        "Fraction of CPU KV-cache space currently pinned by in-flight stores that have not "
+        "yet completed (0.0 = idle, 1.0 = saturated).",
+        s.kv_offload_cpu_cache_write_usage_perc,
+    )
+    yield gauge(
+        "vllm:kv_offload_cpu_cache_read_usage_perc",
+        "Fraction of CPU KV-cache space currently pinned by in-flight loads that have not "
+        "yet completed (0.0 = idle, 1.0 = saturated).",
+        s.kv_offload_cpu_cache_read_usage_perc,
+    )
+    # vLLM's CPUOffloadingInfo, one series: its fields are the labels.
+    info = {
+        "cpu_num_chunks": s.kv_offload_num_blocks,
+        "cpu_blocks_per_chunk": 1,
+        "cpu_kv_cache_size_bytes": s.kv_offload_num_blocks * s.kv_offload_bytes_per_block,
+        # Tokens it holds for requests of max_model_len tokens, as vLLM counts them.
+        "cpu_kv_cache_size_tokens": (
+            s.kv_offload_num_blocks * max_model_len // -(-max_model_len // s.block_size)
+        ),
+    }
+    g = GaugeMetricFamily(
+        "vllm:kv_offload_config_info",
+        "Static configuration of the KV offload managers of this engine instance.",
+        labels=[*LABEL_NAMES, *info],
+    )
+    g.add_metric([*labels, *(str(v) for v in info.values())], 1)
+    yield g
+    yield gauge(
+        "fleetpilot:kv_offload_cpu_blocks_used",
+        "KV blocks held in the host tier (of vllm:kv_offload_config_info's cpu_num_chunks).",
+        s.kv_offload_blocks_used,
+    )
+    yield counter(
+        "fleetpilot:kv_offload_cpu_evictions",
+        "KV blocks the host tier evicted (least recently used) to store others.",
+        s.kv_offload_evictions_total,
+    )

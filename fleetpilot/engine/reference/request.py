@@ -17,6 +17,9 @@ FinishReason = Literal["stop", "length", "abort"]
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and queued to recompute
+    # Admitted with a host-tier hit: its blocks are allocated and its KV is being copied in
+    # from host memory; it keeps its place in the queue until the copy completes.
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -61,6 +64,11 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks of token_ids
     num_cached_tokens: int | None = None  # prefix hit (or import) at first scheduling
     num_preemptions: int = 0
+    # Host tier (offload.py): the prompt blocks from here on are still to be offered for storing,
+    # and the load this request waits for (tokens it brings, whether it completed).
+    next_stored_block: int = 0
+    host_load_tokens: int = 0
+    host_load_done: bool = False
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     stop_text: str | None = None  # output text cut at a stop string

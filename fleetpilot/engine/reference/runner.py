@@ -244,11 +244,14 @@ class EngineRunner:
         engine = self.engine
         try:
             while not self._stopping:
-                busy = engine.has_unfinished_requests()
-                woke = self._run_commands(block=not busy)
+                woke = self._run_commands(timeout=self._wait_s())
                 if self._stopping:
                     break
-                if engine.has_unfinished_requests() or (not woke and engine.pins):
+                if (
+                    engine.has_unfinished_requests()
+                    or engine.has_transfers_in_flight()
+                    or (not woke and engine.pins)
+                ):
                     # An idle tick still steps while prompts are pinned: step() expires them.
                     outputs = engine.step()
                     # Counters before answers: a client (or a scraper right behind it) that
@@ -273,13 +276,28 @@ class EngineRunner:
         if batch is not None and self.kv_publisher is not None:
             self.kv_publisher.publish(batch)
 
-    def _run_commands(self, *, block: bool) -> bool:
-        """Run queued commands; when ``block``, wait up to idle_wait_s for the first one.
+    def _wait_s(self) -> float:
+        """How long to wait for a command before stepping again (0: step now).
+
+        Steps come back to back while requests can run; while the engine waits only for copies
+        to or from its host tier (its last step ran nothing), until the first completes, so a
+        paced load neither spins the thread nor waits longer than it takes; with nothing to do,
+        up to ``idle_wait_s`` (an idle tick, which expires pinned prompts).
+        """
+        engine = self.engine
+        done_at = engine.next_transfer_done_at()
+        if done_at is not None and (engine.last_step_idle or not engine.has_unfinished_requests()):
+            return min(max(done_at - engine.clock(), 0.0), self.idle_wait_s)
+        return 0.0 if engine.has_unfinished_requests() else self.idle_wait_s
+
+    def _run_commands(self, *, timeout: float) -> bool:
+        """Run queued commands, waiting up to ``timeout`` seconds for the first one.
 
         Returns whether any command (or the stop wake-up) arrived.
         """
+        block = timeout > 0
         try:
-            command = self._commands.get(timeout=self.idle_wait_s) if block else None
+            command = self._commands.get(timeout=timeout) if block else None
         except queue.Empty:
             return False
         woke = command is not None or block

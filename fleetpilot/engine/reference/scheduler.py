@@ -17,6 +17,13 @@ Every step the scheduler fills a token budget (``max_num_batched_tokens``) the w
    FCFS, no overtaking by smaller requests). With LoRA, the running requests never use more
    than ``max_loras`` distinct adapters (vLLM's rule): a waiting request whose adapter would
    exceed that is skipped, keeping its place, and requests behind it may be admitted.
+5. With a host tier (offload.py), admission looks past the device prefix hit for a run of
+   host-resident blocks. A request that has one gets blocks for its whole prompt, the load is
+   planned (``SchedulerOutput.host_loads``) and the request waits for it
+   (``WAITING_FOR_REMOTE_KVS``) keeping its place, like a skipped LoRA request, without taking
+   budget; once the engine marks the load done it is admitted with those tokens computed (the
+   loaded blocks enter the prefix cache then, as vLLM caches them when the load completes). A
+   lookup the tier defers (a block still being written) skips the request for this step.
 
 The scheduler owns no tensors: it changes ``BlockManager`` bookkeeping and returns what the
 engine must run (``SchedulerOutput``).
@@ -26,9 +33,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal
 
 from fleetpilot.engine.reference.blocks import BlockManager, extend_block_hashes
+from fleetpilot.engine.reference.offload import HostTier
 from fleetpilot.engine.reference.request import Request, RequestStatus
+
+# What admission did with the request at the head of the queue.
+Admission = Literal["scheduled", "loading", "deferred", "refused"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +70,26 @@ class ScheduledRequest:
     num_spec_tokens: int  # speculative tokens to draft and verify on top
 
 
+@dataclass(frozen=True)
+class HostLoad:
+    """A load from the host tier to perform: copy host ``slots`` into ``device_blocks``."""
+
+    request: Request
+    keys: tuple[bytes, ...]
+    device_blocks: tuple[int, ...]
+    slots: tuple[int, ...]
+
+
+@dataclass
+class ExternalCacheStats:
+    """The host tier's prefix-cache counters in tokens (vLLM's connector prefix cache stats):
+    queries are the prompt tokens past the device hit, hits those the tier supplied. As vLLM's,
+    they count a request's first admission only, not its admissions after a preemption."""
+
+    queries: int = 0
+    hits: int = 0
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -65,6 +97,8 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     # Requests admitted with imported KV: the engine writes the data into these blocks.
     imports: list[tuple[Request, list[int]]] = field(default_factory=list)
+    # Requests admitted with host-tier hits: the engine copies these in and paces them.
+    host_loads: list[HostLoad] = field(default_factory=list)
     # Nothing runs and the head of the queue does not fit: only pinned blocks can be holding
     # the pool, and the engine should release one.
     starved: bool = False
@@ -77,9 +111,13 @@ class SchedulerOutput:
 class Scheduler:
     """Waiting queue, running list and the per-step plan."""
 
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, blocks: BlockManager, host: HostTier | None = None
+    ) -> None:
         self.config = config
         self.blocks = blocks
+        self.host = host
+        self.external_stats = ExternalCacheStats()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -102,6 +140,7 @@ class Scheduler:
         self.blocks.free_seq(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
+        request.next_stored_block = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -152,7 +191,17 @@ class Scheduler:
             if lora is not None and lora not in loras and len(loras) == self.config.max_loras:
                 skipped.append(self.waiting.popleft())
                 continue
-            if not self._admit(request, budget, out):
+            if (
+                request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+                and not request.host_load_done
+            ):
+                skipped.append(self.waiting.popleft())
+                continue
+            admission = self._admit(request, budget, out)
+            if admission in ("loading", "deferred"):
+                skipped.append(self.waiting.popleft())
+                continue
+            if admission == "refused":
                 out.starved = not self.running
                 break
             self.waiting.popleft()
@@ -194,36 +243,110 @@ class Scheduler:
             budget -= spec
         return budget
 
-    def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> bool:
+    def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> Admission:
         bs = self.blocks.block_size
         hits: list[int] = []
         # At least the last token is computed here: its logits give the next token.
         max_reuse = request.num_tokens - 1
         imported = request.kv_import
-        if imported is not None:
+        loaded = request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+        if loaded:
+            computed = self._loaded_tokens(request)
+        elif imported is not None:
             computed = min(imported.num_tokens, max_reuse)
         else:
             if self.blocks.enable_prefix_caching:
                 extend_block_hashes(request.block_hashes, request.token_ids, bs, request.hash_extra)
             hits = self.blocks.match_prefix(request.block_hashes, max_reuse)
             computed = len(hits) * bs
+            if self.host is not None:
+                host = self._admit_from_host(request, hits, out)
+                if host != "scheduled":
+                    return host
         num_new = request.num_tokens - computed
         if num_new > budget and not self.config.enable_chunked_prefill:
-            return False
+            return "refused"
         num_new = min(num_new, budget)
         copies = self.blocks.allocate(
             request.request_id, computed + num_new, write_from=computed, hit_blocks=hits
         )
         if copies is None:
-            return False
-        if imported is None:
-            self.blocks.record_query(request.num_tokens, computed)
-        else:
+            return "refused"
+        if imported is not None:
             table = self.blocks.table(request.request_id)
             out.imports.append((request, table[: -(-computed // bs)]))
+        elif not loaded:
+            self.blocks.record_query(request.num_tokens, computed)
+            request.next_stored_block = 0
         request.num_computed_tokens = computed
         if request.num_cached_tokens is None:
             request.num_cached_tokens = computed
         out.block_copies += copies
         out.scheduled.append(ScheduledRequest(request, num_new, 0))
-        return True
+        return "scheduled"
+
+    def _admit_from_host(
+        self, request: Request, hits: list[int], out: SchedulerOutput
+    ) -> Admission:
+        """Plan a load of the host blocks that follow the device hit ``hits`` (vLLM's
+        ``get_num_new_matched_tokens`` then ``update_state_after_alloc``); "scheduled" when
+        there is none, so the request is admitted as usual."""
+        assert self.host is not None
+        bs = self.blocks.block_size
+        first = len(hits)
+        # vLLM's connector may match the whole prompt; the last token is computed again after
+        # the load (see _loaded_tokens).
+        keys = request.block_hashes[first : request.num_tokens // bs]
+        found = self.host.lookup(keys)
+        if found is None:
+            return "deferred"
+        first_admission = request.num_preemptions == 0
+        if found == 0:
+            if first_admission:
+                self.external_stats.queries += request.num_tokens - first * bs
+            return "scheduled"
+        # The whole prompt's blocks now: a waiting load is not preemptible, so it must not need
+        # more blocks to start computing once its KV is in (vLLM reserves them instead).
+        copies = self.blocks.allocate(
+            request.request_id, request.num_tokens, write_from=first * bs, hit_blocks=hits
+        )
+        if copies is None:
+            return "refused"
+        assert not copies  # a first allocation shares only full, unwritten hit blocks
+        load = tuple(keys[:found])
+        table = self.blocks.table(request.request_id)
+        out.host_loads.append(
+            HostLoad(
+                request=request,
+                keys=load,
+                device_blocks=tuple(table[first : first + found]),
+                slots=tuple(self.host.prepare_load(load)),
+            )
+        )
+        cached = (first + found) * bs
+        self.blocks.record_query(request.num_tokens, first * bs)
+        if first_admission:
+            self.external_stats.queries += request.num_tokens - first * bs
+            self.external_stats.hits += found * bs
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.host_load_tokens = cached
+        request.host_load_done = False
+        request.next_stored_block = first + found  # those are in the host tier already
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = cached
+        return "loading"
+
+    def _loaded_tokens(self, request: Request) -> int:
+        """A completed load's tokens, now in the prefix cache (vLLM's
+        ``_update_waiting_for_remote_kv``); at most all but the last token count as computed."""
+        bs = self.blocks.block_size
+        lora = (request.lora.lora_int_id, request.lora.name) if request.lora else None
+        self.blocks.cache_full_blocks(
+            request.request_id,
+            request.block_hashes,
+            request.host_load_tokens,
+            request.token_ids,
+            lora=lora,
+        )
+        assert request.host_load_tokens % bs == 0
+        return min(request.host_load_tokens, request.num_tokens - 1)
