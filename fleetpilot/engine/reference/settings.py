@@ -7,6 +7,10 @@ reads JSON-valued flags (``--model-config``, ``--speculative-config``, vLLM's
 ``--kv-transfer-config`` and ``--kv-events-config``) inline or from a file. LoRA takes vLLM's
 flags (``--enable-lora``, ``--max-loras``, ``--max-lora-rank``, ``--max-cpu-loras``,
 ``--lora-modules``) and its ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` environment variable.
+The host tier of the KV cache takes vLLM's ``--kv-offloading-size`` (GiB) and
+``--kv-offloading-backend native``, the keys of ``kv_connector_extra_config`` vLLM's native CPU
+offloading reads (what this engine does not do is refused, by name), and the reference engine's
+own ``--kv-offload-gb-per-second``: the bandwidth that paces its copies.
 ``--model`` is a checkpoint folder or, as for vLLM, a Hub repo id read from a Hub cache
 offline (``--revision``, ``--download-dir`` or ``HF_HUB_CACHE``: hub_cache.py), resolved here
 so a repo the cache lacks fails the start. Nothing here builds the model: the server does that
@@ -47,6 +51,7 @@ from fleetpilot.engine.reference.lora_serving import (
     runtime_updating_allowed,
 )
 from fleetpilot.engine.reference.model import LlamaModel, ModelConfig
+from fleetpilot.engine.reference.offload import DEFAULT_BANDWIDTH_BYTES_PER_S, OffloadConfig
 from fleetpilot.engine.reference.peers import LOOPBACK, AllowedPeers
 from fleetpilot.engine.reference.speculative import SpeculativeConfig
 from fleetpilot.httpserver import ServerLimits
@@ -227,6 +232,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(vLLM's defaults). Off by default",
     )
     a(
+        "--kv-offloading-size",
+        type=float,
+        default=None,
+        help="GiB of host memory for a second tier of KV cache, as vLLM's (its native CPU "
+        "offloading): prompt blocks are copied there as they are computed, and a request "
+        "whose prefix is there loads it back instead of computing it. Default: no host tier",
+    )
+    a(
+        "--kv-offloading-backend",
+        choices=["native", "lmcache"],
+        default="native",
+        help="vLLM's backend of --kv-offloading-size; this engine has the native one only",
+    )
+    a(
+        "--kv-offload-gb-per-second",
+        type=float,
+        default=DEFAULT_BANDWIDTH_BYTES_PER_S / 1e9,
+        help="reference engine only: the host tier's copy bandwidth, each way, in GB/s (1e9 "
+        "bytes); a load holds its request for bytes / bandwidth. Default "
+        f"{DEFAULT_BANDWIDTH_BYTES_PER_S / 1e9:g}: PCIe 4.0 x16, where a GPU's host hit costs "
+        "about a tenth of its prefill; lower it to give a CPU model's slower prefill that ratio",
+    )
+    a(
         "--allowed-remote-hosts",
         default=None,
         help="comma-separated P/D peers: the hosts (IP, CIDR or name, optionally :port) a "
@@ -383,15 +411,19 @@ _KV_ROLES: dict[str, EngineRole] = {
 }
 
 
-def _kv_settings(args: argparse.Namespace) -> KVTransferSettings:
-    data = (
-        _load_json_option("--kv-transfer-config", args.kv_transfer_config)
-        if (args.kv_transfer_config)
-        else {}
-    )
+def _kv_transfer_config(args: argparse.Namespace) -> dict[str, Any]:
+    if not args.kv_transfer_config:
+        return {}
+    return _load_json_option("--kv-transfer-config", args.kv_transfer_config)
+
+
+def _kv_settings(args: argparse.Namespace, data: Mapping[str, Any]) -> KVTransferSettings:
     role: EngineRole
     if args.role != "auto":
         role = BOTH if args.role == BOTH else RoleName(args.role)
+    elif args.kv_offloading_size is not None and "kv_role" not in data:
+        # Only kv_connector_extra_config, for the offloading connector: no P/D (_kv_offload).
+        role = RoleName.UNIFIED
     elif data:
         kv_role = data.get("kv_role")
         if kv_role not in _KV_ROLES:
@@ -435,6 +467,95 @@ def _kv_settings(args: argparse.Namespace) -> KVTransferSettings:
         allowed_remote_hosts=peers,
         pull_timeout_s=timeout,
         pin_ttl_s=args.kv_pin_ttl_seconds,
+    )
+
+
+# The kv_connector_extra_config keys vLLM's native CPU offloading reads (offloading/config.py,
+# vllm/v1/kv_offload/), each with the values this engine does as vLLM does; any other value is
+# refused by name. block_size and blocks_per_chunk are checked apart (one block a chunk).
+_OFFLOAD_EXTRA_SUPPORTED: Final[dict[str, tuple[object, ...]]] = {
+    "eviction_policy": ("lru",),
+    "store_threshold": (0, 1),  # below 2: every offered block is stored
+    "max_tracker_size": (),  # any: used only with store_threshold 2 or more
+    "spec_name": ("CPUOffloadingSpec",),
+    "spec_module_path": (None,),
+    "cache_policy_module_path": (None,),
+    "secondary_tiers": (None, [], {}),
+    "sync_load_budget_bytes": (0,),  # every load is asynchronous, as vLLM's default
+    "canonical_layout": (False,),
+    "backpressure": (None, False),
+    "tier_poll_interval_s": (None,),
+    "enable_telemetry": (None, False),
+}
+_OFFLOAD_BOOLEANS: Final = ("self_describing_kv_events", "offload_prompt_only")
+
+
+def _kv_offload(
+    args: argparse.Namespace, data: Mapping[str, Any], kv: KVTransferSettings
+) -> OffloadConfig | None:
+    """The host tier of ``--kv-offloading-size``, checked as vLLM's post-init would build it
+    (``VllmConfig._post_init_kv_transfer_config``: the OffloadingConnector, kv_role kv_both,
+    ``cpu_bytes_to_use`` from the size) and then by what this engine does."""
+    if args.kv_offloading_size is None:
+        return None
+    flag = "--kv-offloading-size"
+    if args.kv_offloading_backend == "lmcache":
+        raise ConfigError(
+            "--kv-offloading-backend lmcache: the reference engine has no LMCache server; "
+            "use native (its own host tier)"
+        )
+    if not args.kv_offloading_size > 0:
+        raise ConfigError(f"{flag} must be positive (GiB), got {args.kv_offloading_size}")
+    if not args.kv_offload_gb_per_second > 0:
+        raise ConfigError(
+            f"--kv-offload-gb-per-second must be positive, got {args.kv_offload_gb_per_second}"
+        )
+    if kv.role != RoleName.UNIFIED:
+        role = f"--role {args.role}" if args.role != "auto" else f"kv_role {data.get('kv_role')}"
+        raise ConfigError(
+            f"{flag} with a P/D role ({role}): vLLM replaces the KV connector with its "
+            "offloading connector, so the P/D hand-off would be lost; offload on unified "
+            "replicas only"
+        )
+    others = sorted(set(data) - {"kv_connector_extra_config", "engine_id"})
+    if others:
+        raise ConfigError(
+            f"{flag}: --kv-transfer-config may carry only kv_connector_extra_config (and "
+            f"engine_id) alongside it, as vLLM sets the connector and kv_role itself; got {others}"
+        )
+    extra = data.get("kv_connector_extra_config") or {}
+    where = "--kv-transfer-config: kv_connector_extra_config"
+    if "cpu_bytes_to_use" in extra:
+        raise ConfigError(f"{where}.cpu_bytes_to_use: vLLM sets it from {flag}; set that instead")
+    for key, allowed in _OFFLOAD_EXTRA_SUPPORTED.items():
+        if key in extra and allowed and extra[key] not in allowed:
+            raise ConfigError(
+                f"{where}.{key} = {extra[key]!r} is not supported by the reference engine's "
+                f"host tier (it does {', '.join(repr(a) for a in allowed)})"
+            )
+    for key in _OFFLOAD_BOOLEANS:
+        if key in extra and not isinstance(extra[key], bool):
+            raise ConfigError(f"{where}.{key} must be true or false, got {extra[key]!r}")
+    if "blocks_per_chunk" in extra and "block_size" in extra:
+        raise ConfigError(f"{where}: set one of block_size and blocks_per_chunk, as vLLM asks")
+    if extra.get("blocks_per_chunk", 1) != 1 or extra.get("block_size", args.block_size) != (
+        args.block_size
+    ):
+        chunking = {k: extra[k] for k in ("block_size", "blocks_per_chunk") if k in extra}
+        raise ConfigError(
+            f"{where}: {chunking} is not supported: the reference engine's host tier keeps one "
+            f"KV block a chunk (blocks_per_chunk 1, block_size {args.block_size})"
+        )
+    if not args.enable_prefix_caching:
+        raise ConfigError(
+            f"{flag} needs prefix caching (the host tier keeps blocks by their prefix hashes); "
+            "drop --no-enable-prefix-caching"
+        )
+    return OffloadConfig(
+        capacity_bytes=int(args.kv_offloading_size * (1 << 30)),
+        bandwidth_bytes_per_s=args.kv_offload_gb_per_second * 1e9,
+        self_describing_kv_events=extra.get("self_describing_kv_events", False),
+        offload_prompt_only=extra.get("offload_prompt_only", True),
     )
 
 
@@ -500,7 +621,9 @@ def settings_from_args(
     """
     env = os.environ if environ is None else environ
     lora, lora_modules = _lora(args)
-    kv = _kv_settings(args)
+    kv_transfer = _kv_transfer_config(args)
+    kv = _kv_settings(args, kv_transfer)
+    kv_offload = _kv_offload(args, kv_transfer, kv)
     kv_events = _kv_events(args)
     spec = _speculative(args)
     model_config: ModelConfig | None = None
@@ -549,6 +672,7 @@ def settings_from_args(
             num_threads=args.num_threads,
             enable_kv_cache_events=kv_events.active,
             lora=lora,
+            kv_offload=kv_offload,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from e
