@@ -117,11 +117,11 @@ Quantity = Annotated[
     ),
 ]
 
-# A quantity above zero: no sign, and a digit other than 0 in the number before any suffix or
+# A quantity above zero: no minus, and a digit other than 0 in the number before any suffix or
 # exponent ("0.5Gi" and "64Gi", not "0", "0Gi", "0e3" or "-1Gi"). Written without lookahead:
 # the API server checks patterns with Go's RE2. An integer is held to ``minimum`` instead.
 POSITIVE_QUANTITY_PATTERN = (
-    r"^(([0-9]*[1-9][0-9]*(\.[0-9]*)?)|([0-9]*\.[0-9]*[1-9][0-9]*))(([KMGTPE]i)|[numkMGTPE]|"
+    r"^\+?(([0-9]*[1-9][0-9]*(\.[0-9]*)?)|([0-9]*\.[0-9]*[1-9][0-9]*))(([KMGTPE]i)|[numkMGTPE]|"
     r"([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
 _POSITIVE_QUANTITY_RE = re.compile(POSITIVE_QUANTITY_PATTERN)

@@ -101,3 +101,18 @@ def test_enforcers_leave_the_manifest_as_given(case: RuleCase, validator: CrdVal
     assert manifest == given
     validator.validate(manifest)
     assert manifest == given
+
+
+@pytest.mark.parametrize("size", ["0", "0Gi", "0.0", "-64Gi", 0, -1])
+def test_a_host_kv_tier_of_no_size_is_refused_by_both(validator: CrdValidator, size: Any) -> None:
+    """engine.kvOffload.size above zero (vLLM refuses an offloading connector of no bytes at
+    start): the model names the field, the CRD's pattern refuses a string and its minimum an
+    integer (e2e/test_api_rules.py shows the real API server does too)."""
+    manifest = base_manifest()
+    manifest["spec"]["tiers"][0]["engine"]["kvOffload"]["size"] = size
+    with pytest.raises(InvalidManifestError) as info:
+        parse_service(manifest)
+    assert [p.path for p in info.value.problems] == ["spec.tiers[0].engine.kvOffload.size"]
+    violations = validator.validate(manifest)
+    # jsonschema reports a nullable object's failure at the object (the base's 32Gi passes).
+    assert [v.path for v in violations] == ["spec.tiers.0.engine.kvOffload"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 import pytest
@@ -9,7 +10,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kubernetes.utils.quantity import parse_quantity as kubernetes_quantity
 
-from fleetpilot.api.units import format_duration, parse_duration, parse_quantity, quantity_decimal
+from fleetpilot.api.units import (
+    POSITIVE_QUANTITY_PATTERN,
+    format_duration,
+    parse_duration,
+    parse_positive_quantity,
+    parse_quantity,
+    quantity_decimal,
+)
 
 
 @pytest.mark.parametrize(
@@ -85,3 +93,28 @@ def test_a_string_outside_the_grammar_has_no_value() -> None:
     for text in ("1K", "Gi", "1_000", " 1", "NaN", "1Gi\n"):
         with pytest.raises(ValueError, match="invalid quantity"):
             quantity_decimal(text)
+
+
+@given(
+    st.from_regex(
+        r"\A[+-]?([0-9]{1,6}(\.[0-9]{0,3})?|\.[0-9]{1,3})([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]{1,2})?\Z"
+    )
+)
+def test_a_positive_quantity_is_one_kubernetes_reads_above_zero(text: str) -> None:
+    """The CRD's pattern for a size above zero (engine.kvOffload.size) accepts exactly the
+    quantities of the API server's grammar that the Kubernetes client reads above zero -
+    "0.5Gi" and "1e3", not "0", "0.000Gi", "0e5" or "-1Gi" - and the model refuses the rest."""
+    positive = kubernetes_quantity(text) > 0
+    assert bool(re.fullmatch(POSITIVE_QUANTITY_PATTERN, text)) is positive
+    if positive:
+        assert parse_positive_quantity(text) == text
+    else:
+        with pytest.raises(ValueError, match="must be more than 0"):
+            parse_positive_quantity(text)
+
+
+def test_a_positive_quantity_may_be_an_integer_above_zero() -> None:
+    assert parse_positive_quantity(1) == "1"
+    for value in (0, -5):
+        with pytest.raises(ValueError, match="must be more than 0"):
+            parse_positive_quantity(value)
