@@ -16,6 +16,7 @@ import yaml
 from fleetpilot import __version__
 from fleetpilot.api import InvalidManifestError, load_services
 from fleetpilot.api.crd import CRD_FILENAME, render_crd
+from fleetpilot.api.units import parse_quantity, quantity_decimal
 from fleetpilot.argtypes import DefaultsHelpFormatter, port_number
 from fleetpilot.listening import ListenError, listening_on
 from fleetpilot.operator.plan_types import (
@@ -68,6 +69,17 @@ def _crds(args: argparse.Namespace) -> int:
     return 0
 
 
+def memory_bytes(text: str) -> int:
+    """A memory quantity (``512Gi``, ``2T``, ``1073741824``) as whole bytes, above zero."""
+    try:
+        value = quantity_decimal(parse_quantity(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a quantity: use e.g. 512Gi") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not more than 0 bytes")
+    return int(value.to_integral_value(rounding="ROUND_CEILING"))
+
+
 def _plan(args: argparse.Namespace) -> int:
     try:
         services = load_services(Path(args.file))
@@ -77,6 +89,7 @@ def _plan(args: argparse.Namespace) -> int:
     options = PlanOptions(
         pod_monitor_available=args.pod_monitor,
         leader_worker_set_available=not args.no_leader_worker_set,
+        node_memory=args.node_memory,
     )
     outputs = []
     for service in services:
@@ -264,6 +277,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-leader-worker-set",
         action="store_true",
         help="plan for a cluster without LeaderWorkerSet (replicas larger than a node refused)",
+    )
+    plan_cmd.add_argument(
+        "--node-memory",
+        type=memory_bytes,
+        metavar="QUANTITY",
+        help="the largest allocatable memory of a node that can run an engine pod (e.g. "
+        "1800Gi): a pod asking for more (resources.memory and engine.kvOffload.size with its "
+        "margin) is refused; unset: not checked",
     )
     plan_cmd.set_defaults(func=_plan)
 

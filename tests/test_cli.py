@@ -104,6 +104,22 @@ def test_plan_warns_on_stderr_and_refuses_what_does_not_fit(
     assert "tensor 2 fits" in err
 
 
+def test_plan_refuses_a_pod_larger_than_the_node_memory_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--node-memory`: an engine pod asking for more (resources.memory and the host KV tier
+    with its margin: 64Gi + 64Gi + 10% = 134.4 GiB) is refused naming engine.kvOffload.size;
+    on a larger node, or without the flag, it plans."""
+    tier = make_tier("main", engine={"kvOffload": {"size": "64Gi"}})
+    path = _write(tmp_path, make_manifest(tiers=[tier]))
+    assert main(["plan", "-f", path, "--node-memory", "128Gi"]) == 2
+    err = capsys.readouterr().err
+    assert "spec.tiers[0].engine.kvOffload.size:" in err
+    assert "more than the 128 GiB" in err
+    assert main(["plan", "-f", path, "--node-memory", "135Gi"]) == 0
+    assert main(["plan", "-f", path]) == 0
+
+
 def test_invalid_file_names_field_and_rule(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -241,6 +257,8 @@ def test_yaml_nested_thousands_deep_is_one_line(tmp_path: Path) -> None:
             "--metrics-port",
         ),
         (["plan", "-f", "x.yaml", "--no-such-flag"], "--no-such-flag"),
+        (["plan", "-f", "x.yaml", "--node-memory", "0"], "--node-memory"),
+        (["plan", "-f", "x.yaml", "--node-memory", "lots"], "--node-memory"),
     ],
 )
 def test_bad_flags_are_refused_at_parse_time_in_one_line(argv: list[str], flag: str) -> None:

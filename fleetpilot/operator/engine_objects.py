@@ -13,17 +13,26 @@ Engine pods run as a ServiceAccount of their own that no RBAC binds, with no tok
 (``automountServiceAccountToken: false``): an engine never calls the Kubernetes API (the router
 discovers it, the operator loads its adapters), so an engine taken over through a malicious
 model, adapter or request must not hold credentials - not even the namespace default
-account's, which other workloads may have been granted rights through."""
+account's, which other workloads may have been granted rights through.
+
+A host KV tier (``engine.kvOffload``) is memory the pod asks for on top of ``resources.memory``
+(a reference pod's on top of its own sizing): the share of the tier the pod's engines fill,
+plus :data:`KV_OFFLOAD_MEMORY_MARGIN_PERCENT`, in both the request (the scheduler places the
+pod on a node with that much free) and the limit (the engine is not OOM-killed for filling it). vLLM
+maps its host tier as a file in /dev/shm, so a vLLM pod's /dev/shm grows by the tier too."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
 from fleetpilot.api import InferenceService, ResolvedRole
-from fleetpilot.api.layout import role_layout
+from fleetpilot.api.capacity import MIB, kv_offload_bytes
+from fleetpilot.api.layout import Span, role_layout
 from fleetpilot.api.pod_template import GPU_PRODUCT_LABEL, PodTemplateOverlay
 from fleetpilot.api.spec import EngineBackend, HuggingFaceSource, Tier
+from fleetpilot.api.units import quantity_decimal
 from fleetpilot.engine.reference_launch import POD_IP_ENV, reference_pod_command
 from fleetpilot.engine.vllm_args import (
     ADAPTER_MOUNT,
@@ -78,6 +87,72 @@ REFERENCE_RESOURCES: K8sObject = {
     "requests": {"cpu": "1", "memory": "1Gi"},
     "limits": {"cpu": "2", "memory": "1Gi"},
 }
+# A host KV tier's memory is asked for with this much on top. vLLM 0.33 backs it with a file
+# in /dev/shm that it pre-faults and pins for DMA (cudaHostRegister): charged to the pod's
+# memory cgroup from the start, and never reclaimable. Chunks are page aligned inside the
+# size, and the manager's per-chunk bookkeeping (hash, LRU entry: under a KiB for a chunk of
+# hundreds of KiB of KV) and the page tables (8 bytes a 4 KiB page) come to well under 1%;
+# the rest of the 10% is headroom for what grows with the tier outside it - the host-side
+# staging of copies to and from the GPU, the event tracker's snapshots of blocks in flight -
+# so that an engine sized to resources.memory without a host tier is not OOM-killed once the
+# tier is full. The reference engine keeps its host tier in one tensor of that size.
+KV_OFFLOAD_MEMORY_MARGIN_PERCENT = 10
+
+
+def pod_kv_offload_bytes(role: ResolvedRole) -> int:
+    """The host KV tier one of the role's pods fills: a tier per engine (data-parallel rank)
+    it runs; of an engine whose GPUs span nodes, each pod's workers fill their own slots of
+    it (vLLM's SharedOffloadRegion: one slot a worker in every chunk), an equal share."""
+    size = kv_offload_bytes(role.engine)
+    if size is None:
+        return 0
+    layout = role_layout(role)
+    if layout.span is Span.MODEL:
+        return -(-size // layout.nodes)
+    return size * layout.data_local
+
+
+def pod_kv_offload_shm_bytes(role: ResolvedRole) -> int:
+    """The /dev/shm a vLLM pod's host KV tier needs: its engines' tiers, each whole even in a
+    pod of an engine over several nodes (vLLM's check_shm_free_space asks for the whole
+    region's size free on every node before mapping it, though a node fills its share)."""
+    size = kv_offload_bytes(role.engine)
+    if size is None:
+        return 0
+    layout = role_layout(role)
+    return size if layout.span is Span.MODEL else size * layout.data_local
+
+
+def engine_memory_bytes(role: ResolvedRole) -> int:
+    """The memory request (and limit) of one of the role's engine pods, in bytes: the spec's
+    (or a reference pod's own), plus its host KV tier with the margin."""
+    if is_reference(role.tier):
+        base = quantity_decimal(REFERENCE_RESOURCES["requests"]["memory"])
+    else:
+        base = quantity_decimal(role.tier.resources.memory)
+    offload = pod_kv_offload_bytes(role)
+    margin = -(-offload * KV_OFFLOAD_MEMORY_MARGIN_PERCENT // 100)  # exact, rounded up
+    return math.ceil(base) + offload + margin
+
+
+def engine_memory(role: ResolvedRole) -> str:
+    """The memory quantity of one of the role's engine pods: the spec's as written without a
+    host KV tier (no spurious rollout of existing pods), else the sum in MiB, rounded up."""
+    if kv_offload_bytes(role.engine) is None:
+        if is_reference(role.tier):
+            return str(REFERENCE_RESOURCES["requests"]["memory"])
+        return role.tier.resources.memory
+    return f"{math.ceil(engine_memory_bytes(role) / MIB)}Mi"
+
+
+def reference_resources(role: ResolvedRole) -> K8sObject:
+    """A reference engine pod's resources: :data:`REFERENCE_RESOURCES`, its memory grown by a
+    host KV tier."""
+    memory = engine_memory(role)
+    return {
+        "requests": {**REFERENCE_RESOURCES["requests"], "memory": memory},
+        "limits": {**REFERENCE_RESOURCES["limits"], "memory": memory},
+    }
 
 
 def engine_service_account(service: InferenceService) -> K8sObject:
@@ -208,16 +283,17 @@ def _volumes(
     volumes: list[K8sObject] = [{"name": "cache", "emptyDir": {}}]
     mounts: list[K8sObject] = [{"name": "cache", "mountPath": CACHE_MOUNT}]
     layout = role_layout(role)
-    if layout.gpus_per_pod > 1 or layout.multi_node:
+    offload_shm = pod_kv_offload_shm_bytes(role)
+    if layout.gpus_per_pod > 1 or layout.multi_node or offload_shm:
         # NCCL between the GPUs of one pod, and vLLM's workers and engine processes among
         # themselves, communicate through /dev/shm; the container runtime's 64 MiB default
-        # makes multi-GPU engines crash or crawl.
-        volumes.append(
-            {
-                "name": "dshm",
-                "emptyDir": {"medium": "Memory", "sizeLimit": tier.resources.shared_memory},
-            }
-        )
+        # makes multi-GPU engines crash or crawl. vLLM maps a host KV tier there too (and
+        # refuses to start when /dev/shm has less free).
+        size = tier.resources.shared_memory
+        if offload_shm:
+            total = quantity_decimal(size) + offload_shm
+            size = f"{math.ceil(total / MIB)}Mi"
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": size}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     volumes += delivery.volumes
     mounts += delivery.mounts
@@ -304,7 +380,7 @@ def _reference_container(
         "command": command[:2],
         "args": command[2:],
         "env": _reference_env(role, delivery),
-        "resources": REFERENCE_RESOURCES,
+        "resources": reference_resources(role),
         "volumeMounts": mounts,
         # Not read-only: torch writes beside its caches, as in a vLLM pod.
         "securityContext": container_security(read_only_root=False),
@@ -346,8 +422,9 @@ def _engine_container(
     gpus = str(role_layout(role).gpus_per_pod)
     launch = replace(launch_for(role), model=delivery.model)
     command = ["vllm", "serve", *vllm_serve_args(launch, worker=worker)]
-    requests = {"cpu": resources.cpu, "memory": resources.memory, resources.gpu_resource: gpus}
-    limits = {"memory": resources.memory, resources.gpu_resource: gpus}
+    memory = engine_memory(role)
+    requests = {"cpu": resources.cpu, "memory": memory, resources.gpu_resource: gpus}
+    limits = {"memory": memory, resources.gpu_resource: gpus}
     security = container_security(read_only_root=False)
     if spans_nodes(role) and resources.rdma_resource:
         # RDMA between the nodes of a replica: the device plugin's resource, and the right

@@ -72,6 +72,11 @@ class PlanOptions:
     # Image volumes (an OCI model source's `mount: auto`): on by default from Kubernetes 1.35;
     # the operator sets this from the API server's version.
     image_volumes: bool = True
+    # The most allocatable memory of a node that can run an engine pod, in bytes: a pod asking
+    # for more (resources.memory and a host KV tier, engine.kvOffload) would never be
+    # scheduled, so its role is refused. None: unknown, not checked (`fleetpilot plan
+    # --node-memory` sets it).
+    node_memory: int | None = None
 
 
 def owner_references(service: InferenceService) -> list[K8sObject]:

@@ -18,17 +18,21 @@ from fleetpilot.api.capacity import (
     format_bytes,
     smallest_fitting_tensor,
 )
-from fleetpilot.api.layout import LayoutError, role_layout
+from fleetpilot.api.layout import LayoutError, Span, role_layout
 from fleetpilot.api.spec import EngineBackend, KvCacheDtype, ModelDtype, PodMonitorMode, Tier
 from fleetpilot.api.units import format_duration
 from fleetpilot.engine.reference_launch import REFERENCE_MAX_MODEL_LEN
 from fleetpilot.engine.vllm_args import reference_checkpoint
 from fleetpilot.kube import names
 from fleetpilot.operator.engine_objects import (
+    KV_OFFLOAD_MEMORY_MARGIN_PERCENT,
     engine_deployment,
+    engine_memory_bytes,
     engine_pdb,
     engine_service,
     engine_service_account,
+    is_reference,
+    pod_kv_offload_bytes,
 )
 from fleetpilot.operator.gateway_objects import gateway_objects
 from fleetpilot.operator.leader_worker_set import engine_leader_worker_set
@@ -102,6 +106,8 @@ MANAGED_FLAGS = frozenset(
         "--speculative-config",
         "--kv-transfer-config",
         "--kv-events-config",
+        "--kv-offloading-size",
+        "--kv-offloading-backend",
         "--dtype",
         "--revision",
         "--enable-lora",
@@ -160,8 +166,10 @@ def check(
         where = _tier_field(service, role)
         if tier.engine.backend is EngineBackend.REFERENCE:
             _check_reference(role, where, service.spec.model_cache is not None)
+            _check_node_memory(role, where, options)
             continue  # one CPU process: no layout, no GPU capacity, none of vLLM's flags
         _check_layout(role, where, options)
+        _check_node_memory(role, where, options)
         _check_capacity(role, where, sized(capacities, role))
         _check_run_time_adapters(tier, where, service.spec.model_cache is not None)
         for i, arg in enumerate(tier.engine.extra_args):
@@ -289,6 +297,11 @@ def _check_reference(role: ResolvedRole, where: str, model_cache: bool) -> None:
         ("adapters", bool(tier.adapters), "serves no LoRA adapters in a cluster"),
         ("lora", tier.lora is not None, "serves no LoRA adapters in a cluster"),
         ("engine.extraArgs", bool(engine.extra_args), "takes no vLLM arguments"),
+        (
+            "engine.kvOffload",
+            engine.kv_offload is not None and not engine.kv_cache.prefix_caching,
+            "keeps a host KV tier by prefix hashes, which kvCache.prefixCaching false turns off",
+        ),
     ]
     for field, set_, why in refused:
         if set_:
@@ -324,6 +337,41 @@ def _check_layout(role: ResolvedRole, where: str, options: PlanOptions) -> None:
             "(https://lws.sigs.k8s.io) and restart the operator",
             reason=LEADER_WORKER_SET_MISSING,
         )
+
+
+def _check_node_memory(role: ResolvedRole, where: str, options: PlanOptions) -> None:
+    """Refuse an engine pod that asks for more memory than a node can give (when the planner
+    knows how much: ``options.node_memory``), naming what the request is made of."""
+    node = options.node_memory
+    asked = engine_memory_bytes(role)
+    if node is None or asked <= node:
+        return
+    tier = role.tier
+    parts = [
+        "the reference engine's own"
+        if is_reference(tier)
+        else f"resources.memory {tier.resources.memory}"
+    ]
+    field, lower = "resources.memory", "resources.memory"
+    offload = tier.engine.kv_offload
+    if offload is not None:
+        layout = role_layout(role)
+        of = f"engine.kvOffload.size {offload.size}"
+        if layout.span is Span.MODEL:
+            of = f"its 1/{layout.nodes} of {of}"
+        elif layout.data_local > 1:
+            of += f" for each of its {layout.data_local} data-parallel ranks"
+        share = pod_kv_offload_bytes(role)
+        parts.append(
+            f"a host KV tier of {format_bytes(share)} ({of}) + {KV_OFFLOAD_MEMORY_MARGIN_PERCENT}%"
+        )
+        field, lower = "engine.kvOffload.size", "engine.kvOffload.size or resources.memory"
+    raise PlanError(
+        f"{where}.{field}",
+        f"tier {tier.name!r} role {role.name}: an engine pod asks for {format_bytes(asked)} "
+        f"of memory ({' + '.join(parts)}), more than the {format_bytes(node)} a node can "
+        f"give (the largest allocatable memory of a node that can run it); lower {lower}",
+    )
 
 
 def _check_run_time_adapters(tier: Tier, where: str, model_cache: bool) -> None:

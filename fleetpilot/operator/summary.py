@@ -14,7 +14,15 @@ from fleetpilot.engine.reference_launch import (
     REFERENCE_MAX_MODEL_LEN,
 )
 from fleetpilot.kube import names
-from fleetpilot.operator.engine_objects import REFERENCE_RESOURCES, engine_command, is_reference
+from fleetpilot.operator.engine_objects import (
+    KV_OFFLOAD_MEMORY_MARGIN_PERCENT,
+    REFERENCE_RESOURCES,
+    engine_command,
+    engine_memory,
+    is_reference,
+    pod_kv_offload_bytes,
+    reference_resources,
+)
 from fleetpilot.operator.gateway_objects import http_route_name, inference_pool_name
 from fleetpilot.operator.model_delivery import weights_summary
 from fleetpilot.operator.plan_types import K8sObject
@@ -22,8 +30,39 @@ from fleetpilot.operator.planner import all_roles, capacity_warnings
 from fleetpilot.operator.router_objects import ROUTER_EPP_PORT, endpoint_url
 
 
+def host_tier_lines(role: ResolvedRole, tokens: str = "") -> list[str]:
+    """The role's host KV tier (``engine.kvOffload``): what it holds (``tokens``, when sized),
+    its size, and the engine pod's memory that pays for it; nothing without one."""
+    offload = role.engine.kv_offload
+    if offload is None:
+        return []
+    data = role.parallelism.data
+    size = f"engine.kvOffload.size {offload.size}" + (
+        f" x {data} data-parallel ranks" if data > 1 else ""
+    )
+    held = (
+        f"{tokens}  ({size}, {offload.backend.value})"
+        if tokens
+        else f"{size}, {offload.backend.value}"
+    )
+    reference = is_reference(role.tier)
+    base = (
+        f"the reference engine's {REFERENCE_RESOURCES['requests']['memory']}"
+        if reference
+        else f"resources.memory {role.tier.resources.memory}"
+    )
+    shm = "" if reference else "; /dev/shm, where vLLM maps it, grown to fit"
+    return [
+        f"    host KV cache per replica: {held}",
+        f"    pod memory: {engine_memory(role)}  ({base} + "
+        f"{format_bytes(pod_kv_offload_bytes(role))} of host KV cache + "
+        f"{KV_OFFLOAD_MEMORY_MARGIN_PERCENT}%{shm})",
+    ]
+
+
 def capacity_lines(role: ResolvedRole) -> list[str]:
-    """A replica's weights, LoRA slots and KV cache (``capacity``), or why it is not sized."""
+    """A replica's weights, LoRA slots and KV cache in GPU memory and, with
+    ``engine.kvOffload``, in host memory (``capacity``), or why it is not sized."""
     sized = role_capacity(role)
     if sized is None:
         unknown = []
@@ -33,7 +72,10 @@ def capacity_lines(role: ResolvedRole) -> list[str]:
             unknown.append("the GPU's memory (set resources.gpuProduct or resources.gpuMemory)")
         if not unknown:
             unknown.append("the size of its weights (quantization)")
-        return [f"    capacity: not sized: unknown {' and '.join(unknown)}"]
+        return [
+            f"    capacity: not sized: unknown {' and '.join(unknown)}",
+            *host_tier_lines(role),
+        ]
     seqs = sized.sequences_at_max_len
     at_len = f", {seqs} sequences of {sized.max_model_len}" if seqs is not None else ""
     lora = []
@@ -45,6 +87,10 @@ def capacity_lines(role: ResolvedRole) -> list[str]:
             else "not counted (the model's layer widths are unknown)"
         )
         lora.append(f"    LoRA slots: {slots}: {taken}")
+    host_seqs = sized.host_sequences_at_max_len
+    host_at_len = (
+        f", {host_seqs} sequences of {sized.max_model_len}" if host_seqs is not None else ""
+    )
     return [
         f"    weights per GPU: {format_bytes(sized.weights_per_gpu_bytes)} of "
         f"{format_bytes(sized.gpu_memory_bytes)}"
@@ -52,6 +98,7 @@ def capacity_lines(role: ResolvedRole) -> list[str]:
         *lora,
         f"    KV cache per replica: {max(0, sized.kv_tokens):,} tokens{at_len}"
         f"  ({format_bytes(sized.kv_bytes_per_token)} a token); maxNumSeqs {sized.max_num_seqs}",
+        *host_tier_lines(role, f"{sized.host_kv_tokens:,} tokens{host_at_len}"),
     ]
 
 
@@ -113,7 +160,7 @@ def reference_lines(
     """A reference tier's engine: what it is, the pod it asks for, its image and command (as
     planned: the image is the operator's --reference-image)."""
     engine = role.tier.engine
-    resources = REFERENCE_RESOURCES
+    resources = reference_resources(role)
     context = role.tier.model.max_model_len or min(
         REFERENCE_DEFAULT_MAX_MODEL_LEN, REFERENCE_MAX_MODEL_LEN[engine.reference_model]
     )
@@ -137,7 +184,7 @@ def reference_lines(
             f"    image: {container['image']}",
             f"    command: {shlex.join([*container['command'], *container['args']])}",
         ]
-    return lines
+    return [*lines, *host_tier_lines(role)]
 
 
 def tenant_lines(service: InferenceService) -> list[str]:

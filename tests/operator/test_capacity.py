@@ -419,3 +419,127 @@ def test_lora_slots_of_a_model_of_unknown_widths_are_a_warning(model: str) -> No
     (warning,) = capacity_warnings(svc)
     assert "2 LoRA slots of rank 32 is not counted" in warning
     assert "LoRA slots: 2 x rank 32: not counted" in summarize(svc, plan(svc))
+
+
+# The host KV tier (engine.kvOffload): vLLM's CPUOffloadingSpec divides cpu_bytes_to_use into
+# page-aligned chunks of one block of every GPU of an engine (tests/contract judges this with
+# vLLM's own spec; these pin the arithmetic and where the planner shows it).
+def offload_service(model: str, size: str, max_model_len: int = 8192, **tier: Any) -> Any:
+    engine = {"kvOffload": {"size": size}, **tier.pop("engine", {})}
+    return service(model, max_model_len, engine=engine, **H100, **tier)
+
+
+def test_the_host_tier_holds_its_bytes_over_the_gpus_kv_bytes_per_token() -> None:
+    """Llama 3 8B, 128 KiB a token: 64 GiB hold 524,288 tokens (64 sequences of 8k), on top
+    of the ~448k of the GPU; with tensor 2 the same bytes a token over both GPUs, so the
+    same; with two data-parallel ranks each engine has its own 64 GiB, twice the tokens."""
+    llama = "meta-llama/Llama-3.1-8B-Instruct"
+    (role,) = offload_service(llama, "64Gi").spec.tiers[0].roles()
+    sized = role_capacity(role)
+    assert sized is not None
+    assert sized.kv_offload_bytes == 64 * GIB
+    assert sized.host_kv_tokens == 64 * GIB // (128 * KIB) == 524_288
+    assert sized.host_sequences_at_max_len == 64
+    assert sized.kv_tokens < sized.host_kv_tokens
+    for parallelism, factor in (({"tensor": 2}, 1), ({"data": 2}, 2)):
+        (other,) = offload_service(llama, "64Gi", parallelism=parallelism).spec.tiers[0].roles()
+        wider = role_capacity(other)
+        assert wider is not None
+        assert wider.host_kv_tokens == factor * 524_288
+    (plain,) = service(llama, 8192, **H100).spec.tiers[0].roles()
+    none = role_capacity(plain)
+    assert none is not None
+    assert (none.kv_offload_bytes, none.host_kv_tokens, none.host_sequences_at_max_len) == (
+        None,
+        0,
+        None,
+    )
+
+
+def test_the_host_tier_counts_whole_page_aligned_blocks() -> None:
+    """A block of Qwen2.5-7B (56 KiB a token) at block size 8 is 448 KiB, page aligned: 1 GiB
+    holds 2340 whole blocks, not 1 GiB / 56 KiB tokens. A block of DeepSeek-V3's fp8 MLA
+    latent (35,136 bytes a token x 16 tokens = 137.25 pages) takes 138 pages."""
+    (role,) = (
+        offload_service("Qwen/Qwen2.5-7B-Instruct", "1Gi", engine={"kvCache": {"blockSize": 8}})
+        .spec.tiers[0]
+        .roles()
+    )
+    sized = role_capacity(role)
+    assert sized is not None
+    assert sized.host_kv_tokens == GIB // (448 * KIB) * 8 == 2340 * 8
+    per_token = 61 * 576  # fp8 latent
+    deepseek = ModelArchitecture(
+        layers=61, kv_heads=128, head_dim=128, parameters=10**9, kv_lora_rank=512,
+        qk_rope_head_dim=64,
+    )  # fmt: skip
+    chunk = 138 * 4096
+    assert per_token * 16 < chunk < per_token * 16 + 4096
+    tier = make_tier(
+        model="deepseek-ai/DeepSeek-V3",
+        engine={"kvOffload": {"size": "10Gi"}, "kvCache": {"dtype": "fp8"}},
+        resources={"gpuMemory": "1000Gi"},
+    )
+    tier["model"]["architecture"] = deepseek.to_wire()
+    (role,) = parse_service(make_manifest(tiers=[tier])).spec.tiers[0].roles()
+    sized = role_capacity(role)
+    assert sized is not None
+    assert sized.kv_bytes_per_token == per_token
+    assert sized.host_kv_tokens == 10 * GIB // chunk * 16
+
+
+def test_mlas_latent_is_kept_once_in_host_memory_under_tensor_parallelism_on_one_node() -> None:
+    """On the GPUs every tensor-parallel rank holds MLA's whole latent (the device tier's KV
+    bytes a token are tensor times the latent); vLLM's replicated host layout keeps it once,
+    so the host tier holds tensor times more tokens - not with pipeline parallelism, nor
+    across nodes, where vLLM keeps every rank's copy."""
+    deepseek = "deepseek-ai/DeepSeek-V3"
+    latent = 61 * 576 * 2  # bytes a token, bf16
+    block = latent * 16
+    for parallelism, copies in (
+        ({"tensor": 8}, 1),
+        ({"tensor": 4, "pipeline": 2}, 4),
+        ({"tensor": 16}, 16),  # two nodes of 8
+    ):
+        tier = make_tier(
+            model=deepseek,
+            engine={"kvOffload": {"size": "100Gi"}},
+            resources={"gpuMemory": "1000Gi"},
+            parallelism=parallelism,
+        )
+        (role,) = parse_service(make_manifest(tiers=[tier])).spec.tiers[0].roles()
+        sized = role_capacity(role)
+        assert sized is not None
+        tensor = parallelism["tensor"]
+        assert sized.kv_bytes_per_token == latent * tensor
+        chunk = -(-block * copies // 4096) * 4096
+        assert sized.host_kv_tokens == 100 * GIB // chunk * 16, parallelism
+
+
+def test_a_host_tier_no_larger_than_the_gpus_cache_is_a_warning() -> None:
+    """vLLM copies prompt blocks to the host tier as they are computed: a host tier that holds
+    no more tokens than the GPUs' cache holds nothing the GPUs do not."""
+    small = offload_service("meta-llama/Llama-3.1-8B-Instruct", "16Gi")
+    (warning,) = capacity_warnings(small)
+    assert "engine.kvOffload.size 16 GiB holds 131,072 tokens per replica, no more than" in warning
+    assert capacity_warnings(offload_service("meta-llama/Llama-3.1-8B-Instruct", "64Gi")) == []
+
+
+def test_the_summary_shows_both_tiers_and_the_pods_memory() -> None:
+    """`fleetpilot plan -o summary`: the GPUs' KV cache, then the host tier's tokens and
+    sequences with its size, and the pod's memory that pays for it."""
+    svc = offload_service("meta-llama/Llama-3.1-8B-Instruct", "64Gi", max_model_len=32768)
+    text = summarize(svc, plan(svc))
+    assert "    KV cache per replica: 448,312 tokens, 13 sequences of 32768" in text
+    assert (
+        "    host KV cache per replica: 524,288 tokens, 16 sequences of 32768  "
+        "(engine.kvOffload.size 64Gi, native)"
+    ) in text
+    assert (
+        "    pod memory: 137626Mi  (resources.memory 64Gi + 64 GiB of host KV cache + 10%" in text
+    )
+    unsized = service("acme/secret-13b", engine={"kvOffload": {"size": "8Gi"}})
+    text = summarize(unsized, plan(unsized))
+    assert "    host KV cache per replica: engine.kvOffload.size 8Gi, native" in text
+    plain = service("meta-llama/Llama-3.1-8B-Instruct", **H100)
+    assert "host KV cache" not in summarize(plain, plan(plain))

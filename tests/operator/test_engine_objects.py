@@ -341,3 +341,91 @@ def test_planned_pd_pods_hand_off_kv_between_pod_addresses(tmp_path: Path) -> No
         ]
         assert fallbacks
         assert all(line.endswith(" 0.0") for line in fallbacks), fallbacks
+
+
+# -- a host KV tier (engine.kvOffload): memory and /dev/shm of the pod ------------------------
+
+
+def _vllm_offload_tier(size: str, **extra: Any) -> dict[str, Any]:
+    resources = {
+        "gpuProduct": "NVIDIA-H100-80GB-HBM3",
+        "memory": "64Gi",
+        **extra.pop("resources", {}),
+    }
+    return make_tier(
+        "main",
+        model="meta-llama/Llama-3.1-8B-Instruct",
+        engine={"kvOffload": {"size": size}},
+        resources=resources,
+        **extra,
+    )
+
+
+def _engine(spec: dict[str, Any]) -> dict[str, Any]:
+    return spec["containers"][0]  # type: ignore[no-any-return]
+
+
+def _volume(spec: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return next((v for v in spec["volumes"] if v["name"] == name), None)
+
+
+def test_a_host_kv_tier_grows_the_vllm_pods_memory_and_dev_shm() -> None:
+    """vLLM pins the host tier in a /dev/shm file of the pod: its memory request and limit
+    grow by the tier and a 10% margin (64Gi + 70.4Gi = 137626Mi), and even a one-GPU pod
+    mounts a /dev/shm of the tier's size plus resources.sharedMemory (the runtime's 64 MiB
+    would make vLLM refuse to start). Without a tier, the spec's quantity as written."""
+    spec = pod_spec(planned(_vllm_offload_tier("64Gi")), "chat-main")
+    resources = _engine(spec)["resources"]
+    assert resources["requests"]["memory"] == resources["limits"]["memory"] == "137626Mi"
+    assert resources["requests"]["nvidia.com/gpu"] == "1"
+    assert _volume(spec, "dshm") == {
+        "name": "dshm",
+        "emptyDir": {"medium": "Memory", "sizeLimit": f"{80 * 1024}Mi"},  # 16Gi + 64Gi
+    }
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in _engine(spec)["volumeMounts"]
+    plain = make_tier("main", model="meta-llama/Llama-3.1-8B-Instruct")
+    spec = pod_spec(planned(plain), "chat-main")
+    assert _engine(spec)["resources"]["requests"]["memory"] == "64Gi"
+    assert _volume(spec, "dshm") is None
+
+
+def test_each_data_parallel_engine_of_a_pod_has_its_own_host_tier() -> None:
+    """--kv-offloading-size is per engine: a pod of 2 data-parallel ranks holds two tiers."""
+    spec = pod_spec(planned(_vllm_offload_tier("10Gi", parallelism={"data": 2})), "chat-main")
+    assert _engine(spec)["resources"]["limits"]["memory"] == f"{64 * 1024 + 22528}Mi"
+    assert _volume(spec, "dshm") == {
+        "name": "dshm",
+        "emptyDir": {"medium": "Memory", "sizeLimit": f"{(16 + 20) * 1024}Mi"},
+    }
+
+
+def test_the_pods_of_an_engine_over_two_nodes_each_fill_half_its_host_tier() -> None:
+    """One engine over two nodes (tensor 8 x pipeline 2 on nodes of 8): each pod's workers
+    fill their own half of the tier, so each asks for half (with the margin); but vLLM checks
+    /dev/shm has room for the whole region on every node before mapping it."""
+    tier = _vllm_offload_tier("200Gi", parallelism={"tensor": 8, "pipeline": 2})
+    tier["model"] = {"name": "meta-llama/Llama-3.1-405B-Instruct"}
+    objects = plan(make_service(tiers=[tier]))
+    (group,) = [o for o in objects if o["kind"] == "LeaderWorkerSet"]
+    templates = group["spec"]["leaderWorkerTemplate"]
+    for template in (templates["leaderTemplate"], templates["workerTemplate"]):
+        spec = template["spec"]
+        assert _engine(spec)["resources"]["requests"]["memory"] == f"{64 * 1024 + 112640}Mi"
+        assert _volume(spec, "dshm") == {
+            "name": "dshm",
+            "emptyDir": {"medium": "Memory", "sizeLimit": f"{(16 + 200) * 1024}Mi"},
+        }
+
+
+def test_a_reference_pods_memory_grows_by_its_host_tier() -> None:
+    """The reference engine holds its host tier in its own memory (no /dev/shm): its pod's
+    1Gi grows by the tier and the margin, in the request and the limit; CPU as before."""
+    spec = pod_spec(planned(reference_tier(engine={"kvOffload": {"size": "512Mi"}})), "chat-small")
+    resources = _engine(spec)["resources"]
+    assert resources["requests"] == {"cpu": "1", "memory": f"{1024 + 564}Mi"}
+    assert resources["limits"] == {"cpu": "2", "memory": f"{1024 + 564}Mi"}
+    assert _volume(spec, "dshm") is None
+    assert (
+        pod_spec(planned(reference_tier()), "chat-small")["containers"][0]["resources"]
+        == REFERENCE_RESOURCES
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 import yaml
 
 from fleetpilot.api import parse_service
+from fleetpilot.api.capacity import GIB
 from fleetpilot.api.router_config import ROUTER_CONFIG_FILE, RouterConfig
 from fleetpilot.api.status import ColdStartSample
 from fleetpilot.operator.cold_start import summarize
@@ -666,6 +668,12 @@ REFERENCE_REFUSALS = [
         "spec.tiers[0].engine.extraArgs",
         ["no vLLM arguments"],
     ),
+    (
+        "a host KV tier without prefix caching",
+        _reference(engine={"kvOffload": {"size": "1Gi"}, "kvCache": {"prefixCaching": False}}),
+        "spec.tiers[0].engine.kvOffload",
+        ["prefix hashes", "kvCache.prefixCaching false"],
+    ),
 ]
 
 
@@ -764,3 +772,70 @@ def test_model_cache_of_only_reference_tiers_is_refused() -> None:
         plan(make_service(tiers=[_reference()], modelCache={"size": "10Gi"}))
     assert info.value.field == "spec.modelCache"
     assert "every tier's engine.backend is reference" in info.value.message
+
+
+@pytest.mark.parametrize("flag", ["--kv-offloading-size=64", "--kv-offloading-backend"])
+def test_offloading_flags_in_extra_args_are_refused(flag: str) -> None:
+    """The host KV tier is engine.kvOffload: an offloading flag in extraArgs would size a tier
+    the pod's memory, /dev/shm and the planner's capacity know nothing of."""
+    tier = make_tier("main", engine={"extraArgs": [flag, "native"]})
+    with pytest.raises(PlanError) as info:
+        plan(make_service(tiers=[tier]))
+    assert info.value.field == "spec.tiers[0].engine.extraArgs[0]"
+
+
+def _offload_tier(size: str, **extra: Any) -> dict[str, Any]:
+    return make_tier(
+        "main",
+        model="meta-llama/Llama-3.1-8B-Instruct",
+        engine={"kvOffload": {"size": size}},
+        resources={"gpuProduct": "NVIDIA-H100-80GB-HBM3", "memory": "64Gi"},
+        **extra,
+    )
+
+
+def test_an_engine_pod_larger_than_a_node_is_refused_naming_the_host_tier() -> None:
+    """With the node's memory known, a pod asking for more than it (resources.memory plus the
+    host KV tier and its margin) could never be scheduled: refused at engine.kvOffload.size
+    with the numbers, instead of a Pending pod. At the node's size it plans."""
+    service = make_service(tiers=[_offload_tier("1Ti")])
+    with pytest.raises(PlanError) as info:
+        plan(service, PlanOptions(node_memory=1024 * GIB))
+    assert info.value.field == "spec.tiers[0].engine.kvOffload.size"
+    words = ["asks for 1190 GiB", "resources.memory 64Gi", "engine.kvOffload.size 1Ti", "10%"]
+    words += ["more than the 1024 GiB", "lower engine.kvOffload.size or resources.memory"]
+    for text in words:
+        assert text in info.value.message
+    asked = 64 * GIB + math.ceil(1024 * GIB * 1.1)
+    plan(service, PlanOptions(node_memory=asked))
+    with pytest.raises(PlanError):
+        plan(service, PlanOptions(node_memory=asked - 1))
+    plan(service)  # node memory unknown: not checked
+
+
+def test_a_pod_of_several_engines_asks_for_a_host_tier_each() -> None:
+    """Two data-parallel ranks in a pod are two engines, each with its own host tier (vLLM's
+    --kv-offloading-size is per engine): the refusal counts both and says so."""
+    service = make_service(tiers=[_offload_tier("100Gi", parallelism={"data": 2})])
+    plan(service, PlanOptions(node_memory=300 * GIB))
+    with pytest.raises(PlanError) as info:
+        plan(service, PlanOptions(node_memory=250 * GIB))
+    assert "engine.kvOffload.size 100Gi for each of its 2 data-parallel ranks" in info.value.message
+
+
+def test_a_pod_larger_than_a_node_without_a_host_tier_names_resources_memory() -> None:
+    tier = make_tier("main", resources={"memory": "2Ti"})
+    with pytest.raises(PlanError) as info:
+        plan(make_service(tiers=[tier]), PlanOptions(node_memory=1536 * GIB))
+    assert info.value.field == "spec.tiers[0].resources.memory"
+    assert "resources.memory 2Ti" in info.value.message
+
+
+def test_a_reference_pod_larger_than_a_node_is_refused_too() -> None:
+    """A reference engine's host tier is memory of its pod as well."""
+    tier = _reference(engine={"kvOffload": {"size": "8Gi"}})
+    with pytest.raises(PlanError) as info:
+        plan(make_service(tiers=[tier]), PlanOptions(node_memory=8 * GIB))
+    assert info.value.field == "spec.tiers[0].engine.kvOffload.size"
+    assert "the reference engine's own" in info.value.message
+    plan(make_service(tiers=[tier]), PlanOptions(node_memory=10 * GIB))
