@@ -205,6 +205,23 @@ EXPECTED = {
             ),
         },
     ),
+    "host-kv-offload.yaml": Example(
+        "support",
+        [("main", 1.0, "unified")],
+        {
+            "support-main": Engine(
+                "unified",
+                1,
+                1,
+                {
+                    "--kv-offloading-size": "128",
+                    "--kv-offloading-backend": "native",
+                    # Blocks in host memory published with their tokens, for the router.
+                    "--kv-transfer-config": '"self_describing_kv_events":true',
+                },
+            )
+        },
+    ),
     "local-two-tier.yaml": Example(
         "local",
         [("small", 0.4, "unified"), ("large", 1.0, "unified")],
