@@ -27,7 +27,7 @@ from fleetpilot.api.router_config import RouterConfig, RouterTier
 from fleetpilot.api.spec import RoleName, ServingMode
 from fleetpilot.routing.features import Kind, RequestFeatures
 from fleetpilot.routing.policies.candidates import HOME_CANDIDATES, holder_candidates
-from fleetpilot.routing.policies.kv_index import MAX_MATCH_BLOCKS, KVIndex
+from fleetpilot.routing.policies.kv_index import MAX_MATCH_BLOCKS, KVIndex, Match
 from fleetpilot.routing.policies.prefix import PrefixIndex, block_hashes, matched_blocks
 from fleetpilot.routing.policies.recent import RecentSends
 from fleetpilot.routing.policies.types import PickRequest
@@ -107,6 +107,8 @@ class Affinity:
         self.replicas = replicas
         self.clock = clock
         self.kv_index = kv_index if kv_index is not None else KVIndex()
+        # The index's bound while the config sets none (a simulator's own, or the default).
+        self._index_blocks = self.kv_index.max_blocks
         # Whether an event stream is heard from now (the KV-events client's ``has_events``).
         self.kv_live: Callable[[str], bool] = kv_live or (lambda _stream: False)
         # Per tier name, the tokenizer the app loaded for it; absent: guess from text.
@@ -116,9 +118,14 @@ class Affinity:
         self.configure(config)
 
     def configure(self, config: RouterConfig) -> None:
-        """Adopt a (re)loaded config; the guessed index is kept unless its size changed."""
+        """Adopt a (re)loaded config; the guessed index is kept unless its size changed, the
+        KV index always (its bound and its reading of host blocks follow the config)."""
         if config.prefix_index_blocks != self.prefix_index.capacity_blocks:
             self.prefix_index = PrefixIndex(config.prefix_index_blocks)
+        self.kv_index.host_blocks = config.kv_index.host_blocks
+        bound = config.kv_index.max_blocks or self._index_blocks
+        if bound != self.kv_index.max_blocks:
+            self.kv_index.resize(bound)
         self.config = config
         self._block_sizes = {
             (t.name, g.role): g.block_size for t in config.tiers for g in t.endpoints
@@ -207,11 +214,11 @@ class Affinity:
         known = large.ids if large is not None else frozenset(r.id for r in group)
         if not chained:
             return PickRequest(hashes, known), []
-        held = self.kv_index.match_keys(chained)
+        held = self.kv_index.match_tiers(chained)
         if large is None:
-            depths = self._depths(group, held, chained, now)
+            depths, hosts = self._depths(group, held, chained, now)
         else:
-            depths = self._large_depths(large, held, chained, now)
+            depths, hosts = self._large_depths(large, held, chained, now)
         # The KV-index keys are content hashes, the same in every router replica (the guessed
         # index's are salted per process), so only here can a tie be broken alike everywhere.
         deepest = max(depths.values(), default=0)
@@ -222,51 +229,70 @@ class Affinity:
             home = large.ring.successors(tie_key, HOME_CANDIDATES)
             candidates = tuple(dict.fromkeys([*holders, *home]))
         cached = {}
+        host = {}
         pressure = {}
         for rid in candidates if candidates is not None else (r.id for r in group):
             blocks = depths.get(rid, 0)
             if blocks:
                 cached[rid] = blocks / len(chained)
+                if hosts.get(rid):
+                    host[rid] = hosts[rid] / len(chained)
             streams = self.replicas[rid].kv_streams
             evicting = max(map(self.kv_index.eviction_pressure, streams))
             if evicting:
                 pressure[rid] = evicting
-        return PickRequest(hashes, known, cached, pressure, tie_key, candidates), chained
+        request = PickRequest(
+            hashes,
+            known,
+            cached,
+            host=host,
+            pressure=pressure,
+            tie_key=tie_key,
+            candidates=candidates,
+        )
+        return request, chained
 
     def _depths(
-        self,
-        group: Sequence[ReplicaState],
-        held: Mapping[str, int],
-        chained: list[bytes],
-        now: float,
-    ) -> dict[str, int]:
-        """Per replica of the group that holds some of the prompt, its leading blocks held."""
+        self, group: Sequence[ReplicaState], held: Match, chained: list[bytes], now: float
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """Per replica of the group that holds some of the prompt, its leading blocks held,
+        and of those the ones in host memory only (absent: none)."""
         depths = {}
+        hosts = {}
+        blocks_of, host_of = held.blocks, held.host
         for r in group:
-            blocks = max((held.get(s, 0) for s in r.kv_streams), default=0)
-            blocks = max(blocks, self.recent.matched(r.id, chained, now))
+            blocks = host = 0
+            for s in r.kv_streams:  # the data-parallel rank holding the most, on the device
+                got = blocks_of.get(s, 0)
+                if got > blocks or (got == blocks and host_of.get(s, 0) < host):
+                    blocks, host = got, host_of.get(s, 0)
+            blocks, host = with_recent(blocks, host, self.recent.matched(r.id, chained, now))
             if blocks:
                 depths[r.id] = blocks
-        return depths
+                if host:
+                    hosts[r.id] = host
+        return depths, hosts
 
     def _large_depths(
-        self, large: LargeGroup, held: Mapping[str, int], chained: list[bytes], now: float
-    ) -> dict[str, int]:
+        self, large: LargeGroup, held: Match, chained: list[bytes], now: float
+    ) -> tuple[dict[str, int], dict[str, int]]:
         """``_depths`` of a large group: read from the holders (by the KV index's ``held`` per
         stream, or by what this router just sent there), not from every replica."""
         depths: dict[str, int] = {}
+        hosts: dict[str, int] = {}
         owner = large.stream_owner
-        for stream, blocks in held.items():
+        for stream, blocks in held.blocks.items():
             rid = owner.get(stream)
             if rid is not None and blocks > depths.get(rid, 0):
                 depths[rid] = blocks
+                hosts[rid] = held.host.get(stream, 0)
         recent = self.recent
         for rid in recent.holders(chained, now, above=max(depths.values(), default=0)):
             if rid in large.ids:
-                blocks = recent.matched(rid, chained, now)
-                if blocks > depths.get(rid, 0):
-                    depths[rid] = blocks
-        return depths
+                depths[rid], hosts[rid] = with_recent(
+                    depths.get(rid, 0), hosts.get(rid, 0), recent.matched(rid, chained, now)
+                )
+        return depths, {rid: h for rid, h in hosts.items() if h}
 
     def uncached_tokens(
         self,
@@ -295,6 +321,19 @@ class Affinity:
         """The prompt's blocks the replica holds, by the evidence the pick read."""
         return matched_blocks(self.prefix_index, request, replica_id)
 
+    @staticmethod
+    def kv_blocks(
+        request: PickRequest, replica_id: str, chained: Sequence[bytes]
+    ) -> tuple[int, int, int] | None:
+        """The prompt's full KV blocks (``chained``) by where the replica gets them: from its
+        device cache, copied back from host memory, computed - when its engine's events judged
+        it (None: the guessed index did, which knows no media and no KV blocks)."""
+        if replica_id not in request.known:
+            return None
+        blocks = round(request.cached.get(replica_id, 0.0) * len(chained))
+        host = round(request.host.get(replica_id, 0.0) * len(chained))
+        return blocks - host, host, len(chained) - blocks
+
     def sent(
         self,
         replica_id: str,
@@ -309,6 +348,14 @@ class Affinity:
         if prefills:
             self.prefix_index.record(replica_id, hashes)
         self.recent.record(replica_id, chained, now)
+
+
+def with_recent(blocks: int, host: int, recent: int) -> tuple[int, int]:
+    """A replica's leading blocks held and host blocks among them, given the ``recent`` leading
+    blocks this router just sent there: those are on its device soon (computed, or copied back
+    from host memory), whatever its events said a moment ago."""
+    device = max(blocks - host, recent)
+    return max(blocks, recent), max(0, blocks - device)
 
 
 @dataclass(frozen=True)

@@ -365,6 +365,8 @@ class KVEventsClient:
             self.count(replica, "unknown_parent", applied.unknown_parent_blocks)
         if applied.invalid_events:
             self.count(replica, "invalid_event", applied.invalid_events)
+        if applied.placeholder_events:
+            self.count(replica, "placeholder", applied.placeholder_events)
         self.metrics.kv_index_blocks.set(self.index.blocks)
 
 

@@ -23,6 +23,8 @@ E2E_BUCKETS = (
 )
 # fmt: on
 MATCH_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
+# Where a prompt's KV blocks come from, in ``Route.kv_blocks`` order.
+KV_BLOCK_SOURCES = ("device", "host", "computed")
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -99,9 +101,18 @@ class RouterMetrics:
         )
         self.prefix_match = Histogram(
             p + "predicted_prefix_match_ratio",
-            "Predicted fraction of the prompt's blocks cached on the chosen replica.",
+            "Predicted fraction of the prompt's blocks cached on the chosen replica, on its device "
+            "or in host memory.",
             ["tier"],
             buckets=MATCH_BUCKETS,
+            registry=r,
+        )
+        self.kv_blocks = Counter(
+            p + "predicted_kv_blocks",
+            "Prompt KV blocks of the requests whose engines' KV events judged them, by where "
+            "the chosen (prefilling) replica was predicted to get them: device (its KV cache), "
+            "host (copied back from host memory: KV offloading) or computed.",
+            ["tier", "source"],
             registry=r,
         )
         self.spillovers = Counter(
@@ -213,7 +224,8 @@ class RouterMetrics:
             p + "kv_event_errors",
             "KV-event trouble by replica and cause: malformed, oversize, invalid_event, "
             "unknown_parent (blocks), gap, replay, replay_timeout, lost (batches), restart, "
-            "silent.",
+            "silent, placeholder (host-tier stores without content: the engine's offloading "
+            "connector needs kv_connector_extra_config.self_describing_kv_events).",
             ["replica", "cause"],
             registry=r,
         )
@@ -276,6 +288,7 @@ class RouterMetrics:
         self._e2e_children: dict[str, Any] = {}
         self._decision_children: dict[tuple[str, str], Any] = {}
         self._match_children: dict[str, Any] = {}
+        self._block_children: dict[str, tuple[Any, ...]] = {}
 
     # The hot path's label lookups, cached: prometheus_client's labels() costs a lock and a
     # tuple build per call, several times per request.
@@ -291,7 +304,12 @@ class RouterMetrics:
         e2e.observe(seconds)
 
     def count_decision(
-        self, tier: str, reason: str, prefix_match: float, source: str = "guessed"
+        self,
+        tier: str,
+        reason: str,
+        prefix_match: float,
+        source: str = "guessed",
+        kv_blocks: tuple[int, int, int] | None = None,
     ) -> None:
         by_source = self._source_children.get((tier, source))
         if by_source is None:
@@ -308,6 +326,15 @@ class RouterMetrics:
         if match is None:
             match = self._match_children[tier] = self.prefix_match.labels(tier)
         match.observe(prefix_match)
+        if kv_blocks is not None:
+            blocks = self._block_children.get(tier)
+            if blocks is None:
+                blocks = self._block_children[tier] = tuple(
+                    self.kv_blocks.labels(tier, s) for s in KV_BLOCK_SOURCES
+                )
+            for child, n in zip(blocks, kv_blocks, strict=True):
+                if n:
+                    child.inc(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

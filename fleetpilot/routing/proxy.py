@@ -277,7 +277,7 @@ class Proxy:
         exchange.route = route
         tier = route.tier
         self.metrics.count_decision(
-            tier.name, route.reason, route.prefix_match, route.prefix_source
+            tier.name, route.reason, route.prefix_match, route.prefix_source, route.kv_blocks
         )
         if route.tokenizer_failed:
             self.metrics.tokenizer_errors.labels(tier.name).inc()

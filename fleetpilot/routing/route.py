@@ -48,6 +48,10 @@ class Route:
     local_prefill: bool = False
     # What the prefilling replica's pick knew of the prompt (a retry picks with it again).
     request: PickRequest = field(default_factory=PickRequest)
+    # The prompt's full KV blocks by where the prefilling replica gets them - its device
+    # cache, host memory (KV offloading), computing them - when its engine's events judged
+    # it; None when the guessed index did (it knows no media, and counts text blocks).
+    kv_blocks: tuple[int, int, int] | None = None
 
     @property
     def sent_prefill_blocks(self) -> int:
@@ -83,9 +87,13 @@ class Route:
         *,
         addresses: bool = False,
     ) -> str:
-        """The ``x-fleetpilot-route`` value: tier, prefix-match, reason (and for a P/D tier
-        whether the prefill hop ran). Replica addresses only with ``addresses``: they are the
-        fleet's internal pod IPs, for debugging, not for every client to read."""
+        """The ``x-fleetpilot-route`` value: tier, prefix-match (the fraction of the prompt's
+        blocks the prefilling replica will not compute) and its source, where the engines'
+        events judged it the prompt's KV blocks by tier (``kv-blocks=device:12,host:4,
+        computed:8``: device cache hits, copies back from host memory, blocks to compute),
+        reason (and for a P/D tier whether the prefill hop ran). Replica addresses only with
+        ``addresses``: they are the fleet's internal pod IPs, for debugging, not for every
+        client to read."""
         parts = [f"tier={self.tier.name}"]
         if self.adapter is not None:
             parts.append(f"adapter={self.adapter}")
@@ -94,8 +102,11 @@ class Route:
         parts += [
             f"prefix-match={self.prefix_match:.2f}",
             f"prefix-source={self.prefix_source}",
-            f"reason={self.reason}",
         ]
+        if self.kv_blocks is not None:
+            device, host, computed = self.kv_blocks
+            parts.append(f"kv-blocks=device:{device},host:{host},computed:{computed}")
+        parts.append(f"reason={self.reason}")
         if self.spilled_from is not None:
             parts.append(f"spilled-from={self.spilled_from}")
         if self.disaggregated:

@@ -72,6 +72,8 @@ class _Placed:
     prefix_match: float = 0.0
     prefill_blocks: int = 0
     local_prefill: bool = False
+    # The prompt's KV blocks on the prefilling replica by source (``Route.kv_blocks``).
+    kv_blocks: tuple[int, int, int] | None = None
 
 
 class Router:
@@ -165,12 +167,14 @@ class Router:
     def affinity_scorers(self, block_cost: float = UNCACHED_BLOCK_COST) -> list[WeightedScorer]:
         """The scorers of unified and prefill picks as the config weighs them, an uncached
         prompt block priced at ``block_cost`` (benchmarks compare prices with
-        ``use_policies(scorers=router.affinity_scorers(1.0))``)."""
+        ``use_policies(scorers=router.affinity_scorers(1.0))``) and one in host memory at the
+        config's ``kvIndex.hostHitCost``."""
         config = self.config
+        scorer = PrefillCostScorer(
+            self.affinity.prefix_index, block_cost, config.kv_index.host_hit_cost
+        )
         return [
-            WeightedScorer(
-                PrefillCostScorer(self.affinity.prefix_index, block_cost), config.affinity.weight
-            ),
+            WeightedScorer(scorer, config.affinity.weight),
             WeightedScorer(LoadScorer(config.spillover.queue_threshold), config.load_weight),
             WeightedScorer(AdapterScorer(), config.adapter_weight),
         ]
@@ -299,6 +303,7 @@ class Router:
             tokenizer_failed=keys.failed,
             local_prefill=placed.local_prefill,
             request=placed.request,
+            kv_blocks=placed.kv_blocks,
         )
 
     def _disaggregated(
@@ -330,6 +335,7 @@ class Router:
                 prefix_match=request.cached.get(replica.id, 0.0),
                 prefill_blocks=local[1],
                 local_prefill=True,
+                kv_blocks=self.affinity.kv_blocks(request, replica.id, chained),
             )
         # Optional: with no sound prefill replica the decode replica prefills itself.
         placed = self._prefilled_at(
@@ -369,6 +375,7 @@ class Router:
             replica,
             prefix_match=matched / len(hashes) if hashes else 0.0,
             prefill_blocks=round(len(hashes) - matched),
+            kv_blocks=self.affinity.kv_blocks(request, replica.id, chained),
         )
 
     def _retry_pick(self, route: Route, tried: Iterable[str]) -> Pick | None:

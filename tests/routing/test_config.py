@@ -9,12 +9,14 @@ import pytest
 import yaml
 
 from fleetpilot.api import load_services
-from fleetpilot.api.router_config import ROUTER_CONFIG_FILE, RouterConfig
+from fleetpilot.api.router_config import ROUTER_CONFIG_FILE, HostBlocks, RouterConfig
 from fleetpilot.operator.plan_types import PlanOptions
 from fleetpilot.operator.planner import plan
 from fleetpilot.operator.router_objects import prefix_index_blocks, router_config
 from fleetpilot.routing.config import ConfigError, ConfigWatcher, load_config, parse_config
 from fleetpilot.routing.endpoints import StaticSource
+from fleetpilot.routing.policies.kv_index import DEFAULT_MAX_BLOCKS
+from fleetpilot.routing.policies.prefix import PrefillCostScorer
 from fleetpilot.routing.router import Router
 from tests.factories import make_service, make_tier
 from tests.routing.support import make_config, tier
@@ -82,6 +84,53 @@ def test_bad_configs_name_the_problem(text: str, message: str) -> None:
     """A bad config file is an error naming the field, not a traceback."""
     with pytest.raises(ConfigError, match=message):
         parse_config(text, "router.yaml")
+
+
+KV_INDEX_BASE = (
+    "service: x\nnamespace: y\n"
+    "tiers: [{name: a, model: m, upTo: 1.0, mode: unified, endpoints: []}]\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("kv_index", "message"),
+    [
+        ("{hostBlocks: gpu}", "kvIndex.hostBlocks: Input should be 'tiered', 'asDevice' or"),
+        ("{hostHitCost: 1.5}", "kvIndex.hostHitCost: Input should be less than or equal to 1"),
+        ("{hostHitCost: -0.1}", "kvIndex.hostHitCost: Input should be greater than or equal"),
+        ("{maxBlocks: 0}", "kvIndex.maxBlocks: Input should be greater than or equal to 1"),
+        ("{hostHitcost: 0.1}", "kvIndex.hostHitcost: Extra inputs are not permitted"),
+    ],
+)
+def test_bad_kv_index_settings_name_the_field(kv_index: str, message: str) -> None:
+    """kvIndex's host-tier reading, host hit cost (a fraction of a prefill, 0..1) and bound
+    are checked when the config loads, each refusal naming its field."""
+    with pytest.raises(ConfigError, match=message):
+        parse_config(KV_INDEX_BASE + f"kvIndex: {kv_index}\n", "router.yaml")
+
+
+def test_kv_index_settings_default_to_the_tiered_reading_and_reach_the_router() -> None:
+    """Unset, host blocks are tiered at 0.1 of a prefill and the index keeps its own bound; set,
+    the router's index and its prefill-cost scorer follow the config, a reload included."""
+    config = parse_config(KV_INDEX_BASE)
+    assert (config.kv_index.host_blocks, config.kv_index.host_hit_cost) == (HostBlocks.TIERED, 0.1)
+    router = Router(config, StaticSource(config))
+    assert router.kv_index.max_blocks == DEFAULT_MAX_BLOCKS
+    scorer = router.affinity_scorers()[0].scorer
+    assert isinstance(scorer, PrefillCostScorer)
+    assert scorer.host_hit_cost == 0.1
+    tuned = parse_config(
+        KV_INDEX_BASE + "kvIndex: {hostBlocks: asDevice, hostHitCost: 0.25, maxBlocks: 1000}\n"
+    )
+    router.apply_config(tuned)
+    assert router.kv_index.host_blocks is HostBlocks.AS_DEVICE
+    assert router.kv_index.max_blocks == 1000
+    scorer = router.affinity_scorers()[0].scorer
+    assert isinstance(scorer, PrefillCostScorer)
+    assert scorer.host_hit_cost == 0.25
+    router.apply_config(config)
+    assert router.kv_index.host_blocks is HostBlocks.TIERED
+    assert router.kv_index.max_blocks == DEFAULT_MAX_BLOCKS
 
 
 def test_missing_file(tmp_path: Path) -> None:

@@ -406,6 +406,13 @@ class KVIndex:
         if end is not None:
             host[owner] = n - end
 
+    def resize(self, max_blocks: int) -> None:
+        """Bound the index at ``max_blocks`` entries from now on, evicting down to it."""
+        if max_blocks < 1:
+            raise ValueError("max_blocks must be at least 1")
+        self.max_blocks = max_blocks
+        self._evict()
+
     # -- events ------------------------------------------------------------------------------
     def apply(self, replica: str, events: Iterable[Event]) -> Applied:
         """Apply one batch's events, in order, for ``replica``."""

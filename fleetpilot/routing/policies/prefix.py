@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from fleetpilot.api.router_config import HOST_HIT_COST
 from fleetpilot.routing.policies.types import PickRequest, ReplicaView
 
 # What a prompt block a replica must compute costs, in blocks of waiting (``PrefillCostScorer``):
@@ -115,15 +116,23 @@ class PrefixIndex:
 
 
 def matched_blocks(index: PrefixIndex, request: PickRequest, replica_id: str) -> float:
-    """The leading blocks of the request's prompt (in ``hashes`` units) the replica caches:
-    by its engine's KV events when they speak for it, else by the guessed index."""
+    """The leading blocks of the request's prompt (in ``hashes`` units) the replica caches, on
+    its device or in host memory: by its engine's KV events when they speak for it, else by
+    the guessed index."""
     if replica_id in request.known:
         return request.cached.get(replica_id, 0.0) * len(request.hashes)
     return index.matched_blocks(replica_id, request.hashes)
 
 
+def host_blocks(request: PickRequest, replica_id: str) -> float:
+    """Of ``matched_blocks``, those in the replica's host memory only (its engine's KV events
+    say so; the guessed index knows no media)."""
+    return request.host.get(replica_id, 0.0) * len(request.hashes)
+
+
 class PrefixScorer:
-    """Scorer: the fraction of the prompt's blocks predicted to be cached on each replica."""
+    """Scorer: the fraction of the prompt's blocks predicted to be cached on each replica, on
+    any medium (medium-blind: the baselines that use it weigh tiers alike)."""
 
     name = "prefix"
 
@@ -167,6 +176,20 @@ class PrefillCostScorer:
     cold prompts (``fleetpilot simulate``, 8 H100s, 400 tenants: TTFT p95 351 ms against
     longest-prefix match's 178; at 2, 73 ms; ``bench/simulate_whatifs.py hot-tenants``).
 
+    A block the replica holds in host memory only (KV offloading: after its device prefix,
+    ``PickRequest.host``) costs ``host_hit_cost`` (the router config's ``kvIndex.hostHitCost``,
+    derived at ``HOST_HIT_COST``): the copy back to the GPU, a tenth of its prefill or less,
+    which this request waits for and nobody else - vLLM's connector copies it while the
+    engine runs the batch on. The device block the copy fills evicts another, as a miss's
+    would, but on an offloading engine what it evicts stays in host memory, a copy away, so
+    eviction pressure adds only ``c`` times itself and is left out. So with ``c`` that cost,
+    ``m`` the price of an uncached block above and ``h`` the host blocks:
+
+        cost = pending + ahead + m * (total - matched) + c * h    (``matched`` counts ``h``)
+
+    a device hit costs nothing, a host hit ``c``, a miss ``m >= 1``: between the two, and a
+    host hit outweighs a miss as long as ``c < m``.
+
     Cache affinity and load in one currency, without a hard filter: a hot tenant's concurrent
     requests stay where their prefix is while the queue there costs less than computing the
     prompt afresh elsewhere, and spread once it costs more - sooner onto a replica with room,
@@ -176,11 +199,19 @@ class PrefillCostScorer:
 
     name = "prefill-cost"
 
-    def __init__(self, index: PrefixIndex, block_cost: float = UNCACHED_BLOCK_COST) -> None:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        block_cost: float = UNCACHED_BLOCK_COST,
+        host_hit_cost: float = HOST_HIT_COST,
+    ) -> None:
         if block_cost < 1.0:
             raise ValueError("an uncached block costs at least its own prefill (1)")
+        if not 0.0 <= host_hit_cost <= 1.0:
+            raise ValueError("a host block costs between a device hit (0) and a prefill (1)")
         self.index = index
         self.block_cost = block_cost
+        self.host_hit_cost = host_hit_cost
 
     def score(self, request: PickRequest, replicas: Sequence[ReplicaView]) -> dict[str, float]:
         total = len(request.hashes)
@@ -189,6 +220,7 @@ class PrefillCostScorer:
         # replica that gets the group's mean traffic, in proportion elsewhere.
         behind = self.block_cost - 1.0
         mean = sum(v.recent_sends for v in replicas) / len(replicas) if replicas else 0.0
+        host = self.host_hit_cost
         costs = {
             v.id: v.pending_prefill
             + v.ahead
@@ -199,6 +231,7 @@ class PrefillCostScorer:
                 + v.ahead
             )
             * (total - matched_blocks(self.index, request, v.id))
+            + host * host_blocks(request, v.id)
             for v in replicas
         }
         best = min(costs.values(), default=0.0)

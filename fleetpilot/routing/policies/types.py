@@ -77,6 +77,10 @@ class PickRequest:
     # ``hashes``.
     known: frozenset[str] = frozenset()
     cached: Mapping[str, float] = field(default_factory=dict)
+    # Of ``cached``, the fraction of the prompt's blocks each replica holds in host memory
+    # only (KV offloading): the run after its device prefix, which its engine copies back
+    # instead of computing (absent: none; ``KVIndex.match_tiers``).
+    host: Mapping[str, float] = field(default_factory=dict)
     # Of the known replicas, how hard each engine is evicting now, in [0, 1]
     # (``KVIndex.eviction_pressure``; absent: not evicting, or not known).
     pressure: Mapping[str, float] = field(default_factory=dict)

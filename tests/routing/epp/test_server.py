@@ -25,7 +25,11 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fleetpilot.api.router_config import AuthConfig, TenantKeys
+from fleetpilot.engine.reference_launch import REFERENCE_TOKENIZER
+from fleetpilot.kv_events import MEDIUM_CPU, BlockHash, BlockStored
 from fleetpilot.routing.epp import protocol, tls
+from fleetpilot.routing.policies.recent import RecentSends
+from fleetpilot.routing.tokenizer.request import RequestTokenizer
 from fleetpilot.runtime.processes import free_port
 from tests.routing.support import (
     HARD,
@@ -442,6 +446,46 @@ async def test_a_reply_through_the_gateway_is_remembered_for_the_next_turn(strea
         await wait_for(lambda: tokenizer.replies)
         reply = "".join(f"{name}-{i} " for i in range(20)) if stream else f"from {name}"
         assert tokenizer.replies == [reply]
+
+
+async def test_the_picker_says_the_prompts_blocks_by_tier_as_the_router_hop_does() -> None:
+    """Issue 46: with the prompt in the engine's host memory only (its KV events say so), the
+    picker's pick and the router hop's answer carry the same kv-blocks - all host, none
+    computed - and both decisions are counted by tier."""
+    engine = FakeEngine("e")
+    async with engines(engine), picker_for([tokenizer_tier(engine)]) as running:
+        state = running.router.state
+        await wait_for(lambda: "small" in state.router.tokenizers, timeout_s=20)
+        state.router.affinity.kv_live = lambda _stream: True
+        messages = [SYSTEM, {"role": "user", "content": "where is my order?"}]
+        tokens = RequestTokenizer.from_dir(REFERENCE_TOKENIZER).token_ids(
+            "chat", {"messages": messages}
+        )
+        full = len(tokens) // 16
+        hashes: list[BlockHash] = list(range(full))
+        stored = BlockStored(hashes, None, tokens[: full * 16], 16, None, MEDIUM_CPU, None)
+        state.kv_index.apply(engine.address, [stored])
+        body = {"model": "sm", "messages": messages}
+        gateway = running.gateway()
+        picked = await gateway.request(body)
+        picked_route = set_headers(picked.response)["x-fleetpilot-route"]
+        assert f"kv-blocks=device:0,host:{full},computed:0" in picked_route
+        status, _ = await gateway.relay(picked)
+        assert status == 200
+        # What the pick just sent there is on the engine's device by now, as far as the
+        # router knows: forget it, so the router hop reads the same evidence.
+        state.router.affinity.recent = RecentSends()
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(running.router.url + "/v1/chat/completions", json=body) as resp,
+        ):
+            assert resp.status == 200
+            hop_route = resp.headers["x-fleetpilot-route"]
+        assert hop_route == picked_route
+        counted = running.router.metric(
+            "fleetpilot_router_predicted_kv_blocks_total", tier="small", source="host"
+        )
+        assert counted == 2 * full
 
 
 async def test_the_picker_serves_over_tls_with_the_certificate_it_made(

@@ -209,3 +209,54 @@ def test_with_even_traffic_an_uncached_block_costs_as_before() -> None:
             ReplicaView("b", 4, recent_sends=7.0)]  # fmt: skip
     request = PickRequest(list(range(1, 11)))
     assert scorer.score(request, plain) == scorer.score(request, even)
+
+
+# ---- a second KV tier: blocks in host memory (issue 46) ------------------------------------
+
+
+def tiered(cached: dict[str, float], host: dict[str, float]) -> PickRequest:
+    """A prompt of 10 blocks the engines' KV events judged for replicas ``dev``, ``host`` and
+    ``miss``: ``cached`` the fraction each holds (device prefix and host run), ``host`` the
+    part of it in host memory only."""
+    return PickRequest(list(range(10)), frozenset(["dev", "host", "miss"]), cached, host=host)
+
+
+THREE = [ReplicaView("dev", 4), ReplicaView("host", 4), ReplicaView("miss", 4)]
+
+
+def test_a_host_block_prices_between_a_device_hit_and_a_miss() -> None:
+    """The same 8 of 10 blocks on the device, copied back from host memory, or nowhere: the
+    device replica scores best, the host one close behind (8 copies at 0.1 a block, against
+    16 blocks of prefill priced at 2), the cold one last."""
+    request = tiered({"dev": 0.8, "host": 0.8}, {"host": 0.8})
+    scores = PrefillCostScorer(PrefixIndex(100)).score(request, THREE)
+    assert scores["dev"] > scores["host"] > scores["miss"]
+    # cost: dev 2 x 2 = 4; host 4 + 0.1 x 8 = 4.8; miss 2 x 10 = 20 (a prompt of 10 is 1.0)
+    assert scores == pytest.approx({"dev": 1.0, "host": 1.0 - 0.08, "miss": 1.0 - 1.0})
+
+
+def test_the_host_hit_cost_is_tunable_from_a_device_hit_to_a_prefill() -> None:
+    """At 0 a host block is a device hit; at 1, with a block priced at its own prefill only,
+    it is a miss; outside 0..1 the scorer refuses it."""
+    request = tiered({"dev": 0.8, "host": 0.8}, {"host": 0.8})
+    free = PrefillCostScorer(PrefixIndex(100), host_hit_cost=0.0).score(request, THREE)
+    assert free["dev"] == free["host"] == 1.0
+    dear = PrefillCostScorer(PrefixIndex(100), block_cost=1.0, host_hit_cost=1.0)
+    scores = dear.score(tiered({"dev": 0.8, "host": 0.8}, {"host": 0.8}), THREE)
+    assert scores["host"] == pytest.approx(scores["miss"])
+    assert scores["dev"] > scores["host"]
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="between a device hit"):
+            PrefillCostScorer(PrefixIndex(100), host_hit_cost=bad)
+
+
+def test_a_host_hit_beats_a_device_hit_behind_a_long_prefill_queue() -> None:
+    """Host copies cost this request's wait only: a replica holding the prompt in host memory
+    wins over one holding it on the device behind 5 blocks of others' prefill, and loses to
+    it once the queue is gone."""
+    request = tiered({"dev": 1.0, "host": 1.0}, {"host": 1.0})
+    queued = [ReplicaView("dev", 4, pending_prefill=5.0), ReplicaView("host", 4)]
+    scorer = PrefillCostScorer(PrefixIndex(100))
+    assert scorer.score(request, queued)["host"] > scorer.score(request, queued)["dev"]
+    idle = [ReplicaView("dev", 4), ReplicaView("host", 4)]
+    assert scorer.score(request, idle)["dev"] > scorer.score(request, idle)["host"]
