@@ -46,6 +46,15 @@ GOLDEN = {
         "--gpu-memory-utilization 0.9 --max-num-seqs 256 --block-size 16 "
         "--enable-prefix-caching --kv-cache-dtype auto" + KV_EVENTS
     ),
+    ("host-kv-offload.yaml", "main", "unified"): (
+        f"vllm serve meta-llama/Llama-3.1-8B-Instruct --served-model-name llama-8b {COMMON} "
+        "--tensor-parallel-size 1 --pipeline-parallel-size 1 --dtype auto --max-model-len 32768 "
+        "--gpu-memory-utilization 0.9 --max-num-seqs 256 --block-size 16 "
+        "--enable-prefix-caching --kv-cache-dtype auto "
+        "--kv-offloading-size 128 --kv-offloading-backend native "
+        """--kv-transfer-config '{"kv_connector_extra_config":{"self_describing_kv_events":"""
+        """true}}'""" + KV_EVENTS
+    ),
     ("two-tier.yaml", "small", "unified"): (
         f"vllm serve /models/qwen2.5-7b-instruct-awq --served-model-name qwen-7b {COMMON} "
         "--tensor-parallel-size 1 --pipeline-parallel-size 1 --dtype auto --max-model-len 8192 "
