@@ -119,6 +119,20 @@ class Route:
     replica: str | None = None
     prefix_match: float | None = None
     reason: str | None = None
+    # The prompt's KV blocks by where the replica gets them (device, host, computed), when
+    # the engines' KV events judged the request (``kv-blocks=device:12,host:4,computed:8``).
+    kv_blocks: tuple[int, int, int] | None = None
+
+
+def kv_blocks_of(value: str | None) -> tuple[int, int, int] | None:
+    """``device:12,host:4,computed:8`` as (12, 4, 8); None for a missing or malformed one."""
+    if not value:
+        return None
+    counts = dict(part.partition(":")[::2] for part in value.split(","))
+    try:
+        return int(counts["device"]), int(counts["host"]), int(counts["computed"])
+    except (KeyError, ValueError):
+        return None
 
 
 def route_fields(value: str | None) -> dict[str, str]:
@@ -132,7 +146,8 @@ def route_fields(value: str | None) -> dict[str, str]:
 
 
 def parse_route(value: str | None) -> Route:
-    """``tier=small; replica=...; prefix-match=0.50; reason=...`` (unknown keys ignored)."""
+    """``tier=small; replica=...; prefix-match=0.50; kv-blocks=...; reason=...`` (unknown keys
+    ignored)."""
     if not value:
         return Route()
     fields = route_fields(value)
@@ -141,7 +156,13 @@ def parse_route(value: str | None) -> Route:
         match = float(fields["prefix-match"])
     except (KeyError, ValueError):
         match = None
-    return Route(fields.get("tier"), fields.get("replica"), match, fields.get("reason"))
+    return Route(
+        fields.get("tier"),
+        fields.get("replica"),
+        match,
+        fields.get("reason"),
+        kv_blocks_of(fields.get("kv-blocks")),
+    )
 
 
 @dataclass

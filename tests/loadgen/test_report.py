@@ -45,6 +45,22 @@ def test_parse_route_header() -> None:
     assert parse_route("garbage") == Route()
 
 
+def test_parse_route_header_kv_blocks_by_tier() -> None:
+    """A route the engines' KV events judged carries the prompt's KV blocks by tier (device
+    cache, host memory, computed): they parse into counts; a malformed or partial one is
+    none, and the rest of the route still parses."""
+    header = (
+        "tier=small; prefix-match=0.67; prefix-source=events; "
+        "kv-blocks=device:12,host:4,computed:8; reason=complexity"
+    )
+    route = parse_route(header)
+    assert route == Route("small", None, 0.67, "complexity", (12, 4, 8))
+    assert parse_route(header.replace("host:4,", "")).kv_blocks is None
+    assert parse_route(header.replace("host:4", "host:x")) == Route(
+        "small", None, 0.67, "complexity"
+    )
+
+
 def ok(i: int, ttft: float, tpot: float, e2e: float, tier: str | None, **kw: int) -> RequestRecord:
     return RequestRecord(
         index=i,
