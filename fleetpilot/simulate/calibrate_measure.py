@@ -88,6 +88,8 @@ class _EngineInfo:
 
     num_blocks: int
     block_size: int
+    kv_bytes_per_block: int
+    host_bandwidth_bytes_per_s: float
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_prefix_caching: bool
@@ -161,8 +163,12 @@ def _profile(
     engine = session.engine
     fit = fit_step_costs(session.steps)
     prefill_base = fit_prefill_base(session.ttft)
+    kv_bytes_per_token = engine.kv_bytes_per_block // engine.block_size
     costs = dataclasses.replace(
         fit.costs,
+        # A reference engine with a host tier paces its copies back at its link's bandwidth
+        # (--kv-offload-gb-per-second); the copy itself is a memcpy, small beside that.
+        host_load_per_token_s=kv_bytes_per_token / engine.host_bandwidth_bytes_per_s,
         prefill_base_s=prefill_base,
         first_token_per_stream_s=fit_per_stream(session.gaps, prefill_base),
         transfer_per_token_s=fit_transfer(session.pulls, fit, prefill_base),
@@ -177,7 +183,12 @@ def _profile(
         message_tokens=session.tokenization[1],
     )
     profile = MeasuredProfile(
-        SERVED_NAME, _source(engine, quick), costs, shape, router_s=fit_router(router)
+        SERVED_NAME,
+        _source(engine, quick),
+        costs,
+        shape,
+        router_s=fit_router(router),
+        kv_bytes_per_token=kv_bytes_per_token,
     )
     return fit, profile
 

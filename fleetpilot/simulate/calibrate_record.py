@@ -57,6 +57,8 @@ class StepRecorder:
     def attach(self, engine: LLMEngine) -> LLMEngine:
         import torch  # the engine process has it loaded already
 
+        from fleetpilot.engine.reference.offload import DEFAULT_BANDWIDTH_BYTES_PER_S
+
         schedule, step = engine.scheduler.schedule, engine.step
 
         def planned() -> SchedulerOutput:
@@ -79,6 +81,13 @@ class StepRecorder:
         config = engine.config
         self.engine = {
             "num_blocks": engine.kv.num_blocks,
+            "kv_bytes_per_block": engine.kv.spec.bytes_per_block,
+            # What paces its copies back from a host tier: the one it has, else the default.
+            "host_bandwidth_bytes_per_s": (
+                config.kv_offload.bandwidth_bytes_per_s
+                if config.kv_offload is not None
+                else DEFAULT_BANDWIDTH_BYTES_PER_S
+            ),
             "block_size": config.block_size,
             "max_num_seqs": config.max_num_seqs,
             "max_num_batched_tokens": config.max_num_batched_tokens,

@@ -31,7 +31,7 @@ from typing import Any
 
 from fleetpilot import files
 from fleetpilot.api import ResolvedRole
-from fleetpilot.api.capacity import architecture_of, role_capacity
+from fleetpilot.api.capacity import architecture_of, kv_offload_bytes, role_capacity
 
 # Tokens per character of English text with Llama/Qwen-style BPE vocabularies (the router's
 # features assume the same: fleetpilot.routing.features.CHARS_PER_TOKEN).
@@ -143,6 +143,11 @@ class Gpu:
     # weights' load time is added at ``weights_load_bandwidth``.
     start_overhead_s: float = 60.0
     weights_load_bandwidth: float = 2e9  # bytes/s from a PVC or node-local cache
+    # The host KV tier's copy back (engine.kvOffload), each GPU over its own PCIe link:
+    # Gen5 x16 (H100, H200) carries 64 GB/s a direction, Gen4 x16 (A100, L40S, L4) 32; pinned
+    # DMA reaches ~80% of that, and the copies share the link with the running batch's
+    # traffic, so ~60% is taken.
+    host_bandwidth: float = 40e9
 
 
 # Dense BF16 peak and memory bandwidth from NVIDIA's datasheets (sparsity figures halved away).
@@ -152,12 +157,15 @@ class Gpu:
 # at low load (vLLM blog "vLLM v0.6.0: 2.7x Throughput Improvement and 5x Latency Reduction",
 # 2024-09-05, Llama 3 8B on one H100) and ~12.5k output tokens/s for Llama 3.1 8B on one H100
 # (third-party benchmarks collected at morphllm.com/vllm-benchmarks, 2026).
+_GEN4 = 20e9  # PCIe Gen4 x16 at ~60%, as host_bandwidth's comment
 H100 = Gpu("h100", dense_bf16_flops=989e12, memory_bandwidth=3.35e12)
 H200 = Gpu("h200", dense_bf16_flops=989e12, memory_bandwidth=4.8e12)
-A100 = Gpu("a100", dense_bf16_flops=312e12, memory_bandwidth=2.039e12)
-A100_PCIE = Gpu("a100-pcie", dense_bf16_flops=312e12, memory_bandwidth=1.935e12)
-L40S = Gpu("l40s", dense_bf16_flops=362e12, memory_bandwidth=0.864e12)
-L4 = Gpu("l4", dense_bf16_flops=121e12, memory_bandwidth=0.3e12)
+A100 = Gpu("a100", dense_bf16_flops=312e12, memory_bandwidth=2.039e12, host_bandwidth=_GEN4)
+A100_PCIE = Gpu(
+    "a100-pcie", dense_bf16_flops=312e12, memory_bandwidth=1.935e12, host_bandwidth=_GEN4
+)
+L40S = Gpu("l40s", dense_bf16_flops=362e12, memory_bandwidth=0.864e12, host_bandwidth=_GEN4)
+L4 = Gpu("l4", dense_bf16_flops=121e12, memory_bandwidth=0.3e12, host_bandwidth=_GEN4)
 GPUS: dict[str, Gpu] = {g.name: g for g in (H100, H200, A100, A100_PCIE, L40S, L4)}
 # By the nvidia.com/gpu.product label, as api.capacity.GPU_MEMORY.
 GPU_BY_PRODUCT: dict[str, Gpu] = {
@@ -228,6 +236,7 @@ def roofline(gpu: Gpu, role: ResolvedRole) -> RoleModel:
         # of context they are a small share of the 2 x parameters a token.
         prefill_per_context_token_s=capacity.kv_bytes_per_token / bandwidth / ranks,
         transfer_per_token_s=capacity.kv_bytes_per_token / gpu.transfer_bandwidth,
+        host_load_per_token_s=capacity.kv_bytes_per_token / (gpu.host_bandwidth * per_rank) / ranks,
         cold_start_s=gpu.start_overhead_s
         + capacity.weights_per_gpu_bytes / gpu.weights_load_bandwidth,
     )
@@ -237,6 +246,7 @@ def roofline(gpu: Gpu, role: ResolvedRole) -> RoleModel:
         block_size=engine.kv_cache.block_size,
         max_num_seqs=engine.max_num_seqs * ranks,
         max_num_batched_tokens=(engine.max_num_batched_tokens or 8192) * ranks,
+        host_kv_tokens=capacity.host_kv_tokens,
     )
     return RoleModel(costs, shape, per_rank * ranks)
 
@@ -255,10 +265,15 @@ class MeasuredProfile:
     # engine's directly (its parse, features, pick and relay). A GPU profile has none: the
     # router runs on CPUs whatever the engines run on, and a simulated router decides free.
     router_s: float = 0.0
+    # The measured engine's KV bytes a token (what a host tier of engine.kvOffload.size holds);
+    # 0 in a profile from before host tiers, which then cannot time a tier with one.
+    kv_bytes_per_token: int = 0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.router_s) and self.router_s >= 0):
             raise ValueError(f"router_s must be a finite number >= 0, not {self.router_s}")
+        if self.kv_bytes_per_token < 0:
+            raise ValueError(f"kv_bytes_per_token must be >= 0, not {self.kv_bytes_per_token}")
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -267,6 +282,7 @@ class MeasuredProfile:
             "costs": asdict(self.costs),
             "shape": asdict(self.shape),
             "router_s": self.router_s,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
         }
 
     @classmethod
@@ -278,6 +294,7 @@ class MeasuredProfile:
                 costs=EngineCosts(**data["costs"]),
                 shape=EngineShape(**data["shape"]),
                 router_s=float(data.get("router_s", 0.0)),
+                kv_bytes_per_token=int(data.get("kv_bytes_per_token", 0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ProfileError(f"not a measured profile: {e}") from None
@@ -285,6 +302,7 @@ class MeasuredProfile:
     def role_model(self, role: ResolvedRole) -> RoleModel:
         engine = role.tier.engine
         shape = EngineShape(
+            host_kv_tokens=self._host_kv_tokens(role),
             kv_tokens=self.shape.kv_tokens,
             block_size=self.shape.block_size,
             max_num_seqs=min(engine.max_num_seqs, self.shape.max_num_seqs),
@@ -293,6 +311,20 @@ class MeasuredProfile:
             message_tokens=self.shape.message_tokens,
         )
         return RoleModel(self.costs, shape, role.parallelism.gpus)
+
+    def _host_kv_tokens(self, role: ResolvedRole) -> int:
+        """The tokens ``engine.kvOffload.size`` holds on the measured engine: whole blocks."""
+        offload = kv_offload_bytes(role.tier.engine)
+        if offload is None:
+            return 0
+        if self.kv_bytes_per_token <= 0:
+            raise ProfileError(
+                f"tier {role.tier.name!r} has engine.kvOffload, but profile {self.name!r} does "
+                "not record its engine's KV bytes a token (it predates host tiers): run "
+                "fleetpilot simulate calibrate again"
+            )
+        block = self.shape.block_size
+        return offload // (self.kv_bytes_per_token * block) * block
 
 
 # None: each tier's own GPU, by its resources.gpuProduct.

@@ -75,6 +75,10 @@ def test_the_recorder_counts_what_each_step_ran() -> None:
     assert recorder.engine == {
         "num_blocks": engine.kv.num_blocks,
         "block_size": 16,
+        # The tiny preset: K and V x 3 layers x 2 KV heads x 16 dims x 4 bytes, 16 a block.
+        "kv_bytes_per_block": 16 * 768,
+        # No host tier: the default link a reference engine's would copy back over.
+        "host_bandwidth_bytes_per_s": 25e9,
         "max_num_seqs": 16,
         "max_num_batched_tokens": 512,
         "enable_prefix_caching": True,

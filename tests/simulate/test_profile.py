@@ -74,6 +74,19 @@ def test_shape_is_the_planner_capacity() -> None:
     assert model.gpus == 1
 
 
+def test_the_host_tier_is_the_planners_and_copies_back_at_the_pcie_rate() -> None:
+    """128 GiB of host KV beside an 8B model on one H100: the planner's host tokens, and a
+    token's 128 KiB copied back at 40 GB/s - about a tenth of computing it (~25k tokens/s)."""
+    tier = {"engine": {"kvOffload": {"size": "128Gi"}}}
+    model = roofline(H100, role("meta-llama/Llama-3.1-8B-Instruct", **tier))
+    assert model.shape.host_kv_tokens == 1_048_576  # 128 GiB / 128 KiB
+    assert model.costs.host_load_per_token_s == pytest.approx(131_072 / 40e9)
+    ratio = model.costs.host_load_per_token_s / model.costs.prefill_per_token_s
+    assert 0.05 < ratio < 0.2
+    without = roofline(H100, role("meta-llama/Llama-3.1-8B-Instruct"))
+    assert without.shape.host_kv_tokens == 0
+
+
 def test_auto_profile_follows_each_tiers_gpu_and_names_an_unknown_one() -> None:
     l40s = role_model(
         None, role("meta-llama/Llama-3.1-8B-Instruct", resources={"gpuProduct": "NVIDIA-L40S"})
@@ -104,6 +117,7 @@ def test_measured_profile_round_trips_through_its_file(tmp_path: Path) -> None:
             chars_per_token=1.1,
         ),
         router_s=0.002,
+        kv_bytes_per_token=768,
     )
     path = tmp_path / "p.json"
     path.write_text(json.dumps(profile.to_json()))
@@ -111,15 +125,26 @@ def test_measured_profile_round_trips_through_its_file(tmp_path: Path) -> None:
     # A file from before the newer fields holds none of them: they default to 0.
     old = profile.to_json()
     del old["router_s"]
+    del old["kv_bytes_per_token"]
     for name in ("first_token_per_stream_s", "prefill_per_context_token_s", "prefill_per_pair_s"):
         del old["costs"][name]
     path.write_text(json.dumps(old))
-    assert load_profile(str(path)) == dataclasses.replace(profile, router_s=0.0)
+    before = load_profile(str(path))
+    assert before == dataclasses.replace(profile, router_s=0.0, kv_bytes_per_token=0)
     # Every role runs as the measured engine, with the tier's own batch limit if lower.
     model = role_model(profile, role("whatever", engine={"maxNumSeqs": 4}))
     assert model.costs == profile.costs
     assert model.shape.max_num_seqs == 4
     assert model.shape.kv_tokens == 8192
+    assert model.shape.host_kv_tokens == 0
+    # A host tier holds what its size holds of the measured engine's KV, in whole blocks:
+    # 1 MiB / (768 B x 16) = 85 blocks.
+    offloading = role("whatever", engine={"backend": "reference", "kvOffload": {"size": "1Mi"}})
+    assert role_model(profile, offloading).shape.host_kv_tokens == 85 * 16
+    # A profile from before host tiers cannot say.
+    assert isinstance(before, MeasuredProfile)
+    with pytest.raises(ProfileError, match="calibrate again"):
+        role_model(before, offloading)
 
 
 @pytest.mark.parametrize("text", ["b300", "/nonexistent/profile.json"])
