@@ -280,6 +280,7 @@ class LLMEngine:
         self._d2h = TransferLink(bandwidth)
         self._transfers: list[Transfer] = []
         self._host_generation = 0  # resets of the host tier; older transfers are void
+        self._host_finished: list[str] = []  # requests finished since the last step began
         if offload is not None:
             num_host_blocks = offload.num_blocks(self.kv.spec)
             if num_host_blocks < 1:
@@ -533,10 +534,14 @@ class LLMEngine:
             self._stats.kv_pins_evicted_total += 1
             plan = self.scheduler.schedule()
         self._stats.steps_total += 1
+        finished, self._host_finished = self._host_finished, []
         for load in plan.host_loads:
             self._start_load(load.keys, load.slots, load.device_blocks, load.request, now)
         if plan.scheduled:
             outputs += self._run(plan, now)
+        if self.host is not None:
+            for request_id in finished:
+                self.host.finish(request_id)
         if self._transfers:
             self._complete_transfers(self.clock())
         self.last_step_idle = not plan.scheduled and not outputs
@@ -699,7 +704,8 @@ class LLMEngine:
             )
             for i in range(start, end)
         ]
-        prepared = self.host.prepare_store(keys, meta)
+        positions = [(i + 1) * bs for i in range(start, end)]
+        prepared = self.host.prepare_store(r.request_id, keys, positions, meta)
         if prepared is None:
             return  # no room now: offered again next step
         r.next_stored_block = end
@@ -876,7 +882,8 @@ class LLMEngine:
         r.finish_reason = reason
         r.finished_time = self.clock()
         if self.host is not None:
-            self.host.touch(r.block_hashes)  # vLLM's on_request_finished: its LRU recency
+            # vLLM tells its offloading manager in the next step, after that step's stores.
+            self._host_finished.append(r.request_id)
         self._requests.pop(r.request_id, None)
         self._stats.request_success_total[reason] = (
             self._stats.request_success_total.get(reason, 0) + 1

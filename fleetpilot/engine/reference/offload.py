@@ -33,7 +33,6 @@ arithmetic; ``HostKVStore`` holds the tier's tensor. The engine (engine.py) join
 from __future__ import annotations
 
 import mmap
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -125,11 +124,23 @@ class BlockMeta:
     lora: tuple[int, str] | None = None
 
 
+Rank = tuple[int, int]
+
+
 @dataclass
 class _Entry:
     slot: int
+    rank: Rank  # recency: the lowest idle block is evicted first
     ready: bool = False  # the store completed: loads may read it
     loads: int = 0  # loads in flight reading it (it cannot be evicted meanwhile)
+
+
+@dataclass
+class _RequestAccess:
+    """What one request did with the tier (vLLM's ``_RequestCacheAccess`` and request rank)."""
+
+    rank: int | None = None
+    seen: dict[bytes, int] = field(default_factory=dict)  # key -> its end-token position
 
 
 @dataclass
@@ -151,11 +162,18 @@ class HostTierStats:
 
 
 class HostTier:
-    """Host-resident KV blocks by hash, their LRU order, and the CPU-medium KV events.
+    """Host-resident KV blocks by hash, their recency, and the CPU-medium KV events.
 
     Purely computational: methods take hashes and return host slots; ``HostKVStore`` holds the
     data those slots index. Invariant (``check_invariants``): every slot is either free or
     held by exactly one block, and only ready blocks with no load in flight may be evicted.
+
+    Recency is vLLM's LRU policy (``vllm/v1/kv_offload/cpu/policies/lru.py``): a request gets a
+    rank when it first stores or reads blocks, and each block it stores or reads is ranked
+    ``(its rank, -position)``, so while requests run an older request's blocks go first and one
+    request's tail before its head; when a request finishes (``finish``), the blocks it used are
+    ranked anew, tail to head, the newest of all. Methods that take a request take each key's
+    end-token position in it (``positions``): block ``i`` ends at ``(i + 1) * block_size``.
     """
 
     def __init__(
@@ -168,10 +186,11 @@ class HostTier:
         if num_blocks < 0:
             raise ValueError(f"the host tier cannot hold {num_blocks} blocks")
         self.num_blocks = num_blocks
-        # Least recently used first.
-        self.entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self.entries: dict[bytes, _Entry] = {}
         # Slots never used, then freed ones: popped from the end.
         self._free: list[int] = list(reversed(range(num_blocks)))
+        self._next_rank = 0
+        self._requests: dict[str, _RequestAccess] = {}
         self.enable_kv_cache_events = enable_kv_cache_events
         self.self_describing = enable_kv_cache_events and self_describing_kv_events
         self._raw_events: list[_RawEvent] = []
@@ -196,6 +215,11 @@ class HostTier:
     def num_writing(self) -> int:
         return sum(1 for e in self.entries.values() if not e.ready)
 
+    def eviction_order(self) -> list[bytes]:
+        """The blocks that may be evicted, first to go first."""
+        idle = [(e.rank, k) for k, e in self.entries.items() if e.ready and e.loads == 0]
+        return [k for _, k in sorted(idle)]
+
     def lookup(self, keys: Sequence[bytes]) -> int | None:
         """How many of ``keys``, from the first, the tier holds; None to try again next step.
 
@@ -212,10 +236,47 @@ class HostTier:
             hits += 1
         return None if defer else hits
 
+    # ---- recency ---------------------------------------------------------------------------
+
+    def _request_rank(self, access: _RequestAccess) -> int:
+        if access.rank is None:
+            self._next_rank += 1
+            access.rank = self._next_rank
+        return access.rank
+
+    def _access(self, request_id: str, keys: Sequence[bytes], positions: Sequence[int]) -> None:
+        """A request's first use of ``keys``: each resident one ranks at least as its
+        ``(request rank, -position)`` (vLLM's ``on_request_access``)."""
+        access = self._requests.setdefault(request_id, _RequestAccess())
+        new = [(k, p) for k, p in zip(keys, positions, strict=True) if k not in access.seen]
+        if not new:
+            return
+        rank = self._request_rank(access)
+        for key, position in new:
+            access.seen[key] = position
+            entry = self.entries.get(key)
+            if entry is not None and entry.rank < (rank, -position):
+                entry.rank = (rank, -position)
+
+    def finish(self, request_id: str) -> None:
+        """The request is done: the blocks it used become the most recent, its head last
+        (vLLM's ``on_request_finished``)."""
+        access = self._requests.pop(request_id, None)
+        if access is None:
+            return
+        head_to_tail = sorted(access.seen, key=access.seen.__getitem__)
+        for key in reversed(head_to_tail):
+            entry = self.entries.get(key)
+            if entry is not None:
+                self._next_rank += 1
+                entry.rank = (self._next_rank, 0)
+
     # ---- loads -----------------------------------------------------------------------------
 
-    def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
-        """Pin ``keys`` (ready blocks) for a load and return their slots; an access for LRU."""
+    def prepare_load(
+        self, request_id: str, keys: Sequence[bytes], positions: Sequence[int]
+    ) -> list[int]:
+        """Pin ``keys`` (ready blocks) for ``request_id``'s load and return their slots."""
         slots = []
         for key in keys:
             entry = self.entries[key]
@@ -223,7 +284,7 @@ class HostTier:
                 raise ValueError(f"host block {key.hex()} is not ready to be read")
             entry.loads += 1
             slots.append(entry.slot)
-        self.touch(keys)
+        self._access(request_id, keys, positions)
         return slots
 
     def complete_load(self, keys: Iterable[bytes]) -> None:
@@ -236,25 +297,33 @@ class HostTier:
     # ---- stores ----------------------------------------------------------------------------
 
     def prepare_store(
-        self, keys: Sequence[bytes], meta: Sequence[BlockMeta] | None = None
+        self,
+        request_id: str,
+        keys: Sequence[bytes],
+        positions: Sequence[int],
+        meta: Sequence[BlockMeta] | None = None,
     ) -> tuple[list[bytes], list[int]] | None:
-        """Allocate slots for those of ``keys`` the tier lacks, evicting LRU idle blocks.
+        """Allocate slots for those of ``keys`` the tier lacks, evicting idle blocks.
 
         Returns the keys to copy out and their slots (both empty when the tier holds every key),
-        or None, changing nothing, when too few blocks are idle to make room (vLLM's allocation
-        failure: the caller offers them again later). ``meta`` (one per key) describes the
-        blocks for self-describing events.
+        or None, allocating nothing, when too few blocks are idle to make room (vLLM's
+        allocation failure: the caller offers them again later). ``meta`` (one per key)
+        describes the blocks for self-describing events.
         """
         to_store = [k for k in keys if k not in self.entries]
+        ready = {k for k in keys if k in self.entries and self.entries[k].ready}
+        # vLLM records the offer (new and ready blocks) before it allocates.
+        offered = [
+            (k, p) for k, p in zip(keys, positions, strict=True) if k in ready or k in to_store
+        ]
+        self._access(request_id, [k for k, _ in offered], [p for _, p in offered])
         if not to_store:
             return [], []
         self.stats.allocation_size.observe(len(to_store))
         need = len(to_store) - len(self._free)
         if need > 0:
-            offered = set(keys)
-            victims = [
-                k for k, e in self.entries.items() if e.ready and e.loads == 0 and k not in offered
-            ][:need]
+            protected = set(keys)
+            victims = [k for k in self.eviction_order() if k not in protected][:need]
             if len(victims) < need:
                 self.stats.allocation_failures += 1
                 return None
@@ -263,9 +332,11 @@ class HostTier:
             self.stats.evictions += len(victims)
             if self.enable_kv_cache_events:
                 self._raw_events.append(_RawEvent(removed=True, keys=victims))
+        rank = self._request_rank(self._requests[request_id])
+        position = dict(zip(keys, positions, strict=True))
         slots = [self._free.pop() for _ in to_store]
         for key, slot in zip(to_store, slots, strict=True):
-            self.entries[key] = _Entry(slot)
+            self.entries[key] = _Entry(slot, rank=(rank, -position[key]))
         if self.self_describing and meta is not None:
             by_key = dict(zip(keys, meta, strict=True))
             for key in to_store:
@@ -282,20 +353,13 @@ class HostTier:
         if stored and self.enable_kv_cache_events:
             self._raw_events.append(_RawEvent(removed=False, keys=stored))
 
-    # ---- recency and reset -----------------------------------------------------------------
-
-    def touch(self, keys: Sequence[bytes]) -> None:
-        """Mark ``keys`` (one request's, in prefix order) used: the head ends most recent, so a
-        prompt's tail is evicted before its head, as vLLM's LRU policy orders one request."""
-        for key in reversed(keys):
-            if key in self.entries:
-                self.entries.move_to_end(key)
-
     def reset(self) -> None:
         """Drop every block (vLLM's ``reset_cache``: no events; transfers in flight are void)."""
         self.entries.clear()
         self._free = list(reversed(range(self.num_blocks)))
         self._meta.clear()
+        self._requests.clear()
+        self._next_rank = 0
 
     # ---- events ----------------------------------------------------------------------------
 

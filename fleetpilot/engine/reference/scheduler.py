@@ -320,7 +320,13 @@ class Scheduler:
                 request=request,
                 keys=load,
                 device_blocks=tuple(table[first : first + found]),
-                slots=tuple(self.host.prepare_load(load)),
+                slots=tuple(
+                    self.host.prepare_load(
+                        request.request_id,
+                        load,
+                        [(first + i + 1) * bs for i in range(found)],
+                    )
+                ),
             )
         )
         cached = (first + found) * bs

@@ -37,10 +37,15 @@ def placeholder(block_hash: bytes) -> BlockStored:
     )
 
 
-def stored(tier: HostTier, *ids: int) -> None:
-    """Store and complete ``ids`` (one request's blocks, in prefix order)."""
+def positions(n: int) -> list[int]:
+    """End-token positions of a request's first ``n`` blocks (4 tokens a block)."""
+    return [4 * (i + 1) for i in range(n)]
+
+
+def stored(tier: HostTier, request_id: str, *ids: int) -> None:
+    """``request_id`` stores blocks ``ids`` (its first ones, in prefix order), completed."""
     keys = [key(i) for i in ids]
-    result = tier.prepare_store(keys)
+    result = tier.prepare_store(request_id, keys, positions(len(keys)))
     assert result is not None
     tier.complete_store(result[0])
 
@@ -63,32 +68,36 @@ def test_a_lookup_counts_the_run_from_the_first_key_and_defers_on_a_block_being_
     """Only consecutive resident blocks count; a block whose store has not completed defers the
     request (vLLM's HIT_PENDING), and so does one another request is loading."""
     tier = HostTier(8)
-    stored(tier, 1, 2, 3)
+    stored(tier, "r1", 1, 2, 3)
     assert tier.lookup([key(1), key(2), key(9), key(3)]) == 2
     assert tier.lookup([key(9), key(1)]) == 0
-    pending = tier.prepare_store([key(4)])
+    pending = tier.prepare_store("r2", [key(4)], [4])
     assert pending is not None
     assert pending[0] == [key(4)]
     assert tier.lookup([key(1), key(4)]) is None
     assert tier.lookup([key(1), key(2)]) == 2  # the pending block is past the run asked for
     tier.complete_store([key(4)])
     assert tier.lookup([key(1), key(4)]) == 2
-    tier.prepare_load([key(2)])
+    tier.prepare_load("r3", [key(2)], [8])
     assert tier.lookup([key(1), key(2)]) is None
     tier.complete_load([key(2)])
     assert tier.lookup([key(1), key(2)]) == 2
 
 
-def test_stores_evict_least_recently_used_idle_blocks_and_never_those_offered() -> None:
-    """A full tier makes room by evicting the LRU blocks that are ready and not being loaded;
-    the blocks offered with the store are kept, and a load's access refreshes recency."""
+def test_stores_evict_the_oldest_idle_blocks_and_never_those_offered() -> None:
+    """A full tier makes room by evicting the blocks of the oldest request first, each
+    request's tail before its head; blocks being loaded and the blocks offered are kept; a
+    later request's load makes a block as recent as that request."""
     tier = HostTier(4)
-    stored(tier, 1, 2)
-    stored(tier, 3, 4)
-    tier.prepare_load([key(1)])  # pinned, and now most recent
+    stored(tier, "r1", 1, 2)
+    stored(tier, "r2", 3, 4)
+    assert tier.eviction_order() == [key(2), key(1), key(4), key(3)]
+    tier.prepare_load("r3", [key(1)], [4])
+    assert tier.eviction_order() == [key(2), key(4), key(3)]  # 1 is pinned by the load
     tier.complete_load([key(1)])
+    assert tier.eviction_order() == [key(2), key(4), key(3), key(1)]
     # Offered: 3 (resident, kept) and 5, 6 (new): evicts 2 then 4, not 3, not 1.
-    result = tier.prepare_store([key(3), key(5), key(6)])
+    result = tier.prepare_store("r4", [key(3), key(5), key(6)], positions(3))
     assert result is not None
     assert result[0] == [key(5), key(6)]
     assert set(tier.entries) == {key(1), key(3), key(5), key(6)}
@@ -100,34 +109,34 @@ def test_a_store_that_cannot_evict_enough_changes_nothing_and_counts_a_failure()
     """Blocks being written or loaded cannot be evicted: the store fails whole (vLLM's
     allocation failure) and the tier is as it was."""
     tier = HostTier(2)
-    tier.prepare_store([key(1)])  # still being written
-    stored(tier, 2)
-    tier.prepare_load([key(2)])
-    before = dict(tier.entries)
-    assert tier.prepare_store([key(3)]) is None
-    assert tier.entries == before
+    tier.prepare_store("r1", [key(1)], [4])  # still being written
+    stored(tier, "r2", 2)
+    tier.prepare_load("r3", [key(2)], [4])
+    before = {k: (e.slot, e.ready, e.loads) for k, e in tier.entries.items()}
+    assert tier.prepare_store("r4", [key(3)], [4]) is None
+    assert {k: (e.slot, e.ready, e.loads) for k, e in tier.entries.items()} == before
     assert tier.stats.allocation_failures == 1
     assert tier.take_events() == []
     tier.complete_load([key(2)])
-    result = tier.prepare_store([key(3)])
+    result = tier.prepare_store("r4", [key(3)], [4])
     assert result is not None
     assert result[0] == [key(3)]
     assert key(2) not in tier
 
 
-def test_a_finished_request_leaves_its_head_more_recent_than_its_tail() -> None:
-    """vLLM's LRU policy orders one request's blocks tail before head: after the request
-    finishes (touch in prefix order), its tail is evicted first."""
-    tier = HostTier(3)
-    stored(tier, 1)
-    stored(tier, 2)
-    stored(tier, 3)
-    tier.touch([key(1), key(2), key(3)])
-    result = tier.prepare_store([key(4)])
-    assert result is not None
-    assert key(3) not in tier
-    assert key(1) in tier
-    assert key(2) in tier
+def test_a_finished_request_outlives_a_running_one_and_keeps_its_head_longest() -> None:
+    """vLLM's LRU policy: when a request finishes, the blocks it used become the newest, tail
+    to head; a request still running keeps the rank of its first use, so its blocks (tail
+    first) go before those of a request that finished after it started."""
+    tier = HostTier(4)
+    stored(tier, "running", 1, 2)
+    stored(tier, "done", 3, 4)
+    tier.finish("done")
+    assert tier.eviction_order() == [key(2), key(1), key(4), key(3)]
+    tier.finish("running")
+    assert tier.eviction_order() == [key(4), key(3), key(2), key(1)]
+    tier.finish("running")  # once only
+    assert tier.eviction_order() == [key(4), key(3), key(2), key(1)]
 
 
 def test_events_carry_medium_cpu_removed_when_evicted_stored_when_complete() -> None:
@@ -135,24 +144,24 @@ def test_events_carry_medium_cpu_removed_when_evicted_stored_when_complete() -> 
     block_size 0; one BlockRemoved for the blocks one store evicted; in the order they
     happened; none when events are off."""
     tier = HostTier(2, enable_kv_cache_events=True)
-    result = tier.prepare_store([key(1), key(2)])
+    result = tier.prepare_store("r1", [key(1), key(2)], positions(2))
     assert result is not None
     assert tier.take_events() == []  # not servable yet
     tier.complete_store([key(1), key(2)])
-    evicting = tier.prepare_store([key(3), key(4)])
+    evicting = tier.prepare_store("r2", [key(3), key(4)], positions(2))
     assert evicting is not None
     tier.complete_store([key(3)])
     events = tier.take_events()
     assert events == [
         placeholder(key(1)),
         placeholder(key(2)),
-        BlockRemoved(block_hashes=[key(1), key(2)], medium=MEDIUM_CPU),
+        BlockRemoved(block_hashes=[key(2), key(1)], medium=MEDIUM_CPU),  # tail first
         placeholder(key(3)),
     ]
     assert tier.take_events() == []
     quiet = HostTier(1)
-    stored(quiet, 1)
-    stored(quiet, 2)
+    stored(quiet, "r1", 1)
+    stored(quiet, "r2", 2)
     assert quiet.take_events() == []
 
 
@@ -162,10 +171,10 @@ def test_self_describing_events_carry_the_blocks_parent_tokens_size_and_adapter(
     names its hash. Events off, the setting gives no payload to keep."""
     tier = HostTier(1, enable_kv_cache_events=True, self_describing_kv_events=True)
     meta = BlockMeta(parent=key(0), token_ids=(5, 6, 7, 8), block_size=4, lora=(3, "sql"))
-    result = tier.prepare_store([key(1)], [meta])
+    result = tier.prepare_store("r1", [key(1)], [8], [meta])
     assert result is not None
     tier.complete_store([key(1)])
-    stored(tier, 2)  # no description given: the placeholder
+    stored(tier, "r2", 2)  # no description given: the placeholder
     assert tier.take_events() == [
         BlockStored(block_hashes=[key(1)], parent_block_hash=key(0), token_ids=[5, 6, 7, 8],
                     block_size=4, lora_id=3, medium=MEDIUM_CPU, lora_name="sql"),
@@ -174,26 +183,28 @@ def test_self_describing_events_carry_the_blocks_parent_tokens_size_and_adapter(
     ]  # fmt: skip
     assert tier._meta == {}  # the removed block's payload is gone
     off = HostTier(1, self_describing_kv_events=True)
-    assert off.prepare_store([key(1)], [meta]) is not None
+    assert off.prepare_store("r1", [key(1)], [8], [meta]) is not None
     assert off._meta == {}
 
 
 def test_a_reset_empties_the_tier_without_events() -> None:
     """vLLM's reset_cache drops every chunk and emits nothing."""
     tier = HostTier(3, enable_kv_cache_events=True)
-    stored(tier, 1, 2)
+    stored(tier, "r1", 1, 2)
     tier.take_events()
     tier.reset()
     assert tier.num_used == 0
     assert tier.take_events() == []
+    tier.finish("r1")  # its uses are forgotten too
     tier.check_invariants()
-    stored(tier, 3, 4, 5)
+    stored(tier, "r2", 3, 4, 5)
     tier.check_invariants()
 
 
 OPS = st.lists(
     st.tuples(
-        st.sampled_from(["store", "complete_store", "load", "complete_load", "touch", "reset"]),
+        st.sampled_from(["store", "complete_store", "load", "complete_load", "finish", "reset"]),
+        st.integers(0, 3),  # the request
         st.lists(st.integers(0, 9), min_size=1, max_size=4, unique=True),
     ),
     max_size=60,
@@ -202,16 +213,22 @@ OPS = st.lists(
 
 @settings(max_examples=150, deadline=None)
 @given(OPS)
-def test_random_operations_keep_the_bookkeeping_whole(ops: list[tuple[str, list[int]]]) -> None:
+def test_random_operations_keep_the_bookkeeping_whole(
+    ops: list[tuple[str, int, list[int]]],
+) -> None:
     """Under any sequence: slots are never shared or leaked, a failed store changes nothing,
-    loads pin what they read, and the usage figures stay within the tier."""
+    loads pin what they read, evictions take idle blocks in recency order, and the usage
+    figures stay within the tier."""
     tier = HostTier(5, enable_kv_cache_events=True)
     loads: list[list[bytes]] = []
-    for op, ids in ops:
+    for op, request, ids in ops:
+        rid = f"r{request}"
         keys = [key(i) for i in ids]
+        where = [4 * (i + 1) for i in ids]  # block i of every request has the same tokens
         if op == "store":
             before = {k: (e.slot, e.ready, e.loads) for k, e in tier.entries.items()}
-            result = tier.prepare_store(keys)
+            order = tier.eviction_order()
+            result = tier.prepare_store(rid, keys, where)
             after = {k: (e.slot, e.ready, e.loads) for k, e in tier.entries.items()}
             if result is None:
                 assert after == before
@@ -219,17 +236,19 @@ def test_random_operations_keep_the_bookkeeping_whole(ops: list[tuple[str, list[
                 assert all(k in tier for k in keys)
                 assert all(k not in before for k in result[0])
                 assert all(v == after[k] for k, v in before.items() if k in keys)
+                gone = [k for k in order if k not in tier]
+                assert gone == [k for k in order if k not in keys][: len(gone)], "not LRU"
         elif op == "complete_store":
             tier.complete_store(keys)
         elif op == "load":
             run = tier.lookup(keys)
             if run:
                 loads.append(keys[:run])
-                tier.prepare_load(keys[:run])
+                tier.prepare_load(rid, keys[:run], where[:run])
         elif op == "complete_load" and loads:
             tier.complete_load(loads.pop(0))
-        elif op == "touch":
-            tier.touch(keys)
+        elif op == "finish":
+            tier.finish(rid)
         elif op == "reset":
             tier.reset()
             loads.clear()
