@@ -199,3 +199,51 @@ async def test_an_evicted_prefix_leaves_the_index_while_the_guess_still_claims_i
             assert (route["prefix-source"], route["prefix-match"]) == ("events", "0.00")
     finally:
         engine.server.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_prompt_the_device_evicted_is_routed_on_as_a_host_hit(tmp_path: Path) -> None:
+    """Issue 46 end to end: an engine with a 64-block device pool and a host tier
+    (``--kv-offloading-size``, self-describing events) evicts a prompt from its device to serve
+    others; its host tier keeps it. The router's index, fed the engine's GPU and CPU events,
+    holds the prompt as host blocks, and routing it again says so: ``kv-blocks`` counts its
+    blocks as host, none computed, and the engine indeed serves them from its cache."""
+    extra = '{"kv_connector_extra_config": {"self_describing_kv_events": true}}'
+    engine = Engine(
+        "--num-gpu-blocks-override", "64", "--max-model-len", "512",
+        "--kv-offloading-size", "0.05", "--kv-transfer-config", extra,
+    )  # fmt: skip
+    try:
+        endpoints = write_endpoints(tmp_path / "endpoints.yaml", [engine])
+        async with (
+            running_router(kv_config(), FileSource(endpoints)) as router,
+            httpx.AsyncClient(timeout=60) as client,
+        ):
+            state = router.state
+            await wait_for(lambda: state.kv_events is not None and state.kv_events.has_events(
+                engine.address), timeout_s=20)  # fmt: skip
+            await wait_for(lambda: "small" in state.router.tokenizers, timeout_s=20)
+            keys = state.router.tokenizers["small"].keys(
+                "chat", {"messages": conversation(0, 1)}, BLOCK_SIZE
+            )
+            url = router.url + "/v1/chat/completions"
+            body = {"model": MODEL, "messages": conversation(0, 1), "max_tokens": 2}
+            first = route_of(await client.post(url, json=body))
+            assert first["kv-blocks"] == f"device:0,host:0,computed:{len(keys)}"
+
+            def host_run() -> int:
+                match = state.kv_index.match_tiers(keys)
+                return match.host.get(engine.address, 0)
+
+            for n in range(1, 8):  # ~22 blocks each: they outgrow the 64-block device pool
+                other = {"model": MODEL, "messages": conversation(n, 1), "max_tokens": 2}
+                route_of(await client.post(url, json=other))
+            await wait_for(lambda: host_run() == len(keys), timeout_s=20)
+            state.router.affinity.recent.retain(())  # what it sent lately is not the question
+            response = await client.post(url, json=body)
+            again = route_of(response)
+            assert again["kv-blocks"] == f"device:0,host:{len(keys)},computed:0"
+            cached = response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached == len(keys) * BLOCK_SIZE
+    finally:
+        engine.server.stop()
