@@ -23,7 +23,9 @@ Every step the scheduler fills a token budget (``max_num_batched_tokens``) the w
    (``WAITING_FOR_REMOTE_KVS``) keeping its place, like a skipped LoRA request, without taking
    budget; once the engine marks the load done it is admitted with those tokens computed (the
    loaded blocks enter the prefix cache then, as vLLM caches them when the load completes). A
-   lookup the tier defers (a block still being written) skips the request for this step.
+   lookup the tier defers (a block still being written) skips the request for this step. When
+   a request does not fit, loaded requests behind it may still start (they hold their blocks
+   already), or a loaded request behind a request it blocks would never run.
 
 The scheduler owns no tensors: it changes ``BlockManager`` bookkeeping and returns what the
 engine must run (``SchedulerOutput``).
@@ -185,16 +187,18 @@ class Scheduler:
         budget = self._add_speculation(out, budget)
         loras = self.running_loras()
         skipped: list[Request] = []
+        blocked = False  # a request did not fit: only loaded ones (holding their blocks) follow
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             request = self.waiting[0]
+            loading = request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+            if blocked and not (loading and request.host_load_done):
+                skipped.append(self.waiting.popleft())
+                continue
             lora = request.lora.lora_int_id if request.lora is not None else None
             if lora is not None and lora not in loras and len(loras) == self.config.max_loras:
                 skipped.append(self.waiting.popleft())
                 continue
-            if (
-                request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
-                and not request.host_load_done
-            ):
+            if loading and not request.host_load_done:
                 skipped.append(self.waiting.popleft())
                 continue
             admission = self._admit(request, budget, out)
@@ -202,8 +206,15 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             if admission == "refused":
-                out.starved = not self.running
-                break
+                out.starved |= not blocked and not self.running
+                if self.host is None or blocked:
+                    break
+                # A request that waited for its load behind this one already holds its prompt's
+                # blocks: starting it takes none from this one, and holding it back could leave
+                # this one waiting for blocks that only its finishing would free.
+                blocked = True
+                skipped.append(self.waiting.popleft())
+                continue
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING

@@ -445,3 +445,33 @@ def test_the_host_tier_metrics_are_vllms_series_with_the_tiers_figures(
     text = plain.render().decode()
     assert "vllm:kv_offload" not in text
     assert "vllm:external_prefix_cache_hits_total" in text
+
+
+def test_a_loaded_request_behind_one_it_blocks_still_runs(model: LlamaModel) -> None:
+    """Regression: a request whose lookup was deferred (its blocks still being written) let one
+    behind it start a load, which holds 10 of the 16 device blocks; once the first could load
+    too, it did not fit beside that hold, and strict first-come-first-served kept the loaded
+    request behind it waiting: nothing ran, for ever. A loaded request holds its blocks already,
+    so it starts, finishes and frees them, and the first one follows."""
+    clock = Clock()
+    engine = offload_engine(model, clock, bandwidth=BLOCK_BYTES / 1.0)  # a block a second
+    other = list(range(100, 140))  # 10 blocks, like PROMPT
+    run(engine, clock, {"other": other}, dt=1.0)
+    while engine.has_transfers_in_flight():  # stored and ready
+        clock.now += 1
+        engine.step()
+    run(engine, clock, {"a": PROMPT}, dt=0.001)  # its stores still in flight...
+    evict_from_device(engine, clock)  # ... and it is off the device (so is "other")
+    engine.add_request("first", PROMPT, GREEDY)
+    engine.add_request("behind", other, GREEDY)
+    engine.step()
+    assert engine._requests["first"].status is RequestStatus.WAITING  # deferred
+    assert engine._requests["behind"].status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    finished = set()
+    for _ in range(200):
+        clock.now += 100
+        finished |= {o.request_id for o in engine.step() if o.finished}
+        if finished == {"first", "behind"}:
+            break
+    assert finished == {"first", "behind"}
+    assert engine.stats().external_prefix_cache_hits_total == 2 * len(PROMPT)
