@@ -6,9 +6,11 @@ The engine core is exported here: build an ``LLMEngine`` (optionally from ``load
 ``add_request`` / ``abort_request``, call ``step()`` in a loop and read the ``RequestOutput``s;
 ``stats()`` feeds ``/metrics``; ``pinned_kv`` / ``export_kv`` / ``release_kv`` and
 ``add_request(kv_import=...)`` are the engine's side of the P/D hand-off;
-``add_request(lora=...)`` / ``add_lora`` serve LoRA adapters. Core modules: model, blocks,
+``add_request(lora=...)`` / ``add_lora`` serve LoRA adapters; ``EngineConfig.kv_offload`` adds
+a host tier of KV blocks (vLLM's ``--kv-offloading-size``). Core modules: model, blocks,
 scheduler, sampling, speculative, request, engine, checkpoint, tokenizer, lora (PEFT adapters:
-reading, checking, writing) and lora_manager (the loaded and active adapters).
+reading, checking, writing), lora_manager (the loaded and active adapters) and offload (the
+host tier: its bookkeeping, pacing and tensor).
 
 The server around it is not re-exported here (the core needs no HTTP stack); import its
 modules directly:
