@@ -101,6 +101,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-replicas", type=_positive(int), help="replace every role's replicas.max")
     a("--max-tokens", type=_positive(int), help="override the workload's max_tokens")
     add_shape_arguments(parser)
+    a(
+        "--warmup",
+        type=_duration,
+        help="leave the requests that arrive before this out of the report (its figures are "
+        "then the steady state, past the engines' cold caches); GPU-hours count the whole run",
+    )
     a("--price-per-gpu-hour", type=_positive(float), help="report the cost at this price")
     a("--json", type=Path, help="write the report as JSON")
     a("--plot", type=Path, help="write a PNG: TTFT, replicas and load over time")
@@ -196,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
     if progress is not None:
         progress(duration, len(outcome.requests))
         sys.stderr.write("\n")
-    summary = report.summarize(outcome, service, args.price_per_gpu_hour)
+    summary = report.summarize(outcome, service, args.price_per_gpu_hour, args.warmup or 0.0)
     print(report.format_table(summary))
     if args.json is not None:
         write_json(args.json, summary.to_json())

@@ -91,9 +91,14 @@ def _host_hit_rate(rs: Sequence[Request]) -> float | None:
 
 
 def summarize(
-    outcome: Outcome, service: InferenceService, price_per_gpu_hour: float | None = None
+    outcome: Outcome,
+    service: InferenceService,
+    price_per_gpu_hour: float | None = None,
+    warmup_s: float = 0.0,
 ) -> SimReport:
-    requests = outcome.requests
+    """The report of a run; ``warmup_s``: requests that arrived before it are left out of
+    every figure but the GPU-hours (a steady state, past the fleet's cold caches)."""
+    requests = [r for r in outcome.requests if r.arrival_s >= warmup_s]
     ok = [r for r in requests if r.error is None]
     by_tier: dict[str, list[Request]] = {}
     for r in ok:

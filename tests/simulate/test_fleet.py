@@ -215,6 +215,20 @@ def test_gpu_hours_count_every_replica_for_the_whole_run() -> None:
     assert summarize(out, service).gpu_hours == pytest.approx(2 * (1 + 4) * 600 / 3600)
 
 
+def test_a_warmup_leaves_the_first_arrivals_out_of_the_figures_but_not_the_gpu_hours() -> None:
+    """The report past a warm-up counts only the requests that arrived after it (so a cold
+    cache's first prefills are not in the steady state's hit rate), and bills the whole run."""
+    service = example("two-tier.yaml")
+    out = simulate(service, "shared-prefix", 5.0, 120.0, autoscale=False)
+    whole, steady = summarize(out, service), summarize(out, service, warmup_s=60.0)
+    late = [r for r in out.requests if r.arrival_s >= 60.0]
+    assert 0 < steady.requests == len(late) < whole.requests
+    assert steady.gpu_hours == whole.gpu_hours
+    assert whole.prefix_hit_rate is not None
+    assert steady.prefix_hit_rate is not None
+    assert steady.prefix_hit_rate > whole.prefix_hit_rate  # the cold first prefills are out
+
+
 def test_cli_writes_table_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     code = main(
