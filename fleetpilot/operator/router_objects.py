@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 from datetime import timedelta
+from decimal import Decimal
 
 import yaml
 
@@ -13,11 +14,13 @@ from fleetpilot.api.router_config import (
     ROUTER_CONFIG_FILE,
     EndpointGroup,
     FlowConfig,
+    KVIndexConfig,
     Peers,
     RouterConfig,
     RouterTier,
 )
 from fleetpilot.api.spec import EngineBackend, Tier
+from fleetpilot.api.units import quantity_decimal
 from fleetpilot.engine.reference_launch import REFERENCE_TOKENIZER
 from fleetpilot.engine.vllm_args import ENGINE_PORT, launch_for
 from fleetpilot.kube import names
@@ -26,6 +29,7 @@ from fleetpilot.operator.plan_types import Capacities, K8sObject, PlanOptions, o
 from fleetpilot.operator.pod_policy import container_security, pod_security, spread
 from fleetpilot.operator.router_auth import auth_config, auth_volumes
 from fleetpilot.routing.features import CHARS_PER_TOKEN
+from fleetpilot.routing.policies.kv_index import DEFAULT_MAX_BLOCKS
 
 ROUTER_PORT = 8000
 # The router's /metrics on a port of its own (RouterConfig.metricsPort): its Service exposes
@@ -223,6 +227,7 @@ def router_config(service: InferenceService, capacities: Capacities | None = Non
     if routing.max_cold_start_hold is not None:
         hold_max = min(hold_max, routing.max_cold_start_hold)
     index = prefix_index_blocks(service, capacities)
+    bound = kv_index_max_blocks(service, capacities)
     return RouterConfig(
         service=service.name,
         namespace=service.namespace,
@@ -255,7 +260,39 @@ def router_config(service: InferenceService, capacities: Capacities | None = Non
         epp_port=ROUTER_EPP_PORT if routing.gateway is not None else None,
         epp_tls=routing.gateway is not None,
         **({"prefix_index_blocks": index} if index is not None else {}),
+        **({"kv_index": KVIndexConfig(max_blocks=bound)} if bound is not None else {}),
     )
+
+
+# What one entry of the router's KV index takes (kv_index.DEFAULT_MAX_BLOCKS' comment: ~400
+# bytes for a block on both media), and the share of the router's memory the index may grow
+# to: the rest is its requests' buffers, the tokenizers and the Python heap.
+KV_INDEX_ENTRY_BYTES = 400
+KV_INDEX_MEMORY_SHARE = 0.5
+
+
+def kv_index_max_blocks(
+    service: InferenceService, capacities: Capacities | None = None
+) -> int | None:
+    """The router's KV index bound for a fleet with host KV tiers (``engine.kvOffload``): the
+    blocks every engine can hold at the roles' most replicas, an offloading engine its host
+    tier's (written through, a superset of its device's), within half the router's memory.
+    None (the index's default) without a host tier, or where the default holds them all."""
+    blocks = 0
+    offloading = False
+    for tier in service.spec.tiers:
+        for role in tier.roles():
+            capacity = sized(capacities, role)
+            if capacity is None or not capacity.fits:
+                continue
+            offloading |= capacity.kv_offload_bytes is not None
+            tokens = max(capacity.kv_tokens, capacity.host_kv_tokens)
+            blocks += role.replicas.max * tokens // tier.engine.kv_cache.block_size
+    if not offloading or blocks <= DEFAULT_MAX_BLOCKS:
+        return None
+    memory = quantity_decimal(service.spec.routing.memory)
+    room = int(memory * Decimal(KV_INDEX_MEMORY_SHARE)) // KV_INDEX_ENTRY_BYTES
+    return max(DEFAULT_MAX_BLOCKS, min(blocks, room))
 
 
 def prefix_index_blocks(

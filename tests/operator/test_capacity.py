@@ -250,6 +250,28 @@ def test_the_routers_prefix_index_is_sized_like_the_largest_cache() -> None:
     assert router_config(service(model="acme/secret-13b")).prefix_index_blocks == 32768
 
 
+def test_the_routers_kv_index_holds_every_host_tier_within_half_its_memory() -> None:
+    """With host tiers the router's KV index must hold every engine's host blocks (a
+    superset of its device's): 8 replicas of an 8B model with 128 GiB each hold 65,536 blocks
+    apiece, 524,288 together - the default bound exactly, so it stays; 16 replicas need
+    twice that, which half of a 1 GiB router holds at ~400 bytes an entry (1,342,177), so the
+    bound is theirs; a 256 MiB router caps it at what half of it holds, never below the
+    default. Without host tiers the default stands."""
+    offload = {"engine": {"kvOffload": {"size": "128Gi"}}, **H100}
+
+    def bound(replicas: int, memory: str = "1Gi") -> int | None:
+        manifest = make_tier(model=LLAMA_8B, **offload)
+        manifest["serving"] = {"replicas": {"min": 1, "max": replicas}}
+        svc = parse_service(make_manifest(tiers=[manifest], routing={"memory": memory}))
+        return router_config(svc).kv_index.max_blocks
+
+    assert bound(8) is None
+    assert bound(16) == 16 * 65_536
+    assert bound(64, memory="256Mi") == 524_288  # half of 256 MiB / 400 B is below the default
+    assert bound(64, memory="2Gi") == 2**30 // 400  # half of 2 GiB, 400 bytes an entry
+    assert router_config(service(model=LLAMA_8B, **H100)).kv_index.max_blocks is None
+
+
 # LoRA slots. vLLM 0.33 (vllm/lora/model_manager.py, LoRAModelManager._create_lora_modules)
 # wraps every LoRA-capable layer when the engine loads the model, whatever the adapters target,
 # and each wrapper's create_lora_weights (vllm/lora/layers/) allocates zeroed A [max_loras, 1,
