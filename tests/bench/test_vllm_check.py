@@ -42,6 +42,12 @@ vllm:prefix_cache_queries_total{{{LABELS}}} 4424.0
 # HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
 # TYPE vllm:prefix_cache_hits_total counter
 vllm:prefix_cache_hits_total{{{LABELS}}} 2928.0
+# HELP vllm:external_prefix_cache_queries_total External prefix cache queries from KV connector.
+# TYPE vllm:external_prefix_cache_queries_total counter
+vllm:external_prefix_cache_queries_total{{{LABELS}}} 0.0
+# HELP vllm:external_prefix_cache_hits_total External prefix cache hits from KV connector.
+# TYPE vllm:external_prefix_cache_hits_total counter
+vllm:external_prefix_cache_hits_total{{{LABELS}}} 0.0
 # HELP vllm:request_success_total Count of successfully processed requests.
 # TYPE vllm:request_success_total counter
 vllm:request_success_total{{{LABELS},finished_reason="stop"}} 0.0
