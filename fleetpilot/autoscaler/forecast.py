@@ -137,6 +137,8 @@ def observe_capacity(
     if rate_rps <= 0:
         return previous
     seen = ReplicaCapacity(now_s, rate_rps / ready)
+    if seen.rps_per_replica <= 0:  # underflowed: no reading
+        return previous
     if previous is None or not previous.fresh(now_s):
         return seen
     return seen if seen.rps_per_replica >= previous.rps_per_replica else previous
@@ -159,7 +161,8 @@ def needed_now(
     or a fresh capacity is unknown, or nothing arrives."""
     if rate_rps is None or not math.isfinite(rate_rps) or rate_rps <= 0:
         return None
-    if capacity is None or not capacity.fresh(now_s):
+    # A capacity of 0 (a rate so small that its share per replica underflowed) says nothing.
+    if capacity is None or not capacity.fresh(now_s) or capacity.rps_per_replica <= 0:
         return None
     return math.ceil(rate_rps / capacity.rps_per_replica - 1e-9)
 

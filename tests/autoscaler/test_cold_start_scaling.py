@@ -16,6 +16,7 @@ from fleetpilot.autoscaler.forecast import (
     ahead_of,
     keep_arrivals,
     load_fraction,
+    needed_now,
     observe_capacity,
     project,
     slope,
@@ -92,6 +93,10 @@ def test_capacity_is_seen_only_at_the_objective_and_the_highest_fresh_one_is_kep
     assert observe_capacity(seen, 12.0, 3, 1.0, 0.1, T0 + 10) == ReplicaCapacity(T0 + 10, 4.0)
     later = T0 + CAPACITY_MAX_AGE_S + 1
     assert observe_capacity(seen, 6.0, 3, 1.0, 0.1, later) == ReplicaCapacity(later, 2.0)
+    # A rate so small its share per replica underflows to 0 is no reading; a 0 capacity (from
+    # a history written before this was checked) sizes nothing instead of dividing by it.
+    assert observe_capacity(None, 5e-324, 3, 1.0, 0.1, T0) is None
+    assert needed_now(9.0, ReplicaCapacity(T0, 0.0), T0) is None
 
 
 @pytest.mark.parametrize(
