@@ -355,9 +355,10 @@ def simulate(trace: str, offload: bool, profile: Path, workdir: Path) -> dict[st
     if run.returncode != 0:
         raise RuntimeError(f"fleetpilot simulate failed:\n{run.stderr[-2000:]}")
     doc = json.loads(report.read_text())
-    p95 = doc["ttft_s"]["p95"]
+    ttft = doc["ttft_s"]
     return {
-        "ttft_p95_ms": p95 * 1e3 if p95 is not None else None,
+        "ttft_p50_ms": ttft["p50"] * 1e3 if ttft["p50"] is not None else None,
+        "ttft_p95_ms": ttft["p95"] * 1e3 if ttft["p95"] is not None else None,
         "hit_rate": doc["prefix_hit_rate"],
         "host_hit_rate": doc["host_hit_rate"],
     }
@@ -376,10 +377,15 @@ def predictions(rows: Sequence[dict[str, Any]], profile: Path, workdir: Path) ->
         measured = [base["ttft_p95_ms"], tiered["ttft_p95_ms"]]
         gain = measured[0] / measured[1] if all(measured) else None
         sim_gain = predicted[0] / predicted[1] if all(predicted) else None
+        p50s = [[r["ttft_p50_ms"] for r in (base, tiered)], [s["ttft_p50_ms"] for s in sims]]
         out.append(
             {
                 "rate": rate,
                 "seed": seed,
+                "measured_p50_ms": p50s[0],
+                "simulated_p50_ms": p50s[1],
+                "measured_p50_gain": p50s[0][0] / p50s[0][1] if all(p50s[0]) else None,
+                "simulated_p50_gain": p50s[1][0] / p50s[1][1] if all(p50s[1]) else None,
                 "measured_p95_ms": measured,
                 "simulated_p95_ms": predicted,
                 "measured_hit_rates": [
