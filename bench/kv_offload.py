@@ -477,6 +477,7 @@ def main() -> None:
                     print(f"  {arm} at {rate:g}/s, seed {seed}: done", file=sys.stderr)
         table = merged(rows)
         predicted: list[Any] = []
+        profiled: dict[str, Any] | None = None
         if args.simulate:
             profile = args.profile
             if profile is None:
@@ -487,6 +488,7 @@ def main() -> None:
                 )  # fmt: skip
             adapted = workdir / "profile.json"
             bench_profile(profile, adapted)
+            profiled = json.loads(adapted.read_text())
             predicted = predictions(rows, adapted, workdir)
         for row in rows:
             row.pop("trace")
@@ -505,6 +507,7 @@ def main() -> None:
                 "rows": rows,
                 "by_arm": table,
                 "simulator": predicted,
+                "simulator_profile": profiled,
                 "wall_s": time.monotonic() - started,
             },
         )
