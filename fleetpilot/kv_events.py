@@ -37,8 +37,9 @@ MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 MEDIUM_STORAGE = "STORAGE"
 
-# vLLM's ExternalBlockHash: sha256 bytes by default, a 64-bit int when
-# VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES is set.
+# vLLM's ExternalBlockHash: a 64-bit int by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
+# defaults to 1 in vLLM 0.33), the sha256 bytes when it is set to 0. The reference engine sends
+# its 16-byte hashes; the router keys on token ids and takes either.
 BlockHash = bytes | int
 
 
