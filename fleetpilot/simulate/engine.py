@@ -39,7 +39,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -427,19 +427,9 @@ class Engine:
             if host_events and self.publish is not None:
                 self.publish(host_events)
             return
-        evicted: list[bytes] = []
-        limit = self.cache_blocks
-        held = self.block_refs
         # A block a sequence in the batch holds is not evictable (vLLM frees a block to its
-        # cache only when no request uses it): it goes back to the recent end.
-        passes = len(cache)
-        while len(cache) > limit and passes > 0:
-            passes -= 1
-            key = cache.popitem(last=False)[0]
-            if key in held:
-                cache[key] = None
-            else:
-                evicted.append(key)
+        # cache only when no request uses it).
+        evicted = _evict(cache, self.cache_blocks, self.block_refs)
         if self.publish is None:
             return
         size = self.shape.block_size
@@ -479,16 +469,7 @@ class Engine:
                 fresh.append(i)
         if not fresh:
             return []
-        evicted: list[bytes] = []
-        protected = set(keys)
-        passes = len(host)
-        while len(host) > limit and passes > 0:
-            passes -= 1
-            key = host.popitem(last=False)[0]
-            if key in protected:
-                host[key] = None
-            else:
-                evicted.append(key)
+        evicted = _evict(host, limit, set(keys))
         if self.publish is None:
             return []
         events: list[Event] = []
@@ -513,3 +494,18 @@ class Engine:
             )
             start = j
         return events
+
+
+def _evict(cache: OrderedDict[bytes, None], limit: int, kept: Collection[bytes]) -> list[bytes]:
+    """Drop least recently used blocks until ``cache`` holds ``limit``; a block in ``kept`` is
+    not evictable and goes back to the recent end. The blocks dropped, oldest first."""
+    evicted: list[bytes] = []
+    passes = len(cache)
+    while len(cache) > limit and passes > 0:
+        passes -= 1
+        key = cache.popitem(last=False)[0]
+        if key in kept:
+            cache[key] = None
+        else:
+            evicted.append(key)
+    return evicted

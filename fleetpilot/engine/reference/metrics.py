@@ -40,6 +40,7 @@ and ``fleetpilot:lora_adapter_activations`` count adapter reads and slot swaps (
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -279,15 +280,8 @@ class _EngineStatsCollector(Collector):
         # Before the engine is built every series reads 0, so scrapes see the same names.
         s = m.stats() or EngineStats()
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=LABEL_NAMES)
-            g.add_metric(labels, value)
-            return g
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=LABEL_NAMES)
-            c.add_metric(labels, value)
-            return c
+        gauge = functools.partial(_gauge, labels)
+        counter = functools.partial(_counter, labels)
 
         yield gauge(
             "vllm:num_requests_running",
@@ -447,6 +441,18 @@ class _EngineStatsCollector(Collector):
         )
 
 
+def _gauge(labels: list[str], name: str, doc: str, value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc, labels=LABEL_NAMES)
+    g.add_metric(labels, value)
+    return g
+
+
+def _counter(labels: list[str], name: str, doc: str, value: float) -> CounterMetricFamily:
+    c = CounterMetricFamily(name, doc, labels=LABEL_NAMES)
+    c.add_metric(labels, value)
+    return c
+
+
 def _histogram(name: str, doc: str, labels: list[str], h: SizeHistogram) -> HistogramMetricFamily:
     family = HistogramMetricFamily(name, doc, labels=LABEL_NAMES)
     # Bounds written as prometheus_client writes a Histogram's ("1e+06", "4.0").
@@ -459,15 +465,8 @@ def _histogram(name: str, doc: str, labels: list[str], h: SizeHistogram) -> Hist
 def _kv_offload_families(s: EngineStats, labels: list[str], max_model_len: int) -> Iterable[Metric]:
     """The offloading connector's series (offloading/metrics.py, cpu/spec.py), for one tier."""
 
-    def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-        g = GaugeMetricFamily(name, doc, labels=LABEL_NAMES)
-        g.add_metric(labels, value)
-        return g
-
-    def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-        c = CounterMetricFamily(name, doc, labels=LABEL_NAMES)
-        c.add_metric(labels, value)
-        return c
+    gauge = functools.partial(_gauge, labels)
+    counter = functools.partial(_counter, labels)
 
     yield counter(
         "vllm:kv_offload_load_bytes",
