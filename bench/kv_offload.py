@@ -483,7 +483,7 @@ def main() -> None:
             if profile is None:
                 profile = workdir / "calibrated.json"
                 subprocess.run(
-                    [sys.executable, "-m", "fleetpilot", "simulate", "calibrate", "-o",
+                    [sys.executable, "-m", "fleetpilot", "simulate", "calibrate", "--out",
                      str(profile)], cwd=ROOT, check=True
                 )  # fmt: skip
             adapted = workdir / "profile.json"

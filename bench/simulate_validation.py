@@ -54,7 +54,7 @@ FLEETPILOT = [sys.executable, "-m", "fleetpilot"]
 
 
 def calibrate(path: Path) -> None:
-    subprocess.run([*FLEETPILOT, "simulate", "calibrate", "-o", str(path)], check=True)
+    subprocess.run([*FLEETPILOT, "simulate", "calibrate", "--out", str(path)], check=True)
 
 
 def wait_for(url: str, endpoints: int, timeout_s: float = 180.0) -> None:

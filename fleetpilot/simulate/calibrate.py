@@ -82,8 +82,9 @@ from fleetpilot.simulate.calibrate_measure import Calibration, measure
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # --out, as fleetpilot bench's: -o/--output is an output format across the CLI family.
     parser.add_argument(
-        "-o", "--output", required=True, type=Path, help="where to write the profile (JSON)"
+        "--out", required=True, type=Path, metavar="FILE", help="where to write the profile (JSON)"
     )
     parser.add_argument(
         "--quick",
@@ -104,9 +105,9 @@ def run(args: argparse.Namespace) -> int:
     except CalibrationError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    args.output.write_text(json.dumps(calibration.profile.to_json(), indent=2) + "\n")
+    args.out.write_text(json.dumps(calibration.profile.to_json(), indent=2) + "\n")
     print(report(calibration))
-    print(f"wrote {args.output}")
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -172,7 +172,7 @@ def test_cli_writes_a_profile_the_simulator_loads(
 
     monkeypatch.setattr(cal, "measure", measure)
     out = tmp_path / "profile.json"
-    assert cal.run(parse("-o", str(out), "--quick", "--seed", "3")) == 0
+    assert cal.run(parse("--out", str(out), "--quick", "--seed", "3")) == 0
     assert (asked["seed"], asked["quick"]) == (3, True)
     assert load_profile(str(out)) == quick.profile
     assert out.read_text().startswith('{\n  "name": ')
@@ -217,6 +217,19 @@ def test_cli_reports_a_failed_measurement(
 
     monkeypatch.setattr(cal, "measure", measure)
     out = tmp_path / "profile.json"
-    assert cal.run(parse("-o", str(out))) == 1
+    assert cal.run(parse("--out", str(out))) == 1
     assert not out.exists()
     assert "error: the step recorder left no steps" in capsys.readouterr().err
+
+
+def test_cli_takes_out_for_the_profile_file_and_leaves_o_to_formats(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``-o``/``--output`` is an output format across the CLI family (``plan -o yaml``), so the
+    profile's file is ``--out FILE``, as ``fleetpilot bench``'s document is; ``-o`` is refused
+    rather than taken as a path."""
+    assert parse("--out", "p.json").out == Path("p.json")
+    for flag in ("-o", "--output"):
+        with pytest.raises(SystemExit):
+            parse(flag, "p.json")
+        assert "--out" in capsys.readouterr().err
