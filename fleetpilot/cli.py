@@ -100,7 +100,8 @@ def _plan(args: argparse.Namespace) -> int:
             return EXIT_INVALID
         outputs.append((service, objects))
     if args.output == "summary":  # the summary lists them itself
-        print("\n\n".join(summarize(service, objects) for service, objects in outputs))
+        url = args.prometheus_url
+        print("\n\n".join(summarize(service, objects, url) for service, objects in outputs))
         return 0
     for service, _ in outputs:
         for warning in capacity_warnings(service):
@@ -285,6 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the largest allocatable memory of a node that can run an engine pod (e.g. "
         "1800Gi): a pod asking for more (resources.memory and engine.kvOffload.size with its "
         "margin) is refused; unset: not checked",
+    )
+    plan_cmd.add_argument(
+        "--prometheus-url",
+        help="the operator's Prometheus (the chart's prometheusURL): without it, or a "
+        "service's spec.monitoring.prometheusUrl, -o summary says autoscaled tiers are not",
     )
     plan_cmd.set_defaults(func=_plan)
 

@@ -75,8 +75,13 @@ class PlanOptions:
     # The most allocatable memory of a node that can run an engine pod, in bytes: a pod asking
     # for more (resources.memory and a host KV tier, engine.kvOffload) would never be
     # scheduled, so its role is refused. None: unknown, not checked (`fleetpilot plan
-    # --node-memory` sets it).
+    # --node-memory` sets it; the operator, the largest of the cluster's nodes).
     node_memory: int | None = None
+    # The same by GPU product (the nodes' nvidia.com/gpu.product label), for the engine pods
+    # of a tier with resources.gpuProduct, which only such nodes take; a product no node
+    # carries is not checked. None: not known by product (node_memory applies to every
+    # tier). The operator reads both from the cluster's Nodes (operator.node_memory).
+    node_memory_by_product: Mapping[str, int] | None = None
 
 
 def owner_references(service: InferenceService) -> list[K8sObject]:

@@ -13,12 +13,16 @@ import re
 
 from fleetpilot.api import InferenceService, ResolvedRole
 from fleetpilot.api.capacity import (
+    GPU_MEMORY,
     RESERVE_BYTES_PER_GPU,
     RoleCapacity,
+    architecture_of,
     format_bytes,
+    gpu_memory_of,
     smallest_fitting_tensor,
 )
 from fleetpilot.api.layout import LayoutError, Span, role_layout
+from fleetpilot.api.pod_template import GPU_PRODUCT_LABEL
 from fleetpilot.api.spec import EngineBackend, KvCacheDtype, ModelDtype, PodMonitorMode, Tier
 from fleetpilot.api.units import format_duration
 from fleetpilot.engine.reference_launch import REFERENCE_MAX_MODEL_LEN
@@ -126,7 +130,7 @@ def all_roles(service: InferenceService) -> list[ResolvedRole]:
     return [role for tier in service.spec.tiers for role in tier.roles()]
 
 
-def _tier_field(service: InferenceService, role: ResolvedRole) -> str:
+def tier_field(service: InferenceService, role: ResolvedRole) -> str:
     """Where a role's tier sits in the spec, for error messages: ``spec.tiers[1]``."""
     index = next(i for i, tier in enumerate(service.spec.tiers) if tier.name == role.tier.name)
     return f"spec.tiers[{index}]"
@@ -155,7 +159,7 @@ def check(
         for name in sorted(derived):
             if name in seen:
                 raise PlanError(
-                    f"{_tier_field(service, role)}.name",
+                    f"{tier_field(service, role)}.name",
                     f"{owner} and {seen[name]} would both be named {name!r}; rename a tier",
                 )
         seen |= dict.fromkeys(derived, owner)
@@ -163,7 +167,7 @@ def check(
     _check_model_cache(service)
     for role in all_roles(service):
         tier = role.tier
-        where = _tier_field(service, role)
+        where = tier_field(service, role)
         if tier.engine.backend is EngineBackend.REFERENCE:
             _check_reference(role, where, service.spec.model_cache is not None)
             _check_node_memory(role, where, options)
@@ -192,7 +196,7 @@ def check_reference_tiers(service: InferenceService) -> None:
     for role in all_roles(service):
         if role.tier.engine.backend is not EngineBackend.REFERENCE:
             continue
-        where = _tier_field(service, role)
+        where = tier_field(service, role)
         if reference_checkpoint(role.tier):
             raise PlanError(
                 f"{where}.model.source.huggingface",
@@ -339,10 +343,32 @@ def _check_layout(role: ResolvedRole, where: str, options: PlanOptions) -> None:
         )
 
 
+def node_memory_for(tier: Tier, options: PlanOptions) -> tuple[int | None, str]:
+    """The most allocatable memory of a node that can run the tier's engine pods (None:
+    unknown, not checked), and what nodes that is of, in words. Purely computational.
+
+    By product where the options know it by product (the operator, from the cluster's
+    Nodes): a GPU tier with ``resources.gpuProduct`` runs only on nodes of that product (the
+    pods' node selector), so those are the ones that count; a product no node carries is not
+    checked. A tier without a product, or a reference tier (no GPU, no product selector),
+    takes the largest node of all."""
+    by_product = options.node_memory_by_product
+    product = tier.resources.gpu_product
+    if by_product is None:
+        return options.node_memory, "the largest allocatable memory of a node that can run it"
+    if product and not is_reference(tier):
+        return (
+            by_product.get(product),
+            f"the largest allocatable memory of the nodes labelled {GPU_PRODUCT_LABEL}={product}",
+        )
+    return options.node_memory, "the largest allocatable memory of the cluster's nodes"
+
+
 def _check_node_memory(role: ResolvedRole, where: str, options: PlanOptions) -> None:
     """Refuse an engine pod that asks for more memory than a node can give (when the planner
-    knows how much: ``options.node_memory``), naming what the request is made of."""
-    node = options.node_memory
+    knows how much: ``options.node_memory``, by GPU product where known), naming what the
+    request is made of and what the nodes give."""
+    node, nodes = node_memory_for(role.tier, options)
     asked = engine_memory_bytes(role)
     if node is None or asked <= node:
         return
@@ -370,7 +396,7 @@ def _check_node_memory(role: ResolvedRole, where: str, options: PlanOptions) -> 
         f"{where}.{field}",
         f"tier {tier.name!r} role {role.name}: an engine pod asks for {format_bytes(asked)} "
         f"of memory ({' + '.join(parts)}), more than the {format_bytes(node)} a node can "
-        f"give (the largest allocatable memory of a node that can run it); lower {lower}",
+        f"give ({nodes}); lower {lower}",
     )
 
 
@@ -442,6 +468,37 @@ def _check_capacity(role: ResolvedRole, where: str, capacity: RoleCapacity | Non
         f"gpuMemoryUtilization {tier.engine.gpu_memory_utilization:g}, less "
         f"{format_bytes(RESERVE_BYTES_PER_GPU)} for activations); {remedy}",
     )
+
+
+def not_sized_reasons(role: ResolvedRole, where: str) -> list[str]:
+    """Why the planner cannot size a GPU role's capacity, each naming the field to set
+    (``where``: the tier's place in the spec, ``spec.tiers[0]``). Purely computational."""
+    tier = role.tier
+    reasons = []
+    if architecture_of(role) is None:
+        reasons.append(
+            f"{where}.model.name {tier.model.name!r}: model architecture unknown; set "
+            f"{where}.model.architecture"
+        )
+    if gpu_memory_of(role) is None:
+        product = tier.resources.gpu_product
+        known = ", ".join(sorted(GPU_MEMORY))
+        if product is None:
+            reasons.append(
+                f"GPU memory unknown; set {where}.resources.gpuMemory (e.g. 80Gi), or "
+                f"{where}.resources.gpuProduct to one of: {known}"
+            )
+        else:
+            reasons.append(
+                f"{where}.resources.gpuProduct {product!r}: GPU memory unknown for this "
+                f"product; set {where}.resources.gpuMemory (e.g. 48Gi) or use one of: {known}"
+            )
+    if not reasons:
+        reasons.append(
+            "the size of its weights is unknown (its model.quantization, or its experts' "
+            "share with expert parallelism)"
+        )
+    return reasons
 
 
 def capacity_warnings(service: InferenceService, capacities: Capacities | None = None) -> list[str]:

@@ -41,7 +41,12 @@ from fleetpilot.operator.cold_start import cold_start, samples_by_role
 from fleetpilot.operator.gateway_status import GatewayObserved, gateway_condition
 from fleetpilot.operator.model_cache import DownloadProgress, model_ready_condition
 from fleetpilot.operator.plan_types import Capacities, Download, Refusal, sized
-from fleetpilot.operator.planner import all_roles, capacity_warnings
+from fleetpilot.operator.planner import (
+    all_roles,
+    capacity_warnings,
+    not_sized_reasons,
+    tier_field,
+)
 from fleetpilot.operator.router_objects import endpoint_url
 
 Obj = dict[str, Any]
@@ -334,7 +339,8 @@ def _capacity_condition(
     could not size (an architecture or GPU it does not know: the spec can say them)."""
     warnings = capacity_warnings(service, capacities)
     unsized = [
-        f"tier {role.tier.name} / {role.name}"
+        f"tier {role.tier.name} / {role.name}: "
+        + "; ".join(not_sized_reasons(role, tier_field(service, role)))
         for role in all_roles(service)
         # A reference tier has no GPU to size: nothing for the spec to say.
         if sized(capacities, role) is None and role.engine.backend is not EngineBackend.REFERENCE
@@ -343,10 +349,7 @@ def _capacity_condition(
         status, reason, message = ConditionStatus.FALSE, "CapacityWarning", "; ".join(warnings)
     elif unsized:
         status, reason = ConditionStatus.UNKNOWN, "NotSized"
-        message = (
-            f"not sized: {', '.join(unsized)} (set model.architecture and resources.gpuMemory "
-            "for a model or GPU the planner does not know)"
-        )
+        message = f"not sized: {' | '.join(unsized)}"
     else:
         status, reason = ConditionStatus.TRUE, "Sized"
         message = "every role's KV cache holds its maxModelLen and maxNumSeqs"

@@ -6,8 +6,9 @@ from __future__ import annotations
 import shlex
 
 from fleetpilot.api import InferenceService, ResolvedRole, Tier
-from fleetpilot.api.capacity import architecture_of, format_bytes, gpu_memory_of, role_capacity
+from fleetpilot.api.capacity import format_bytes, role_capacity
 from fleetpilot.api.layout import Span, role_layout
+from fleetpilot.api.spec import AutoscalingMode
 from fleetpilot.api.units import format_duration
 from fleetpilot.engine.reference_launch import (
     REFERENCE_DEFAULT_MAX_MODEL_LEN,
@@ -26,7 +27,7 @@ from fleetpilot.operator.engine_objects import (
 from fleetpilot.operator.gateway_objects import http_route_name, inference_pool_name
 from fleetpilot.operator.model_delivery import weights_summary
 from fleetpilot.operator.plan_types import K8sObject
-from fleetpilot.operator.planner import all_roles, capacity_warnings
+from fleetpilot.operator.planner import all_roles, capacity_warnings, not_sized_reasons, tier_field
 from fleetpilot.operator.router_objects import ROUTER_EPP_PORT, endpoint_url
 
 
@@ -60,20 +61,14 @@ def host_tier_lines(role: ResolvedRole, tokens: str = "") -> list[str]:
     ]
 
 
-def capacity_lines(role: ResolvedRole) -> list[str]:
+def capacity_lines(role: ResolvedRole, where: str = "tier") -> list[str]:
     """A replica's weights, LoRA slots and KV cache in GPU memory and, with
-    ``engine.kvOffload``, in host memory (``capacity``), or why it is not sized."""
+    ``engine.kvOffload``, in host memory (``capacity``), or why it is not sized, naming the
+    fields to set (``where``: the tier's place in the spec, ``spec.tiers[0]``)."""
     sized = role_capacity(role)
     if sized is None:
-        unknown = []
-        if architecture_of(role) is None:
-            unknown.append("the model's architecture (set model.architecture)")
-        if gpu_memory_of(role) is None:
-            unknown.append("the GPU's memory (set resources.gpuProduct or resources.gpuMemory)")
-        if not unknown:
-            unknown.append("the size of its weights (quantization)")
         return [
-            f"    capacity: not sized: unknown {' and '.join(unknown)}",
+            f"    capacity: not sized: {'; '.join(not_sized_reasons(role, where))}",
             *host_tier_lines(role),
         ]
     seqs = sized.sequences_at_max_len
@@ -239,8 +234,34 @@ def gateway_lines(service: InferenceService) -> list[str]:
     return [*lines, f"    HTTPRoute {http_route_name(service.name)} from Gateway {parents}{hosts}"]
 
 
-def summarize(service: InferenceService, objects: list[K8sObject]) -> str:
-    """Plain text for a person; the YAML/JSON output is for machines."""
+# What the summary says of an autoscaled tier when no Prometheus is known: the operator's
+# autoscaler reads none (operator.handlers.autoscale), so its replicas stay where they are.
+NO_PROMETHEUS = (
+    "not autoscaled: no Prometheus (pass --prometheus-url or set prometheusURL, the chart "
+    "value, or spec.monitoring.prometheusUrl)"
+)
+# The modes fleetpilot's own autoscaler decides for (autoscaler.loop.autoscaled_roles).
+_OUR_MODES = (AutoscalingMode.AUTO, AutoscalingMode.RECOMMEND)
+
+
+def autoscaling_lines(
+    service: InferenceService, tier: Tier, prometheus_url: str | None
+) -> list[str]:
+    """That the tier is not autoscaled for want of a Prometheus (none given, the service
+    naming none); nothing for a tier the autoscaler does not decide for, or with one."""
+    if tier.autoscaling.mode not in _OUR_MODES:
+        return []
+    if prometheus_url or service.spec.monitoring.prometheus_url:
+        return []
+    return [f"    {NO_PROMETHEUS}"]
+
+
+def summarize(
+    service: InferenceService, objects: list[K8sObject], prometheus_url: str | None = None
+) -> str:
+    """Plain text for a person; the YAML/JSON output is for machines. ``prometheus_url``:
+    the operator's (``fleetpilot plan --prometheus-url``); without it, and without the
+    service's own, its autoscaled tiers are said not to be."""
     lines = [f"InferenceService {service.namespace}/{service.name}"]
     lines.append(f"  endpoint: {endpoint_url(service)}  (router x{service.spec.routing.replicas})")
     lines += gateway_lines(service)
@@ -255,6 +276,7 @@ def summarize(service: InferenceService, objects: list[K8sObject]) -> str:
             f" (complexity <= {tier.complexity.up_to:g})",
             f"    replicas: {bounds.start} now, {bounds.min}..{bounds.max} autoscaled"
             f" ({tier.autoscaling.mode.value})",
+            *autoscaling_lines(service, tier, prometheus_url),
             f"    weights: {weights_summary(service, tier)}",
         ]
         if is_reference(tier):
@@ -271,7 +293,7 @@ def summarize(service: InferenceService, objects: list[K8sObject]) -> str:
             f"  (tensor {p.tensor} x pipeline {p.pipeline} x data {p.data}"
             f"{', expert parallel' if p.expert else ''})",
             *layout_lines(role),
-            *capacity_lines(role),
+            *capacity_lines(role, tier_field(service, role)),
             *adapter_lines(tier),
             f"    image: {tier.engine.image}",
             *command_lines(service, role),

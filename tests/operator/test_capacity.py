@@ -5,6 +5,7 @@ summary's lines and warnings, the router's prefix-index size)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -35,6 +36,7 @@ from fleetpilot.engine.reference.settings import MODEL_PRESETS
 from fleetpilot.operator.plan_types import PlanError
 from fleetpilot.operator.planner import capacity_warnings, plan
 from fleetpilot.operator.router_objects import router_config
+from fleetpilot.operator.status import Observed, compute_status
 from fleetpilot.operator.summary import summarize
 from tests.factories import make_manifest, make_tier
 
@@ -236,8 +238,37 @@ def test_the_summary_shows_capacity_or_what_it_lacks() -> None:
     assert "(56 KiB a token); maxNumSeqs 256" in text
     unsized = service(model="acme/secret-13b")
     text = summarize(unsized, plan(unsized))
-    assert "capacity: not sized: unknown the model's architecture (set model.architecture)" in text
-    assert "the GPU's memory (set resources.gpuProduct or resources.gpuMemory)" in text
+    assert (
+        "capacity: not sized: spec.tiers[0].model.name 'acme/secret-13b': model architecture "
+        "unknown; set spec.tiers[0].model.architecture; GPU memory unknown; set "
+        "spec.tiers[0].resources.gpuMemory (e.g. 80Gi), or spec.tiers[0].resources.gpuProduct "
+        "to one of: "
+    ) in text
+
+
+def test_an_unknown_gpu_product_names_the_field_and_what_to_do() -> None:
+    """Issue 47: `gpuProduct: NVIDIA-L40` (a product the table lacks) said "not sized:
+    unknown the GPU's memory". The summary and CapacitySufficient now name the field and
+    its value, and say what to set instead: gpuMemory, or one of the known products."""
+    svc = service(model="meta-llama/Llama-3.1-8B-Instruct", resources={"gpuProduct": "NVIDIA-L40"})
+    text = summarize(svc, plan(svc))
+    known = ", ".join(sorted(GPU_MEMORY))
+    expected = (
+        "capacity: not sized: spec.tiers[0].resources.gpuProduct 'NVIDIA-L40': GPU memory "
+        "unknown for this product; set spec.tiers[0].resources.gpuMemory (e.g. 48Gi) or use "
+        f"one of: {known}"
+    )
+    assert expected in text
+    assert "NVIDIA-L40S" in known  # the nearest known product is offered
+    capacity = next(
+        c
+        for c in compute_status(
+            svc, Observed({}, []), None, datetime(2026, 1, 1, tzinfo=UTC)
+        ).conditions
+        if c.type == "CapacitySufficient"
+    )
+    assert (capacity.status, capacity.reason) == ("Unknown", "NotSized")
+    assert capacity.message == f"not sized: tier small / unified: {expected.split(': ', 2)[2]}"
 
 
 def test_the_routers_prefix_index_is_sized_like_the_largest_cache() -> None:
