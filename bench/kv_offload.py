@@ -105,7 +105,17 @@ HOST_BLOCKS_MODE = {
 SIMULATED = ("no offload", "offload, tiered")
 
 
-def engine_argv(port: int, pub: int, replay: int, offload: bool) -> list[str]:
+@dataclass(frozen=True)
+class Setup:
+    """What a run may vary from the defaults above: the fleet's size, the host link's speed and
+    the price the tiered index puts on a host block (``kvIndex.hostHitCost``)."""
+
+    replicas: int = REPLICAS
+    link_gb_per_s: float = LINK_GB_PER_S
+    host_hit_cost: float = 0.1
+
+
+def engine_argv(port: int, pub: int, replay: int, offload: bool, setup: Setup) -> list[str]:
     events = kv_events_config(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
     argv = [
         sys.executable, "-m", "fleetpilot.engine.reference.server",
@@ -119,30 +129,31 @@ def engine_argv(port: int, pub: int, replay: int, offload: bool) -> list[str]:
         argv += [
             "--kv-offloading-size", repr(HOST_GIB), "--kv-offloading-backend", "native",
             "--kv-transfer-config", json.dumps(extra),
-            "--kv-offload-gb-per-second", str(LINK_GB_PER_S),
+            "--kv-offload-gb-per-second", str(setup.link_gb_per_s),
         ]  # fmt: skip
     return argv
 
 
 @contextlib.contextmanager
-def engines(offload: bool) -> Iterator[tuple[list[str], list[tuple[int, int]]]]:
-    """``REPLICAS`` fresh engines publishing KV events: their addresses and event ports."""
-    ports = free_ports(3 * REPLICAS)
-    kv_ports = list(zip(ports[REPLICAS::2], ports[REPLICAS + 1 :: 2], strict=True))
+def engines(offload: bool, setup: Setup) -> Iterator[tuple[list[str], list[tuple[int, int]]]]:
+    """``setup.replicas`` fresh engines publishing KV events: their addresses and event ports."""
+    n = setup.replicas
+    ports = free_ports(3 * n)
+    kv_ports = list(zip(ports[n::2], ports[n + 1 :: 2], strict=True))
     procs = [
         subprocess.Popen(
-            engine_argv(port, pub, replay, offload),
+            engine_argv(port, pub, replay, offload, setup),
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        for port, (pub, replay) in zip(ports[:REPLICAS], kv_ports, strict=True)
+        for port, (pub, replay) in zip(ports[:n], kv_ports, strict=True)
     ]
-    with serving(procs, ports[:REPLICAS], 120) as addresses:
+    with serving(procs, ports[:n], 120) as addresses:
         yield addresses, kv_ports
 
 
-def router_config(host_blocks: str) -> RouterConfig:
+def router_config(host_blocks: str, host_hit_cost: float) -> RouterConfig:
     return RouterConfig.model_validate(
         {
             "service": "bench",
@@ -160,7 +171,7 @@ def router_config(host_blocks: str) -> RouterConfig:
                     ],
                 }
             ],
-            "kvIndex": {"hostBlocks": host_blocks},
+            "kvIndex": {"hostBlocks": host_blocks, "hostHitCost": host_hit_cost},
             "scrape": {"interval": "250ms"},
             "requestTimeout": "120s",
         }
@@ -258,11 +269,11 @@ class Case:
     seed: int
 
 
-def play(arm: str, case: Case, workdir: Path) -> dict[str, Any]:
+def play(arm: str, case: Case, setup: Setup, workdir: Path) -> dict[str, Any]:
     """One arm on fresh engines: the client's summary and the engines' counters."""
     offload = arm != "no offload"
     out = workdir / f"{arm.replace(', ', '-').replace(' ', '-')}-{case.rate}-{case.seed}.json"
-    with engines(offload) as (addresses, kv_ports), contextlib.ExitStack() as stack:
+    with engines(offload, setup) as (addresses, kv_ports), contextlib.ExitStack() as stack:
         if arm.startswith("prodstack"):
             urls = stack.enter_context(
                 prodstack_router.routers("prodstack-prefix", 1, addresses, MODEL, workdir)
@@ -275,10 +286,10 @@ def play(arm: str, case: Case, workdir: Path) -> dict[str, Any]:
                 for a, (pub, replay) in zip(addresses, kv_ports, strict=True)
             ]
             endpoints.write_text(yaml.safe_dump({"endpoints": listed}))
-            cfg = router_config(HOST_BLOCKS_MODE[arm])
+            cfg = router_config(HOST_BLOCKS_MODE[arm], setup.host_hit_cost)
             routers = stack.enter_context(
                 fleetpilot_routers(
-                    "events", 1, cfg, endpoints, workdir, replicas=REPLICAS, events=True
+                    "events", 1, cfg, endpoints, workdir, replicas=setup.replicas, events=True
                 )
             )
             base = routers[0].url.removesuffix("/chat/completions")
@@ -303,7 +314,7 @@ def play(arm: str, case: Case, workdir: Path) -> dict[str, Any]:
 # -- the simulator's prediction --------------------------------------------------------------
 
 
-def service_yaml(offload: bool) -> str:
+def service_yaml(offload: bool, replicas: int) -> str:
     engine: dict[str, Any] = {
         "backend": "reference",
         "referenceModel": PRESET,
@@ -322,7 +333,7 @@ def service_yaml(offload: bool) -> str:
                         "name": "only",
                         "model": {"name": MODEL, "maxModelLen": MAX_MODEL_LEN},
                         "engine": engine,
-                        "serving": {"replicas": {"min": REPLICAS, "max": REPLICAS}},
+                        "serving": {"replicas": {"min": replicas, "max": replicas}},
                     }
                 ]
             },
@@ -330,21 +341,23 @@ def service_yaml(offload: bool) -> str:
     )
 
 
-def bench_profile(calibrated: Path, out: Path) -> None:
+def bench_profile(calibrated: Path, out: Path, link_gb_per_s: float) -> None:
     """The calibrated reference engine, with the bench's pool, batch limit and link."""
     data = json.loads(calibrated.read_text())
     data["shape"]["kv_tokens"] = DEVICE_BLOCKS * BLOCK
     data["shape"]["max_num_seqs"] = MAX_NUM_SEQS
     data["kv_bytes_per_token"] = KV_BYTES_PER_TOKEN
-    data["costs"]["host_load_per_token_s"] = KV_BYTES_PER_TOKEN / (LINK_GB_PER_S * 1e9)
+    data["costs"]["host_load_per_token_s"] = KV_BYTES_PER_TOKEN / (link_gb_per_s * 1e9)
     out.write_text(json.dumps(data))
 
 
-def simulate(trace: str, offload: bool, profile: Path, workdir: Path) -> dict[str, Any]:
+def simulate(
+    trace: str, offload: bool, replicas: int, profile: Path, workdir: Path
+) -> dict[str, Any]:
     """What ``fleetpilot simulate`` predicts for a recorded run past the warm-up: TTFT p95
     (ms) and the hit rates."""
     service = workdir / f"service-{offload}.yaml"
-    service.write_text(service_yaml(offload))
+    service.write_text(service_yaml(offload, replicas))
     report = workdir / "sim.json"
     argv = [
         sys.executable, "-m", "fleetpilot", "simulate", "-f", str(service), "--trace", trace,
@@ -364,7 +377,9 @@ def simulate(trace: str, offload: bool, profile: Path, workdir: Path) -> dict[st
     }
 
 
-def predictions(rows: Sequence[dict[str, Any]], profile: Path, workdir: Path) -> list[Any]:
+def predictions(
+    rows: Sequence[dict[str, Any]], replicas: int, profile: Path, workdir: Path
+) -> list[Any]:
     """Per rate and seed: the measured and predicted gain of ``offload, tiered``."""
     out = []
     by_key = {(r["arm"], r["rate"], r["seed"]): r for r in rows}
@@ -372,7 +387,9 @@ def predictions(rows: Sequence[dict[str, Any]], profile: Path, workdir: Path) ->
         tiered = by_key.get(("offload, tiered", rate, seed))
         if arm != "no offload" or tiered is None:
             continue
-        sims = [simulate(r["trace"], r is tiered, profile, workdir) for r in (base, tiered)]
+        sims = [
+            simulate(r["trace"], r is tiered, replicas, profile, workdir) for r in (base, tiered)
+        ]
         predicted = [s["ttft_p95_ms"] for s in sims]
         measured = [base["ttft_p95_ms"], tiered["ttft_p95_ms"]]
         gain = measured[0] / measured[1] if all(measured) else None
@@ -456,7 +473,15 @@ def main() -> None:
     parser.add_argument("--simulate", action="store_true", help="the simulator's prediction")
     parser.add_argument("--profile", type=Path, help="a calibrated profile (default: calibrate)")
     parser.add_argument("--name", default="kv_offload", help="the results file's name")
+    parser.add_argument("--replicas", type=int, default=REPLICAS, help="engines in the fleet")
+    parser.add_argument(
+        "--link", type=float, default=LINK_GB_PER_S, help="host-to-device copy speed, GB/s"
+    )
+    parser.add_argument(
+        "--host-hit-cost", type=float, default=0.1, help="the tiered index's kvIndex.hostHitCost"
+    )
     args = parser.parse_args()
+    setup = Setup(args.replicas, args.link, args.host_hit_cost)
     arms = [a for a in ARMS if args.arms is None or a in args.arms.split(";")]
     if "prodstack-prefix, offload" in arms and not prodstack_router.available():
         print(f"skipping prodstack-prefix: {prodstack_router.MISSING}", file=sys.stderr)
@@ -473,7 +498,7 @@ def main() -> None:
                 # Each round starts one arm later, so drift falls on every arm alike.
                 shift = round_ % len(arms)
                 for arm in arms[shift:] + arms[:shift]:
-                    rows.append(play(arm, Case(rate, duration, seed), workdir))
+                    rows.append(play(arm, Case(rate, duration, seed), setup, workdir))
                     print(f"  {arm} at {rate:g}/s, seed {seed}: done", file=sys.stderr)
         table = merged(rows)
         predicted: list[Any] = []
@@ -487,9 +512,9 @@ def main() -> None:
                      str(profile)], cwd=ROOT, check=True
                 )  # fmt: skip
             adapted = workdir / "profile.json"
-            bench_profile(profile, adapted)
+            bench_profile(profile, adapted, setup.link_gb_per_s)
             profiled = json.loads(adapted.read_text())
-            predicted = predictions(rows, adapted, workdir)
+            predicted = predictions(rows, setup.replicas, adapted, workdir)
         for row in rows:
             row.pop("trace")
         path = save(
@@ -498,9 +523,10 @@ def main() -> None:
                 "benchmark": "kv_offload",
                 "commit": commit(),
                 "machine": machine(),
-                "engines": f"{REPLICAS} reference engines, preset {PRESET}, {DEVICE_BLOCKS} "
-                f"device KV blocks of {BLOCK}, max-num-seqs {MAX_NUM_SEQS}; offload: "
-                f"{HOST_BLOCKS} host blocks ({HOST_GIB:.4f} GiB) at {LINK_GB_PER_S} GB/s",
+                "engines": f"{setup.replicas} reference engines, preset {PRESET}, "
+                f"{DEVICE_BLOCKS} device KV blocks of {BLOCK}, max-num-seqs {MAX_NUM_SEQS}; "
+                f"offload: {HOST_BLOCKS} host blocks ({HOST_GIB:.4f} GiB) at "
+                f"{setup.link_gb_per_s:g} GB/s; tiered hostHitCost {setup.host_hit_cost:g}",
                 "workload": f"shared-prefix, {TENANTS} tenants, {SYSTEM_CHARS}-char system "
                 f"prompts, skew {TENANT_SKEW}, {MAX_TOKENS} output tokens, {duration:.0f} s a run",
                 "rounds": args.rounds,
