@@ -113,6 +113,7 @@ class Setup:
     replicas: int = REPLICAS
     link_gb_per_s: float = LINK_GB_PER_S
     host_hit_cost: float = 0.1
+    tenant_skew: float = TENANT_SKEW
 
 
 def engine_argv(port: int, pub: int, replay: int, offload: bool, setup: Setup) -> list[str]:
@@ -245,14 +246,16 @@ def steady(records: Sequence[dict[str, Any]], elapsed_s: float) -> dict[str, Any
     }
 
 
-def load(url: str, rate: float, duration: float, seed: int, out: Path) -> dict[str, Any]:
+def load(
+    url: str, rate: float, duration: float, seed: int, skew: float, out: Path
+) -> dict[str, Any]:
     """``fleetpilot bench`` as its own process against ``url`` (a chat-completions base); its
     ``--out`` document."""
     argv = [
         sys.executable, "-m", "fleetpilot", "bench", "--url", url, "--model", MODEL,
         "--rate", str(rate), "--duration", str(duration), "--seed", str(seed),
         "--workload", "shared-prefix", "--tenants", str(TENANTS),
-        "--system-chars", str(SYSTEM_CHARS), "--tenant-skew", str(TENANT_SKEW),
+        "--system-chars", str(SYSTEM_CHARS), "--tenant-skew", str(skew),
         "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--timeout", "120", "--out", str(out),
     ]  # fmt: skip
     run = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
@@ -294,7 +297,7 @@ def play(arm: str, case: Case, setup: Setup, workdir: Path) -> dict[str, Any]:
             )
             base = routers[0].url.removesuffix("/chat/completions")
         with CounterSampler(addresses) as sampler:
-            doc = load(base, case.rate, case.duration, case.seed, out)
+            doc = load(base, case.rate, case.duration, case.seed, setup.tenant_skew, out)
     records = doc["requests"]
     t0_wall = records[0]["timestamp"] - records[0]["start_s"]
     moved = sampler.moved_since(t0_wall + WARMUP_S)
@@ -480,8 +483,11 @@ def main() -> None:
     parser.add_argument(
         "--host-hit-cost", type=float, default=0.1, help="the tiered index's kvIndex.hostHitCost"
     )
+    parser.add_argument(
+        "--tenant-skew", type=float, default=TENANT_SKEW, help="Zipf skew of the tenants"
+    )
     args = parser.parse_args()
-    setup = Setup(args.replicas, args.link, args.host_hit_cost)
+    setup = Setup(args.replicas, args.link, args.host_hit_cost, args.tenant_skew)
     arms = [a for a in ARMS if args.arms is None or a in args.arms.split(";")]
     if "prodstack-prefix, offload" in arms and not prodstack_router.available():
         print(f"skipping prodstack-prefix: {prodstack_router.MISSING}", file=sys.stderr)
@@ -528,7 +534,8 @@ def main() -> None:
                 f"offload: {HOST_BLOCKS} host blocks ({HOST_GIB:.4f} GiB) at "
                 f"{setup.link_gb_per_s:g} GB/s; tiered hostHitCost {setup.host_hit_cost:g}",
                 "workload": f"shared-prefix, {TENANTS} tenants, {SYSTEM_CHARS}-char system "
-                f"prompts, skew {TENANT_SKEW}, {MAX_TOKENS} output tokens, {duration:.0f} s a run",
+                f"prompts, skew {setup.tenant_skew:g}, {MAX_TOKENS} output tokens, "
+                f"{duration:.0f} s a run",
                 "rounds": args.rounds,
                 "rows": rows,
                 "by_arm": table,
