@@ -41,8 +41,13 @@ batch limits and link, and the predicted gain (no-offload TTFT p95 over tiered) 
 against the measured one (both past the warm-up: ``--warmup``); the issue asks for within
 25%.
 
-Run: .venv/bin/python bench/kv_offload.py [--quick] [--rounds N] [--rates 4,8] [--arms a,b]
-     [--simulate] [--profile FILE]
+Variants (``--name`` keeps their results apart): ``--replicas 2`` (an engine a core, for the
+simulator's replay), ``--link 0.05 --host-hit-cost 0.5`` (a copy back at about half a
+prefill, and the tiered index told so), ``--tenant-skew 1.5`` (a hot tenant that load spreads).
+
+Run: .venv/bin/python bench/kv_offload.py [--quick] [--rounds N] [--rates 4,8] [--arms a;b]
+     [--simulate] [--profile FILE] [--replicas N] [--link GB/s] [--host-hit-cost C]
+     [--tenant-skew S] [--name NAME]
 """
 
 from __future__ import annotations
