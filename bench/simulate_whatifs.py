@@ -1,5 +1,5 @@
 """What-if questions answered with ``fleetpilot simulate`` (the real router and autoscaler over
-simulated H100 engines): the numbers in the README's simulator section.
+simulated H100 engines): the numbers in docs/simulator.md.
 
 - ``complexity``: complexity routing over two tiers (``examples/two-tier.yaml``: Qwen2.5-7B AWQ
   on one GPU, Qwen2.5-72B on four) against the same service with only its large tier, on the

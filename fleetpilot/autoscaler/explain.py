@@ -5,7 +5,7 @@ No I/O.
 :func:`fleetpilot.autoscaler.policy.decide` found and did, e.g.
 ``"decode tpot p95 72ms > slo 60ms: 3 -> 5"``, and names what drove it as a short label for
 metrics (a held decision is driven by stabilization, panic or a bound, not by its signal).
-People, tests and the README read these sentences: change their wording on purpose only.
+People, tests and the docs read these sentences: change their wording on purpose only.
 """
 
 from __future__ import annotations
