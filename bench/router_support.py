@@ -417,14 +417,27 @@ def commit() -> str:
 
 
 def save(name: str, data: dict[str, Any]) -> Path:
+    """Write ``bench/results/<name>.json``, stamped with the UTC date it was measured on
+    (``bench/tables.py`` quotes it beside the commit)."""
+    data = {**data, "date": data.get("date") or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path
 
 
+def cpu_model() -> str | None:
+    """The processor's name (Linux), so a results file says what kind of machine it ran on."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return None
+
+
 def machine() -> dict[str, Any]:
     return {
+        "cpu": cpu_model(),
         "cpus": os.cpu_count(),
         "python": sys.version.split()[0],
         "loadavg_at_start": os.getloadavg(),
