@@ -31,6 +31,7 @@ BLOCK = re.compile(
 
 Results = dict[str, Any]
 Renderer = Callable[[Results], list[str]]
+MultiRenderer = Callable[[list[Results]], list[str]]
 
 
 def _ms(value: float | None) -> str:
@@ -44,9 +45,13 @@ def _share(value: float, present: bool = True) -> str:
 def caption(doc: Results, source: str) -> str:
     """Where the numbers come from: the file, the commit (a ``-dirty`` one said so), the date
     and machine when the file records them."""
-    commit = str(doc.get("commit", "unknown"))
-    short = commit[:7] + (" with uncommitted changes" if commit.endswith("-dirty") else "")
-    parts = [f"`{source}`", f"commit {short}"]
+    if "commit" in doc:
+        commit = str(doc["commit"])
+        dirty = " with uncommitted changes" if commit.endswith("-dirty") else ""
+        measured = f"commit {commit[:7]}{dirty}"
+    else:
+        measured = "commit not recorded"
+    parts = [f"`{source}`", measured]
     if "date" in doc:
         parts.append(str(doc["date"]))
     machine = doc.get("machine") or {}
@@ -97,18 +102,398 @@ def kv_offload_simulator(doc: Results) -> list[str]:
     return lines
 
 
+def _pct(value: float) -> str:
+    return f"{value:.0%}"
+
+
+def _signed(value: float) -> str:
+    return f"{value:+.0%}"
+
+
+def _duration_ms(ms: float) -> str:
+    """``946 ms``, ``5,633 ms``: whole milliseconds with thousands separated."""
+    return f"{ms:,.0f} ms"
+
+
+def _times(ratio: float) -> str:
+    return f"{ratio:.0f}x" if ratio >= 100 else f"{ratio:.2f}x"
+
+
+def _us(us: float) -> str:
+    return f"{us:.0f} us" if us < 1000 else f"{us / 1000:.1f} ms"
+
+
+GATEWAY_SCENARIOS = {
+    "zipf-2": "Zipf, 2/s",
+    "zipf-8": "Zipf, 8/s",
+    "shared-4": "shared, 4/s",
+    "shared-8": "shared, 8/s",
+}
+
+
+def _gateway_arms(doc: Results) -> tuple[list[str], list[str], dict[tuple[str, str], Results]]:
+    scenarios = [s["key"] for s in doc["results"]]
+    cells = {(s["key"], a["arm"]): a for s in doc["results"] for a in s["by_arm"]}
+    arms = list(dict.fromkeys(a["arm"] for s in doc["results"] for a in s["by_arm"]))
+    return scenarios, arms, cells
+
+
+def gateway_pickers(doc: Results) -> list[str]:
+    """bench/gateway_pickers.py: engine prefix-hit rate / TTFT p95 in ms per arm and workload
+    (median over rounds, the rounds' range), and the errors over all of them."""
+    scenarios, arms, cells = _gateway_arms(doc)
+    heads = [GATEWAY_SCENARIOS.get(k, k) for k in scenarios]
+    lines = ["| arm | " + " | ".join(heads) + " | errors |", "|---" * (len(heads) + 2) + "|"]
+    for arm in arms:
+        row, errors = [], 0
+        for key in scenarios:
+            cell = cells.get((key, arm))
+            if cell is None:
+                row.append("-")
+                continue
+            low, high = cell["ttft_p95_range_ms"]
+            errors += cell["errors"]
+            row.append(f"{cell['hit_rate']:.3f} / {cell['ttft_p95_ms']:.0f} ({low:.0f}-{high:.0f})")
+        lines.append(f"| {arm} | " + " | ".join(row) + f" | {errors} |")
+    return lines
+
+
+def gateway_pickers_cpu(doc: Results) -> list[str]:
+    """bench/gateway_pickers.py: the pickers' CPU ms a request answered (median over rounds)
+    and peak resident memory (the largest over the workloads; a replica's where there are
+    several)."""
+    scenarios, arms, cells = _gateway_arms(doc)
+    heads = [GATEWAY_SCENARIOS.get(k, k) for k in scenarios]
+    lines = ["| arm | " + " | ".join(heads) + " | peak RSS |", "|---" * (len(heads) + 2) + "|"]
+    for arm in arms:
+        found = [cells.get((key, arm)) for key in scenarios]
+        cpu = [c["picker_cpu_ms_per_request"] if c else None for c in found]
+        if all(v is None for v in cpu):
+            continue
+        rss = [c["picker_peak_rss_mib"] for c in found if c and c["picker_peak_rss_mib"]]
+        each = " a replica" if re.search(r"x[2-9]\d*$", arm) else ""
+        peak = f"{max(rss):.0f} MiB{each}" if rss else "-"
+        row = ["-" if v is None else f"{v:.1f}" for v in cpu]
+        lines.append(f"| {arm} | " + " | ".join(row) + f" | {peak} |")
+    return lines
+
+
+def router_cpu(doc: Results) -> list[str]:
+    """bench/router_cpu.py: CPU ms a request for each arm, plain and streamed (median over
+    rounds, the rounds' range)."""
+    modes = list(doc["medians"])
+    names = {"plain": "plain", "stream": "streamed"}
+    lines = [
+        "| arm | " + " | ".join(names.get(m, m) for m in modes) + " |",
+        "|---" * (len(modes) + 1) + "|",
+    ]
+    for arm in doc["medians"][modes[0]]:
+        row = []
+        for mode in modes:
+            m = doc["medians"][mode][arm]
+            row.append(f"{m['median']:.2f} ms ({m['min']:.2f}-{m['max']:.2f})")
+        lines.append(f"| {arm} | " + " | ".join(row) + " |")
+    return lines
+
+
+AUTH_ARMS = {
+    "open": "no auth",
+    "keys": "API keys",
+    "keys+limits": "API keys and request/token limits",
+}
+
+
+def router_auth_overhead(doc: Results) -> list[str]:
+    """bench/router_auth_overhead.py: the router without auth (medians over rounds), and what
+    keys and limits add to it."""
+    metrics = ["plain_p50", "plain_p99", "first_chunk_p50"]
+    lines = [
+        "| arm | p50 | p99 | first streamed chunk, p50 | errors |",
+        "|---|---|---|---|---|",
+    ]
+    for arm, median in doc["median"].items():
+        if arm in doc["added_ms"]:
+            cells = [f"+{doc['added_ms'][arm][m]:.3f} ms" for m in metrics]
+        else:
+            cells = [f"{median[m]:.3f} ms" for m in metrics]
+        name = AUTH_ARMS.get(arm, arm)
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {doc['errors'][arm]} |")
+    return lines
+
+
+def router_noisy_neighbour(doc: Results) -> list[str]:
+    """bench/router_noisy_neighbour.py: the light tenant B beside the flood of tenant A, per
+    arm (B's requests answered, TTFT, how long B queued in the router, A's requests answered)."""
+    alone = next(r for r in doc["results"] if "a" not in r["tenants"])
+    alone_p95 = alone["tenants"]["b"]["ttft_p95_s"]
+    lines = [
+        "| arm | B ok | B TTFT p50 | B TTFT p95 | B p95 vs alone | B waited > 0.25 s in the "
+        "router | A ok |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["results"]:
+        b, a = r["tenants"]["b"], r["tenants"].get("a")
+        wait = r["queue_waits"].get("b")
+        waited = f"{wait['queued'] - wait['le_0.25']:.0f} of {b['requests']}" if wait else "-"
+        lines.append(
+            f"| {r['arm']} | {_pct(b['success_rate'])} | {_duration_ms(b['ttft_p50_s'] * 1000)} "
+            f"| {_duration_ms(b['ttft_p95_s'] * 1000)} | {_times(b['ttft_p95_s'] / alone_p95)} "
+            f"| {waited} | {_pct(a['success_rate']) if a else '-'} |"
+        )
+    return lines
+
+
+FAULTS = {"kill": "SIGKILL", "freeze": "SIGSTOP"}
+
+
+def router_stream_failover(doc: Results) -> list[str]:
+    """bench/router_stream_failover.py: streams hit by the fault and how many ended whole."""
+    lines = [
+        "| fault | streamResumes | streams | hit | hit streams whole | continued |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in doc["results"]:
+        whole = _pct(r["hit_whole"] / r["hit"]) if r["hit"] else "-"
+        errors = ", ".join(f"{n:.0f} {kind}s" for kind, n in r["hit_errors"].items())
+        if errors:
+            whole += f" ({errors})"
+        resumed = r["resumes_by_outcome"].get("resumed")
+        lines.append(
+            f"| {FAULTS.get(r['fault'], r['fault'])} | {r['stream_resumes']} | {r['streams']} "
+            f"| {r['hit']} | {whole} | {'-' if resumed is None else f'{resumed:.0f}'} |"
+        )
+    return lines
+
+
+def router_slow_bodies(doc: Results) -> list[str]:
+    """bench/router_slow_bodies.py: legitimate clients' latency before and under the flood of
+    slow bodies, per round and router, and the engine reached directly under the flood."""
+    lines = [
+        "| router | legitimate p50 unloaded -> flooded | p99 unloaded -> flooded | errors under "
+        "the flood | engine directly under the flood (control), p99 |",
+        "|---|---|---|---|---|",
+    ]
+    for r in doc["results"]:
+        name = re.sub(r"^ours #(\d+)$", r"this router, round \1", r["router"])
+        name = re.sub(r"^old (\w+)$", r"the earlier router (\1)", name)
+        u, f = r["unloaded"], r["flooded"]
+        lines.append(
+            f"| {name} | {u['p50_ms']} -> {f['p50_ms']} ms | {u['p99_ms']} -> {f['p99_ms']} ms "
+            f"({r['p99_ratio']:.2f}x) | {f['errors']} of {f['requests']:,} "
+            f"| {r['flooded_engine_direct']['p99_ms']} ms |"
+        )
+    return lines
+
+
+def simulate_validation(doc: Results) -> list[str]:
+    """bench/simulate_validation.py: the local fleet against the simulation of it, per workload
+    and rate (the simulation's error in brackets)."""
+    lines = [
+        "| workload | req/s | TTFT p50 local / simulated | TTFT p95 local / simulated | hit rate "
+        "local / simulated | mean TTFT, client: local / simulated | mean TTFT, engines' own: "
+        "local / simulated | TTFT p50 / p95 of the engine alone |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def pair(local: float, simulated: float, error: float) -> str:
+        return f"{local * 1000:.1f} / {simulated * 1000:.1f} ms ({_signed(error)})"
+
+    for r in doc["rows"]:
+        loc, sim, eng = r["local"], r["simulated"], r["simulated_engines"]
+        alone = r.get("engine_direct")
+        direct = (
+            f"{alone['ttft_p50_s'] * 1000:.1f} / {alone['ttft_p95_s'] * 1000:.1f} ms"
+            if alone
+            else "-"
+        )
+        lines.append(
+            f"| {r['workload']} | {r['rate']:g} "
+            f"| {pair(loc['ttft_p50_s'], sim['ttft_p50_s'], r['ttft_p50_s_error'])} "
+            f"| {pair(loc['ttft_p95_s'], sim['ttft_p95_s'], r['ttft_p95_s_error'])} "
+            f"| {loc['hit_rate']:.3f} / {sim['hit_rate']:.3f} "
+            f"| {pair(loc['ttft_mean_s'], sim['ttft_mean_s'], r['ttft_mean_error'])} "
+            f"| {pair(loc['engine_ttft_mean_s'], eng['ttft_mean_s'], r['engine_ttft_mean_error'])} "
+            f"| {direct} |"
+        )
+    return lines
+
+
+def simulate_speed(doc: Results) -> list[str]:
+    """bench/simulate_speed.py: the simulator's speed by fleet size and the router's pick."""
+    per_replica = doc["args"]["per_replica"]
+    lines = [
+        "| replicas | req/s | router's pick | requests simulated per CPU second | CPU per request "
+        "| simulated seconds per CPU second | hit rate |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["rows"]:
+        pick = "every replica" if r["pick"] == "all" else r["pick"]
+        sim = r["simulated_s_per_cpu_s"]
+        lines.append(
+            f"| {r['replicas']:,} | {r['replicas'] * per_replica:,.0f} | {pick} "
+            f"| {r['requests_per_cpu_s']:,.0f} | {_us(r['us_per_request'])} "
+            f"| {sim:.3g} | {r['hit_rate']:.3f} |"
+        )
+    return lines
+
+
+def autoscale_ramp(doc: Results) -> list[str]:
+    """bench/autoscale_ramp.py: per arm and seed, each ramp's share of 5 s buckets within the
+    objective and its TTFT p95, then the whole run."""
+    ramps = max(len(r["ramps"]) for r in doc["results"])
+    heads = "".join(f" ramp {i} within SLO | ramp {i} p95 |" for i in range(1, ramps + 1))
+    lines = [
+        f"| arm | seed |{heads} requests within SLO | steady replicas (end) | replica-seconds "
+        "| errors |",
+        "|---" * (2 * ramps + 6) + "|",
+    ]
+    for r in doc["results"]:
+        cells = "".join(
+            f" {_pct(ramp['buckets_within_slo'])} | {_duration_ms(ramp['ttft_p95_ms'])} |"
+            for ramp in r["ramps"]
+        )
+        lines.append(
+            f"| {r['arm']} | {r['seed']} |{cells} {_pct(r['requests_within_slo'])} "
+            f"| {r['steady_replicas_mean']:.1f} ({r['final_replicas']}) "
+            f"| {r['replica_seconds']:,.0f} | {r['errors']} |"
+        )
+    return lines
+
+
+def operator_scale(doc: Results) -> list[str]:
+    """bench/operator_scale.py: the operator's settle time, memory, API requests and CPU per
+    fleet size, the direct-writes floor in brackets, and a restart of the settled operator."""
+    floors = {r["services"]: r for r in doc["runs"] if r["arm"] == "direct"}
+    lines = [
+        "| services | measured on | settled: every service has its Deployments and a status "
+        "of its generation (floor) | operator memory when settled | API requests meanwhile, all "
+        "clients (floor) | operator / API server CPU s meanwhile (floor: the bench's / API "
+        "server's) | restart of a settled operator: every service reconciled again in | writes "
+        "it made | its memory then (peak) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["runs"]:
+        if r["arm"] != "operator":
+            continue
+        floor = floors.get(r["services"])
+        cpu = r["settle_cpu_s"]
+        settled = f"{r['settle_s']} s"
+        requests = f"{r['settle_api_requests_total']:,}"
+        cpus = f"{cpu['operator']} / {cpu['kube-apiserver']}"
+        if floor:
+            fcpu = floor["settle_cpu_s"]
+            settled += f" ({floor['settle_s']} s)"
+            requests += f" ({floor['settle_api_requests_total']:,})"
+            cpus += f" ({fcpu.get('bench (direct writes)', '-')} / {fcpu['kube-apiserver']})"
+        writes = sum(r.get("resync_writes_operator_kinds", {}).values())
+        lines.append(
+            f"| {r['services']:,} | {str(r['commit'])[:7] if 'commit' in r else 'not recorded'} "
+            f"| {settled} "
+            f"| {r['operator_rss_mb']} MB | {requests} | {cpus} | {r['resync_s']} s | {writes} "
+            f"| {r['resync_peak_rss_mb']} MB |"
+        )
+    return lines
+
+
+def _engine_row(doc: Results) -> list[str]:
+    """One engine benchmark as benchmark | baseline | fleetpilot | result."""
+    name = doc["benchmark"]
+    runs = doc["runs"]
+    if name == "engine_paged_vs_contiguous":
+        c, p = runs
+        mean_ratio = p["mean_running"] / c["mean_running"]
+        peak_ratio = p["peak_running"] / c["peak_running"]
+        return [
+            f"`{name}.py`: {doc['budget_tokens']:,}-token KV budget, {doc['num_requests']} "
+            "mixed-length requests",
+            f"contiguous max_model_len per request: {c['peak_running']} concurrent, "
+            f"{_pct(c['mean_kv_slot_fill'])} KV filled",
+            f"paged blocks: {p['peak_running']} concurrent, {_pct(p['mean_kv_slot_fill'])} KV "
+            f"filled, {p['preemptions']} preemptions",
+            f"{mean_ratio:.1f}x the mean concurrency, {peak_ratio:.1f}x the peak; "
+            f"{doc['throughput_ratio']:.2f}x the output tokens/s",
+        ]
+    if name == "engine_prefix_cache":
+        off, on = runs
+        return [
+            f"`{name}.py`: {doc['shared_tokens']:,} shared + {doc['unique_tokens']} unique "
+            "prompt tokens",
+            f"caching off: TTFT p50 {off['ttft_p50_s'] * 1000:.0f} ms",
+            f"caching on: TTFT p50 {on['ttft_p50_s'] * 1000:.0f} ms, hit rate "
+            f"{_pct(on['hit_rate'])}",
+            f"{doc['ttft_speedup']:.1f}x lower mean TTFT",
+        ]
+    if name == "engine_decode_batch":
+        first, last = runs[0], runs[-1]
+        return [
+            f"`{name}.py`: decode tokens/s vs batch",
+            f"batch {first['batch']}: {first['tokens_per_s']:,.0f} tok/s",
+            f"batch {last['batch']}: {last['tokens_per_s']:,.0f} tok/s",
+            f"{last['tokens_per_s'] / first['tokens_per_s']:.1f}x",
+        ]
+    if name == "engine_speculative":
+        base, spec = runs[0], runs[1:]
+        first, last = spec[0], spec[-1]
+        same = all(r["identical_to_k0"] for r in spec)
+        speedups = [r["speedup_vs_k0"] for r in spec]
+        return [
+            f"`{name}.py`: greedy, draft = first {doc['draft_layers']} of "
+            f"{doc['target_layers']} layers",
+            f"k={base['k']}: {base['tokens_per_target_pass']:g} token per target pass, "
+            f"{base['tokens_per_s']:.0f} tok/s",
+            f"k={first['k']}..{last['k']}: acceptance {_pct(first['acceptance_rate'])}.."
+            f"{_pct(last['acceptance_rate'])}, {first['tokens_per_target_pass']:.2f}.."
+            f"{last['tokens_per_target_pass']:.2f} tokens per target pass, "
+            f"{min(speedups):.2f}-{max(speedups):.2f}x the tokens/s",
+            "outputs identical to k=0 for every k" if same else "outputs differ from k=0",
+        ]
+    raise KeyError(f"no engine row for {name!r}")
+
+
+def engine(docs: list[Results]) -> list[str]:
+    """The reference engine's benchmarks (bench/engine_*.py), a row for each results file."""
+    lines = ["| benchmark | baseline | fleetpilot | result |", "|---|---|---|---|"]
+    lines += ["| " + " | ".join(_engine_row(doc)) + " |" for doc in docs]
+    return lines
+
+
 RENDERERS: dict[str, Renderer] = {
     "kv_offload": kv_offload,
     "kv_offload_simulator": kv_offload_simulator,
+    "gateway_pickers": gateway_pickers,
+    "gateway_pickers_cpu": gateway_pickers_cpu,
+    "router_cpu": router_cpu,
+    "router_auth_overhead": router_auth_overhead,
+    "router_noisy_neighbour": router_noisy_neighbour,
+    "router_stream_failover": router_stream_failover,
+    "router_slow_bodies": router_slow_bodies,
+    "simulate_validation": simulate_validation,
+    "simulate_speed": simulate_speed,
+    "autoscale_ramp": autoscale_ramp,
+    "operator_scale": operator_scale,
+}
+# Renderers of one table from several results files, named in the marker comma-separated:
+# ``<!-- table: engine bench/results/a.json,bench/results/b.json -->``.
+MULTI_RENDERERS: dict[str, MultiRenderer] = {
+    "engine": engine,
 }
 
 
 def render(renderer: str, source: str) -> str:
-    """The Markdown between a block's markers."""
-    if renderer not in RENDERERS:
-        raise KeyError(f"no renderer {renderer!r} (known: {', '.join(sorted(RENDERERS))})")
-    doc = json.loads((ROOT / source).read_text())
-    lines = [caption(doc, source), "", *RENDERERS[renderer](doc)]
+    """The Markdown between a block's markers: a caption for each results file, the table."""
+    sources = source.split(",")
+    if renderer in MULTI_RENDERERS:
+        docs = [json.loads((ROOT / s).read_text()) for s in sources]
+        captions = [caption(d, s) for d, s in zip(docs, sources, strict=True)]
+        lines = [" ".join(captions), "", *MULTI_RENDERERS[renderer](docs)]
+    elif renderer in RENDERERS:
+        if len(sources) != 1:
+            raise ValueError(f"renderer {renderer!r} reads one results file, not {source!r}")
+        doc = json.loads((ROOT / source).read_text())
+        lines = [caption(doc, source), "", *RENDERERS[renderer](doc)]
+    else:
+        known = ", ".join(sorted([*RENDERERS, *MULTI_RENDERERS]))
+        raise KeyError(f"no renderer {renderer!r} (known: {known})")
     return "\n".join(lines) + "\n"
 
 
