@@ -35,7 +35,7 @@ MultiRenderer = Callable[[list[Results]], list[str]]
 
 
 def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f} ms"
+    return "-" if value is None else f"{value:,.0f} ms"
 
 
 def _share(value: float, present: bool = True) -> str:
@@ -457,6 +457,123 @@ def engine(docs: list[Results]) -> list[str]:
     return lines
 
 
+def _router_overhead_rows(rows: list[Results]) -> list[str]:
+    lines = [
+        "| mode | connections | added p50 | added p99 | added to the first chunk, p50 "
+        "| router req/s | router errors |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        chunk = "-"
+        if r["stream"]:
+            added = r["router"]["first_chunk_p50_ms"] - r["direct"]["first_chunk_p50_ms"]
+            chunk = f"+{added:.3f} ms"
+        lines.append(
+            f"| {'streamed' if r['stream'] else 'plain'} | {r['concurrency']:,} "
+            f"| +{r['added_p50_ms']:.3f} ms | +{r['added_p99_ms']:.3f} ms | {chunk} "
+            f"| {r['router']['req_per_s']:,.0f} | {r['router']['errors']} |"
+        )
+    return lines
+
+
+def router_overhead(doc: Results) -> list[str]:
+    """bench/router_overhead.py: what the router adds to an echo backend reached directly, per
+    mode and connections; the quiet rerun of the same file when it holds one; the soak."""
+    lines = []
+    quiet = doc.get("quiet_rerun_quick")
+    if quiet:
+        lines += [f"Quiet rerun ({quiet.get('note', 'concurrency 1 and 32')}):", ""]
+        lines += [*_router_overhead_rows(quiet["rows"]), "", "The first run, every level:", ""]
+    lines += _router_overhead_rows(doc["rows"])
+    soak = doc.get("soak")
+    if soak:
+        lines += [
+            "",
+            "| soak | connections | first minute | last minute | errors |",
+            "|---|---|---|---|---|",
+            f"| {soak['duration_s'] / 60:g} minutes | {soak['concurrency']} "
+            f"| {soak['first_window_req_per_s']:,.0f} req/s "
+            f"| {soak['last_window_req_per_s']:,.0f} req/s | {soak['errors']} |",
+        ]
+    return lines
+
+
+def _spread(number: Results, digits: int) -> str:
+    rounds = number["rounds"]
+    return f"{number['median']:.{digits}f} [{min(rounds):.{digits}f}-{max(rounds):.{digits}f}]"
+
+
+def compare_trees(doc: Results) -> list[str]:
+    """bench/compare_trees.py: one benchmark on an earlier commit (before) and a later one
+    (after), rounds alternating; the median of the rounds and their range in brackets."""
+    base, head = str(doc["base"])[:7], str(doc["head"])[:7]
+    numbers = doc["numbers"]
+    script = Path(doc["command"][0]).stem
+    if script == "router_overhead":
+        levels = [1, 32] if "--quick" in doc["command"] else [1, 32, 256, 1024]
+        lines = [
+            f"| mode | connections | added p50 ms, {base} | {head} | added p99 ms, {base} "
+            f"| {head} | router req/s, {base} | {head} |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        count = len({k.split("]")[0] for k in numbers if k.startswith("rows[")})
+        for i in range(count):
+            row = f"rows[{i}]"
+            mode = "plain" if i < count // 2 else "streamed"
+            conn = int(numbers.get(f"{row}.concurrency", {}).get("head", {}).get("median", 0))
+            conn = conn or levels[i % len(levels)]
+            cells = []
+            for key, digits in (("added_p50_ms", 3), ("added_p99_ms", 3), ("router.req_per_s", 0)):
+                n = numbers[f"{row}.{key}"]
+                cells += [_spread(n["base"], digits), _spread(n["head"], digits)]
+            lines.append(f"| {mode} | {conn:,} | " + " | ".join(cells) + " |")
+        chunk = numbers["summary.added_first_chunk_p50_ms_c1"]
+        lines.append(
+            f"| streamed, first chunk | 1 | {_spread(chunk['base'], 3)} "
+            f"| {_spread(chunk['head'], 3)} | - | - | - | - |"
+        )
+        return lines
+    if script == "router_kv_events":
+        path = re.compile(r"results\[(?P<scenario>[^\]]+)\]\.rows\[(?P<arm>[^\]]+)\]\.(?P<m>\w+)")
+        metrics = [("hit_rate", 3), ("ttft_p50_ms", 1), ("ttft_p95_ms", 1)]
+        cells: dict[tuple[str, str], dict[str, Results]] = {}
+        for key, number in numbers.items():
+            match = path.fullmatch(key)
+            if match and match["m"] in dict(metrics):
+                cells.setdefault((match["scenario"], match["arm"]), {})[match["m"]] = number
+        lines = [
+            f"| scenario | arm | hit rate, {base} | {head} | TTFT p50 ms, {base} | {head} "
+            f"| TTFT p95 ms, {base} | {head} |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for (scenario, arm), found in cells.items():
+            row = []
+            for metric, digits in metrics:
+                n = found[metric]
+                row += [_spread(n["base"], digits), _spread(n["head"], digits)]
+            lines.append(f"| {scenario} | {arm} | " + " | ".join(row) + " |")
+        return lines
+    raise KeyError(f"no compare_trees table for {script}")
+
+
+def router_kv_events(doc: Results) -> list[str]:
+    """bench/router_kv_events.py: per scenario and arm, the engines' prefix-hit rate and TTFT
+    (median over rounds, the rounds' p95 range), and the errors over all rounds."""
+    lines = [
+        "| scenario | arm | rounds | hit rate | TTFT p50 | TTFT p95 (range) | errors |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s in doc["results"]:
+        for a in s["by_arm"]:
+            low, high = a["ttft_p95_range_ms"] or (None, None)
+            spread = f" ({low:,.0f}-{high:,.0f})" if low is not None else ""
+            lines.append(
+                f"| {s['scenario']} | {a['arm']} | {a['rounds']} | {a['hit_rate']:.3f} "
+                f"| {_ms(a['ttft_p50_ms'])} | {_ms(a['ttft_p95_ms'])}{spread} | {a['errors']} |"
+            )
+    return lines
+
+
 RENDERERS: dict[str, Renderer] = {
     "kv_offload": kv_offload,
     "kv_offload_simulator": kv_offload_simulator,
@@ -471,6 +588,9 @@ RENDERERS: dict[str, Renderer] = {
     "simulate_speed": simulate_speed,
     "autoscale_ramp": autoscale_ramp,
     "operator_scale": operator_scale,
+    "router_overhead": router_overhead,
+    "compare_trees": compare_trees,
+    "router_kv_events": router_kv_events,
 }
 # Renderers of one table from several results files, named in the marker comma-separated:
 # ``<!-- table: engine bench/results/a.json,bench/results/b.json -->``.

@@ -160,6 +160,28 @@ def test_a_one_file_renderer_refuses_several_files() -> None:
             "| 1,000 | 9335351 | 58.9 s (41.9 s) | 182 MB | 26,046 (20,581) "
             "| 28.1 / 63.4 (10.7 / 45.6) | 77.9 s | 0 | 405 MB |",
         ),
+        (
+            "router_overhead",
+            "router_overhead.json",
+            "| streamed | 1 | +0.472 ms | +0.637 ms | +0.432 ms | 1,686 | 0 |",
+        ),
+        (
+            "compare_trees",
+            "compare_router_overhead.json",
+            "| streamed, first chunk | 1 | 0.391 [0.330-0.434] | 0.404 [0.403-0.463] "
+            "| - | - | - | - |",
+        ),
+        (
+            "compare_trees",
+            "compare_router_kv_events.json",
+            "| multi-tenant, high rate | events x2 | 0.812 [0.810-0.814] | 0.802 [0.794-0.810] "
+            "| 13.9 [13.3-14.5] | 14.7 [13.9-15.5] | 72.4 [71.1-73.7] | 69.6 [68.5-70.7] |",
+        ),
+        (
+            "router_kv_events",
+            "router_kv_events_rounds.json",
+            "| shared-prompt | guessed x1 | 3 | 0.826 | 51 ms | 241 ms (218-795) | 0 |",
+        ),
     ],
 )
 def test_each_renderer_reads_its_file(renderer: str, source: str, row: str) -> None:
