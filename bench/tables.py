@@ -522,7 +522,7 @@ def compare_trees(doc: Results) -> list[str]:
             mode = "plain" if i < count // 2 else "streamed"
             conn = int(numbers.get(f"{row}.concurrency", {}).get("head", {}).get("median", 0))
             conn = conn or levels[i % len(levels)]
-            cells = []
+            cells: list[str] = []
             for key, digits in (("added_p50_ms", 3), ("added_p99_ms", 3), ("router.req_per_s", 0)):
                 n = numbers[f"{row}.{key}"]
                 cells += [_spread(n["base"], digits), _spread(n["head"], digits)]
@@ -536,22 +536,22 @@ def compare_trees(doc: Results) -> list[str]:
     if script == "router_kv_events":
         path = re.compile(r"results\[(?P<scenario>[^\]]+)\]\.rows\[(?P<arm>[^\]]+)\]\.(?P<m>\w+)")
         metrics = [("hit_rate", 3), ("ttft_p50_ms", 1), ("ttft_p95_ms", 1)]
-        cells: dict[tuple[str, str], dict[str, Results]] = {}
+        found_by: dict[tuple[str, str], dict[str, Results]] = {}
         for key, number in numbers.items():
             match = path.fullmatch(key)
             if match and match["m"] in dict(metrics):
-                cells.setdefault((match["scenario"], match["arm"]), {})[match["m"]] = number
+                found_by.setdefault((match["scenario"], match["arm"]), {})[match["m"]] = number
         lines = [
             f"| scenario | arm | hit rate, {base} | {head} | TTFT p50 ms, {base} | {head} "
             f"| TTFT p95 ms, {base} | {head} |",
             "|---|---|---|---|---|---|---|---|",
         ]
-        for (scenario, arm), found in cells.items():
-            row = []
+        for (scenario, arm), found in found_by.items():
+            spreads: list[str] = []
             for metric, digits in metrics:
                 n = found[metric]
-                row += [_spread(n["base"], digits), _spread(n["head"], digits)]
-            lines.append(f"| {scenario} | {arm} | " + " | ".join(row) + " |")
+                spreads += [_spread(n["base"], digits), _spread(n["head"], digits)]
+            lines.append(f"| {scenario} | {arm} | " + " | ".join(spreads) + " |")
         return lines
     raise KeyError(f"no compare_trees table for {script}")
 
