@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -574,6 +575,72 @@ def router_kv_events(doc: Results) -> list[str]:
     return lines
 
 
+def _fine_ms(ms: float) -> str:
+    return f"{ms:.3f} ms" if ms < 1 else f"{ms:.2f} ms" if ms < 10 else f"{ms:.1f} ms"
+
+
+def router_tokenize(doc: Results) -> list[str]:
+    """bench/router_tokenize.py: the router's added cost to tokenize a chat and chain its KV
+    keys, per tokenizer and case, at concurrency 1."""
+    lines = [
+        "| tokenizer | case | p50 | p95 | characters encoded (mean) | prompt tokens (p50) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in doc["rows"]:
+        chars = "-" if r["mean_encoded_chars"] is None else f"{r['mean_encoded_chars']:,}"
+        lines.append(
+            f"| {r['tokenizer']} | {r['scenario']} | {_fine_ms(r['p50_ms'])} "
+            f"| {_fine_ms(r['p95_ms'])} | {chars} | {r['prompt_tokens_p50']:,} |"
+        )
+    return lines
+
+
+def router_loop_stall(doc: Results) -> list[str]:
+    """bench/router_loop_stall.py: the router's event loop while long prompts arrive beside
+    relayed streams, parsed and tokenized on the loop or in worker threads, per round."""
+    lines = [
+        "| round | long prompts handled | event-loop stall per long prompt, p50 | longest stall "
+        "| longest chunk gap on the other streams | the long prompt's latency, p50 |",
+        "|---|---|---|---|---|---|",
+    ]
+    seen: dict[str, int] = {}
+    for r in doc["rows"]:
+        seen[r["mode"]] = seen.get(r["mode"], 0) + 1
+        lines.append(
+            f"| {seen[r['mode']]} | {r['mode']} | {r['per_prompt_max_lag_p50_ms']:.0f} ms "
+            f"| {r['max_loop_lag_ms']:.0f} ms | {r['max_stream_chunk_gap_ms']:.0f} ms "
+            f"| {r['long_prompt_latency_p50_ms']:.0f} ms |"
+        )
+    return lines
+
+
+def _p50_p95(p50: float, p95: float) -> str:
+    if math.isnan(p50) and math.isnan(p95):
+        return "-"
+    return " / ".join("-" if math.isnan(v) else f"{v:,.0f}" for v in (p50, p95)) + " ms"
+
+
+def router_complexity(doc: Results) -> list[str]:
+    """bench/router_complexity.py: the mixed load on both tiers by complexity against all on
+    the large tier, then a burst and the calm after it."""
+    lines = [
+        "| phase | requests | req/s | on the small tier | simple on small | hard on small "
+        "| simple TTFT p50 / p95 | hard TTFT p50 / p95 | spilled to large |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for phase, r in doc["results"].items():
+        if not isinstance(r, dict):
+            continue
+        lines.append(
+            f"| {phase} | {r['requests']} | {r['req_per_s']:.1f} | {_pct(r['share']['small'])} "
+            f"| {_pct(r['simple_on_small'])} | {_pct(r['hard_on_small'])} "
+            f"| {_p50_p95(r['simple_ttft_p50_ms'], r['simple_ttft_p95_ms'])} "
+            f"| {_p50_p95(r['hard_ttft_p50_ms'], r['hard_ttft_p95_ms'])} "
+            f"| {r['spilled']} |"
+        )
+    return lines
+
+
 RENDERERS: dict[str, Renderer] = {
     "kv_offload": kv_offload,
     "kv_offload_simulator": kv_offload_simulator,
@@ -591,6 +658,9 @@ RENDERERS: dict[str, Renderer] = {
     "router_overhead": router_overhead,
     "compare_trees": compare_trees,
     "router_kv_events": router_kv_events,
+    "router_tokenize": router_tokenize,
+    "router_loop_stall": router_loop_stall,
+    "router_complexity": router_complexity,
 }
 # Renderers of one table from several results files, named in the marker comma-separated:
 # ``<!-- table: engine bench/results/a.json,bench/results/b.json -->``.

@@ -182,6 +182,21 @@ def test_a_one_file_renderer_refuses_several_files() -> None:
             "router_kv_events_rounds.json",
             "| shared-prompt | guessed x1 | 3 | 0.826 | 51 ms | 241 ms (218-795) | 0 |",
         ),
+        (
+            "router_tokenize",
+            "router_tokenize.json",
+            "| bpe32k | cold at the cap | 44.0 ms | 47.8 ms | 131,035 | 32,368 |",
+        ),
+        (
+            "router_loop_stall",
+            "router_loop_stall.json",
+            "| 2 | off-loop | 18 ms | 27 ms | 45 ms | 108 ms |",
+        ),
+        (
+            "router_complexity",
+            "router_complexity.json",
+            "| burst | 597 | 89.3 | 34% | 34% | 0% | 17 / 666 ms | - | 397 |",
+        ),
     ],
 )
 def test_each_renderer_reads_its_file(renderer: str, source: str, row: str) -> None:
