@@ -641,6 +641,104 @@ def router_complexity(doc: Results) -> list[str]:
     return lines
 
 
+def _span(values: list[float], unit: str = "") -> str:
+    """``8.8-9.8 s`` over the rounds, or the one value when they agree."""
+    low, high = min(values), max(values)
+    text = f"{low:,g}" if low == high else f"{low:,g}-{high:,g}"
+    return f"{text}{unit}"
+
+
+def whole_loop(doc: Results) -> list[str]:
+    """bench/whole_loop.py: each step of e2e/test_whole_loop.py with its figures over the
+    rounds (min-max)."""
+    rounds = doc["rounds"]
+
+    def each(*path: str) -> list[float]:
+        out = []
+        for r in rounds:
+            value: Any = r
+            for key in path:
+                value = value[key]
+            out.append(value)
+        return out
+
+    def span(*path: str, unit: str = " s") -> str:
+        return _span(each(*path), unit)
+
+    rows = [
+        (
+            "`kubectl apply` to the service's `Ready` condition (operator pod starting at the "
+            "same time)",
+            span("apply_to_ready_s"),
+        ),
+        (
+            "an engine's process killed (SIGKILL on the pid of its `process://` containerID)",
+            f"restarted by the node after {span('killed_engine', 'restarted_s')} (restartCount "
+            f"grows), back in the router's rotation after "
+            f"{span('killed_engine', 'back_in_rotation_s')}; "
+            f"{span('killed_engine', 'failed', unit='')} failed of "
+            f"{span('killed_engine', 'sent', unit='')} chats meanwhile",
+        ),
+        (
+            "a load step (12 concurrent chats): the operator's autoscaler reads Prometheus (a pod) "
+            "and writes `/scale` 2 -> 3 (field manager `fleetpilot-autoscaler`, a `ScaledUp` "
+            "Event)",
+            f"decision {span('load_step', 'decision_s')} after the load began; **the new pod "
+            f"Ready {span('load_step', 'decision_to_ready_s')} and serving its first request "
+            f"{span('load_step', 'decision_to_served_s')} after the decision**; "
+            f"{span('load_step', 'failed', unit='')} chats failed",
+        ),
+        (
+            "a rolling update of the large tier (an engine setting changed: a new pod template; "
+            "`maxSurge` 1, `maxUnavailable` 0) under 4 clients chatting without pause",
+            f"rollout {span('rolling_update', 'rollout_s')} (two replicas); "
+            f"**{span('rolling_update', 'failed', unit='')} of "
+            f"{span('rolling_update', 'served', unit='')} chats failed**",
+        ),
+        (
+            "a node drained as `kubectl drain` does (cordon; every controller-owned pod evicted "
+            "through the Eviction API at once, each retried while a budget refuses) under 4 "
+            "clients on both tiers, then every small engine evicted at once",
+            f"drain of {span('drain', 'pods', unit='')} pods (routers, engines of both tiers, "
+            f"once the operator): {span('drain', 'evictions_refused', unit='')} evictions "
+            "refused by the engines' and routers' disruption budgets, every pod running on the "
+            f"other node and ready after {span('drain', 'drain_s')}; the whole small tier "
+            f"({span('drain', 'tier_pods', unit='')} pods): "
+            f"{span('drain', 'tier_evictions_refused', unit='')} refused, back after "
+            f"{span('drain', 'tier_s')}. No budget ever below its desired healthy pods, the "
+            "service `Ready` in every sample (twice a second), "
+            f"**{span('drain', 'failed', unit='')} of {span('drain', 'served', unit='')} chats "
+            "failed**",
+        ),
+        (
+            "scale to zero and back: the large tier given `replicas.min` 0 and a 4 s scale-down "
+            "window, idle; then one streamed chat for it",
+            f"zero pods {span('scale_from_zero', 'idle_to_zero_s')} after the apply; the chat "
+            "held by the router, seen by the autoscaler as the router's pending request through "
+            "Prometheus, scaled 0 -> 1: **first token "
+            f"{span('scale_from_zero', 'held_ttft_s')} after it was sent**",
+        ),
+        (
+            "a model-download Job: a second service whose reference tier reads a checkpoint (the "
+            "engine's own `save_checkpoint`) from the tests' fake Hub running as a pod "
+            "(`model.source.huggingface.endpoint`), through `spec.modelCache` (a claim the test "
+            "binds)",
+            "the operator's Job fetched it "
+            f"{span('model_download', 'apply_to_job_complete_s')} after the apply (no engine "
+            "Deployment before that), the service Ready "
+            f"{span('model_download', 'apply_to_ready_s')} after; a chat answered",
+        ),
+    ]
+    passed = sum(1 for r in rounds if r["exit"] == 0)
+    plural = "s" if len(rounds) != 1 else ""
+    lines = [
+        f"| step | figure ({len(rounds)} round{plural}, {passed} passed) |",
+        "|---|---|",
+    ]
+    lines += [f"| {step} | {figure} |" for step, figure in rows]
+    return lines
+
+
 RENDERERS: dict[str, Renderer] = {
     "kv_offload": kv_offload,
     "kv_offload_simulator": kv_offload_simulator,
@@ -661,6 +759,7 @@ RENDERERS: dict[str, Renderer] = {
     "router_tokenize": router_tokenize,
     "router_loop_stall": router_loop_stall,
     "router_complexity": router_complexity,
+    "whole_loop": whole_loop,
 }
 # Renderers of one table from several results files, named in the marker comma-separated:
 # ``<!-- table: engine bench/results/a.json,bench/results/b.json -->``.

@@ -197,6 +197,14 @@ def test_a_one_file_renderer_refuses_several_files() -> None:
             "router_complexity.json",
             "| burst | 597 | 89.3 | 34% | 34% | 0% | 17 / 666 ms | - | 397 |",
         ),
+        (
+            "whole_loop",
+            "whole_loop_busy.json",
+            "| scale to zero and back: the large tier given `replicas.min` 0 and a 4 s scale-down "
+            "window, idle; then one streamed chat for it | zero pods 15.6 s after the apply; the "
+            "chat held by the router, seen by the autoscaler as the router's pending request "
+            "through Prometheus, scaled 0 -> 1: **first token 7.1 s after it was sent** |",
+        ),
     ],
 )
 def test_each_renderer_reads_its_file(renderer: str, source: str, row: str) -> None:
