@@ -32,16 +32,33 @@ if obj.metadata.generation ~= nil and obj.status.observedGeneration < obj.metada
   return hs
 end
 
+-- A condition's words: "Reason: message" where asked and both are there, else whichever is.
+-- reason and message are both optional in a condition a hand or another controller wrote
+-- (metav1.Condition requires them; kstatus-style conditions do not), and Lua refuses to
+-- concatenate nil: every part is checked first.
+local function present(text)
+  return text ~= nil and text ~= ""
+end
+
+local function describe(item, with_reason)
+  if with_reason and present(item.reason) and present(item.message) then
+    return item.reason .. ": " .. item.message
+  end
+  if present(item.message) then
+    return item.message
+  end
+  if present(item.reason) then
+    return item.reason
+  end
+  return item.type .. " is " .. tostring(item.status)
+end
+
 local function when_true(kind, status, with_reason)
   local item = condition(kind)
   if item == nil or item.status ~= "True" then
     return nil
   end
-  local message = item.message or item.reason
-  if with_reason then
-    message = item.reason .. ": " .. (item.message or "")
-  end
-  return {status = status, message = message}
+  return {status = status, message = describe(item, with_reason)}
 end
 
 local verdict = when_true("Stalled", "Degraded", true)
@@ -54,7 +71,7 @@ end
 local ready = condition("Ready")
 hs.status = "Progressing"
 if ready ~= nil then
-  hs.message = ready.message or ready.reason
+  hs.message = describe(ready, false)
 else
   hs.message = "Waiting for the fleetpilot operator"
 end
