@@ -4,12 +4,13 @@ engines, and report; ``fleetpilot simulate calibrate``: measure the reference en
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
 from typing import TextIO
 
-from fleetpilot.api import InvalidManifestError, load_services
+from fleetpilot.api import InferenceService, InvalidManifestError, load_services
 from fleetpilot.api.units import parse_duration
 from fleetpilot.loadgen.cli import _positive, _schedule, add_shape_arguments
 from fleetpilot.loadgen.report import matplotlib_available, write_json
@@ -108,25 +109,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "then the steady state, past the engines' cold caches); GPU-hours count the whole run",
     )
     a("--price-per-gpu-hour", type=_positive(float), help="report the cost at this price")
-    a("--json", type=Path, help="write the report as JSON")
-    a("--plot", type=Path, help="write a PNG: TTFT, replicas and load over time")
+    a("--json", type=Path, help="write the report as JSON (the verdict line's figures too)")
+    a(
+        "--plot",
+        type=Path,
+        help="write a PNG: TTFT and TPOT against each tier's SLO, replicas asked for and "
+        "ready (cold starts), and load over time",
+    )
     a("--quiet", action="store_true", help="no progress line (shown on a terminal)")
 
 
 def _progress(stream: TextIO, duration_s: float) -> Progress:
+    """A progress line, rewritten in place. The fleet runs past the load's end while the last
+    requests finish, so the simulated time shown stops at the duration (never "121/120 s"),
+    and it counts whole seconds done (119.6 is not yet 120). A shorter line is padded over
+    the longer one it replaces."""
     started = time.perf_counter()
+    widest = 0
 
     def show(sim_s: float, requests: int) -> None:
+        nonlocal widest
         wall = time.perf_counter() - started
-        done = min(1.0, sim_s / duration_s)
-        bar = "#" * round(done * 30)
-        stream.write(
-            f"\r[{bar:<30}] {done:4.0%}  {sim_s:7.0f}/{duration_s:.0f} s simulated  "
-            f"{requests} requests  {wall:5.0f} s wall "
+        shown = min(sim_s, duration_s)
+        done = shown / duration_s
+        bar = "#" * math.floor(done * 30)
+        finishing = "  finishing requests in flight" if sim_s > duration_s else ""
+        line = (
+            f"[{bar:<30}] {math.floor(done * 100):3d}%  {math.floor(shown):7d}/"
+            f"{duration_s:.0f} s simulated  {requests} requests  {wall:5.0f} s wall{finishing} "
         )
+        stream.write("\r" + line.ljust(widest))
+        widest = max(widest, len(line))
         stream.flush()
 
     return show
+
+
+def _title(
+    service: InferenceService, workload: Workload, load: Schedule | Trace, end: float
+) -> str:
+    """The plot's title: the service, what it was sent and how fast, for how long."""
+    if isinstance(load, Trace):
+        sent = sum(1 for r in load.requests if r.start_s <= end)
+        pace = f" ({sent / end:.3g} req/s)" if end > 0 else ""
+        rate = f"trace {Path(load.source).name}{pace}"
+    elif len(load.steps) == 1:
+        rate = f"{load.steps[0].rate:g} req/s"
+    else:
+        low = min(step.rate for step in load.steps)
+        rate = f"schedule {low:g}-{load.peak:g} req/s"
+    return f"{service.name}: {workload.name}, {rate}, {end:.0f} s simulated"
 
 
 def _load(args: argparse.Namespace) -> tuple[Schedule | Trace, Workload, float]:
@@ -162,11 +194,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"fleetpilot simulate: {e}", file=sys.stderr)
         return 2
     if len(services) != 1:
-        print(f"fleetpilot simulate: {args.file} holds {len(services)} services; give one")
+        print(
+            f"fleetpilot simulate: {args.file} holds {len(services)} services; give one",
+            file=sys.stderr,
+        )
         return 2
     service = services[0]
     if args.plot is not None and not matplotlib_available():
-        print("fleetpilot simulate: --plot needs matplotlib (pip install matplotlib)")
+        print(
+            "fleetpilot simulate: --plot needs matplotlib (pip install matplotlib)",
+            file=sys.stderr,
+        )
         return 2
     try:
         load, workload, duration = _load(args)
@@ -197,16 +235,22 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     shown = sys.stderr.isatty() and not args.quiet
     progress = _progress(sys.stderr, duration) if shown else None
+    ready = report.ReadySampler(fleet)
     outcome = fleet.run(progress, progress_every_s=max(duration / 100, 1.0))
     outcome.wall_s = time.perf_counter() - started
     if progress is not None:
         progress(duration, len(outcome.requests))
         sys.stderr.write("\n")
-    summary = report.summarize(outcome, service, args.price_per_gpu_hour, args.warmup or 0.0)
+    summary = report.summarize(
+        outcome, service, args.price_per_gpu_hour, args.warmup or 0.0, ready=ready.samples
+    )
     print(report.format_table(summary))
     if args.json is not None:
         write_json(args.json, summary.to_json())
+        print(f"json: {args.json}")
     if args.plot is not None:
-        report.write_plot(args.plot, outcome)
+        title = _title(service, workload, load, duration)
+        report.write_plot(args.plot, outcome, service, ready=ready.samples, title=title)
         print(f"plot: {args.plot}")
+    print(report.format_verdict(summary))
     return 0

@@ -32,6 +32,7 @@ from typing import Any
 from fleetpilot import files
 from fleetpilot.api import ResolvedRole
 from fleetpilot.api.capacity import architecture_of, kv_offload_bytes, role_capacity
+from fleetpilot.api.spec import EngineBackend
 
 # Tokens per character of English text with Llama/Qwen-style BPE vocabularies (the router's
 # features assume the same: fleetpilot.routing.features.CHARS_PER_TOKEN).
@@ -351,6 +352,28 @@ def load_profile(text: str) -> Profile:
     return MeasuredProfile.from_json(data)
 
 
+def _no_gpu_profile(role: ResolvedRole, product: str | None) -> str:
+    """Why ``auto`` cannot time ``role``, in what the tier says (never "gpuProduct None")."""
+    tier = role.tier
+    gpus = ", ".join(sorted(GPUS))
+    if tier.engine.backend is EngineBackend.REFERENCE:
+        return (
+            f"tier {tier.name!r} runs the reference engine (preset "
+            f"{tier.engine.reference_model}) on CPUs, which no GPU profile times: pass --profile "
+            "with a profile from 'fleetpilot simulate calibrate --out FILE'"
+        )
+    if not product:
+        return (
+            f"tier {tier.name!r} names no GPU product (resources.gpuProduct), so auto has none "
+            f"to time: set it, or pass --profile with a GPU ({gpus}) or a measured profile"
+        )
+    known = ", ".join(sorted(GPU_BY_PRODUCT))
+    return (
+        f"tier {tier.name!r}: no timing profile for resources.gpuProduct {product!r} "
+        f"(known: {known}); pass --profile with a GPU ({gpus}) or a measured profile"
+    )
+
+
 def role_model(profile: Profile, role: ResolvedRole) -> RoleModel:
     """How ``role``'s replicas run under ``profile``; ``ProfileError`` if it cannot say."""
     if isinstance(profile, MeasuredProfile):
@@ -359,10 +382,6 @@ def role_model(profile: Profile, role: ResolvedRole) -> RoleModel:
         product = role.tier.resources.gpu_product
         found = GPU_BY_PRODUCT.get(product or "")
         if found is None:
-            known = ", ".join(sorted(GPU_BY_PRODUCT))
-            raise ProfileError(
-                f"tier {role.tier.name!r}: no timing profile for resources.gpuProduct "
-                f"{product!r} (known: {known}); pass --profile with a GPU or a measured profile"
-            )
+            raise ProfileError(_no_gpu_profile(role, product))
         profile = found
     return roofline(profile, role)
