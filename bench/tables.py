@@ -25,9 +25,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
+# A marker may be indented (a table inside a list item): the table is indented as its marker.
 BLOCK = re.compile(
-    r"(<!-- table: (?P<renderer>[\w-]+) (?P<source>\S+) -->\n)(?P<body>.*?)(<!-- /table -->)",
-    re.DOTALL,
+    r"^(?P<indent>[ \t]*)(?P<open><!-- table: (?P<renderer>[\w-]+) (?P<source>\S+) -->\n)"
+    r"(?P<body>.*?)(?P<close>(?P=indent)<!-- /table -->)",
+    re.DOTALL | re.MULTILINE,
 )
 
 Results = dict[str, Any]
@@ -739,6 +741,87 @@ def whole_loop(doc: Results) -> list[str]:
     return lines
 
 
+def _whatif_row(arm: str, r: Results) -> str:
+    peaks = ", ".join(f"{tier} {sum(roles.values())}" for tier, roles in r["peak_replicas"].items())
+    refused = sum(r["errors"].values())
+    cost = "-" if r["cost"] is None else f"${r['cost']:,.0f}"
+    return (
+        f"| {arm} | {r['requests']:,} | {refused:,} | {r['gpu_hours']:,.1f} | {cost} "
+        f"| {r['slo_attainment']:.3f} | {r['ttft_p50_ms']:,.0f} ms | {r['ttft_p95_ms']:,.0f} ms "
+        f"| {r['hit_rate']:.3f} | {peaks} |"
+    )
+
+
+def whatif_complexity(doc: Results) -> list[str]:
+    """bench/simulate_whatifs.py ``complexity``: two tiers with complexity routing against
+    everything on the large tier, both autoscaled."""
+    lines = [
+        "| arm | requests | refused (429) | GPU-hours | cost | SLO met | TTFT p50 | TTFT p95 "
+        "| hit rate | peak replicas |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    return lines + [_whatif_row(arm, r) for arm, r in doc["complexity"].items()]
+
+
+def whatif_prefix(doc: Results) -> list[str]:
+    """bench/simulate_whatifs.py ``prefix``: the replica choice at 100 fixed replicas."""
+    lines = ["| routing | hit rate | TTFT p50 | TTFT p95 |", "|---|---|---|---|"]
+    for arm, r in doc["prefix"].items():
+        lines.append(
+            f"| {arm} | {r['hit_rate']:.3f} | {r['ttft_p50_ms']:.0f} ms "
+            f"| {r['ttft_p95_ms']:.0f} ms |"
+        )
+    return lines
+
+
+def whatif_candidates(doc: Results) -> list[str]:
+    """bench/simulate_whatifs.py ``candidates``: the router's pick among candidates against
+    scoring every replica, per case and seed: hit rate / TTFT p95 in ms."""
+    cases: dict[tuple[str, int], dict[str, Results]] = {}
+    for r in doc["candidates"]:
+        if r["workload"] == "long-context":
+            label = f"{r['documents']:,} documents, {r['rate']:,.0f} req/s"
+        else:
+            label = f"{r['tenants']:,} tenants, Zipf {r['tenant_skew']:g}, {r['rate']:,.0f} req/s"
+        cases.setdefault((label, r["seed"]), {})[r["arm"]] = r
+    arms = list(dict.fromkeys(r["arm"] for r in doc["candidates"]))
+    lines = [
+        "| case | seed | " + " | ".join(arms) + " |",
+        "|---" * (len(arms) + 2) + "|",
+    ]
+    for (label, seed), found in cases.items():
+        cells = [
+            f"{found[a]['hit_rate']:.3f} / {found[a]['ttft_p95_ms']:,.0f}" if a in found else "-"
+            for a in arms
+        ]
+        lines.append(f"| {label} | {seed} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def whatif_hot_tenants(doc: Results) -> list[str]:
+    """bench/simulate_whatifs.py ``hot-tenants``: TTFT p95 in ms (hit rate) per case and arm."""
+    cases: dict[tuple[Any, ...], dict[str, Results]] = {}
+    for r in doc["hot-tenants"]:
+        key = (r["replicas"], r["rate"], r["tenants"], r["skew"], r["seed"])
+        cases.setdefault(key, {})[r["arm"]] = r
+    arms = list(dict.fromkeys(r["arm"] for r in doc["hot-tenants"]))
+    lines = [
+        "| replicas, req/s, tenants, skew | seed | " + " | ".join(arms) + " |",
+        "|---" * (len(arms) + 2) + "|",
+    ]
+    for (replicas, rate, tenants, skew, seed), found in cases.items():
+        cells = [
+            f"{found[a]['ttft_p95_ms']:,.1f} ({found[a]['hit_rate']:.3f})" if a in found else "-"
+            for a in arms
+        ]
+        lines.append(
+            f"| {replicas}, {rate:,.0f}, {tenants:,}, {skew:g} | {seed} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return lines
+
+
 RENDERERS: dict[str, Renderer] = {
     "kv_offload": kv_offload,
     "kv_offload_simulator": kv_offload_simulator,
@@ -760,6 +843,10 @@ RENDERERS: dict[str, Renderer] = {
     "router_loop_stall": router_loop_stall,
     "router_complexity": router_complexity,
     "whole_loop": whole_loop,
+    "whatif_complexity": whatif_complexity,
+    "whatif_prefix": whatif_prefix,
+    "whatif_candidates": whatif_candidates,
+    "whatif_hot_tenants": whatif_hot_tenants,
 }
 # Renderers of one table from several results files, named in the marker comma-separated:
 # ``<!-- table: engine bench/results/a.json,bench/results/b.json -->``.
@@ -786,12 +873,17 @@ def render(renderer: str, source: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def indented(body: str, indent: str) -> str:
+    """``body`` with every line that has text indented by ``indent``."""
+    return "".join(indent + line if line.strip() else line for line in body.splitlines(True))
+
+
 def rewrite(text: str) -> str:
     """``text`` with every marked table rendered afresh."""
 
     def block(match: re.Match[str]) -> str:
-        body = render(match["renderer"], match["source"])
-        return match.group(1) + body + match.group(5)
+        body = indented(render(match["renderer"], match["source"]), match["indent"])
+        return match["indent"] + match["open"] + body + match["close"]
 
     return BLOCK.sub(block, text)
 
@@ -802,7 +894,9 @@ def stale(pages: list[Path]) -> list[str]:
     for page in pages:
         text = page.read_text()
         for match in BLOCK.finditer(text):
-            if match["body"] != render(match["renderer"], match["source"]):
+            if match["body"] != indented(
+                render(match["renderer"], match["source"]), match["indent"]
+            ):
                 out.append(f"{page.relative_to(ROOT)}: {match['renderer']} {match['source']}")
     return out
 

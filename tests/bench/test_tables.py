@@ -205,8 +205,52 @@ def test_a_one_file_renderer_refuses_several_files() -> None:
             "chat held by the router, seen by the autoscaler as the router's pending request "
             "through Prometheus, scaled 0 -> 1: **first token 7.1 s after it was sent** |",
         ),
+        (
+            "whatif_complexity",
+            "simulate_whatifs.json",
+            "| two tiers, complexity routing | 180,307 | 453 | 17.8 | $45 | 0.986 | 8 ms | 81 ms "
+            "| 0.148 | small 1, large 25 |",
+        ),
+        (
+            "whatif_prefix",
+            "simulate_whatifs.json",
+            "| round-robin | 0.555 | 20 ms | 82 ms |",
+        ),
+        (
+            "whatif_candidates",
+            "simulate_whatifs.json",
+            "| 200 tenants, Zipf 1.2, 5,000 req/s | 2 | 0.960 / 42 | 0.959 / 406 | 0.958 / 2,824 |",
+        ),
+        (
+            "whatif_hot_tenants",
+            "simulate_whatifs.json",
+            "| 8, 300, 1,000, 0.8 | 7 | 574.2 (0.860) | 743.0 (0.826) | 931.7 (0.865) "
+            "| 4,755.5 (0.438) |",
+        ),
     ],
 )
 def test_each_renderer_reads_its_file(renderer: str, source: str, row: str) -> None:
     """A row of each table, checked by hand against its results file."""
     assert row in tables.render(renderer, f"bench/results/{source}").split("\n")
+
+
+def test_an_indented_marker_renders_an_indented_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A table inside a list item keeps the item's indentation, blank lines left blank."""
+    doc = json.loads((tables.ROOT / "bench/results/simulate_whatifs.json").read_text())
+    (tmp_path / "w.json").write_text(json.dumps(doc))
+    monkeypatch.setattr(tables, "ROOT", tmp_path)
+    page = tmp_path / "page.md"
+    page.write_text("- item\n\n  <!-- table: whatif_prefix w.json -->\n  <!-- /table -->\n")
+    assert tables.stale([page]) == ["page.md: whatif_prefix w.json"]
+    page.write_text(tables.rewrite(page.read_text()))
+    assert tables.stale([page]) == []
+    lines = page.read_text().split("\n")
+    assert lines[2:6] == [
+        "  <!-- table: whatif_prefix w.json -->",
+        "  Source: `w.json`, commit not recorded, 2 CPUs.",
+        "",
+        "  | routing | hit rate | TTFT p50 | TTFT p95 |",
+    ]
+    assert lines[-2] == "  <!-- /table -->"
