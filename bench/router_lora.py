@@ -204,7 +204,7 @@ def engine_counters(address: str) -> dict[str, float]:
     counts = {"loads": 0.0, "activations": 0.0}
     for line in text.splitlines():
         for key in counts:
-            if line.startswith(f"fleetpilot:lora_adapter_{key}"):
+            if line.startswith(f"fleetpilot_lora_adapter_{key}"):
                 counts[key] += float(line.rsplit(" ", 1)[1])
     return counts
 

@@ -127,7 +127,7 @@ async def decode_pulls(addresses: Sequence[str]) -> float:
         for address in addresses:
             async with session.get(f"http://{address}/metrics") as resp:
                 for line in (await resp.text()).splitlines():
-                    if line.startswith("fleetpilot:kv_transfer_pulls_total"):
+                    if line.startswith("fleetpilot_kv_transfer_pulls_total"):
                         total += float(line.rsplit(" ", 1)[1])
     return total
 

@@ -249,7 +249,7 @@ def _samples(metrics: str, name: str) -> list[tuple[dict[str, str], float]]:
 
 def _check_pulls(metrics: str, expected: int) -> None:
     """Every decode hop must have pulled: a fallback would time a local prefill instead."""
-    pulls = sum(v for _, v in _samples(metrics, "fleetpilot:kv_transfer_pulls_total"))
+    pulls = sum(v for _, v in _samples(metrics, "fleetpilot_kv_transfer_pulls_total"))
     if pulls < expected:
         raise CalibrationError(f"only {pulls:g} of {expected} P/D decode hops pulled their KV")
 

@@ -337,7 +337,7 @@ def test_planned_pd_pods_hand_off_kv_between_pod_addresses(tmp_path: Path) -> No
         fallbacks = [
             line
             for line in metrics.splitlines()
-            if line.startswith("fleetpilot:kv_transfer_fallbacks_total")
+            if line.startswith("fleetpilot_kv_transfer_fallbacks_total")
         ]
         assert fallbacks
         assert all(line.endswith(" 0.0") for line in fallbacks), fallbacks

@@ -129,7 +129,7 @@ async def test_two_hops_through_reference_prefill_and_decode_servers(
         "ignore_eos": True,
     }
     expected = httpx.post(reference.url + "/v1/completions", json=request, timeout=60).json()
-    imported_before = metric(decode, "fleetpilot:kv_transfer_imported_tokens_total")
+    imported_before = metric(decode, "fleetpilot_kv_transfer_imported_tokens_total")
     async with running_router(config) as router:
         async with httpx.AsyncClient(timeout=60) as client:
             resp = await client.post(router.url + "/v1/completions", json=request)
@@ -145,4 +145,4 @@ async def test_two_hops_through_reference_prefill_and_decode_servers(
             assert body.rstrip().endswith("data: [DONE]")
         assert router.metric("fleetpilot_router_pd_fallbacks_total", tier="large",
                              cause="prefill-no-kv-params") == 0  # fmt: skip
-    assert metric(decode, "fleetpilot:kv_transfer_imported_tokens_total") > imported_before
+    assert metric(decode, "fleetpilot_kv_transfer_imported_tokens_total") > imported_before

@@ -18,7 +18,9 @@ Deviations from vLLM, on purpose: ``vllm:cache_config_info`` carries only the ca
 labels the reference engine has (vLLM labels it with every ``CacheConfig`` field; the contract
 test holds ours to a subset of vLLM's); the ``vllm:spec_decode_*`` counters are
 exposed (as 0) even without speculation, so every scrape has the same series; the
-``fleetpilot:kv_transfer_*`` series are ours (vLLM's NIXL connector has its own, different ones).
+``fleetpilot_kv_transfer_*`` series are ours (vLLM's NIXL connector has its own, different ones).
+The series of our own are named ``fleetpilot_*``, never ``fleetpilot:*``: a colon in a name is
+for recording rules (the ``vllm:`` names are vLLM's own, kept as vLLM writes them).
 
 Host tier (``--kv-offloading-size``): ``vllm:external_prefix_cache_queries`` and ``_hits`` (the
 prompt tokens past the device hit, and those the host tier supplied) and
@@ -27,15 +29,15 @@ are exported always, as vLLM registers them always; with a host tier, the offloa
 connector's ``vllm:kv_offload_*`` too: bytes, seconds and sizes of loads and stores (seconds as
 the pacing makes them), store allocation failures and sizes, the tier's
 ``cpu_cache_usage_perc`` (as vLLM's: the fraction pinned by copies in flight, not how full it
-is, which ``fleetpilot:kv_offload_cpu_blocks_used`` says) and ``vllm:kv_offload_config_info``.
+is, which ``fleetpilot_kv_offload_cpu_blocks_used`` says) and ``vllm:kv_offload_config_info``.
 vLLM's deprecated ``vllm:kv_offload_total_*`` / ``_size`` (labelled ``transfer_type``) are not.
 
 LoRA: with ``--enable-lora``, ``vllm:lora_requests_info`` as vLLM's: a gauge labelled
 ``max_lora`` and the comma-joined adapter names of the running and the waiting requests (no
 model name), whose value is the time (unix seconds) of the engine state it describes. vLLM
 keeps every label set it ever set, each with its last time; this exports the current one only,
-which is the series a reader of vLLM's takes (the latest). ``fleetpilot:lora_adapter_loads``
-and ``fleetpilot:lora_adapter_activations`` count adapter reads and slot swaps (ours).
+which is the series a reader of vLLM's takes (the latest). ``fleetpilot_lora_adapter_loads``
+and ``fleetpilot_lora_adapter_activations`` count adapter reads and slot swaps (ours).
 """
 
 from __future__ import annotations
@@ -382,7 +384,7 @@ class _EngineStatsCollector(Collector):
             g.add_metric([m.engine_index, *(info[k] for k in sorted(info))], 1)
             yield g
         fallbacks = CounterMetricFamily(
-            "fleetpilot:kv_transfer_fallbacks",
+            "fleetpilot_kv_transfer_fallbacks",
             "P/D decode requests that prefilled locally instead of using the remote KV, by reason.",
             labels=[*LABEL_NAMES, "reason"],
         )
@@ -390,32 +392,32 @@ class _EngineStatsCollector(Collector):
             fallbacks.add_metric([*labels, reason], count)
         yield fallbacks
         yield counter(
-            "fleetpilot:kv_transfer_pulls",
+            "fleetpilot_kv_transfer_pulls",
             "Successful KV pulls from a prefill server (P/D decode side).",
             m.kv_pulls(),
         )
         yield counter(
-            "fleetpilot:kv_transfer_imported_tokens",
+            "fleetpilot_kv_transfer_imported_tokens",
             "Prompt tokens whose KV was imported instead of computed (P/D decode side).",
             s.kv_imported_tokens_total,
         )
         yield counter(
-            "fleetpilot:kv_transfer_exported_blocks",
+            "fleetpilot_kv_transfer_exported_blocks",
             "KV blocks exported to decode servers (P/D prefill side).",
             s.kv_exported_blocks_total,
         )
         yield counter(
-            "fleetpilot:kv_pins_evicted",
+            "fleetpilot_kv_pins_evicted",
             "Pinned P/D prompt KV dropped before its TTL because the pool was full.",
             s.kv_pins_evicted_total,
         )
         yield counter(
-            "fleetpilot:lora_adapter_loads",
+            "fleetpilot_lora_adapter_loads",
             "LoRA adapters read from their folders: first loads and reloads after eviction.",
             s.lora_loads_total,
         )
         yield counter(
-            "fleetpilot:lora_adapter_activations",
+            "fleetpilot_lora_adapter_activations",
             "LoRA adapters swapped into an active slot (a host-to-device copy on a GPU).",
             s.lora_activations_total,
         )
@@ -435,7 +437,7 @@ class _EngineStatsCollector(Collector):
             )
             yield g
         yield counter(
-            "fleetpilot:engine_forward_passes",
+            "fleetpilot_engine_forward_passes",
             "Target-model forward passes (one per engine step that ran the model).",
             s.forward_passes_total,
         )
@@ -549,12 +551,12 @@ def _kv_offload_families(s: EngineStats, labels: list[str], max_model_len: int) 
     g.add_metric([*labels, *(str(v) for v in info.values())], 1)
     yield g
     yield gauge(
-        "fleetpilot:kv_offload_cpu_blocks_used",
+        "fleetpilot_kv_offload_cpu_blocks_used",
         "KV blocks held in the host tier (of vllm:kv_offload_config_info's cpu_num_chunks).",
         s.kv_offload_blocks_used,
     )
     yield counter(
-        "fleetpilot:kv_offload_cpu_evictions",
+        "fleetpilot_kv_offload_cpu_evictions",
         "KV blocks the host tier evicted (least recently used) to store others.",
         s.kv_offload_evictions_total,
     )

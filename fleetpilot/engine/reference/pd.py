@@ -14,7 +14,7 @@ carrying the ``kv_transfer_params`` that engine answered, to a decode engine.
   (:class:`KVPuller`: ``POST http://remote_host:remote_port/internal/kv/remote_request_id``,
   which also releases it), then runs with ``kv_import`` and so skips the prefill. A missing or
   expired pin, a failed pull or an unusable payload falls back to a local prefill, counted in
-  ``fleetpilot:kv_transfer_fallbacks_total{reason}``: the output is the same, only slower.
+  ``fleetpilot_kv_transfer_fallbacks_total{reason}``: the output is the same, only slower.
 
 Trust assumption: like vLLM's NIXL side channel, the hand-off is unauthenticated: a decode
 server would connect to whatever host and port a request's ``kv_transfer_params`` name, and a

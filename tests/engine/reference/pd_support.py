@@ -50,7 +50,7 @@ def value(url: str, name: str, **labels: str) -> float:
 
 
 def fallbacks(url: str, reason: str) -> float:
-    return value(url, "fleetpilot:kv_transfer_fallbacks_total", reason=reason)
+    return value(url, "fleetpilot_kv_transfer_fallbacks_total", reason=reason)
 
 
 def post(srv: BackgroundServer, body: dict[str, Any], path: str = "/v1/completions") -> Any:

@@ -227,7 +227,7 @@ def test_lora_gauge_is_exported_with_vllms_labels(http: httpx.Client) -> None:
     assert sample.labels == {"max_lora": "2", "waiting_lora_adapters": "",
                              "running_lora_adapters": ""}  # fmt: skip
     assert abs(sample.value - time.time()) < 300
-    assert "fleetpilot:lora_adapter_loads" in families
+    assert "fleetpilot_lora_adapter_loads" in families
 
 
 def test_lora_gauge_names_running_and_waiting_adapters(tmp_path: Path) -> None:

@@ -84,7 +84,7 @@ def test_two_hops_equal_one_unified_server_and_skip_the_prefill(
     assert len(block_ids) == math.ceil(prompt_len / 16)
     assert params["remote_num_tokens"] == prompt_len
     assert time.time() < params["expires_at"] <= time.time() + 60.0  # the default TTL
-    exported_before = value(prefill.url, "fleetpilot:kv_transfer_exported_blocks_total")
+    exported_before = value(prefill.url, "fleetpilot_kv_transfer_exported_blocks_total")
 
     # The router's second hop, through the official client as a router would forward it.
     with openai.OpenAI(base_url=decode.url + "/v1", api_key="x", max_retries=0) as client:
@@ -103,8 +103,8 @@ def test_two_hops_equal_one_unified_server_and_skip_the_prefill(
     assert out.usage.prompt_tokens_details is not None
     # All but the last prompt token came over the wire: the decoder did not prefill.
     assert out.usage.prompt_tokens_details.cached_tokens == prompt_len - 1
-    assert value(decode.url, "fleetpilot:kv_transfer_imported_tokens_total") == prompt_len - 1
-    assert value(decode.url, "fleetpilot:kv_transfer_pulls_total") == 1
+    assert value(decode.url, "fleetpilot_kv_transfer_imported_tokens_total") == prompt_len - 1
+    assert value(decode.url, "fleetpilot_kv_transfer_pulls_total") == 1
     assert value(decode.url, "vllm:prefix_cache_queries_total") == 0  # no local prefill lookup
     for reason in ("not_found", "pull_failed", "refused", "unusable"):
         assert fallbacks(decode.url, reason) == 0
@@ -112,7 +112,7 @@ def test_two_hops_equal_one_unified_server_and_skip_the_prefill(
     # on a busy machine the decoder can finish first.
     eventually(
         "the exported blocks counted by the prefill server",
-        lambda: value(prefill.url, "fleetpilot:kv_transfer_exported_blocks_total"),
+        lambda: value(prefill.url, "fleetpilot_kv_transfer_exported_blocks_total"),
         WAIT_S,
         until=lambda exported: exported - exported_before == len(block_ids),
         interval=0.02,
@@ -123,7 +123,7 @@ def test_two_hops_equal_one_unified_server_and_skip_the_prefill(
     again = post(decode, {**REQUEST, "kv_transfer_params": params})
     assert again["choices"][0]["token_ids"] == reference["token_ids"]
     assert fallbacks(decode.url, "not_found") == 1
-    assert value(decode.url, "fleetpilot:kv_transfer_imported_tokens_total") == prompt_len - 1
+    assert value(decode.url, "fleetpilot_kv_transfer_imported_tokens_total") == prompt_len - 1
 
 
 def test_chat_two_hops(
@@ -267,4 +267,4 @@ def test_prefill_side_endpoints_and_role_checks(
     # And a unified server ignores do_remote_prefill: no pull, no fallback counted.
     post(unified, {**REQUEST, "kv_transfer_params": do_prefill(prefill)})
     assert fallbacks(unified.url, "not_found") == 0
-    assert value(unified.url, "fleetpilot:kv_transfer_pulls_total") == 0
+    assert value(unified.url, "fleetpilot_kv_transfer_pulls_total") == 0

@@ -112,12 +112,12 @@ def test_decode_refuses_a_kv_source_outside_the_list_without_connecting(
     )
     assert_vllm_error(resp, 400)
     assert fallbacks(decode.url, "refused") == refused + 2
-    assert value(decode.url, "fleetpilot:kv_transfer_pulls_total") == 0
+    assert value(decode.url, "fleetpilot_kv_transfer_pulls_total") == 0
 
     # The listed source still works: the pin survived the refused attempts.
     out = httpx.post(decode.url + "/v1/completions", json={**REQUEST, "kv_transfer_params": params})
     assert out.status_code == 200, out.text
-    assert value(decode.url, "fleetpilot:kv_transfer_pulls_total") == 1
+    assert value(decode.url, "fleetpilot_kv_transfer_pulls_total") == 1
 
 
 def test_internal_kv_answers_only_allowed_peers(prefill: BackgroundServer) -> None:
