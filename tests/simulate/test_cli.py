@@ -15,6 +15,7 @@ from fleetpilot.api import load_services
 from fleetpilot.loadgen.runner import Schedule, parse_schedule
 from fleetpilot.loadgen.workloads import make_workload
 from fleetpilot.simulate import cli
+from fleetpilot.simulate.trace import Trace, TracedRequest
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
@@ -84,6 +85,13 @@ def test_the_plot_title_names_the_service_workload_and_rate() -> None:
     assert (
         cli._title(service, workload, parse_schedule("0:50,600:~500,900:100"), 1200.0)
         == "chat: mixed, schedule 50-500 req/s, 1200 s simulated"
+    )
+    # A replay cut at 10 s: the requests sent by then, over the 10 s.
+    sends = tuple(TracedRequest(i, 0.5 * i, 8) for i in range(40))
+    trace = Trace("mixed", 0, {}, sends, 20.0, source="/runs/bench.json")
+    assert (
+        cli._title(service, workload, trace, 10.0)
+        == "chat: mixed, trace bench.json (2.1 req/s), 10 s simulated"
     )
 
 
