@@ -201,6 +201,9 @@ def test_chart_rbac_allows_the_operator_and_nothing_else(
             ("patch", "apps", "deployments", namespace, "scale"),
             ("watch", "", "pods", namespace, ""),
             ("watch", "discovery.k8s.io", "endpointslices", namespace, ""),
+            # Nodes' allocatable memory, which engine pods are checked against (either scope).
+            ("list", "", "nodes", None, ""),
+            ("get", "", "nodes", None, ""),
         ]
         refused = [
             ("get", "", "secrets", namespace, ""),

@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
 from fleetpilot.api import KIND, InferenceService
+from fleetpilot.api.spec import AutoscalingMode
 from fleetpilot.api.status import (
     Condition,
     ConditionStatus,
@@ -47,6 +48,12 @@ REASON_FRESH = "FreshMetrics"
 REASON_UNREACHABLE = "PrometheusUnreachable"
 REASON_MISSING = "MetricsMissing"
 REASON_STALE = "StaleMetrics"
+# No Prometheus to read at all: neither the operator's (the chart's prometheusURL, its
+# --prometheus-url) nor the service's spec.monitoring.prometheusUrl. Nothing is observed, so
+# no decision is made and nothing else would say why the replicas never move.
+REASON_NO_SOURCE = "NoMetricsSource"
+# The modes fleetpilot's autoscaler decides for (autoscaler.loop.NOT_OURS are the others).
+AUTOSCALED_MODES = frozenset({AutoscalingMode.AUTO, AutoscalingMode.RECOMMEND})
 _PROBLEM_REASONS = (
     (DataProblem.UNREACHABLE, REASON_UNREACHABLE),
     (DataProblem.QUERY_ERROR, REASON_MISSING),
@@ -156,6 +163,43 @@ def scaling_active_condition(
         message=f"deciding on fresh metrics: {roles}",
         last_transition_time=now,
         observed_generation=generation,
+    )
+
+
+def no_metrics_source_condition(service: InferenceService, now: datetime) -> Condition | None:
+    """ScalingActive False (NoMetricsSource) for a service whose autoscaled tiers have no
+    Prometheus to read, naming them and saying how to give them one; None for a service
+    with no tier the autoscaler decides for. Purely computational."""
+    tiers = [tier for tier in service.spec.tiers if tier.autoscaling.mode in AUTOSCALED_MODES]
+    if not tiers:
+        return None
+    named = ", ".join(f"{tier.name} ({', '.join(tier.role_names)})" for tier in tiers)
+    message = (
+        f"not autoscaled: no Prometheus to read the metrics of tiers {named} from; set the "
+        "chart value prometheusURL (the operator's --prometheus-url), e.g. "
+        "http://prometheus-operated.monitoring:9090, or this service's "
+        "spec.monitoring.prometheusUrl. Until then the replicas stay as they are"
+    )
+    return Condition(
+        type=ConditionType.SCALING_ACTIVE.value,
+        status=ConditionStatus.FALSE,
+        reason=REASON_NO_SOURCE,
+        message=message[:4000],
+        last_transition_time=now,
+        observed_generation=service.metadata.generation,
+    )
+
+
+def no_metrics_source_recorded(obj: Mapping[str, Any]) -> bool:
+    """Whether the service object's status says NoMetricsSource already, for its current
+    generation (what :meth:`KubernetesActuator.record_no_source` writes once per
+    generation). Purely computational: a tick that finds it costs no request."""
+    generation = (obj.get("metadata") or {}).get("generation")
+    return any(
+        c.get("type") == ConditionType.SCALING_ACTIVE.value
+        and c.get("reason") == REASON_NO_SOURCE
+        and c.get("observedGeneration") == generation
+        for c in (obj.get("status") or {}).get("conditions") or []
     )
 
 
@@ -287,6 +331,47 @@ class KubernetesActuator:
         if flipped and condition.status is ConditionStatus.FALSE:
             self._event(service, condition.reason, condition.message, "Warning", now)
 
+    def record_no_source(
+        self,
+        service: InferenceService,
+        condition: Condition,
+        now: datetime,
+        live: Obj | None = None,
+    ) -> bool:
+        """Set ``condition`` (:func:`no_metrics_source_condition`) as the service's
+        ScalingActive, keeping the rest of its status; a Warning Event when the write landed.
+        The condition carries the service's generation, so it is written - and the Event
+        posted - once per generation, not on every tick. ``live``: the object as just seen
+        (its watch's latest), saving a read. Whether it was written."""
+
+        def mutate(current: Obj) -> Obj:
+            status: Obj = current.get("status") or {}
+            old = [Condition.model_validate(c) for c in status.get("conditions") or []]
+            generation = current.get("metadata", {}).get("generation")
+            stamped = condition.model_copy(update={"observed_generation": generation})
+            return {"conditions": [c.to_wire() for c in set_condition(old, stamped)]}
+
+        outcome = update_status(
+            self.kube,
+            KIND,
+            service.namespace,
+            service.name,
+            mutate,
+            manager=self.manager,
+            live=live,
+        )
+        if outcome is not StatusWrite.WRITTEN:
+            return False
+        log.warning(
+            "not autoscaled: no metrics source",
+            extra={
+                "service": f"{service.namespace}/{service.name}",
+                "generation": service.metadata.generation,
+            },
+        )
+        self._event(service, condition.reason, condition.message, "Warning", now)
+        return True
+
     def _write_status(
         self,
         service: InferenceService,
@@ -344,9 +429,11 @@ def kubernetes_actuator(
 
 
 __all__ = [
+    "AUTOSCALED_MODES",
     "COMPONENT",
     "REASON_FRESH",
     "REASON_MISSING",
+    "REASON_NO_SOURCE",
     "REASON_STALE",
     "REASON_UNREACHABLE",
     "Actuator",
@@ -357,6 +444,8 @@ __all__ = [
     "event_reason",
     "kubernetes_actuator",
     "merge_roles",
+    "no_metrics_source_condition",
+    "no_metrics_source_recorded",
     "scaling_active_condition",
     "worth_an_event",
 ]

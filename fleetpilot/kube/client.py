@@ -52,6 +52,8 @@ RESOURCES: dict[str, Resource] = {
     "InferencePool": Resource("inference.networking.k8s.io/v1", "inferencepools"),
     "HTTPRoute": Resource("gateway.networking.k8s.io/v1", "httproutes"),
     "InferenceService": Resource("fleetpilot.dev/v1alpha1", "inferenceservices"),
+    # Read only: their allocatable memory bounds an engine pod's (operator.node_memory).
+    "Node": Resource("v1", "nodes", namespaced=False),
 }
 
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
@@ -150,6 +152,18 @@ class Kube:
             if exc.not_found:
                 return None
             raise
+
+    def list_cluster(self, kind: str, *, cached: bool = False) -> list[Obj]:
+        """Every object of a cluster-scoped kind (Nodes). ``cached``: as the API server's
+        watch cache holds them (``resourceVersion=0``: no read of etcd, at most a moment
+        behind), for a periodic read of a large list."""
+        query = [("resourceVersion", "0")] if cached else []
+        result = self.request("GET", RESOURCES[kind].path(), query=query)
+        items: list[Obj] = result.get("items", [])
+        for item in items:
+            item.setdefault("kind", kind)
+            item.setdefault("apiVersion", RESOURCES[kind].api_version)
+        return items
 
     def list(self, kind: str, namespace: str, selector: dict[str, str]) -> list[Obj]:
         query = [("labelSelector", ",".join(f"{k}={v}" for k, v in sorted(selector.items())))]

@@ -27,7 +27,12 @@ import kopf
 from fleetpilot.api import GROUP, VERSION, InferenceService, parse_service
 from fleetpilot.api.loading import InvalidManifestError
 from fleetpilot.api.service import PLURAL
-from fleetpilot.autoscaler.actuator import KubernetesActuator, kubernetes_actuator
+from fleetpilot.autoscaler.actuator import (
+    KubernetesActuator,
+    kubernetes_actuator,
+    no_metrics_source_condition,
+    no_metrics_source_recorded,
+)
 from fleetpilot.autoscaler.loop import Histories, tick
 from fleetpilot.autoscaler.prometheus import PrometheusSources
 from fleetpilot.engine.adapter_client import AdapterClient
@@ -47,6 +52,7 @@ from fleetpilot.operator.children import (
 )
 from fleetpilot.operator.model_cache import COMPONENT as FETCH_COMPONENT
 from fleetpilot.operator.model_cache import job_complete, job_failed
+from fleetpilot.operator.node_memory import NODE_MEMORY_TTL_S, NodeMemoryReader
 from fleetpilot.operator.plan_types import (
     DEFAULT_FLEETPILOT_IMAGE,
     DEFAULT_REFERENCE_IMAGE,
@@ -173,6 +179,8 @@ class OperatorContext:
     refreshes: RefreshQueue
     rereconciles: RefreshQueue
     adapter_syncs: RefreshQueue
+    # The nodes' memory each plan is checked against (the reconciler's, read once a minute).
+    node_memory: NodeMemoryReader | None = None
     clock: Clock = wall_clock
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -233,7 +241,9 @@ def start_context(config: OperatorConfig, kube: Kube | None = None) -> OperatorC
     kube = kube or Kube(connect(config.kubeconfig))
     options = plan_options(kube, config)
     children = Children()
-    reconciler = Reconciler(kube, options, children, config.clock)
+    node_memory = NodeMemoryReader(kube)
+    node_memory.refresh()  # the first reading, before any reconcile (and its log line)
+    reconciler = Reconciler(kube, options, children, config.clock, node_memory)
     context: OperatorContext
 
     def on(work: Any) -> Any:
@@ -255,6 +265,7 @@ def start_context(config: OperatorConfig, kube: Kube | None = None) -> OperatorC
         adapter_syncs=RefreshQueue(
             on(sync_adapters), ADAPTER_SYNC_WORKERS, "adapter-sync", REFRESH_HOLD_S
         ),
+        node_memory=node_memory,
         clock=config.clock,
     )
 
@@ -287,8 +298,26 @@ def autoscale(context: OperatorContext, body: Mapping[str, Any]) -> None:
     monitoring = body.get("spec", {}).get("monitoring", {}) or {}
     source = context.prometheus.for_url(monitoring.get("prometheusUrl"))
     if source is None:
-        return  # no Prometheus for the operator or the service: nothing to read
+        # No Prometheus for the operator or the service: nothing to read, and the status says so.
+        report_no_metrics_source(context, body)
+        return
     tick(body, source, context.actuator, context.histories)
+
+
+def report_no_metrics_source(context: OperatorContext, body: Mapping[str, Any]) -> None:
+    """ScalingActive False (NoMetricsSource) and a Warning Event on a service whose
+    autoscaled tiers have no Prometheus to read: once per generation. A tick that finds the
+    condition there for the service's generation (its watch's latest body) sends nothing."""
+    if no_metrics_source_recorded(body):
+        return
+    service = _parsed(body)
+    if service is None:
+        return
+    condition = no_metrics_source_condition(service, context.clock().replace(microsecond=0))
+    if condition is not None:
+        context.actuator.record_no_source(
+            service, condition, condition.last_transition_time, dict(body)
+        )
 
 
 def reconcile(context: OperatorContext, body: kopf.Body, retry: int, reason: str) -> None:
@@ -381,6 +410,24 @@ def sync_adapters(context: OperatorContext, key: Hashable) -> None:
     service = _parsed(body)
     if service is not None:
         adapter_loading.sync_service(context.kube, context.adapter_client, service)
+
+
+async def watch_node_memory(context: OperatorContext) -> None:
+    """Every NODE_MEMORY_TTL_S, read the nodes' memory again; when it changed (a larger node
+    joined, one left), plan again every service whose latest plan was refused: nothing else
+    announces that a pod no node could hold now fits."""
+    reader = context.node_memory
+    if reader is None:
+        return
+    seen = reader.changes
+    while True:
+        await asyncio.sleep(NODE_MEMORY_TTL_S)
+        await asyncio.to_thread(reader.refresh)
+        if reader.changes == seen:
+            continue
+        seen = reader.changes
+        for key in context.reconciler.refused():
+            context.rereconciles.mark(key)
 
 
 async def resync_adapters(context: OperatorContext) -> None:
@@ -495,6 +542,7 @@ def _register_lifecycle(registry: kopf.OperatorRegistry, config: OperatorConfig)
         memo[CONTEXT] = context
         context.tasks.append(asyncio.create_task(context.ticker.run(), name="autoscaler"))
         context.tasks.append(asyncio.create_task(resync_adapters(context), name="adapter-resync"))
+        context.tasks.append(asyncio.create_task(watch_node_memory(context), name="node-memory"))
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:

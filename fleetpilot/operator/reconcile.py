@@ -31,6 +31,7 @@ from fleetpilot.operator.model_cache import (
     download_progress,
     job_complete,
 )
+from fleetpilot.operator.node_memory import NodeMemoryReader
 from fleetpilot.operator.plan_types import (
     Dependency,
     JobComplete,
@@ -178,9 +179,13 @@ class Reconciler:
         options: PlanOptions | None = None,
         children: Children | None = None,
         clock: Clock = wall_clock,
+        node_memory: NodeMemoryReader | None = None,
     ) -> None:
         self.kube = kube
         self.options = options or PlanOptions()
+        # The cluster's nodes' memory, which each plan is checked against (refreshed at most
+        # once a minute); None: not checked.
+        self.node_memory = node_memory
         # The watched workloads and pods (operator.children); without them, listed.
         self.children = children
         self.clock = clock
@@ -342,7 +347,10 @@ class Reconciler:
     def plan(self, service: InferenceService) -> ServicePlan:
         """The service planned once for this pass (its refusal included); its outline is kept
         for the status refreshes of the same spec."""
-        planned = plan_service(service, self.options)
+        options = self.options
+        if self.node_memory is not None:
+            options = self.node_memory.options(options, service)
+        planned = plan_service(service, options)
         spec = (service.metadata.uid, service.metadata.generation)
         self._plans[(service.namespace, service.name)] = (spec, planned.outline())
         return planned
@@ -356,6 +364,12 @@ class Reconciler:
         if known is not None and known[0] == spec and spec[1] is not None:
             return known[1]
         return self.plan(service)
+
+    def refused(self) -> list[tuple[str, str]]:
+        """The services (namespace, name) whose latest plan was refused: what a change in the
+        cluster (its nodes' memory) may now let through."""
+        plans = list(self._plans.items())  # a copy: reconciles in other threads add to it
+        return sorted(key for key, (_, outline) in plans if outline.refusal)
 
     def forget(self, namespace: str, name: str) -> None:
         """A deleted service's kept plan."""

@@ -27,10 +27,12 @@ from fleetpilot.autoscaler.actuator import (
     KubernetesActuator,
     Replicas,
     merge_roles,
+    no_metrics_source_condition,
+    no_metrics_source_recorded,
     scaling_active_condition,
 )
 from fleetpilot.autoscaler.model import DataProblem, Decision, History, ReasonKind
-from fleetpilot.kube.client import KubeError, Obj
+from fleetpilot.kube.client import MERGE_CONTENT_TYPE, KubeError, Obj
 from tests.factories import make_manifest, make_tier
 from tests.support.actuators import MemoryActuator
 from tests.support.kube import FakeKube
@@ -469,3 +471,67 @@ def test_the_in_memory_actuator_records_what_the_cluster_one_does(
 
     assert records(live_service(api)["status"]["tiers"]) == records(memory.status_tiers)
     assert memory.conditions == [condition]
+
+
+# -- no metrics source (issue 47: loud where silent) ----------------------------------------
+
+
+def test_no_metrics_source_names_the_autoscaled_tiers_and_the_fix() -> None:
+    """No Prometheus for the operator or the service: ScalingActive False, NoMetricsSource,
+    naming each tier the autoscaler decides for (with its roles) and the settings that give
+    it one; a service with no such tier gets no condition at all."""
+    manifest = service_manifest()
+    manifest["spec"]["tiers"].append(make_tier("fixed", autoscaling={"mode": "external"}))
+    manifest["spec"]["tiers"][1]["complexity"] = {"upTo": 0.8}
+    condition = no_metrics_source_condition(parse_service(manifest), NOW)
+    assert condition is not None
+    assert (condition.status, condition.reason) == (ConditionStatus.FALSE, "NoMetricsSource")
+    assert condition.observed_generation == 7
+    assert "tiers small (unified), large (prefill, decode) from" in condition.message
+    for words in ("chart value prometheusURL", "--prometheus-url", "spec.monitoring.prometheusUrl"):
+        assert words in condition.message
+    assert "fixed" not in condition.message
+    for tier in manifest["spec"]["tiers"]:
+        tier["autoscaling"] = {"mode": "disabled"}
+    assert no_metrics_source_condition(parse_service(manifest), NOW) is None
+
+
+def test_no_metrics_source_is_recorded_and_announced_once_per_generation(
+    api: FakeKube, actuator: KubernetesActuator, service: InferenceService
+) -> None:
+    """The condition and one Warning Event; a tick on the same generation writes nothing -
+    also one holding the body from before the write (its patch meets 409, the re-read finds
+    the condition there); a new generation is written and announced again, the condition
+    keeping its transition time (still False). The operator's conditions stay."""
+    stale = live_service(api)
+    assert not no_metrics_source_recorded(stale)
+    condition = no_metrics_source_condition(service, NOW)
+    assert condition is not None
+    assert actuator.record_no_source(service, condition, NOW, stale)
+    live = live_service(api)
+    assert no_metrics_source_recorded(live)
+    assert conditions_of(live)["Ready"]["status"] == "True"
+    (event,) = events(api)
+    assert (event["type"], event["reason"]) == ("Warning", "NoMetricsSource")
+    assert event["message"] == condition.message
+    later = NOW + timedelta(seconds=5)
+    for body in (stale, live):
+        assert not actuator.record_no_source(service, condition, later, body)
+    assert len(events(api)) == 1
+
+    api.request(
+        "PATCH",
+        "/apis/fleetpilot.dev/v1alpha1/namespaces/ml/inferenceservices/chat",
+        body={"spec": {"routing": {"replicas": 3}}},
+        content_type=MERGE_CONTENT_TYPE,
+    )
+    changed = parse_service(live_service(api))
+    assert changed.metadata.generation == 8
+    assert not no_metrics_source_recorded(live_service(api))
+    again = no_metrics_source_condition(changed, later)
+    assert again is not None
+    assert actuator.record_no_source(changed, again, later, live_service(api))
+    written = conditions_of(live_service(api))["ScalingActive"]
+    assert written["observedGeneration"] == 8
+    assert written["lastTransitionTime"] == NOW.strftime("%Y-%m-%dT%H:%M:%SZ")
+    assert [e["reason"] for e in events(api)] == ["NoMetricsSource"] * 2

@@ -94,6 +94,9 @@ KOPF_CRD_RULES: RuleTable = {
     ("apiextensions.k8s.io", "customresourcedefinitions"): verbs("list watch"),
 }
 KOPF_NAMESPACE_RULES: RuleTable = {("", "namespaces"): verbs("list watch")}
+# The operator's node reads, in either scope: the largest allocatable memory by GPU product,
+# which an engine pod's memory is checked against (operator.node_memory).
+NODE_RULES: RuleTable = {("", "nodes"): verbs("get list watch")}
 # kopf peering: cluster-wide operators use ClusterKopfPeering, namespaced ones KopfPeering.
 CLUSTER_PEERING_RULES: RuleTable = {
     ("kopf.dev", "clusterkopfpeerings"): verbs("get list watch patch")
@@ -436,12 +439,14 @@ def test_without_leader_election_one_replica_recreated(chart: helm.Chart) -> Non
 
 
 def test_cluster_wide_rbac_is_exactly_the_table(chart: helm.Chart) -> None:
-    """watchNamespaces empty: one ClusterRole with the namespaced rules, kopf's CRD watch and
-    ClusterKopfPeering; no Role, no KopfPeering and no namespace rights (kopf reads namespaces
-    only when it serves a list of them)."""
+    """watchNamespaces empty: one ClusterRole with the namespaced rules, kopf's CRD watch,
+    ClusterKopfPeering and node reads; no Role, no KopfPeering and no namespace rights (kopf
+    reads namespaces only when it serves a list of them)."""
     objects = render(chart)
     role = only(objects, "ClusterRole")
-    assert rule_table(role) == NAMESPACED_RULES | KOPF_CRD_RULES | CLUSTER_PEERING_RULES
+    assert (
+        rule_table(role) == NAMESPACED_RULES | KOPF_CRD_RULES | CLUSTER_PEERING_RULES | NODE_RULES
+    )
     binding = only(objects, "ClusterRoleBinding")
     assert binding["roleRef"] == {
         "apiGroup": "rbac.authorization.k8s.io",
@@ -459,9 +464,12 @@ def test_cluster_wide_rbac_is_exactly_the_table(chart: helm.Chart) -> None:
 
 def test_namespaced_rbac_is_exactly_the_table(chart: helm.Chart) -> None:
     """A watch list: the namespaced rules only in a Role per watched namespace; cluster-wide,
-    only kopf's CRD and namespace reads."""
+    only kopf's CRD and namespace reads and the operator's node reads."""
     objects = render(chart, {"watchNamespaces": ["ml-prod", "ml-staging"]})
-    assert rule_table(only(objects, "ClusterRole")) == KOPF_CRD_RULES | KOPF_NAMESPACE_RULES
+    assert (
+        rule_table(only(objects, "ClusterRole"))
+        == KOPF_CRD_RULES | KOPF_NAMESPACE_RULES | NODE_RULES
+    )
     for namespace in ("ml-prod", "ml-staging"):
         role = only(objects, "Role", namespace)
         assert rule_table(role) == NAMESPACED_RULES | NAMESPACED_PEERING_RULES

@@ -6,11 +6,16 @@ import asyncio
 import logging
 from collections.abc import Hashable
 from dataclasses import fields
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
+from fleetpilot.autoscaler.actuator import AutoscalerMetrics, KubernetesActuator
+from fleetpilot.autoscaler.prometheus import PrometheusSources
 from fleetpilot.kube import names
+from fleetpilot.kube.client import Kube, Obj
 from fleetpilot.operator import handlers
 from fleetpilot.operator.children import (
     DEPLOYMENTS_INDEX,
@@ -31,6 +36,7 @@ from fleetpilot.operator.handlers import (
     build_registry,
     retry_delay,
 )
+from tests.factories import make_manifest, make_tier
 from tests.support.kube import FakeKube
 
 LWS_GROUP = "leaderworkerset.x-k8s.io"
@@ -165,3 +171,83 @@ def test_an_inference_pools_change_refreshes_its_services_status() -> None:
     asyncio.run(handler.fn(namespace="ml", labels=labels, body=body, memo={CONTEXT: context}))
     assert touched["refreshes"].marked == [("ml", "chat")]
     assert touched["adapter_syncs"].marked == []
+
+
+# -- no metrics source (issue 47) -----------------------------------------------------------
+
+NOW = datetime(2026, 12, 6, 22, 0, tzinfo=UTC)
+
+
+def _autoscaling_context(kube: Kube, prometheus_url: str | None = None) -> OperatorContext:
+    """What the autoscaler loop's work touches: the Prometheus sources, the actuator, the
+    clock."""
+    touched = {
+        "prometheus": PrometheusSources(prometheus_url),
+        "actuator": KubernetesActuator(kube, metrics=AutoscalerMetrics(CollectorRegistry())),
+        "clock": lambda: NOW,
+    }
+    return OperatorContext(**{f.name: None for f in fields(OperatorContext)} | touched)
+
+
+def _no_source_events(kube: Kube, namespace: str) -> list[Obj]:
+    return [e for e in kube.list("Event", namespace, {}) if e.get("reason") == "NoMetricsSource"]
+
+
+def test_a_service_nothing_autoscales_gets_no_metrics_source_condition() -> None:
+    """Every tier disabled or external: no Prometheus is missed, nothing is written."""
+    kube = FakeKube()
+    tiers = [
+        make_tier("a", up_to=0.5, autoscaling={"mode": "disabled"}),
+        make_tier("b", autoscaling={"mode": "external"}),
+    ]
+    live = kube.apply(make_manifest(tiers=tiers), "tests")
+    handlers.autoscale(_autoscaling_context(kube), live)
+    assert kube.writes_of("PATCH", "InferenceService", "status") == []
+    assert _no_source_events(kube, "ml") == []
+
+
+@pytest.mark.cluster
+def test_without_a_prometheus_status_and_an_event_say_so_once_per_generation(
+    api_server: Kube, namespace: str
+) -> None:
+    """The operator started without --prometheus-url (the chart's prometheusURL empty) and a
+    service naming none: its autoscaled tiers get ScalingActive False (NoMetricsSource)
+    telling how to set one, and one Warning Event - not one per tick: ticks on the same
+    generation, with the watch's body from before the write or after it, send nothing; a
+    new generation is announced once more. On a real API server: the CRD's schema takes the
+    condition, the Event is stored."""
+    context = _autoscaling_context(api_server)
+    tiers = [
+        make_tier("small", up_to=0.5),
+        make_tier("fixed", autoscaling={"mode": "disabled"}),
+    ]
+    manifest = make_manifest("chat", namespace=namespace, tiers=tiers)
+    live = api_server.apply(manifest, "tests")
+    handlers.autoscale(context, live)
+    written = api_server.get("InferenceService", namespace, "chat")
+    assert written is not None
+    (condition,) = [c for c in written["status"]["conditions"] if c["type"] == "ScalingActive"]
+    assert (condition["status"], condition["reason"]) == ("False", "NoMetricsSource")
+    assert condition["observedGeneration"] == live["metadata"]["generation"]
+    assert "tiers small (unified) from" in condition["message"]
+    assert "prometheusURL" in condition["message"]
+    assert "fixed" not in condition["message"]
+    (event,) = _no_source_events(api_server, namespace)
+    assert event["type"] == "Warning"
+    assert event["involvedObject"]["name"] == "chat"
+    assert event["message"] == condition["message"]
+
+    for body in (live, written, live):
+        handlers.autoscale(context, body)
+    assert len(_no_source_events(api_server, namespace)) == 1
+
+    manifest["spec"]["routing"] = {"replicas": 3}
+    changed = api_server.apply(manifest, "tests")
+    assert changed["metadata"]["generation"] > live["metadata"]["generation"]
+    handlers.autoscale(context, changed)
+    handlers.autoscale(context, changed)
+    assert len(_no_source_events(api_server, namespace)) == 2
+    again = api_server.get("InferenceService", namespace, "chat")
+    assert again is not None
+    (condition,) = [c for c in again["status"]["conditions"] if c["type"] == "ScalingActive"]
+    assert condition["observedGeneration"] == changed["metadata"]["generation"]
