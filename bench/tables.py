@@ -822,6 +822,85 @@ def whatif_hot_tenants(doc: Results) -> list[str]:
     return lines
 
 
+def router_affinity(docs: list[Results]) -> list[str]:
+    """bench/router_affinity.py, one column per run: each policy's hit rate, TTFT and
+    throughput (closed loop)."""
+    runs = [{r["policy"]: r for r in doc["rows"]} for doc in docs]
+    policies = list(dict.fromkeys(p for run in runs for p in run))
+    lines = [
+        f"| policy | hit rate (run {' / '.join(str(i + 1) for i in range(len(docs)))}) "
+        "| TTFT p50 | TTFT p95 | req/s |",
+        "|---|---|---|---|---|",
+    ]
+
+    def per_run(policy: str, key: str, fmt: str) -> str:
+        return " / ".join(format(run[policy][key], fmt) if policy in run else "-" for run in runs)
+
+    for policy in policies:
+        lines.append(
+            f"| {policy} | {per_run(policy, 'hit_rate', '.3f')} "
+            f"| {per_run(policy, 'ttft_p50_ms', '.0f')} ms "
+            f"| {per_run(policy, 'ttft_p95_ms', '.0f')} ms "
+            f"| {per_run(policy, 'req_per_s', '.1f')} |"
+        )
+    return lines
+
+
+def _by_trace(
+    docs: list[Results], key: str
+) -> tuple[list[tuple[str, str]], list[dict[Any, Results]]]:
+    found = [{(s[key], r["arm"]): r for s in doc["results"] for r in s["rows"]} for doc in docs]
+    rows = list(dict.fromkeys(k for run in found for k in run))
+    order = list(dict.fromkeys(trace for trace, _ in rows))
+    return sorted(rows, key=lambda row: order.index(row[0])), found
+
+
+def router_prefix_workloads(docs: list[Results]) -> list[str]:
+    """bench/router_prefix_workloads.py, one value per seed (file): per scenario and arm, the
+    engines' prefix-hit rate and TTFT."""
+    rows, found = _by_trace(docs, "scenario")
+    seeds = " / ".join(str(doc["seed"]) for doc in docs)
+    lines = [
+        f"| scenario | arm | req/s (seed {seeds}) | hit rate | TTFT p50 | TTFT p95 |",
+        "|---|---|---|---|---|---|",
+    ]
+
+    def per_seed(row: tuple[str, str], key: str, fmt: str) -> str:
+        return " / ".join(format(run[row][key], fmt) if row in run else "-" for run in found)
+
+    for row in rows:
+        lines.append(
+            f"| {row[0]} | {row[1]} | {per_seed(row, 'req_per_s', '.1f')} "
+            f"| {per_seed(row, 'hit_rate', '.3f')} | {per_seed(row, 'ttft_p50_ms', '.0f')} ms "
+            f"| {per_seed(row, 'ttft_p95_ms', '.0f')} ms |"
+        )
+    return lines
+
+
+def router_pd_local(docs: list[Results]) -> list[str]:
+    """bench/router_pd_local.py, one value per seed (file): per trace and arm, the share served
+    by the decode replica alone, its KV pulls and the TTFT."""
+    rows, found = _by_trace(docs, "trace")
+    seeds = " / ".join(str(doc["seed"]) for doc in docs)
+    lines = [
+        f"| trace | arm | requests (seed {seeds}) | served by the decode replica alone "
+        "| decode KV pulls | TTFT p50 | TTFT p95 | hit rate |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def per_seed(row: tuple[str, str], key: str, fmt: str) -> str:
+        return " / ".join(format(run[row][key], fmt) if row in run else "-" for run in found)
+
+    for row in rows:
+        lines.append(
+            f"| {row[0]} | {row[1]} | {per_seed(row, 'requests', 'd')} "
+            f"| {per_seed(row, 'local_share', '.0%')} | {per_seed(row, 'decode_kv_pulls', '.0f')} "
+            f"| {per_seed(row, 'ttft_p50_ms', '.0f')} ms "
+            f"| {per_seed(row, 'ttft_p95_ms', '.0f')} ms | {per_seed(row, 'hit_rate', '.3f')} |"
+        )
+    return lines
+
+
 RENDERERS: dict[str, Renderer] = {
     "kv_offload": kv_offload,
     "kv_offload_simulator": kv_offload_simulator,
@@ -852,6 +931,9 @@ RENDERERS: dict[str, Renderer] = {
 # ``<!-- table: engine bench/results/a.json,bench/results/b.json -->``.
 MULTI_RENDERERS: dict[str, MultiRenderer] = {
     "engine": engine,
+    "router_affinity": router_affinity,
+    "router_prefix_workloads": router_prefix_workloads,
+    "router_pd_local": router_pd_local,
 }
 
 

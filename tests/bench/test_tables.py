@@ -254,3 +254,32 @@ def test_an_indented_marker_renders_an_indented_table(
         "  | routing | hit rate | TTFT p50 | TTFT p95 |",
     ]
     assert lines[-2] == "  <!-- /table -->"
+
+
+@pytest.mark.parametrize(
+    ("renderer", "sources", "row"),
+    [
+        (
+            "router_affinity",
+            ["router_affinity", "router_affinity_run2"],
+            "| fleetpilot | 0.782 / 0.793 | 54 / 63 ms | 308 / 378 ms | 35.3 / 31.3 |",
+        ),
+        (
+            "router_prefix_workloads",
+            ["router_prefix_workloads", "router_prefix_workloads_seed11"],
+            "| shared-prompt | headroom | - / 6.3 | - / 0.809 | - / 40 ms | - / 202 ms |",
+        ),
+        (
+            "router_pd_local",
+            ["router_pd_local", "router_pd_local_seed5"],
+            "| shared prompt, short follow-ups | local <= 64 | 64 / 64 | 25% / 25% | 48 / 48 "
+            "| 164 / 108 ms | 496 / 431 ms | 0.842 / 0.842 |",
+        ),
+    ],
+)
+def test_each_several_file_renderer_reads_its_files(
+    renderer: str, sources: list[str], row: str
+) -> None:
+    """A row of each table from several files (a value per file), checked by hand."""
+    source = ",".join(f"bench/results/{s}.json" for s in sources)
+    assert row in tables.render(renderer, source).split("\n")
