@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -183,19 +184,24 @@ def gateway_pickers_cpu(doc: Results) -> list[str]:
 
 def router_cpu(doc: Results) -> list[str]:
     """bench/router_cpu.py: CPU ms a request for each arm, plain and streamed (median over
-    rounds, the rounds' range)."""
+    rounds, the rounds' range), and what the open loop saw: the latency p50 (median over
+    rounds) and the arrivals dropped (the rounds' range)."""
     modes = list(doc["medians"])
     names = {"plain": "plain", "stream": "streamed"}
-    lines = [
-        "| arm | " + " | ".join(names.get(m, m) for m in modes) + " |",
-        "|---" * (len(modes) + 1) + "|",
-    ]
+    heads = [f"CPU a request, {names.get(m, m)}" for m in modes]
+    heads += [f"p50 latency, {names.get(m, m)}" for m in modes]
+    heads += [f"dropped, {names.get(m, m)}" for m in modes]
+    lines = ["| arm | " + " | ".join(heads) + " |", "|---" * (len(heads) + 1) + "|"]
     for arm in doc["medians"][modes[0]]:
-        row = []
+        cpu, p50, dropped = [], [], []
         for mode in modes:
             m = doc["medians"][mode][arm]
-            row.append(f"{m['median']:.2f} ms ({m['min']:.2f}-{m['max']:.2f})")
-        lines.append(f"| {arm} | " + " | ".join(row) + " |")
+            cpu.append(f"{m['median']:.2f} ms ({m['min']:.2f}-{m['max']:.2f})")
+            runs = [r for r in doc["rows"] if r["arm"] == arm and r["mode"] == mode]
+            p50.append(f"{statistics.median(r['p50_ms'] for r in runs):,.1f} ms")
+            shares = [r["dropped"] / (r["answered"] + r["dropped"]) for r in runs]
+            dropped.append(_span([round(100 * x) for x in shares], "%"))
+        lines.append(f"| {arm} | " + " | ".join(cpu + p50 + dropped) + " |")
     return lines
 
 

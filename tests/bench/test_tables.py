@@ -115,7 +115,8 @@ def test_a_one_file_renderer_refuses_several_files() -> None:
         (
             "router_cpu",
             "router_cpu_gie.json",
-            "| GIE, EPP | 0.49 ms (0.48-0.49) | 0.54 ms (0.51-0.54) |",
+            "| fleetpilot, EPP | 2.40 ms (2.39-2.40) | 2.46 ms (2.43-2.46) | 300.2 ms | 307.8 ms "
+            "| 16% | 18-19% |",
         ),
         (
             "router_auth_overhead",
