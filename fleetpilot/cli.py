@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
+import select
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,9 +17,9 @@ import yaml
 
 from fleetpilot import __version__
 from fleetpilot.api import InvalidManifestError, load_services
-from fleetpilot.api.crd import CRD_FILENAME, render_crd
+from fleetpilot.api.crd import CRD_FILENAME, crd, render_crd
 from fleetpilot.api.units import parse_quantity, quantity_decimal
-from fleetpilot.argtypes import DefaultsHelpFormatter, port_number
+from fleetpilot.argtypes import DefaultsHelpFormatter, port_number, positive_duration
 from fleetpilot.listening import ListenError, listening_on
 from fleetpilot.operator.plan_types import (
     DEFAULT_FLEETPILOT_IMAGE,
@@ -33,6 +35,9 @@ EXIT_STALE = 1
 # A leader that could not renew its Lease: the process stops so that only one replica acts.
 EXIT_LOST_LEADERSHIP = 3
 EXIT_BIND = 1  # a port that cannot be listened on, as `router` and `engine` exit
+# stdout's reader left before the output ended (`fleetpilot plan -o json | head -1`): what a
+# shell reports for kubectl, which SIGPIPE ends, in the same pipe (128 + SIGPIPE), and quietly.
+EXIT_BROKEN_PIPE = 141
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,6 +56,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _crds(args: argparse.Namespace) -> int:
+    if args.output is not None:
+        if args.check:
+            print("error: --check compares the file in --out; it takes no -o", file=sys.stderr)
+            return EXIT_INVALID
+        if args.output == "json":
+            print(json.dumps(crd(), indent=2))
+        else:
+            print(render_crd(), end="")
+        return 0
     target = Path(args.out) / CRD_FILENAME
     expected = render_crd()
     if args.check:
@@ -82,7 +96,7 @@ def memory_bytes(text: str) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     try:
-        services = load_services(Path(args.file))
+        services = load_services(Path(args.file), recursive=args.recursive)
     except InvalidManifestError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INVALID
@@ -111,14 +125,53 @@ def _plan(args: argparse.Namespace) -> int:
         print(json.dumps({"apiVersion": "v1", "kind": "List", "items": items}, indent=2))
     else:
         items = [obj for _, objects in outputs for obj in objects]
-        print(yaml.safe_dump_all(items, sort_keys=False), end="")
+        print(review_yaml(items), end="")
     return 0
 
 
+class _ReviewDumper(yaml.SafeDumper):
+    """YAML a reviewer can diff, as kubectl writes it: every object spelt out where it is used
+    (PyYAML writes a dict two objects share once, as ``&id001``, and then ``*id001``), and a
+    string of several lines - a ConfigMap's embedded file - as a literal block (``|``) rather
+    than one quoted line of ``\\n``s."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def _represent_str(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
+    # PyYAML falls back to a quoted string where a block cannot hold the text exactly (a
+    # line ending in a space, a control character).
+    style = "|" if "\n" in text else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
+
+
+_ReviewDumper.add_representer(str, _represent_str)
+
+# No line folding: a long string stays one line, so a change to it is a change to one line.
+_NO_FOLDING = 1 << 30
+
+
+def review_yaml(objects: Sequence[Any]) -> str:
+    """``objects`` as a YAML stream (``---`` between documents) a reviewer can diff: keys in
+    their order, no anchors or aliases, multi-line strings as literal blocks, long lines kept
+    whole."""
+    return yaml.dump_all(
+        objects, Dumper=_ReviewDumper, sort_keys=False, width=_NO_FOLDING, allow_unicode=True
+    )
+
+
 def _operator(args: argparse.Namespace) -> int:
-    import os
     import time
 
+    # Flags checked before anything is imported, configured or listened on.
+    if args.leader_election and (args.lease_duration < 3 or not args.lease_duration.is_integer()):
+        print(
+            "error: --lease-duration must be whole seconds, at least 3s (a Lease counts "
+            f"seconds); got {args.lease_duration:g}s",
+            file=sys.stderr,
+        )
+        return EXIT_INVALID
     if args.kubeconfig:
         # Before the kubernetes client is imported: it reads KUBECONFIG once, at import.
         os.environ["KUBECONFIG"] = args.kubeconfig
@@ -131,8 +184,10 @@ def _operator(args: argparse.Namespace) -> int:
     if not args.namespace and not args.all_namespaces:
         print("error: give --namespace NS (repeatable) or --all-namespaces", file=sys.stderr)
         return EXIT_INVALID
-    log_format = kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.PLAIN
-    kopf.configure(verbose=args.verbose, log_format=log_format)
+    from fleetpilot.logs import configure_operator_logging
+
+    # The router's and the engines' log layout (fleetpilot.logs), not kopf's own.
+    configure_operator_logging(args.log_format, verbose=args.verbose)
     if not args.verbose:
         quiet_watch_handlers()
     if args.metrics_port:
@@ -151,9 +206,6 @@ def _operator(args: argparse.Namespace) -> int:
         )
         if not lease_namespace:
             print("error: --leader-election needs --leader-election-namespace", file=sys.stderr)
-            return EXIT_INVALID
-        if args.lease_duration < 3:
-            print("error: --lease-duration must be at least 3 seconds", file=sys.stderr)
             return EXIT_INVALID
         try:
             _wait_for_leadership(args, lease_namespace)
@@ -187,7 +239,6 @@ def _operator(args: argparse.Namespace) -> int:
 def _wait_for_leadership(args: argparse.Namespace, lease_namespace: str) -> None:
     """Block as a standby (serving /healthz) until this process holds the Lease."""
     import logging
-    import os
 
     from fleetpilot.kube.connect import connect
     from fleetpilot.operator.leadership import (
@@ -207,9 +258,9 @@ def _wait_for_leadership(args: argparse.Namespace, lease_namespace: str) -> None
         name=args.leader_election_name,
         namespace=lease_namespace,
         identity=args.identity or default_identity(),
-        lease_duration_s=args.lease_duration,
-        renew_deadline_s=max(1, args.lease_duration * 2 // 3),
-        retry_period_s=max(1, args.lease_duration // 7),
+        lease_duration_s=int(args.lease_duration),
+        renew_deadline_s=max(1, int(args.lease_duration) * 2 // 3),
+        retry_period_s=max(1, int(args.lease_duration) // 7),
     )
     leadership = Leadership(connect(args.kubeconfig), settings, lost)
     standby = None
@@ -228,14 +279,66 @@ ENGINE_BACKENDS = {
 }
 
 
+ENGINE_BACKEND_SUMMARIES = {
+    "reference": "the CPU reference engine: vLLM's OpenAI API, and vLLM's flags where it has one",
+    "vllm": "exec `vllm serve` with the engine settings the planner computed (GPU)",
+}
+
+
+class _EngineHelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultsHelpFormatter):
+    """The engine's help: the other backend's flags come as a formatted epilog, kept as is."""
+
+
+def _other_backends_help(chosen: str) -> str:
+    """The flags of every backend but ``chosen``, each under a heading, for the end of
+    ``fleetpilot engine --help``: the reference engine's flags are not vLLM's, and a user
+    reading one backend's help should learn the other's exists and what it takes."""
+    sections = []
+    for name in sorted(ENGINE_BACKENDS):
+        if name == chosen:
+            continue
+        heading = f"--backend {name} options"
+        try:
+            backend = importlib.import_module(ENGINE_BACKENDS[name])
+        except ImportError as exc:  # the vLLM image without the reference engine's packages
+            sections.append(f"{heading}: not shown, its packages are not installed ({exc})")
+            continue
+        other = _Parser(
+            prog=f"fleetpilot engine --backend {name}",
+            usage=argparse.SUPPRESS,
+            add_help=False,
+            formatter_class=DefaultsHelpFormatter,
+        )
+        backend.add_arguments(other)
+        flags = other.format_help().strip("\n")
+        # argparse titles the section "options:" (3.10+) or "optional arguments:".
+        sections.append(flags.replace("options:", f"{heading}:", 1))
+    return "\n\n".join(sections)
+
+
+def _engine_description(chosen: str, other_flags: bool) -> str:
+    backends = "\n".join(
+        f"  {name:<10} {summary}" for name, summary in ENGINE_BACKEND_SUMMARIES.items()
+    )
+    text = f"Run an inference engine. --backend picks one:\n{backends}"
+    if other_flags:
+        text += f"\n\nThe options are --backend {chosen}'s; the other backend's follow them."
+    return text
+
+
 def _engine(argv: Sequence[str]) -> int:
-    """``fleetpilot engine --backend B ...``: each backend parses its own flags."""
+    """``fleetpilot engine --backend B ...``: each backend parses its own flags; ``--help``
+    lists the chosen backend's flags, then the other's."""
     chooser = _Parser(prog="fleetpilot engine", add_help=False)
     chooser.add_argument("--backend", choices=sorted(ENGINE_BACKENDS), default="vllm")
     known, rest = chooser.parse_known_args(argv)
+    wants_help = "-h" in rest or "--help" in rest
     parser = _Parser(
         prog=f"fleetpilot engine --backend {known.backend}",
-        description="Run an inference engine: vLLM (GPU) or the CPU reference engine.",
+        description=_engine_description(known.backend, wants_help),
+        # Imported for --help only: the reference backend pulls in torch, the vLLM one must not.
+        epilog=_other_backends_help(known.backend) if wants_help else None,
+        formatter_class=_EngineHelpFormatter,
     )
     # Shown in --help (and accepted again) so `fleetpilot engine --help` names both backends.
     parser.add_argument(
@@ -255,8 +358,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fleetpilot {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    crds = sub.add_parser("crds", help="write the CRD generated from the API models")
+    crds = sub.add_parser(
+        "crds",
+        help="write the CRD generated from the API models into crds/ (-o: print it instead)",
+    )
     crds.add_argument("--out", default="crds", help="directory to write into (default: crds)")
+    crds.add_argument(
+        "-o",
+        "--output",
+        choices=["yaml", "json"],
+        help="print the CRD to stdout in this format instead of writing --out (e.g. "
+        "`fleetpilot crds -o yaml | kubectl apply --server-side -f -`)",
+    )
     crds.add_argument(
         "--check", action="store_true", help="exit non-zero when the file on disk is stale"
     )
@@ -264,7 +377,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan_cmd = sub.add_parser("plan", help="print the objects an InferenceService becomes")
     plan_cmd.add_argument(
-        "-f", "--file", required=True, help="InferenceService YAML file (- for standard input)"
+        "-f",
+        "--file",
+        required=True,
+        help="manifest file (- for standard input), or a folder of *.yaml, *.yml and *.json "
+        "files; other kinds than InferenceService are skipped with a note on stderr",
+    )
+    plan_cmd.add_argument(
+        "-R",
+        "--recursive",
+        action="store_true",
+        help="with -f FOLDER, read the folders below it too",
     )
     plan_cmd.add_argument(
         "-o", "--output", choices=["yaml", "json", "summary"], default="yaml", help="format"
@@ -323,9 +446,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     op.add_argument(
         "--lease-duration",
-        type=int,
-        default=15,
-        help="seconds a standby waits on an unrenewed Lease before taking over (default: 15)",
+        type=positive_duration,
+        default=15.0,
+        metavar="DURATION",
+        help="how long a standby waits on an unrenewed Lease before taking over: whole "
+        "seconds, 3s or more, e.g. 15s, 1m (a plain number is seconds; default: 15s)",
     )
     op.add_argument(
         "--identity", help="this replica's name in the Lease (default: $POD_NAME or host, unique)"
@@ -448,12 +573,47 @@ LAZY_COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
 }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe (or socket) whose reader has closed it: what a
+    BrokenPipeError then means. Another broken pipe (a socket a command writes to) is a fault
+    and is raised on."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        events = poll.poll(0)
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), no descriptor
+        return False
+    return any(mask & (select.POLLERR | select.POLLHUP) for _, mask in events)
+
+
+def _quiet_stdout() -> None:
+    """Point stdout's descriptor at /dev/null: what is left in its buffer is flushed there at
+    exit, instead of the interpreter printing "Exception ignored ... BrokenPipeError"."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _run(argv: list[str]) -> int:
     if argv[:1] and argv[0] in LAZY_COMMANDS:
         return LAZY_COMMANDS[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        code = _run(argv)
+        sys.stdout.flush()  # what is still buffered meets a closed pipe here, in the guard
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise
+        # `fleetpilot plan -o json | head -1`: the reader has what it wanted. Quiet, as
+        # kubectl and every Unix filter end there, not a traceback.
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
+    return code
 
 
 if __name__ == "__main__":

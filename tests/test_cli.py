@@ -175,7 +175,7 @@ def test_plan_reads_standard_input_with_dash() -> None:
     assert result.stdout.startswith("InferenceService ml/chat")
     refused = subprocess.run(
         [sys.executable, "-m", "fleetpilot", "plan", "-f", "-"],
-        input="kind: Foo\n",
+        input="kind: InferenceService\nspec: {}\n",
         capture_output=True,
         text=True,
         check=False,
@@ -299,7 +299,7 @@ def test_up_with_a_taken_control_port_starts_nothing(tmp_path: Path) -> None:
     [
         (["operator", "--help"], "/healthz port (0: off) (default: 8080)"),
         (["engine", "--help"], "--backend {reference,vllm}"),
-        (["bench", "--help"], "(default: 60 when neither it nor"),
+        (["bench", "--help"], "default: 60s when neither it nor"),
         (["router", "--help"], "(default:"),
         (["up", "--help"], "(default:"),
     ],
@@ -311,3 +311,304 @@ def test_help_shows_defaults_and_choices(
     with pytest.raises(SystemExit):
         main(argv)
     assert shown in " ".join(capsys.readouterr().out.split())
+
+
+# -- plan -o yaml: what a reviewer diffs -----------------------------------------------------
+
+
+def test_plan_yaml_has_no_anchors_and_embedded_files_as_blocks(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Regression: `plan -o yaml` wrote `&id001`/`*id001` where objects share a mapping, and the
+    router ConfigMap's router.yaml as one quoted line of \\n. Each object is spelt out, and an
+    embedded file is a literal block whose lines are the file's lines."""
+    assert main(["plan", "-f", str(REPO / "examples" / "cpu-two-tier.yaml"), "-o", "yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "&id" not in out
+    assert "*id" not in out
+    assert (
+        "  router.yaml: |\n    apiVersion: fleetpilot.dev/v1alpha1\n    kind: RouterConfig\n" in out
+    )
+    assert "  reference-tokenizer.json: |\n    {\n" in out
+    # What it reads back as is what the planner made: the same objects, the same strings.
+    json_out = main(["plan", "-f", str(REPO / "examples" / "cpu-two-tier.yaml"), "-o", "json"])
+    assert json_out == 0
+    assert list(yaml.safe_load_all(out)) == json.loads(capsys.readouterr().out)["items"]
+
+
+def test_review_yaml_keeps_strings_exact_and_unfolded() -> None:
+    """A literal block where it holds the text exactly; a quoted string where it cannot (a
+    line ending in a space); long lines never folded; shared objects written twice."""
+    from fleetpilot.cli import review_yaml
+
+    shared = {"app": "x"}
+    long_line = "word " * 40 + "end"
+    objects = [
+        {"a": shared, "b": shared},
+        {"file": "line 1\nline 2\n", "spaced": "trailing \nspace", "long": long_line},
+    ]
+    text = review_yaml(objects)
+    assert "&" not in text
+    assert "*" not in text
+    assert "file: |\n  line 1\n  line 2\n" in text
+    assert 'spaced: "trailing \\nspace"' in text
+    assert f"long: {long_line}\n" in text
+    assert list(yaml.safe_load_all(text)) == objects
+
+
+# -- -f as kubectl reads it ------------------------------------------------------------------
+
+
+NAMESPACE = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "llm"}}
+
+
+def test_plan_of_a_folder_plans_every_manifest_in_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: `plan -f DIR` said "Is a directory". Its *.yaml, *.yml and *.json files are
+    planned in name order; -R reads the folders below too."""
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(make_manifest("b")))
+    (tmp_path / "a.json").write_text(json.dumps(make_manifest("a")))
+    (tmp_path / "nested").mkdir()
+    (tmp_path / "nested" / "c.yml").write_text(yaml.safe_dump(make_manifest("c")))
+    assert main(["plan", "-f", str(tmp_path), "-o", "summary"]) == 0
+    out = capsys.readouterr().out
+    assert "InferenceService ml/a" in out
+    assert out.index("InferenceService ml/a") < out.index("InferenceService ml/b")
+    assert "ml/c" not in out
+    assert main(["plan", "-f", str(tmp_path), "-R", "-o", "summary"]) == 0
+    assert "InferenceService ml/c" in capsys.readouterr().out
+
+
+def test_plan_skips_other_kinds_with_a_note_on_stderr(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: a file with a Namespace before the service was refused. The Namespace is
+    skipped with a note on stderr; stdout holds only the plan, for `| kubectl apply -f -`."""
+    path = tmp_path / "stack.yaml"
+    path.write_text(yaml.safe_dump_all([NAMESPACE, make_manifest("chat")]))
+    assert main(["plan", "-f", str(path), "-o", "json"]) == 0
+    captured = capsys.readouterr()
+    assert f"note: {path} (document 1): skipped Namespace/llm: not an InferenceService" in (
+        captured.err
+    )
+    assert json.loads(captured.out)["kind"] == "List"
+
+
+def test_plan_of_a_file_without_a_service_names_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "ns.yaml"
+    path.write_text(yaml.safe_dump(NAMESPACE))
+    assert main(["plan", "-f", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (
+        f"error: {path}: no fleetpilot.dev InferenceService in file (it holds Namespace/llm)\n"
+    )
+    assert captured.out == ""
+
+
+def test_up_runs_the_one_service_of_a_file_with_other_kinds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`up` reads -f as plan does: a Namespace beside the service is skipped, not counted."""
+    from fleetpilot.runtime import up
+    from fleetpilot.runtime.stack import LocalStack
+
+    ran: list[str] = []
+
+    def serve(stack: LocalStack, args: object) -> int:
+        ran.append(stack.service.name)
+        return 0
+
+    monkeypatch.setattr(up, "_serve", serve)
+    path = tmp_path / "stack.yaml"
+    path.write_text(yaml.safe_dump_all([NAMESPACE, make_manifest("chat", tiers=[make_tier("s")])]))
+    argv = ["up", "-f", str(path), "--port", "0", "--workdir", str(tmp_path / "w")]
+    argv += ["--no-prometheus"]
+    assert main(argv) == 0
+    assert ran == ["chat"]
+    assert "skipped Namespace/llm" in capsys.readouterr().err
+
+
+# -- -o is a format --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("output", ["yaml", "json"])
+def test_crds_prints_to_stdout_with_o(
+    output: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`fleetpilot crds -o yaml | kubectl apply -f -`: the CRD on stdout, nothing written."""
+    from fleetpilot.api.crd import crd, render_crd
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["crds", "-o", output]) == 0
+    out = capsys.readouterr().out
+    if output == "yaml":
+        assert out == render_crd()
+    else:
+        assert json.loads(out) == crd()
+    assert list(tmp_path.iterdir()) == []  # no crds/ folder written
+
+
+def test_crds_without_o_still_writes_the_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What `make crds` runs, and --check with it, as before."""
+    from fleetpilot.api.crd import CRD_FILENAME, render_crd
+
+    assert main(["crds", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / CRD_FILENAME).read_text() == render_crd()
+    assert main(["crds", "--out", str(tmp_path), "--check"]) == 0
+    capsys.readouterr()
+    assert main(["crds", "--check", "-o", "yaml"]) == 2
+    assert "--check compares the file in --out" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["crds", "-o", "crds/"], "-o/--output"),
+        (["plan", "-f", "x.yaml", "-o", "out.yaml"], "-o/--output"),
+        (["bench", "--duration", "30x"], "--duration"),
+        (["up", "-f", "x.yaml", "--duration", "1 min"], "--duration"),
+        (["operator", "--standalone", "--lease-duration", "soon"], "--lease-duration"),
+    ],
+)
+def test_formats_and_durations_are_refused_at_parse_time(argv: list[str], flag: str) -> None:
+    """`-o` takes a format, never a file name; a duration takes a unit or plain seconds."""
+    line = one_line_error(*argv)
+    assert f"argument {flag}: " in line
+    assert line.endswith("--help)")
+
+
+def test_operator_lease_duration_takes_a_duration() -> None:
+    from fleetpilot.cli import build_parser
+
+    args = build_parser().parse_args(["operator", "--lease-duration", "1m"])
+    assert args.lease_duration == 60.0
+    assert build_parser().parse_args(["operator", "--lease-duration=15"]).lease_duration == 15.0
+
+
+@pytest.mark.parametrize("value", ["2s", "15500ms"])
+def test_operator_refuses_a_lease_a_kubernetes_lease_cannot_hold(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Lease counts whole seconds, and the election needs at least 3 of them: refused
+    before the operator imports kopf or listens on a port."""
+    argv = ["operator", "--standalone", "--leader-election", "--namespace", "ns"]
+    assert main([*argv, "--lease-duration", value]) == 2
+    assert "--lease-duration must be whole seconds, at least 3s" in capsys.readouterr().err
+
+
+# -- engine --help names both backends' flags ------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", [[], ["--backend", "vllm"], ["--backend", "reference"]])
+def test_engine_help_lists_both_backends_flags(
+    backend: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: `engine --help` showed the vLLM launcher's flags only."""
+    with pytest.raises(SystemExit) as info:
+        main(["engine", *backend, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ["--launch-json", "--dry-run", "--worker"]:  # the vLLM launcher's
+        assert flag in out
+    for flag in ["--kv-offloading-size", "--model-config", "--cold-start-seconds"]:  # reference's
+        assert flag in out
+    chosen = backend[1] if backend else "vllm"
+    other = "reference" if chosen == "vllm" else "vllm"
+    assert f"usage: fleetpilot engine --backend {chosen}" in out
+    assert f"--backend {other} options:" in out
+
+
+def test_engine_help_says_when_the_other_backend_is_missing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The vLLM image may lack the reference engine's packages: help still works, and says so."""
+    import importlib
+
+    from fleetpilot import cli
+
+    real = importlib.import_module
+
+    def missing(name: str, package: str | None = None) -> object:
+        if name == cli.ENGINE_BACKENDS["reference"]:
+            raise ImportError("No module named 'torch'")
+        return real(name, package)
+
+    monkeypatch.setattr(importlib, "import_module", missing)
+    with pytest.raises(SystemExit):
+        main(["engine", "--help"])
+    out = capsys.readouterr().out
+    assert "--backend reference options: not shown, its packages are not installed" in out
+    assert "(No module named 'torch')" in out
+    assert "--launch-json" in out
+
+
+# -- broken pipes are quiet ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "-f", str(REPO / "examples" / "cpu-two-tier.yaml"), "-o", "json"],
+        ["plan", "-f", str(REPO / "examples" / "cpu-two-tier.yaml"), "-o", "yaml"],
+        ["crds", "-o", "yaml"],
+    ],
+)
+def test_a_reader_that_closes_early_ends_the_command_quietly(argv: list[str]) -> None:
+    """Regression: `plan -o json | head -1` ended in a BrokenPipeError traceback. The reader
+    here closes before a byte is written, so the write always meets a closed pipe: exit 141
+    as a shell reports kubectl (ended by SIGPIPE), and nothing on stderr."""
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "fleetpilot", *argv],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert result.stderr == ""
+    assert result.returncode == 141
+
+
+def test_head_reads_the_first_line_and_the_rest_is_dropped_quietly() -> None:
+    """As a user types it: `fleetpilot plan -o json | head -1`."""
+    plan = [sys.executable, "-m", "fleetpilot", "plan", "-o", "json"]
+    plan += ["-f", str(REPO / "examples" / "cpu-two-tier.yaml")]
+    producer = subprocess.Popen(plan, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert producer.stdout is not None
+    assert producer.stderr is not None
+    first = producer.stdout.readline()
+    producer.stdout.close()  # `head -1` exits
+    err = producer.stderr.read().decode()
+    producer.stderr.close()
+    assert producer.wait(timeout=120) in (0, 141)  # 0: it had written everything already
+    assert first == b"{\n"
+    assert "Traceback" not in err
+    assert "BrokenPipeError" not in err
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_not_swallowed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only stdout's reader leaving is quiet: a broken pipe elsewhere (a socket a command
+    writes to) is a fault, raised as one."""
+    from fleetpilot import cli
+
+    def broken(args: object) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setitem(cli.LAZY_COMMANDS, "bench", broken)
+    monkeypatch.setattr(cli, "_stdout_reader_gone", lambda: False)
+    with pytest.raises(BrokenPipeError):
+        main(["bench"])

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from fleetpilot.api.service import InferenceService
+from fleetpilot.api.service import GROUP, KIND, InferenceService
 from fleetpilot.files import (
     MAX_CONFIG_BYTES,
     FileError,
     TooLargeError,
     decode_text,
+    parse_json,
     parse_yaml_documents,
     read_text,
     size_reason,
@@ -136,11 +137,129 @@ def read_manifest(path: Path, limit: int = MAX_MANIFEST_BYTES) -> str:
         raise InvalidManifestError(source, [FieldProblem("", exc.reason)]) from None
 
 
-def load_services(path: Path) -> list[InferenceService]:
-    """Every InferenceService in a YAML file (other kinds are refused, not skipped)."""
+# What ``-f DIR`` reads, as kubectl does: the manifests in the folder, by name.
+MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
+_SUFFIX_WORDS = "*.yaml, *.yml or *.json"
+
+
+def _note_on_stderr(note: str) -> None:
+    print(f"note: {note}", file=sys.stderr)
+
+
+@dataclass(frozen=True)
+class _Manifests:
+    """What one file holds: its InferenceServices, and what was skipped (``Kind/name``)."""
+
+    services: list[InferenceService]
+    skipped: list[str]
+
+
+def _kind_and_name(obj: dict[str, Any]) -> str:
+    metadata = obj.get("metadata")
+    name = metadata.get("name") if isinstance(metadata, dict) else None
+    return f"{obj.get('kind')}/{name if isinstance(name, str) and name else '<unnamed>'}"
+
+
+def _not_ours(obj: Any) -> tuple[str, str] | None:
+    """What a decoded object is and why it is skipped rather than read (another kind, or
+    another API group's InferenceService, such as KServe's), or None when it is read as an
+    InferenceService: a mapping without ``kind`` is ours (the kind is the default), and a list
+    or scalar is refused by :func:`parse_service`."""
+    if not isinstance(obj, dict) or "kind" not in obj:
+        return None
+    what = _kind_and_name(obj)
+    if obj["kind"] != KIND:
+        return what, "not an InferenceService"
+    api_version = obj.get("apiVersion")
+    if isinstance(api_version, str) and api_version.split("/")[0] != GROUP:
+        return f"{what} ({api_version})", f"not a {GROUP} InferenceService"
+    return None
+
+
+def _read_objects(path: Path) -> list[tuple[str, Any]]:
+    """Every object of one manifest file, with where it is: its YAML documents (JSON for
+    ``*.json``), a ``kind: List``'s items in its place, as kubectl reads them."""
     source = _source(path)
     text = read_manifest(path)
-    documents = load_documents(text, source)
-    if not documents:
-        raise InvalidManifestError(source, [FieldProblem("", "no YAML document in file")])
-    return [parse_service(doc, f"{source} (document {i + 1})") for i, doc in enumerate(documents)]
+    if path.suffix == ".json" and str(path) != STDIN:
+        try:
+            documents = [parse_json(text, source)]
+        except FileError as exc:
+            raise InvalidManifestError(source, [FieldProblem("", exc.reason)]) from None
+    else:
+        documents = load_documents(text, source)
+    objects: list[tuple[str, Any]] = []
+    for d, document in enumerate(documents, start=1):
+        where = f"{source} (document {d})"
+        if isinstance(document, dict) and document.get("kind") == "List":
+            items = document.get("items")
+            for i, item in enumerate(items if isinstance(items, list) else [], start=1):
+                objects.append((f"{source} (document {d}, item {i})", item))
+        else:
+            objects.append((where, document))
+    return objects
+
+
+def _load_file(path: Path, on_skip: Callable[[str], None]) -> _Manifests:
+    services: list[InferenceService] = []
+    skipped: list[str] = []
+    for where, obj in _read_objects(path):
+        other = _not_ours(obj)
+        if other is None:
+            services.append(parse_service(obj, where))
+        else:
+            what, reason = other
+            skipped.append(what)
+            on_skip(f"{where}: skipped {what}: {reason}")
+    return _Manifests(services, skipped)
+
+
+def manifest_files(folder: Path, *, recursive: bool = False) -> list[Path]:
+    """The manifests ``-f FOLDER`` reads: its ``*.yaml``, ``*.yml`` and ``*.json`` files, sorted
+    by path; with ``recursive``, those of every folder below it too."""
+    try:
+        entries = folder.rglob("*") if recursive else folder.iterdir()
+        return sorted(p for p in entries if p.suffix in MANIFEST_SUFFIXES and p.is_file())
+    except OSError as exc:
+        raise InvalidManifestError(
+            str(folder), [FieldProblem("", f"cannot read folder: {exc.strerror or exc}")]
+        ) from None
+
+
+def load_services(
+    path: Path,
+    *,
+    recursive: bool = False,
+    on_skip: Callable[[str], None] = _note_on_stderr,
+) -> list[InferenceService]:
+    """Every InferenceService of a manifest file (``-``: standard input) or, as kubectl's
+    ``-f`` reads one, of a folder's ``*.yaml``, ``*.yml`` and ``*.json`` files (sorted;
+    ``recursive``: its subfolders' too), in order.
+
+    Other kinds (a Namespace, a PersistentVolumeClaim applied with the service) and other API
+    groups' InferenceServices are skipped, each with a line to ``on_skip`` (by default a note
+    on stderr) naming the file, the document and ``Kind/name``. A file (or folder) that holds no
+    InferenceService at all is an :class:`InvalidManifestError` naming it, as is any document
+    that is one but is invalid."""
+    if str(path) != STDIN and path.is_dir():
+        files = manifest_files(path, recursive=recursive)
+        if not files:
+            reason = f"no {_SUFFIX_WORDS} file in folder"
+            raise InvalidManifestError(str(path), [FieldProblem("", reason)])
+        services = [s for file in files for s in _load_file(file, on_skip).services]
+        if not services:
+            reason = f"no InferenceService in any {_SUFFIX_WORDS} file of the folder"
+            raise InvalidManifestError(str(path), [FieldProblem("", reason)])
+        return services
+    source = _source(path)
+    notes: list[str] = []
+    manifests = _load_file(path, notes.append)
+    if not manifests.services:
+        if not manifests.skipped:
+            raise InvalidManifestError(source, [FieldProblem("", "no YAML document in file")])
+        found = ", ".join(manifests.skipped)
+        reason = f"no {GROUP} InferenceService in file (it holds {found})"
+        raise InvalidManifestError(source, [FieldProblem("", reason)])
+    for note in notes:
+        on_skip(note)
+    return manifests.services

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from fleetpilot.argtypes import DefaultsHelpFormatter
+from fleetpilot.argtypes import DefaultsHelpFormatter, positive_duration
 from fleetpilot.loadgen import report
 from fleetpilot.loadgen.runner import Progress, RunConfig, Runner, Schedule, parse_schedule
 from fleetpilot.loadgen.workloads import (
@@ -74,13 +74,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a(
         "--duration",
-        type=_positive(float),
-        help="seconds to send for (default: 60 when neither it nor --requests bounds the run)",
+        type=positive_duration,
+        help="how long to send for: 30s, 2m, 1h30m (a plain number is seconds; default: 60s "
+        "when neither it nor --requests bounds the run)",
     )
     a("--requests", type=_positive(int), help="stop after sending this many requests")
     a("--workload", choices=sorted(WORKLOADS), default="shared-prefix", help="what to send")
     a("--seed", type=int, default=0, help="seeds the workload and the arrivals")
-    a("--timeout", type=_positive(float), default=60.0, help="per-request limit in seconds")
+    a(
+        "--timeout",
+        type=positive_duration,
+        default=60.0,
+        help="per-request limit: 500ms, 30s, 2m (a plain number is seconds)",
+    )
     a(
         "--max-in-flight",
         type=_positive(int),

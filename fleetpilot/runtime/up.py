@@ -6,10 +6,10 @@ endpoint and a status table every few seconds, restarts crashed children, and st
 it started on Ctrl-C, SIGTERM or when ``--duration`` expires. A child that still runs but stops
 answering its health URL (frozen) is found by a liveness probe (``--liveness-*``), reported
 once and killed and restarted. What it reports is also logged, structured (JSON lines), in
-``WORKDIR/logs/up.log``. ``--cold-start SECONDS`` makes every engine (those the autoscaler adds
+``WORKDIR/logs/up.log``. ``--cold-start DURATION`` makes every engine (those the autoscaler adds
 included) answer /health, and so join the router, only that long after loading its model: a
 GPU engine's start, for the autoscaler to reckon with.
-``--step-delay SECONDS`` makes every engine sleep that long after each busy step: its
+``--step-delay DURATION`` makes every engine sleep that long after each busy step: its
 throughput is then its pace, not its share of the CPU, so each added replica adds capacity as
 a GPU's does.
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import signal
 import sys
 import tempfile
@@ -28,7 +27,12 @@ from pathlib import Path
 from types import FrameType
 
 from fleetpilot.api import InvalidManifestError, load_services
-from fleetpilot.argtypes import DefaultsHelpFormatter, port_number
+from fleetpilot.argtypes import (
+    DefaultsHelpFormatter,
+    duration_seconds,
+    port_number,
+    positive_duration,
+)
 from fleetpilot.logs import json_formatter
 from fleetpilot.operator.plan_types import PlanError
 from fleetpilot.operator.planner import check_reference_tiers
@@ -61,9 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--workdir", help="directory for the router config and logs (default: a temporary one)")
     a(
         "--duration",
-        type=float,
+        type=positive_duration,
         default=None,
-        help="stop after this many seconds once the fleet is up (default: until Ctrl-C)",
+        help="stop this long after the fleet is up: 90s, 10m, 1h (a plain number is seconds; "
+        "default: until Ctrl-C)",
     )
     a(
         "--max-replicas-per-role",
@@ -71,7 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_REPLICAS_PER_ROLE,
         help="most engine processes started per tier and role (a CPU's safety limit)",
     )
-    a("--status-interval", type=float, default=5.0, help="seconds between status tables")
+    a(
+        "--status-interval",
+        type=positive_duration,
+        default=5.0,
+        help="time between status tables: 5s, 1m (a plain number is seconds)",
+    )
     a(
         "--autoscale",
         action=argparse.BooleanOptionalAction,
@@ -94,18 +104,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a(
         "--cold-start",
-        type=float,
+        type=duration_seconds,
         default=0.0,
-        metavar="SECONDS",
+        metavar="DURATION",
         help="every engine, those the autoscaler adds included, answers /health (and joins "
         "the router) only this long after loading its model, as a GPU engine loading its "
         "weights would",
     )
     a(
         "--step-delay",
-        type=float,
+        type=duration_seconds,
         default=0.0,
-        metavar="SECONDS",
+        metavar="DURATION",
         help="every engine sleeps this long after each busy step: its throughput is set by "
         "this pace rather than by the CPU it shares, so each replica adds capacity",
     )
@@ -117,17 +127,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a(
         "--liveness-period",
-        type=float,
+        type=positive_duration,
         default=DEFAULT_PERIOD_S,
-        metavar="SECONDS",
+        metavar="DURATION",
         help="how often every child (router, engines, Prometheus, autoscaler) is probed on its "
         "health URL",
     )
     a(
         "--liveness-timeout",
-        type=float,
+        type=positive_duration,
         default=DEFAULT_TIMEOUT_S,
-        metavar="SECONDS",
+        metavar="DURATION",
         help="how long a liveness probe waits for its answer",
     )
     a(
@@ -168,19 +178,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_replicas_per_role < 1:
         print("error: --max-replicas-per-role must be at least 1", file=sys.stderr)
         return EXIT_INVALID
-    if not (math.isfinite(args.cold_start) and args.cold_start >= 0):
-        print("error: --cold-start must be a finite number of seconds, 0 or more", file=sys.stderr)
-        return EXIT_INVALID
-    if not (math.isfinite(args.step_delay) and args.step_delay >= 0):
-        print("error: --step-delay must be a finite number of seconds, 0 or more", file=sys.stderr)
-        return EXIT_INVALID
-    for option, seconds in (
-        ("--liveness-period", args.liveness_period),
-        ("--liveness-timeout", args.liveness_timeout),
-    ):
-        if not (math.isfinite(seconds) and seconds > 0):
-            print(f"error: {option} must be a finite number of seconds above 0", file=sys.stderr)
-            return EXIT_INVALID
+    # The durations (--cold-start, --step-delay, --liveness-*) are checked while parsing.
     if args.liveness_failures < 1:
         print("error: --liveness-failures must be at least 1", file=sys.stderr)
         return EXIT_INVALID
@@ -212,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
         try:
             return _serve(stack, args)
+        except BrokenPipeError:
+            raise  # stdout's reader left (`up | head`): the command's main ends quietly
         # OSError: a port taken after the stack's check (another process was faster).
         except (PortInUseError, ChildFailedError, PrometheusError, OSError) as exc:
             print(f"error: {exc}", file=sys.stderr)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -76,14 +78,141 @@ def test_every_document_of_a_file_is_loaded(tmp_path: Path) -> None:
     assert [s.name for s in load_services(path)] == ["a", "b"]
 
 
-def test_other_kinds_are_refused_not_skipped(tmp_path: Path) -> None:
-    """A file holding another kind (a ConfigMap) is an error, not an empty plan that looks like
-    success."""
+def _objects(*documents: Mapping[str, object]) -> str:
+    return yaml.safe_dump_all(list(documents), sort_keys=False)
+
+
+NAMESPACE = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "llm"}}
+CLAIM = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"}}
+
+
+def test_other_kinds_in_a_file_are_skipped_each_with_a_note(tmp_path: Path) -> None:
+    """As kubectl applies it: a file with the Namespace and PVC a service needs plans the
+    service, and says on the side what it left out, naming the file, document and object."""
+    path = tmp_path / "stack.yaml"
+    path.write_text(_objects(NAMESPACE, CLAIM, make_manifest("a")))
+    notes: list[str] = []
+    assert [s.name for s in load_services(path, on_skip=notes.append)] == ["a"]
+    assert notes == [
+        f"{path} (document 1): skipped Namespace/llm: not an InferenceService",
+        f"{path} (document 2): skipped PersistentVolumeClaim/models: not an InferenceService",
+    ]
+
+
+def test_skipped_kinds_are_noted_on_stderr_by_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "stack.yaml"
+    path.write_text(_objects(make_manifest("a"), NAMESPACE))
+    assert [s.name for s in load_services(path)] == ["a"]
+    captured = capsys.readouterr()
+    assert (
+        captured.err
+        == f"note: {path} (document 2): skipped Namespace/llm: not an InferenceService\n"
+    )
+    assert captured.out == ""
+
+
+def test_a_file_without_an_inference_service_is_refused_naming_it_and_what_it_holds(
+    tmp_path: Path,
+) -> None:
+    """A file holding only other kinds is an error, not an empty plan that looks like success."""
     path = tmp_path / "cm.yaml"
-    path.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {}}))
+    path.write_text(_objects({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {}}, CLAIM))
+    notes: list[str] = []
+    with pytest.raises(InvalidManifestError) as info:
+        load_services(path, on_skip=notes.append)
+    assert str(info.value) == (
+        f"{path}: no fleetpilot.dev InferenceService in file (it holds ConfigMap/<unnamed>, "
+        "PersistentVolumeClaim/models)"
+    )
+    assert notes == []  # the error says it all
+
+
+def test_another_groups_inference_service_is_skipped(tmp_path: Path) -> None:
+    """KServe's kind has the same name: it is not ours, and is skipped as another kind is."""
+    kserve = {"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService"}
+    path = tmp_path / "mixed.yaml"
+    path.write_text(_objects({**kserve, "metadata": {"name": "k"}}, make_manifest("a")))
+    notes: list[str] = []
+    assert [s.name for s in load_services(path, on_skip=notes.append)] == ["a"]
+    assert notes == [
+        f"{path} (document 1): skipped InferenceService/k (serving.kserve.io/v1beta1): not a "
+        "fleetpilot.dev InferenceService"
+    ]
+
+
+def test_a_wrong_version_of_ours_is_refused_at_its_field_not_skipped(tmp_path: Path) -> None:
+    manifest = make_manifest("a")
+    manifest["apiVersion"] = "fleetpilot.dev/v1"
+    path = tmp_path / "old.yaml"
+    path.write_text(_objects(manifest))
     with pytest.raises(InvalidManifestError) as info:
         load_services(path)
-    assert "kind" in str(info.value)
+    assert [p.path for p in info.value.problems] == ["apiVersion"]
+
+
+def test_a_list_is_read_item_by_item(tmp_path: Path) -> None:
+    """`kubectl get fpsvc -o yaml` writes a v1 List: its items are the documents."""
+    path = tmp_path / "list.yaml"
+    items = [make_manifest("a"), NAMESPACE, make_manifest("b")]
+    path.write_text(_objects({"apiVersion": "v1", "kind": "List", "items": items}))
+    notes: list[str] = []
+    assert [s.name for s in load_services(path, on_skip=notes.append)] == ["a", "b"]
+    assert notes == [f"{path} (document 1, item 2): skipped Namespace/llm: not an InferenceService"]
+
+
+def test_a_folder_is_read_as_kubectl_reads_one(tmp_path: Path) -> None:
+    """`-f DIR`: every *.yaml, *.yml and *.json file in it, by name; not its subfolders
+    unless recursive; other files ignored; a file of other kinds noted, not refused."""
+    (tmp_path / "b.yml").write_text(_objects(make_manifest("b")))
+    (tmp_path / "a.yaml").write_text(_objects(NAMESPACE, make_manifest("a")))
+    (tmp_path / "c.json").write_text(json.dumps(make_manifest("c"), indent="\t"))
+    (tmp_path / "0-claim.yaml").write_text(_objects(CLAIM))
+    (tmp_path / "README.md").write_text("kind: InferenceService\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "d.yaml").write_text(_objects(make_manifest("d")))
+    notes: list[str] = []
+    assert [s.name for s in load_services(tmp_path, on_skip=notes.append)] == ["a", "b", "c"]
+    assert notes == [
+        f"{tmp_path / '0-claim.yaml'} (document 1): skipped PersistentVolumeClaim/models: not "
+        "an InferenceService",
+        f"{tmp_path / 'a.yaml'} (document 1): skipped Namespace/llm: not an InferenceService",
+    ]
+    names = [s.name for s in load_services(tmp_path, recursive=True, on_skip=notes.append)]
+    assert names == ["a", "b", "c", "d"]
+
+
+def test_an_invalid_file_in_a_folder_is_named(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text(_objects(make_manifest("a")))
+    (tmp_path / "b.yaml").write_text("kind: InferenceService\nspec: [\n")
+    with pytest.raises(InvalidManifestError) as info:
+        load_services(tmp_path)
+    assert str(info.value).startswith(f"{tmp_path / 'b.yaml'}: YAML syntax error at line 3")
+
+
+def test_a_folder_without_services_is_refused_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(InvalidManifestError) as info:
+        load_services(tmp_path)
+    assert str(info.value) == f"{tmp_path}: no *.yaml, *.yml or *.json file in folder"
+    (tmp_path / "ns.yaml").write_text(_objects(NAMESPACE))
+    with pytest.raises(InvalidManifestError) as info:
+        load_services(tmp_path, on_skip=lambda note: None)
+    assert str(info.value) == (
+        f"{tmp_path}: no InferenceService in any *.yaml, *.yml or *.json file of the folder"
+    )
+
+
+def test_a_json_file_is_read_as_json(tmp_path: Path) -> None:
+    """Tab-indented JSON (which YAML refuses) is read; a JSON error names its line."""
+    good = tmp_path / "svc.json"
+    good.write_text(json.dumps(make_manifest("a"), indent="\t"))
+    assert [s.name for s in load_services(good)] == ["a"]
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"kind": "InferenceService",\n}')
+    with pytest.raises(InvalidManifestError) as info:
+        load_services(bad)
+    assert str(info.value).startswith(f"{bad}: invalid JSON at line 2")
 
 
 def test_non_mapping_is_refused() -> None:

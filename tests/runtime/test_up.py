@@ -56,10 +56,19 @@ def test_cold_start_and_step_delay_reach_every_engine_up_starts_or_the_autoscale
 
 
 @pytest.mark.parametrize("option", ["--cold-start", "--step-delay"])
-@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("-1", "'-1' is negative: a duration is 0 or more"),
+        ("nan", "'nan' is not a duration"),
+        ("inf", "'inf' is not a duration"),
+        ("10x", "'10x' is not a duration: use e.g. 500ms, 30s, 2m, 1h30m"),
+    ],
+)
 def test_a_bad_cold_start_or_step_delay_is_refused_before_anything_starts(
     option: str,
     value: str,
+    message: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
@@ -69,8 +78,51 @@ def test_a_bad_cold_start_or_step_delay_is_refused_before_anything_starts(
 
     monkeypatch.setattr(up, "_serve", serve)
     argv = ["-f", str(service_file(tmp_path)), option, value]
-    assert up.main(argv) == up.EXIT_INVALID
-    assert f"{option} must be a finite number of seconds" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        up.main(argv)
+    assert info.value.code == up.EXIT_INVALID
+    assert f"argument {option}: {message}" in capsys.readouterr().err
+
+
+def test_durations_take_units_as_every_command_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: `up --duration 1m` said "invalid float value". Every duration flag of `up`
+    takes 500ms, 30s, 2m, 1h30m, or a plain number of seconds."""
+    seen: list[argparse.Namespace] = []
+    stacks: list[LocalStack] = []
+
+    def serve(stack: LocalStack, args: argparse.Namespace) -> int:
+        seen.append(args)
+        stacks.append(stack)
+        return up.EXIT_OK
+
+    monkeypatch.setattr(up, "_serve", serve)
+    argv = ["-f", str(service_file(tmp_path)), "--workdir", str(tmp_path / "w"),
+            "--duration", "1m", "--status-interval", "10s", "--cold-start", "1m30s",
+            "--step-delay", "50ms", "--liveness-period", "2s", "--liveness-timeout", "500ms",
+            "--no-prometheus"]  # fmt: skip
+    assert up.main(argv) == up.EXIT_OK
+    (args,) = seen
+    assert (args.duration, args.status_interval) == (60.0, 10.0)
+    (stack,) = stacks
+    assert stack.fleet.cold_start_s == 90.0
+    assert stack.fleet.liveness == LivenessProbe(2.0, 0.5, 3)
+    for replica in stack.fleet.replicas:
+        assert replica.argv[replica.argv.index("--step-delay-seconds") + 1] == "0.05"
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("--duration", "0s"), ("--status-interval", "0"), ("--duration", "1 minute")],
+)
+def test_a_duration_that_cannot_work_is_refused_naming_its_flag(
+    option: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        up.main(["-f", "service.yaml", option, value])
+    assert info.value.code == up.EXIT_INVALID
+    assert f"argument {option}: " in capsys.readouterr().err
 
 
 def test_a_reference_tier_the_planner_refuses_is_refused_before_anything_starts(
@@ -97,9 +149,9 @@ def test_a_reference_tier_the_planner_refuses_is_refused_before_anything_starts(
 @pytest.mark.parametrize(
     ("option", "value", "message"),
     [
-        ("--liveness-period", "0", "--liveness-period must be a finite number of seconds above 0"),
-        ("--liveness-timeout", "nan", "--liveness-timeout must be a finite number of seconds"),
-        ("--liveness-failures", "0", "--liveness-failures must be at least 1"),
+        ("--liveness-period", "0", "argument --liveness-period: '0' is not a duration above 0"),
+        ("--liveness-timeout", "nan", "argument --liveness-timeout: 'nan' is not a duration"),
+        ("--liveness-failures", "0", "error: --liveness-failures must be at least 1"),
     ],
 )
 def test_a_liveness_probe_that_cannot_work_is_refused_before_anything_starts(
@@ -117,8 +169,14 @@ def test_a_liveness_probe_that_cannot_work_is_refused_before_anything_starts(
         raise AssertionError("nothing may start")
 
     monkeypatch.setattr(up, "_serve", serve)
-    assert up.main(["-f", str(service_file(tmp_path)), option, value]) == up.EXIT_INVALID
-    assert f"error: {message}" in capsys.readouterr().err
+    argv = ["-f", str(service_file(tmp_path)), option, value]
+    code: object
+    try:
+        code = up.main(argv)
+    except SystemExit as exc:  # refused while parsing, as every duration is
+        code = exc.code
+    assert code == up.EXIT_INVALID
+    assert message in capsys.readouterr().err
 
 
 def test_the_liveness_options_reach_the_fleet(
