@@ -6,6 +6,11 @@ A table in a page sits between two markers naming its renderer and results file:
     ...rendered Markdown...
     <!-- /table -->
 
+A renderer in ``MULTI_RENDERERS`` reads several files, named comma-separated in the marker
+(``<!-- table: engine bench/results/a.json,bench/results/b.json -->``), and captions each. A
+marker indented inside a list item gets its table indented the same. A table whose numbers no
+results file holds is not marked; the line above it says so ("Not generated: ...").
+
 ``python bench/tables.py`` rewrites every marked table from its file; ``--check`` exits 1
 naming each one that disagrees (tests/bench/test_tables.py runs it), so a number in the docs
 is always the one its results file holds, with the commit it was measured on. A rerun of a
