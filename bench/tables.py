@@ -58,6 +58,8 @@ def caption(doc: Results, source: str) -> str:
         commit = str(doc["commit"])
         dirty = " with uncommitted changes" if commit.endswith("-dirty") else ""
         measured = f"commit {commit[:7]}{dirty}"
+    elif "base" in doc and "head" in doc:  # bench/compare_trees.py: two commits, one run
+        measured = f"commits {str(doc['base'])[:7]} (before) and {str(doc['head'])[:7]} (after)"
     else:
         measured = "commit not recorded"
     parts = [f"`{source}`", measured]

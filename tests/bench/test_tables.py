@@ -284,3 +284,10 @@ def test_each_several_file_renderer_reads_its_files(
     """A row of each table from several files (a value per file), checked by hand."""
     source = ",".join(f"bench/results/{s}.json" for s in sources)
     assert row in tables.render(renderer, source).split("\n")
+
+
+def test_a_comparison_is_captioned_with_both_commits() -> None:
+    doc = {"base": "1e5d35846265", "head": "9335351a1f85", "machine": {"cpus": 2}}
+    assert tables.caption(doc, "c.json") == (
+        "Source: `c.json`, commits 1e5d358 (before) and 9335351 (after), 2 CPUs."
+    )
