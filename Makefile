@@ -8,11 +8,11 @@ SRC := fleetpilot
 
 CLUSTER_DIR := .cache/cluster
 
-.PHONY: setup vllm baselines test lint typecheck imports unit controlplane kstatus processnode gateway gie-epp gatewaycrds prometheus chart-readme cluster-up cluster-down cluster-demo demo crds clean
+.PHONY: setup vllm baselines test lint typecheck imports unit controlplane kstatus processnode gateway gie-epp gatewaycrds prometheus actionlint shellcheck locks chart-readme cluster-up cluster-down cluster-demo demo crds clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[engine,dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[engine,s3,dev]'
 	@touch $(STAMP)
 
 setup: $(STAMP)
@@ -91,13 +91,46 @@ gie-epp:
 gatewaycrds:
 	e2e/gatewaycrds/build.sh
 
+# rhysd/actionlint (pinned as a tool in e2e/actionlint/go.mod), built from its Go module like
+# the tools above (~1 minute the first time): tests/test_release.py checks .github/workflows
+# with it, the release workflow included, which cannot run here.
+actionlint:
+	e2e/actionlint/build.sh
+
+# ShellCheck, which actionlint runs on every `run:` script: Debian's package, installed when
+# missing (as root, like prometheus below).
+shellcheck:
+	@command -v shellcheck >/dev/null || { \
+		echo "installing Debian's shellcheck package for the workflow lint"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq shellcheck >/dev/null; }
+	@shellcheck --version | sed -n 2p
+
+# The images' hashed lock files (engine_image/requirements/*.txt, what the Dockerfiles install
+# with --require-hashes), resolved by uv (the dev extra) for the images' Python 3.11 on
+# linux/amd64 glibc, wheels only (the slim images have no compiler). Rerun after changing
+# pyproject.toml's dependencies (tests/test_locks.py fails until then); existing pins are kept
+# where they still fit, `make locks UPGRADE=--upgrade` moves them all to the newest.
+# reference.txt leaves out torch (the image takes the CPU build of the engine extra's pin from
+# PyTorch's index) and, through torch-cuda.txt, the CUDA stack PyPI's Linux torch requires.
+LOCKS := engine_image/requirements
+UV_COMPILE = $(BIN)/uv pip compile --quiet --system-certs --generate-hashes --only-binary :all: \
+	--python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+	--custom-compile-command 'make locks' $(UPGRADE)
+
+locks: setup
+	$(BIN)/python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['build-system']['requires'], sep='\n')" \
+		| $(UV_COMPILE) - -o $(LOCKS)/build.txt
+	$(UV_COMPILE) pyproject.toml --extra s3 -o $(LOCKS)/operator.txt
+	$(UV_COMPILE) pyproject.toml --extra engine --no-emit-package torch \
+		--excludes $(LOCKS)/torch-cuda.txt -o $(LOCKS)/reference.txt
+
 prometheus:
 	@command -v prometheus >/dev/null || { \
 		echo "installing Debian's prometheus package for the autoscaler tests"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
 	@prometheus --version 2>&1 | head -1
 
-unit: setup vllm baselines controlplane kstatus processnode gateway gie-epp gatewaycrds prometheus
+unit: setup vllm baselines controlplane kstatus processnode gateway gie-epp gatewaycrds prometheus actionlint shellcheck
 	$(BIN)/pytest
 
 cluster-up: setup controlplane

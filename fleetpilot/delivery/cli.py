@@ -195,8 +195,23 @@ def _run_hub(args: argparse.Namespace) -> Path:
     return result.snapshot
 
 
+# boto3 is the `s3` extra (the fleetpilot image installs it; a bare `pip install fleetpilot`
+# does not).
+S3_EXTRA_MISSING = (
+    "fetching from S3 needs boto3, which is not installed: "
+    "pip install 'fleetpilot[s3]' (the fleetpilot image has it)"
+)
+
+
 def _run_s3(args: argparse.Namespace) -> Path:
-    from fleetpilot.delivery.s3 import fetch_s3
+    from fleetpilot.delivery.plan import DeliveryError
+
+    try:
+        from fleetpilot.delivery.s3 import fetch_s3
+    except ModuleNotFoundError as exc:
+        if exc.name not in {"boto3", "botocore"}:
+            raise
+        raise DeliveryError(S3_EXTRA_MISSING) from exc
 
     result = fetch_s3(
         endpoint=args.endpoint,

@@ -96,7 +96,11 @@ def test_reference_image_takes_the_engine_extras_torch_from_the_cpu_index() -> N
     dockerfile = (IMAGES / "Dockerfile.reference").read_text()
     assert _arg(dockerfile, "TORCH_VERSION") == pin.removeprefix("torch==")
     assert _arg(dockerfile, "TORCH_CPU_INDEX") == "https://download.pytorch.org/whl/cpu"
-    assert dockerfile.index('"torch==${TORCH_VERSION}"') < dockerfile.index("'.[engine]'")
+    assert '--index-url "${TORCH_CPU_INDEX}" "torch==${TORCH_VERSION}"' in dockerfile
+    # Before the lock (tests/test_locks.py), which holds torch's dependencies but not torch.
+    assert dockerfile.index('"torch==${TORCH_VERSION}"') < dockerfile.index(
+        "-r /requirements/reference.txt"
+    )
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
