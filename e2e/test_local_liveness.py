@@ -189,6 +189,5 @@ def test_a_prometheus_crash_is_printed_once(up: Up) -> None:
     # The stack logs its event before ``up`` prints the report: a copy on stderr, if any,
     # is written by now.
     assert len(re.findall(re.escape(report), up.output())) == 1, up.output()
-    assert (
-        '"msg": "prometheus exited; restarting it"' in (up.workdir / "logs" / "up.log").read_text()
-    )
+    logged = (up.workdir / "logs" / "up.log").read_text()
+    assert '"message": "prometheus exited; restarting it"' in logged

@@ -238,10 +238,10 @@ def test_the_router_process_answers_malformed_http_with_400_and_one_warning(
             assert answer.split(b" ", 2)[1] == b"400"
         lines = stop_and_read_log(proc, WAIT_S)
     assert [line for line in lines if line["level"] in ("error", "critical") or "exc" in line] == []
-    malformed = [line for line in lines if "malformed HTTP request" in line["msg"]]
+    malformed = [line for line in lines if "malformed HTTP request" in line["message"]]
     assert len(malformed) == 1
     assert malformed[0]["level"] == "warning"
-    assert any(line["msg"] == "router started" for line in lines)
+    assert any(line["message"] == "router started" for line in lines)
 
 
 def test_the_default_connection_limit_follows_the_open_file_limit() -> None:

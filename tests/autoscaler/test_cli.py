@@ -30,7 +30,7 @@ def test_logs_are_json_lines_by_default() -> None:
     lines = [json.loads(line) for line in result.stderr.splitlines()]
     (failure,) = [line for line in lines if line["level"] == "error"]
     assert failure["logger"] == "fleetpilot.autoscaler"
-    assert failure["msg"].startswith("fleet not answering for 0s: ")
+    assert failure["message"].startswith("fleet not answering for 0s: ")
 
 
 def test_plain_logs_and_level_on_request() -> None:

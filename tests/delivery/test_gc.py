@@ -206,7 +206,7 @@ def test_a_repo_nothing_keeps_goes_whole_and_what_fleetpilot_did_not_write_stays
     assert not (cache / ".locks" / "models--acme--draft").exists()
     assert _loads_offline(cache, "main", fetched.main)
     assert theirs <= _tree(cache)
-    left = [line["msg"] for line in lines if line.get("event") == "left"]
+    left = [line["message"] for line in lines if line.get("event") == "left"]
     assert [m for m in left if m.startswith("models--someone--else: no .fleetpilot folder")]
     removed = {line["path"]: line["bytes"] for line in lines if line.get("event") == "removed"}
     assert removed[str(cache / "models--acme--draft")] == draft_bytes
@@ -280,7 +280,7 @@ def test_s3_downloads_not_kept_go_and_folders_without_a_marker_stay(
     assert out.startswith("freed ")
     assert int(out.split()[1]) > 2 + 99  # the files and the marker (about as big as a's)
     assert int(out.split()[1]) <= 2 + 99 + marker_size + 100
-    left = " ".join(line["msg"] for line in lines if line.get("event") == "left")
+    left = " ".join(line["message"] for line in lines if line.get("event") == "left")
     assert "models-cccccccccccc: no .fleetpilot-model.json" in left
     assert "models-dddddddddddd: kept, but not in" in left
     assert _gc(capsys, "--s3-dir", str(s3), "--keep-s3", "models-aaaaaaaaaaaa")[1] == (

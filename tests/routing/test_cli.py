@@ -52,7 +52,7 @@ def test_router_process_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
         assert [m["id"] for m in models["data"]] == ["chat", "small-model"]
         lines = stop_and_read_log(proc, 20)
-        assert any(line["msg"] == "router started" for line in lines)
+        assert any(line["message"] == "router started" for line in lines)
 
 
 def test_a_shutdown_delay_keeps_serving_after_sigterm(tmp_path: Path) -> None:
@@ -70,7 +70,7 @@ def test_a_shutdown_delay_keeps_serving_after_sigterm(tmp_path: Path) -> None:
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
         assert proc.stderr is not None
         lines = [json.loads(line) for line in proc.stderr.read().splitlines() if line.strip()]
-    assert any(line["msg"].startswith("stopping: still serving") for line in lines)
+    assert any(line["message"].startswith("stopping: still serving") for line in lines)
 
 
 def test_shutdown_delay_refuses_what_is_not_seconds() -> None:

@@ -190,7 +190,7 @@ def test_a_config_swapped_for_invalid_ones_at_run_time_is_logged_counted_and_ign
         _replace(path, yaml.safe_dump(make_config([tier("large", 1.0)]).to_wire()).encode())
         _wait_for(served_models, ["chat", "large-model"], "the good config applied")
         lines = stop_and_read_log(proc, 30)
-    refused = [line for line in lines if line["msg"].startswith("config reload refused")]
+    refused = [line for line in lines if line["message"].startswith("config reload refused")]
     assert len(refused) == len(BAD_REPLACEMENTS)
     assert all(line["level"] == "warning" and line["path"] == str(path) for line in refused)
     assert [line["result"] for line in refused] == ["invalid"] * len(BAD_REPLACEMENTS)

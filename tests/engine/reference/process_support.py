@@ -83,7 +83,7 @@ def _message(line: str) -> str:
         record = json.loads(line)
     except ValueError:
         return line.rstrip("\n")
-    return str(record.get("msg", "")) if isinstance(record, dict) else line.rstrip("\n")
+    return str(record.get("message", "")) if isinstance(record, dict) else line.rstrip("\n")
 
 
 def wait_ok(
