@@ -1,16 +1,16 @@
-"""How much memory the cluster's nodes give an engine pod, by GPU product: what the planner's
-node check (``PlanOptions.node_memory``, ``node_memory_by_product``) compares each engine
-pod's memory request with, so a pod no node can hold is refused with the field to change
-instead of sitting Pending.
+"""How much memory the cluster's nodes give an engine pod, by GPU product: what the planner's node
+check (``PlanOptions.node_memory``, ``node_memory_by_product``) compares each engine pod's
+memory request with, so a pod no node can hold is refused with the field to change instead of
+sitting Pending.
 
-:func:`node_memory_of` is purely computational: Node objects in, the largest allocatable
-memory of all and of each ``nvidia.com/gpu.product`` (the label GPU feature discovery sets,
-which a tier's ``resources.gpuProduct`` selects nodes by) out. :class:`NodeMemoryReader` is
-the thin shell: it lists the Nodes - from the API server's watch cache (``resourceVersion=0``:
-no etcd read) - at most once per ``ttl_s``, however many reconciles ask, and a cluster whose
-Nodes it may not read (403: the RBAC of an older chart) leaves the check off, logged once;
-another error keeps the last reading (none: no check) until a read succeeds. Never a
-reason to fail a reconcile.
+:func:`node_memory_of` does the arithmetic without touching the cluster: Node objects in, the
+largest allocatable memory of all and of each ``nvidia.com/gpu.product`` (the label GPU feature
+discovery sets, which a tier's ``resources.gpuProduct`` selects nodes by) out.
+:class:`NodeMemoryReader` is the thin shell: it lists the Nodes - from the API server's watch
+cache (``resourceVersion=0``: no etcd read) - at most once per ``ttl_s``, however many
+reconciles ask, and a cluster whose Nodes it may not read (403: the RBAC of an older chart)
+leaves the check off, logged once; another error keeps the last reading (none: no check) until
+a read succeeds. Never a reason to fail a reconcile.
 """
 
 from __future__ import annotations
