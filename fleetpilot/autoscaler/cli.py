@@ -23,7 +23,7 @@ import time
 from types import FrameType
 
 from fleetpilot.api import InferenceService
-from fleetpilot.argtypes import DefaultsHelpFormatter, port_number
+from fleetpilot.argtypes import DefaultsHelpFormatter, duration_seconds, port_number
 from fleetpilot.autoscaler.actuator import default_metrics
 from fleetpilot.autoscaler.direct import EngineMetricsSource
 from fleetpilot.autoscaler.fallback import FallbackSource
@@ -57,9 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a(
         "--fleet-timeout",
-        type=float,
+        type=duration_seconds,
         default=30.0,
-        help="seconds to wait for an unanswering fleet before exiting",
+        help="how long to wait for an unanswering fleet before exiting (30s; 0: at once)",
     )
     a("--once", action="store_true", help="one tick, then exit (for scripts)")
     add_log_arguments(parser)

@@ -8,7 +8,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from fleetpilot.argtypes import DefaultsHelpFormatter, non_negative_seconds, port_number
+from fleetpilot.argtypes import (
+    DefaultsHelpFormatter,
+    non_negative_seconds,
+    port_number,
+    positive_duration,
+)
 from fleetpilot.files import FileError
 from fleetpilot.httpserver import ServerLimits, run_app
 from fleetpilot.listening import ListenError
@@ -42,7 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--kubeconfig", help="kubeconfig (default: in-cluster credentials)")
     parser.add_argument(
-        "--reload-interval", type=float, default=1.0, help="config/endpoints poll period, s"
+        "--reload-interval",
+        type=positive_duration,
+        default=1.0,
+        help="config/endpoints poll period (1s, 500ms)",
     )
     parser.add_argument("--seed", type=int, help="tie-break random seed (reproducible runs)")
     parser.add_argument(

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TextIO
 
 from fleetpilot.api import InferenceService, InvalidManifestError, load_services
-from fleetpilot.api.units import parse_duration
+from fleetpilot.argtypes import positive_duration
 from fleetpilot.loadgen.cli import _positive, _schedule, add_shape_arguments
 from fleetpilot.loadgen.report import matplotlib_available, write_json
 from fleetpilot.loadgen.runner import Schedule
@@ -30,20 +30,6 @@ from fleetpilot.simulate.profile import AUTO, GPUS, ProfileError, load_profile
 from fleetpilot.simulate.trace import Trace, load_trace
 
 DEFAULT_WORKLOAD = "shared-prefix"
-
-
-def _duration(text: str) -> float:
-    """``1h``, ``90s``, ``2m30s`` or plain seconds."""
-    try:
-        seconds = float(text)
-    except ValueError:
-        try:
-            seconds = parse_duration(text).total_seconds()
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    if not seconds > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be greater than 0")
-    return seconds
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a(
         "--duration",
-        type=_duration,
+        type=positive_duration,
         help="simulated time: '1h', '10m', '90s' (with --trace, default: the run's duration)",
     )
     a("--seed", type=int, default=0, help="seeds the workload, the arrivals and the routers")
@@ -104,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_shape_arguments(parser)
     a(
         "--warmup",
-        type=_duration,
+        type=positive_duration,
         help="leave the requests that arrive before this out of the report (its figures are "
         "then the steady state, past the engines' cold caches); GPU-hours count the whole run",
     )

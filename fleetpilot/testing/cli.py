@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from fleetpilot.argtypes import positive_duration
 from fleetpilot.testing.controlplane import ControlPlane
 
 DEFAULT_NODES = ("gpu-h100-0=NVIDIA-H100-80GB-HBM3:8", "gpu-a100-0=NVIDIA-A100-SXM4-80GB:8")
@@ -47,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"fake GPU node to register (repeatable; default: {', '.join(DEFAULT_NODES)})",
     )
     parser.add_argument("--no-gpu-nodes", action="store_true", help="register no fake nodes")
-    parser.add_argument("--timeout", type=float, default=180.0)
+    parser.add_argument("--timeout", type=positive_duration, default=180.0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
 
