@@ -13,7 +13,8 @@ Two more targets stand in for the operator pod, scraped with the operator's name
 ``namespace`` target label and no honorLabels, as the chart's PodMonitor does: the
 autoscaler process' /metrics (``fleetpilot_autoscaler_*``), and the operator's own gauges
 (``fleetpilot.operator.metrics``, set by its ``export_status`` from a service status with
-Degraded=True) served from this process. Their own ``namespace`` label is stored as
+Degraded=True, and the service's spec, whose tier objective it exports as
+fleetpilot_slo_ttft_seconds) served from this process. Their own ``namespace`` label is stored as
 ``exported_namespace``, which the dashboard and the alerts must read.
 
 Every dashboard query (variables substituted) and every rule expression is then sent to
@@ -50,22 +51,19 @@ Obj = dict[str, Any]
 NAME = "observed"
 NAMESPACE = "default"  # make_local_manifest's
 OPERATOR_NAMESPACE = "fleetpilot-system"
-SERVICE = yaml.safe_dump(
-    make_local_manifest(NAME, replicas={"min": 1, "max": 1}, ttft_p95="5s", max_num_seqs=16)
-)
+MANIFEST = make_local_manifest(NAME, replicas={"min": 1, "max": 1}, ttft_p95="5s", max_num_seqs=16)
+SERVICE = yaml.safe_dump(MANIFEST)
 DASHBOARD = Path(__file__).resolve().parents[1] / "charts/fleetpilot/dashboards/fleetpilot.json"
 VARIABLES = {
     "$__rate_interval": "1m",
     "$__interval": "1m",
     "$namespace": NAMESPACE,
     "$service": NAME,
-    "$ttft_slo": "2.5",
-    "$tpot_slo": "0.1",
 }
 # One tier, one role; and "All", as Grafana sends it for a multi-value variable.
 SELECTIONS = [{"$tier": "small", "$role": "unified"}, {"$tier": ".*", "$role": ".*"}]
 STATUS: Obj = {
-    "metadata": {"namespace": NAMESPACE, "name": NAME},
+    **MANIFEST,
     "status": {
         "conditions": [
             {"type": "Ready", "status": "True"},
@@ -81,7 +79,9 @@ STATUS: Obj = {
         ],
     },
 }
-RECORDED = re.compile(r"fleetpilot:(?:ttft|tpot)_slo_errors:ratio_rate[0-9a-z]+")
+RECORDED = re.compile(
+    r"fleetpilot:(?:ttft|tpot)_(?:objective_seconds|seconds_bucket:rate[0-9a-z]+)\b"
+)
 WAIT_S = 60.0
 
 
@@ -117,6 +117,8 @@ def operator_endpoint() -> Iterator[str]:
         operator_metrics.RECONCILE_DURATION,
         operator_metrics.CONDITION,
         operator_metrics.ROLE_REPLICAS,
+        operator_metrics.SLO_TTFT,
+        operator_metrics.SLO_TPOT,
     ):
         registry.register(metric)
     operator_metrics.export_status(STATUS)
@@ -231,8 +233,9 @@ def test_every_dashboard_and_rule_expression_runs_on_real_series(
     assert found["tier"] == {"small"}
     assert found["role"] == {"unified"}
 
-    # Every rule expression as written (the alerts read the recorded series), and each alert
-    # with the recorded series' own expressions inlined, so the whole of it meets real series.
+    # Every rule expression as written (the alerts read the recorded series, which this
+    # Prometheus does not record), and each with the recorded series' own expressions
+    # inlined, so the whole of it meets real series: rule_results holds the inlined ones.
     records = {
         r["record"]: r["expr"] for g in rule_spec["groups"] for r in g["rules"] if "record" in r
     }
@@ -242,9 +245,11 @@ def test_every_dashboard_and_rule_expression_runs_on_real_series(
             name = rule.get("record") or rule["alert"]
             rule_results[name] = query(prometheus, rule["expr"])
             evaluated += 1
-            if "alert" in rule and RECORDED.search(rule["expr"]):
-                inlined = RECORDED.sub(lambda m: f"({records[m.group(0)]})", rule["expr"])
-                query(prometheus, inlined)
+            if RECORDED.search(rule["expr"]):
+                inlined = rule["expr"]
+                while RECORDED.search(inlined):  # a recorded series may read another
+                    inlined = RECORDED.sub(lambda m: f"({records[m.group(0)]})", inlined)
+                rule_results[name] = query(prometheus, inlined)
                 evaluated += 1
     print(f"{evaluated} expressions evaluated without error")  # the README quotes it
 
@@ -261,7 +266,14 @@ def test_every_dashboard_and_rule_expression_runs_on_real_series(
     assert 0 < p95 < math.inf
     (kv_mean,) = values(panel("KV-cache usage"))
     assert 0 <= kv_mean <= 1
-    assert values(panel("TTFT p50 / p95 vs SLO", "C")) == [2.5]  # the SLO line
+    # The SLO line: the tier's ttftP95, as the operator exports it.
+    (slo_line,) = panel("TTFT p50 / p95 vs SLO", "C")
+    assert slo_line["metric"] == {"tier": "small", "role": "unified"}
+    assert float(slo_line["value"][1]) == 5.0
+    assert panel("TPOT p50 / p95 vs SLO", "C") == []  # the tier has no tpotP95
+    (over,) = panel("p95 over the SLO (above 1: missing it)")
+    assert over["metric"] == {"fleetpilot_dev_tier": "small", "fleetpilot_dev_role": "unified"}
+    assert 0 < float(over["value"][1]) < 1  # a p95 well under the 5s objective
     (tpot_p95,) = values(panel("TPOT p50 / p95 vs SLO", "B"))
     assert 0 < tpot_p95 < math.inf
     assert {s["metric"]["status"] for s in panel("Router requests by status")} == {"200"}
@@ -293,13 +305,19 @@ def test_every_dashboard_and_rule_expression_runs_on_real_series(
     assert rule_results["FleetpilotServiceStalled"] == []
     assert rule_results["FleetpilotScalingInactive"] == []
     assert rule_results["FleetpilotOperatorAbsent"] == []
-    # The SLI over the engines' real histograms: one series for the role, a share of requests.
-    (sli,) = rule_results["fleetpilot:ttft_slo_errors:ratio_rate5m"]
-    assert sli["metric"] == {
+    # The tier's objective under the engines' labels (from the operator's series, scraped
+    # with exported_namespace), and the engines' real histograms recorded for its role only.
+    role = {
         "namespace": NAMESPACE,
         "fleetpilot_dev_service": NAME,
         "fleetpilot_dev_tier": "small",
         "fleetpilot_dev_role": "unified",
     }
-    assert 0 <= float(sli["value"][1]) <= 1
-    assert rule_results["fleetpilot:tpot_slo_errors:ratio_rate5m"]
+    (objective,) = rule_results["fleetpilot:ttft_objective_seconds"]
+    assert (objective["metric"], float(objective["value"][1])) == (role, 5.0)
+    buckets = rule_results["fleetpilot:ttft_seconds_bucket:rate5m"]
+    assert buckets
+    assert {s["metric"]["fleetpilot_dev_role"] for s in buckets} == {"unified"}
+    assert rule_results["fleetpilot:tpot_objective_seconds"] == []  # no tpotP95
+    assert rule_results["fleetpilot:tpot_seconds_bucket:rate5m"] == []
+    assert rule_results["FleetpilotTTFTErrorBudgetBurn"] == []  # well within 5s

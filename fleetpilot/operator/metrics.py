@@ -8,6 +8,8 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from fleetpilot.api import InvalidManifestError, parse_service
+from fleetpilot.api.spec import RoleName
 from fleetpilot.api.status import ColdStartSample
 
 RECONCILES = Counter(
@@ -53,8 +55,31 @@ ENGINE_COLD_START = Histogram(
     ["namespace", "service", "tier", "role", "phase"],
     buckets=(1, 5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 450, 600, 900, 1200, 1800, 3600),
 )
+# Each tier's latency objectives (spec autoscaling.slo), one series per role that the objective
+# is about - the roles the autoscaler holds to it (autoscaler.model.RolePolicy): TTFT for
+# unified and prefill replicas, TPOT for unified and decode ones. The chart's SLO alerts and
+# the dashboard join the engines' latency histograms to these: a tier without an objective has
+# no series, so no alert and no SLO line.
+SLO_TTFT = Gauge(
+    "fleetpilot_slo_ttft_seconds",
+    "A tier's objective for the 95th percentile of time to first token "
+    "(autoscaling.slo.ttftP95), for each of its roles that makes first tokens.",
+    ["namespace", "service", "tier", "role"],
+)
+SLO_TPOT = Gauge(
+    "fleetpilot_slo_tpot_seconds",
+    "A tier's objective for the 95th percentile of time per output token "
+    "(autoscaling.slo.tpotP95), for each of its roles that makes output tokens.",
+    ["namespace", "service", "tier", "role"],
+)
+_TTFT_ROLES = (RoleName.UNIFIED, RoleName.PREFILL)
+_TPOT_ROLES = (RoleName.UNIFIED, RoleName.DECODE)
 _STATUSES = ("True", "False", "Unknown")
+_Series = list[tuple[Gauge, tuple[str, ...], float]]
 _exported: dict[tuple[str, str], list[tuple[Gauge, tuple[str, ...]]]] = {}
+# The SLO series of each service, by the generation of the spec they were read from: statuses
+# change far more often than specs, and each status write is an event.
+_slo_series: dict[tuple[str, str], tuple[object, _Series]] = {}
 _cold_start_series: dict[tuple[str, str], set[tuple[str, ...]]] = {}
 
 
@@ -92,7 +117,41 @@ def export_status(body: Mapping[str, Any]) -> None:
                 role_labels = (*key, str(tier.get("name")), str(role.get("role")), state)
                 ROLE_REPLICAS.labels(*role_labels).set(float(role[field]))
                 series.append((ROLE_REPLICAS, role_labels))
+    for gauge, labels, seconds in _slos(key, body):
+        gauge.labels(*labels).set(seconds)
+        series.append((gauge, labels))
     _exported[key] = series
+
+
+def _slos(key: tuple[str, str], body: Mapping[str, Any]) -> _Series:
+    """The SLO series of a service's spec, read as the reconciler reads it: none when the spec
+    does not validate (the reconciler refuses it too). The status is left out: whatever it
+    holds (another writer's, an older operator's), the objectives are the spec's."""
+    generation = body.get("metadata", {}).get("generation")
+    cached = _slo_series.get(key)
+    if cached is not None and generation is not None and cached[0] == generation:
+        return cached[1]
+    try:
+        spec_only = {k: v for k, v in body.items() if k != "status"}
+        service = parse_service(spec_only, f"{key[0]}/{key[1]}")
+    except InvalidManifestError:
+        found: _Series = []
+    else:
+        found = []
+        for tier in service.spec.tiers:
+            slo = tier.autoscaling.slo
+            for gauge, objective, roles in (
+                (SLO_TTFT, slo.ttft_p95, _TTFT_ROLES),
+                (SLO_TPOT, slo.tpot_p95, _TPOT_ROLES),
+            ):
+                if objective is None:
+                    continue
+                for role in tier.role_names:
+                    if role in roles:
+                        labels = (*key, tier.name, str(role))
+                        found.append((gauge, labels, objective.total_seconds()))
+    _slo_series[key] = (generation, found)
+    return found
 
 
 def _forget_gauges(key: tuple[str, str]) -> None:
@@ -104,6 +163,7 @@ def _forget_gauges(key: tuple[str, str]) -> None:
 def forget(namespace: str, name: str) -> None:
     """Drop a deleted service's series."""
     _forget_gauges((namespace, name))
+    _slo_series.pop((namespace, name), None)
     for labels in _cold_start_series.pop((namespace, name), set()):
         with contextlib.suppress(KeyError):
             ENGINE_COLD_START.remove(*labels)

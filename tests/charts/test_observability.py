@@ -3,8 +3,9 @@ Prometheus' own tools.
 
 - the rendered PrometheusRule matches the Prometheus Operator's CRD schema and its groups pass
   `promtool check rules`; `promtool test rules` feeds series to them and checks which alerts
-  fire and which stay silent (burn rates over both windows, conditions, crash loops, the
-  operator), with the exact labels and annotations Alertmanager would get;
+  fire and which stay silent (burn rates over both windows against each tier's own objective,
+  conditions, crash loops, the operator), with the exact labels and annotations Alertmanager
+  would get; every alert's runbook_url leads to a section of docs/troubleshooting.md;
 - every dashboard query, its template variables substituted, parses (through promtool) and
   reads only metrics that fleetpilot's code (or kube-state-metrics) exports.
 
@@ -18,7 +19,7 @@ import json
 import re
 import shutil
 import subprocess
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +41,14 @@ from tests.charts.chart_support import (
     K8S_VERSION,
     RELEASE,
     RELEASE_NAMESPACE,
+    REPO,
     Obj,
     only,
     render,
 )
 
 DASHBOARD_FILE = CHART / "dashboards" / "fleetpilot.json"
+TROUBLESHOOTING = REPO / "docs" / "troubleshooting.md"
 ENABLED: Obj = {"dashboards": {"enabled": True}, "prometheusRule": {"enabled": True}}
 # Series the rules read that fleetpilot does not export: Prometheus' own and kube-state-metrics'.
 EXTERNAL_METRICS = {"up", "kube_pod_container_status_restarts_total", "kube_pod_labels"}
@@ -57,8 +60,6 @@ VARIABLES = {
     "$service": "chat",
     "$tier": ".*",
     "$role": ".*",
-    "$ttft_slo": "2.5",
-    "$tpot_slo": "0.1",
 }
 REQUIRED_PANELS = {
     "Request rate (engines)",
@@ -214,6 +215,8 @@ def fleetpilot_metrics() -> set[str]:
         operator_metrics.CONDITION,
         operator_metrics.ROLE_REPLICAS,
         operator_metrics.ADAPTER_CALLS,
+        operator_metrics.SLO_TTFT,
+        operator_metrics.SLO_TPOT,
     ]
     names = exported([engine, router, autoscaler, *operator])
     # A vLLM series may be stored with '_' for ':' (see escaped_name): both names are read.
@@ -286,13 +289,13 @@ def test_prometheus_rule_matches_the_crd_and_promtool_accepts_it(
     path = tmp_path / "rules.yaml"
     path.write_text(yaml.safe_dump(rule["spec"]))
     output = run_promtool("check", "rules", str(path))
-    assert "SUCCESS: 19 rules found" in output, output
+    assert "SUCCESS: 21 rules found" in output, output
 
     alerts = [r for r in rules(rule["spec"]) if "alert" in r]
     assert {a["alert"] for a in alerts} == ALERTS
     for alert in alerts:
         assert alert["labels"]["severity"] in {"critical", "warning"}, alert["alert"]
-        assert set(alert["annotations"]) == {"summary", "description"}, alert["alert"]
+        assert set(alert["annotations"]) == {"summary", "description", "runbook_url"}
         text = alert["annotations"]["summary"] + alert["annotations"]["description"]
         if alert["alert"].startswith("FleetpilotOperator"):
             continue  # about the operator, not one service
@@ -302,7 +305,7 @@ def test_prometheus_rule_matches_the_crd_and_promtool_accepts_it(
 
 
 def test_values_reach_the_rules(chart: helm.Chart, tmp_path: Path) -> None:
-    """Objective bucket, target, burn factors and windows, severities, labels, the group
+    """Burn factors and windows, severities, labels, the runbooks' base URL, the group
     interval and disabled alerts all land in the rendered rules, which promtool still accepts."""
     values: Obj = {
         "prometheusRule": {
@@ -311,7 +314,7 @@ def test_values_reach_the_rules(chart: helm.Chart, tmp_path: Path) -> None:
             "interval": "30s",
             "alertLabels": {"team": "ml-platform"},
             "disabledAlerts": ["FleetpilotPodCrashLooping", "FleetpilotOperatorAbsent"],
-            "slo": {"ttft": {"objectiveLe": "0.5", "target": 0.999}},
+            "runbookBaseURL": "https://wiki.example.com/fleetpilot/",
             "burnRates": {
                 "fast": {"factor": 10, "longWindow": "2h", "shortWindow": "10m"},
                 "slow": {"severity": "ticket"},
@@ -328,18 +331,23 @@ def test_values_reach_the_rules(chart: helm.Chart, tmp_path: Path) -> None:
         by_name.setdefault(r.get("alert") or r["record"], []).append(r)
     assert "FleetpilotPodCrashLooping" not in by_name
     assert "FleetpilotOperatorAbsent" not in by_name
-    # One recording rule per SLI and window; the fast burn's windows replaced.
+    # Per SLI, the tiers' objectives and one histogram rate per window; the fast burn's
+    # windows replaced.
     windows = {"10m", "2h", "30m", "6h"}
     assert {n for n in by_name if n.startswith("fleetpilot:")} == {
-        f"fleetpilot:{sli}_slo_errors:ratio_rate{w}" for sli in ("ttft", "tpot") for w in windows
+        name
+        for sli in ("ttft", "tpot")
+        for name in (
+            f"fleetpilot:{sli}_objective_seconds",
+            *(f"fleetpilot:{sli}_seconds_bucket:rate{w}" for w in windows),
+        )
     }
-    ttft = by_name["fleetpilot:ttft_slo_errors:ratio_rate10m"][0]["expr"]
-    assert 'le="0.5"' in ttft
-    assert "[10m]" in ttft
-    assert 'le="0.1"' in by_name["fleetpilot:tpot_slo_errors:ratio_rate10m"][0]["expr"]
+    assert "[10m]" in by_name["fleetpilot:ttft_seconds_bucket:rate10m"][0]["expr"]
     fast, slow = by_name["FleetpilotTTFTErrorBudgetBurn"]
-    assert "ratio_rate2h > (10 * (1 - 0.999))" in fast["expr"]
-    assert "ratio_rate10m > (10 * (1 - 0.999))" in fast["expr"]
+    # 10x a 5% budget: more than half the requests over the objective, the median above it.
+    assert "histogram_quantile(0.5, fleetpilot:ttft_seconds_bucket:rate2h)" in fast["expr"]
+    assert "histogram_quantile(0.5, fleetpilot:ttft_seconds_bucket:rate10m)" in fast["expr"]
+    assert "histogram_quantile(0.7, fleetpilot:ttft_seconds_bucket:rate6h)" in slow["expr"]
     assert fast["labels"] == {
         "team": "ml-platform",
         "severity": "critical",
@@ -347,7 +355,11 @@ def test_values_reach_the_rules(chart: helm.Chart, tmp_path: Path) -> None:
         "short_window": "10m",
     }
     assert slow["labels"]["severity"] == "ticket"
-    assert "allows 0.1%" in fast["annotations"]["description"]
+    assert "more than 50% of the requests" in fast["annotations"]["description"]
+    assert "spent in 3.0 days" in fast["annotations"]["description"]
+    assert fast["annotations"]["runbook_url"] == (
+        "https://wiki.example.com/fleetpilot#fleetpilotttfterrorbudgetburn"
+    )
     (degraded,) = by_name["FleetpilotServiceDegraded"]
     assert degraded["for"] == "20m"
     assert degraded["labels"] == {"team": "ml-platform", "severity": "critical"}
@@ -359,8 +371,9 @@ def test_values_reach_the_rules(chart: helm.Chart, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("values", "where"),
     [
-        pytest.param({"slo": {"ttft": {"objectiveLe": "2.5s"}}}, "/objectiveLe", id="le"),
-        pytest.param({"slo": {"tpot": {"target": 1}}}, "/target", id="target"),
+        pytest.param({"slo": {"ttft": {"target": 0.99}}}, "'slo'", id="chart-wide-slo"),
+        pytest.param({"runbookBaseURL": "docs/x.md#a"}, "/runbookBaseURL", id="runbook"),
+        pytest.param({"burnRates": {"fast": {"factor": 20}}}, "/factor", id="whole-budget"),
         pytest.param({"burnRates": {"fast": {"longWindow": "1d"}}}, "/longWindow", id="window"),
         pytest.param({"burnRates": {"slow": {"factor": 0}}}, "/factor", id="factor"),
         pytest.param({"disabledAlerts": ["KubePodCrashLooping"]}, "/disabledAlerts", id="name"),
@@ -393,13 +406,22 @@ def series(name: str, labels: dict[str, str], values: str) -> Obj:
     return {"series": f"{name}{{{inner}}}", "values": values}
 
 
-def expand(template: str, labels: dict[str, str], value: str) -> str:
-    """What Prometheus makes of the chart's annotation templates for one alert."""
-    text = re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: labels.get(m.group(1), ""), template)
+def expand(template: str, labels: dict[str, str], value: str, objective: str = "") -> str:
+    """What Prometheus makes of the chart's annotation templates for one alert (`objective`:
+    what the burn-rate alerts' query of the tier's objective prints)."""
+    text = re.sub(r"\{\{ with printf .*? \| query \}\}.*?\{\{ end \}\}", objective, template)
+    text = re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: labels.get(m.group(1), ""), text)
     return re.sub(r"\{\{ \$value[^}]*\}\}", value, text)
 
 
-def expected(spec: Obj, alert: str, window: str | None, labels: dict[str, str], value: str) -> Obj:
+def expected(
+    spec: Obj,
+    alert: str,
+    window: str | None,
+    labels: dict[str, str],
+    value: str,
+    objective: str = "",
+) -> Obj:
     """An exp_alerts entry: the alert's own labels plus the series', annotations expanded."""
     (rule,) = [
         r
@@ -410,86 +432,166 @@ def expected(spec: Obj, alert: str, window: str | None, labels: dict[str, str], 
     return {
         "exp_labels": all_labels,
         "exp_annotations": {
-            key: expand(text, all_labels, value) for key, text in rule["annotations"].items()
+            key: expand(text, all_labels, value, objective)
+            for key, text in rule["annotations"].items()
         },
     }
 
 
-def slo_case(spec: Obj) -> Obj:
-    """80 minutes of TTFT and TPOT histograms: `slow` has half its requests over the objective
-    throughout, `fine` under 1% (within a 99% SLO), `recovered` half for 40 minutes then none,
-    `escaped` is slow under the underscore names some exporters write."""
+def slo_labels(service: str, tier: str = "small") -> dict[str, str]:
+    return {**ENGINE, "fleetpilot_dev_service": service, "fleetpilot_dev_tier": tier}
 
-    def ttft(service: str, good: str, total: str, prefix: str = "vllm:") -> list[Obj]:
-        labels = {**ENGINE, "fleetpilot_dev_service": service}
+
+def objective(kind: str, service: str, tier: str, seconds: float, **scrape: str) -> Obj:
+    """A tier's objective as the operator exports it, scraped like the chart's PodMonitor does
+    (the service's namespace renamed exported_namespace), or as ``scrape`` says."""
+    target = scrape or {**OPERATOR_TARGET, "exported_namespace": "ml"}
+    labels = {**target, "service": service, "tier": tier, "role": "unified"}
+    return series(f"fleetpilot_slo_{kind}_seconds", labels, f"{seconds}x80")
+
+
+def slo_case(spec: Obj) -> Obj:
+    """80 minutes of TTFT and TPOT histograms against each tier's own objective.
+
+    Service `chat` runs three tiers with the same latencies, every request's TTFT between 2.5s
+    and 5s: `small`'s objective is 2s (it burns: p28 3.2s, p70 4.25s), `large`'s 5s (within
+    it), `medium` has none (no alert whatever its latency). `escaped` is `small` again under
+    the underscore names some exporters write, its objective scraped with honorLabels.
+    `recovered` (objective 2s) is as slow for 70 minutes, then every first token under 1s.
+    TPOT: every token between 50ms and 100ms; `chat`'s `small` objective is 50ms, `large`'s
+    200ms."""
+    per_minute = {"1": 0, "2.5": 0, "5": 120, "+Inf": 120}
+
+    def ttft(labels: dict[str, str], prefix: str = "vllm:") -> list[Obj]:
+        name = f"{prefix}time_to_first_token_seconds"
         return [
-            series(f"{prefix}time_to_first_token_seconds_bucket", {**labels, "le": "2.5"}, good),
-            series(f"{prefix}time_to_first_token_seconds_count", labels, total),
+            *[
+                series(f"{name}_bucket", {**labels, "le": le}, f"0+{n}x80")
+                for le, n in per_minute.items()
+            ],
+            series(f"{name}_count", labels, "0+120x80"),
         ]
 
-    slow = {**ENGINE, "fleetpilot_dev_service": "slow"}
-    escaped = {**ENGINE, "fleetpilot_dev_service": "escaped"}
-    recovered = {**ENGINE, "fleetpilot_dev_service": "recovered"}
-    fine = {**ENGINE, "fleetpilot_dev_service": "fine"}
+    def tpot(labels: dict[str, str]) -> list[Obj]:
+        name = "vllm:inter_token_latency_seconds"
+        return [
+            series(f"{name}_bucket", {**labels, "le": "0.05"}, "0x80"),
+            series(f"{name}_bucket", {**labels, "le": "0.1"}, "0+1000x80"),
+            series(f"{name}_bucket", {**labels, "le": "+Inf"}, "0+1000x80"),
+            series(f"{name}_count", labels, "0+1000x80"),
+        ]
+
+    small, large, medium = (slo_labels("chat", tier) for tier in ("small", "large", "medium"))
+    escaped, recovered = slo_labels("escaped"), slo_labels("recovered")
+    honored = {"job": "fleetpilot", "instance": "10.0.0.6:9090", "namespace": "ml"}
+    # Under 1s from minute 71 on.
+    fast_after_70 = "0x70 120+120x9"
     return {
         "interval": "1m",
         "input_series": [
-            *ttft("slow", "0+60x80", "0+120x80"),
-            *ttft("fine", "0+119x80", "0+120x80"),
-            *ttft("recovered", "0+60x40 2520+120x39", "0+120x80"),
-            *ttft("escaped", "0+60x80", "0+120x80", prefix="vllm_"),
-            series("vllm:inter_token_latency_seconds_bucket", {**slow, "le": "0.1"}, "0+500x80"),
-            series("vllm:inter_token_latency_seconds_count", slow, "0+1000x80"),
-            series("vllm:inter_token_latency_seconds_bucket", {**fine, "le": "0.1"}, "0+999x80"),
-            series("vllm:inter_token_latency_seconds_count", fine, "0+1000x80"),
+            objective("ttft", "chat", "small", 2),
+            objective("ttft", "chat", "large", 5),
+            objective("ttft", "escaped", "small", 2, **honored),
+            objective("ttft", "recovered", "small", 2),
+            objective("tpot", "chat", "small", 0.05),
+            objective("tpot", "chat", "large", 0.2),
+            *ttft(small),
+            *ttft(large),
+            *ttft(medium),
+            *ttft(escaped, prefix="vllm_"),
+            series(
+                "vllm:time_to_first_token_seconds_bucket", {**recovered, "le": "1"}, fast_after_70
+            ),
+            series(
+                "vllm:time_to_first_token_seconds_bucket",
+                {**recovered, "le": "2.5"},
+                fast_after_70,
+            ),
+            series("vllm:time_to_first_token_seconds_bucket", {**recovered, "le": "5"}, "0+120x80"),
+            series(
+                "vllm:time_to_first_token_seconds_bucket", {**recovered, "le": "+Inf"}, "0+120x80"
+            ),
+            series("vllm:time_to_first_token_seconds_count", recovered, "0+120x80"),
+            *tpot(small),
+            *tpot(large),
+            *tpot(medium),
         ],
         "alert_rule_test": [
             {
-                # Early on, every slow one burns fast; the slow burn is still pending (15m).
+                # Early on, every slow one with a 2s objective burns fast (its p28, 3.2s, over
+                # it); the slow burn is still pending (15m).
                 "eval_time": "10m",
                 "alertname": "FleetpilotTTFTErrorBudgetBurn",
                 "exp_alerts": [
-                    expected(spec, "FleetpilotTTFTErrorBudgetBurn", "1h", labels, "50%")
-                    for labels in (slow, recovered, escaped)
+                    expected(spec, "FleetpilotTTFTErrorBudgetBurn", "1h", labels, "3.2s", "2s")
+                    for labels in (small, escaped, recovered)
                 ],
             },
             {
-                # `recovered` is still over 14.4x in its 1h window, but not in the last 5m:
-                # the short window ends its alert. `fine` never alerts.
+                # `recovered` is still burning in its 1h window (50 of its 60 minutes slow:
+                # p28 2.84s), not in the last 5m: the short window ends the alert. Over 6h
+                # (70 of 80 minutes: p70 4.143s) and 30m (20 of 30: p70 3.875s) it still burns.
+                # `large` and `medium` never alert.
                 "eval_time": "80m",
                 "alertname": "FleetpilotTTFTErrorBudgetBurn",
                 "exp_alerts": [
-                    expected(spec, "FleetpilotTTFTErrorBudgetBurn", window, labels, "50%")
-                    for labels in (slow, escaped)
-                    for window in ("1h", "6h")
+                    *[
+                        expected(spec, "FleetpilotTTFTErrorBudgetBurn", "1h", labels, "3.2s", "2s")
+                        for labels in (small, escaped)
+                    ],
+                    *[
+                        expected(spec, "FleetpilotTTFTErrorBudgetBurn", "6h", labels, value, "2s")
+                        for labels, value in (
+                            (small, "4.25s"),
+                            (escaped, "4.25s"),
+                            (recovered, "4.143s"),
+                        )
+                    ],
                 ],
             },
             {
                 "eval_time": "80m",
                 "alertname": "FleetpilotTPOTErrorBudgetBurn",
                 "exp_alerts": [
-                    expected(spec, "FleetpilotTPOTErrorBudgetBurn", window, slow, "50%")
-                    for window in ("1h", "6h")
+                    expected(spec, "FleetpilotTPOTErrorBudgetBurn", window, small, value, "50ms")
+                    for window, value in (("1h", "64ms"), ("6h", "85ms"))
                 ],
             },
         ],
         "promql_expr_test": [
             {
-                # The recorded share of slow requests over the last hour (rounded: promtool
-                # compares floats exactly).
-                "expr": "round(fleetpilot:ttft_slo_errors:ratio_rate1h, 0.0001)",
+                # Each tier's objective under the engines' labels, however it was scraped; the
+                # tier without one has none.
+                "expr": "fleetpilot:ttft_objective_seconds",
                 "eval_time": "80m",
                 "exp_samples": [
-                    {"labels": _promql_labels(labels), "value": value}
+                    {
+                        "labels": "fleetpilot:ttft_objective_seconds" + _promql_labels(labels),
+                        "value": value,
+                    }
                     for labels, value in [
-                        (slow, 0.5),
-                        (escaped, 0.5),
-                        (fine, 0.0083),  # 1 in 120
-                        # 20 of the 60 minutes at 50%: 1/6 of the requests.
-                        (recovered, 0.1667),
+                        (small, 2),
+                        (large, 5),
+                        (escaped, 2),
+                        (recovered, 2),
                     ]
                 ],
-            }
+            },
+            {
+                # Histogram rates are recorded for the roles with an objective only.
+                "expr": "count by (fleetpilot_dev_service, fleetpilot_dev_tier) "
+                "(fleetpilot:tpot_seconds_bucket:rate1h)",
+                "eval_time": "80m",
+                "exp_samples": [
+                    {
+                        "labels": _promql_labels(
+                            {"fleetpilot_dev_service": "chat", "fleetpilot_dev_tier": tier}
+                        ),
+                        "value": 3,
+                    }
+                    for tier in ("small", "large")
+                ],
+            },
         ],
     }
 
@@ -670,7 +772,8 @@ def test_alerts_fire_on_bad_series_and_stay_silent_on_good(
     chart: helm.Chart, tmp_path: Path
 ) -> None:
     """promtool test rules on the rendered rules: fast and slow TTFT/TPOT burns fire (under
-    either metric name) and end with the short window, a service within its SLO never alerts;
+    either metric name) against each tier's own objective and end with the short window; two
+    tiers as slow, one within its objective, never alert, nor a tier without an objective;
     Degraded and ScalingActive=False alert after 10m, a brief Stalled does not, each naming
     the service's own namespace however the operator was scraped; crash loops of fleet pods
     only; an operator that never reconciles, one that keeps failing, and none at all."""
@@ -680,37 +783,109 @@ def test_alerts_fire_on_bad_series_and_stay_silent_on_good(
     assert "SUCCESS" in output, output
 
 
-def test_the_unit_tests_catch_a_broken_rule(chart: helm.Chart, tmp_path: Path) -> None:
-    """The same promtool tests fail for rules that lost the short window, or that forget the
-    exported_namespace a PodMonitor scrape leaves: the tests can tell."""
+def _lose_the_short_window(rule: Obj) -> None:
+    if rule.get("alert") == "FleetpilotTTFTErrorBudgetBurn":
+        rule["expr"] = rule["expr"].split("\nand on")[0]
+
+
+def _one_objective_for_every_tier(rule: Obj) -> None:
+    """What the alerts did before objectives were per tier: one chart-wide number."""
+    if rule.get("alert") == "FleetpilotTTFTErrorBudgetBurn":
+        rule["expr"] = re.sub(
+            r"> on \([^)]*\) fleetpilot:ttft_objective_seconds", "> 2", rule["expr"]
+        )
+
+
+def _objectives_keep_the_operators_namespace(rule: Obj) -> None:
+    if rule.get("record") == "fleetpilot:ttft_objective_seconds":
+        rule["expr"] = rule["expr"].replace('"exported_namespace"', '"no_such_label"')
+
+
+def _conditions_keep_the_operators_namespace(rule: Obj) -> None:
+    if rule.get("alert") == "FleetpilotServiceDegraded":
+        rule["expr"] = rule["expr"].replace('"exported_namespace"', '"no_such_label"')
+
+
+@pytest.mark.parametrize(
+    ("breakage", "case", "mistake"),
+    [
+        pytest.param(_lose_the_short_window, slo_case, "recovered", id="short-window"),
+        pytest.param(_one_objective_for_every_tier, slo_case, "large", id="chart-wide-slo"),
+        pytest.param(_objectives_keep_the_operators_namespace, slo_case, "chat", id="slo-scrape"),
+        pytest.param(
+            _conditions_keep_the_operators_namespace,
+            conditions_case,
+            "fleetpilot-system",
+            id="condition-scrape",
+        ),
+    ],
+)
+def test_the_unit_tests_catch_a_broken_rule(
+    chart: helm.Chart,
+    tmp_path: Path,
+    breakage: Callable[[Obj], None],
+    case: Callable[[Obj], Obj],
+    mistake: str,
+) -> None:
+    """The same promtool tests fail for rules that lost the short window, that compare every
+    tier with one objective (so a tier with a laxer objective of its own alerts), or that
+    forget the exported_namespace a PodMonitor scrape leaves on the operator's objectives or
+    conditions: the tests can tell."""
     spec = rule_spec(chart)
     broken = json.loads(json.dumps(spec))
     for rule in rules(broken):
-        if rule.get("alert") == "FleetpilotTTFTErrorBudgetBurn":
-            rule["expr"] = rule["expr"].split("\nand\n")[0]
-        if rule.get("alert") == "FleetpilotServiceDegraded":
-            rule["expr"] = rule["expr"].replace('"exported_namespace"', '"no_such_label"')
-    for case, mistake in [(slo_case, "recovered"), (conditions_case, "fleetpilot-system")]:
-        folder = tmp_path / case.__name__
-        folder.mkdir()
-        # Expectations from the correct rules, evaluated on the broken ones.
-        tests = {
-            "rule_files": ["rules.yaml"],
-            "evaluation_interval": "1m",
-            "tests": [case(spec)],
-        }
-        (folder / "rules.yaml").write_text(yaml.safe_dump(broken))
-        (folder / "tests.yaml").write_text(yaml.safe_dump(tests, sort_keys=False))
-        done = subprocess.run(
-            [promtool(), "test", "rules", "tests.yaml"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=folder,
-            check=False,
-        )
-        assert done.returncode != 0
-        assert mistake in done.stdout + done.stderr
+        breakage(rule)
+    assert broken != spec
+    # Expectations from the correct rules, evaluated on the broken ones.
+    tests = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [case(spec)]}
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(broken))
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(tests, sort_keys=False))
+    done = subprocess.run(
+        [promtool(), "test", "rules", "tests.yaml"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert done.returncode != 0
+    assert mistake in done.stdout + done.stderr
+
+
+def _github_anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation but '-' and '_'
+    dropped, spaces as '-' (a repeated heading gets -1, -2, ...)."""
+    anchors: set[str] = set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *$", markdown, re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        candidate, n = slug, 0
+        while candidate in anchors:
+            n += 1
+            candidate = f"{slug}-{n}"
+        anchors.add(candidate)
+    return anchors
+
+
+def test_every_alert_links_to_its_section_of_the_troubleshooting_page(chart: helm.Chart) -> None:
+    """Each alert's runbook_url is the chart's base URL (the repository's
+    docs/troubleshooting.md) and an anchor that page has: a heading of the alert's name."""
+    base = chart.values["prometheusRule"]["runbookBaseURL"]
+    assert base == "https://github.com/fleetpilot/fleetpilot/blob/main/docs/troubleshooting.md"
+    assert base.endswith(TROUBLESHOOTING.relative_to(REPO).as_posix())
+    anchors = _github_anchors(TROUBLESHOOTING.read_text())
+    alerts = [r for r in rules(rule_spec(chart)) if "alert" in r]
+    assert {a["alert"] for a in alerts} == ALERTS
+    for alert in alerts:
+        url, _, anchor = alert["annotations"]["runbook_url"].partition("#")
+        assert url == base, alert["alert"]
+        assert anchor == alert["alert"].lower(), alert["alert"]
+        assert anchor in anchors, f"{alert['alert']}: no heading #{anchor} in {TROUBLESHOOTING}"
+    # The check itself sees a missing section.
+    assert "fleetpilotnosuchalert" not in anchors
+    assert _github_anchors("## A `code` heading: x_y\n## A `code` heading: x_y\n") == {
+        "a-code-heading-x_y",
+        "a-code-heading-x_y-1",
+    }
 
 
 # -- the dashboard ----------------------------------------------------------------------------
