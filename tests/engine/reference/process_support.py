@@ -65,7 +65,7 @@ class ServerProcess:
         )
 
     def messages(self) -> list[str]:
-        """The ``msg`` of every JSON log line so far."""
+        """The ``message`` of every JSON log line so far."""
         return [_message(line) for line in self.log if line.startswith("{")]
 
     def close(self) -> None:
@@ -78,7 +78,7 @@ class ServerProcess:
 
 
 def _message(line: str) -> str:
-    """A JSON log line's ``msg``; any other line (a library's own print) as it is."""
+    """A JSON log line's ``message``; any other line (a library's own print) as it is."""
     try:
         record = json.loads(line)
     except ValueError:
