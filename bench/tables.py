@@ -20,6 +20,7 @@ benchmark is followed by ``python bench/tables.py``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import re
@@ -868,6 +869,11 @@ def _by_trace(
     return sorted(rows, key=lambda row: order.index(row[0])), found
 
 
+def _per_seed(found: list[dict[Any, Results]], row: tuple[str, str], key: str, fmt: str) -> str:
+    """One row's ``key`` in every seed's run, "-" where a run lacks the row."""
+    return " / ".join(format(run[row][key], fmt) if row in run else "-" for run in found)
+
+
 def router_prefix_workloads(docs: list[Results]) -> list[str]:
     """bench/router_prefix_workloads.py, one value per seed (file): per scenario and arm, the
     engines' prefix-hit rate and TTFT."""
@@ -878,14 +884,12 @@ def router_prefix_workloads(docs: list[Results]) -> list[str]:
         "|---|---|---|---|---|---|",
     ]
 
-    def per_seed(row: tuple[str, str], key: str, fmt: str) -> str:
-        return " / ".join(format(run[row][key], fmt) if row in run else "-" for run in found)
-
     for row in rows:
+        cell = functools.partial(_per_seed, found, row)
         lines.append(
-            f"| {row[0]} | {row[1]} | {per_seed(row, 'req_per_s', '.1f')} "
-            f"| {per_seed(row, 'hit_rate', '.3f')} | {per_seed(row, 'ttft_p50_ms', '.0f')} ms "
-            f"| {per_seed(row, 'ttft_p95_ms', '.0f')} ms |"
+            f"| {row[0]} | {row[1]} | {cell('req_per_s', '.1f')} "
+            f"| {cell('hit_rate', '.3f')} | {cell('ttft_p50_ms', '.0f')} ms "
+            f"| {cell('ttft_p95_ms', '.0f')} ms |"
         )
     return lines
 
@@ -901,15 +905,13 @@ def router_pd_local(docs: list[Results]) -> list[str]:
         "|---|---|---|---|---|---|---|---|",
     ]
 
-    def per_seed(row: tuple[str, str], key: str, fmt: str) -> str:
-        return " / ".join(format(run[row][key], fmt) if row in run else "-" for run in found)
-
     for row in rows:
+        cell = functools.partial(_per_seed, found, row)
         lines.append(
-            f"| {row[0]} | {row[1]} | {per_seed(row, 'requests', 'd')} "
-            f"| {per_seed(row, 'local_share', '.0%')} | {per_seed(row, 'decode_kv_pulls', '.0f')} "
-            f"| {per_seed(row, 'ttft_p50_ms', '.0f')} ms "
-            f"| {per_seed(row, 'ttft_p95_ms', '.0f')} ms | {per_seed(row, 'hit_rate', '.3f')} |"
+            f"| {row[0]} | {row[1]} | {cell('requests', 'd')} "
+            f"| {cell('local_share', '.0%')} | {cell('decode_kv_pulls', '.0f')} "
+            f"| {cell('ttft_p50_ms', '.0f')} ms "
+            f"| {cell('ttft_p95_ms', '.0f')} ms | {cell('hit_rate', '.3f')} |"
         )
     return lines
 
