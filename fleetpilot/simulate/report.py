@@ -424,6 +424,11 @@ def plot_figure(
     for ax, metric, _ in panels:
         ax.set_ylabel(f"{metric} (ms)")
         ax.set_yscale("log")
+        # Plain milliseconds on every labelled tick: matplotlib's default writes a log axis
+        # spanning less than a decade as 6x10^0, 2x10^1.
+        plain = ticker.FuncFormatter(lambda v, _pos: f"{v:g}")
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(ticker.NullFormatter())
         ax.legend(loc="upper left", fontsize="small")
     # A tier's roles in the tier's colour (a P/D tier's prefill role thinner).
     tier_color = {t.name: colors[i % len(colors)] for i, t in enumerate(service.spec.tiers)}

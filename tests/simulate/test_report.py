@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -263,6 +264,12 @@ def test_the_plot_shows_slo_lines_ready_replicas_integer_ticks_and_a_title(
     assert len(ticks) >= 2
     assert all(float(t).is_integer() for t in ticks), ticks
     assert fig.get_suptitle() == "chat: mixed, 100 req/s"
+    # The latency axes' labels are plain milliseconds, not 6x10^1 mathtext.
+    fig.canvas.draw()
+    for ax in (ttft, tpot):
+        shown = [t.get_text() for t in ax.get_yticklabels() + ax.get_yticklabels(minor=True)]
+        assert any(shown), shown
+        assert all(re.fullmatch(r"[0-9.]*", text) for text in shown), shown
     plt.close(fig)
 
 
