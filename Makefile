@@ -8,7 +8,7 @@ SRC := fleetpilot
 
 CLUSTER_DIR := .cache/cluster
 
-.PHONY: setup vllm baselines test lint typecheck imports unit controlplane kstatus processnode gateway gie-epp gatewaycrds prometheus actionlint shellcheck locks chart-readme cluster-up cluster-down cluster-demo demo crds clean
+.PHONY: setup vllm baselines test lint typecheck imports unit controlplane kstatus processnode gateway gie-epp gatewaycrds prometheus actionlint shellcheck locks chart-readme cluster-up cluster-down cluster-demo demo crds clean bench bench-quick
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -162,6 +162,14 @@ demo: setup
 	@$(BIN)/fleetpilot plan -f examples/two-tier.yaml -o summary
 	@echo
 	@$(BIN)/python -m fleetpilot.runtime.demo examples/local-two-tier.yaml
+
+# Every benchmark behind a docs table rerun, then the tables re-rendered (bench/run_all.py;
+# docs/development.md). It takes the machine's whole CPU: run it on a quiet one.
+bench: setup
+	$(BIN)/python bench/run_all.py
+
+bench-quick: setup
+	$(BIN)/python bench/run_all.py --quick
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
