@@ -841,7 +841,12 @@ def test_the_unit_tests_catch_a_broken_rule(
         breakage(rule)
     assert broken != spec
     # Expectations from the correct rules, evaluated on the broken ones.
-    tests = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [case(spec)]}
+    tests = {
+        "rule_files": ["rules.yaml"],
+        "evaluation_interval": "1m",
+        "group_eval_order": [group["name"] for group in broken["groups"]],
+        "tests": [case(spec)],
+    }
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump(broken))
     (tmp_path / "tests.yaml").write_text(yaml.safe_dump(tests, sort_keys=False))
     done = subprocess.run(
