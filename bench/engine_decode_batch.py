@@ -10,13 +10,12 @@ Run: .venv/bin/python bench/engine_decode_batch.py
 
 from __future__ import annotations
 
-import json
 import random
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
+from router_support import save
 
 from fleetpilot.engine.reference import (
     EngineConfig,
@@ -26,7 +25,6 @@ from fleetpilot.engine.reference import (
     SamplingParams,
 )
 
-RESULTS = Path(__file__).resolve().parent / "results"
 BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64]
 PROMPT_TOKENS, OUTPUT_TOKENS = 32, 64
 MODEL = ModelConfig(
@@ -81,7 +79,6 @@ def main() -> None:
             f"{r['batch']:>5} {r['step_ms']:>8.2f} {r['tokens_per_s']:>9.0f} "
             f"{r['speedup_vs_batch_1']:>9.1f}x"
         )
-    RESULTS.mkdir(exist_ok=True)
     out = {
         "benchmark": "engine_decode_batch",
         "prompt_tokens": PROMPT_TOKENS,
@@ -89,7 +86,7 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "runs": rows,
     }
-    (RESULTS / "engine_decode_batch.json").write_text(json.dumps(out, indent=2) + "\n")
+    save("engine_decode_batch", out)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,13 @@ Run: .venv/bin/python bench/engine_paged_vs_contiguous.py
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from router_support import save
 
 from fleetpilot.engine.reference import (
     EngineConfig,
@@ -27,7 +26,6 @@ from fleetpilot.engine.reference import (
     SamplingParams,
 )
 
-RESULTS = Path(__file__).resolve().parent / "results"
 MAX_MODEL_LEN = 1024
 BLOCK_SIZE = 16
 # KV for 8 full-length requests: contiguous allocation can never run more than 8 at once.
@@ -110,7 +108,6 @@ def main() -> None:
     ratio = paged["mean_running"] / base["mean_running"]
     speedup = paged["output_tokens_per_s"] / base["output_tokens_per_s"]
     print(f"paged / contiguous: {ratio:.1f}x mean concurrency, {speedup:.1f}x output throughput")
-    RESULTS.mkdir(exist_ok=True)
     out = {
         "benchmark": "engine_paged_vs_contiguous",
         "budget_tokens": BUDGET_TOKENS,
@@ -121,7 +118,7 @@ def main() -> None:
         "concurrency_ratio": ratio,
         "throughput_ratio": speedup,
     }
-    (RESULTS / "engine_paged_vs_contiguous.json").write_text(json.dumps(out, indent=2) + "\n")
+    save("engine_paged_vs_contiguous", out)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,12 @@ Run: .venv/bin/python bench/engine_prefix_cache.py
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
-from pathlib import Path
 from typing import Any
 
 import torch
+from router_support import save
 
 from fleetpilot.engine.reference import (
     EngineConfig,
@@ -27,7 +26,6 @@ from fleetpilot.engine.reference import (
     SamplingParams,
 )
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SHARED, UNIQUE = 1008, 112  # 90% shared
 NUM_REQUESTS = 24
 # A model wide enough that prefill compute, not Python overhead, dominates TTFT.
@@ -99,7 +97,6 @@ def main() -> None:
         )
     speedup = off["ttft_mean_s"] / on["ttft_mean_s"]
     print(f"prefix caching: {speedup:.1f}x lower mean TTFT")
-    RESULTS.mkdir(exist_ok=True)
     out = {
         "benchmark": "engine_prefix_cache",
         "shared_tokens": SHARED,
@@ -109,7 +106,7 @@ def main() -> None:
         "runs": rows,
         "ttft_speedup": speedup,
     }
-    (RESULTS / "engine_prefix_cache.json").write_text(json.dumps(out, indent=2) + "\n")
+    save("engine_prefix_cache", out)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,12 @@ Run: .venv/bin/python bench/engine_speculative.py
 
 from __future__ import annotations
 
-import json
 import random
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
+from router_support import save
 
 from fleetpilot.engine.reference import (
     EngineConfig,
@@ -28,7 +27,6 @@ from fleetpilot.engine.reference import (
     SpeculativeConfig,
 )
 
-RESULTS = Path(__file__).resolve().parent / "results"
 KS = [0, 1, 2, 3, 4, 5, 6, 7, 8]
 NUM_PROMPTS, PROMPT_TOKENS, OUTPUT_TOKENS = 6, 48, 128
 DRAFT_LAYERS = 1
@@ -94,7 +92,6 @@ def main() -> None:
             f"{r['k']:>2} {acc:>7} {r['tokens_per_target_pass']:>8.2f} {r['target_passes']:>6} "
             f"{r['tokens_per_s']:>6.0f} {r['speedup_vs_k0']:>6.2f}x {r['identical_to_k0']}"
         )
-    RESULTS.mkdir(exist_ok=True)
     out = {
         "benchmark": "engine_speculative",
         "draft_layers": DRAFT_LAYERS,
@@ -103,7 +100,7 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "runs": rows,
     }
-    (RESULTS / "engine_speculative.json").write_text(json.dumps(out, indent=2) + "\n")
+    save("engine_speculative", out)
 
 
 if __name__ == "__main__":

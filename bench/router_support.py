@@ -417,9 +417,16 @@ def commit() -> str:
 
 
 def save(name: str, data: dict[str, Any]) -> Path:
-    """Write ``bench/results/<name>.json``, stamped with the UTC date it was measured on
-    (``bench/tables.py`` quotes it beside the commit)."""
-    data = {**data, "date": data.get("date") or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    """Write ``bench/results/<name>.json``, stamped with the commit, the UTC date and the
+    machine it was measured on (``bench/tables.py`` quotes them under each table) unless the
+    benchmark recorded its own (``bench/compare_trees.py`` measures two commits)."""
+    stamp: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": machine(),
+    }
+    if not ("base" in data and "head" in data):
+        stamp["commit"] = commit()
+    data = {**stamp, **data}
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(data, indent=2) + "\n")

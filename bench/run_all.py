@@ -21,6 +21,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -490,7 +491,10 @@ def run(entry: Entry, quick: bool) -> int:
     written = RESULTS / f"{entry.writes}.json" if entry.writes else None
     if written is not None and written.exists():
         kept = written.read_bytes()
+    started = time.monotonic()
     code = subprocess.run(argv, cwd=where, check=False).returncode
+    took = time.monotonic() - started
+    print(f"run_all.py: {entry.results} exit {code} in {took:.0f} s", flush=True)
     if written is not None:
         if code == 0 and written.exists():
             written.replace(RESULTS / f"{entry.results}.json")

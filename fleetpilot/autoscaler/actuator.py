@@ -203,6 +203,19 @@ def no_metrics_source_recorded(obj: Mapping[str, Any]) -> bool:
     )
 
 
+def with_condition(live: Mapping[str, Any], condition: Condition) -> tuple[list[Obj], bool]:
+    """The live object's conditions (wire form) with ``condition`` set, stamped with the
+    object's generation as read, and whether the condition's status flipped (or it is new).
+    Purely computational."""
+    status = live.get("status") or {}
+    old = [Condition.model_validate(c) for c in status.get("conditions") or []]
+    generation = (live.get("metadata") or {}).get("generation")
+    stamped = condition.model_copy(update={"observed_generation": generation})
+    before = next((c for c in old if c.type == condition.type), None)
+    flipped = before is None or before.status != condition.status
+    return [c.to_wire() for c in set_condition(old, stamped)], flipped
+
+
 def _record_of(decision: Decision, now: datetime) -> ScaleRecord:
     reason = decision.reason
     if decision.dry_run:
@@ -345,11 +358,7 @@ class KubernetesActuator:
         (its watch's latest), saving a read. Whether it was written."""
 
         def mutate(current: Obj) -> Obj:
-            status: Obj = current.get("status") or {}
-            old = [Condition.model_validate(c) for c in status.get("conditions") or []]
-            generation = current.get("metadata", {}).get("generation")
-            stamped = condition.model_copy(update={"observed_generation": generation})
-            return {"conditions": [c.to_wire() for c in set_condition(old, stamped)]}
+            return {"conditions": with_condition(current, condition)[0]}
 
         outcome = update_status(
             self.kube,
@@ -390,15 +399,11 @@ class KubernetesActuator:
 
         def mutate(live: Obj) -> Obj:
             nonlocal eventful, flipped
-            status: Obj = live.get("status") or {}
-            old_conditions = [Condition.model_validate(c) for c in status.get("conditions") or []]
-            generation = live.get("metadata", {}).get("generation")
-            stamped = condition.model_copy(update={"observed_generation": generation})
-            tiers, eventful = merge_roles(status.get("tiers") or [], decisions, now)
-            before = next((c for c in old_conditions if c.type == condition.type), None)
-            flipped = before is None or before.status != condition.status
-            conditions = set_condition(old_conditions, stamped)
-            return {"tiers": tiers, "conditions": [c.to_wire() for c in conditions]}
+            tiers, eventful = merge_roles(
+                (live.get("status") or {}).get("tiers") or [], decisions, now
+            )
+            conditions, flipped = with_condition(live, condition)
+            return {"tiers": tiers, "conditions": conditions}
 
         outcome = update_status(
             self.kube,
@@ -447,5 +452,6 @@ __all__ = [
     "no_metrics_source_condition",
     "no_metrics_source_recorded",
     "scaling_active_condition",
+    "with_condition",
     "worth_an_event",
 ]

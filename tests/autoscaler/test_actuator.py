@@ -30,6 +30,7 @@ from fleetpilot.autoscaler.actuator import (
     no_metrics_source_condition,
     no_metrics_source_recorded,
     scaling_active_condition,
+    with_condition,
 )
 from fleetpilot.autoscaler.model import DataProblem, Decision, History, ReasonKind
 from fleetpilot.kube.client import MERGE_CONTENT_TYPE, KubeError, Obj
@@ -535,3 +536,30 @@ def test_no_metrics_source_is_recorded_and_announced_once_per_generation(
     assert written["observedGeneration"] == 8
     assert written["lastTransitionTime"] == NOW.strftime("%Y-%m-%dT%H:%M:%SZ")
     assert [e["reason"] for e in events(api)] == ["NoMetricsSource"] * 2
+
+
+def test_with_condition_stamps_the_live_generation_and_says_when_the_status_flips() -> None:
+    def scaling(status: ConditionStatus, generation: int | None = None) -> Condition:
+        return Condition(
+            type="ScalingActive",
+            status=status,
+            reason="FreshMetrics" if status is ConditionStatus.TRUE else "NoMetricsSource",
+            message="m",
+            last_transition_time=NOW,
+            observed_generation=generation,
+        )
+
+    ready = {"type": "Ready", "status": "True", "reason": "R", "message": "",
+             "lastTransitionTime": "2026-01-01T00:00:00Z"}  # fmt: skip
+    live: Obj = {"metadata": {"generation": 9}, "status": {"conditions": [ready]}}
+    conditions, flipped = with_condition(live, scaling(ConditionStatus.FALSE, generation=3))
+    assert flipped  # a new condition
+    assert [c["type"] for c in conditions] == ["Ready", "ScalingActive"]
+    assert conditions[1]["observedGeneration"] == 9  # the object as read, not the caller's
+    live["status"]["conditions"] = conditions
+    assert not with_condition(live, scaling(ConditionStatus.FALSE))[1]
+    assert with_condition(live, scaling(ConditionStatus.TRUE))[1]
+    assert with_condition({}, scaling(ConditionStatus.TRUE)) == (
+        [scaling(ConditionStatus.TRUE).to_wire()],
+        True,
+    )
