@@ -42,6 +42,22 @@ class Entry:
         return self.quick if quick and self.quick is not None else self.full
 
 
+def shorter(full: tuple[str, ...], **flags: str | None) -> tuple[str, ...]:
+    """The quick variant of a full argument list: each ``name=value`` (``--name value``, dashes
+    for underscores) replaces that flag's value where ``full`` has it and is put in front where
+    it has not; ``name=None`` appends the bare switch (``--quick``)."""
+    args, front, back = list(full), [], []
+    for name, value in flags.items():
+        flag = "--" + name.replace("_", "-")
+        if value is None:
+            back.append(flag)
+        elif flag in args:
+            args[args.index(flag) + 1] = value
+        else:
+            front += [flag, value]
+    return (*front, *args, *back)
+
+
 def _compare(results: str, base: str, bench_results: str, rounds: int, *command: str) -> Entry:
     def args(n: int) -> tuple[str, ...]:
         return (
@@ -98,7 +114,7 @@ _LORA_ARMS = "fleetpilot,scores-only,adapter-hash,round-robin,random"
 def _noisy(name: str, *extra: str) -> Entry:
     """The noisy-neighbour runs with router replicas: headroom 2, no FCFS arm."""
     common = ("--headroom", "2", "--skip-fcfs", *extra, "--save", "--name", name)
-    return Entry(name, "router_noisy_neighbour.py", common, ("--duration", "20", *common))
+    return Entry(name, "router_noisy_neighbour.py", common, shorter(common, duration="20"))
 
 
 # Left out, no command reproduces them: router_frozen_replica_scrape_only,
@@ -111,8 +127,8 @@ CATALOGUE: tuple[Entry, ...] = (
     Entry(
         "autoscale_ramp",
         "autoscale_ramp.py",
-        ("--seeds", "0,1", "--arms", "reactive,predictive", "--save"),
-        ("--seeds", "0", "--arms", "reactive,predictive", "--ramps", "1", "--save"),
+        _RAMP := ("--seeds", "0,1", "--arms", "reactive,predictive", "--save"),
+        shorter(_RAMP, seeds="0", ramps="1"),
     ),
     _compare(
         "compare_router_overhead",
@@ -182,13 +198,13 @@ CATALOGUE: tuple[Entry, ...] = (
     Entry(
         "router_cpu",
         "router_cpu.py",
-        ("--rounds", "2", "--duration", "15", "--arms", *_ROUTER_CPU_ARMS, "--save"),
-        ("--rounds", "1", "--duration", "5", "--arms", *_ROUTER_CPU_ARMS, "--save"),
+        _CPU := ("--rounds", "2", "--duration", "15", "--arms", *_ROUTER_CPU_ARMS, "--save"),
+        shorter(_CPU, rounds="1", duration="5"),
     ),
     Entry(
         "router_cpu_gie",
         "router_cpu.py",
-        (
+        _GIE := (
             "--rounds",
             "2",
             "--duration",
@@ -199,17 +215,7 @@ CATALOGUE: tuple[Entry, ...] = (
             "--name",
             "router_cpu_gie",
         ),
-        (
-            "--rounds",
-            "1",
-            "--duration",
-            "5",
-            "--arms",
-            *_GIE_ARMS,
-            "--save",
-            "--name",
-            "router_cpu_gie",
-        ),
+        shorter(_GIE, rounds="1", duration="5"),
     ),
     _kv_events(
         "router_kv_events_cluster",
@@ -230,8 +236,8 @@ CATALOGUE: tuple[Entry, ...] = (
     Entry(
         "router_noisy_neighbour",
         "router_noisy_neighbour.py",
-        ("--headroom", "0", "2", "4", "--save"),
-        ("--duration", "20", "--headroom", "0", "2", "4", "--save"),
+        _NOISY := ("--headroom", "0", "2", "4", "--save"),
+        shorter(_NOISY, duration="20"),
     ),
     Entry("router_overhead", "router_overhead.py", (), ("--quick",)),
     Entry("router_pd_local", "router_pd_local.py", (), ("--quick",)),
@@ -274,7 +280,7 @@ CATALOGUE: tuple[Entry, ...] = (
     Entry(
         "simulate_speed",
         "simulate_speed.py",
-        (
+        _SPEED := (
             "--sizes",
             "10,100,1000",
             "--requests",
@@ -283,7 +289,7 @@ CATALOGUE: tuple[Entry, ...] = (
             "--profile",
             "--save",
         ),
-        ("--sizes", "10,100", "--requests", "2000", "--candidates-only", "--profile", "--save"),
+        shorter(_SPEED, sizes="10,100", requests="2000"),
     ),
     Entry(
         "simulate_validation", "simulate_validation.py", ("--save",), ("--duration", "20", "--save")
@@ -310,8 +316,8 @@ CATALOGUE: tuple[Entry, ...] = (
     Entry(
         "router_lora",
         "router_lora.py",
-        ("--seeds", "0,1", "--save"),
-        ("--seeds", "0", "--duration", "20", "--save"),
+        _LORA := ("--seeds", "0,1", "--save"),
+        shorter(_LORA, seeds="0", duration="20"),
     ),
     Entry("router_client", "router_client.py", (), None),
     _compare(
@@ -331,7 +337,7 @@ CATALOGUE: tuple[Entry, ...] = (
     Entry(
         "router_cpu_epp",
         "router_cpu.py",
-        (
+        _EPP := (
             "--rounds",
             "2",
             "--duration",
@@ -343,41 +349,20 @@ CATALOGUE: tuple[Entry, ...] = (
             "--name",
             "router_cpu_epp",
         ),
-        (
-            "--rounds",
-            "1",
-            "--duration",
-            "5",
-            "--arms",
-            "fleetpilot",
-            "fleetpilot, EPP",
-            "--save",
-            "--name",
-            "router_cpu_epp",
-        ),
+        shorter(_EPP, rounds="1", duration="5"),
     ),
     Entry("router_kv_index", "router_kv_index.py", ("--save",), ("--rounds", "1", "--save")),
     Entry("router_tenant_limits", "router_tenant_limits.py", ("--save",), None),
     Entry(
         "router_lora_saturated",
         "router_lora.py",
-        ("--rate", "12", "--seeds", "0", "--save", "--name", "router_lora_saturated"),
-        (
-            "--rate",
-            "12",
-            "--seeds",
-            "0",
-            "--duration",
-            "20",
-            "--save",
-            "--name",
-            "router_lora_saturated",
-        ),
+        _SAT := ("--rate", "12", "--seeds", "0", "--save", "--name", "router_lora_saturated"),
+        shorter(_SAT, duration="20"),
     ),
     Entry(
         "router_lora_skew05",
         "router_lora.py",
-        (
+        _SKEW05 := (
             "--skew",
             "0.5",
             "--seeds",
@@ -388,24 +373,12 @@ CATALOGUE: tuple[Entry, ...] = (
             "--name",
             "router_lora_skew05",
         ),
-        (
-            "--skew",
-            "0.5",
-            "--seeds",
-            "2",
-            "--arms",
-            _LORA_ARMS,
-            "--duration",
-            "20",
-            "--save",
-            "--name",
-            "router_lora_skew05",
-        ),
+        shorter(_SKEW05, duration="20"),
     ),
     Entry(
         "router_lora_skew15",
         "router_lora.py",
-        (
+        _SKEW15 := (
             "--skew",
             "1.5",
             "--seeds",
@@ -416,19 +389,7 @@ CATALOGUE: tuple[Entry, ...] = (
             "--name",
             "router_lora_skew15",
         ),
-        (
-            "--skew",
-            "1.5",
-            "--seeds",
-            "3",
-            "--arms",
-            _LORA_ARMS,
-            "--duration",
-            "20",
-            "--save",
-            "--name",
-            "router_lora_skew15",
-        ),
+        shorter(_SKEW15, duration="20"),
     ),
     _noisy("router_noisy_neighbour_routers", "--routers", "1", "2"),
     _noisy("router_noisy_neighbour_routers_seed_1", "--routers", "1", "2", "--seed", "1"),
@@ -440,7 +401,7 @@ CATALOGUE: tuple[Entry, ...] = (
     Entry(
         "router_noisy_neighbour_weight_b_3",
         "router_noisy_neighbour.py",
-        (
+        _WEIGHT := (
             "--headroom",
             "2",
             "4",
@@ -451,19 +412,7 @@ CATALOGUE: tuple[Entry, ...] = (
             "--name",
             "router_noisy_neighbour_weight_b_3",
         ),
-        (
-            "--duration",
-            "20",
-            "--headroom",
-            "2",
-            "4",
-            "--skip-fcfs",
-            "--weight-b",
-            "3",
-            "--save",
-            "--name",
-            "router_noisy_neighbour_weight_b_3",
-        ),
+        shorter(_WEIGHT, duration="20"),
     ),
     Entry("file_guards", "file_guards.py", (), ("--quick",)),
     Entry("up_frozen_router", "up_frozen_router.py", ("--save",), ("--quick", "--save")),

@@ -299,17 +299,23 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_s3_fetch_without_the_extra_names_the_extra(tmp_path: Path) -> None:
-    """Without boto3 the rest of the command line works, and `model fetch s3` fails in one line
-    naming the extra that brings it (no traceback)."""
-    argv = ["model", "fetch", "s3", "--bucket", "models", "--dest", str(tmp_path / "m")]
-    done = subprocess.run(
+def _without_boto3(*argv: str) -> subprocess.CompletedProcess[str]:
+    """`fleetpilot ARGV` in a fresh interpreter where importing boto3 fails."""
+    return subprocess.run(
         [sys.executable, "-c", BLOCK_BOTO3, *argv],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
         cwd=REPO,
+    )
+
+
+def test_s3_fetch_without_the_extra_names_the_extra(tmp_path: Path) -> None:
+    """Without boto3 the rest of the command line works, and `model fetch s3` fails in one line
+    naming the extra that brings it (no traceback)."""
+    done = _without_boto3(
+        "model", "fetch", "s3", "--bucket", "models", "--dest", str(tmp_path / "m")
     )
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
@@ -318,14 +324,7 @@ def test_s3_fetch_without_the_extra_names_the_extra(tmp_path: Path) -> None:
     assert extra, line
     assert "boto3" in EXTRAS[extra.group(1)]
     assert not (tmp_path / "m").exists()
-    helped = subprocess.run(
-        [sys.executable, "-c", BLOCK_BOTO3, "model", "fetch", "s3", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        cwd=REPO,
-    )
+    helped = _without_boto3("model", "fetch", "s3", "--help")
     assert helped.returncode == 0, helped.stderr
 
 

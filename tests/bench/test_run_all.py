@@ -147,3 +147,12 @@ def test_free_text_names_are_the_scripts_own() -> None:
                 assert set(arms.split(",")) <= offered, entry
         if script == "kv_offload.py" and _option(args, "--arms"):
             assert set(str(_option(args, "--arms")).split(";")) <= set(kv_offload.ARMS), entry
+
+
+def test_shorter_replaces_values_in_place_and_adds_what_is_missing() -> None:
+    full = ("--rounds", "3", "--arms", "a", "b", "--save")
+    assert run_all.shorter(full, rounds="1", duration="20", quick=None) == (
+        "--duration", "20", "--rounds", "1", "--arms", "a", "b", "--save", "--quick",
+    )  # fmt: skip
+    assert full == ("--rounds", "3", "--arms", "a", "b", "--save")  # the full list untouched
+    assert run_all.shorter(full, prefix_duration="1m")[:2] == ("--prefix-duration", "1m")
