@@ -232,6 +232,12 @@ CATALOGUE: tuple[Entry, ...] = (
     _kv_events("router_kv_events_rounds", "low,high,shared,evicting", _KV_ROUNDS_ARMS),
     _kv_events("router_kv_events_shared_long", "shared-long-4,shared-long-8", _KV_ALL),
     _kv_events("router_kv_events_shared_turns", "shared", "events x1,vllm-router-kv x1"),
+    Entry(
+        "router_features",
+        "router_features.py",
+        ("--save",),
+        ("--requests", "60", "--repeats", "3", "--save"),
+    ),
     Entry("router_loop_stall", "router_loop_stall.py", (), ("--rounds", "1")),
     Entry(
         "router_noisy_neighbour",
@@ -299,6 +305,9 @@ CATALOGUE: tuple[Entry, ...] = (
         "simulate_whatifs.py",
         ("--save",),
         ("--duration", "5m", "--prefix-duration", "1m", "--step-duration", "5m", "--save"),
+    ),
+    Entry(
+        "cluster_demo", "cluster_demo.py", ("--rounds", "3", "--save"), ("--rounds", "1", "--save")
     ),
     Entry("whole_loop", "whole_loop.py", ("--rounds", "3", "--save"), ("--rounds", "1", "--save")),
     # Results files no table reads (quoted in the prose).

@@ -611,6 +611,22 @@ def router_tokenize(doc: Results) -> list[str]:
     return lines
 
 
+def router_features(doc: Results) -> list[str]:
+    """bench/router_features.py: the code / maths / reasoning markers of a request, the regexes
+    as they were vs behind the literal prefilter, per workload (microseconds a request)."""
+    lines = [
+        "| workload | prompts | characters, p50 | flagged | before, p50 | after, p50 | speedup |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["rows"]:
+        lines.append(
+            f"| {r['workload']} | {r['requests']} | {r['chars_p50']:,} | {r['flagged']} "
+            f"| {r['before_p50_us']:,.1f} us | {r['after_p50_us']:,.1f} us "
+            f"| {r['speedup_p50']:.1f}x |"
+        )
+    return lines
+
+
 def router_loop_stall(doc: Results) -> list[str]:
     """bench/router_loop_stall.py: the router's event loop while long prompts arrive beside
     relayed streams, parsed and tokenized on the loop or in worker threads, per round."""
@@ -662,6 +678,34 @@ def _span(values: list[float], unit: str = "") -> str:
     low, high = min(values), max(values)
     text = f"{low:,g}" if low == high else f"{low:,g}-{high:,g}"
     return f"{text}{unit}"
+
+
+def cluster_demo(doc: Results) -> list[str]:
+    """bench/cluster_demo.py: what `make cluster-demo` printed, over its rounds (min-max)."""
+    rounds = doc["rounds"]
+
+    def span(key: str) -> str:
+        return _span([r[key] for r in rounds], " s")
+
+    lines = [f"| step | figure ({len(rounds)} rounds) |", "|---|---|"]
+    for chat in rounds[0]["chats"]:
+        label = chat["label"]
+        same = [c for r in rounds for c in r["chats"] if c["label"] == label]
+        routes = sorted({c["route"] for c in same})
+        cached = _span([c["cached_tokens"] for c in same])
+        prompt = _span([c["prompt_tokens"] for c in same])
+        lines.append(
+            f"| chat: {label} | served by `{'`, `'.join(routes)}`; {prompt} prompt tokens, "
+            f"{cached} from the prefix cache |"
+        )
+    lines += [
+        f"| `kubectl apply` to the service's `Ready` condition | {span('apply_to_ready_s')} |",
+        f"| `kubectl scale` to 2 small engines: the new pod Ready | {span('scale_ready_s')} |",
+        f"| ... and serving its first chat | {span('scale_serving_s')} |",
+        f"| the demo, start to end (binaries built) | {span('demo_s')} |",
+        f"| processes left behind | {_span([r['leftover_processes'] for r in rounds])} |",
+    ]
+    return lines
 
 
 def whole_loop(doc: Results) -> list[str]:
@@ -934,8 +978,10 @@ RENDERERS: dict[str, Renderer] = {
     "compare_trees": compare_trees,
     "router_kv_events": router_kv_events,
     "router_tokenize": router_tokenize,
+    "router_features": router_features,
     "router_loop_stall": router_loop_stall,
     "router_complexity": router_complexity,
+    "cluster_demo": cluster_demo,
     "whole_loop": whole_loop,
     "whatif_complexity": whatif_complexity,
     "whatif_prefix": whatif_prefix,
