@@ -112,10 +112,19 @@ shellcheck:
 # where they still fit, `make locks UPGRADE=--upgrade` moves them all to the newest.
 # reference.txt leaves out torch (the image takes the CPU build of the engine extra's pin from
 # PyTorch's index) and, through torch-cuda.txt, the CUDA stack PyPI's Linux torch requires.
+# vllm.txt is for the vllm/vllm-openai base, which brings its own Python and packages:
+# vllm-image.txt is what that image holds (the vllm extra's release and the additions
+# vllm-image.in lists, resolved alone, unhashed: nothing installs from it); vllm.txt resolves
+# the base dependencies together with it, held to its versions (-c), and emits only the
+# packages it lacks, so installing the lock adds to vLLM's environment and replaces nothing.
 LOCKS := engine_image/requirements
-UV_COMPILE = $(BIN)/uv pip compile --quiet --system-certs --generate-hashes --only-binary :all: \
-	--python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+UV_PIP_COMPILE = $(BIN)/uv pip compile --quiet --system-certs --only-binary :all: \
 	--custom-compile-command 'make locks' $(UPGRADE)
+UV_COMPILE = $(UV_PIP_COMPILE) --generate-hashes \
+	--python-version 3.11 --python-platform x86_64-manylinux_2_28
+# vLLM's docker/Dockerfile builds its image on Python 3.12 (PYTHON_VERSION) over Ubuntu 22.04
+# (glibc 2.35); Dockerfile.vllm fails on another Python.
+VLLM_TARGET = --python-version 3.12 --python-platform x86_64-manylinux_2_35
 
 locks: setup
 	$(BIN)/python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['build-system']['requires'], sep='\n')" \
@@ -123,6 +132,12 @@ locks: setup
 	$(UV_COMPILE) pyproject.toml --extra s3 -o $(LOCKS)/operator.txt
 	$(UV_COMPILE) pyproject.toml --extra engine --no-emit-package torch \
 		--excludes $(LOCKS)/torch-cuda.txt -o $(LOCKS)/reference.txt
+	{ echo '$(VLLM_REQUIREMENT)'; cat $(LOCKS)/vllm-image.in; } \
+		| $(UV_PIP_COMPILE) $(VLLM_TARGET) --no-annotate - -o $(LOCKS)/vllm-image.txt
+	$(UV_PIP_COMPILE) $(VLLM_TARGET) --generate-hashes pyproject.toml --extra vllm \
+		$(LOCKS)/vllm-image.in -c $(LOCKS)/vllm-image.txt \
+		$$(sed -n 's/^\([A-Za-z0-9._-]*\)==.*/--no-emit-package \1/p' $(LOCKS)/vllm-image.txt) \
+		-o $(LOCKS)/vllm.txt
 
 prometheus:
 	@command -v prometheus >/dev/null || { \
