@@ -307,8 +307,12 @@ def autoscale(context: OperatorContext, body: Mapping[str, Any]) -> None:
 def report_no_metrics_source(context: OperatorContext, body: Mapping[str, Any]) -> None:
     """ScalingActive False (NoMetricsSource) and a Warning Event on a service whose
     autoscaled tiers have no Prometheus to read: once per generation. A tick that finds the
-    condition there for the service's generation (its watch's latest body) sends nothing."""
+    condition there for the service's generation (its watch's latest body), or that this
+    process wrote it for that generation, sends nothing."""
+    if context.ticker.reported_for(body):
+        return
     if no_metrics_source_recorded(body):
+        context.ticker.reported(body)
         return
     service = _parsed(body)
     if service is None:
@@ -318,6 +322,7 @@ def report_no_metrics_source(context: OperatorContext, body: Mapping[str, Any]) 
         context.actuator.record_no_source(
             service, condition, condition.last_transition_time, dict(body)
         )
+    context.ticker.reported(body)  # written, or found there by the write's fresh read
 
 
 def reconcile(context: OperatorContext, body: kopf.Body, retry: int, reason: str) -> None:

@@ -76,3 +76,18 @@ def test_run_ticks_every_interval_until_cancelled() -> None:
         return seen
 
     assert asyncio.run(asyncio.wait_for(main(), timeout=30)) == 3
+
+
+def test_a_report_holds_for_its_generation_and_is_forgotten_with_the_service() -> None:
+    ticker = ServiceTicker(lambda body: None, every_s=60)
+    first = _body("a", generation=1)
+    ticker.observe("ADDED", first)
+    assert not ticker.reported_for(first)
+    ticker.reported(first)
+    assert ticker.reported_for(first)
+    assert ticker.reported_for(_body("a", generation=1, resourceVersion="9"))  # a later body
+    assert not ticker.reported_for(_body("a", generation=2))  # a new spec: report again
+    assert not ticker.reported_for(_body("a", namespace="other", generation=1))
+    ticker.observe("DELETED", first)
+    assert not ticker.reported_for(first)  # a service made again under the name is new
+    ticker.close()
