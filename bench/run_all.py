@@ -17,6 +17,7 @@ name): the runner moves it into place and puts back what the script overwrote.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import subprocess
@@ -458,7 +459,23 @@ def run(entry: Entry, quick: bool) -> int:
             written.replace(RESULTS / f"{entry.results}.json")
         if kept is not None:
             written.write_bytes(kept)
+    if code == 0:
+        stamp(entry, quick)
     return code
+
+
+def stamp(entry: Entry, quick: bool) -> None:
+    """Record in the entry's results file how it was run (``run_all``: the mode and the
+    command), so a table read from a ``--quick`` run says so under it (``bench/tables.py``)."""
+    path = RESULTS / f"{entry.results}.json"
+    if not path.exists():
+        return
+    data = json.loads(path.read_text())
+    data["run_all"] = {
+        "mode": "quick" if quick and entry.quick is not None else "full",
+        "command": shlex.join(["python", f"bench/{entry.script}", *entry.args(quick)]),
+    }
+    path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def select(only: list[str] | None) -> list[Entry]:

@@ -71,6 +71,8 @@ def caption(doc: Results, source: str) -> str:
         parts.append(f"{machine['cpu']} x {machine.get('cpus', '?')}")
     elif machine.get("cpus"):
         parts.append(f"{machine['cpus']} CPUs")
+    if (doc.get("run_all") or {}).get("mode") == "quick":
+        parts.append("a quick run (`make bench-quick`: fewer rounds, shorter runs)")
     return "Source: " + ", ".join(parts) + "."
 
 

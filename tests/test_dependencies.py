@@ -141,12 +141,19 @@ def _third_party(module: str) -> bool:
 
 
 @cache
+def _top_level_providers() -> dict[str, list[str]]:
+    """importlib's map of top-level names to distributions: it reads every installed
+    distribution's file list, so once for the module, not once per import."""
+    return dict(importlib.metadata.packages_distributions())
+
+
+@cache
 def _distribution(module: str) -> str | None:
     """The installed distribution that provides ``module`` (canonical name), None if none does.
     A top-level name several distributions share (a namespace package such as ``google``) is
     told apart by which one's files hold the module."""
     top = module.split(".")[0]
-    candidates = sorted(set(importlib.metadata.packages_distributions().get(top, [])))
+    candidates = sorted(set(_top_level_providers().get(top, [])))
     if len(candidates) == 1:
         return canonicalize_name(candidates[0])
     if not candidates:

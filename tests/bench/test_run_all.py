@@ -7,6 +7,7 @@ Nothing here runs a benchmark: each script's arguments are checked by running it
 from __future__ import annotations
 
 import argparse
+import json
 import runpy
 import subprocess
 import sys
@@ -156,3 +157,20 @@ def test_shorter_replaces_values_in_place_and_adds_what_is_missing() -> None:
     )  # fmt: skip
     assert full == ("--rounds", "3", "--arms", "a", "b", "--save")  # the full list untouched
     assert run_all.shorter(full, prefix_duration="1m")[:2] == ("--prefix-duration", "1m")
+
+
+def test_a_run_records_its_mode_and_command_in_the_results_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(run_all, "RESULTS", tmp_path)
+    entry = run_all.Entry("x", "x.py", ("--rounds", "3"), ("--rounds", "1"))
+    (tmp_path / "x.json").write_text('{"rows": [1]}')
+    run_all.stamp(entry, quick=True)
+    assert json.loads((tmp_path / "x.json").read_text()) == {
+        "rows": [1],
+        "run_all": {"mode": "quick", "command": "python bench/x.py --rounds 1"},
+    }
+    run_all.stamp(run_all.Entry("x", "x.py", (), None), quick=True)  # no shorter way: full
+    assert json.loads((tmp_path / "x.json").read_text())["run_all"]["mode"] == "full"
+    run_all.stamp(run_all.Entry("missing", "m.py", (), None), quick=False)  # nothing written
+    assert not (tmp_path / "missing.json").exists()

@@ -60,6 +60,15 @@ def test_caption_names_date_and_machine_when_recorded() -> None:
     )
 
 
+def test_caption_says_when_the_numbers_are_from_a_quick_run() -> None:
+    doc = {"commit": "0123456789abcdef", "run_all": {"mode": "quick", "command": "x"}}
+    assert tables.caption(doc, "x.json").endswith(
+        "commit 0123456, a quick run (`make bench-quick`: fewer rounds, shorter runs)."
+    )
+    doc["run_all"]["mode"] = "full"
+    assert tables.caption(doc, "x.json") == "Source: `x.json`, commit 0123456."
+
+
 def test_an_unknown_renderer_is_named() -> None:
     with pytest.raises(KeyError, match="no renderer 'nope'"):
         tables.render("nope", "bench/results/kv_offload.json")
