@@ -304,8 +304,19 @@ CATALOGUE: tuple[Entry, ...] = (
     Entry(
         "simulate_whatifs",
         "simulate_whatifs.py",
-        ("--save",),
-        ("--duration", "5m", "--prefix-duration", "1m", "--step-duration", "5m", "--save"),
+        ("complexity", "prefix", "hot-tenants", "step", "candidates", "step-500", "--save"),
+        # The four default what-ifs, shorter; the step comes at 60 s so a 5-minute run sees it.
+        (
+            "--duration",
+            "5m",
+            "--prefix-duration",
+            "1m",
+            "--step-duration",
+            "5m",
+            "--step-at",
+            "60",
+            "--save",
+        ),
     ),
     Entry(
         "cluster_demo", "cluster_demo.py", ("--rounds", "3", "--save"), ("--rounds", "1", "--save")

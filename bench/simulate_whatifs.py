@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from router_support import machine, save
+from router_support import commit, machine, save
 
 from fleetpilot.api import load_services
 from fleetpilot.loadgen.runner import Schedule
@@ -301,9 +301,18 @@ def step(args: argparse.Namespace) -> dict[str, Any]:
     return summary(doc) | {"replicas": doc["replicas"], "decisions": doc["decisions"]}
 
 
+# The step what-if at a tenth of the scale's ceiling and ten times its load, kept beside it.
+STEP_500 = {"step_max": 500, "step_from": 160.0, "step_start": 16}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("which", nargs="*", default=["complexity", "prefix", "hot-tenants", "step"])
+    parser.add_argument(
+        "which",
+        nargs="*",
+        help="what-ifs to run: complexity, prefix, hot-tenants, step (these four by default), "
+        "candidates, step-500",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rate", type=float, default=100.0)
     parser.add_argument("--duration", default="30m")
@@ -322,18 +331,28 @@ def main() -> None:
     parser.add_argument("--step-tokens", type=int, default=256)
     parser.add_argument("--save", action="store_true")
     args = parser.parse_args()
-    results = {
-        # A step to another ceiling is kept beside the default one's.
-        (f"step-{args.step_max}" if name == "step" and args.step_max != 64 else name): globals()[
-            name.replace("-", "_")
-        ](args)
-        for name in args.which
-    }
+    known = ("complexity", "prefix", "hot-tenants", "step", "candidates", "step-500")
+    args.which = args.which or list(known[:4])
+    unknown = [name for name in args.which if name not in known]
+    if unknown:
+        parser.error(f"no what-if {', '.join(unknown)} (known: {', '.join(known)})")
+    results: dict[str, Any] = {}
+    for name in args.which:
+        if name == "step-500":
+            results[name] = step(argparse.Namespace(**{**vars(args), **STEP_500}))
+        else:
+            # A step to another ceiling is kept beside the default one's.
+            key = f"step-{args.step_max}" if name == "step" and args.step_max != 64 else name
+            results[key] = globals()[name.replace("-", "_")](args)
     if args.save:
-        # The what-ifs run apart (each is minutes): a run updates its own, keeps the others.
+        # The what-ifs run apart (each is minutes): a run updates its own, keeps the others,
+        # and says which commit and day each was measured on (bench/tables.py captions each
+        # what-if's table with its own).
         path = ROOT / "bench/results/simulate_whatifs.json"
         doc = json.loads(path.read_text()) if path.is_file() else {}
-        doc.update({"machine": machine(), "args": vars(args), **results})
+        stamp = {"commit": commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        measured = {**doc.get("measured", {}), **dict.fromkeys(results, stamp)}
+        doc.update({"machine": machine(), "args": vars(args), **results, "measured": measured})
         print(f"saved {save('simulate_whatifs', doc)}")
 
 

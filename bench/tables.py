@@ -1000,6 +1000,26 @@ MULTI_RENDERERS: dict[str, MultiRenderer] = {
 }
 
 
+# Renderers of one part of a results file that updates its parts apart (simulate_whatifs.py):
+# captioned with the commit and date that part was measured on.
+PART_OF = {
+    "whatif_complexity": "complexity",
+    "whatif_prefix": "prefix",
+    "whatif_candidates": "candidates",
+    "whatif_hot_tenants": "hot-tenants",
+}
+
+
+def part_view(doc: Results, part: str) -> Results:
+    """What a caption says of one part: its own commit and date (none recorded: none), the
+    file's machine, and the file's run mode only when the part is from that run."""
+    measured = (doc.get("measured") or {}).get(part) or {}
+    view: Results = {"machine": doc.get("machine"), **measured}
+    if measured and measured.get("commit") == doc.get("commit"):
+        view["run_all"] = doc.get("run_all")
+    return view
+
+
 def render(renderer: str, source: str) -> str:
     """The Markdown between a block's markers: a caption for each results file, the table."""
     sources = source.split(",")
@@ -1011,7 +1031,8 @@ def render(renderer: str, source: str) -> str:
         if len(sources) != 1:
             raise ValueError(f"renderer {renderer!r} reads one results file, not {source!r}")
         doc = json.loads((ROOT / source).read_text())
-        lines = [caption(doc, source), "", *RENDERERS[renderer](doc)]
+        shown = part_view(doc, PART_OF[renderer]) if renderer in PART_OF else doc
+        lines = [caption(shown, source), "", *RENDERERS[renderer](doc)]
     else:
         known = ", ".join(sorted([*RENDERERS, *MULTI_RENDERERS]))
         raise KeyError(f"no renderer {renderer!r} (known: {known})")

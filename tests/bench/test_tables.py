@@ -69,6 +69,26 @@ def test_caption_says_when_the_numbers_are_from_a_quick_run() -> None:
     assert tables.caption(doc, "x.json") == "Source: `x.json`, commit 0123456."
 
 
+def test_a_what_if_is_captioned_with_the_commit_it_was_measured_on() -> None:
+    doc = {
+        "commit": "bbbbbbbbbb",
+        "run_all": {"mode": "quick"},
+        "machine": {"cpus": 2},
+        "measured": {"prefix": {"commit": "bbbbbbbbbb", "date": "2026-12-07"},
+                     "candidates": {"commit": "aaaaaaaaaa", "date": "2026-12-04"}},
+    }  # fmt: skip
+    assert tables.caption(tables.part_view(doc, "prefix"), "w.json") == (
+        "Source: `w.json`, commit bbbbbbb, 2026-12-07, 2 CPUs, a quick run "
+        "(`make bench-quick`: fewer rounds, shorter runs)."
+    )
+    assert tables.caption(tables.part_view(doc, "candidates"), "w.json") == (
+        "Source: `w.json`, commit aaaaaaa, 2026-12-04, 2 CPUs."
+    )
+    assert tables.caption(tables.part_view(doc, "hot-tenants"), "w.json") == (
+        "Source: `w.json`, commit not recorded, 2 CPUs."  # a part from before parts were dated
+    )
+
+
 def test_an_unknown_renderer_is_named() -> None:
     with pytest.raises(KeyError, match="no renderer 'nope'"):
         tables.render("nope", "bench/results/kv_offload.json")
