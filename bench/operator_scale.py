@@ -77,21 +77,26 @@ SAMPLE = re.compile(r"^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<value>\S
 LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
+# The tier's autoscaling mode (--autoscaling): None leaves the default (autoscaled).
+AUTOSCALING_MODE: str | None = None
+
+
 def service(index: int) -> dict[str, Any]:
+    tier: dict[str, Any] = {
+        "name": "small",
+        "model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
+        "resources": {"gpuProduct": "NVIDIA-H100-80GB-HBM3"},
+        "serving": {"replicas": {"min": 1, "max": 4}},
+    }
+    if AUTOSCALING_MODE is not None:
+        tier["autoscaling"] = {"mode": AUTOSCALING_MODE}
     return {
         "apiVersion": "fleetpilot.dev/v1alpha1",
         "kind": "InferenceService",
         "metadata": {"name": f"svc-{index:04d}", "namespace": NAMESPACE},
         "spec": {
             "routing": {"replicas": 1},
-            "tiers": [
-                {
-                    "name": "small",
-                    "model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
-                    "resources": {"gpuProduct": "NVIDIA-H100-80GB-HBM3"},
-                    "serving": {"replicas": {"min": 1, "max": 4}},
-                }
-            ],
+            "tiers": [tier],
         },
     }
 
@@ -362,6 +367,11 @@ def main() -> None:
         "--no-resync", action="store_true", help="measure the settle only, not the restart"
     )
     parser.add_argument(
+        "--autoscaling",
+        choices=["auto", "recommend", "disabled", "external"],
+        help="the services' autoscaling.mode (default: the API's default, autoscaled)",
+    )
+    parser.add_argument(
         "--save",
         action="store_true",
         help="record the runs in bench/results/operator_scale.json, in place of the runs "
@@ -376,6 +386,8 @@ def main() -> None:
         help="keep each run's operator log (and control plane files) under this folder",
     )
     args = parser.parse_args()
+    global AUTOSCALING_MODE
+    AUTOSCALING_MODE = args.autoscaling
     results = []
     for count in args.services:
         for arm in args.arms:
