@@ -122,7 +122,8 @@ def _noisy(name: str, *extra: str) -> Entry:
 # router_frozen_replica_uvloop and router_overhead_proxy_split_2 measured variants of the code
 # (kept for the comparison in the prose), simulate_profile_reference is a profile written by
 # `fleetpilot simulate calibrate`, simulate_two_tier_hour by `fleetpilot simulate` (its command is
-# in the file and in docs/simulator.md).
+# in the file and in docs/simulator.md), operator_scale_before_no_source_fix is operator_scale on
+# the commit before the NoMetricsSource fix (quoted in the CHANGELOG).
 CATALOGUE: tuple[Entry, ...] = (
     # The docs' tables.
     Entry(
