@@ -421,6 +421,12 @@ def save(runs: list[dict[str, Any]], machine: dict[str, Any], commit: str) -> No
     kept = [r for r in report["runs"] if (r["arm"], r["services"]) not in measured]
     order = {(r["arm"], r["services"]): i for i, r in enumerate(report["runs"])}
     merged = sorted(kept + stamped, key=lambda r: order.get((r["arm"], r["services"]), len(order)))
+    # The file's commit (what bench/tables.py captions) only when every run shares it; else
+    # the table's "measured on" column says each row's.
+    commits = {r.get("commit") for r in merged}
+    report.pop("commit", None)
+    if len(commits) == 1 and None not in commits:
+        report["commit"] = commits.pop()
     RESULTS.mkdir(exist_ok=True)
     path.write_text(json.dumps({**report, "runs": merged}, indent=2) + "\n")
 
