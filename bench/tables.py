@@ -689,7 +689,8 @@ def cluster_demo(doc: Results) -> list[str]:
     def span(key: str) -> str:
         return _span([r[key] for r in rounds], " s")
 
-    lines = [f"| step | figure ({len(rounds)} rounds) |", "|---|---|"]
+    count = f"{len(rounds)} round" + ("s" if len(rounds) != 1 else "")
+    lines = [f"| step | figure ({count}) |", "|---|---|"]
     for chat in rounds[0]["chats"]:
         label = chat["label"]
         same = [c for r in rounds for c in r["chats"] if c["label"] == label]

@@ -38,7 +38,7 @@ def test_a_changed_number_is_caught_and_rewritten(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     source = tmp_path / "r.json"
-    doc = json.loads((tables.ROOT / "bench/results/kv_offload_hot_tenant.json").read_text())
+    doc = json.loads((FROZEN / "bench/results/kv_offload_hot_tenant.json").read_text())
     source.write_text(json.dumps(doc))
     monkeypatch.setattr(tables, "ROOT", tmp_path)
     page = tmp_path / "page.md"
@@ -110,7 +110,7 @@ def test_a_table_from_several_files_names_each_and_catches_a_change_in_any(
 ) -> None:
     names = ["engine_prefix_cache", "engine_decode_batch"]
     for name in names:
-        doc = json.loads((tables.ROOT / f"bench/results/{name}.json").read_text())
+        doc = json.loads((FROZEN / f"bench/results/{name}.json").read_text())
         (tmp_path / f"{name}.json").write_text(json.dumps(doc))
     monkeypatch.setattr(tables, "ROOT", tmp_path)
     page = tmp_path / "page.md"
