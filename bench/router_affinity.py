@@ -1,7 +1,7 @@
 """Prefix-cache affinity: four reference-engine replicas behind the router, a multi-tenant
 chat workload, five replica-choice policies compared in one run.
 
-Workload: 12 tenants, each with its own ~1 kB system prompt; 4 users per tenant, each holding a
+Workload: 12 tenants, each with its own ~1 kB system prompt; 6 users per tenant, each holding a
 3-turn conversation (every turn resends the whole history, as chat clients do). 8 conversations
 run at once, interleaved across tenants in a seeded order. Each replica's KV cache (512 blocks of
 16 byte-tokens) holds about three tenants' prompts plus the running requests, so the 12 tenants

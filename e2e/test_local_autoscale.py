@@ -37,7 +37,9 @@ SERVICE = yaml.safe_dump(
     )
 )
 SCALE_DOWN_WINDOW_S = 5.0
-LOAD_S = 15.0
+# The load runs at least this long (the scale-up usually comes within a few seconds of it).
+LOAD_S = 8.0
+SCALE_UP_WAIT_S = 35.0  # a busy machine's engine start included
 CONCURRENCY = 8
 # A long-ish prompt makes prefill, hence TTFT, cost something even for the tiny model.
 PROMPT = "Summarize the following text in one sentence. " + "The quick brown fox jumps. " * 12
@@ -90,7 +92,7 @@ def test_load_scales_up_on_ttft_and_a_lull_scales_down_after_the_window(
                 step_until(
                     stack,
                     lambda: len(fleet.role_replicas("small", "unified")) == 2,
-                    LOAD_S + 20,
+                    SCALE_UP_WAIT_S,
                     "a scale-up",
                 )
                 # The scale is recorded right after it is applied: wait for the record too.

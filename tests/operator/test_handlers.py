@@ -17,6 +17,7 @@ from fleetpilot.autoscaler.prometheus import PrometheusSources
 from fleetpilot.kube import names
 from fleetpilot.kube.client import Kube, Obj
 from fleetpilot.operator import handlers
+from fleetpilot.operator.autoscaling import ServiceTicker
 from fleetpilot.operator.children import (
     DEPLOYMENTS_INDEX,
     LEADER_WORKER_SETS_INDEX,
@@ -185,6 +186,7 @@ def _autoscaling_context(kube: Kube, prometheus_url: str | None = None) -> Opera
         "prometheus": PrometheusSources(prometheus_url),
         "actuator": KubernetesActuator(kube, metrics=AutoscalerMetrics(CollectorRegistry())),
         "clock": lambda: NOW,
+        "ticker": ServiceTicker(lambda body: None, every_s=60),
     }
     return OperatorContext(**{f.name: None for f in fields(OperatorContext)} | touched)
 

@@ -8,7 +8,6 @@ import asyncio
 import socket
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -18,7 +17,6 @@ from kubernetes import client as k8s
 from fleetpilot.api.router_config import RouterTier
 from fleetpilot.routing.discovery import KubernetesSource, KubeSliceClient
 from fleetpilot.testing.controlplane import ControlPlane
-from fleetpilot.testing.errors import ControlPlaneError
 from tests.routing.support import FakeEngine, engines, group, make_config, running_router
 
 pytestmark = pytest.mark.cluster
@@ -35,18 +33,11 @@ def host_ip() -> str | None:
     return None if ip.startswith("127.") else ip
 
 
-@pytest.fixture(scope="module")
-def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[k8s.ApiClient]:
-    plane = ControlPlane(Path(tmp_path_factory.mktemp("routing-cp")), build=False)
-    try:
-        plane.start()
-    except ControlPlaneError as exc:
-        pytest.skip(f"no control plane: {exc}")
-    try:
-        with plane.api_client() as client:
-            yield client
-    finally:
-        plane.stop()
+@pytest.fixture
+def api(api_plane: ControlPlane) -> Iterator[k8s.ApiClient]:
+    """A client of the session's real API server (tests/conftest.py)."""
+    with api_plane.api_client() as client:
+        yield client
 
 
 def endpoint_slice(service: str, address: str, port: int, ready: bool) -> dict[str, Any]:
