@@ -416,12 +416,17 @@ def commit() -> str:
     return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
+def measured_at() -> str:
+    """Now, as results files record the day and time they were measured (UTC)."""
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+
+
 def save(name: str, data: dict[str, Any]) -> Path:
     """Write ``bench/results/<name>.json``, stamped with the commit, the UTC date and the
     machine it was measured on (``bench/tables.py`` quotes them under each table) unless the
     benchmark recorded its own (``bench/compare_trees.py`` measures two commits)."""
     stamp: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "date": measured_at(),
         "machine": machine(),
     }
     if not ("base" in data and "head" in data):

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from router_support import commit, machine, save
+from router_support import commit, machine, measured_at, save
 
 from fleetpilot.api import load_services
 from fleetpilot.loadgen.runner import Schedule
@@ -350,7 +350,7 @@ def main() -> None:
         # what-if's table with its own).
         path = ROOT / "bench/results/simulate_whatifs.json"
         doc = json.loads(path.read_text()) if path.is_file() else {}
-        stamp = {"commit": commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        stamp = {"commit": commit(), "date": measured_at()}
         measured = {**doc.get("measured", {}), **dict.fromkeys(results, stamp)}
         doc.update({"machine": machine(), "args": vars(args), **results, "measured": measured})
         print(f"saved {save('simulate_whatifs', doc)}")
