@@ -25,6 +25,7 @@ from fleetpilot.operator.node_memory import (
 from fleetpilot.operator.plan_types import PlanError, PlanOptions
 from fleetpilot.operator.planner import node_memory_for, plan
 from fleetpilot.operator.reconcile import Reconciler
+from fleetpilot.testing.polling import eventually
 from tests.factories import make_manifest, make_service, make_tier
 from tests.support.kube import FakeKube
 
@@ -312,7 +313,13 @@ def test_a_real_api_servers_nodes_bound_an_engine_pod(
         nodes.append(name)
     reader = NodeMemoryReader(api_server)
     # The session's server: its only Nodes are the tests' own, each deleted after its test.
-    assert reader.read() == NodeMemory(4096 * GIB, {H100: 512 * GIB})
+    # The reader lists from the watch cache, which may not yet hold the last status write
+    # (a CI run read the cpu node without its memory): wait for it, as the operator's next
+    # reading would.
+    expected = NodeMemory(4096 * GIB, {H100: 512 * GIB})
+    eventually("the watch cache holds both nodes' memory",
+               lambda: True if reader.refresh() == expected else None)  # fmt: skip
+    assert reader.read() == expected
     reconciler = Reconciler(api_server, node_memory=reader)
     live = api_server.apply(_big_pod_manifest(namespace), MANAGER)
     assert reconciler.reconcile(live).refusal is not None
