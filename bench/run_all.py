@@ -415,8 +415,6 @@ CATALOGUE: tuple[Entry, ...] = (
     ),
     _noisy("router_noisy_neighbour_routers", "--routers", "1", "2"),
     _noisy("router_noisy_neighbour_routers_seed_1", "--routers", "1", "2", "--seed", "1"),
-    _noisy("router_noisy_neighbour_routers_noflow", "--routers", "2"),
-    _noisy("router_noisy_neighbour_routers_noflow_seed_1", "--routers", "2", "--seed", "1"),
     _noisy("router_noisy_neighbour_routers_repeat_1", "--routers", "1", "2"),
     _noisy("router_noisy_neighbour_routers_repeat_2", "--routers", "1", "2"),
     _noisy("router_noisy_neighbour_routers_rounds", "--routers", "1", "2", "--rounds", "4"),
