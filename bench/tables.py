@@ -963,6 +963,91 @@ def router_pd_local(docs: list[Results]) -> list[str]:
     return lines
 
 
+# bench/router_lora.py's arms in the order the docs show them: the label of a row, and of a
+# column where the arms are columns.
+LORA_ARMS = {
+    "fleetpilot": ("fleetpilot", "fleetpilot"),
+    "scores-only": ("fleetpilot, scores only", "scores only"),
+    "no-adapter-affinity": ("fleetpilot without adapter affinity", "without adapter affinity"),
+    "adapter-hash": (
+        "consistent hashing of the adapter, bounded loads (c = 1.25)",
+        "adapter hashing",
+    ),
+    "round-robin": ("round-robin", "round-robin"),
+    "random": ("random", "random"),
+}
+
+
+def _lora_runs(doc: Results) -> tuple[list[int], dict[tuple[str, int], Results]]:
+    """A router_lora results file's seeds, ascending, and its rows by (arm, seed)."""
+    seeds = sorted({r["seed"] for r in doc["rows"]})
+    return seeds, {(r["arm"], r["seed"]): r for r in doc["rows"]}
+
+
+def _lora_arms(docs: list[Results]) -> list[str]:
+    """The arms the files hold: the known ones in the docs' order, then any other."""
+    found = list(dict.fromkeys(r["arm"] for doc in docs for r in doc["rows"]))
+    return [a for a in LORA_ARMS if a in found] + [a for a in found if a not in LORA_ARMS]
+
+
+def _lora_cell(doc: Results, arm: str, key: str, unit: str = "") -> str:
+    """An arm's ``key`` in each of the file's seeds, ascending ("-" for a seed it missed, and
+    for all of them when the file lacks the arm)."""
+    seeds, rows = _lora_runs(doc)
+    if not any((arm, s) in rows for s in seeds):
+        return "-"
+    return (
+        " / ".join(f"{rows[arm, s][key]:,.0f}" if (arm, s) in rows else "-" for s in seeds) + unit
+    )
+
+
+def _lora_seeds(doc: Results) -> str:
+    return " / ".join(str(s) for s in _lora_runs(doc)[0])
+
+
+def router_lora(doc: Results) -> list[str]:
+    """bench/router_lora.py, one value per seed: each arm's adapter swaps (activations) and
+    reads from disk (loads) per 1,000 requests, and its TTFT; fleetpilot's swaps in bold."""
+    lines = [
+        f"| policy | swaps per 1,000 requests (seed {_lora_seeds(doc)}) "
+        "| reads from disk per 1,000 | TTFT p50 | TTFT p95 |",
+        "|---|---|---|---|---|",
+    ]
+    for arm in _lora_arms([doc]):
+        name, swaps = LORA_ARMS.get(arm, (arm, arm))[0], _lora_cell(doc, arm, "activations_per_1k")
+        if arm == "fleetpilot":
+            name, swaps = f"**{name}**", f"**{swaps}**"
+        lines.append(
+            f"| {name} | {swaps} | {_lora_cell(doc, arm, 'loads_per_1k')} "
+            f"| {_lora_cell(doc, arm, 'ttft_p50_ms', ' ms')} "
+            f"| {_lora_cell(doc, arm, 'ttft_p95_ms', ' ms')} |"
+        )
+    return lines
+
+
+def router_lora_skews(docs: list[Results]) -> list[str]:
+    """bench/router_lora.py at other Zipf skews, a file each: per skew, each arm's swaps per
+    1,000 requests and TTFT p95 (a value per seed); fleetpilot's swaps in bold. A skew below
+    the default 1 is flatter, above it steeper."""
+    arms = _lora_arms(docs)
+    heads = [LORA_ARMS.get(a, (a, a))[1] for a in arms]
+    lines = ["| Zipf skew (seed) | " + " | ".join(heads) + " |", "|---" * (len(arms) + 1) + "|"]
+    for doc in docs:
+        skew = doc["args"]["skew"]
+        shape = ", flatter" if skew < 1 else ", steeper" if skew > 1 else ""
+        swaps = [_lora_cell(doc, a, "activations_per_1k") for a in arms]
+        swaps = [
+            f"**{c}**" if a == "fleetpilot" and c != "-" else c
+            for a, c in zip(arms, swaps, strict=True)
+        ]
+        p95 = [_lora_cell(doc, a, "ttft_p95_ms", " ms") for a in arms]
+        lines.append(
+            f"| {skew:g}{shape} ({_lora_seeds(doc)}): swaps per 1,000 | " + " | ".join(swaps) + " |"
+        )
+        lines.append(f"| {skew:g}: TTFT p95 | " + " | ".join(p95) + " |")
+    return lines
+
+
 RENDERERS: dict[str, Renderer] = {
     "kv_offload": kv_offload,
     "kv_offload_simulator": kv_offload_simulator,
@@ -984,6 +1069,7 @@ RENDERERS: dict[str, Renderer] = {
     "router_features": router_features,
     "router_loop_stall": router_loop_stall,
     "router_complexity": router_complexity,
+    "router_lora": router_lora,
     "cluster_demo": cluster_demo,
     "whole_loop": whole_loop,
     "whatif_complexity": whatif_complexity,
@@ -998,6 +1084,7 @@ MULTI_RENDERERS: dict[str, MultiRenderer] = {
     "router_affinity": router_affinity,
     "router_prefix_workloads": router_prefix_workloads,
     "router_pd_local": router_pd_local,
+    "router_lora_skews": router_lora_skews,
 }
 
 

@@ -331,3 +331,83 @@ def test_a_comparison_is_captioned_with_both_commits() -> None:
     assert tables.caption(doc, "c.json") == (
         "Source: `c.json`, commits 1e5d358 (before) and 9335351 (after), 2 CPUs."
     )
+
+
+def test_the_lora_table_has_a_row_per_arm_and_a_value_per_seed(frozen: Path) -> None:
+    """Arms in the docs' order (not the file's), seeds ascending, each column its own counter;
+    checked by hand against the frozen file (which records no commit)."""
+    assert tables.render("router_lora", "bench/results/router_lora.json").split("\n")[:10] == [
+        "Source: `bench/results/router_lora.json`, commit not recorded, 2 CPUs.",
+        "",
+        "| policy | swaps per 1,000 requests (seed 0 / 1) | reads from disk per 1,000 | TTFT p50 "
+        "| TTFT p95 |",
+        "|---|---|---|---|---|",
+        "| **fleetpilot** | **45 / 52** | 42 / 43 | 22 / 20 ms | 168 / 143 ms |",
+        "| fleetpilot, scores only | 130 / 126 | 121 / 124 | 21 / 21 ms | 165 / 147 ms |",
+        "| fleetpilot without adapter affinity | 558 / 529 | 558 / 529 | 22 / 31 ms "
+        "| 150 / 203 ms |",
+        "| consistent hashing of the adapter, bounded loads (c = 1.25) | 211 / 267 | 208 / 267 "
+        "| 23 / 23 ms | 182 / 161 ms |",
+        "| round-robin | 575 / 532 | 575 / 532 | 25 / 24 ms | 195 / 189 ms |",
+        "| random | 535 / 514 | 532 / 514 | 25 / 22 ms | 181 / 160 ms |",
+    ]
+
+
+def test_the_lora_skew_table_has_a_column_per_arm_and_two_rows_per_file(frozen: Path) -> None:
+    source = "bench/results/router_lora_skew05.json,bench/results/router_lora_skew15.json"
+    assert tables.render("router_lora_skews", source).split("\n")[:9] == [
+        "Source: `bench/results/router_lora_skew05.json`, commit not recorded, 2 CPUs. "
+        "Source: `bench/results/router_lora_skew15.json`, commit not recorded, 2 CPUs.",
+        "",
+        "| Zipf skew (seed) | fleetpilot | scores only | adapter hashing | round-robin | random |",
+        "|---|---|---|---|---|---|",
+        "| 0.5, flatter (2): swaps per 1,000 | **44** | 182 | 444 | 697 | 678 |",
+        "| 0.5: TTFT p95 | 147 ms | 153 ms | 167 ms | 167 ms | 178 ms |",
+        "| 1.5, steeper (3): swaps per 1,000 | **54** | 78 | 162 | 326 | 305 |",
+        "| 1.5: TTFT p95 | 164 ms | 161 ms | 150 ms | 167 ms | 140 ms |",
+        "",
+    ]
+
+
+def _lora_row(arm: str, seed: int, swaps: float) -> dict[str, object]:
+    return {
+        "arm": arm,
+        "seed": seed,
+        "activations_per_1k": swaps,
+        "loads_per_1k": swaps - 1,
+        "ttft_p50_ms": 20.0 + seed,
+        "ttft_p95_ms": 100.0 + seed,
+    }
+
+
+def test_the_lora_tables_mark_what_a_run_lacks() -> None:
+    """A seed an arm missed is "-" in its place, seeds sort whatever order the rows came in, an
+    arm the docs do not name keeps its own name after the known ones, and a file without an
+    arm another file has shows "-" for it."""
+    doc = {
+        "args": {"skew": 1.0},
+        "rows": [
+            _lora_row("mystery", 7, 3.0),
+            _lora_row("random", 7, 500.0),
+            _lora_row("fleetpilot", 7, 40.0),
+            _lora_row("fleetpilot", 2, 60.0),
+        ],
+    }
+    assert tables.router_lora(doc) == [
+        "| policy | swaps per 1,000 requests (seed 2 / 7) | reads from disk per 1,000 | TTFT p50 "
+        "| TTFT p95 |",
+        "|---|---|---|---|---|",
+        "| **fleetpilot** | **60 / 40** | 59 / 39 | 22 / 27 ms | 102 / 107 ms |",
+        "| random | - / 500 | - / 499 | - / 27 ms | - / 107 ms |",
+        "| mystery | - / 3 | - / 2 | - / 27 ms | - / 107 ms |",
+    ]
+    steep = {"args": {"skew": 2.0}, "rows": [_lora_row("random", 4, 300.0)]}
+    assert tables.router_lora_skews([doc, steep])[4:] == [
+        "| 2, steeper (4): swaps per 1,000 | - | 300 | - |",
+        "| 2: TTFT p95 | - | 104 ms | - |",
+    ]
+    assert tables.router_lora_skews([doc, steep])[:3] == [
+        "| Zipf skew (seed) | fleetpilot | random | mystery |",
+        "|---|---|---|---|",
+        "| 1 (2 / 7): swaps per 1,000 | **60 / 40** | - / 500 | - / 3 |",
+    ]
