@@ -916,7 +916,7 @@ def _by_trace(
     return sorted(rows, key=lambda row: order.index(row[0])), found
 
 
-def _per_seed(found: list[dict[Any, Results]], row: tuple[str, str], key: str, fmt: str) -> str:
+def _per_seed(found: list[dict[Any, Results]], row: Any, key: str, fmt: str) -> str:
     """One row's ``key`` in every seed's run, "-" where a run lacks the row."""
     return " / ".join(format(run[row][key], fmt) if row in run else "-" for run in found)
 
@@ -978,10 +978,9 @@ LORA_ARMS = {
 }
 
 
-def _lora_runs(doc: Results) -> tuple[list[int], dict[tuple[str, int], Results]]:
-    """A router_lora results file's seeds, ascending, and its rows by (arm, seed)."""
-    seeds = sorted({r["seed"] for r in doc["rows"]})
-    return seeds, {(r["arm"], r["seed"]): r for r in doc["rows"]}
+def _lora_seeds_of(doc: Results) -> list[int]:
+    """A router_lora results file's seeds, ascending."""
+    return sorted({r["seed"] for r in doc["rows"]})
 
 
 def _lora_arms(docs: list[Results]) -> list[str]:
@@ -993,16 +992,14 @@ def _lora_arms(docs: list[Results]) -> list[str]:
 def _lora_cell(doc: Results, arm: str, key: str, unit: str = "") -> str:
     """An arm's ``key`` in each of the file's seeds, ascending ("-" for a seed it missed, and
     for all of them when the file lacks the arm)."""
-    seeds, rows = _lora_runs(doc)
-    if not any((arm, s) in rows for s in seeds):
+    by_seed = [{r["arm"]: r for r in doc["rows"] if r["seed"] == s} for s in _lora_seeds_of(doc)]
+    if not any(arm in run for run in by_seed):
         return "-"
-    return (
-        " / ".join(f"{rows[arm, s][key]:,.0f}" if (arm, s) in rows else "-" for s in seeds) + unit
-    )
+    return _per_seed(by_seed, arm, key, ",.0f") + unit
 
 
 def _lora_seeds(doc: Results) -> str:
-    return " / ".join(str(s) for s in _lora_runs(doc)[0])
+    return " / ".join(str(s) for s in _lora_seeds_of(doc))
 
 
 def router_lora(doc: Results) -> list[str]:
