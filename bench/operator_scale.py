@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from router_support import process_memory_mib
+from router_support import machine as machine_info
+from router_support import measured_at, process_memory_mib
 
 from fleetpilot.api import parse_service
 from fleetpilot.kube.client import Kube, KubeError
@@ -389,16 +390,18 @@ def main() -> None:
     global AUTOSCALING_MODE
     AUTOSCALING_MODE = args.autoscaling
     results = []
+    started = machine_info()
     for count in args.services:
         for arm in args.arms:
             if args.keep_logs is not None:
                 workdir = args.keep_logs / f"{arm}-{count}"
                 workdir.mkdir(parents=True, exist_ok=True)
-                results.append(run(count, workdir, args.timeout, arm, not args.no_resync))
-                continue
-            with tempfile.TemporaryDirectory(prefix="fp-scale-") as tmp:
-                results.append(run(count, Path(tmp), args.timeout, arm, not args.no_resync))
-    machine = {"cpus": os.cpu_count(), "loadavg": os.getloadavg()}
+                result = run(count, workdir, args.timeout, arm, not args.no_resync)
+            else:
+                with tempfile.TemporaryDirectory(prefix="fp-scale-") as tmp:
+                    result = run(count, Path(tmp), args.timeout, arm, not args.no_resync)
+            results.append({**result, "date": measured_at()})
+    machine = {**started, "loadavg": os.getloadavg()}
     report = {"machine": machine, "runs": results}
     print(json.dumps(report, indent=2))
     if args.save:
@@ -413,7 +416,7 @@ def head_commit() -> str:
 
 def save(runs: list[dict[str, Any]], machine: dict[str, Any], commit: str) -> None:
     """Record ``runs`` in the results file, each in place of an earlier run of its arm and
-    count (the machine's state and the commit go with each run)."""
+    count (the machine, the commit and the date go with each run)."""
     path = RESULTS / "operator_scale.json"
     report = json.loads(path.read_text()) if path.exists() else {"runs": []}
     stamped = [{**run, "commit": commit, "machine": machine} for run in runs]
@@ -421,12 +424,17 @@ def save(runs: list[dict[str, Any]], machine: dict[str, Any], commit: str) -> No
     kept = [r for r in report["runs"] if (r["arm"], r["services"]) not in measured]
     order = {(r["arm"], r["services"]): i for i, r in enumerate(report["runs"])}
     merged = sorted(kept + stamped, key=lambda r: order.get((r["arm"], r["services"]), len(order)))
-    # The file's commit (what bench/tables.py captions) only when every run shares it; else
-    # the table's "measured on" column says each row's.
+    # The file's commit and date (what bench/tables.py captions: the newest run's day) only
+    # when every run shares the commit; else the table's "measured on" column says each row's.
     commits = {r.get("commit") for r in merged}
+    dates = [r.get("date") for r in merged]
     report.pop("commit", None)
+    report.pop("date", None)
+    report["machine"] = machine
     if len(commits) == 1 and None not in commits:
         report["commit"] = commits.pop()
+        if None not in dates:
+            report["date"] = max(str(d) for d in dates)
     RESULTS.mkdir(exist_ok=True)
     path.write_text(json.dumps({**report, "runs": merged}, indent=2) + "\n")
 
