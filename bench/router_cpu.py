@@ -471,8 +471,7 @@ def main() -> None:
         for name, us in parts.items():
             print(f"{name:16} {us:7.1f} us CPU a request")
         if args.save:
-            data = {"benchmark": "router_cpu --breakdown", "commit": commit(),
-                    "machine": machine(), "us_per_request": parts}  # fmt: skip
+            data = {"benchmark": "router_cpu --breakdown", "us_per_request": parts}
             print(f"wrote {save('router_cpu_breakdown', data)}")
         return
     raise_fd_limit()

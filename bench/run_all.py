@@ -355,7 +355,7 @@ CATALOGUE: tuple[Entry, ...] = (
         "--name",
         "scratch_shared",
     ),
-    Entry("router_cpu_breakdown", "router_cpu.py", ("--breakdown",), None),
+    Entry("router_cpu_breakdown", "router_cpu.py", ("--breakdown", "--save"), None),
     Entry(
         "router_cpu_epp",
         "router_cpu.py",

@@ -51,7 +51,11 @@ class ParsedError(Exception):
     pass
 
 
-def check_args(script: Path, args: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+def check_args(
+    script: Path, args: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> argparse.Namespace:
+    """The namespace ``script``'s parser makes of ``args`` (argparse's SystemExit if it
+    refuses them)."""
     original = argparse.ArgumentParser.parse_args
 
     def parse_then_stop(self: argparse.ArgumentParser, *a: Any, **kw: Any) -> Any:
@@ -61,8 +65,11 @@ def check_args(script: Path, args: tuple[str, ...], monkeypatch: pytest.MonkeyPa
         patch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
         patch.setattr(sys, "argv", [str(script), *args])
         patch.syspath_prepend(str(BENCH))
-        with pytest.raises(ParsedError):
+        with pytest.raises(ParsedError) as parsed:
             runpy.run_path(str(script), run_name="__main__")
+    namespace = parsed.value.args[0]
+    assert isinstance(namespace, argparse.Namespace)
+    return namespace
 
 
 @pytest.mark.parametrize("entry", run_all.CATALOGUE, ids=lambda e: e.results)
@@ -77,9 +84,12 @@ def test_every_entry_s_arguments_are_accepted_by_its_script(
         return
     for args in {entry.full, entry.args(quick=True)}:
         try:
-            check_args(script, args, monkeypatch)
+            namespace = check_args(script, args, monkeypatch)
         except SystemExit as exit:  # argparse's error
             pytest.fail(f"bench/{entry.script} refuses {args}: exit {exit.code}")
+        # A script that writes its results file only when asked must be asked: without it
+        # the run prints its numbers and leaves the file (and the docs) as they were.
+        assert getattr(namespace, "save", True), f"{entry.results}: {args} lack --save"
 
 
 def run_all_cli(*args: str) -> subprocess.CompletedProcess[str]:
