@@ -136,13 +136,14 @@ def run_arm(liveness: bool, args: argparse.Namespace, folder: Path) -> dict[str,
             os.kill(router, signal.SIGCONT)
         time.sleep(args.after)
         stop.set()
+        stopped_at = time.monotonic()
         for thread in clients:
             thread.join()
         after = sorted(t for t in done if t > frozen_at)
         return {
             "liveness": liveness,
             "reported_s": None if reported_at is None else reported_at - frozen_at,
-            "outage_s": longest_gap(frozen_at, after) if after else None,
+            "outage_s": outage(frozen_at, after, stopped_at),
             "completions_in_freeze": sum(t < frozen_at + args.freeze for t in after),
             "completions_before": sum(t <= frozen_at for t in done),
         }
@@ -155,11 +156,13 @@ def run_arm(liveness: bool, args: argparse.Namespace, folder: Path) -> dict[str,
             up.wait()
 
 
-def longest_gap(start: float, completions: list[float]) -> float:
-    """The longest stretch with no completion from ``start`` to the last of ``completions``
-    (sorted, all after ``start``)."""
-    times = [start, *completions]
-    return max(later - earlier for earlier, later in itertools.pairwise(times))
+def outage(start: float, completions: list[float], end: float) -> float | None:
+    """The longest stretch with no completion between ``start`` and ``end`` (``completions``
+    sorted, all after ``start``); None when that stretch runs to ``end``: serving never
+    resumed, so a completion just after ``start`` cannot pass for a short outage."""
+    gaps = [later - earlier for earlier, later in itertools.pairwise([start, *completions, end])]
+    longest = max(gaps)
+    return None if gaps[-1] == longest else longest
 
 
 def spread(values: list[float | None]) -> str:
