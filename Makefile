@@ -145,8 +145,10 @@ prometheus:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
 	@prometheus --version 2>&1 | head -1
 
+# --durations lists the slowest tests at the end, so the suite's time (goal: well under 20
+# minutes on CI's two cores) can be watched, and its cost found, from any CI log.
 unit: setup vllm baselines controlplane kstatus processnode gateway gie-epp gatewaycrds prometheus actionlint shellcheck
-	$(BIN)/pytest
+	$(BIN)/pytest --durations=30
 
 cluster-up: setup controlplane
 	@$(BIN)/python -m fleetpilot.testing.cli up --dir $(CLUSTER_DIR)
